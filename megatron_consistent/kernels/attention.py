@@ -1,0 +1,141 @@
+"""Causal attention with GQA/MQA: one algorithm for training, prefill, chunked prefill and decode.
+
+Inputs: ``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]`` (keys at absolute
+positions ``0 .. Tk-1``), ``q_positions [B, Tq]`` (absolute position of each
+query, ``-1`` for padding) and ``k_lengths [B]``.  Key ``j`` is visible to
+query ``i`` iff ``j <= q_positions[i]`` and ``j < k_lengths``.  Query head
+``h`` reads KV head ``h // (Hq // Hkv)``.
+
+Numerics contract (CPU):
+
+* keys are visited in blocks of ``KV_BLOCK`` (32) aligned at absolute position
+  0, in increasing order — the same blocks whether the query comes from a whole
+  training sequence, a prefill chunk over a cached prefix, or a decode step;
+* score ``s = tree_sum(float32(q) * float32(k)) * scale`` (fixed tree over D);
+  masked scores are ``-inf``;
+* online softmax in float32: ``m' = max(m, max_j s)``, ``alpha = exp(m - m')``,
+  ``p = exp(s - m')`` (deterministic :func:`numerics.exp`),
+  ``l = l*alpha + tree_sum_j(p)``, ``acc = acc*alpha + tree_sum_j(p*v)``;
+* ``out = round_to_dtype(acc / l)``; a query with no visible key gives 0.
+
+A block with no visible key leaves ``(m, l, acc)`` bitwise unchanged
+(``alpha = exp(0) = 1``, ``p = 0``), so extra trailing blocks, padding and
+batch neighbours never change a row.  Backward: float32 materialised softmax
+(deterministic, not batch-invariant).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dispatch import implementation, register
+from .numerics import ceil_to, exp, log, tree_sum
+
+KV_BLOCK = 32
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _expand_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """[B, T, Hkv, D] -> float32 [B, Hq, T, D] with query head h reading kv head h // group."""
+    group = num_q_heads // x.shape[2]
+    return x.to(torch.float32).repeat_interleave(group, dim=2).transpose(1, 2)
+
+
+@register("attention", "cpu")
+def _attention_cpu(q, k, v, q_positions, k_lengths, scale):
+    b, tq, hq, d = q.shape
+    tk = k.shape[1]
+    tkp = ceil_to(max(tk, 1), KV_BLOCK)
+    kf = torch.nn.functional.pad(_expand_heads(k, hq), (0, 0, 0, tkp - tk))
+    vf = torch.nn.functional.pad(_expand_heads(v, hq), (0, 0, 0, tkp - tk))
+    qf = q.to(torch.float32).transpose(1, 2)  # [B, Hq, Tq, D]
+    out = torch.empty(b, hq, tq, d, dtype=torch.float32)
+    lse = torch.empty(b, hq, tq, dtype=torch.float32)
+    rows = max(1, _CHUNK_ELEMENTS // max(1, b * hq * KV_BLOCK * d))
+    for r0 in range(0, tq, rows):
+        qc = qf[:, :, r0 : r0 + rows]
+        pos = q_positions[:, r0 : r0 + rows]
+        needed = min(tk, int(pos.max()) + 1) if pos.numel() else 0
+        m = torch.full(qc.shape[:3], -math.inf)
+        l = torch.zeros(qc.shape[:3])
+        acc = torch.zeros(qc.shape)
+        for j0 in range(0, max(needed, 0), KV_BLOCK):
+            kb = kf[:, :, j0 : j0 + KV_BLOCK]
+            vb = vf[:, :, j0 : j0 + KV_BLOCK]
+            s = tree_sum(qc[:, :, :, None, :] * kb[:, :, None, :, :]) * scale  # [B, Hq, Tq, KB]
+            kpos = torch.arange(j0, j0 + KV_BLOCK)
+            visible = (kpos[None, None, :] <= pos[:, :, None]) & (kpos[None, None, :] < k_lengths[:, None, None])
+            s = torch.where(visible[:, None], s, -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+            alpha = exp(m - m_ref)
+            p = exp(s - m_ref[..., None])
+            l = l * alpha + tree_sum(p)
+            acc = acc * alpha[..., None] + tree_sum(p[..., None] * vb[:, :, None, :, :], dim=-2)
+            m = m_new
+        empty = l == 0
+        out[:, :, r0 : r0 + rows] = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, l)[..., None])
+        lse[:, :, r0 : r0 + rows] = torch.where(empty, -math.inf, m + log(l))
+    return out.transpose(1, 2).to(q.dtype), lse
+
+
+def _visible_mask(q_positions, k_lengths, tk):
+    kpos = torch.arange(tk, device=q_positions.device)
+    return (kpos[None, None, :] <= q_positions[:, :, None]) & (kpos[None, None, :] < k_lengths[:, None, None])
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: consistent forward, float32 materialised-softmax backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_positions, k_lengths, scale):
+        out, lse = implementation("attention", q.device)(q, k, v, q_positions, k_lengths, scale)
+        ctx.save_for_backward(q, k, v, q_positions, k_lengths, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, q_positions, k_lengths, out, lse = ctx.saved_tensors
+        hq, hkv = q.shape[2], k.shape[2]
+        qf = q.to(torch.float32).transpose(1, 2)
+        kf, vf = _expand_heads(k, hq), _expand_heads(v, hq)
+        go = grad_out.to(torch.float32).transpose(1, 2)
+        of = out.to(torch.float32).transpose(1, 2)
+        visible = _visible_mask(q_positions, k_lengths, k.shape[1])[:, None]
+        s = (qf @ kf.transpose(-1, -2)) * ctx.scale
+        p = torch.where(visible, torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None]), 0.0)
+        dv = p.transpose(-1, -2) @ go
+        dp = go @ vf.transpose(-1, -2)
+        ds = p * (dp - (go * of).sum(-1, keepdim=True))
+        dq = (ds @ kf) * ctx.scale
+        dk = (ds.transpose(-1, -2) @ qf) * ctx.scale
+        group = hq // hkv
+
+        def fold(x):  # [B, Hq, Tk, D] -> [B, Tk, Hkv, D], summing the heads that share a KV head
+            bsz, _, t, dim = x.shape
+            return x.reshape(bsz, hkv, group, t, dim).sum(2).transpose(1, 2)
+
+        return (dq.transpose(1, 2).to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype), None, None, None)
+
+
+def attention(q, k, v, q_positions, k_lengths=None, *, scale: float | None = None) -> torch.Tensor:
+    """Causal attention under the contract above; returns ``[B, Tq, Hq, D]`` in q's dtype."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"attention: expected q [B,Tq,Hq,D], k/v [B,Tk,Hkv,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"attention: incompatible q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if q_positions.shape != q.shape[:2]:
+        raise ValueError(f"attention: q_positions must be [B, Tq] = {tuple(q.shape[:2])}, got {tuple(q_positions.shape)}")
+    if k_lengths is None:
+        k_lengths = torch.full((q.shape[0],), k.shape[1], dtype=torch.int64, device=q.device)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return AttentionFunction.apply(q, k, v, q_positions.to(torch.int64), k_lengths.to(torch.int64), float(scale))
+
+
+def causal_positions(batch: int, length: int, device=None) -> torch.Tensor:
+    """``[batch, length]`` positions 0..length-1: the q_positions of whole training sequences."""
+    return torch.arange(length, device=device).expand(batch, length)
