@@ -8,7 +8,7 @@ know nothing of Megatron or vLLM.
 from .attention import KV_BLOCK, attention, causal_positions
 from .dispatch import NoConsistentKernelError, implementation, register
 from .linear import K_BLOCK, Linear, linear
-from .logprobs import compute_logits, log_softmax, token_logprobs
+from .logprobs import compute_logits, gather_logprobs, log_softmax, token_logprobs
 from .paged_kv import gather_kv, write_kv
 from .rms_norm import RMSNorm, add_residual, rms_norm
 from .rotary import RopeConfig, RotaryEmbedding, apply_rope, rope_cache, rope_scaling_items
@@ -16,7 +16,7 @@ from .silu_and_mul import SiluAndMul, silu_and_mul
 
 __all__ = [
     "KV_BLOCK", "K_BLOCK", "Linear", "NoConsistentKernelError", "RMSNorm", "RopeConfig", "RotaryEmbedding",
-    "SiluAndMul", "add_residual", "apply_rope", "attention", "causal_positions", "compute_logits", "gather_kv",
+    "SiluAndMul", "add_residual", "apply_rope", "attention", "causal_positions", "compute_logits", "gather_kv", "gather_logprobs",
     "implementation", "linear", "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",
     "silu_and_mul", "token_logprobs", "write_kv",
 ]

@@ -59,11 +59,18 @@ def compute_logits(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     return linear(hidden, lm_head, out_dtype=torch.float32)
 
 
+def gather_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log-softmax of float32 ``logits / temperature`` at ``tokens`` (shape ``logits.shape[:-1]``)."""
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(f"gather_logprobs: tokens {tuple(tokens.shape)} do not match logits {tuple(logits.shape[:-1])}")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"gather_logprobs: logits must be float32 (the linear accumulator), got {logits.dtype}")
+    return LogprobsFunction.apply(logits, tokens.to(torch.int64), float(temperature))
+
+
 def token_logprobs(hidden: torch.Tensor, lm_head: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(tokens | hidden) in float32, shape ``hidden.shape[:-1]``."""
-    if tokens.shape != hidden.shape[:-1]:
-        raise ValueError(f"token_logprobs: tokens {tuple(tokens.shape)} do not match hidden {tuple(hidden.shape[:-1])}")
-    return LogprobsFunction.apply(compute_logits(hidden, lm_head), tokens.to(torch.int64), float(temperature))
+    return gather_logprobs(compute_logits(hidden, lm_head), tokens, temperature)
 
 
 class TokenLogprobs(nn.Module):

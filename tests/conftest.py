@@ -1,0 +1,78 @@
+"""Shared test configuration: hypothesis profiles and small generic fixtures.
+
+Profiles (select with ``HYPOTHESIS_PROFILE=<name>``):
+
+* ``ci`` (loaded unless the variable says otherwise) — what CI runs: few examples, no deadline (CPU kernels written in
+  plain torch are slow and their timing varies), no database writes needed.
+* ``thorough`` — many more examples, for a local soak run.
+
+Property tests normally rely on the profile's ``max_examples``; a test that is
+expensive may lower it with its own ``@settings``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile("thorough", parent=settings.get_profile("ci"), max_examples=300)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """Run the body with ``torch.set_num_threads(n)``; the previous count is restored afterwards."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def torch_threads():
+    """Context-manager factory ``with torch_threads(n): ...`` (session-scoped, so usable under @given)."""
+    return _torch_threads
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_state():
+    """Safety net: whatever a test module does to the thread count or the default RNG is undone after it."""
+    threads = torch.get_num_threads()
+    rng = torch.get_rng_state()
+    yield
+    torch.set_num_threads(threads)
+    torch.set_rng_state(rng)
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (tests draw the seed with hypothesis so failures replay)."""
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="session")
+def randn():
+    """``randn(shape, dtype, seed_or_generator, scale=1.0)``: standard-normal data rounded to ``dtype``.
+
+    Data are drawn in float32 from an explicit generator (never the global RNG)
+    and then rounded, so the same seed gives the same tensor in every dtype
+    family up to that rounding.
+    """
+
+    def _randn(shape, dtype=torch.float32, gen=0, scale: float = 1.0):
+        g = make_generator(gen) if isinstance(gen, int) else gen
+        return (torch.randn(*shape, generator=g, dtype=torch.float32) * scale).to(dtype)
+
+    return _randn
