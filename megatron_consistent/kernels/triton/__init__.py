@@ -1,0 +1,13 @@
+"""Triton (CUDA) forwards of the consistent ops.
+
+Importing this package registers ``(op, "cuda")`` implementations with the same
+signatures as the CPU ones (see :mod:`megatron_consistent.kernels.dispatch`).
+GPU results are deterministic and batch-invariant on the GPU; they are not
+bit-equal to the CPU contract (see each module's docstring and docs/benchmarks.md).
+"""
+
+from . import attention, linear, log_softmax, rms_norm, rope, silu_and_mul  # noqa: F401  (registration)
+from .attention import KV_BLOCK_GPU, attention_fwd
+from .linear import CONFIG_TABLE, config_for, gemm
+
+__all__ = ["CONFIG_TABLE", "KV_BLOCK_GPU", "attention_fwd", "config_for", "gemm"]

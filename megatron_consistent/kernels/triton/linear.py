@@ -1,0 +1,274 @@
+"""Batch-invariant persistent GEMM ``y = x @ w.T + b`` for CUDA (Triton).
+
+GPU numerics contract (one output element ``y[m, n]``):
+
+* the K axis is cut into ``BLOCK_K`` steps and the steps into fixed *splits* of
+  ``SPLIT_STEPS`` steps each; the tile shape, ``BLOCK_K`` and the split are
+  looked up from a table keyed by ``(N, K, dtype)`` — never by M;
+* inside a split the tensor cores accumulate the steps in increasing K order
+  into a float32 accumulator that starts at 0 (``tl.dot`` chaining);
+* the split partials are summed in increasing split order in float32 starting
+  from 0 (``((0 + p0) + p1) + ...``; with one split the accumulator is taken
+  as is);
+* the bias (float32) is added last, then one rounding to ``out_dtype``.
+
+How the work is *scheduled* may depend on M, because it does not change a
+single bit: when the (M, N) tiles are too few to fill the GPU, each split of a
+tile runs in its own program, writes its float32 partial to a workspace, and
+the last program to finish the tile (an atomic counter) sums the partials in
+split order; otherwise one program walks all splits of a tile and keeps the
+running sum in registers.  Both paths execute the same per-element arithmetic.
+Programs are persistent (grid = number of SMs at most) and walk tiles in a
+grouped order for L2 reuse.
+
+The atomic counters live in one buffer per device that each tile resets to 0
+when it finishes, so two GEMMs must not run concurrently on different streams
+of one device with the split-parallel path (CUDA graphs on one stream are fine).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import register
+from ._common import device_index, num_sms
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover
+    TensorDescriptor = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Config table: (N, K, dtype) -> tile / split config.  Never keyed by M.
+# BM, BN, BK: tile; SPLIT_STEPS: BLOCK_K steps per split; W: num_warps; S: num_stages; G: GROUP_M
+# ----------------------------------------------------------------------------------------------
+
+def _cfg(bm, bn, bk, split_steps, warps, stages, group=8):
+    return {"BM": bm, "BN": bn, "BK": bk, "SPLIT_STEPS": split_steps, "W": warps, "S": stages, "G": group}
+
+
+_BF16 = torch.bfloat16
+CONFIG_TABLE: dict[tuple[int, int, torch.dtype], dict] = {
+    # filled from the offline sweep on an H200 (benchmarks/bench_gpu.py --sweep)
+    (4096, 4096, _BF16): _cfg(128, 128, 64, 16, 8, 4),
+    (6144, 4096, _BF16): _cfg(128, 128, 64, 32, 8, 4),
+    (28672, 4096, _BF16): _cfg(128, 128, 64, 64, 8, 4),
+    (14336, 4096, _BF16): _cfg(128, 128, 64, 64, 8, 4),
+    (4096, 14336, _BF16): _cfg(128, 128, 64, 56, 8, 4),
+}
+
+
+def default_config(n: int, k: int, dtype: torch.dtype) -> dict:
+    """Config for shapes not in the table: a function of (N, K, dtype) only."""
+    bk = 64 if dtype in (torch.bfloat16, torch.float16) else 32
+    bm, bn = 128, 128
+    k_steps = triton.cdiv(k, bk)
+    n_tiles = triton.cdiv(n, bn)
+    # splits so that one 128-row tile band fills about 128 SMs; a function of (N, K) only
+    splits = max(1, min(8, 128 // max(n_tiles, 1), k_steps // 8 if k_steps >= 16 else 1))
+    split_steps = triton.cdiv(k_steps, splits)
+    return _cfg(bm, bn, bk, split_steps, 8, 4 if dtype != torch.float32 else 3)
+
+
+def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
+    cfg = CONFIG_TABLE.get((n, k, dtype))
+    return dict(cfg) if cfg is not None else default_config(n, k, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    group = GROUP_M * num_n
+    gid = tile // group
+    first_m = gid * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % gsize
+    pid_n = (tile % group) // gsize
+    return pid_m, pid_n
+
+
+@triton.jit
+def _split_acc(a_src, b_src, off_m, off_n, k_step0, n_steps, M, N, K, stride_am, stride_bn,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
+               NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """float32 sum over ``n_steps`` BLOCK_K steps starting at step ``k_step0``, from 0, in K order."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    rk = tl.arange(0, BK)
+    if not USE_TMA:
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+    for ki in tl.range(0, n_steps, num_stages=NUM_STAGES):
+        k = (k_step0 + ki) * BK
+        if USE_TMA:
+            a = a_src.load([off_m, k])
+            b = b_src.load([off_n, k])
+        else:
+            kk = k + rk
+            a = tl.load(a_src + rm[:, None] * stride_am + kk[None, :],
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(b_src + rn[:, None] * stride_bn + kk[None, :],
+                        mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
+              BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        total = total + bias[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "num_progs"])
+def _gemm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+                 M, N, K, stride_am, stride_bn, stride_om, num_progs,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
+                 USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    k_steps = tl.cdiv(K, BK)
+    num_tiles = num_m * num_n
+    if PARALLEL:
+        # one program per (tile, split); the last one of a tile sums the partials in split order
+        rbm = tl.arange(0, BM)
+        rbn = tl.arange(0, BN)
+        for unit in tl.range(pid, num_tiles * SPLITS, num_progs):
+            tile = unit // SPLITS
+            s = unit % SPLITS
+            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            off_m = pid_m * BM
+            off_n = pid_n * BN
+            k0 = s * SPLIT_STEPS
+            n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
+            acc = _split_acc(a_src, b_src, off_m, off_n, k0, n_steps, M, N, K, stride_am, stride_bn,
+                             BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION)
+            ws_tile = ws_ptr + tile.to(tl.int64) * (SPLITS * BM * BN)
+            tl.store(ws_tile + s * (BM * BN) + rbm[:, None] * BN + rbn[None, :], acc)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLITS - 1:
+                total = tl.zeros((BM, BN), dtype=tl.float32)
+                for s2 in tl.static_range(SPLITS):
+                    part = tl.load(ws_tile + s2 * (BM * BN) + rbm[:, None] * BN + rbn[None, :],
+                                   cache_modifier=".cg")
+                    total = total + part
+                _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        for tile in tl.range(pid, num_tiles, num_progs):
+            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            off_m = pid_m * BM
+            off_n = pid_n * BN
+            if SPLITS == 1:
+                total = _split_acc(a_src, b_src, off_m, off_n, 0, k_steps, M, N, K, stride_am, stride_bn,
+                                   BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION)
+            else:
+                total = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in tl.range(0, SPLITS):
+                    k0 = s * SPLIT_STEPS
+                    n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
+                    acc = _split_acc(a_src, b_src, off_m, off_n, k0, n_steps, M, N, K, stride_am, stride_bn,
+                                     BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION)
+                    total = total + acc
+            _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    buf = _COUNTERS.get(idx)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=dev)
+        _COUNTERS[idx] = buf
+    return buf
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return (TensorDescriptor is not None and t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+# scheduling knobs (numerics-neutral); overridable for experiments
+_FORCE_PATH = os.environ.get("MC_GEMM_PATH", "")  # "", "serial", "parallel"
+_FORCE_NO_TMA = os.environ.get("MC_GEMM_NO_TMA", "") == "1"
+
+
+def gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+         cfg: dict | None = None, path: str | None = None, use_tma: bool | None = None) -> torch.Tensor:
+    m, k = x2d.shape
+    n = weight.shape[0]
+    if x2d.dtype != weight.dtype:
+        raise TypeError(f"linear: input dtype {x2d.dtype} != weight dtype {weight.dtype}")
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(out_dtype)
+        return out
+    cfg = cfg or config_for(n, k, weight.dtype)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    k_steps = triton.cdiv(k, bk)
+    split_steps = min(cfg["SPLIT_STEPS"], k_steps)
+    splits = triton.cdiv(k_steps, split_steps)
+    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    sms = num_sms(device_index(x2d))
+    path = path or _FORCE_PATH or ("parallel" if splits > 1 and num_tiles * 4 <= sms * 3 else "serial")
+    parallel = path == "parallel" and splits > 1
+    if use_tma is None:
+        use_tma = not _FORCE_NO_TMA and _tma_ok(x2d) and _tma_ok(weight)
+    if use_tma:
+        a_src = TensorDescriptor.from_tensor(x2d, [bm, bk])
+        b_src = TensorDescriptor.from_tensor(weight, [bn, bk])
+    else:
+        a_src, b_src = x2d, weight
+    if parallel:
+        ws = torch.empty(num_tiles * splits * bm * bn, dtype=torch.float32, device=x2d.device)
+        cnt = _counters(x2d.device, num_tiles)
+        units = num_tiles * splits
+    else:
+        ws = cnt = out  # unused
+        units = num_tiles
+    grid = min(sms, units)
+    _gemm_kernel[(grid,)](
+        a_src, b_src, bias if bias is not None else out, out, ws, cnt,
+        m, n, k, x2d.stride(0), weight.stride(0), out.stride(0), grid,
+        BM=bm, BN=bn, BK=bk, GROUP_M=cfg["G"], SPLIT_STEPS=split_steps, SPLITS=splits,
+        PARALLEL=parallel, USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"],
+        PRECISION="ieee" if weight.dtype == torch.float32 else "tf32",
+        num_warps=cfg["W"], num_stages=cfg["S"],
+    )
+    return out
+
+
+@register("linear", "cuda")
+def _linear_cuda(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return gemm(x2d, weight, bias, out_dtype)

@@ -1,0 +1,52 @@
+"""RMSNorm forward for CUDA (Triton): one program per row, fixed-order reduction.
+
+GPU numerics contract: ``ms = tl.sum(float32(h)**2) / H`` with the reduction
+tree fixed by ``(BLOCK_H, num_warps)``, which depend on ``H`` only — so a row's
+result does not depend on the number of rows or its place among them;
+``rstd = 1 / sqrt(ms + eps)`` (IEEE sqrt and division);
+``y = round((float32(h) * rstd) * float32(w))``.  Returns ``(y, rstd)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import register
+from ._common import next_pow2
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _rms_norm_kernel(H_PTR, W_PTR, Y_PTR, RSTD_PTR, n_rows, H, stride_h, stride_y, eps,
+                     BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    h = tl.load(H_PTR + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    ms = tl.sum(h * h, axis=0) / H
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    w = tl.load(W_PTR + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (h * rstd) * w
+    tl.store(Y_PTR + row * stride_y + cols, y.to(Y_PTR.dtype.element_ty), mask=mask)
+    tl.store(RSTD_PTR + row, rstd)
+
+
+def _warps(block_h: int) -> int:
+    return 4 if block_h <= 2048 else 8 if block_h <= 8192 else 16
+
+
+@register("rms_norm", "cuda")
+def _rms_norm_cuda(h: torch.Tensor, weight: torch.Tensor, eps: float):
+    hidden = h.shape[-1]
+    h2 = h.reshape(-1, hidden)
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    rows = h2.shape[0]
+    y = torch.empty((rows, hidden), dtype=h.dtype, device=h.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=h.device)
+    if rows:
+        block = next_pow2(hidden)
+        _rms_norm_kernel[(rows,)](h2, weight, y, rstd, rows, hidden, h2.stride(0), y.stride(0), float(eps),
+                                  BLOCK_H=block, num_warps=_warps(block))
+    return y.reshape(h.shape), rstd.reshape(h.shape[:-1])

@@ -1,0 +1,32 @@
+"""Megatron-Core layers that call the consistent kernels (TP=1, CPU or CUDA via kernels.dispatch).
+
+Nothing here imports vLLM or the vLLM plugin.  Entry points:
+:class:`ConsistentSpecProvider`, :func:`get_consistent_gpt_layer_spec`,
+:func:`build_consistent_gpt_model`, :func:`compute_token_logprobs` and the stock
+baseline :func:`build_stock_gpt_model` / :func:`compute_stock_token_logprobs`.
+"""
+
+from .attention import ConsistentCoreAttention, consistent_core_attention
+from .cpu_shims import apply_cpu_shims
+from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear
+from .mlp import ConsistentSiluAndMul, consistent_bias_dropout_add
+from .model import (
+    as_arch_config,
+    build_consistent_gpt_model,
+    build_stock_gpt_model,
+    compute_stock_token_logprobs,
+    compute_token_logprobs,
+    make_transformer_config,
+)
+from .norm import ConsistentRMSNorm
+from .output import ConsistentOutputLayer
+from .parallel import check_parallel_sizes, init_cpu_process_group
+from .spec import ConsistentSpecProvider, get_consistent_gpt_block_spec, get_consistent_gpt_layer_spec
+
+__all__ = [
+    "ConsistentColumnParallelLinear", "ConsistentCoreAttention", "ConsistentOutputLayer", "ConsistentRMSNorm",
+    "ConsistentRowParallelLinear", "ConsistentSiluAndMul", "ConsistentSpecProvider", "apply_cpu_shims", "as_arch_config",
+    "build_consistent_gpt_model", "build_stock_gpt_model", "check_parallel_sizes", "compute_stock_token_logprobs",
+    "compute_token_logprobs", "consistent_bias_dropout_add", "consistent_core_attention", "get_consistent_gpt_block_spec",
+    "get_consistent_gpt_layer_spec", "init_cpu_process_group", "make_transformer_config",
+]

@@ -1,0 +1,146 @@
+"""Column/row "parallel" linears for Megatron's TransformerLayer spec, at TP=1, calling :func:`kernels.linear`.
+
+Numerics contract: the forward is exactly ``kernels.linear(x, weight, bias)``
+(batch-invariant blocked float32 accumulation, bias added in float32 before
+the single rounding to the input dtype).  Because every output feature is an
+independent dot product, the fused ``linear_qkv`` / ``linear_fc1`` weights
+give bitwise the same values as the separate q/k/v or gate/up projections of
+the HF layout.  Backward: the kernel's float32 matmuls; gradients land in
+``param.grad`` (Megatron's DDP hooks then accumulate ``.grad`` into
+``main_grad``; gradient_accumulation_fusion is not used).
+
+Interface (Megatron's): ``forward(x [s, b, in]) -> (out [s, b, out], bias_or_None)``;
+with ``skip_bias_add=True`` the bias is returned instead of added.  Parameter
+names are ``weight`` ``[out, in]`` and ``bias`` ``[out]`` so state-dict keys match
+Megatron's ColumnParallelLinear / RowParallelLinear.  Tensor parallelism and
+sequence parallelism are refused by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..config import UnsupportedConfigError
+from .parallel import check_parallel_config
+
+__all__ = ["ConsistentColumnParallelLinear", "ConsistentRowParallelLinear", "sharded_state_dict_tp1"]
+
+
+def _tp_size(tp_group) -> int:
+    if tp_group is None:
+        return 1
+    try:
+        return tp_group.size()
+    except Exception:  # pragma: no cover - exotic group objects
+        return 1
+
+
+def _set_tp_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
+    """The attributes Megatron's DDP / optimizer / checkpointing read from TP parameters."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+    param.allreduce = True
+    param.sequence_parallel = False
+
+
+def sharded_state_dict_tp1(module: nn.Module, prefix: str, sharded_offsets, metadata, axis_map: dict) -> dict:
+    """Megatron dist-checkpointing entries for a TP=1 module (weights are whole)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import utils as tutils
+
+    state = module.state_dict(prefix="", keep_vars=True)
+    kwargs = {}
+    if hasattr(tutils, "ensure_metadata_has_dp_cp_group"):
+        metadata = tutils.ensure_metadata_has_dp_cp_group(metadata)
+        kwargs = {"tp_group": parallel_state.get_tensor_model_parallel_group(), "dp_cp_group": metadata["dp_cp_group"]}
+    try:
+        return tutils.make_sharded_tensors_for_checkpoint(state, prefix, axis_map, sharded_offsets, **kwargs)
+    except TypeError:  # older/newer signature without the group keywords
+        return tutils.make_sharded_tensors_for_checkpoint(state, prefix, axis_map, sharded_offsets)
+
+
+class _ConsistentLinearBase(nn.Module):
+    _partition_dim = 0
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method=None,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        is_expert: bool = False,
+        stride: int = 1,
+        tp_comm_buffer_name: str | None = None,
+        tp_group=None,
+        skip_weight_param_allocation: bool = False,
+        **unused,
+    ):
+        super().__init__()
+        check_parallel_config(config)
+        if _tp_size(tp_group) != 1:
+            raise UnsupportedConfigError(f"tensor parallelism (tp group of size {_tp_size(tp_group)}) is not supported by the consistent linear")
+        if is_expert:
+            raise UnsupportedConfigError("expert (MoE) linears are not supported by the consistent layers")
+        if skip_weight_param_allocation:
+            raise UnsupportedConfigError("skip_weight_param_allocation is not supported by the consistent linear")
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        self.is_expert = False
+        self.sequence_parallel = False
+        self.tp_comm_buffer_name = tp_comm_buffer_name
+        dtype = config.params_dtype
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+        if getattr(config, "perform_initialization", True) and init_method is not None:
+            # Same recipe (and RNG consumption) as Megatron's CPU initialization: float32 master, then cast.
+            master = torch.empty(output_size, input_size, dtype=torch.float32)
+            init_method(master)
+            with torch.no_grad():
+                self.weight.copy_(master.to(dtype))
+        _set_tp_attributes(self.weight, self._partition_dim, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype))
+            _set_tp_attributes(self.bias, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+        # Same state-dict keys as Megatron's linears: an empty ``_extra_state`` (TE compatibility).
+        self._register_load_state_dict_pre_hook(lambda sd, prefix, *a, **k: sd.setdefault(f"{prefix}_extra_state"))
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state):
+        pass
+
+    def forward(self, x: torch.Tensor):
+        if self.skip_bias_add:
+            return kernels.linear(x, self.weight), self.bias
+        return kernels.linear(x, self.weight, self.bias), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        axis = {"weight": 0, "bias": 0} if self._partition_dim == 0 else {"weight": 1}
+        return sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, axis)
+
+    def backward_dw(self):  # called by Megatron only with delay_wgrad_compute; grads are already in .grad
+        return None
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, skip_bias_add={self.skip_bias_add}"
+
+
+class ConsistentColumnParallelLinear(_ConsistentLinearBase):
+    """``linear_qkv`` / ``linear_fc1`` at TP=1 (``gather_output`` is moot with one rank)."""
+
+    _partition_dim = 0
+
+
+class ConsistentRowParallelLinear(_ConsistentLinearBase):
+    """``linear_proj`` / ``linear_fc2`` at TP=1 (``input_is_parallel`` is moot with one rank)."""
+
+    _partition_dim = 1

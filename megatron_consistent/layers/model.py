@@ -1,0 +1,261 @@
+"""Build Megatron-Core GPT models from an HF config: the consistent model and the stock baseline.
+
+* :func:`build_consistent_gpt_model` — every numerics-bearing op is a
+  :mod:`megatron_consistent.kernels` call (spec from :mod:`.spec`, LM head
+  from :mod:`.output`); ``position_embedding_type='none'`` (RoPE runs inside
+  the core attention).  Its per-token log-probs
+  (:func:`compute_token_logprobs`: float32 logits -> ``kernels.gather_logprobs``)
+  are bitwise those of the vLLM plugin for the same weights and tokens.
+* :func:`build_stock_gpt_model` — the same architecture with Megatron's stock
+  ``get_gpt_layer_local_spec`` and stock RoPE (the BASELINE recompute path;
+  CPU shims from :mod:`.cpu_shims`); :func:`compute_stock_token_logprobs` takes
+  its logits to float32 and uses ``torch.log_softmax``.  No consistency is
+  claimed for it.
+
+Both use ``use_cpu_initialization=True``, dropout 0, init std 0.02, and a
+seeded RNG (the global RNG is restored afterwards), so the same seed gives the
+same weights in both models.  The vocabulary is kept exact (no padding).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from ..config import ArchConfig, UnsupportedConfigError, load_hf_config
+from .output import ConsistentOutputLayer
+from .parallel import check_parallel_sizes, init_cpu_process_group
+from .spec import get_consistent_gpt_block_spec
+
+__all__ = [
+    "as_arch_config",
+    "build_consistent_gpt_model",
+    "build_stock_gpt_model",
+    "compute_token_logprobs",
+    "compute_stock_token_logprobs",
+    "make_transformer_config",
+]
+
+CONSISTENT, STOCK = "consistent", "stock"
+
+
+def as_arch_config(hf_config) -> ArchConfig:
+    """An :class:`ArchConfig` from an ArchConfig, an HF config dict, or a path (folder with config.json, or the file)."""
+    if isinstance(hf_config, ArchConfig):
+        return hf_config
+    if isinstance(hf_config, (str, os.PathLike, Path)):
+        hf_config = load_hf_config(hf_config)
+    if not isinstance(hf_config, dict):
+        raise TypeError(f"expected an HF config dict, an ArchConfig or a path, got {type(hf_config).__name__}")
+    return ArchConfig.from_hf(hf_config)
+
+
+def _filter_kwargs(fn, kwargs: dict) -> dict:
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def make_transformer_config(arch: ArchConfig, dtype: torch.dtype, *, consistent: bool, **parallel):
+    """The Megatron ``TransformerConfig`` for ``arch`` (TP/PP/CP = 1, no dropout, no fusions, CPU init)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise UnsupportedConfigError(f"unsupported dtype {dtype}")
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        use_te_activation_func=consistent,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        sequence_parallel=False,
+    )
+    kwargs.update(parallel)
+    return TransformerConfig(**_filter_kwargs(TransformerConfig, kwargs))
+
+
+def _gpt_model_class():
+    try:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+    except ImportError as e:  # pragma: no cover - a future release without GPTModel
+        raise UnsupportedConfigError(f"this megatron-core has no GPTModel ({e}); use the layer spec with its model class") from None
+    return GPTModel
+
+
+def _prepare(hf_config, dtype, parallel: dict) -> tuple[ArchConfig, torch.dtype]:
+    arch = as_arch_config(hf_config)  # validates: UnsupportedConfigError before anything is built
+    check_parallel_sizes(
+        parallel.get("tensor_model_parallel_size", 1),
+        parallel.get("pipeline_model_parallel_size", 1),
+        parallel.get("context_parallel_size", 1),
+        parallel.get("sequence_parallel", False),
+    )
+    init_cpu_process_group()
+    return arch, dtype or arch.torch_dtype
+
+
+def _seeded_build(seed: int, build):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, **parallel):
+    """A Megatron ``GPTModel`` on CPU whose every op follows the kernels' numerics contract.
+
+    ``hf_config``: HF config dict, :class:`ArchConfig`, or path.  ``dtype``
+    defaults to the config's.  ``parallel`` may name
+    ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
+    ``context_parallel_size`` / ``sequence_parallel`` — anything but 1/False
+    is refused (:class:`UnsupportedConfigError`).
+    """
+    arch, dtype = _prepare(hf_config, dtype, parallel)
+    config = make_transformer_config(arch, dtype, consistent=True)
+    GPTModel = _gpt_model_class()
+    block_spec = get_consistent_gpt_block_spec(arch.num_layers, arch.qk_norm, rope=arch.rope)
+
+    def build():
+        kwargs = dict(
+            config=config,
+            transformer_layer_spec=block_spec,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=True,
+            post_process=True,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="none",
+        )
+        model = GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
+        model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
+        return model
+
+    model = _seeded_build(seed, build)
+    model.consistent_kind = CONSISTENT
+    model.arch_config = arch
+    return model
+
+
+def _stock_rope_kwargs(arch: ArchConfig, GPTModel) -> tuple[dict, dict | None]:
+    kwargs = {"position_embedding_type": "rope", "rotary_base": arch.rope_theta, "rotary_percent": 1.0}
+    if not arch.rope_scaling:
+        return kwargs, None
+    scaling = dict(arch.rope_scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "llama3" or "rope_scaling" not in inspect.signature(GPTModel.__init__).parameters:
+        raise UnsupportedConfigError(f"rope_scaling {kind!r} is not supported by the stock Megatron baseline")
+    kwargs.update(rope_scaling=True, rope_scaling_factor=float(scaling["factor"]))
+    return kwargs, scaling
+
+
+def _apply_full_llama3_scaling(model, scaling: dict) -> None:
+    """Megatron's ctor passes only ``factor``; re-derive inv_freq with all four llama3 parameters via its own _apply_scaling."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rot = model.rotary_pos_emb
+    names = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if not set(names) <= set(inspect.signature(RotaryEmbedding._apply_scaling).parameters):
+        raise UnsupportedConfigError("this megatron-core's llama3 rope scaling does not take all llama3 parameters")
+    dim = rot.inv_freq.shape[0] * 2
+    base_inv = 1.0 / (model.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=rot.inv_freq.device) / dim))
+    rot.inv_freq = rot._apply_scaling(base_inv, **{n: float(scaling[n]) for n in names})
+    if hasattr(type(rot).forward, "cache_clear"):
+        type(rot).forward.cache_clear()
+
+
+def build_stock_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, **parallel):
+    """The same architecture with Megatron's stock local spec and stock RoPE — the BASELINE path (not consistent).
+
+    Applies :func:`.cpu_shims.apply_cpu_shims` when CUDA is absent.
+    """
+    from .cpu_shims import apply_cpu_shims
+
+    arch, dtype = _prepare(hf_config, dtype, parallel)
+    apply_cpu_shims()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = make_transformer_config(arch, dtype, consistent=False)
+    GPTModel = _gpt_model_class()
+    rope_kwargs, scaling = _stock_rope_kwargs(arch, GPTModel)
+    spec = get_gpt_layer_local_spec(**_filter_kwargs(get_gpt_layer_local_spec, {"qk_layernorm": arch.qk_norm, "normalization": "RMSNorm"}))
+
+    def build():
+        kwargs = dict(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=True,
+            post_process=True,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            **rope_kwargs,
+        )
+        return GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
+
+    model = _seeded_build(seed, build)
+    if scaling is not None:
+        _apply_full_llama3_scaling(model, scaling)
+    model.consistent_kind = STOCK
+    model.arch_config = arch
+    return model
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+    return kernels.causal_positions(*input_ids.shape, device=input_ids.device)
+
+
+def compute_token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """float32 ``[b, s-1]``: log p(input_ids[:, t+1] | input_ids[:, :t+1]) by the CONSISTENT path.
+
+    The model's float32 logits (``kernels.compute_logits``) go through
+    ``kernels.gather_logprobs`` — the op sequence the vLLM plugin uses.
+    Differentiable.  Refuses the stock model (use :func:`compute_stock_token_logprobs`).
+    """
+    if getattr(model, "consistent_kind", None) != CONSISTENT:
+        raise ValueError("compute_token_logprobs needs a model from build_consistent_gpt_model; use compute_stock_token_logprobs for the stock baseline")
+    logits = model(input_ids, _positions(input_ids), None)  # [b, s, V] float32
+    return kernels.gather_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+def compute_stock_token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """float32 ``[b, s-1]`` by the STOCK path: logits (model dtype) -> float32 -> ``/ temperature`` -> ``torch.log_softmax``."""
+    logits = model(input_ids, _positions(input_ids), None).float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return lp.gather(-1, input_ids[:, 1:, None])[..., 0]

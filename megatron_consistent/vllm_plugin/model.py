@@ -1,0 +1,155 @@
+"""vLLM model class for the dense decoders of :mod:`megatron_consistent.config`.
+
+The op sequence is the one the Megatron-Core layers of
+:mod:`megatron_consistent.layers` run, op for op, with the same kernels:
+
+    h = embed(ids)
+    per layer:  x = rms_norm(h); qkv = linear(x, W_qkv, b_qkv)
+                [q, k = rms_norm(q), rms_norm(k) per head — Qwen3]; q, k = rope(q, k)
+                h = add_residual(linear(attention(q, k, v), W_o), h)
+                h = add_residual(linear(silu_and_mul(linear(rms_norm(h), W_gate_up)), W_down), h)
+    logits = compute_logits(rms_norm(h), W_lm_head)         (float32)
+
+The linear's output columns are independent of each other, so fusing q/k/v
+(and gate/up) rows in a different order than Megatron does changes no bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+
+from ..config import ArchConfig, UnsupportedConfigError
+from ..kernels import add_residual, apply_rope, compute_logits, linear, rms_norm, silu_and_mul
+
+logger = init_logger(__name__)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+class ConsistentDecoderLayer(nn.Module):
+    """One pre-norm decoder layer; parameters in vLLM's fused layout (qkv, gate_up)."""
+
+    def __init__(self, arch: ArchConfig, cache_config, prefix: str):
+        super().__init__()
+        a, dt = arch, arch.torch_dtype
+        self.arch = arch
+        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.input_layernorm = _param(a.hidden_size, dtype=dt)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, a.hidden_size, dtype=dt)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dt) if a.qkv_bias else None
+        self.q_norm = _param(a.head_dim, dtype=dt) if a.qk_norm else None
+        self.k_norm = _param(a.head_dim, dtype=dt) if a.qk_norm else None
+        self.o_proj = _param(a.hidden_size, self.q_size, dtype=dt)
+        self.post_attention_layernorm = _param(a.hidden_size, dtype=dt)
+        self.gate_up_proj = _param(2 * a.intermediate_size, a.hidden_size, dtype=dt)
+        self.down_proj = _param(a.hidden_size, a.intermediate_size, dtype=dt)
+        self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads,
+                              cache_config=cache_config, prefix=f"{prefix}.self_attn.attn")
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        a = self.arch
+        t = h.shape[0]
+        x = rms_norm(h, self.input_layernorm, a.rms_norm_eps)
+        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, a.num_heads, a.head_dim)
+        k = k.reshape(t, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
+        q = apply_rope(q, positions, a.rope)
+        k = apply_rope(k, positions, a.rope)
+        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
+        h = add_residual(linear(o, self.o_proj), h)
+        x = rms_norm(h, self.post_attention_layernorm, a.rms_norm_eps)
+        m = linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
+        return add_residual(m, h)
+
+
+class ConsistentForCausalLM(nn.Module):
+    """Out-of-tree vLLM model computing with megatron-consistent kernels."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        mc = vllm_config.model_config
+        arch = ArchConfig.from_hf(mc.hf_config.to_dict())
+        if mc.dtype != arch.torch_dtype:
+            raise UnsupportedConfigError(
+                f"engine dtype {mc.dtype} differs from the checkpoint's {arch.dtype}: pass dtype='{arch.dtype}' to vLLM")
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        if tp != 1 or pp != 1:
+            raise UnsupportedConfigError(f"megatron-consistent supports TP=1, PP=1 only (got TP={tp}, PP={pp})")
+        self.arch = arch
+        dt = arch.torch_dtype
+        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        self.layers = nn.ModuleList(
+            ConsistentDecoderLayer(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
+        self.norm = _param(arch.hidden_size, dtype=dt)
+        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        logger.info("megatron-consistent: %s runs on the consistent kernels (bitwise-matching the Megatron trainer)",
+                    arch.architecture)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[input_ids]
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            h = layer(positions, h)
+        return rms_norm(h, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return compute_logits(hidden_states, self.lm_head)
+
+    # --- weights in HF layout -------------------------------------------------------------
+    def hf_targets(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the view of this model's storage it is copied into."""
+        a = self.arch
+        out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
+        if not a.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = layer.input_layernorm
+            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
+            for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+                out[p + f"self_attn.{name}_proj.weight"] = layer.qkv_proj[lo:hi]
+                if layer.qkv_bias is not None:
+                    out[p + f"self_attn.{name}_proj.bias"] = layer.qkv_bias[lo:hi]
+            if a.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = layer.q_norm
+                out[p + "self_attn.k_norm.weight"] = layer.k_norm
+            out[p + "self_attn.o_proj.weight"] = layer.o_proj
+            out[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[: a.intermediate_size]
+            out[p + "mlp.up_proj.weight"] = layer.gate_up_proj[a.intermediate_size:]
+            out[p + "mlp.down_proj.weight"] = layer.down_proj
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        targets = self.hf_targets()
+        seen = set()
+        for name, tensor in weights:
+            if name not in targets:
+                if self.arch.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                raise UnsupportedConfigError(f"unexpected checkpoint tensor {name!r}")
+            dst = targets[name]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise UnsupportedConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(targets) - seen)
+        if missing:
+            raise UnsupportedConfigError(f"checkpoint lacks tensors: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+        return {n for n, _ in self.named_parameters()}

@@ -1,0 +1,246 @@
+"""GPU (Triton) kernels: batch invariance, chunking/decode invariance, determinism, and agreement with CPU.
+
+Skipped without CUDA.  "Bitwise" below means ``torch.equal`` on the raw outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels of issue #6)")
+
+if torch.cuda.is_available():
+    import megatron_consistent.kernels.triton as mct
+    from megatron_consistent.kernels.triton import attention as tattn
+    from megatron_consistent.kernels.triton import linear as tlin
+
+from megatron_consistent.kernels import attention, linear, log_softmax, rms_norm, silu_and_mul
+from megatron_consistent.kernels.dispatch import implementation
+from megatron_consistent.kernels.rotary import RopeConfig, apply_rope
+
+CPU = torch.device("cpu")
+DEV = torch.device("cuda")
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in (torch.bfloat16, torch.float16):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------------------- GEMM
+
+GEMM_SHAPES = [(4096, 4096), (6144, 4096), (1000, 300), (256, 1024)]
+
+
+@pytest.mark.parametrize("n,k", GEMM_SHAPES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gemm_batch_invariant(n, k, out_dtype):
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(2048, k, device=DEV, dtype=torch.bfloat16)
+    full = linear(x, w, b, out_dtype=out_dtype)  # serial (many tiles) path
+    for sl in [slice(0, 1), slice(5, 6), slice(0, 16), slice(3, 67), slice(100, 356), slice(1000, 2048)]:
+        part = linear(x[sl], w, b, out_dtype=out_dtype)
+        assert _bits_equal(part, full[sl]), f"rows {sl} differ from the full batch"
+    # reordering rows permutes results exactly
+    perm = torch.randperm(2048, device=DEV)[:300]
+    assert _bits_equal(linear(x[perm], w, b, out_dtype=out_dtype), full[perm])
+    # repeated runs
+    assert _bits_equal(linear(x, w, b, out_dtype=out_dtype), full)
+    ref = x.float() @ w.float().T + b.float()
+    err = (full.float() - ref).abs().max().item()
+    tol = 1e-3 if out_dtype == torch.float32 else 4e-2 * ref.abs().max().item()
+    assert err <= tol, err
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 300)])
+@pytest.mark.parametrize("m", [1, 16, 100, 700])
+def test_gemm_schedules_and_loads_bitwise_equal(n, k, m):
+    """Split-parallel vs split-serial scheduling and TMA vs pointer loads give the same bits."""
+    torch.manual_seed(1)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    outs = []
+    for path in ("serial", "parallel"):
+        for tma in (True, False):
+            if tma and not (tlin._tma_ok(x) and tlin._tma_ok(w)):
+                continue
+            outs.append(tlin.gemm(x, w, None, torch.float32, path=path, use_tma=tma))
+    for o in outs[1:]:
+        assert _bits_equal(o, outs[0])
+
+
+def test_gemm_vs_cpu_contract():
+    torch.manual_seed(2)
+    x = torch.randn(8, 1024, dtype=torch.bfloat16)
+    w = torch.randn(512, 1024, dtype=torch.bfloat16) * 0.05
+    b = torch.randn(512, dtype=torch.bfloat16)
+    cpu = linear(x, w, b, out_dtype=torch.float32)
+    gpu = linear(x.to(DEV), w.to(DEV), b.to(DEV), out_dtype=torch.float32).cpu()
+    scale = (x.float().abs() @ w.float().abs().T).max().item()
+    assert (cpu - gpu).abs().max().item() <= 1e-5 * scale + 1e-6
+
+
+# --------------------------------------------------------------------------------------- attention
+
+def _qkv(b, t, hq, hkv, d, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, t, hq, d, generator=g).to(DEV, torch.bfloat16)
+    k = torch.randn(b, t, hkv, d, generator=g).to(DEV, torch.bfloat16)
+    v = torch.randn(b, t, hkv, d, generator=g).to(DEV, torch.bfloat16)
+    return q, k, v
+
+
+def _attn(q, k, v, pos, klen, block_m=0):
+    return tattn.attention_fwd(q, k, v, pos, klen, q.shape[-1] ** -0.5, block_m=block_m)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_attention_tile_size_invariant(hq, hkv):
+    """A row's bits do not depend on the query tile (16 / 64 / 128 rows; mma vs wgmma)."""
+    b, t, d = 2, 333, 128
+    q, k, v = _qkv(b, t, hq, hkv, d)
+    pos = torch.arange(t, device=DEV).expand(b, t).contiguous()
+    klen = torch.tensor([t, t - 40], device=DEV)
+    ref_o, ref_l = _attn(q, k, v, pos, klen, block_m=128)
+    for bm in (16, 64):
+        o, lse = _attn(q, k, v, pos, klen, block_m=bm)
+        assert _bits_equal(o, ref_o), f"BLOCK_M={bm} output differs"
+        assert _bits_equal(lse, ref_l), f"BLOCK_M={bm} lse differs"
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_attention_prefill_chunked_decode_bitwise(hq, hkv):
+    b, t, d = 2, 300, 128
+    q, k, v = _qkv(b, t, hq, hkv, d, seed=3)
+    pos = torch.arange(t, device=DEV).expand(b, t).contiguous()
+    klen = torch.full((b,), t, device=DEV)
+    full_o, full_l = _attn(q, k, v, pos, klen)
+    # repeated run
+    o2, l2 = _attn(q, k, v, pos, klen)
+    assert _bits_equal(o2, full_o) and _bits_equal(l2, full_l)
+    # chunked prefill: keys up to the chunk end, cache longer than needed (k_lengths mask the rest)
+    for bounds in ([0, 100, 237, 300], [0, 1, 64, 65, 299, 300], [0, 150, 300]):
+        for c0, c1 in zip(bounds[:-1], bounds[1:]):
+            o, lse = _attn(q[:, c0:c1], k, v, pos[:, c0:c1], torch.full((b,), c1, device=DEV))
+            assert _bits_equal(o, full_o[:, c0:c1]), f"chunk {c0}:{c1}"
+            assert _bits_equal(lse, full_l[:, :, c0:c1]), f"chunk {c0}:{c1} lse"
+            # same chunk with the cache cut exactly at the chunk end
+            o, lse = _attn(q[:, c0:c1], k[:, :c1], v[:, :c1], pos[:, c0:c1], torch.full((b,), c1, device=DEV))
+            assert _bits_equal(o, full_o[:, c0:c1])
+    # decode steps (one query, batch of requests with different lengths)
+    for tpos in (0, 63, 64, 65, 128, 199, 299):
+        o, lse = _attn(q[:, tpos:tpos + 1], k, v, pos[:, tpos:tpos + 1], torch.full((b,), tpos + 1, device=DEV))
+        assert _bits_equal(o, full_o[:, tpos:tpos + 1]), f"decode at {tpos}"
+        assert _bits_equal(lse, full_l[:, :, tpos:tpos + 1])
+    # a mixed decode batch: request 0 at position 50, request 1 at position 280, vs each alone
+    qd = torch.stack([q[0, 50], q[1, 280]])[:, None]
+    pd = torch.tensor([[50], [280]], device=DEV)
+    o, _ = _attn(qd, k, v, pd, pd[:, 0] + 1)
+    assert _bits_equal(o[0, 0], full_o[0, 50]) and _bits_equal(o[1, 0], full_o[1, 280])
+
+
+def test_attention_batch_and_padding_invariant():
+    b, t, hq, hkv, d = 3, 200, 8, 2, 128
+    q, k, v = _qkv(b, t, hq, hkv, d, seed=4)
+    pos = torch.arange(t, device=DEV).expand(b, t).contiguous()
+    lens = [200, 150, 77]
+    for i, n in enumerate(lens):
+        pos[i, n:] = -1
+    klen = torch.tensor(lens, device=DEV)
+    o, lse = _attn(q, k, v, pos, klen)
+    for i, n in enumerate(lens):
+        oi, li = _attn(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], pos[i:i + 1, :n], klen[i:i + 1])
+        assert _bits_equal(oi[0], o[i, :n]) and _bits_equal(li[0], lse[i, :, :n])
+        assert torch.all(o[i, n:] == 0) and torch.all(torch.isinf(lse[i, :, n:]))
+
+
+def test_attention_vs_cpu_contract():
+    b, t, hq, hkv, d = 1, 96, 4, 2, 64
+    q, k, v = _qkv(b, t, hq, hkv, d, seed=5)
+    pos = torch.arange(t).expand(b, t).contiguous()
+    klen = torch.full((b,), t)
+    cpu_o = attention(q.cpu(), k.cpu(), v.cpu(), pos, klen)
+    gpu_o = attention(q, k, v, pos.to(DEV), klen.to(DEV)).cpu()
+    assert (cpu_o.float() - gpu_o.float()).abs().max().item() <= 2e-2
+    _, gpu_l = _attn(q, k, v, pos.to(DEV), klen.to(DEV))
+    _, cpu_l = implementation("attention", CPU)(q.cpu(), k.cpu(), v.cpu(), pos, klen, d ** -0.5)
+    assert (cpu_l - gpu_l.cpu()).abs().max().item() <= 1e-2
+
+
+# --------------------------------------------------------------------------------------- small ops
+
+def test_rms_norm_invariant_and_vs_cpu():
+    torch.manual_seed(6)
+    h = torch.randn(513, 4096, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(4096, device=DEV, dtype=torch.bfloat16)
+    y, r = implementation("rms_norm", DEV)(h, w, 1e-6)
+    for sl in (slice(0, 1), slice(7, 8), slice(100, 400)):
+        ys, rs = implementation("rms_norm", DEV)(h[sl], w, 1e-6)
+        assert _bits_equal(ys, y[sl]) and _bits_equal(rs, r[sl])
+    yc, rc = implementation("rms_norm", CPU)(h[:16].cpu(), w.cpu(), 1e-6)
+    assert (yc.float() - y[:16].float().cpu()).abs().max().item() <= 0.05
+    assert ((rc - r[:16].cpu()).abs() / rc).max().item() <= 1e-5
+    # fused residual form through the public API
+    x = torch.randn_like(h)
+    out, res = rms_norm(x, w, 1e-6, residual=h)
+    out1, res1 = rms_norm(x[3:4], w, 1e-6, residual=h[3:4])
+    assert _bits_equal(out1, out[3:4]) and _bits_equal(res1, res[3:4])
+
+
+def test_silu_and_mul_invariant_and_vs_cpu():
+    torch.manual_seed(7)
+    x = torch.randn(300, 2 * 14336, device=DEV, dtype=torch.bfloat16) * 3
+    y = silu_and_mul(x)
+    assert _bits_equal(silu_and_mul(x[17:18]), y[17:18])
+    yc = silu_and_mul(x[:8].cpu())
+    assert (yc.float() - y[:8].float().cpu()).abs().max().item() <= 0.02 * y[:8].float().abs().max().item()
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_rope_invariant_and_vs_cpu(style):
+    torch.manual_seed(8)
+    cfg = RopeConfig(rotary_dim=64, max_positions=4096, style=style)
+    x = torch.randn(2, 300, 8, 128, device=DEV, dtype=torch.bfloat16)
+    pos = torch.randint(0, 4096, (2, 300), device=DEV)
+    y = apply_rope(x, pos, cfg)
+    y1 = apply_rope(x[1:2, 100:101], pos[1:2, 100:101], cfg)
+    assert _bits_equal(y1, y[1:2, 100:101])
+    yc = apply_rope(x.cpu(), pos.cpu(), cfg)
+    assert (yc.float() - y.float().cpu()).abs().max().item() <= 0.05
+    assert torch.equal(y[..., 64:], x[..., 64:])
+
+
+def test_log_softmax_invariant_and_vs_cpu():
+    torch.manual_seed(9)
+    z = torch.randn(9, 128256, device=DEV) * 4
+    z[3, :1000] = -math.inf
+    lp = log_softmax(z)
+    assert _bits_equal(log_softmax(z[3:4]), lp[3:4])
+    assert _bits_equal(log_softmax(z[5:9]), lp[5:9])
+    lc = log_softmax(z[:4].cpu())
+    fin = torch.isfinite(lc)
+    assert torch.equal(fin, torch.isfinite(lp[:4].cpu()))
+    assert (lc[fin] - lp[:4].cpu()[fin]).abs().max().item() <= 1e-4
+
+
+def test_logits_logprobs_end_to_end_batch_invariant():
+    """lm head (float32 logits) -> log-softmax: a token's logprob is the same alone or in a batch."""
+    from megatron_consistent.kernels import token_logprobs
+
+    torch.manual_seed(10)
+    hidden = torch.randn(64, 1024, device=DEV, dtype=torch.bfloat16)
+    head = torch.randn(32000, 1024, device=DEV, dtype=torch.bfloat16) * 0.02
+    tok = torch.randint(0, 32000, (64,), device=DEV)
+    lp = token_logprobs(hidden, head, tok)
+    for i in (0, 31, 63):
+        assert _bits_equal(token_logprobs(hidden[i:i + 1], head, tok[i:i + 1]), lp[i:i + 1])
