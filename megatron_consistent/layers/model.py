@@ -226,6 +226,9 @@ def build_stock_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None
         return GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
 
     model = _seeded_build(seed, build)
+    # Megatron's stock RMSNorm (WrappedTorchNorm -> torch.nn.RMSNorm) creates float32 weights even in a bf16
+    # model; training wraps the model in Float16Module, which casts everything to the model dtype. Do the same.
+    model.to(dtype=dtype)
     if scaling is not None:
         _apply_full_llama3_scaling(model, scaling)
     model.consistent_kind = STOCK

@@ -1,0 +1,248 @@
+"""Megatron (consistent or stock GPTModel, TP=1) <-> HF safetensors checkpoints, bitwise.
+
+Layout (HF Llama/Qwen2/Qwen3/Mistral names):
+
+==============================================  ============================================
+Megatron                                        HF
+==============================================  ============================================
+embedding.word_embeddings.weight                model.embed_tokens.weight
+decoder.layers.i.input_layernorm.weight         model.layers.i.input_layernorm.weight
+decoder.layers.i.self_attention.linear_qkv.*    model.layers.i.self_attn.{q,k,v}_proj.*  (split, below)
+decoder.layers.i.self_attention.q_layernorm     model.layers.i.self_attn.q_norm.weight    (Qwen3)
+decoder.layers.i.self_attention.k_layernorm     model.layers.i.self_attn.k_norm.weight    (Qwen3)
+decoder.layers.i.self_attention.linear_proj     model.layers.i.self_attn.o_proj.weight
+decoder.layers.i.pre_mlp_layernorm.weight       model.layers.i.post_attention_layernorm.weight
+decoder.layers.i.mlp.linear_fc1.weight          model.layers.i.mlp.{gate,up}_proj.weight  (gate = first half)
+decoder.layers.i.mlp.linear_fc2.weight          model.layers.i.mlp.down_proj.weight
+decoder.final_layernorm.weight                  model.norm.weight
+output_layer.weight                             lm_head.weight  (absent when embeddings are tied)
+==============================================  ============================================
+
+``linear_qkv`` rows are grouped per query group: for each of the ``ng`` KV
+groups, its ``np/ng`` query heads, then its key head, then its value head
+(``head_dim`` rows each); the q/k/v biases (Qwen2) follow the same order.
+
+Only slicing, concatenation and copies are involved — no arithmetic — so
+export -> import is bitwise.  Files are safetensors only (no pickle).
+:func:`import_hf` validates everything (config, names, shapes, dtypes) before
+copying anything, and copies in place (``param.data.copy_``) so parameter
+storage never moves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import ArchConfig, UnsupportedConfigError
+
+__all__ = ["CheckpointMismatchError", "export_hf", "import_hf", "megatron_to_hf_names"]
+
+_DTYPE_NAMES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPE_STR = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+class CheckpointMismatchError(ValueError):
+    """An HF checkpoint that does not fit the Megatron model; the message lists every problem."""
+
+
+# ---------------------------------------------------------------------------------------------- name/shape plan
+def _plan(arch: ArchConfig) -> list[tuple[str, list[str], str]]:
+    """Entries ``(megatron_name, [hf_names], kind)`` with kind in {copy, qkv, fc1}."""
+    plan = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "copy")]
+    for i in range(arch.num_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        plan.append((m + "input_layernorm.weight", [h + "input_layernorm.weight"], "copy"))
+        plan.append((m + "self_attention.linear_qkv.weight", [h + f"self_attn.{p}_proj.weight" for p in "qkv"], "qkv"))
+        if arch.qkv_bias:
+            plan.append((m + "self_attention.linear_qkv.bias", [h + f"self_attn.{p}_proj.bias" for p in "qkv"], "qkv"))
+        if arch.qk_norm:
+            plan.append((m + "self_attention.q_layernorm.weight", [h + "self_attn.q_norm.weight"], "copy"))
+            plan.append((m + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], "copy"))
+        plan.append((m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"], "copy"))
+        plan.append((m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], "copy"))
+        plan.append((m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], "fc1"))
+        plan.append((m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], "copy"))
+    plan.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "copy"))
+    if not arch.tie_word_embeddings:
+        plan.append(("output_layer.weight", ["lm_head.weight"], "copy"))
+    return plan
+
+
+def megatron_to_hf_names(arch: ArchConfig) -> dict[str, list[str]]:
+    """Megatron parameter name -> the HF tensor names it maps to."""
+    return {m: hf for m, hf, _ in _plan(arch)}
+
+
+def _qkv_sizes(arch: ArchConfig) -> tuple[int, int, int]:
+    return arch.num_kv_heads, arch.num_heads // arch.num_kv_heads, arch.head_dim
+
+
+def _split(arch: ArchConfig, kind: str, t: torch.Tensor) -> list[torch.Tensor]:
+    if kind == "copy":
+        return [t]
+    if kind == "fc1":
+        inter = t.shape[0] // 2
+        return [t[:inter], t[inter:]]
+    ng, g, hd = _qkv_sizes(arch)
+    grouped = t.reshape(ng, g + 2, hd, *t.shape[1:])
+    rest = tuple(t.shape[1:])
+    return [grouped[:, :g].reshape(ng * g * hd, *rest), grouped[:, g].reshape(ng * hd, *rest), grouped[:, g + 1].reshape(ng * hd, *rest)]
+
+
+def _hf_shapes(arch: ArchConfig, kind: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    if kind == "copy":
+        return [shape]
+    rest = shape[1:]
+    if kind == "fc1":
+        return [(shape[0] // 2, *rest)] * 2
+    ng, g, hd = _qkv_sizes(arch)
+    return [(ng * g * hd, *rest), (ng * hd, *rest), (ng * hd, *rest)]
+
+
+def _join(arch: ArchConfig, kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    if kind == "copy":
+        return parts[0]
+    if kind == "fc1":
+        return torch.cat(parts, dim=0)
+    ng, g, hd = _qkv_sizes(arch)
+    q, k, v = parts
+    rest = tuple(q.shape[1:])
+    grouped = torch.cat([q.reshape(ng, g, hd, *rest), k.reshape(ng, 1, hd, *rest), v.reshape(ng, 1, hd, *rest)], dim=1)
+    return grouped.reshape(ng * (g + 2) * hd, *rest)
+
+
+def _model_params(model, arch: ArchConfig) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters, checked against the plan for ``arch`` (names and fused shapes)."""
+    params = dict(model.named_parameters())
+    plan = _plan(arch)
+    expected = {m for m, _, _ in plan}
+    problems = []
+    missing = sorted(expected - params.keys())
+    extra = sorted(params.keys() - expected)
+    if missing:
+        problems.append(f"model lacks parameters {missing}")
+    if extra:
+        problems.append(f"model has parameters the {arch.architecture} layout does not map: {extra}")
+    ng, g, hd = _qkv_sizes(arch)
+    want = {
+        "embedding.word_embeddings.weight": (arch.vocab_size, arch.hidden_size),
+        "output_layer.weight": (arch.vocab_size, arch.hidden_size),
+        "decoder.final_layernorm.weight": (arch.hidden_size,),
+    }
+    for i in range(arch.num_layers):
+        m = f"decoder.layers.{i}."
+        want[m + "self_attention.linear_qkv.weight"] = (ng * (g + 2) * hd, arch.hidden_size)
+        want[m + "self_attention.linear_qkv.bias"] = (ng * (g + 2) * hd,)
+        want[m + "mlp.linear_fc1.weight"] = (2 * arch.intermediate_size, arch.hidden_size)
+    for name, shape in want.items():
+        if name in params and tuple(params[name].shape) != shape:
+            problems.append(f"model parameter {name} has shape {tuple(params[name].shape)}, {arch.architecture} config implies {shape}")
+    if problems:
+        raise CheckpointMismatchError("model does not match the architecture config:\n  " + "\n  ".join(problems))
+    return params
+
+
+# ---------------------------------------------------------------------------------------------- export
+def export_hf(model, arch: ArchConfig, out_dir) -> Path:
+    """Write ``config.json`` (``arch.to_hf()``, ``torch_dtype`` = the parameters' dtype) and ``model.safetensors``."""
+    params = _model_params(model, arch)
+    tensors: dict[str, torch.Tensor] = {}
+    dtypes = set()
+    with torch.no_grad():
+        for mname, hf_names, kind in _plan(arch):
+            p = params[mname].detach()
+            dtypes.add(p.dtype)
+            for hf_name, part in zip(hf_names, _split(arch, kind, p)):
+                tensors[hf_name] = part.to("cpu").contiguous().clone()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = arch.to_hf()
+    if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_STR:
+        hf["torch_dtype"] = _DTYPE_STR[next(iter(dtypes))]
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- import
+def _checkpoint_files(in_dir: Path) -> list[Path]:
+    single = in_dir / "model.safetensors"
+    index = in_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [in_dir / s for s in shards]
+    if any(in_dir.glob("*.bin")) or any(in_dir.glob("*.pt")):
+        raise CheckpointMismatchError(f"{in_dir}: only safetensors checkpoints are read (found pickle-based *.bin/*.pt)")
+    raise FileNotFoundError(f"{in_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _arch_differences(arch: ArchConfig, in_dir: Path) -> list[str]:
+    cfg_path = in_dir / "config.json"
+    if not cfg_path.is_file():
+        return []
+    try:
+        found = ArchConfig.from_hf(json.loads(cfg_path.read_text()))
+    except UnsupportedConfigError as e:
+        return [f"config.json: {e}"]
+    a, b = replace(arch, dtype="float32"), replace(found, dtype="float32")
+    return [f"config.json {k}={v!r}, expected {getattr(a, k)!r}" for k, v in b.as_dict().items() if getattr(a, k) != v]
+
+
+def import_hf(model, arch: ArchConfig, in_dir) -> None:
+    """Load an HF safetensors checkpoint into the Megatron ``model`` in place, all or nothing.
+
+    Every problem (config mismatch, missing / extra tensors, wrong shape or
+    dtype) is collected first and raised as one :class:`CheckpointMismatchError`;
+    in that case no parameter is touched.
+    """
+    in_dir = Path(in_dir)
+    params = _model_params(model, arch)
+    files = _checkpoint_files(in_dir)
+    problems = _arch_differences(arch, in_dir)
+    meta: dict[str, tuple[Path, tuple[int, ...], torch.dtype | str]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                sl = sf.get_slice(k)
+                dt = sl.get_dtype()
+                meta[k] = (f, tuple(sl.get_shape()), _DTYPE_NAMES.get(dt, dt))
+    plan = _plan(arch)
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for mname, hf_names, kind in plan:
+        p = params[mname]
+        for hf_name, shape in zip(hf_names, _hf_shapes(arch, kind, tuple(p.shape))):
+            expected[hf_name] = (shape, p.dtype)
+    missing = sorted(expected.keys() - meta.keys())
+    extra = sorted(meta.keys() - expected.keys())
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if extra:
+        problems.append(f"unexpected tensors: {extra}")
+    for name in sorted(expected.keys() & meta.keys()):
+        (shape, dtype), (_, fshape, fdtype) = expected[name], meta[name]
+        if fshape != shape:
+            problems.append(f"wrong shape for {name}: file {fshape}, model expects {shape}")
+        if fdtype != dtype:
+            problems.append(f"wrong dtype for {name}: file {fdtype}, model expects {dtype}")
+    if problems:
+        raise CheckpointMismatchError(f"cannot import {in_dir} (nothing was loaded):\n  " + "\n  ".join(problems))
+
+    # Everything fits: read, assemble, then copy in place.
+    loaded: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                loaded[k] = sf.get_tensor(k)
+    staged = [(params[m], _join(arch, kind, [loaded[n] for n in hf_names])) for m, hf_names, kind in plan]
+    with torch.no_grad():
+        for p, t in staged:
+            p.data.copy_(t)
