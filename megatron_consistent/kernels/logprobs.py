@@ -4,8 +4,9 @@ Numerics contract (CPU):
 
 * ``logits = linear(hidden, lm_head, out_dtype=float32)`` — the float32
   accumulator of the batch-invariant linear, never rounded to the model dtype;
-* ``z = logits / float32(temperature)`` (IEEE division; temperature 1 is the
-  identity, temperature <= 0 means greedy and is treated as 1);
+* ``z = logits / float32(temperature)`` (IEEE float32 division, always
+  performed; temperature 1 is the identity, temperature <= 0 means greedy and
+  is treated as 1; one temperature per row is allowed);
 * ``m = max(z)`` (exact); ``s = tree_sum(exp(z - m))`` over the vocabulary
   (deterministic exp, fixed pairwise tree); ``logp = (z - m) - log(s)``.
 
@@ -28,11 +29,19 @@ def _log_softmax_cpu(z: torch.Tensor) -> torch.Tensor:
     return shifted - log(tree_sum(exp(shifted)))[..., None]
 
 
-def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def scale_by_temperature(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """``float32(logits) / temperature`` by IEEE float32 division (exact identity at 1).
+
+    ``temperature`` is a number or a float32 tensor broadcastable to the logits
+    (e.g. ``[rows, 1]``, one per request); values <= 0 (greedy) count as 1.
+    """
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    return logits.to(torch.float32) / torch.where(t > 0, t, torch.ones_like(t))
+
+
+def log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """float32 log-softmax over the last axis of ``logits / temperature`` (no autograd)."""
-    z = logits.to(torch.float32)
-    if temperature > 0 and temperature != 1.0:
-        z = z / temperature
+    z = scale_by_temperature(logits, temperature)
     return implementation("log_softmax", z.device)(z)
 
 

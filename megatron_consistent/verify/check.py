@@ -1,0 +1,177 @@
+"""``megatron-consistent check``: rollout log-probs from a real vLLM engine vs Megatron recompute.
+
+Steps: build the Megatron-Core model with the consistent spec (random, seeded
+weights) -> export an HF folder -> sample prompts of varied lengths sharing
+prefixes (so prefix caching hits) with a real vLLM engine (consistent plugin,
+and/or stock vLLM as the baseline) with chunked prefill forced by a small
+``max_num_batched_tokens`` -> recompute every response token's log-prob with
+the Megatron model in training mode -> compare.  The baseline pairs stock vLLM
+with Megatron's stock local spec on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from ..config import ArchConfig, load_hf_config
+from .metrics import format_table, is_zero_mismatch, mismatch_metrics
+from .rollout import RolloutRequest, run_in_subprocess
+
+MODES = ("consistent", "baseline", "both")
+DEFAULT_MODEL = "tiny-llama"
+METRIC_COLUMNS = ["path", "tokens", "max_abs", "mean_abs", "std", "k3", "token_mult_prob_error", "exact_fraction", "gen_tokens_per_s"]
+
+
+def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """Folder of a tiny model config shipped with the package."""
+    return Path(str(resources.files("megatron_consistent") / "configs" / "models" / name))
+
+
+@dataclass
+class CheckConfig:
+    """Settings of one check run (YAML via OmegaConf; CLI flags override)."""
+
+    hf_config: str = ""  # folder with config.json, or the file; empty: the built-in tiny model
+    num_prompts: int = 64
+    max_tokens: int = 64
+    temperature: float = 1.0
+    seed: int = 0
+    max_num_batched_tokens: int = 64
+    mode: str = "both"
+    logprobs_mode: str = "processed"  # processed: at the sampling temperature; raw: temperature 1
+    min_prompt_len: int = 4
+    max_prompt_len: int = 80
+    shared_prefix_len: int = 40
+    prefix_groups: int = 8
+    block_size: int = 32
+    max_model_len: int = 512
+    recompute_batch: int = 16
+    out_dir: str = "runs/check"
+    json: str = ""
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.logprobs_mode not in ("processed", "raw"):
+            raise ValueError(f"--logprobs-mode must be processed or raw, got {self.logprobs_mode!r}")
+        if self.num_prompts < 1 or self.max_tokens < 1:
+            raise ValueError("--num-prompts and --max-tokens must be >= 1")
+        if self.max_prompt_len + self.max_tokens > self.max_model_len:
+            raise ValueError(f"max_prompt_len + max_tokens ({self.max_prompt_len + self.max_tokens}) exceeds max_model_len {self.max_model_len}")
+        if self.block_size % 32:
+            raise ValueError(f"block_size must be a multiple of 32 (vLLM CPU), got {self.block_size}")
+
+
+def load_check_config(yaml_path: str | None = None, **overrides) -> CheckConfig:
+    """Defaults <- YAML file <- keyword overrides (None values ignored)."""
+    cfg = OmegaConf.structured(CheckConfig)
+    if yaml_path:
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(yaml_path))
+    cfg = OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if v is not None})
+    out = OmegaConf.to_object(cfg)
+    out.validate()
+    return out
+
+
+def make_prompts(cfg: CheckConfig, vocab_size: int) -> list[list[int]]:
+    """Seeded prompts of varied length; groups share a prefix so prefix caching hits."""
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    low = 3  # keep clear of special ids 0..2
+    prefixes = [torch.randint(low, vocab_size, (cfg.shared_prefix_len,), generator=g).tolist() for _ in range(cfg.prefix_groups)]
+    prompts = []
+    for i in range(cfg.num_prompts):
+        n = int(torch.randint(cfg.min_prompt_len, cfg.max_prompt_len + 1, (1,), generator=g))
+        tail = torch.randint(low, vocab_size, (n,), generator=g).tolist()
+        prompts.append((prefixes[i % cfg.prefix_groups] + tail)[: cfg.max_prompt_len] if i % 4 else tail)
+    return prompts
+
+
+def recompute(model, prompts, responses, temperature: float, batch: int, stock: bool) -> torch.Tensor:
+    """Trainer log-probs of every response token (Megatron model in training mode), concatenated."""
+    from ..layers import compute_stock_token_logprobs, compute_token_logprobs
+
+    fn = compute_stock_token_logprobs if stock else compute_token_logprobs
+    model.train()
+    out = []
+    for b0 in tqdm(range(0, len(prompts), batch), desc=f"recompute ({'stock' if stock else 'consistent'})", leave=False):
+        seqs = [p + r for p, r in zip(prompts[b0 : b0 + batch], responses[b0 : b0 + batch])]
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding: causal, so never seen
+        lp = fn(model, ids, temperature).detach()
+        for i, (p, r) in enumerate(zip(prompts[b0 : b0 + batch], responses[b0 : b0 + batch])):
+            out.append(lp[i, len(p) - 1 : len(p) - 1 + len(r)])
+    return torch.cat(out)
+
+
+def run_check(cfg: CheckConfig) -> dict:
+    """Run the check; returns the JSON-able report."""
+    from ..conversion import export_hf, import_hf
+    from ..layers import build_consistent_gpt_model, build_stock_gpt_model
+
+    hf_path = cfg.hf_config or str(builtin_model_dir())
+    arch = ArchConfig.from_hf(load_hf_config(hf_path))  # refuses unsupported configs before any work
+    out = Path(cfg.out_dir)
+    model_dir = out / "model"
+    model = build_consistent_gpt_model(arch, seed=cfg.seed)
+    export_hf(model, arch, model_dir)
+    prompts = make_prompts(cfg, arch.vocab_size)
+    temperature = cfg.temperature if cfg.logprobs_mode == "processed" else 1.0
+    report = {"settings": {**asdict(cfg), "hf_config": hf_path, "arch": arch.as_dict()}}
+    modes = ["consistent", "baseline"] if cfg.mode == "both" else [cfg.mode]
+    for mode in tqdm(modes, desc="check"):
+        req = RolloutRequest(
+            model_dir=str(model_dir), prompts=prompts, consistent=mode == "consistent", dtype=arch.dtype,
+            temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
+        roll = run_in_subprocess(req, out / "engines", mode)
+        if "error" in roll:
+            report[mode] = {"unavailable": roll["error"], "log": roll["log"]}
+            continue
+        if mode == "consistent" and not roll["plugin_active"]:
+            raise RuntimeError(f"the consistent engine did not load the plugin; see {roll['log']}")
+        if mode == "consistent":
+            trainer = model
+        else:
+            trainer = build_stock_gpt_model(arch, seed=cfg.seed)
+            import_hf(trainer, arch, model_dir)
+        train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode == "baseline")
+        rollout_lp = torch.tensor([x for lps in roll["logprobs"] for x in lps], dtype=torch.float32)
+        report[mode] = {**mismatch_metrics(train_lp, rollout_lp), "gen_tokens_per_s": roll["gen_tokens_per_s"]}
+    c, b = report.get("consistent", {}), report.get("baseline", {})
+    if "gen_tokens_per_s" in c and "gen_tokens_per_s" in b:
+        report["throughput_ratio"] = c["gen_tokens_per_s"] / b["gen_tokens_per_s"]
+    report["zero_mismatch"] = bool(c) and "tokens" in c and is_zero_mismatch(c)
+    return report
+
+
+def render(report: dict) -> str:
+    """The readable table of a report."""
+    rows = []
+    for mode in ("consistent", "baseline"):
+        if mode not in report:
+            continue
+        r = report[mode]
+        rows.append({"path": mode, **r} if "tokens" in r else {"path": mode, "tokens": f"unavailable: {r['unavailable']}"})
+    s = report["settings"]
+    title = (f"megatron-consistent check  model={s['arch']['architecture']} ({Path(s['hf_config']).name})  prompts={s['num_prompts']} "
+             f"max_tokens={s['max_tokens']} temperature={s['temperature']} logprobs={s['logprobs_mode']} "
+             f"max_num_batched_tokens={s['max_num_batched_tokens']}")
+    text = format_table(rows, METRIC_COLUMNS, title)
+    if "throughput_ratio" in report:
+        text += f"\nthroughput ratio (consistent / stock vLLM, same run): {report['throughput_ratio']:.3f}"
+    if "consistent" in report and "tokens" in report["consistent"]:
+        text += "\nconsistent: " + ("ZERO MISMATCH (every token bitwise equal)" if report["zero_mismatch"] else "MISMATCH")
+    return text
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(report, indent=2))

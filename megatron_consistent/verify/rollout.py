@@ -1,0 +1,110 @@
+"""Run one vLLM engine (stock or consistent) over token prompts, in its own process.
+
+``python -m megatron_consistent.verify.rollout REQUEST.json RESULT.json``
+
+The request and result are JSON (no pickle).  Each engine runs in a fresh
+process so the opt-in variable ``MEGATRON_CONSISTENT_VLLM`` and vLLM's
+process-wide state never leak between the consistent and the stock engine.
+Log-probs travel as JSON numbers: a float32 widened to float64 prints and
+parses back exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..vllm_plugin import ENV_VAR
+
+
+@dataclass
+class RolloutRequest:
+    """Everything one engine run needs."""
+
+    model_dir: str
+    prompts: list[list[int]]
+    consistent: bool
+    dtype: str
+    temperature: float = 1.0
+    max_tokens: int = 64
+    seed: int = 0
+    logprobs_mode: str = "processed"
+    max_num_batched_tokens: int = 64
+    block_size: int = 32
+    max_model_len: int = 512
+    enable_prefix_caching: bool = True
+    engine_kwargs: dict = field(default_factory=dict)
+
+
+def engine(req: RolloutRequest):
+    """A vLLM ``LLM`` configured from the request (call inside the rollout process)."""
+    from vllm import LLM
+
+    return LLM(
+        model=req.model_dir,
+        skip_tokenizer_init=True,
+        dtype=req.dtype,
+        seed=req.seed,
+        gpu_memory_utilization=0.3,
+        max_num_batched_tokens=req.max_num_batched_tokens,
+        max_model_len=req.max_model_len,
+        block_size=req.block_size,
+        enable_prefix_caching=req.enable_prefix_caching,
+        logprobs_mode="processed_logprobs" if req.logprobs_mode == "processed" else "raw_logprobs",
+        enforce_eager=True,
+        **req.engine_kwargs,
+    )
+
+
+def generate(llm, req: RolloutRequest) -> dict:
+    """Sample every prompt; returns tokens, their log-probs and the generation rate."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens, logprobs=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req.prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens, logprobs = [], []
+    for o in outs:
+        c = o.outputs[0]
+        tokens.append(list(c.token_ids))
+        logprobs.append([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+    n = sum(len(t) for t in tokens)
+    return {"tokens": tokens, "logprobs": logprobs, "gen_tokens": n, "seconds": seconds, "gen_tokens_per_s": n / seconds}
+
+
+def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
+    """Run the request in a fresh process; returns the result or ``{"error": ...}`` with the log's tail."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    req_path, res_path, log_path = work_dir / f"{name}.request.json", work_dir / f"{name}.result.json", work_dir / f"{name}.log"
+    req_path.write_text(json.dumps(asdict(req)))
+    res_path.unlink(missing_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **{ENV_VAR: "1" if req.consistent else "0"})
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", __name__, str(req_path), str(res_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0 or not res_path.exists():
+        errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
+        return {"error": (errors[-1] if errors else text[-400:]).strip(), "log": str(log_path)}
+    result = json.loads(res_path.read_text())
+    result["plugin_active"] = "megatron-consistent plugin active" in text
+    result["log"] = str(log_path)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    req = RolloutRequest(**json.loads(Path(args[0]).read_text()))
+    llm = engine(req)
+    Path(args[1]).write_text(json.dumps(generate(llm, req)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

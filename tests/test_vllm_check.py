@@ -1,0 +1,79 @@
+"""End to end: a real vLLM engine with the plugin vs the Megatron recompute (the main job).
+
+Each run starts real vLLM engines in subprocesses, so the suite keeps the runs
+few and small; the full set (>= 64 prompts x 64 tokens per config) is the CLI's
+job (see README).  Zero means zero: every response token's float32 log-prob
+must be bitwise equal (``exact_fraction == 1`` and ``max_abs == 0``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_consistent.cli import main as cli_main
+from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(num_prompts=12, max_tokens=16, max_num_batched_tokens=32, out_dir=str(tmp_path), max_prompt_len=60,
+                shared_prefix_len=40, prefix_groups=3)
+    base.update(kw)
+    return load_check_config(**base)
+
+
+@pytest.mark.parametrize(
+    "model, temperature, logprobs_mode",
+    [
+        ("tiny-llama", 1.0, "processed"),
+        ("tiny-qwen3-qknorm-tied", 0.7, "processed"),
+        ("tiny-qwen2-mqa", 0.7, "raw"),
+        ("tiny-llama3-rope-oddvocab", 1.0, "processed"),
+    ],
+)
+def test_consistent_engine_matches_megatron_recompute(tmp_path, model, temperature, logprobs_mode):
+    report = run_check(_cfg(tmp_path, hf_config=str(builtin_model_dir(model)), temperature=temperature,
+                            logprobs_mode=logprobs_mode, mode="consistent"))
+    c = report["consistent"]
+    assert c["tokens"] == 12 * 16
+    assert c["exact_fraction"] == 1.0
+    assert c["max_abs"] == 0.0 and c["mean_abs"] == 0.0 and c["std"] == 0.0 and c["k3"] == 0.0
+    assert report["zero_mismatch"]
+
+
+def test_cli_both_modes_reports_baseline_mismatch(tmp_path):
+    """The stock pair (vLLM + Megatron local spec) is not bitwise equal; ours is; JSON has the documented keys."""
+    out = tmp_path / "r.json"
+    rc = cli_main(["check", "--num-prompts", "8", "--max-tokens", "16", "--max-num-batched-tokens", "32",
+                   "--temperature", "0.7", "--out-dir", str(tmp_path), "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    for mode in ("consistent", "baseline"):
+        assert {"tokens", "max_abs", "mean_abs", "std", "k3", "exact_fraction", "gen_tokens_per_s", "token_mult_prob_error"} <= set(report[mode])
+    assert report["consistent"]["max_abs"] == 0.0
+    assert report["baseline"]["max_abs"] > 0.0 and report["baseline"]["exact_fraction"] < 1.0
+    assert report["throughput_ratio"] > 0
+
+
+def test_cli_refuses_unsupported_architecture_before_work(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    hf = json.loads((builtin_model_dir() / "config.json").read_text())
+    hf["architectures"] = ["GPT2LMHeadModel"]
+    cfg.write_text(json.dumps(hf))
+    rc = cli_main(["check", "--hf-config", str(cfg), "--out-dir", str(tmp_path / "run")])
+    assert rc == 2
+    assert "GPT2LMHeadModel" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("feature, value", [("sliding_window", 64), ("rope_scaling", {"rope_type": "yarn", "factor": 4.0})])
+def test_cli_refuses_unsupported_features(tmp_path, capsys, feature, value):
+    hf = json.loads((builtin_model_dir() / "config.json").read_text())
+    hf["architectures"] = ["MistralForCausalLM"]
+    hf[feature] = value
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(hf))
+    assert cli_main(["check", "--hf-config", str(cfg), "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert feature.split("_")[0] in err or "yarn" in err
