@@ -52,7 +52,7 @@ def _weights(n, k, dtype=torch.bfloat16):
     return [torch.randn(n, k, device=DEV, dtype=dtype) * 0.02 for _ in range(copies)]
 
 
-def time_gemm_pair(m, n, k, cfg=None, path=None):
+def time_gemm_pair(m, n, k, cfg=None, path=None, tiles_by_m=None):
     ws = _weights(n, k)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     outs = [torch.empty(m, n, device=DEV, dtype=torch.bfloat16) for _ in ws]
@@ -63,7 +63,7 @@ def time_gemm_pair(m, n, k, cfg=None, path=None):
 
     def ours():
         for w in ws:
-            tlin.gemm(x, w, None, torch.bfloat16, cfg=cfg, path=path)
+            tlin.gemm(x, w, None, torch.bfloat16, cfg=cfg, path=path, tiles_by_m=tiles_by_m)
 
     t_ref = bench(ref) / len(ws)
     t_ours = bench(ours) / len(ws)
@@ -72,21 +72,22 @@ def time_gemm_pair(m, n, k, cfg=None, path=None):
             "cublas_tflops": flops / t_ref * 1e-9, "ours_tflops": flops / t_ours * 1e-9, "ratio": t_ref / t_ours}
 
 
-def run_gemm(ms):
+def run_gemm(ms, tiles_by_m=False):
     rows = []
     for name, (n, k) in GEMM_SHAPES.items():
         for m in ms:
-            r = time_gemm_pair(m, n, k)
+            r = time_gemm_pair(m, n, k, tiles_by_m=tiles_by_m)
             r["shape"] = name
-            r["config"] = tlin.config_for(n, k, torch.bfloat16)
+            r["config"] = tlin.config_for(n, k, torch.bfloat16, m, tiles_by_m)
+            r["tiles_by_m"] = tiles_by_m
             rows.append(r)
-            print(f"GEMM {name:32s} M={m:5d}  cuBLAS {r['cublas_tflops']:7.1f}  ours {r['ours_tflops']:7.1f} TFLOP/s"
+            print(f"GEMM{'[by-M]' if tiles_by_m else ''} {name:32s} M={m:5d}  cuBLAS {r['cublas_tflops']:7.1f}  ours {r['ours_tflops']:7.1f} TFLOP/s"
                   f"  ratio {r['ratio']:.3f}", flush=True)
     return rows
 
 
 def run_sweep():
-    cands = {
+    cands = {} if os.environ.get("SWEEP_SKINNY_ONLY") else {
         "128x128x64 s4": lambda sps: tlin._cfg(128, 128, 64, sps, 8, 4),
         "128x128x128 s3": lambda sps: tlin._cfg(128, 128, 128, max(1, sps // 2), 8, 3),
         "128x256x64 s3 nosplit": lambda sps: tlin._cfg(128, 256, 64, 10 ** 6, 8, 3),
@@ -107,12 +108,20 @@ def run_sweep():
                 print(f"SWEEP N={n} K={k} {cname:24s} split_steps={sps}  " +
                       "  ".join(f"M={m}: {v if isinstance(v, str) else f'{v:.3f}'}" for m, v in res.items()), flush=True)
                 out.append({"N": n, "K": k, "config": cname, "split_steps": sps, "ratios": res})
-    # schedule crossover (numerics-neutral): split-parallel vs split-serial
-    for m in (256, 512, 1024):
-        for path in ("serial", "parallel"):
-            r = time_gemm_pair(m, 4096, 4096, path=path)
-            print(f"PATH M={m} {path:8s} ratio {r['ratio']:.3f}", flush=True)
-            out.append({"M": m, "path": path, "ratio": r["ratio"]})
+    # opt-in small-M tiles (no split, BLOCK_K 64): numerics-identical to 128x256x64 no-split
+    skinny = [(64, 32, 4, 8), (64, 64, 4, 6), (64, 64, 4, 8), (64, 128, 4, 4), (64, 128, 4, 6)]
+    for (n, k) in ((4096, 4096), (6144, 4096), (28672, 4096)):
+        for bm, bn, w, st in skinny:
+            cfg = tlin._cfg(bm, bn, 64, 10 ** 6, w, st)
+            res = {}
+            for m in (16, 64, 256):
+                try:
+                    res[m] = time_gemm_pair(m, n, k, cfg=cfg)["ratio"]
+                except Exception as e:  # noqa: BLE001
+                    res[m] = f"error: {type(e).__name__}: {str(e)[:80]}"
+            print(f"SKINNY N={n} K={k} {bm}x{bn} w{w} st{st}  " +
+                  "  ".join(f"M={m}: {v if isinstance(v, str) else f'{v:.3f}'}" for m, v in res.items()), flush=True)
+            out.append({"N": n, "K": k, "skinny": [bm, bn, w, st], "ratios": res})
     return out
 
 
@@ -200,10 +209,20 @@ def markdown(res) -> str:
              "## GEMM (bf16 in/out) vs torch.mm (cuBLAS)", "",
              "| shape (N x K) | M | cuBLAS TFLOP/s | ours TFLOP/s | ratio | config (BMxBNxBK, split steps, warps, stages) |",
              "| --- | ---: | ---: | ---: | ---: | --- |"]
-    for r in res.get("gemm", []):
-        c = r["config"]
-        lines.append(f"| {r['shape']} | {r['M']} | {r['cublas_tflops']:.1f} | {r['ours_tflops']:.1f} | {r['ratio']:.3f} | "
-                     f"{c['BM']}x{c['BN']}x{c['BK']}, {c['SPLIT_STEPS']}, {c['W']}, {c['S']} |")
+    def gemm_rows(rows):
+        out = []
+        for r in rows:
+            c = r["config"]
+            sps = "no split" if c["SPLIT_STEPS"] >= 1 << 19 else c["SPLIT_STEPS"]
+            out.append(f"| {r['shape']} | {r['M']} | {r['cublas_tflops']:.1f} | {r['ours_tflops']:.1f} | {r['ratio']:.3f} | "
+                       f"{c['BM']}x{c['BN']}x{c['BK']}, {sps}, {c['W']}, {c['S']} |")
+        return out
+
+    lines += gemm_rows(res.get("gemm", []))
+    if res.get("gemm_tiles_by_m"):
+        lines += ["", "### Opt-in: tile shape by M class (`MC_GEMM_TILES_BY_M=1`; numerics fixed per (N, K), tile shape per M)", "",
+                  lines[6], lines[7]]
+        lines += gemm_rows(res["gemm_tiles_by_m"])
     lines += ["", "## Attention vs SDPA (flash backend)", "", "| case | SDPA | ours | ratio |", "| --- | ---: | ---: | ---: |"]
     for r in res.get("attention", []):
         if "sdpa_tflops" in r:
@@ -222,6 +241,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--tiles-by-m", action="store_true", help="also time the opt-in M-class tile table")
     ap.add_argument("--quick", action="store_true", help="GEMM at K=N=4096 only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -237,6 +257,8 @@ def main():
             global GEMM_SHAPES
             GEMM_SHAPES = {"4096x4096": (4096, 4096)}
         res["gemm"] = run_gemm(GEMM_MS)
+        if args.tiles_by_m:
+            res["gemm_tiles_by_m"] = run_gemm(GEMM_MS, tiles_by_m=True)
         res["attention"] = run_attention()
         res["small_ops"] = run_small_ops()
         with open(os.path.join(args.out, f"gpu_{date}.json"), "w") as f:

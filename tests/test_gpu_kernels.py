@@ -79,6 +79,22 @@ def test_gemm_schedules_and_loads_bitwise_equal(n, k, m):
         assert _bits_equal(o, outs[0])
 
 
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (28672, 4096)])
+def test_gemm_tiles_by_m_bitwise_equal_across_classes(n, k):
+    """Opt-in table: every M-class tile shape gives the bits of the large-M tile (same BLOCK_K/split)."""
+    bk, sps, classes = tlin.TILES_BY_M_TABLE[(n, k, torch.bfloat16)]
+    torch.manual_seed(3)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05
+    x = torch.randn(1024, k, device=DEV, dtype=torch.bfloat16)
+    full = tlin.gemm(x, w, None, torch.float32, tiles_by_m=True)  # large-M class
+    for m in (1, 16, 64, 200, 256):
+        assert _bits_equal(tlin.gemm(x[:m], w, None, torch.float32, tiles_by_m=True), full[:m]), m
+    for _, bm, bn, wp, st in classes:
+        cfg = tlin._cfg(bm, bn, bk, sps, wp, st)
+        assert _bits_equal(tlin.gemm(x[:300], w, None, torch.float32, cfg=cfg), full[:300]), (bm, bn)
+        assert _bits_equal(tlin.gemm(x[:300], w, None, torch.float32, cfg=cfg, use_tma=False), full[:300]), (bm, bn)
+
+
 def test_gemm_vs_cpu_contract():
     torch.manual_seed(2)
     x = torch.randn(8, 1024, dtype=torch.bfloat16)

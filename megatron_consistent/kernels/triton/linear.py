@@ -53,14 +53,31 @@ def _cfg(bm, bn, bk, split_steps, warps, stages, group=8):
 
 
 _BF16 = torch.bfloat16
+_NOSPLIT = 1 << 20
+
+# Default table (the rule): ONE tile config per (N, K, dtype), whatever M is.
+# Picked from the offline sweep on an H200 (benchmarks/results/, docs/benchmarks.md).
 CONFIG_TABLE: dict[tuple[int, int, torch.dtype], dict] = {
-    # filled from the offline sweep on an H200 (benchmarks/bench_gpu.py --sweep)
-    (4096, 4096, _BF16): _cfg(128, 128, 64, 16, 8, 4),
-    (6144, 4096, _BF16): _cfg(128, 128, 64, 32, 8, 4),
-    (28672, 4096, _BF16): _cfg(128, 128, 64, 64, 8, 4),
-    (14336, 4096, _BF16): _cfg(128, 128, 64, 64, 8, 4),
-    (4096, 14336, _BF16): _cfg(128, 128, 64, 56, 8, 4),
+    (4096, 4096, _BF16): _cfg(128, 128, 128, 16, 8, 3),  # 2 splits of 2048
+    (6144, 4096, _BF16): _cfg(128, 128, 64, 32, 8, 4),  # 2 splits of 2048
+    (28672, 4096, _BF16): _cfg(128, 256, 64, _NOSPLIT, 8, 3),  # 224 N tiles: no split needed
+    (14336, 4096, _BF16): _cfg(128, 256, 64, _NOSPLIT, 8, 3),
+    (4096, 14336, _BF16): _cfg(128, 128, 64, 56, 8, 4),  # 4 splits of 3584
 }
+
+# Opt-in table (MC_GEMM_TILES_BY_M=1): the numerics (BLOCK_K, split) are still fixed per
+# (N, K, dtype), but the tile *shape* is picked by an M class.  A tile shape does not
+# enter a single element's arithmetic (each element is the same chain of 16-wide tensor
+# core steps), which tests/test_gpu_kernels.py checks bitwise across all classes; this
+# departs from the literal rule and is therefore off by default.
+# entry: (BK, SPLIT_STEPS, [(max_M, BM, BN, warps, stages), ...] with max_M None = the rest)
+TILES_BY_M_TABLE: dict[tuple[int, int, torch.dtype], tuple] = {
+    (4096, 4096, _BF16): (64, _NOSPLIT, [(64, 64, 64, 4, 8), (256, 64, 128, 4, 6), (None, 128, 256, 8, 3)]),
+    (6144, 4096, _BF16): (64, _NOSPLIT, [(16, 64, 128, 4, 6), (64, 64, 64, 4, 8), (256, 64, 128, 4, 6),
+                                         (None, 128, 256, 8, 3)]),
+    (28672, 4096, _BF16): (64, _NOSPLIT, [(64, 64, 128, 4, 6), (None, 128, 256, 8, 3)]),
+}
+TILES_BY_M = os.environ.get("MC_GEMM_TILES_BY_M", "") == "1"
 
 
 def default_config(n: int, k: int, dtype: torch.dtype) -> dict:
@@ -75,7 +92,13 @@ def default_config(n: int, k: int, dtype: torch.dtype) -> dict:
     return _cfg(bm, bn, bk, split_steps, 8, 4 if dtype != torch.float32 else 3)
 
 
-def config_for(n: int, k: int, dtype: torch.dtype) -> dict:
+def config_for(n: int, k: int, dtype: torch.dtype, m: int | None = None, tiles_by_m: bool | None = None) -> dict:
+    tiles_by_m = TILES_BY_M if tiles_by_m is None else tiles_by_m
+    if tiles_by_m and (n, k, dtype) in TILES_BY_M_TABLE:
+        bk, sps, classes = TILES_BY_M_TABLE[(n, k, dtype)]
+        for max_m, bm, bn, w, st in classes:
+            if max_m is None or (m is not None and m <= max_m):
+                return _cfg(bm, bn, bk, sps, w, st)
     cfg = CONFIG_TABLE.get((n, k, dtype))
     return dict(cfg) if cfg is not None else default_config(n, k, dtype)
 
@@ -159,14 +182,15 @@ def _gemm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             acc = _split_acc(a_src, b_src, off_m, off_n, k0, n_steps, M, N, K, stride_am, stride_bn,
                              BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION)
             ws_tile = ws_ptr + tile.to(tl.int64) * (SPLITS * BM * BN)
-            tl.store(ws_tile + s * (BM * BN) + rbm[:, None] * BN + rbn[None, :], acc)
+            pmask = (off_m + rbm[:, None]) < M
+            tl.store(ws_tile + s * (BM * BN) + rbm[:, None] * BN + rbn[None, :], acc, mask=pmask)
             tl.debug_barrier()
             done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if done == SPLITS - 1:
                 total = tl.zeros((BM, BN), dtype=tl.float32)
                 for s2 in tl.static_range(SPLITS):
                     part = tl.load(ws_tile + s2 * (BM * BN) + rbm[:, None] * BN + rbn[None, :],
-                                   cache_modifier=".cg")
+                                   mask=pmask, other=0.0, cache_modifier=".cg")
                     total = total + part
                 _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
@@ -217,7 +241,8 @@ _FORCE_NO_TMA = os.environ.get("MC_GEMM_NO_TMA", "") == "1"
 
 
 def gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-         cfg: dict | None = None, path: str | None = None, use_tma: bool | None = None) -> torch.Tensor:
+         cfg: dict | None = None, path: str | None = None, use_tma: bool | None = None,
+         tiles_by_m: bool | None = None) -> torch.Tensor:
     m, k = x2d.shape
     n = weight.shape[0]
     if x2d.dtype != weight.dtype:
@@ -234,14 +259,14 @@ def gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         if bias is not None:
             out += bias.to(out_dtype)
         return out
-    cfg = cfg or config_for(n, k, weight.dtype)
+    cfg = cfg or config_for(n, k, weight.dtype, m, tiles_by_m)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     k_steps = triton.cdiv(k, bk)
     split_steps = min(cfg["SPLIT_STEPS"], k_steps)
     splits = triton.cdiv(k_steps, split_steps)
     num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     sms = num_sms(device_index(x2d))
-    path = path or _FORCE_PATH or ("parallel" if splits > 1 and num_tiles * 4 <= sms * 3 else "serial")
+    path = path or _FORCE_PATH or ("parallel" if splits > 1 and num_tiles * 3 <= sms else "serial")
     parallel = path == "parallel" and splits > 1
     if use_tma is None:
         use_tma = not _FORCE_NO_TMA and _tma_ok(x2d) and _tma_ok(weight)
