@@ -52,6 +52,6 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, _BACKEND_CLASS)
     patch_sampler()
     _state["registered"] = True
-    init_logger(__name__).info(
+    init_logger("vllm.plugins.megatron_consistent").info(
         "megatron-consistent plugin active (pid %d): %s -> consistent model, CPU_ATTN -> consistent attention, "
         "log-probs -> consistent log_softmax", os.getpid(), ", ".join(SUPPORTED_ARCHITECTURES))

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.attention import Attention
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import add_residual, apply_rope, compute_logits, linear, rms_norm, silu_and_mul
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.plugins.megatron_consistent.model")
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

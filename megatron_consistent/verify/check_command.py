@@ -1,0 +1,34 @@
+"""``megatron-consistent check`` arguments and entry point."""
+
+from __future__ import annotations
+
+import os
+
+_KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
+         "logprobs_mode", "out_dir", "json"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--config", help="YAML with CheckConfig fields (flags override it)")
+    p.add_argument("--hf-config", dest="hf_config", help="folder with config.json, or the file (weights: random, seeded)")
+    p.add_argument("--num-prompts", dest="num_prompts", type=int)
+    p.add_argument("--max-tokens", dest="max_tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int, help="small values force chunked prefill")
+    p.add_argument("--mode", choices=["consistent", "baseline", "both"])
+    p.add_argument("--logprobs-mode", dest="logprobs_mode", choices=["processed", "raw"])
+    p.add_argument("--out-dir", dest="out_dir")
+    p.add_argument("--json", help="write the JSON report here (default: OUT_DIR/check.json)")
+
+
+def run(args) -> int:
+    from .check import load_check_config, render, run_check, write_report
+
+    cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
+    report = run_check(cfg)
+    print(render(report))
+    path = cfg.json or os.path.join(cfg.out_dir, "check.json")
+    write_report(report, path)
+    print(f"report: {path}")
+    return 1 if "consistent" in report and not report["zero_mismatch"] else 0
