@@ -2,8 +2,9 @@
 
 Profiles (select with ``HYPOTHESIS_PROFILE=<name>``):
 
-* ``ci`` (loaded unless the variable says otherwise) — what CI runs: few examples, no deadline (CPU kernels written in
-  plain torch are slow and their timing varies), no database writes needed.
+* ``ci`` (loaded unless the variable says otherwise) — what CI runs: 20
+  examples per property, no deadline (CPU kernels written in plain torch are
+  slow and their timing varies with machine load).
 * ``thorough`` — many more examples, for a local soak run.
 
 Property tests normally rely on the profile's ``max_examples``; a test that is
@@ -55,24 +56,3 @@ def _restore_torch_state():
     yield
     torch.set_num_threads(threads)
     torch.set_rng_state(rng)
-
-
-def make_generator(seed: int) -> torch.Generator:
-    """A CPU generator seeded with ``seed`` (tests draw the seed with hypothesis so failures replay)."""
-    return torch.Generator().manual_seed(seed)
-
-
-@pytest.fixture(scope="session")
-def randn():
-    """``randn(shape, dtype, seed_or_generator, scale=1.0)``: standard-normal data rounded to ``dtype``.
-
-    Data are drawn in float32 from an explicit generator (never the global RNG)
-    and then rounded, so the same seed gives the same tensor in every dtype
-    family up to that rounding.
-    """
-
-    def _randn(shape, dtype=torch.float32, gen=0, scale: float = 1.0):
-        g = make_generator(gen) if isinstance(gen, int) else gen
-        return (torch.randn(*shape, generator=g, dtype=torch.float32) * scale).to(dtype)
-
-    return _randn

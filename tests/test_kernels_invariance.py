@@ -1,4 +1,5 @@
-"""Bitwise invariance of the CPU kernels (every comparison is ``torch.equal``).
+"""Bitwise invariance of the CPU kernels (every comparison is ``torch.equal``: identical values,
+dtype and shape — the bits, up to the sign of a zero).
 
 What must not change a row's bits: how many rows share the call and where the
 row sits among them, the thread count, how a sequence is cut into prefill
@@ -33,6 +34,7 @@ from megatron_consistent.kernels import (
     compute_logits,
     dispatch,
     gather_kv,
+    gather_logprobs,
     linear,
     log_softmax,
     rms_norm,
@@ -75,7 +77,7 @@ def _as_tuple(out):
 
 
 def _differences(a, b) -> str | None:
-    """None when every tensor of ``a`` has the same bits (values, shape, dtype) as in ``b``; else a description."""
+    """None when every tensor of ``a`` equals (``torch.equal``, same dtype and shape) its peer in ``b``; else a description."""
     for i, (x, y) in enumerate(zip(_as_tuple(a), _as_tuple(b), strict=True)):
         if x.dtype != y.dtype or x.shape != y.shape:
             return f"output {i}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}"
@@ -111,10 +113,10 @@ def batch_invariance_violation(op, row, others, position, threads_alone, threads
     return _differences(alone, in_batch)
 
 
-def rows_and_position(draw_or_data, gen, row_shape, dtype, max_batch=24, scale=1.0):
-    """Draw a batch size and a position; return (row, others, position)."""
-    n_others = draw_or_data.draw(st.integers(0, max_batch - 1), label="other rows")
-    position = draw_or_data.draw(st.integers(0, n_others), label="position")
+def rows_and_position(data, gen, row_shape, dtype, max_batch=24, scale=1.0):
+    """Draw a batch size (1..max_batch) and the row's position in it; return (row, other rows, position)."""
+    n_others = data.draw(st.integers(0, max_batch - 1), label="other rows")
+    position = data.draw(st.integers(0, n_others), label="position")
     row = _randn(gen, *row_shape, dtype=dtype, scale=scale)
     others = _randn(gen, n_others, *row_shape, dtype=dtype, scale=scale)
     return row, others, position
@@ -536,14 +538,22 @@ def test_log_softmax_row_alone_vs_in_batch(data, seed, vocab, temperature, logit
     row, others, position = rows_and_position(data, gen, (vocab,), logit_dtype, max_batch=8, scale=scale)
     op = lambda batch: log_softmax(batch, temperature)  # noqa: E731
     assert batch_invariance_violation(op, row, others, position, t_alone, t_batch, torch_threads) is None
+    # One temperature per row ([rows, 1]): the row keeps its bits beside rows sampled at other temperatures.
+    row_t = torch.cat([row.float(), torch.tensor([temperature])])
+    others_t = torch.cat([others.float(), torch.rand(len(others), 1, generator=gen) + 0.5], dim=1)
+    op_t = lambda batch: log_softmax(batch[:, :-1].to(logit_dtype), batch[:, -1:])  # noqa: E731
+    assert batch_invariance_violation(op_t, row_t, others_t, position, t_alone, t_batch, torch_threads) is None
+    assert torch.equal(op_t(row_t[None]), op(row[None]))  # a [1, 1] temperature tensor == the same number
 
 
-@given(seed=seeds, vocab=odd_vocab, scale=st.sampled_from([1.0, 8.0]))
+@given(seed=seeds, vocab=st.integers(0, 3000).map(lambda n: 2 * n + 1), scale=st.sampled_from([1.0, 8.0]))
 def test_log_softmax_temperature_is_one_ieee_division(seed, vocab, scale):
     """Contract: temperature T divides the float32 logits by float32(T) once, then the T=1 path runs."""
-    z = _randn(_gen(seed), 3, vocab, scale=scale)
+    z = _randn(_gen(seed), 2, vocab, scale=scale)
     t32 = torch.tensor(0.7, dtype=torch.float32)
     assert torch.equal(log_softmax(z, 0.7), log_softmax(z / t32, 1.0))
+    per_row = torch.tensor([[0.7], [1.3]])
+    assert torch.equal(log_softmax(z, per_row), torch.cat([log_softmax(z[:1], 0.7), log_softmax(z[1:] / per_row[1], 1.0)]))
     assert torch.equal(log_softmax(z, 0.0), log_softmax(z, 1.0))  # greedy (T <= 0) is treated as T = 1
 
 
@@ -568,4 +578,38 @@ def test_token_logprobs_row_alone_vs_in_batch(data, seed, hidden, vocab, dtype, 
     lp = token_logprobs(h, lm_head, tok, temperature)
     ref = log_softmax(compute_logits(h, lm_head), temperature).gather(-1, tok[..., None])[..., 0]
     assert lp.dtype == torch.float32 and torch.equal(lp, ref)
+    assert torch.equal(gather_logprobs(compute_logits(h, lm_head), tok, temperature), lp)
     assert torch.equal(lp, token_logprobs(h, lm_head, tok, temperature))  # repeat
+
+
+# --------------------------------------------------------------------------- repeated runs
+
+
+def _every_op(gen, dtype):
+    """One call of each op on fixed random inputs, as (name, thunk)."""
+    x = _randn(gen, 5, 96, dtype=dtype)
+    w = _randn(gen, 40, 96, dtype=dtype)
+    q, k, v = _qkv(gen, 45, 4, 2, 16, dtype)
+    positions = torch.randint(0, 512, (45,), generator=gen)
+    cfg = RopeConfig(16, 512, style="gptj", scaling=LLAMA3_SCALING)
+    tokens = torch.randint(0, 40, (5,), generator=gen)
+    return [
+        ("linear", lambda: linear(x, w, w[:, 0], out_dtype=torch.float32)),
+        ("rms_norm", lambda: rms_norm(x, w[0], 1e-6, residual=x.flip(0))),
+        ("silu_and_mul", lambda: silu_and_mul(x)),
+        ("rope", lambda: apply_rope(q[0], positions, cfg)),
+        ("attention", lambda: attention(q, k, v, causal_positions(1, 45))),
+        ("log_softmax", lambda: log_softmax(_randn(_gen(1), 5, 1001), 0.7)),
+        ("token_logprobs", lambda: token_logprobs(x, w, tokens, 0.7)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repeated_runs_give_identical_bits(dtype, torch_threads):
+    for name, thunk in _every_op(_gen(11), dtype):
+        runs = []
+        for n in (1, 2, 2, 1):
+            with torch_threads(n):
+                runs.append(thunk())
+        for later in runs[1:]:
+            assert _differences(runs[0], later) is None, name
