@@ -46,39 +46,51 @@ def _expand_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
 @register("attention", "cpu")
 def _attention_cpu(q, k, v, q_positions, k_lengths, scale):
     b, tq, hq, d = q.shape
-    tk = k.shape[1]
+    tk, hkv = k.shape[1], k.shape[2]
+    grp = hq // hkv
     tkp = ceil_to(max(tk, 1), KV_BLOCK)
-    kf = torch.nn.functional.pad(_expand_heads(k, hq), (0, 0, 0, tkp - tk))
-    vf = torch.nn.functional.pad(_expand_heads(v, hq), (0, 0, 0, tkp - tk))
-    qf = q.to(torch.float32).transpose(1, 2)  # [B, Hq, Tq, D]
-    out = torch.empty(b, hq, tq, d, dtype=torch.float32)
-    lse = torch.empty(b, hq, tq, dtype=torch.float32)
-    rows = max(1, _CHUNK_ELEMENTS // max(1, b * hq * KV_BLOCK * d))
+    if tkp != tk:
+        k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, tkp - tk))
+        v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, tkp - tk))
+    nblk = tkp // KV_BLOCK
+    kb_all = k.view(b, nblk, KV_BLOCK, hkv, d)
+    vb_all = v.view(b, nblk, KV_BLOCK, hkv, d)
+    # query head h = kv_head * grp + g reads kv head h // grp
+    qf = q.to(torch.float32).view(b, tq, hkv, grp, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, grp, Tq, D]
+    out = torch.empty(b, hkv, grp, tq, d, dtype=torch.float32)
+    lse = torch.empty(b, hkv, grp, tq, dtype=torch.float32)
+    rows = max(1, _CHUNK_ELEMENTS // max(1, b * hq * tkp * d))
     for r0 in range(0, tq, rows):
-        qc = qf[:, :, r0 : r0 + rows]
+        qc = qf[:, :, :, r0 : r0 + rows]
         pos = q_positions[:, r0 : r0 + rows]
-        needed = min(tk, int(pos.max()) + 1) if pos.numel() else 0
-        m = torch.full(qc.shape[:3], -math.inf)
-        l = torch.zeros(qc.shape[:3])
+        needed = -(-min(tk, int(pos.max()) + 1) // KV_BLOCK) if pos.numel() else 0
+        group = max(1, _CHUNK_ELEMENTS // max(1, b * hq * qc.shape[3] * KV_BLOCK * d))
+        m = torch.full(qc.shape[:4], -math.inf)
+        l = torch.zeros(qc.shape[:4])
         acc = torch.zeros(qc.shape)
-        for j0 in range(0, max(needed, 0), KV_BLOCK):
-            kb = kf[:, :, j0 : j0 + KV_BLOCK]
-            vb = vf[:, :, j0 : j0 + KV_BLOCK]
-            s = tree_sum(qc[:, :, :, None, :] * kb[:, :, None, :, :]) * scale  # [B, Hq, Tq, KB]
-            kpos = torch.arange(j0, j0 + KV_BLOCK)
-            visible = (kpos[None, None, :] <= pos[:, :, None]) & (kpos[None, None, :] < k_lengths[:, None, None])
-            s = torch.where(visible[:, None], s, -math.inf)
-            m_new = torch.maximum(m, s.amax(-1))
-            m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            alpha = exp(m - m_ref)
-            p = exp(s - m_ref[..., None])
-            l = l * alpha + tree_sum(p)
-            acc = acc * alpha[..., None] + tree_sum(p[..., None] * vb[:, :, None, :, :], dim=-2)
-            m = m_new
+        for g0 in range(0, needed, group):
+            g1 = min(needed, g0 + group)
+            kg = kb_all[:, g0:g1].to(torch.float32).permute(0, 3, 1, 2, 4)[:, :, None, None]  # [B,Hkv,1,1,G,KB,D]
+            vg = vb_all[:, g0:g1].to(torch.float32).permute(0, 3, 1, 4, 2)[:, :, None, None]  # [B,Hkv,1,1,G,D,KB]
+            # Everything below is elementwise per (query, block); only the l/acc recurrence is sequential.
+            s = tree_sum(qc[:, :, :, :, None, None, :] * kg) * scale  # [B, Hkv, grp, Tq, G, KB]
+            kpos = torch.arange(g0 * KV_BLOCK, g1 * KV_BLOCK).view(g1 - g0, KV_BLOCK)
+            visible = (kpos[None, None] <= pos[:, :, None, None]) & (kpos[None, None] < k_lengths[:, None, None, None])
+            s = torch.where(visible[:, None, None], s, -math.inf)
+            m_blk = torch.cummax(torch.cat([m[..., None], s.amax(-1)], dim=-1), dim=-1).values  # running max, exact
+            m_ref = torch.where(torch.isinf(m_blk), torch.zeros_like(m_blk), m_blk)
+            alpha = exp(m_blk[..., :-1] - m_ref[..., 1:])
+            p = exp(s - m_ref[..., 1:, None])
+            p_sum = tree_sum(p)
+            pv = tree_sum(p[..., None, :] * vg)  # [B, Hkv, grp, Tq, G, D]
+            for j in range(g1 - g0):
+                l = l * alpha[..., j] + p_sum[..., j]
+                acc = acc * alpha[..., j, None] + pv[..., j, :]
+            m = m_blk[..., -1]
         empty = l == 0
-        out[:, :, r0 : r0 + rows] = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, l)[..., None])
-        lse[:, :, r0 : r0 + rows] = torch.where(empty, -math.inf, m + log(l))
-    return out.transpose(1, 2).to(q.dtype), lse
+        out[:, :, :, r0 : r0 + rows] = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, l)[..., None])
+        lse[:, :, :, r0 : r0 + rows] = torch.where(empty, -math.inf, m + log(l))
+    return out.reshape(b, hq, tq, d).transpose(1, 2).to(q.dtype), lse.reshape(b, hq, tq)
 
 
 def _visible_mask(q_positions, k_lengths, tk):
