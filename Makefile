@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .setup-done
 
-.PHONY: setup check test bench clean
+.PHONY: setup check check-all test bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,14 @@ $(STAMP): setup.cfg pyproject.toml
 
 check: setup
 	$(PYTHON) -m megatron_consistent.cli check --json runs/check.json
+
+# The issue-#3 matrix: every shipped tiny config at temperature 1.0 and 0.7, 64 prompts x 64 tokens, both paths.
+CHECK_MODELS := tiny-llama tiny-qwen2-mqa tiny-qwen3-qknorm-tied tiny-llama3-rope-oddvocab tiny-mistral-gqa
+check-all: setup
+	@for m in $(CHECK_MODELS); do for t in 1.0 0.7; do \
+		$(PYTHON) -m megatron_consistent.cli check --hf-config megatron_consistent/configs/models/$$m --temperature $$t \
+			--out-dir runs/check-all/$$m-t$$t || exit 1; \
+	done; done
 
 test: setup
 	$(PYTHON) -m pytest -q tests
