@@ -14,20 +14,26 @@ import sys
 
 COMMANDS = {
     "check": ("megatron_consistent.verify.check_command", "rollout (vLLM) vs recompute (Megatron) log-probs: zero mismatch end to end"),
+    "diagnose": ("megatron_consistent.verify.diagnose_command", "first divergent layer/op and token between vLLM and Megatron for one request"),
+    "gates": ("megatron_consistent.verify.gates_command", "release gates C0-C10 in order, stopping at the first failure"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="megatron-consistent", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
-    for name, (module, help_text) in COMMANDS.items():
-        modules[name] = importlib.import_module(module)
-        modules[name].add_arguments(sub.add_parser(name, help=help_text))
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    module = None
+    for name, (path, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:  # only the invoked command's module is imported
+            module = importlib.import_module(path)
+            module.add_arguments(p)
     args = parser.parse_args(argv)
     try:
-        return modules[args.command].run(args)
+        return module.run(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-consistent {args.command}: error: {e}", file=sys.stderr)
         return 2
