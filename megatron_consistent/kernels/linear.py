@@ -61,7 +61,7 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, out_dtype):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         x2d = x.reshape(-1, x.shape[-1])
         y = implementation("linear", x.device)(x2d, weight, bias, out_dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -76,8 +76,8 @@ class LinearFunction(torch.autograd.Function):
             grad_x = (g @ weight.to(torch.float32)).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             grad_w = (g.t() @ x2d).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
 
 
