@@ -45,6 +45,7 @@ class ConsistentCoreAttention(nn.Module):
     """Megatron core-attention interface; bind a :class:`RopeConfig` with :func:`consistent_core_attention`."""
 
     rope: RopeConfig | None = None
+    capture = None  # diagnostics: a callable(q_rot, k_rot) set on an instance by verify.diagnose; None = off
 
     def __init__(
         self,
@@ -89,6 +90,8 @@ class ConsistentCoreAttention(nn.Module):
         positions = kernels.causal_positions(q.shape[0], q.shape[1], device=q.device)
         q = kernels.apply_rope(q, positions, self.rope)
         k = kernels.apply_rope(k, positions, self.rope)
+        if self.capture is not None:
+            self.capture(q, k)
         return kernels.attention(q, k, v, positions, scale=self.softmax_scale)
 
     @staticmethod

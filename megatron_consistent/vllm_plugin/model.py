@@ -12,10 +12,19 @@ The op sequence is the one the Megatron-Core layers of
 
 The linear's output columns are independent of each other, so fusing q/k/v
 (and gate/up) rows in a different order than Megatron does changes no bit.
+
+Diagnostics (off by default, one ``is None`` test per op when off):
+``MEGATRON_CONSISTENT_CAPTURE=<folder>`` in the worker's environment installs
+:class:`megatron_consistent.verify.capture.EngineCapture` as :data:`CAPTURE`,
+which records every op's output (see ``verify/diagnose.py``);
+``MEGATRON_CONSISTENT_FAULT=layer<i>.<op>`` (op: qkv, o_proj, gate_up, down)
+replaces that one linear by a split-K matmul (partials rounded) — a deliberate
+non-contract op for testing the diagnosis.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -29,6 +38,23 @@ from ..kernels import add_residual, apply_rope, compute_logits, linear, rms_norm
 
 logger = init_logger("vllm.plugins.megatron_consistent.model")
 
+CAPTURE_ENV, FAULT_ENV = "MEGATRON_CONSISTENT_CAPTURE", "MEGATRON_CONSISTENT_FAULT"
+CAPTURE = None  # callable (op name, tensor) plus begin/end/logits; installed only when CAPTURE_ENV is set
+
+
+def _fault_linear(x, w, b=None):
+    """Deliberately outside the contract: split-K matmul, each half's partial sum rounded to the model dtype."""
+    k = x.shape[-1] // 2
+    y = (x[..., :k].float() @ w[:, :k].float().t()).to(x.dtype) + (x[..., k:].float() @ w[:, k:].float().t()).to(x.dtype)
+    return y if b is None else (y.float() + b.float()).to(x.dtype)
+
+
+def _linears(idx: int) -> dict:
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault:
+        logger.warning("megatron-consistent: %s=%s — injected fault active", FAULT_ENV, fault)
+    return {op: _fault_linear if fault == f"layer{idx}.{op}" else linear for op in ("qkv", "o_proj", "gate_up", "down")}
+
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
@@ -41,6 +67,8 @@ class ConsistentDecoderLayer(nn.Module):
         super().__init__()
         a, dt = arch, arch.torch_dtype
         self.arch = arch
+        self.idx = int(prefix.rsplit(".", 1)[-1])
+        self.lin = _linears(self.idx)
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.input_layernorm = _param(a.hidden_size, dtype=dt)
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, a.hidden_size, dtype=dt)
@@ -55,23 +83,32 @@ class ConsistentDecoderLayer(nn.Module):
                               cache_config=cache_config, prefix=f"{prefix}.self_attn.attn")
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        a = self.arch
+        a, lin, cap, i = self.arch, self.lin, CAPTURE, self.idx
         t = h.shape[0]
         x = rms_norm(h, self.input_layernorm, a.rms_norm_eps)
-        qkv = linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = lin["qkv"](x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, a.num_heads, a.head_dim)
         k = k.reshape(t, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
             q = rms_norm(q, self.q_norm, a.rms_norm_eps)
             k = rms_norm(k, self.k_norm, a.rms_norm_eps)
+            if cap is not None:
+                cap(f"layer{i}.q_norm", q), cap(f"layer{i}.k_norm", k)
         q = apply_rope(q, positions, a.rope)
         k = apply_rope(k, positions, a.rope)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
-        h = add_residual(linear(o, self.o_proj), h)
-        x = rms_norm(h, self.post_attention_layernorm, a.rms_norm_eps)
-        m = linear(silu_and_mul(linear(x, self.gate_up_proj)), self.down_proj)
-        return add_residual(m, h)
+        ho = add_residual(o_proj := lin["o_proj"](o, self.o_proj), h)
+        x2 = rms_norm(ho, self.post_attention_layernorm, a.rms_norm_eps)
+        gu = lin["gate_up"](x2, self.gate_up_proj)
+        act = silu_and_mul(gu)
+        m = lin["down"](act, self.down_proj)
+        out = add_residual(m, ho)
+        if cap is not None:
+            for name, val in (("input_norm", x), ("qkv", qkv), ("rope_q", q), ("rope_k", k), ("attention", o), ("o_proj", o_proj),
+                              ("residual_attn", ho), ("post_norm", x2), ("gate_up", gu), ("act", act), ("down", m), ("residual_mlp", out)):
+                cap(f"layer{i}.{name}", val)
+        return out
 
 
 class ConsistentForCausalLM(nn.Module):
@@ -95,6 +132,11 @@ class ConsistentForCausalLM(nn.Module):
             ConsistentDecoderLayer(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dt)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        if os.environ.get(CAPTURE_ENV):
+            global CAPTURE
+            from ..verify.capture import EngineCapture
+
+            CAPTURE = EngineCapture(os.environ[CAPTURE_ENV])
         logger.info("megatron-consistent: %s runs on the consistent kernels (bitwise-matching the Megatron trainer)",
                     arch.architecture)
 
@@ -103,12 +145,23 @@ class ConsistentForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        cap = CAPTURE
+        if cap is not None:
+            cap.begin(input_ids, positions)
+            cap("embed", h)
         for layer in self.layers:
             h = layer(positions, h)
-        return rms_norm(h, self.norm, self.arch.rms_norm_eps)
+        out = rms_norm(h, self.norm, self.arch.rms_norm_eps)
+        if cap is not None:
+            cap("final_norm", out)
+            cap.end()
+        return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return compute_logits(hidden_states, self.lm_head)
+        logits = compute_logits(hidden_states, self.lm_head)
+        if CAPTURE is not None:
+            CAPTURE.logits(hidden_states, logits)
+        return logits
 
     # --- weights in HF layout -------------------------------------------------------------
     def hf_targets(self) -> dict[str, torch.Tensor]:

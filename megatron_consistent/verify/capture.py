@@ -1,0 +1,264 @@
+"""Per-op captures inside a vLLM engine, for ``megatron-consistent diagnose``.
+
+Engine side (runs in vLLM's worker process):
+
+* :class:`EngineCapture` is installed by the plugin model
+  (``vllm_plugin/model.py``) when ``MEGATRON_CONSISTENT_CAPTURE=<folder>`` is in
+  the worker's environment.  Every model forward (a prefill chunk or a decode
+  step) becomes one file ``step<NNNNN>.safetensors`` holding each op's output
+  rows (names as in :data:`OP_ORDER`), the rows' absolute positions
+  (``__positions``) and token ids (``__input_ids``); every ``compute_logits``
+  call becomes ``step<NNNNN>.logits<K>.safetensors`` (``logits`` and the
+  positions of its rows, found by matching the hidden rows bitwise against
+  that step's ``final_norm`` rows).  Forwards without attention metadata
+  (vLLM's profile / warm-up runs) are not recorded.  safetensors only, no pickle.
+* :class:`ForceTokensProcessor` (a vLLM logits processor, built lazily so
+  this module imports without vLLM): a request whose
+  ``SamplingParams.extra_args["force_tokens"]`` is a token list samples
+  exactly those tokens (all other logits set to -inf *after* the raw
+  log-probs were computed), so a given response is replayed through the real
+  prefill-chunk / decode-step path.
+
+Driver side: :func:`run_capture_engine` runs ``python -m
+megatron_consistent.verify.capture REQUEST.json RESULT.json`` in a fresh
+process (JSON in/out), and :func:`load_engine_capture` concatenates the
+captured rows per token position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CAPTURE_ENV = "MEGATRON_CONSISTENT_CAPTURE"  # same names as vllm_plugin.model (which this module must not import)
+FAULT_ENV = "MEGATRON_CONSISTENT_FAULT"
+MODULE = "megatron_consistent.verify.capture"  # not __name__: this file also runs as __main__
+LAYER_OPS = ("input_norm", "qkv", "q_norm", "k_norm", "rope_q", "rope_k", "attention", "o_proj", "residual_attn",
+             "post_norm", "gate_up", "act", "down", "residual_mlp")
+
+
+def op_order(num_layers: int) -> list[str]:
+    """Every op name in execution order: embed, layer{i}.<op> for LAYER_OPS, final_norm, logits, logprobs."""
+    return ["embed", *(f"layer{i}.{op}" for i in range(num_layers) for op in LAYER_OPS), "final_norm", "logits", "logprobs"]
+
+
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
+class EngineCapture:
+    """Recorder called by the plugin model: ``begin(ids, pos)``, ``cap(name, tensor)`` per op, ``end()``, ``logits(h, l)``."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.step = -1
+        self.cur: dict | None = None
+        self.last: dict | None = None
+        self.n = 0
+        self.k = 0
+
+    @staticmethod
+    def _num_actual_tokens(default: int) -> int | None:
+        try:
+            from vllm.forward_context import get_forward_context
+
+            meta = get_forward_context().attn_metadata
+        except Exception:  # no forward context: not inside the engine
+            return default
+        if not meta:
+            return None  # profile / dummy run
+        first = next(iter(meta.values())) if isinstance(meta, dict) else meta
+        if isinstance(first, list):
+            first = first[0]
+        return int(getattr(first, "num_actual_tokens", default))
+
+    def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        n = self._num_actual_tokens(positions.shape[0])
+        if n is None:
+            self.cur = None
+            return
+        self.n = n
+        self.cur = {"__positions": positions[:n].to(torch.int64).clone(), "__input_ids": input_ids[:n].to(torch.int64).clone()}
+
+    def __call__(self, name: str, t: torch.Tensor) -> None:
+        if self.cur is not None:
+            self.cur[name] = t[: self.n].detach().clone().contiguous()
+
+    def end(self) -> None:
+        if self.cur is None:
+            return
+        self.step += 1
+        self.k = 0
+        save_file(self.cur, str(self.dir / f"step{self.step:05d}.safetensors"))
+        self.last, self.cur = self.cur, None
+
+    def logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        if self.last is None or hidden.shape[0] == 0:
+            return
+        fn = _row_bytes(self.last["final_norm"])
+        rows = _row_bytes(hidden.detach())
+        pos = []
+        for r in rows:
+            hit = torch.nonzero((fn == r).all(-1)).flatten()
+            pos.append(int(self.last["__positions"][hit[-1]]) if hit.numel() else -1)
+        save_file({"logits": logits.detach().clone().contiguous(), "__positions": torch.tensor(pos, dtype=torch.int64)},
+                  str(self.dir / f"step{self.step:05d}.logits{self.k}.safetensors"))
+        self.k += 1
+
+
+def load_engine_capture(folder: str | os.PathLike) -> tuple[dict[str, dict[int, torch.Tensor]], list[str]]:
+    """``{op: {position: row}}`` from a capture folder (steps in order; first occurrence kept) and notes on conflicts."""
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    notes = []
+    for f in sorted(Path(folder).glob("step*.safetensors")):
+        data = load_file(str(f))
+        pos = data.pop("__positions").tolist()
+        ids = data.pop("__input_ids", None)
+        if ids is not None:
+            data["__input_ids"] = ids
+        for name, t in data.items():
+            rows = out.setdefault(name, {})
+            for j, p in enumerate(pos):
+                if p < 0:
+                    continue
+                if p in rows:
+                    if not torch.equal(_row_bytes(rows[p][None]), _row_bytes(t[j : j + 1])):
+                        notes.append(f"{name}: position {p} captured twice with different bits ({f.name})")
+                    continue
+                rows[p] = t[j]
+    return out, notes
+
+
+def stack_rows(rows: dict[int, torch.Tensor], positions: list[int]) -> torch.Tensor:
+    """Rows at ``positions`` (all must be present), stacked tokens-first."""
+    return torch.stack([rows[p] for p in positions])
+
+
+# ------------------------------------------------------------------------------------------------ force tokens
+_FORCE_CLS = None
+
+
+def _force_tokens_class():
+    global _FORCE_CLS
+    if _FORCE_CLS is not None:
+        return _FORCE_CLS
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class ForceTokensProcessor(LogitsProcessor):
+        """Samples ``extra_args["force_tokens"]`` in order (other logits -> -inf); raw log-probs are untouched."""
+
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.rows: dict[int, tuple[list[int], list[int]]] = {}
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update) -> None:
+            def new_state(params, prompt_ids, output_ids):
+                forced = (params.extra_args or {}).get("force_tokens")
+                return None if forced is None else (list(forced), output_ids)
+
+            process_dict_updates(self.rows, batch_update, new_state)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            for idx, (forced, out) in self.rows.items():
+                n = len(out)
+                if n < len(forced):
+                    logits[idx] = float("-inf")
+                    logits[idx, forced[n]] = 0.0
+            return logits
+
+    ForceTokensProcessor.__module__ = MODULE
+    ForceTokensProcessor.__qualname__ = "ForceTokensProcessor"
+    _FORCE_CLS = ForceTokensProcessor
+    return _FORCE_CLS
+
+
+def __getattr__(name: str):
+    if name == "ForceTokensProcessor":
+        return _force_tokens_class()
+    raise AttributeError(name)
+
+
+FORCE_TOKENS_PROCESSOR = f"{MODULE}:ForceTokensProcessor"
+
+
+# ------------------------------------------------------------------------------------------------ engine process
+@dataclass
+class CaptureRequest:
+    """One request replayed through a consistent engine with captures on."""
+
+    model_dir: str
+    dtype: str
+    prompt: list[int]
+    response: list[int]
+    capture_dir: str
+    max_num_batched_tokens: int = 32
+    block_size: int = 32
+    max_model_len: int = 512
+    seed: int = 0
+    fault: str = ""  # MEGATRON_CONSISTENT_FAULT for the engine only (testing)
+    engine_kwargs: dict = field(default_factory=dict)
+
+
+def _engine_main(req: CaptureRequest) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=req.model_dir, skip_tokenizer_init=True, dtype=req.dtype, seed=req.seed, gpu_memory_utilization=0.3,
+              max_num_batched_tokens=req.max_num_batched_tokens, max_model_len=req.max_model_len, block_size=req.block_size,
+              enable_prefix_caching=False, logprobs_mode="raw_logprobs", enforce_eager=True,
+              logits_processors=[FORCE_TOKENS_PROCESSOR], **req.engine_kwargs)
+    for f in Path(req.capture_dir).glob("step*.safetensors"):  # anything recorded while the engine started
+        f.unlink()
+    params = SamplingParams(temperature=0.0, max_tokens=len(req.response), logprobs=0, ignore_eos=True,
+                            extra_args={"force_tokens": list(req.response)})
+    out = llm.generate([TokensPrompt(prompt_token_ids=req.prompt)], params, use_tqdm=False)[0].outputs[0]
+    return {"tokens": list(out.token_ids), "logprobs": [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]}
+
+
+def run_module_in_subprocess(module: str, request: dict, work_dir: Path, name: str, env: dict) -> dict:
+    """``python -m module REQUEST.json RESULT.json`` in a fresh process; the result, or ``{"error", "log"}``."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    req_path, res_path, log_path = work_dir / f"{name}.request.json", work_dir / f"{name}.result.json", work_dir / f"{name}.log"
+    req_path.write_text(json.dumps(request))
+    res_path.unlink(missing_ok=True)
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", module, str(req_path), str(res_path)], env=full_env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    text = log_path.read_text(errors="replace")
+    if proc.returncode != 0 or not res_path.exists():
+        errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
+        return {"error": (errors[-1] if errors else text[-400:]).strip(), "log": str(log_path)}
+    result = json.loads(res_path.read_text())
+    result["plugin_active"] = "megatron-consistent plugin active" in text
+    result["log"] = str(log_path)
+    return result
+
+
+def run_capture_engine(req: CaptureRequest, work_dir: Path, name: str = "capture") -> dict:
+    """Replay ``req.prompt`` + forced ``req.response`` in a consistent engine with captures written to ``req.capture_dir``."""
+    Path(req.capture_dir).mkdir(parents=True, exist_ok=True)
+    env = {"MEGATRON_CONSISTENT_VLLM": "1", CAPTURE_ENV: str(Path(req.capture_dir).resolve()), FAULT_ENV: req.fault}
+    return run_module_in_subprocess(MODULE, asdict(req), work_dir, name, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    req = CaptureRequest(**json.loads(Path(args[0]).read_text()))
+    Path(args[1]).write_text(json.dumps(_engine_main(req)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
