@@ -126,6 +126,9 @@ class ConsistentForCausalLM(nn.Module):
         if tp != 1 or pp != 1:
             raise UnsupportedConfigError(f"megatron-consistent supports TP=1, PP=1 only (got TP={tp}, PP={pp})")
         self.arch = arch
+        # refit bookkeeping (load_weights): HF targets ever loaded; a dummy-started engine gets its weights from refits
+        self._loaded_targets: set[str] = set()
+        self._dummy_start = str(getattr(vllm_config.load_config, "load_format", "")).lower().endswith("dummy")
         dt = arch.torch_dtype
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         self.layers = nn.ModuleList(
@@ -189,20 +192,36 @@ class ConsistentForCausalLM(nn.Module):
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this model's storage in place (no data pointer ever changes).
+
+        Accepts any order and any subset per call — the initial load, or a refit
+        stream (per tensor or bucketed, NeMo-RL / verl style); a tensor of
+        another dtype is cast by the copy.  Unknown names and shape mismatches
+        are refused by name (tensors before the bad one are already copied).
+        The targets ever loaded are tracked: the first call (the engine's
+        initial load) must set every tensor, unless the engine was started with
+        ``load_format="dummy"`` (its weights come from the refits).  Returns the
+        parameters whose every HF tensor has been loaded so far (vLLM's loader
+        checks that set after the initial load).
+        """
         targets = self.hf_targets()
         seen = set()
         for name, tensor in weights:
             if name not in targets:
                 if self.arch.tie_word_embeddings and name == "lm_head.weight":
                     continue
-                raise UnsupportedConfigError(f"unexpected checkpoint tensor {name!r}")
+                raise UnsupportedConfigError(f"unexpected checkpoint tensor {name!r} (not a tensor of {self.arch.architecture})")
             dst = targets[name]
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise UnsupportedConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
             with torch.no_grad():
                 dst.copy_(tensor)
             seen.add(name)
-        missing = sorted(set(targets) - seen)
-        if missing:
-            raise UnsupportedConfigError(f"checkpoint lacks tensors: {missing[:8]}{' …' if len(missing) > 8 else ''}")
-        return {n for n, _ in self.named_parameters()}
+        first = not self._loaded_targets
+        self._loaded_targets |= seen
+        missing = sorted(set(targets) - self._loaded_targets)
+        if first and missing and not self._dummy_start:
+            raise UnsupportedConfigError(
+                f"initial load leaves {len(missing)} tensors unset: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+        unset = {targets[n].untyped_storage().data_ptr() for n in missing}
+        return {n for n, p in self.named_parameters() if p.untyped_storage().data_ptr() not in unset}

@@ -1,0 +1,315 @@
+"""Public spec entry points: turn the consistent path on from a framework's own model builder.
+
+Each framework resolves a layer spec its own way; each form below is what that
+consumer expects (see ``docs/integration.md`` for the exact config lines):
+
+* :data:`consistent_layer_spec` — a ``ModuleSpec`` constant for Megatron-LM's
+  ``--spec megatron_consistent.layers.entry_points consistent_layer_spec``
+  (``import_module`` -> ``vars(module)[name]``, used as is by the legacy GPT
+  builder).  Its submodules adapt to the ``TransformerConfig`` they are built
+  with: q/k RMSNorm follows ``config.qk_layernorm``, q/k/v biases follow
+  ``config.add_qkv_bias``, the SwiGLU runs on the consistent kernel whatever
+  ``use_te_activation_func`` says, and RoPE is read at build time (see
+  :func:`resolve_rope`).
+* :func:`consistent_layer_spec_provider` ``(provider_or_config, vp_stage=None)``
+  — for Megatron-Bridge's ``GPTModelProvider.transformer_layer_spec`` and for
+  the builders that call a non-``ModuleSpec`` spec as ``fn(config[, vp_stage])``.
+  Returns a ``TransformerBlockSubmodules`` (the consistent layers and the
+  consistent final norm), freshly built on every call.
+* :func:`consistent_slime_spec` ``(args, config, vp_stage)`` — slime's ``--spec``
+  form; RoPE comes from slime's (Megatron-LM's) ``args``.
+
+A hybrid (Mamba) stack spec belongs to the Mamba support and is not here.
+
+Every path puts every numerics-bearing op on the consistent kernels, including
+the two modules a layer spec cannot name: the block's final norm and
+``GPTModel.output_layer``.  The first time a consistent layer is built, a torch
+module-registration hook is installed (once per process) which, for a
+``TransformerBlock`` whose layers are consistent layers, swaps the stock
+``final_layernorm`` for :class:`ConsistentRMSNorm` and, for a model whose
+``decoder`` is such a block, wraps the stock ``output_layer`` in
+:class:`ConsistentOutputLayer` (same weight ``Parameter``, same state-dict
+keys, float32 logits).  Modules of any other model are never touched.
+
+Refused by name at build time: LayerNorm, MoE, MLA, MTP, learned absolute
+position embeddings, partial or interleaved RoPE, biases other than q/k/v,
+non-SwiGLU MLPs, TP/PP/CP/SP > 1 (as for :func:`.model.build_consistent_gpt_model`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from ..config import UnsupportedConfigError
+from ..kernels import RopeConfig
+from ..kernels.rotary import rope_scaling_items
+from .attention import ConsistentCoreAttention
+from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear
+from .mlp import ConsistentSiluAndMul, consistent_bias_dropout_add
+from .norm import ConsistentRMSNorm
+from .output import ConsistentOutputLayer
+
+__all__ = [
+    "ConsistentSelfAttention",
+    "ConsistentTransformerLayer",
+    "ConfigRopeCoreAttention",
+    "consistent_layer_spec",
+    "consistent_layer_spec_provider",
+    "consistent_slime_spec",
+    "make_consistent_layer_spec",
+    "resolve_rope",
+]
+
+# Megatron's llama3 RoPE scaling takes only the factor; these are its fixed defaults
+# (RotaryEmbedding._apply_scaling), which are also Llama 3.1's HF values.
+_MEGATRON_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192.0}
+
+
+# --- RoPE, read at build time --------------------------------------------------------------------------------------
+def _megatron_lm_args():
+    """Megatron-LM's (and slime's) global training args, when that framework is running; else None."""
+    try:
+        from megatron.training.global_vars import get_args
+    except ImportError:
+        return None
+    try:
+        return get_args()
+    except Exception:  # args not initialised (plain megatron-core use)
+        return None
+
+
+def _rope_from(src, head_dim: int) -> RopeConfig | None:
+    """RoPE from an object with Megatron's rope fields (a Bridge provider, Megatron-LM/slime args); None if it has none."""
+    base = getattr(src, "rotary_base", None)
+    if base is None:
+        return None
+    pet = getattr(src, "position_embedding_type", None)
+    if pet not in (None, "rope", "none"):
+        raise UnsupportedConfigError(
+            f"position_embedding_type={pet!r}: the consistent layers apply RoPE themselves; use 'rope' (Megatron's own rotary "
+            "tensor is then ignored) or 'none'")
+    if float(getattr(src, "rotary_percent", 1.0)) != 1.0:
+        raise UnsupportedConfigError(f"unsupported feature: rotary_percent={src.rotary_percent} (partial rotary)")
+    if getattr(src, "rotary_interleaved", False):
+        raise UnsupportedConfigError("unsupported feature: rotary_interleaved (GPT-J style); the consistent layers use NeoX halves")
+    if getattr(src, "seq_len_interpolation_factor", None):
+        raise UnsupportedConfigError(f"unsupported feature: seq_len_interpolation_factor={src.seq_len_interpolation_factor}")
+    scaling = None
+    use_scaling = getattr(src, "use_rope_scaling", None)
+    if use_scaling is None:
+        use_scaling = getattr(src, "rope_scaling", False) is True
+    if use_scaling:
+        scaling = {"rope_type": "llama3", "factor": float(getattr(src, "rope_scaling_factor", 8.0)), **_MEGATRON_LLAMA3_DEFAULTS}
+    max_pos = getattr(src, "max_position_embeddings", None) or getattr(src, "seq_length", None) or 4096
+    return RopeConfig(int(head_dim), int(max_pos), float(base), "neox", rope_scaling_items(scaling))
+
+
+def resolve_rope(config) -> RopeConfig:
+    """The RoPE table the consistent core attention uses for ``config``, looked up at build time.
+
+    In order: ``config.consistent_rope`` (a :class:`RopeConfig` set by hand: the
+    escape hatch for llama3 parameters Megatron cannot express); the rope fields
+    of ``config`` itself (a Megatron-Bridge ``GPTModelProvider`` carries
+    ``rotary_base`` / ``rotary_percent`` / ``seq_length`` / ``position_embedding_type``);
+    Megatron-LM's global args (``--rotary-base``, ``--use-rope-scaling``,
+    ``--rope-scaling-factor``, ``--max-position-embeddings``,
+    ``--position-embedding-type``).  Refuses when none is available.
+    """
+    explicit = getattr(config, "consistent_rope", None)
+    if isinstance(explicit, RopeConfig):
+        return explicit
+    head_dim = getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
+    for src in (config, _megatron_lm_args()):
+        if src is not None:
+            rope = _rope_from(src, head_dim)
+            if rope is not None:
+                return rope
+    raise UnsupportedConfigError(
+        "no RoPE settings for the consistent attention: the config has no rotary_base and no Megatron-LM args are initialised; "
+        "set config.consistent_rope = megatron_consistent.kernels.RopeConfig(...) or use consistent_layer_spec_provider")
+
+
+def _check_config(config) -> None:
+    """Refuse, by name, what the consistent layers do not implement (before any module is built)."""
+    refusals = [
+        (getattr(config, "num_moe_experts", None), "MoE (num_moe_experts)"),
+        (getattr(config, "multi_latent_attention", False), "multi-latent attention"),
+        (getattr(config, "mtp_num_layers", None), "multi-token prediction (mtp_num_layers)"),
+        (getattr(config, "add_bias_linear", False), "add_bias_linear (biases other than q/k/v)"),
+        (getattr(config, "experimental_attention_variant", None), "experimental_attention_variant"),
+        (getattr(config, "heterogeneous_block_specs", False), "heterogeneous_block_specs"),
+    ]
+    for value, what in refusals:
+        if value:
+            raise UnsupportedConfigError(f"unsupported feature for the consistent layers: {what}")
+    if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+        raise UnsupportedConfigError(f"unsupported normalization {config.normalization!r} (the consistent layers implement RMSNorm)")
+    if not getattr(config, "gated_linear_unit", False):
+        raise UnsupportedConfigError("the consistent MLP is SwiGLU: set gated_linear_unit=True (Megatron-LM: --swiglu)")
+    act = getattr(config, "activation_func", F.silu)
+    if act is not F.silu:
+        raise UnsupportedConfigError(f"unsupported activation {getattr(act, '__name__', act)!r} (SwiGLU: silu only)")
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        if (getattr(config, name, 1) or 1) != 1:
+            raise UnsupportedConfigError(f"{name}={getattr(config, name)}: the consistent layers support 1 only")
+    if getattr(config, "sequence_parallel", False):
+        raise UnsupportedConfigError("sequence parallelism (sequence_parallel=True) is not supported")
+
+
+# --- modules that adapt to the config they are built with ----------------------------------------------------------
+class ConfigRopeCoreAttention(ConsistentCoreAttention):
+    """:class:`ConsistentCoreAttention` whose RoPE is bound on the class or else read by :func:`resolve_rope` at build time."""
+
+    def __init__(self, *, config, rope: RopeConfig | None = None, **kwargs):
+        super().__init__(config=config, rope=rope or self.rope or resolve_rope(config), **kwargs)
+
+
+class ConsistentSelfAttention(SelfAttention):
+    """Megatron's SelfAttention with q/k norm following ``config.qk_layernorm`` and Megatron's rotary tensor ignored.
+
+    RoPE runs inside the consistent core attention, so a model built with
+    ``position_embedding_type='rope'`` (Megatron-LM's usual setting) must not
+    rotate q/k a second time with Megatron's own kernel: the rotary arguments
+    are dropped here.  q/k/v biases come from ``config.add_qkv_bias`` inside
+    ``linear_qkv`` as in stock Megatron.
+    """
+
+    def __init__(self, config, submodules: SelfAttentionSubmodules, *args, **kwargs):
+        if not getattr(config, "qk_layernorm", False):
+            submodules = dataclasses.replace(submodules, q_layernorm=None, k_layernorm=None)
+        super().__init__(config, submodules, *args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        for name in ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+        return super().forward(*args, **kwargs)
+
+
+class ConsistentTransformerLayer(TransformerLayer):
+    """Megatron's TransformerLayer; marks the block as consistent (final norm and LM head are swapped, see module doc).
+
+    Stock MLP applies ``submodules.activation_func`` (here the consistent
+    SwiGLU kernel) only when ``config.use_te_activation_func`` is set and
+    otherwise runs its own torch GLU; when the framework's config does not set
+    it, the layer is built with a shallow config copy that does, so no extra
+    flag is needed on the framework side.
+    """
+
+    megatron_consistent = True
+
+    def __init__(self, config, *args, **kwargs):
+        _check_config(config)
+        _install_registration_hook()
+        if not getattr(config, "use_te_activation_func", False):
+            config = copy.copy(config)
+            config.use_te_activation_func = True
+        super().__init__(config, *args, **kwargs)
+
+
+# --- final norm and LM head: a module-registration hook --------------------------------------------------------------
+_HOOK = {"handle": None}
+
+
+def _is_consistent_block(block) -> bool:
+    layers = getattr(block, "_modules", {}).get("layers") if block is not None else None
+    return layers is not None and len(layers) > 0 and all(isinstance(layer, ConsistentTransformerLayer) for layer in layers)
+
+
+def _swap_final_norm_and_head(parent, name: str, child):
+    if child is None:
+        return None
+    if name == "final_layernorm" and not isinstance(child, ConsistentRMSNorm) and _is_consistent_block(parent):
+        cfg = parent.config
+        return ConsistentRMSNorm(config=cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    if name == "output_layer" and not isinstance(child, ConsistentOutputLayer) and _is_consistent_block(parent._modules.get("decoder")):
+        return ConsistentOutputLayer.from_megatron(child)
+    return None
+
+
+def _install_registration_hook() -> None:
+    if _HOOK["handle"] is None:
+        from torch.nn.modules.module import register_module_module_registration_hook
+
+        _HOOK["handle"] = register_module_module_registration_hook(_swap_final_norm_and_head)
+
+
+# --- the specs -------------------------------------------------------------------------------------------------------
+def make_consistent_layer_spec(rope: RopeConfig | None = None) -> ModuleSpec:
+    """A fresh consistent TransformerLayer ModuleSpec; ``rope`` binds the RoPE table (else read at build time)."""
+    core = ConfigRopeCoreAttention
+    if rope is not None:
+        core = type(f"ConfigRopeCoreAttention_{abs(hash(rope)):x}", (ConfigRopeCoreAttention,), {"rope": rope, "__module__": __name__})
+    return ModuleSpec(
+        module=ConsistentTransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=ConsistentRMSNorm,
+            self_attention=ModuleSpec(
+                module=ConsistentSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ConsistentColumnParallelLinear,
+                    core_attention=core,
+                    linear_proj=ConsistentRowParallelLinear,
+                    q_layernorm=ConsistentRMSNorm,  # dropped at build time unless config.qk_layernorm
+                    k_layernorm=ConsistentRMSNorm,
+                ),
+            ),
+            self_attn_bda=consistent_bias_dropout_add,
+            pre_mlp_layernorm=ConsistentRMSNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=ConsistentColumnParallelLinear,
+                    linear_fc2=ConsistentRowParallelLinear,
+                    activation_func=ConsistentSiluAndMul,
+                ),
+            ),
+            mlp_bda=consistent_bias_dropout_add,
+        ),
+    )
+
+
+#: Megatron-LM: ``--spec megatron_consistent.layers.entry_points consistent_layer_spec``.
+consistent_layer_spec: ModuleSpec = make_consistent_layer_spec()
+
+
+def _block_spec(config, rope: RopeConfig | None) -> TransformerBlockSubmodules:
+    _check_config(config)
+    layer = make_consistent_layer_spec(rope)
+    return TransformerBlockSubmodules(layer_specs=[layer] * int(config.num_layers), layer_norm=ConsistentRMSNorm)
+
+
+def consistent_layer_spec_provider(provider_or_config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """Megatron-Bridge ``transformer_layer_spec`` / ``fn(config[, vp_stage])`` form.
+
+    Reads RoPE from the provider (``rotary_base``, ...) when it has the fields
+    (else at build time, :func:`resolve_rope`).  Returns a fresh
+    ``TransformerBlockSubmodules`` on every call: all ``num_layers`` consistent
+    layers (PP=1) and the consistent final norm.  (A block spec also keeps
+    Bridge's ``attention_backend=local`` override, which rewrites
+    ``spec.submodules...core_attention`` on a layer ModuleSpec, from touching it.)
+    ``vp_stage`` is accepted for the callers that pass it; virtual pipeline
+    stages are refused with PP > 1.
+    """
+    config = provider_or_config
+    _check_config(config)
+    head_dim = getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "consistent_rope", None) or _rope_from(config, head_dim)
+    return _block_spec(config, rope)
+
+
+def consistent_slime_spec(args, config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """slime's ``--spec`` function form: ``fn(args, config, vp_stage)``; RoPE from slime's Megatron-LM ``args``."""
+    head_dim = getattr(config, "kv_channels", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "consistent_rope", None) or _rope_from(args, head_dim)
+    return _block_spec(config, rope)
