@@ -91,26 +91,30 @@ def reference_logprobs_f64(w: dict[str, torch.Tensor], arch, ids: torch.Tensor) 
     return lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
 
 
-def gradient_check(hf_config, *, seed: int = 11, batch: int = 2, seq: int = 40, data_seed: int = 12) -> dict:
-    """Gradients of ``-mean(token log-probs)``: consistent Megatron model (float32) vs :func:`reference_logprobs_f64`.
+def gradient_check(hf_config, *, seed: int = 11, batch: int = 2, seq: int = 40, data_seed: int = 12,
+                   dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
+    """Gradients of ``-mean(token log-probs)``: consistent Megatron model vs :func:`reference_logprobs_f64`.
 
+    The model runs in ``dtype`` on ``device`` (the GPU kernels take bf16/fp16);
+    the reference always runs in float64 on the CPU from the same weights.
     Returns ``{"loss", "ref_loss", "loss_rel_err", "rel_errors": {hf_name: err}, "max_rel_err", "worst"}``.
     """
     from ..conversion import export_hf
     from ..layers import build_consistent_gpt_model, compute_token_logprobs
 
-    model = build_consistent_gpt_model(hf_config, seed=seed, dtype=torch.float32)
+    model = build_consistent_gpt_model(hf_config, seed=seed, dtype=dtype)
     arch = model.arch_config
     ids = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(data_seed))
     with tempfile.TemporaryDirectory() as tmp:
         export_hf(model, arch, Path(tmp) / "w")
-        loss = -compute_token_logprobs(model, ids).mean()
+        model.to(device)
+        loss = -compute_token_logprobs(model, ids.to(device)).mean()
         loss.backward()
         twin = build_consistent_gpt_model(hf_config, seed=0, dtype=torch.float32)  # gradients in HF layout via export
         grads = dict(model.named_parameters())
         with torch.no_grad():
             for n, p in twin.named_parameters():
-                p.copy_(grads[n].grad)
+                p.copy_(grads[n].grad.cpu())
         export_hf(twin, arch, Path(tmp) / "g")
         got = load_file(str(Path(tmp) / "g" / "model.safetensors"))
         w64 = {k: v.double().requires_grad_(True) for k, v in load_file(str(Path(tmp) / "w" / "model.safetensors")).items()}
