@@ -16,7 +16,10 @@ import torch
 
 from .kernels.rotary import RopeConfig, rope_scaling_items
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", *MOE_ARCHITECTURES)
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
+                "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral"}
 SUPPORTED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -44,6 +47,21 @@ class ArchConfig:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
+    # MoE (num_experts == 0: dense).  moe_layers: indices of the layers whose MLP is the MoE block.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        return i in self.moe_layers
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -68,9 +86,9 @@ class ArchConfig:
             raise UnsupportedConfigError(f"unsupported activation {hf['hidden_act']!r} (only silu)")
         if hf.get("mlp_bias"):
             raise UnsupportedConfigError("unsupported feature: mlp_bias")
-        if hf.get("sliding_window") is not None and (arch == "MistralForCausalLM" or hf.get("use_sliding_window")):
+        if hf.get("sliding_window") is not None and (arch in ("MistralForCausalLM", "MixtralForCausalLM") or hf.get("use_sliding_window")):
             raise UnsupportedConfigError(f"unsupported feature: sliding_window={hf['sliding_window']}")
-        if hf.get("attention_bias") and arch != "Qwen2ForCausalLM":
+        if hf.get("attention_bias") and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             raise UnsupportedConfigError(f"unsupported feature: attention_bias (o_proj bias) for {arch}")
         if hf.get("attention_dropout", 0.0):
             raise UnsupportedConfigError("unsupported feature: attention_dropout > 0")
@@ -96,10 +114,11 @@ class ArchConfig:
             rope_theta=float(theta),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rope_scaling=rope_scaling_items(scaling),
-            qkv_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and bool(hf.get("qkv_bias", True))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=dtype,
+            **_moe_fields(arch, hf),
         )
         if cfg.num_heads % cfg.num_kv_heads:
             raise UnsupportedConfigError(f"num_attention_heads {heads} not divisible by num_key_value_heads {cfg.num_kv_heads}")
@@ -113,7 +132,7 @@ class ArchConfig:
         """The HF ``config.json`` dict this architecture is exported as."""
         hf = {
             "architectures": [self.architecture],
-            "model_type": {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}[self.architecture],
+            "model_type": _MODEL_TYPES[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -132,14 +151,66 @@ class ArchConfig:
         }
         if self.rope_scaling:
             hf["rope_scaling"] = dict(self.rope_scaling)
-        if self.architecture != "Qwen2ForCausalLM":
+        if self.architecture not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             hf["attention_bias"] = False
-        if self.architecture == "MistralForCausalLM":
+        if self.architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
             hf["sliding_window"] = None
+        if self.is_moe:
+            hf.update(_moe_to_hf(self))
         return hf
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+_MOE_REFUSED = ("n_group", "topk_group", "topk_method", "scoring_func", "e_score_correction_bias", "routed_scaling_factor",
+                "first_k_dense_replace", "moe_layer_freq", "n_shared_experts")
+
+
+def _moe_fields(arch: str, hf: dict) -> dict:
+    """The MoE fields of :class:`ArchConfig` for ``arch`` (empty for dense architectures); refuses unknown options by name."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    for key in _MOE_REFUSED:
+        if hf.get(key) not in (None, 1, 1.0, "softmax") or (key in ("e_score_correction_bias", "n_shared_experts") and hf.get(key)):
+            raise UnsupportedConfigError(f"unsupported MoE feature: {key}={hf[key]!r} for {arch}")
+    if hf.get("router_jitter_noise"):
+        raise UnsupportedConfigError(f"unsupported MoE feature: router_jitter_noise={hf['router_jitter_noise']} (must be 0)")
+    layers = hf["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        experts, inter, norm, shared, moe_layers = hf.get("num_local_experts", 8), hf["intermediate_size"], True, 0, tuple(range(layers))
+    else:
+        # transformers 5 writes Qwen-MoE's num_experts as num_local_experts in to_dict()
+        experts, inter = hf.get("num_experts") or hf.get("num_local_experts", 0), hf.get("moe_intermediate_size", 0)
+        norm = bool(hf.get("norm_topk_prob", False))
+        shared = int(hf.get("shared_expert_intermediate_size", 0) or 0) if arch == "Qwen2MoeForCausalLM" else 0
+        step, dense_only = int(hf.get("decoder_sparse_step", 1) or 1), set(hf.get("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(layers) if experts > 0 and i not in dense_only and (i + 1) % step == 0)
+    top_k = hf.get("num_experts_per_tok", 2 if arch == "MixtralForCausalLM" else 0)
+    if experts <= 0 or not moe_layers:
+        raise UnsupportedConfigError(f"{arch} config without MoE layers (num_experts={experts}); use the dense architecture")
+    if not 1 <= top_k <= experts:
+        raise UnsupportedConfigError(f"num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    if inter <= 0:
+        raise UnsupportedConfigError(f"{arch}: expert intermediate size must be > 0")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(top_k), "moe_intermediate_size": int(inter),
+            "norm_topk_prob": norm, "shared_expert_intermediate_size": shared, "moe_layers": moe_layers,
+            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0) or 0.0)}
+
+
+def _moe_to_hf(a: "ArchConfig") -> dict:
+    if a.architecture == "MixtralForCausalLM":
+        if a.moe_intermediate_size != a.intermediate_size or a.moe_layers != tuple(range(a.num_layers)):
+            raise UnsupportedConfigError("Mixtral: every layer is MoE and experts use intermediate_size")
+        return {"num_local_experts": a.num_experts, "num_experts_per_tok": a.num_experts_per_tok,
+                "router_aux_loss_coef": a.router_aux_loss_coef, "router_jitter_noise": 0.0}
+    out = {"num_experts": a.num_experts, "num_experts_per_tok": a.num_experts_per_tok, "moe_intermediate_size": a.moe_intermediate_size,
+           "norm_topk_prob": a.norm_topk_prob, "decoder_sparse_step": 1,
+           "mlp_only_layers": [i for i in range(a.num_layers) if i not in a.moe_layers], "router_aux_loss_coef": a.router_aux_loss_coef}
+    if a.architecture == "Qwen2MoeForCausalLM":
+        out["shared_expert_intermediate_size"] = a.shared_expert_intermediate_size
+        out["qkv_bias"] = a.qkv_bias
+    return out
 
 
 def load_hf_config(path: str | Path) -> dict:

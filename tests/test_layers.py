@@ -47,6 +47,24 @@ def bf16_models():
 
 
 # ------------------------------------------------------------------------------------------------ kernel-only model
+def _kernel_only_moe(w: dict[str, torch.Tensor], arch: ArchConfig, p: str, h: torch.Tensor) -> torch.Tensor:
+    from megatron_consistent.conversion.moe import expert_proj_names, moe_hf_prefix
+    from megatron_consistent.kernels import moe as kmoe
+
+    q = p + moe_hf_prefix(arch) + "."
+    gate, up, down = expert_proj_names(arch)
+    E = arch.num_experts
+    fc1 = torch.stack([torch.cat([w[q + f"experts.{e}.{gate}.weight"], w[q + f"experts.{e}.{up}.weight"]]) for e in range(E)])
+    fc2 = torch.stack([w[q + f"experts.{e}.{down}.weight"] for e in range(E)])
+    shared = None
+    if arch.shared_expert_intermediate_size:
+        shared = (torch.cat([w[q + "shared_expert.gate_proj.weight"], w[q + "shared_expert.up_proj.weight"]]),
+                  w[q + "shared_expert.down_proj.weight"], w[q + "shared_expert_gate.weight"])
+    x = h.reshape(-1, h.shape[-1])
+    wts, experts = kmoe.route(x, w[q + "gate.weight"], arch.num_experts_per_tok, norm_topk_prob=arch.norm_topk_prob)
+    return kmoe.moe_experts(x, experts, wts, fc1, fc2, shared).reshape(h.shape)
+
+
 def kernel_only_logprobs(w: dict[str, torch.Tensor], arch: ArchConfig, ids: torch.Tensor) -> torch.Tensor:
     """An independent forward from HF-layout weights that calls only the kernels, in the vLLM plugin's op order
     (separate q/k/v and gate/up projections, residual add fused into the next RMSNorm)."""
@@ -76,6 +94,9 @@ def kernel_only_logprobs(w: dict[str, torch.Tensor], arch: ArchConfig, ids: torc
         o = kernels.attention(q, k, v, pos, scale=arch.softmax_scale).reshape(b, s, arch.num_heads * arch.head_dim)
         o = kernels.linear(o, w[p + "self_attn.o_proj.weight"])
         h, residual = kernels.rms_norm(o, w[p + "post_attention_layernorm.weight"], eps, residual)
+        if arch.layer_is_moe(i):  # MoE block from the HF per-expert tensors (kernels.moe)
+            x = _kernel_only_moe(w, arch, p, h)
+            continue
         gate = kernels.linear(h, w[p + "mlp.gate_proj.weight"])
         up = kernels.linear(h, w[p + "mlp.up_proj.weight"])
         x = kernels.linear(kernels.silu_and_mul(torch.cat([gate, up], dim=-1)), w[p + "mlp.down_proj.weight"])

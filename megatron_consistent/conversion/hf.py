@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ArchConfig, UnsupportedConfigError
+from .moe import MOE_KINDS, moe_hf_shapes, moe_join, moe_plan, moe_split
 
 __all__ = ["CheckpointMismatchError", "export_hf", "import_hf", "megatron_to_hf_names"]
 
@@ -67,6 +68,9 @@ def _plan(arch: ArchConfig) -> list[tuple[str, list[str], str]]:
             plan.append((m + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], "copy"))
         plan.append((m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"], "copy"))
         plan.append((m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], "copy"))
+        if arch.layer_is_moe(i):  # router + stacked experts (+ shared expert): conversion/moe.py
+            plan.extend(moe_plan(arch, m, h))
+            continue
         plan.append((m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], "fc1"))
         plan.append((m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], "copy"))
     plan.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "copy"))
@@ -85,6 +89,8 @@ def _qkv_sizes(arch: ArchConfig) -> tuple[int, int, int]:
 
 
 def _split(arch: ArchConfig, kind: str, t: torch.Tensor) -> list[torch.Tensor]:
+    if kind in MOE_KINDS:
+        return moe_split(kind, t)
     if kind == "copy":
         return [t]
     if kind == "fc1":
@@ -97,6 +103,8 @@ def _split(arch: ArchConfig, kind: str, t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _hf_shapes(arch: ArchConfig, kind: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    if kind in MOE_KINDS:
+        return moe_hf_shapes(kind, shape)
     if kind == "copy":
         return [shape]
     rest = shape[1:]
@@ -107,6 +115,8 @@ def _hf_shapes(arch: ArchConfig, kind: str, shape: tuple[int, ...]) -> list[tupl
 
 
 def _join(arch: ArchConfig, kind: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    if kind in MOE_KINDS:
+        return moe_join(kind, parts)
     if kind == "copy":
         return parts[0]
     if kind == "fc1":

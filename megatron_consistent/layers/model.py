@@ -145,6 +145,10 @@ def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype |
     config = make_transformer_config(arch, dtype, consistent=True)
     GPTModel = _gpt_model_class()
     block_spec = get_consistent_gpt_block_spec(arch.num_layers, arch.qk_norm, rope=arch.rope)
+    if arch.is_moe:  # MoE layers: the mlp slot is the consistent MoE block (layers/moe.py)
+        from .moe import moe_layer_spec
+
+        block_spec.layer_specs = [moe_layer_spec(s, arch) if arch.layer_is_moe(i) else s for i, s in enumerate(block_spec.layer_specs)]
 
     def build():
         kwargs = dict(
@@ -210,6 +214,10 @@ def build_stock_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None
     GPTModel = _gpt_model_class()
     rope_kwargs, scaling = _stock_rope_kwargs(arch, GPTModel)
     spec = get_gpt_layer_local_spec(**_filter_kwargs(get_gpt_layer_local_spec, {"qk_layernorm": arch.qk_norm, "normalization": "RMSNorm"}))
+    if arch.is_moe:  # MoE layers: plain-torch MoE block (layers/moe.py StockMoELayer), same parameter names
+        from .moe import stock_moe_block_spec
+
+        spec = stock_moe_block_spec(spec, arch)
 
     def build():
         kwargs = dict(

@@ -26,7 +26,8 @@ from .rollout import RolloutRequest, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
 DEFAULT_MODEL = "tiny-llama"
-METRIC_COLUMNS = ["path", "tokens", "max_abs", "mean_abs", "std", "k3", "token_mult_prob_error", "exact_fraction", "gen_tokens_per_s"]
+METRIC_COLUMNS = ["path", "tokens", "max_abs", "mean_abs", "std", "k3", "token_mult_prob_error", "exact_fraction", "gen_tokens_per_s",
+                  "routing_agreement"]  # routing_agreement: MoE configs, consistent path (verify/routing.py)
 
 
 def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
@@ -93,7 +94,7 @@ def make_prompts(cfg: CheckConfig, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def recompute(model, prompts, responses, temperature: float, batch: int, stock: bool) -> torch.Tensor:
+def recompute(model, prompts, responses, temperature: float, batch: int, stock: bool, route_sink=None) -> torch.Tensor:
     """Trainer log-probs of every response token (Megatron model in training mode), concatenated."""
     from ..layers import compute_stock_token_logprobs, compute_token_logprobs
 
@@ -105,6 +106,10 @@ def recompute(model, prompts, responses, temperature: float, batch: int, stock: 
         width = max(len(s) for s in seqs)
         ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding: causal, so never seen
         lp = fn(model, ids, temperature).detach()
+        if route_sink is not None:  # MoE: the routes of this forward (verify/routing.py)
+            from ..layers.moe import collect_routes
+
+            route_sink(b0, [len(s) for s in seqs], collect_routes(model))
         for i, (p, r) in enumerate(zip(prompts[b0 : b0 + batch], responses[b0 : b0 + batch])):
             out.append(lp[i, len(p) - 1 : len(p) - 1 + len(r)])
     return torch.cat(out)
@@ -130,6 +135,13 @@ def run_check(cfg: CheckConfig) -> dict:
             model_dir=str(model_dir), prompts=prompts, consistent=mode == "consistent", dtype=arch.dtype,
             temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
+        routes_dir = None
+        if arch.is_moe and mode == "consistent":
+            import shutil
+
+            routes_dir = out / "routes" / mode
+            shutil.rmtree(routes_dir, ignore_errors=True)
+            req.routes_dir = str(routes_dir.resolve())
         roll = run_in_subprocess(req, out / "engines", mode)
         if "error" in roll:
             report[mode] = {"unavailable": roll["error"], "log": roll["log"]}
@@ -141,9 +153,18 @@ def run_check(cfg: CheckConfig) -> dict:
         else:
             trainer = build_stock_gpt_model(arch, seed=cfg.seed)
             import_hf(trainer, arch, model_dir)
-        train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode == "baseline")
+        sink = None
+        if routes_dir is not None:
+            from .routing import TrainerRoutes
+
+            sink = TrainerRoutes()
+        train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode == "baseline", route_sink=sink)
         rollout_lp = torch.tensor([x for lps in roll["logprobs"] for x in lps], dtype=torch.float32)
         report[mode] = {**mismatch_metrics(train_lp, rollout_lp), "gen_tokens_per_s": roll["gen_tokens_per_s"]}
+        if sink is not None:
+            from .routing import load_engine_routes, routing_agreement
+
+            report[mode].update(routing_agreement(load_engine_routes(routes_dir), sink))
     c, b = report.get("consistent", {}), report.get("baseline", {})
     if "gen_tokens_per_s" in c and "gen_tokens_per_s" in b:
         report["throughput_ratio"] = c["gen_tokens_per_s"] / b["gen_tokens_per_s"]

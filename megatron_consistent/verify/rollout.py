@@ -39,6 +39,7 @@ class RolloutRequest:
     max_model_len: int = 512
     enable_prefix_caching: bool = True
     engine_kwargs: dict = field(default_factory=dict)
+    routes_dir: str = ""  # MoE: the consistent engine writes its routes here (vllm_plugin/moe.py)
 
 
 def engine(req: RolloutRequest):
@@ -86,6 +87,8 @@ def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
     req_path.write_text(json.dumps(asdict(req)))
     res_path.unlink(missing_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", **{ENV_VAR: "1" if req.consistent else "0"})
+    if req.routes_dir:
+        env["MEGATRON_CONSISTENT_ROUTES"] = req.routes_dir
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", __name__, str(req_path), str(res_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
     text = log_path.read_text(errors="replace")

@@ -82,6 +82,18 @@ class ConsistentDecoderLayer(nn.Module):
         self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads,
                               cache_config=cache_config, prefix=f"{prefix}.self_attn.attn")
 
+    def mlp_forward(self, x: torch.Tensor):
+        """(gate_up, act, down) of the dense SwiGLU MLP; the MoE layer (vllm_plugin/moe.py) overrides it."""
+        gu = self.lin["gate_up"](x, self.gate_up_proj)
+        act = silu_and_mul(gu)
+        return gu, act, self.lin["down"](act, self.down_proj)
+
+    def mlp_targets(self, p: str) -> dict[str, torch.Tensor]:
+        """HF MLP tensor names of this layer (prefix ``p``) -> views of its storage."""
+        n = self.arch.intermediate_size
+        return {p + "mlp.gate_proj.weight": self.gate_up_proj[:n], p + "mlp.up_proj.weight": self.gate_up_proj[n:],
+                p + "mlp.down_proj.weight": self.down_proj}
+
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         a, lin, cap, i = self.arch, self.lin, CAPTURE, self.idx
         t = h.shape[0]
@@ -100,15 +112,21 @@ class ConsistentDecoderLayer(nn.Module):
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
         ho = add_residual(o_proj := lin["o_proj"](o, self.o_proj), h)
         x2 = rms_norm(ho, self.post_attention_layernorm, a.rms_norm_eps)
-        gu = lin["gate_up"](x2, self.gate_up_proj)
-        act = silu_and_mul(gu)
-        m = lin["down"](act, self.down_proj)
+        gu, act, m = self.mlp_forward(x2)
         out = add_residual(m, ho)
         if cap is not None:
             for name, val in (("input_norm", x), ("qkv", qkv), ("rope_q", q), ("rope_k", k), ("attention", o), ("o_proj", o_proj),
                               ("residual_attn", ho), ("post_norm", x2), ("gate_up", gu), ("act", act), ("down", m), ("residual_mlp", out)):
                 cap(f"layer{i}.{name}", val)
         return out
+
+
+def _layer_class(arch: ArchConfig, i: int) -> type:
+    if arch.layer_is_moe(i):
+        from .moe import ConsistentMoEDecoderLayer
+
+        return ConsistentMoEDecoderLayer
+    return ConsistentDecoderLayer
 
 
 class ConsistentForCausalLM(nn.Module):
@@ -132,7 +150,7 @@ class ConsistentForCausalLM(nn.Module):
         dt = arch.torch_dtype
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         self.layers = nn.ModuleList(
-            ConsistentDecoderLayer(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
+            _layer_class(arch, i)(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dt)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         if os.environ.get(CAPTURE_ENV):
@@ -186,9 +204,7 @@ class ConsistentForCausalLM(nn.Module):
                 out[p + "self_attn.q_norm.weight"] = layer.q_norm
                 out[p + "self_attn.k_norm.weight"] = layer.k_norm
             out[p + "self_attn.o_proj.weight"] = layer.o_proj
-            out[p + "mlp.gate_proj.weight"] = layer.gate_up_proj[: a.intermediate_size]
-            out[p + "mlp.up_proj.weight"] = layer.gate_up_proj[a.intermediate_size:]
-            out[p + "mlp.down_proj.weight"] = layer.down_proj
+            out.update(layer.mlp_targets(p))  # dense SwiGLU, or router + experts (vllm_plugin/moe.py)
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,0 +1,207 @@
+"""MoE block for Megatron's ``TransformerLayer.mlp`` slot, computed by :mod:`megatron_consistent.kernels.moe`.
+
+:class:`ConsistentMoELayer` replaces Megatron-Core's ``MoELayer`` (router,
+token dispatcher, experts) for the MoE layers of the consistent spec: the
+router is ``kernels.moe.route`` (float32 logits through the batch-invariant
+linear, deterministic scores, stable top-k: among exactly equal scores the
+lowest expert index wins), the experts are ``kernels.moe.moe_experts`` (one
+batch-invariant SwiGLU call per expert over the tokens routed to it, weighted
+float32 combine in slot order, one rounding), plus the optional shared expert
+with its sigmoid gate (Qwen2-MoE).
+
+Scope, honestly: this module runs all experts in-process (expert parallel
+size 1, TP 1).  Megatron's token dispatchers (all-gather / all-to-all) are
+not used, so no claim is made about them; at EP=1 there is nothing to
+dispatch, and every token's expert result is independent of which other
+tokens share the expert (row-invariant linear), which is what a dispatcher
+would have to preserve.
+
+Parameters (the "Megatron layout" the converters use; stacked per expert)::
+
+    router.weight                    [E, H]
+    experts.linear_fc1.weight        [E, 2I, H]   (per expert: gate rows, then up rows)
+    experts.linear_fc2.weight        [E, H, I]
+    shared_experts.linear_fc1.weight [2Is, H]     (when shared_expert_intermediate_size > 0)
+    shared_experts.linear_fc2.weight [H, Is]
+    shared_experts.gate_weight       [1, H]       (Qwen2-MoE's shared_expert_gate)
+
+The auxiliary load-balancing loss (``router_aux_loss_coef`` > 0, training
+mode with autograd on) is kept on the side in :attr:`ConsistentMoELayer.last_aux_loss`;
+:func:`moe_aux_loss` sums it over the model for the trainer to add to its
+loss.  It never changes a forward value and is not added implicitly.
+:attr:`ConsistentMoELayer.last_routes` holds the last forward's experts
+``[s*b, k]`` (tokens in ``[s, b]`` order) for routing comparisons.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels import moe as kmoe
+
+__all__ = ["ConsistentMoELayer", "collect_routes", "moe_aux_loss", "moe_layer_spec"]
+
+
+def _init(shape, init_method, dtype):
+    master = torch.empty(*shape, dtype=torch.float32)
+    if init_method is not None:
+        if len(shape) == 3:
+            for e in range(shape[0]):
+                init_method(master[e])
+        else:
+            init_method(master)
+    else:
+        nn.init.normal_(master, std=0.02)
+    return nn.Parameter(master.to(dtype))
+
+
+def _mark(p: nn.Parameter) -> nn.Parameter:
+    p.tensor_model_parallel = False
+    p.allreduce = True
+    p.sequence_parallel = False
+    return p
+
+
+class _Container(nn.Module):
+    pass
+
+
+class ConsistentMoELayer(nn.Module):
+    """``forward(x [s, b, H]) -> (out [s, b, H], None)``: router + experts (+ shared expert) via the MoE kernels."""
+
+    def __init__(self, config, *, arch, layer_number: int | None = None, **unused):
+        super().__init__()
+        a = arch
+        dt = config.params_dtype
+        init = getattr(config, "init_method", None)
+        out_init = getattr(config, "output_layer_init_method", None)
+        H, E, inter = a.hidden_size, a.num_experts, a.moe_intermediate_size
+        self.arch, self.top_k = a, a.num_experts_per_tok
+        self.router = _Container()
+        self.router.weight = _mark(_init((E, H), init, dt))
+        self.experts = _Container()
+        self.experts.linear_fc1 = _Container()
+        self.experts.linear_fc2 = _Container()
+        self.experts.linear_fc1.weight = _mark(_init((E, 2 * inter, H), init, dt))
+        self.experts.linear_fc2.weight = _mark(_init((E, H, inter), out_init, dt))
+        self.shared_experts = None
+        if a.shared_expert_intermediate_size:
+            s = a.shared_expert_intermediate_size
+            self.shared_experts = _Container()
+            self.shared_experts.linear_fc1 = _Container()
+            self.shared_experts.linear_fc2 = _Container()
+            self.shared_experts.linear_fc1.weight = _mark(_init((2 * s, H), init, dt))
+            self.shared_experts.linear_fc2.weight = _mark(_init((H, s), out_init, dt))
+            self.shared_experts.gate_weight = _mark(_init((1, H), init, dt))
+        self.aux_loss_coef = a.router_aux_loss_coef
+        self.last_routes: torch.Tensor | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.layer_number = layer_number
+
+    def set_layer_number(self, n: int) -> None:
+        self.layer_number = n
+
+    def forward(self, x: torch.Tensor, padding_mask=None, **unused):
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        z = kmoe.router_logits(h, self.router.weight)
+        w, experts = kmoe.route_logits(z, self.top_k, "softmax", norm_topk_prob=self.arch.norm_topk_prob)
+        self.last_routes = experts.detach()
+        shared = None
+        if self.shared_experts is not None:
+            se = self.shared_experts
+            shared = (se.linear_fc1.weight, se.linear_fc2.weight, se.gate_weight)
+        out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared)
+        self.last_aux_loss = None
+        if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            self.last_aux_loss = self.aux_loss_coef * kmoe.load_balancing_loss(z, experts, self.arch.num_experts)
+        return out.reshape(shape), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        from .linear import sharded_state_dict_tp1
+
+        return sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, {})
+
+
+def moe_layer_spec(dense_layer_spec, arch):
+    """A copy of the consistent dense TransformerLayer spec with ``mlp`` = :class:`ConsistentMoELayer`."""
+    import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = copy.deepcopy(dense_layer_spec)
+    spec.submodules.mlp = ModuleSpec(module=ConsistentMoELayer, params={"arch": arch})
+    return spec
+
+
+def collect_routes(model) -> dict[int, torch.Tensor]:
+    """Layer index (0-based) -> the last forward's experts ``[s*b, k]`` of every MoE layer of a GPTModel."""
+    out = {}
+    for i, layer in enumerate(model.decoder.layers):
+        if isinstance(layer.mlp, ConsistentMoELayer) and layer.mlp.last_routes is not None:
+            out[i] = layer.mlp.last_routes
+    return out
+
+
+def moe_aux_loss(model) -> torch.Tensor | None:
+    """Sum of the last forward's load-balancing losses over the MoE layers (None when there are none)."""
+    losses = [layer.mlp.last_aux_loss for layer in model.decoder.layers
+              if isinstance(layer.mlp, ConsistentMoELayer) and layer.mlp.last_aux_loss is not None]
+    return sum(losses[1:], losses[0]) if losses else None
+
+
+class StockMoELayer(ConsistentMoELayer):
+    """BASELINE MoE block with ordinary torch ops (no consistency claimed); same parameters as :class:`ConsistentMoELayer`.
+
+    Router ``F.linear`` in the model dtype, ``torch.softmax`` in float32,
+    ``torch.topk``, per-expert ``F.linear`` SwiGLU in the model dtype, each
+    expert's weighted output accumulated with ``index_add_`` in the model dtype
+    (the pattern of Megatron's SequentialMLP / HF's loop).  Used only for the
+    stock recompute of ``megatron-consistent check``; Megatron's own MoELayer
+    is not built (its token dispatchers need a distributed setup beyond the
+    CPU check).
+    """
+
+    def forward(self, x: torch.Tensor, padding_mask=None, **unused):
+        import torch.nn.functional as F
+
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        probs = torch.softmax(F.linear(h, self.router.weight).float(), dim=-1)
+        w, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.arch.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        w = w.to(h.dtype)
+        self.last_routes = experts.detach()
+        out = torch.zeros_like(h)
+        inter = self.arch.moe_intermediate_size
+        for e in torch.unique(experts).tolist():
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            gu = F.linear(h[rows], self.experts.linear_fc1.weight[e])
+            y = F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], self.experts.linear_fc2.weight[e])
+            out = out.index_add(0, rows, y * w[rows, slot, None])
+        if self.shared_experts is not None:
+            se = self.shared_experts
+            n = se.linear_fc1.weight.shape[0] // 2
+            gu = F.linear(h, se.linear_fc1.weight)
+            ys = F.linear(F.silu(gu[:, :n]) * gu[:, n:], se.linear_fc2.weight)
+            out = out + torch.sigmoid(F.linear(h, se.gate_weight)) * ys
+        return out.reshape(shape), None
+
+
+def stock_moe_block_spec(layer_spec, arch):
+    """TransformerBlockSubmodules for the stock baseline: ``layer_spec`` per layer, :class:`StockMoELayer` in MoE layers."""
+    import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    specs = []
+    for i in range(arch.num_layers):
+        s = layer_spec
+        if arch.layer_is_moe(i):
+            s = copy.deepcopy(layer_spec)
+            s.submodules.mlp = ModuleSpec(module=StockMoELayer, params={"arch": arch})
+        specs.append(s)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=LayerNormImpl)

@@ -1,0 +1,37 @@
+"""Float64 plain-torch MoE block on HF-named weights (Qwen3-MoE / Qwen2-MoE / Mixtral), for the reference checks.
+
+Softmax router over all experts, ``torch.topk`` selection (the reference does
+not need a tie rule: its inputs have no ties), optional renormalisation of the
+selected weights, SwiGLU experts, Qwen2-MoE's sigmoid-gated shared expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def moe_mlp_f64(w: dict[str, torch.Tensor], arch, layer_prefix: str, h: torch.Tensor) -> torch.Tensor:
+    """MoE MLP output of ``h [..., H]`` (float64) for the layer whose HF prefix is ``layer_prefix`` (``model.layers.i.``)."""
+    from ..conversion.moe import expert_proj_names, moe_hf_prefix
+
+    p = f"{layer_prefix}{moe_hf_prefix(arch)}."
+    gate, up, down = expert_proj_names(arch)
+    x = h.reshape(-1, h.shape[-1])
+    probs = torch.softmax(x @ w[p + "gate.weight"].T, dim=-1)
+    top_w, top_e = torch.topk(probs, arch.num_experts_per_tok, dim=-1)
+    if arch.norm_topk_prob:
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(arch.num_experts):
+        rows, slot = (top_e == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        xe = x[rows]
+        ye = (F.silu(xe @ w[p + f"experts.{e}.{gate}.weight"].T) * (xe @ w[p + f"experts.{e}.{up}.weight"].T)) @ w[p + f"experts.{e}.{down}.weight"].T
+        out = out.index_add(0, rows, ye * top_w[rows, slot, None])
+    if arch.shared_expert_intermediate_size:
+        s = p + "shared_expert."
+        ys = (F.silu(x @ w[s + "gate_proj.weight"].T) * (x @ w[s + "up_proj.weight"].T)) @ w[s + "down_proj.weight"].T
+        out = out + torch.sigmoid(x @ w[p + "shared_expert_gate.weight"].T) * ys
+    return out.reshape(h.shape)
