@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from ..config import ArchConfig, UnsupportedConfigError
 from .moe import MOE_KINDS, moe_hf_shapes, moe_join, moe_plan, moe_split
 
-__all__ = ["CheckpointMismatchError", "export_hf", "import_hf", "megatron_to_hf_names"]
+__all__ = ["CheckpointMismatchError", "export_hf", "hf_state_dict", "import_hf", "megatron_to_hf_names"]
 
 _DTYPE_NAMES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                 "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -160,17 +160,28 @@ def _model_params(model, arch: ArchConfig) -> dict[str, torch.nn.Parameter]:
 
 
 # ---------------------------------------------------------------------------------------------- export
-def export_hf(model, arch: ArchConfig, out_dir) -> Path:
-    """Write ``config.json`` (``arch.to_hf()``, ``torch_dtype`` = the parameters' dtype) and ``model.safetensors``."""
+def hf_state_dict(model, arch: ArchConfig, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The Megatron ``model``'s weights as HF-named CPU tensors (the q/k/v and gate/up splits of the table above).
+
+    ``copy=True`` (default) returns contiguous clones; ``copy=False`` returns
+    views of the parameters where possible (contiguous copies only where a
+    split needs one) — read them before the next optimizer step.
+    """
     params = _model_params(model, arch)
     tensors: dict[str, torch.Tensor] = {}
-    dtypes = set()
     with torch.no_grad():
         for mname, hf_names, kind in _plan(arch):
             p = params[mname].detach()
-            dtypes.add(p.dtype)
             for hf_name, part in zip(hf_names, _split(arch, kind, p)):
-                tensors[hf_name] = part.to("cpu").contiguous().clone()
+                part = part.to("cpu").contiguous()
+                tensors[hf_name] = part.clone() if copy else part
+    return tensors
+
+
+def export_hf(model, arch: ArchConfig, out_dir) -> Path:
+    """Write ``config.json`` (``arch.to_hf()``, ``torch_dtype`` = the parameters' dtype) and ``model.safetensors``."""
+    tensors = hf_state_dict(model, arch)
+    dtypes = {t.dtype for t in tensors.values()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = arch.to_hf()

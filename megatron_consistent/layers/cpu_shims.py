@@ -37,7 +37,7 @@ import operator
 
 import torch
 
-__all__ = ["apply_cpu_shims", "cpu_shims_applied", "SHIMS"]
+__all__ = ["apply_cpu_shims", "cpu_shims_applied", "cuda_stubs_for_checkpoint", "SHIMS"]
 
 SHIMS = (
     "GlobalMemoryBuffer.get_tensor -> CPU buffer",
@@ -102,3 +102,26 @@ def apply_cpu_shims() -> bool:
     rotary_pos_embedding.RotaryEmbedding.get_emb = _cpu_get_emb
     _APPLIED = True
     return True
+
+
+@contextlib.contextmanager
+def cuda_stubs_for_checkpoint():
+    """Context manager for ``megatron.core.dist_checkpointing.save`` on a machine without CUDA.
+
+    megatron-core 0.16.1's torch_dist save path calls ``torch.cuda.synchronize()``
+    (``strategies/filesystem_async.py``, after preloading tensors) and
+    ``torch.cuda.current_device()`` (``strategies/state_dict_saver.py``, as the
+    device of small bookkeeping tensors).  Inside this block the first is a no-op
+    and the second answers ``"cpu"``; both are restored on exit, even on error.
+    A no-op when CUDA is available.  Loading needs no stub.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = (torch.cuda.synchronize, torch.cuda.current_device)
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = saved

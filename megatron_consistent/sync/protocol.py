@@ -1,0 +1,178 @@
+"""The weight-update wire format: raw bytes in POSIX shared memory + a JSON-able schema. No pickle.
+
+An update is a plain ``dict`` (only str/int/bool/list/dict, so it crosses
+vLLM's ``collective_rpc`` msgpack channel unchanged)::
+
+    {"protocol": 1, "version": 7, "path": "/dev/shm/mc-sync-....bin", "total_nbytes": 123456,
+     "require_inplace": true,
+     "tensors": [{"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [64, 64],
+                  "offset": 0, "nbytes": 8192}, ...]}
+
+``path`` is a file in ``/dev/shm`` (tmpfs, i.e. POSIX shared memory) holding
+the tensors' raw little-endian bytes back to back, each at a 64-byte aligned
+``offset``.  :func:`validate_update` checks the *whole* update against the
+receiver's expected ``{name: (shape, dtype)}`` and its current version before a
+single byte is copied; the receiver applies nothing unless it returns no
+problems.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+
+from ..config import ArchConfig
+
+__all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "hf_tensor_specs", "pack_update", "validate_update", "tensor_views"]
+
+PROTOCOL = 1
+ALIGN = 64
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update the engine refused (the message lists every problem) or an in-place guarantee broken."""
+
+
+def hf_tensor_specs(arch: ArchConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF tensor name -> (shape, dtype name) of a checkpoint of ``arch`` (what a full update must contain)."""
+    a, dt = arch, arch.dtype
+    q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
+    specs = {"model.embed_tokens.weight": ((a.vocab_size, h), dt), "model.norm.weight": ((h,), dt)}
+    if not a.tie_word_embeddings:
+        specs["lm_head.weight"] = ((a.vocab_size, h), dt)
+    for n in range(a.num_layers):
+        p = f"model.layers.{n}."
+        specs[p + "input_layernorm.weight"] = ((h,), dt)
+        specs[p + "post_attention_layernorm.weight"] = ((h,), dt)
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            specs[p + f"self_attn.{name}_proj.weight"] = ((rows, h), dt)
+            if a.qkv_bias:
+                specs[p + f"self_attn.{name}_proj.bias"] = ((rows,), dt)
+        if a.qk_norm:
+            specs[p + "self_attn.q_norm.weight"] = ((a.head_dim,), dt)
+            specs[p + "self_attn.k_norm.weight"] = ((a.head_dim,), dt)
+        specs[p + "self_attn.o_proj.weight"] = ((h, q), dt)
+        specs[p + "mlp.gate_proj.weight"] = ((i, h), dt)
+        specs[p + "mlp.up_proj.weight"] = ((i, h), dt)
+        specs[p + "mlp.down_proj.weight"] = ((h, i), dt)
+    return specs
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def pack_update(tensors: dict[str, torch.Tensor], version: int, *, require_inplace: bool = True, path: str | None = None) -> dict:
+    """Write ``tensors`` (CPU; bf16/fp16/fp32) into a new shared-memory file; returns the update dict.
+
+    The caller owns the file (``update["path"]``) and removes it after the push.
+    """
+    entries, offset = [], 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPE_NAMES:
+            raise WeightSyncError(f"{name}: dtype {t.dtype} cannot be sent (bfloat16/float16/float32 only)")
+        nbytes = t.numel() * t.element_size()
+        entries.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    total = max(offset, ALIGN)
+    path = path or str(Path(_shm_dir()) / f"mc-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin")
+    with open(path, "wb") as f:
+        f.truncate(total)
+    buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+    with torch.no_grad():
+        for e, t in zip(entries, tensors.values()):
+            src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            buf[e["offset"] : e["offset"] + e["nbytes"]].copy_(src)
+    del buf
+    return {"protocol": PROTOCOL, "version": int(version), "path": path, "total_nbytes": total,
+            "require_inplace": bool(require_inplace), "tensors": entries}
+
+
+def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]], current_version: int) -> list[str]:
+    """Every problem of ``update`` against ``expected`` ``{name: (shape, dtype)}``; empty list = it fits entirely.
+
+    Checks: protocol and field types; version strictly greater than
+    ``current_version``; no missing, extra or duplicate names; shapes; dtypes;
+    ``nbytes == numel * itemsize``; offsets aligned, inside the buffer and not
+    overlapping; the shared-memory file exists with ``total_nbytes`` bytes.
+    """
+    if not isinstance(update, dict):
+        return [f"update must be a dict, got {type(update).__name__}"]
+    problems = []
+    if update.get("protocol") != PROTOCOL:
+        problems.append(f"protocol {update.get('protocol')!r}, expected {PROTOCOL}")
+    version = update.get("version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        problems.append(f"version must be an int, got {version!r}")
+    elif version <= current_version:
+        problems.append(f"stale version {version}: the engine already holds version {current_version} (versions must increase strictly)")
+    total = update.get("total_nbytes")
+    path = update.get("path")
+    if not isinstance(total, int) or total < 0:
+        problems.append(f"total_nbytes must be a non-negative int, got {total!r}")
+        total = None
+    if not isinstance(path, str) or not os.path.isfile(path):
+        problems.append(f"shared-memory file {path!r} does not exist")
+    elif total is not None and os.path.getsize(path) != total:
+        problems.append(f"shared-memory file holds {os.path.getsize(path)} bytes, schema says {total}")
+    entries = update.get("tensors")
+    if not isinstance(entries, list):
+        return problems + [f"tensors must be a list, got {type(entries).__name__}"]
+    seen, spans = set(), []
+    for e in entries:
+        if not isinstance(e, dict) or not {"name", "dtype", "shape", "offset", "nbytes"} <= e.keys():
+            problems.append(f"malformed tensor entry {e!r}")
+            continue
+        name = e["name"]
+        if name in seen:
+            problems.append(f"duplicate tensor {name}")
+        seen.add(name)
+        if name not in expected:
+            continue
+        shape, dtype = expected[name]
+        if list(e["shape"]) != list(shape):
+            problems.append(f"wrong shape for {name}: update {tuple(e['shape'])}, engine expects {tuple(shape)}")
+        if e["dtype"] != dtype:
+            problems.append(f"wrong dtype for {name}: update {e['dtype']}, engine expects {dtype}")
+        if e["dtype"] in DTYPES:
+            numel = 1
+            for s in e["shape"]:
+                numel *= int(s)
+            if e["nbytes"] != numel * DTYPES[e["dtype"]].itemsize:
+                problems.append(f"{name}: nbytes {e['nbytes']} != numel {numel} x itemsize")
+        off, n = e["offset"], e["nbytes"]
+        if not isinstance(off, int) or not isinstance(n, int) or off < 0 or off % ALIGN or (total is not None and off + n > total):
+            problems.append(f"{name}: span offset={off} nbytes={n} is unaligned or outside the buffer ({total} bytes)")
+        else:
+            spans.append((off, off + n, name))
+    missing = sorted(expected.keys() - seen)
+    extra = sorted(seen - expected.keys())
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if extra:
+        problems.append(f"unexpected tensors: {extra}")
+    spans.sort()
+    for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        if b0 < a1:
+            problems.append(f"tensors {an} and {bn} overlap in the buffer")
+    return problems
+
+
+def tensor_views(update: dict) -> dict[str, torch.Tensor]:
+    """Map the shared-memory file privately (copy-on-write) and return ``{name: tensor view}`` per the schema.
+
+    Call only after :func:`validate_update` returned no problems.
+    """
+    total = update["total_nbytes"]
+    buf = torch.from_file(update["path"], shared=False, size=total, dtype=torch.uint8)
+    out = {}
+    for e in update["tensors"]:
+        raw = buf[e["offset"] : e["offset"] + e["nbytes"]]
+        out[e["name"]] = raw.view(DTYPES[e["dtype"]]).view(tuple(e["shape"]))
+    return out

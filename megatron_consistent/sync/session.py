@@ -1,0 +1,220 @@
+"""One RL session: a Megatron trainer and a LIVE vLLM engine kept in sync in place, step after step.
+
+:class:`RLSession` owns
+
+* the trainer: a Megatron ``GPTModel`` (consistent spec in ``consistent``
+  mode, Megatron's stock local spec in ``baseline`` mode) and its optimizer
+  (:func:`megatron_consistent.training.make_optimizer`);
+* the engine: one vLLM ``LLM`` (default multiprocess engine core) started once
+  from an HF export of the trainer's weights, with the worker extension of
+  :mod:`.worker`; the consistent plugin is on in ``consistent`` mode and off in
+  ``baseline`` mode (stock vLLM);
+* a :class:`~.channel.WeightSyncChannel` pushing the weights after every
+  optimizer step (weight version +1 each time).
+
+:meth:`RLSession.grpo_step` is one GRPO iteration with one update: sample ->
+reward -> trainer log-probs of the sampled tokens (same weight version as the
+engine) -> mismatch metrics -> clipped-ratio loss -> optimizer step -> push.
+One process runs one mode: the plugin switch is process-wide (environment
+variable read when vLLM starts), so a ``both`` run uses one process per mode.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import ArchConfig
+from ..verify.metrics import is_zero_mismatch, mismatch_metrics
+from ..vllm_plugin import ENV_VAR
+from .channel import WORKER_EXTENSION, WeightSyncChannel
+
+__all__ = ["MODES", "RLSession", "start_engine", "sample"]
+
+MODES = ("consistent", "baseline")
+
+
+def start_engine(model_dir, arch: ArchConfig, *, consistent: bool, seed: int = 0, max_num_batched_tokens: int = 256,
+                 max_model_len: int = 256, block_size: int = 32, enable_prefix_caching: bool = True, **kwargs):
+    """A live vLLM ``LLM`` on ``model_dir`` with the weight-sync worker extension (call under ``if __name__ == "__main__"``)."""
+    want = "1" if consistent else "0"
+    if _ENGINES and _ENGINES[0] != want:
+        raise RuntimeError(f"this process already started an engine with {ENV_VAR}={_ENGINES[0]}; one mode per process")
+    os.environ[ENV_VAR] = want
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _ENGINES.append(want)
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=arch.dtype, seed=seed, gpu_memory_utilization=0.3,
+               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
+               enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", enforce_eager=True,
+               worker_extension_cls=WORKER_EXTENSION, **kwargs)
+
+
+_ENGINES: list[str] = []  # plugin switch of the engines started by this process
+
+
+def sample(llm, prompts: list[list[int]], max_tokens: int, temperature: float = 1.0) -> tuple[list[list[int]], list[list[float]]]:
+    """Sampled tokens and their (processed) log-probs, one list per prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    tokens, logprobs = [], []
+    for o in outs:
+        c = o.outputs[0]
+        tokens.append(list(c.token_ids))
+        logprobs.append([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+    return tokens, logprobs
+
+
+class RLSession:
+    """Trainer + live engine + sync channel for one mode (see the module docstring)."""
+
+    def __init__(self, arch: ArchConfig, mode: str, work_dir, *, seed: int = 0, lr: float = 1e-2, init_hf_dir=None,
+                 restore_dir=None, restore_source: str = "hf", engine_dir=None, temperature: float = 1.0,
+                 engine_kwargs: dict | None = None):
+        """Build the trainer (seeded; or from ``init_hf_dir``; or restored from the checkpoint ``restore_dir`` with its
+        optimizer state), export it (or use the HF folder ``engine_dir``), start the engine from it, open the channel."""
+        from ..conversion import export_hf, import_hf
+        from ..layers import build_consistent_gpt_model, build_stock_gpt_model
+        from ..training import make_optimizer
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.arch, self.mode, self.temperature = arch, mode, temperature
+        self.work_dir = Path(work_dir)
+        build = build_consistent_gpt_model if mode == "consistent" else build_stock_gpt_model
+        self.model = build(arch, seed=seed)
+        if init_hf_dir is not None:
+            import_hf(self.model, arch, init_hf_dir)
+        self.optimizer = make_optimizer(self.model, lr)
+        self.manifest = None
+        if restore_dir is not None:
+            from ..checkpoint import load_checkpoint
+
+            self.manifest = load_checkpoint(restore_dir, self.model, self.optimizer, arch=arch, source=restore_source)
+        self.start_step = self.manifest["step"] if self.manifest else 0
+        self.version_base = self.manifest["weight_version"] if self.manifest else 0
+        self.trainer_pointers = self._trainer_pointers()
+        self.engine_dir = Path(engine_dir) if engine_dir else export_hf(self.model, arch, self.work_dir / f"engine_start_{mode}")
+        t0 = time.perf_counter()
+        self.llm = start_engine(self.engine_dir, arch, consistent=mode == "consistent", seed=seed, **(engine_kwargs or {}))
+        self.engine_start_seconds = time.perf_counter() - t0
+        self.channel = WeightSyncChannel(self.llm)
+        self.start_pointers = self.channel.engine_pointers()
+
+    @property
+    def weight_version(self) -> int:
+        """Global weight version: the restored checkpoint's version + pushes into this engine."""
+        return self.version_base + self.channel.version
+
+    def save(self, ckpt_dir, step: int, extra: dict | None = None, dist: bool = True):
+        """Checkpoint trainer + optimizer (see :mod:`megatron_consistent.checkpoint`)."""
+        from ..checkpoint import save_checkpoint
+
+        return save_checkpoint(ckpt_dir, self.model, self.optimizer, arch=self.arch, step=step,
+                               weight_version=self.weight_version, extra=extra, dist=dist)
+
+    # ------------------------------------------------------------------ pieces
+    def _trainer_pointers(self) -> dict[str, int]:
+        return {n: p.data_ptr() for n, p in self.model.named_parameters()}
+
+    def trainer_logprobs(self, prompts: list[list[int]], responses: list[list[int]], grad: bool = False) -> torch.Tensor:
+        """``[n, t]`` float32 trainer log-probs of each response token (train mode); equal-length responses."""
+        from ..layers import compute_stock_token_logprobs, compute_token_logprobs
+
+        fn = compute_token_logprobs if self.mode == "consistent" else compute_stock_token_logprobs
+        seqs = [p + r for p, r in zip(prompts, responses)]
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding: never seen (causal)
+        self.model.train()
+        with torch.set_grad_enabled(grad):
+            lp = fn(self.model, ids, self.temperature)
+        rows = [lp[i, len(p) - 1 : len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))]
+        return torch.stack(rows)
+
+    def check_rollout(self, prompts, max_tokens: int) -> dict:
+        """Sample once and compare with the trainer (no update): the mismatch metrics at the current version."""
+        tokens, lps = sample(self.llm, prompts, max_tokens, self.temperature)
+        train = self.trainer_logprobs(prompts, tokens).reshape(-1)
+        roll = torch.tensor([x for r in lps for x in r], dtype=torch.float32)
+        m = mismatch_metrics(train, roll)
+        return {**m, "zero_mismatch": is_zero_mismatch(m), "bitwise_equal": bool(torch.equal(train, roll)),
+                "tokens_sampled": tokens, "rollout_logprobs": lps, "version": self.channel.version}
+
+    def weights_match_engine(self) -> dict:
+        """Compare SHA-256 digests of the trainer's HF tensors with the engine's (consistent engine only)."""
+        import hashlib
+
+        from ..conversion import hf_state_dict
+
+        mine = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, t in hf_state_dict(self.model, self.arch).items()}
+        theirs = self.llm.collective_rpc("mc_sync_digests")[0]
+        differ = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
+        return {"equal": not differ, "differ": differ[:16], "tensors": len(mine)}
+
+    def push(self) -> dict:
+        """Push the trainer's weights as the next version; checks pointers on both sides."""
+        report = self.channel.push_model(self.model, self.arch).as_dict()
+        after = self.channel.engine_pointers()
+        report["engine_pointers_unchanged"] = after == self.start_pointers
+        report["trainer_pointers_unchanged"] = self._trainer_pointers() == self.trainer_pointers
+        report["engine_version"] = self.channel.engine_version()
+        return report
+
+    # ------------------------------------------------------------------ one GRPO step
+    def grpo_step(self, prompts: list[list[int]], group_size: int, max_tokens: int, reward_fn, clip: float = 0.2) -> dict:
+        """Sample ``group_size`` answers per prompt, update once, push; returns the step's record.
+
+        ``reward_fn(prompt, response) -> float``.  The mismatch is measured on
+        the sampled tokens before the update, trainer and engine at the same
+        weight version.
+        """
+        from ..training import group_advantages, grpo_loss
+
+        batch = [p for p in prompts for _ in range(group_size)]
+        version = self.channel.version
+        t0 = time.perf_counter()
+        tokens, lps = sample(self.llm, batch, max_tokens, self.temperature)
+        t_sample = time.perf_counter() - t0
+        rewards = torch.tensor([reward_fn(p, r) for p, r in zip(batch, tokens)], dtype=torch.float32)
+        t1 = time.perf_counter()
+        self.optimizer.zero_grad()
+        logp = self.trainer_logprobs(batch, tokens, grad=True)
+        rollout = torch.tensor(lps, dtype=torch.float32)
+        m = mismatch_metrics(logp.detach().reshape(-1), rollout.reshape(-1))
+        bitwise = bool(torch.equal(logp.detach(), rollout))
+        loss, stats = grpo_loss(logp, rollout, group_advantages(rewards, group_size), clip)
+        loss.backward()
+        stepped = self.optimizer.step()
+        t_train = time.perf_counter() - t1
+        sync = self.push()
+        return {
+            "mode": self.mode, "version": self.version_base + version, "reward": rewards.mean().item(),
+            "max_abs": m["max_abs"], "mean_abs": m["mean_abs"], "std": m["std"], "k3": m["k3"],
+            "exact_fraction": m["exact_fraction"], "bitwise_equal": bitwise, "tokens": m["tokens"],
+            "ratio_max_dev": stats["ratio_max_dev"], "loss": stats["loss"], "optimizer_stepped": stepped,
+            "sync_version": self.version_base + sync["version"], "engine_version": sync["engine_version"], "sync_bytes": sync["bytes"],
+            "sync_seconds": sync["seconds"], "sync_rpc_seconds": sync["rpc_seconds"], "sync_gbytes_per_s": sync["gbytes_per_s"],
+            "pointers_unchanged": bool(sync["pointers_unchanged"] and sync["engine_pointers_unchanged"]),
+            "trainer_pointers_unchanged": sync["trainer_pointers_unchanged"],
+            "sample_seconds": t_sample, "train_seconds": t_train,
+        }
+
+    def close(self) -> None:
+        """Shut the engine down (best effort)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        try:
+            engine = llm.llm_engine
+            if hasattr(engine, "engine_core") and hasattr(engine.engine_core, "shutdown"):
+                engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - shutdown is best effort
+            pass

@@ -1,0 +1,108 @@
+"""vLLM worker extension: receive weight updates in place, inside a live (multiprocess) engine.
+
+Start the engine with
+``LLM(..., worker_extension_cls="megatron_consistent.sync.worker.WeightSyncExtension")``;
+vLLM mixes this class into its worker, so ``self`` below is the worker and
+the methods are reachable with ``llm.collective_rpc("mc_sync_<name>", args=(...))``.
+Arguments and results are plain JSON-like values (see :mod:`.protocol`).
+
+* Consistent engine (``MEGATRON_CONSISTENT_VLLM=1``): the model is
+  :class:`~megatron_consistent.vllm_plugin.model.ConsistentForCausalLM`; each
+  HF tensor is ``copy_``-ed into the view ``hf_targets()`` gives for it, i.e.
+  into the engine's existing parameter storage.  Every parameter's
+  ``data_ptr`` is recorded before and after; a moved storage is reported as a
+  failure (``require_inplace``).
+* Stock engine (baseline): vLLM's CPU linear layers keep only a repacked copy
+  of their weights (oneDNN / sgl), so a plain ``copy_`` would be ignored; the
+  update goes through vLLM's own ``reload_weights`` (layerwise reload, which
+  re-packs).  Pointers are still reported, with ``require_inplace`` False.
+
+A refused update (see :func:`.protocol.validate_update`) copies nothing and
+leaves the version unchanged; the engine keeps serving the previous weights.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .protocol import hf_tensor_specs, tensor_views, validate_update
+
+__all__ = ["WeightSyncExtension"]
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class; every public method is an RPC target (prefix ``mc_sync_``)."""
+
+    def _mc_model(self):
+        runner = self.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def _mc_arch(self):
+        from ..config import ArchConfig
+
+        return ArchConfig.from_hf(self.vllm_config.model_config.hf_config.to_dict())
+
+    def _mc_expected(self, model) -> tuple[dict, dict | None]:
+        """(expected specs, in-place targets or None for the stock model)."""
+        if hasattr(model, "hf_targets"):
+            targets = model.hf_targets()
+            specs = {n: (tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in targets.items()}
+            return specs, targets
+        return hf_tensor_specs(self._mc_arch()), None
+
+    def mc_sync_version(self) -> int:
+        """The weight version this engine serves (0 = the weights it was started with)."""
+        return int(getattr(self, "_mc_weight_version", 0))
+
+    def mc_sync_pointers(self) -> dict:
+        """``{parameter name: data_ptr}`` of the engine's model."""
+        return {n: int(p.data_ptr()) for n, p in self._mc_model().named_parameters()}
+
+    def mc_sync_digests(self) -> dict:
+        """``{HF name: sha256 hex of the raw bytes}`` of the engine's weights (consistent model; stock: empty)."""
+        import hashlib
+
+        model = self._mc_model()
+        if not hasattr(model, "hf_targets"):
+            return {}
+        return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                for n, t in model.hf_targets().items()}
+
+    def mc_sync_model_kind(self) -> str:
+        """``consistent`` or ``stock`` (the model class the engine runs)."""
+        return "consistent" if hasattr(self._mc_model(), "hf_targets") else "stock"
+
+    def mc_sync_apply(self, update: dict) -> dict:
+        """Validate, then copy an update into the model; returns a report dict (``ok`` False = refused, nothing applied)."""
+        t0 = time.perf_counter()
+        model = self._mc_model()
+        version = self.mc_sync_version()
+        expected, targets = self._mc_expected(model)
+        problems = validate_update(update, expected, version)
+        if problems:
+            return {"ok": False, "version": version, "problems": problems}
+        views = tensor_views(update)
+        before = self.mc_sync_pointers()
+        with torch.no_grad():
+            if targets is not None:
+                for name, src in views.items():
+                    targets[name].copy_(src)
+            else:
+                from vllm.config import set_current_vllm_config
+
+                with set_current_vllm_config(self.vllm_config):
+                    self.model_runner.reload_weights(weights_iterator=list(views.items()), is_checkpoint_format=True)
+        after = self.mc_sync_pointers()
+        moved = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
+        report = {"ok": True, "version": version, "bytes": int(sum(e["nbytes"] for e in update["tensors"])),
+                  "tensors": len(views), "pointers_unchanged": not moved, "moved": moved[:16],
+                  "num_parameters": len(after), "seconds": 0.0, "model_kind": "consistent" if targets is not None else "stock"}
+        if moved and update.get("require_inplace", True):
+            report.update(ok=False, problems=[f"parameter storage moved during the update: {moved[:16]}"])
+            return report
+        self._mc_weight_version = int(update["version"])
+        report["version"] = self._mc_weight_version
+        report["seconds"] = time.perf_counter() - t0
+        return report
