@@ -9,6 +9,7 @@ activation) is refused by name before any work is done.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -211,6 +212,14 @@ def _moe_to_hf(a: "ArchConfig") -> dict:
         out["shared_expert_intermediate_size"] = a.shared_expert_intermediate_size
         out["qkv_bias"] = a.qkv_bias
     return out
+
+
+DEFAULT_MODEL = "tiny-llama"
+
+
+def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """Folder of a tiny model config shipped with the package (``configs/models/<name>``)."""
+    return Path(str(resources.files("megatron_consistent") / "configs" / "models" / name))
 
 
 def load_hf_config(path: str | Path) -> dict:

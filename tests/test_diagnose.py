@@ -13,7 +13,7 @@ from megatron_consistent.config import ArchConfig, load_hf_config
 from megatron_consistent.conversion import export_hf
 from megatron_consistent.layers import build_consistent_gpt_model
 from megatron_consistent.verify.capture import op_order
-from megatron_consistent.verify.check import builtin_model_dir
+from megatron_consistent.config import builtin_model_dir
 from megatron_consistent.verify.diagnose import DiagnoseConfig, _qkv_canonical, render, replay, run_diagnose
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
-from megatron_consistent.verify.check import builtin_model_dir
+from megatron_consistent.config import builtin_model_dir
 from megatron_consistent.verify.reference import gradient_check
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU path runs the Triton kernels")

@@ -39,7 +39,7 @@ ENGINE_MODEL = "tiny-llama"
 # --------------------------------------------------------------------------------------------- trainer-side helpers
 def _arch(name):
     from megatron_consistent.layers import as_arch_config
-    from megatron_consistent.verify.check import builtin_model_dir
+    from megatron_consistent.config import builtin_model_dir
 
     return as_arch_config(builtin_model_dir(name))
 

@@ -84,7 +84,7 @@ def test_nan_scores_refused():
 def test_megatron_moe_layer_rows_and_routes():
     from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
     from megatron_consistent.layers.moe import collect_routes
-    from megatron_consistent.verify.check import builtin_model_dir
+    from megatron_consistent.config import builtin_model_dir
 
     model = build_consistent_gpt_model(builtin_model_dir("tiny-qwen2moe-top8-shared"), seed=0)
     ids = torch.randint(3, 512, (3, 21), generator=torch.Generator().manual_seed(4))
@@ -110,7 +110,8 @@ def _tie_routers(model):
 
 def test_end_to_end_zero_mismatch_with_forced_router_ties(tmp_path, monkeypatch):
     import megatron_consistent.layers as layers
-    from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
+    from megatron_consistent.config import builtin_model_dir
+    from megatron_consistent.verify.check import load_check_config, run_check
     from megatron_consistent.verify.routing import load_engine_routes
 
     build = layers.build_consistent_gpt_model

@@ -13,7 +13,8 @@ import json
 import pytest
 
 from megatron_consistent.cli import main as cli_main
-from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
+from megatron_consistent.config import builtin_model_dir
+from megatron_consistent.verify.check import load_check_config, run_check
 
 
 def _cfg(tmp_path, **kw):

@@ -56,7 +56,7 @@ def run(args) -> int:
             from ..config import ArchConfig, load_hf_config
             from ..conversion import export_hf
             from ..layers import build_consistent_gpt_model
-            from .check import builtin_model_dir
+            from ..config import builtin_model_dir
 
             arch = ArchConfig.from_hf(load_hf_config(args.hf_config or builtin_model_dir()))
             model_dir = str(Path(args.out_dir) / "model")

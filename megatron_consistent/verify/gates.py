@@ -209,7 +209,7 @@ def _model(ctx):
         from ..config import ArchConfig, load_hf_config
         from ..conversion import export_hf
         from ..layers import build_consistent_gpt_model
-        from .check import builtin_model_dir
+        from ..config import builtin_model_dir
 
         arch = ArchConfig.from_hf(load_hf_config(ctx.cfg.hf_config or builtin_model_dir()))
         d = ctx.out / "model"
@@ -403,7 +403,7 @@ def gate_throughput(ctx) -> tuple[str, str]:
 
 # ------------------------------------------------------------------------------------------------ C6
 def gate_gradients(ctx) -> tuple[str, str]:
-    from .check import builtin_model_dir
+    from ..config import builtin_model_dir
     from .reference import GRAD_REL_TOL, LOSS_REL_TOL, gradient_check
 
     r = gradient_check(ctx.cfg.hf_config or builtin_model_dir(), seed=11, batch=2, seq=24)
