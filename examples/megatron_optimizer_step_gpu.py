@@ -1,6 +1,6 @@
 """One Megatron optimizer step on the consistent GPTModel on a GPU (megatron-core 0.19.x; also 0.16.1), JSON out.
 
-    python examples/megatron_optimizer_step_gpu.py [--hf-config DIR] [--dtype bfloat16] [--lr 1e-3] [--json OUT.json]
+    python examples/megatron_optimizer_step_gpu.py [--hf-config DIR] [--dtype bfloat16] [--lr 1e-2] [--json OUT.json]
 
 What it does (single process, world size 1, NCCL):
 
@@ -114,8 +114,8 @@ def run(args) -> dict:
     arch = model.arch_config
     model.cuda()
     weights0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ptrs0 = {n: p.data_ptr() for n, p in model.named_parameters()}
-    ddp = _wrap_ddp(model)
+    ddp = _wrap_ddp(model)  # DDP moves every parameter into its contiguous buffer, once, here
+    ptrs0 = {n: p.data_ptr() for n, p in model.named_parameters()}  # from now on storage must stay put
     optimizer, opt_cfg = _optimizer(ddp, args.lr, dtype)
 
     ids = torch.randint(0, arch.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(args.seed + 1))
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="One Megatron distributed-optimizer step on the consistent GPTModel (GPU).")
     ap.add_argument("--hf-config", default="")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=1e-2)  # > bf16 half-ulp at 1.0 (2^-8), so norm weights visibly move
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
