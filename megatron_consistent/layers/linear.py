@@ -119,6 +119,9 @@ class _ConsistentLinearBase(nn.Module):
         pass
 
     def forward(self, x: torch.Tensor):
+        fp8 = getattr(self, "fp8", None)  # layers/fp8.py enable_fp8: block-FP8 forward on the bf16 master, STE backward
+        if fp8 is not None:
+            return (fp8(x, self.weight, None), self.bias) if self.skip_bias_add else (fp8(x, self.weight, self.bias), None)
         if self.skip_bias_add:
             return kernels.linear(x, self.weight), self.bias
         return kernels.linear(x, self.weight, self.bias), None

@@ -13,26 +13,19 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from ..config import ArchConfig, load_hf_config
+from ..config import ArchConfig, builtin_model_dir, load_hf_config
 from .metrics import format_table, is_zero_mismatch, mismatch_metrics
 from .rollout import RolloutRequest, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
-DEFAULT_MODEL = "tiny-llama"
 METRIC_COLUMNS = ["path", "tokens", "max_abs", "mean_abs", "std", "k3", "token_mult_prob_error", "exact_fraction", "gen_tokens_per_s",
                   "routing_agreement"]  # routing_agreement: MoE configs, consistent path (verify/routing.py)
-
-
-def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
-    """Folder of a tiny model config shipped with the package."""
-    return Path(str(resources.files("megatron_consistent") / "configs" / "models" / name))
 
 
 @dataclass
@@ -55,6 +48,7 @@ class CheckConfig:
     max_model_len: int = 512
     recompute_batch: int = 16
     out_dir: str = "runs/check"
+    quantization: str = ""  # "" (model dtype) or "fp8": block-FP8 weights + dynamic 1x128 activations (kernels/fp8.py)
     json: str = ""
 
     def validate(self) -> None:
@@ -66,6 +60,8 @@ class CheckConfig:
             raise ValueError("--num-prompts and --max-tokens must be >= 1")
         if self.max_prompt_len + self.max_tokens > self.max_model_len:
             raise ValueError(f"max_prompt_len + max_tokens ({self.max_prompt_len + self.max_tokens}) exceeds max_model_len {self.max_model_len}")
+        if self.quantization not in ("", "fp8"):
+            raise ValueError(f"--quantization must be fp8 (or empty), got {self.quantization!r}")
         if self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32 (vLLM CPU), got {self.block_size}")
 
@@ -125,7 +121,15 @@ def run_check(cfg: CheckConfig) -> dict:
     out = Path(cfg.out_dir)
     model_dir = out / "model"
     model = build_consistent_gpt_model(arch, seed=cfg.seed)
-    export_hf(model, arch, model_dir)
+    if cfg.quantization == "fp8":  # trainer: FP8 forward on the bf16 masters; engines: the block-FP8 export of them
+        from ..conversion.fp8 import export_hf_fp8
+        from ..layers.fp8 import enable_fp8
+
+        enable_fp8(model)
+        export_hf_fp8(model, arch, model_dir)
+        export_hf(model, arch, out / "model_bf16")  # the stock trainer's weights (bf16 masters)
+    else:
+        export_hf(model, arch, model_dir)
     prompts = make_prompts(cfg, arch.vocab_size)
     temperature = cfg.temperature if cfg.logprobs_mode == "processed" else 1.0
     report = {"settings": {**asdict(cfg), "hf_config": hf_path, "arch": arch.as_dict()}}
@@ -152,7 +156,7 @@ def run_check(cfg: CheckConfig) -> dict:
             trainer = model
         else:
             trainer = build_stock_gpt_model(arch, seed=cfg.seed)
-            import_hf(trainer, arch, model_dir)
+            import_hf(trainer, arch, out / "model_bf16" if cfg.quantization else model_dir)
         sink = None
         if routes_dir is not None:
             from .routing import TrainerRoutes

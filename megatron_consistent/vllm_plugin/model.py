@@ -148,9 +148,13 @@ class ConsistentForCausalLM(nn.Module):
         self._loaded_targets: set[str] = set()
         self._dummy_start = str(getattr(vllm_config.load_config, "load_format", "")).lower().endswith("dummy")
         dt = arch.torch_dtype
+        from .fp8 import layer_factory, quantization_of  # block-FP8 checkpoints (issue #9): vllm_plugin/fp8.py
+
+        self.fp8_formats = quantization_of(mc.hf_config.to_dict())
+        fp8_layer = layer_factory(arch, self.fp8_formats) if self.fp8_formats else None
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         self.layers = nn.ModuleList(
-            _layer_class(arch, i)(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
+            (fp8_layer or _layer_class(arch, i))(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dt)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         if os.environ.get(CAPTURE_ENV):
@@ -205,6 +209,8 @@ class ConsistentForCausalLM(nn.Module):
                 out[p + "self_attn.k_norm.weight"] = layer.k_norm
             out[p + "self_attn.o_proj.weight"] = layer.o_proj
             out.update(layer.mlp_targets(p))  # dense SwiGLU, or router + experts (vllm_plugin/moe.py)
+            if hasattr(layer, "scale_targets"):  # block-FP8: <name>.weight_scale_inv (vllm_plugin/fp8.py)
+                out.update(layer.scale_targets(p))
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,0 +1,107 @@
+"""Block-FP8 export (issue #9): the bf16 Megatron masters -> HF block-FP8 safetensors.
+
+Quantized tensors: every decoder linear in HF layout — ``self_attn.{q,k,v,o}_proj``
+and ``mlp.{gate,up,down}_proj`` — each quantized on its own (per HF tensor, so
+the 128x128 block grid is the HF tensor's, whatever fusion the engine uses).
+Embeddings, norms, biases and ``lm_head`` stay in the model dtype.
+
+Per quantized tensor ``<name>.weight``: the E4M3 values (``float8_e4m3fn``) and
+``<name>.weight_scale_inv`` (float32 ``[ceil(N/128), ceil(K/128)]``, the
+dequantization multiplier: ``w ~= float32(weight) * weight_scale_inv`` per
+block) — the DeepSeek-V3 / HF block-FP8 naming.  ``config.json`` gets
+
+* ``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128],
+  "activation_scheme": "dynamic"}`` (what vLLM / HF users expect), and
+* ``megatron_consistent_quantization`` — the exact scheme the consistent
+  plugin reads (value codec, weight and activation blocks, scale format,
+  quantized modules).  The plugin never relies on vLLM's own FP8 methods: its
+  model class ignores vLLM's ``quant_config`` object and runs
+  :func:`megatron_consistent.kernels.fp8.fp8_linear` (see vllm_plugin/fp8.py).
+
+:func:`quantized_parts` is the single quantization routine for both the export
+and the trainer's forward (layers/fp8.py), so the exported FP8 values and
+scales are bitwise the ones the trainer computed with.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..config import ArchConfig, UnsupportedConfigError
+from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, quantize
+from .hf import _DTYPE_STR, _model_params, _plan, _split
+
+__all__ = ["QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "export_hf_fp8", "fp8_hf_state_dict", "quantization_entry", "quantized_parts"]
+
+QUANT_KEY = "megatron_consistent_quantization"
+QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
+                               "mlp.linear_fc2.weight")
+
+
+def check_fp8_arch(arch: ArchConfig) -> None:
+    if arch.is_moe:
+        raise UnsupportedConfigError(f"fp8 quantization: MoE architectures ({arch.architecture}) are not supported yet (dense only)")
+
+
+def is_quantized(megatron_name: str) -> bool:
+    return megatron_name.startswith("decoder.layers.") and megatron_name.endswith(QUANTIZED_MEGATRON_SUFFIXES)
+
+
+def quantized_parts(arch: ArchConfig, kind: str, weight: torch.Tensor, fmt: QuantFormat = E4M3_WEIGHT_128):
+    """``[(q, scale)]`` per HF tensor of the Megatron ``weight`` (split as by the HF conversion), each quantized on its own."""
+    with torch.no_grad():
+        return [quantize(part.contiguous(), fmt) for part in _split(arch, kind, weight.detach())]
+
+
+def quantization_entry(fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> dict:
+    """The ``megatron_consistent_quantization`` config entry (read back by :func:`formats_from_entry`)."""
+    return {"method": "fp8", "weight": fmt.as_dict(), "activation": {**a_fmt.as_dict(), "dynamic": True},
+            "modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def formats_from_entry(entry: dict) -> tuple[QuantFormat, QuantFormat]:
+    if entry.get("method") != "fp8":
+        raise UnsupportedConfigError(f"{QUANT_KEY}: unsupported method {entry.get('method')!r} (only fp8)")
+    w, a = entry["weight"], entry["activation"]
+    return (QuantFormat(w["name"], tuple(w["block"]), w["scale_format"]), QuantFormat(a["name"], tuple(a["block"]), a["scale_format"]))
+
+
+def fp8_hf_state_dict(model, arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> dict[str, torch.Tensor]:
+    """HF-named tensors: FP8 ``.weight`` + ``.weight_scale_inv`` for the decoder linears, the model dtype elsewhere."""
+    check_fp8_arch(arch)
+    params = _model_params(model, arch)
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for mname, hf_names, kind in _plan(arch):
+            p = params[mname].detach().cpu()
+            if is_quantized(mname):
+                for hf_name, (q, s) in zip(hf_names, quantized_parts(arch, kind, p, fmt)):
+                    tensors[hf_name] = q.contiguous()
+                    tensors[hf_name + "_scale_inv"] = s.contiguous()
+            else:
+                for hf_name, part in zip(hf_names, _split(arch, kind, p)):
+                    tensors[hf_name] = part.contiguous().clone()
+    return tensors
+
+
+def export_hf_fp8(model, arch: ArchConfig, out_dir, fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128,
+                  hf_quantization_config: bool = True) -> Path:
+    """Write a block-FP8 HF folder (``config.json`` + ``model.safetensors``); see the module doc for the layout."""
+    tensors = fp8_hf_state_dict(model, arch, fmt)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = arch.to_hf()
+    dtype = next(p.dtype for p in model.parameters())
+    if dtype in _DTYPE_STR:
+        hf["torch_dtype"] = _DTYPE_STR[dtype]
+    hf[QUANT_KEY] = quantization_entry(fmt, a_fmt)
+    if hf_quantization_config:
+        hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(fmt.block), "activation_scheme": "dynamic",
+                                     "fmt": "e4m3"}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return out

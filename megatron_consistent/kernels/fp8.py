@@ -1,0 +1,256 @@
+"""Block-scaled low-precision quantization and the FP8 linear (issue #9).
+
+Quantizer interface
+-------------------
+A :class:`QuantFormat` names a value codec (``"e4m3"``: ``torch.float8_e4m3fn``
+storage, largest finite value 448), a block shape ``(rows, cols)`` over the
+last two dimensions of a tensor (leading dimensions are flattened into rows),
+and a scale format:
+
+* ``"fp32"`` — ``scale = amax / max_value`` (one IEEE float32 division of the
+  block's exact ``amax``);
+* ``"pow2"`` — that float32 quotient rounded **up** to a power of two (if it
+  already is one it is kept).  Dequantization is then exact.
+
+``amax`` is ``torch.amax(|x|)`` over the block, which is exact (max involves no
+rounding, so no order dependence).  A block whose ``amax`` is 0 (or whose
+scale underflows to 0) gets scale 1.  Partial blocks at the edges are padded
+with zeros for the ``amax`` only (zeros never change a max); the scale tensor
+has ``ceil(rows / br) x ceil(cols / bc)`` entries (the DeepSeek / HF block-FP8
+convention).
+
+:func:`quantize` — the exact order of operations, per element::
+
+    q = cast_e4m3( clamp( float32(x) / scale_of_its_block , -448, 448 ) )
+
+with IEEE float32 division and torch's float32 -> float8_e4m3fn cast
+(round-to-nearest-even; the clamp makes saturation explicit — e4m3fn has no
+infinity).  :func:`dequantize` is ``float32(q) * scale`` (fp8 -> fp32 is exact;
+the product is exact for ``pow2`` scales and rounded once to float32 for
+``fp32`` scales — deterministic either way).  The scale returned is the
+*dequantization multiplier* (the tensor stored as ``weight_scale_inv`` in HF
+block-FP8 checkpoints).
+
+Room for NVFP4: a format is (value codec, block, scale format); NVFP4 would be
+``QuantFormat("nvfp4", (1, 16), "e4m3")`` with an E2M1 codec (max 6, packed
+two per byte) registered in :data:`VALUE_CODECS` and an ``"e4m3"`` scale
+format (scales themselves rounded to E4M3, with a per-tensor fp32 global
+scale).  Neither is implemented; :func:`quantize` refuses unknown codecs and
+scale formats by name.
+
+FP8 linear
+----------
+Weights: :data:`E4M3_WEIGHT_128` (128x128 blocks).  Activations:
+:data:`E4M3_ACT_1x128` (per token, groups of 128 along the reduction axis),
+quantized dynamically on every call.  :func:`fp8_linear` quantizes the input,
+dequantizes input and weight to float32 (above), then runs the batch-invariant
+``linear`` kernel of :mod:`.linear` (float32 products, fixed 64-blocks, fixed
+tree, one rounding to ``out_dtype``).  Every step is per row (activation groups
+never cross tokens), so a row's output is independent of the batch.
+
+Weights travel as ``(w_q [N, K] fp8, row_scales [N, ceil(K/128)] fp32)``:
+``row_scales`` is the block-scale tensor with each block row repeated for its
+rows (:func:`weight_row_scales`), so fused weights (q/k/v, gate/up) whose
+parts have their own block grids are concatenated row-wise.
+
+Backward (:class:`FP8LinearSTE`): a straight-through estimator — the
+quantizers are treated as the identity in the backward, so with
+``xd = dq(q(x))`` and ``wd = dq(q(W))``: ``dL/dx = g @ wd`` and
+``dL/dW_master = g^T @ xd`` (float32 matmuls, rounded to the dtypes of ``x``
+and of the bf16 master weight), ``dL/db = sum g``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .dispatch import implementation, register
+
+__all__ = [
+    "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "FP8LinearSTE", "QuantFormat", "VALUE_CODECS", "block_amax",
+    "compute_scales", "dequantize", "dequantize_rows", "fp8_linear", "fp8_linear_ste", "quantize", "weight_row_scales",
+]
+
+E4M3_MAX = 448.0
+SCALE_FORMATS = ("fp32", "pow2")
+
+
+def _encode_e4m3(y: torch.Tensor) -> torch.Tensor:
+    return y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _decode_e4m3(q: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float32)
+
+
+# codec name -> (largest finite value, storage dtype, encode(float32 scaled values), decode(storage) -> float32)
+VALUE_CODECS: dict[str, tuple[float, torch.dtype, Callable, Callable]] = {
+    "e4m3": (E4M3_MAX, torch.float8_e4m3fn, _encode_e4m3, _decode_e4m3),
+}
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A block-scaled format: value codec, block shape over the last two dims, scale format."""
+
+    name: str = "e4m3"
+    block: tuple[int, int] = (128, 128)
+    scale_format: str = "fp32"
+
+    def __post_init__(self):
+        if self.name not in VALUE_CODECS:
+            raise ValueError(f"unknown value codec {self.name!r}; implemented: {', '.join(VALUE_CODECS)}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise ValueError(f"unknown scale format {self.scale_format!r}; implemented: {', '.join(SCALE_FORMATS)}")
+        if len(self.block) != 2 or min(self.block) < 1:
+            raise ValueError(f"block must be two positive sizes, got {self.block}")
+
+    @property
+    def max_value(self) -> float:
+        return VALUE_CODECS[self.name][0]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return VALUE_CODECS[self.name][1]
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "block": list(self.block), "scale_format": self.scale_format}
+
+
+E4M3_WEIGHT_128 = QuantFormat("e4m3", (128, 128), "fp32")
+E4M3_ACT_1x128 = QuantFormat("e4m3", (1, 128), "fp32")
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0:
+        raise ValueError("quantize: needs at least one dimension")
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 ``[ceil(R/br), ceil(C/bc)]``: exact max of ``|x|`` per block of the 2-D view ``[R, C]`` (zero-padded edges)."""
+    x2 = _as_2d(x).to(torch.float32).abs()
+    r, c = x2.shape
+    br, bc = block
+    rb, cb = _cdiv(r, br), _cdiv(c, bc)
+    if (rb * br, cb * bc) != (r, c):
+        x2 = torch.nn.functional.pad(x2, (0, cb * bc - c, 0, rb * br - r))
+    return x2.reshape(rb, br, cb, bc).amax(dim=(1, 3))
+
+
+def compute_scales(amax: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Dequantization scales from block amax: ``amax / max_value`` (fp32), rounded up to 2^k for ``pow2``; 1 for zero blocks."""
+    s = amax.to(torch.float32) / fmt.max_value
+    if fmt.scale_format == "pow2":
+        m, e = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1)
+        s = torch.where(m == 0.5, s, torch.ldexp(torch.ones_like(s), e))
+    return torch.where((s == 0) | (amax == 0), torch.ones_like(s), s)
+
+
+def _expand(scale: torch.Tensor, block: tuple[int, int], r: int, c: int) -> torch.Tensor:
+    return scale.repeat_interleave(block[0], dim=0)[:r].repeat_interleave(block[1], dim=1)[:, :c]
+
+
+def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``q`` in the format's storage dtype, shaped like ``x``; ``scale`` float32 per block (module doc)."""
+    _, _, encode, _ = VALUE_CODECS[fmt.name]
+    x2 = _as_2d(x)
+    scale = compute_scales(block_amax(x2, fmt.block), fmt)
+    y = x2.to(torch.float32) / _expand(scale, fmt.block, *x2.shape)
+    q = encode(y)
+    if x.dim() != 2:
+        q = q.reshape(x.shape)
+        scale = scale.reshape(*x.shape[:-1], scale.shape[-1]) if fmt.block[0] == 1 else scale
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """float32 ``decode(q) * scale`` (each element times its block's scale)."""
+    _, _, _, decode = VALUE_CODECS[fmt.name]
+    q2 = _as_2d(q)
+    s2 = scale.reshape(-1, scale.shape[-1]) if fmt.block[0] == 1 else scale
+    return (decode(q2) * _expand(s2, fmt.block, *q2.shape)).reshape(q.shape)
+
+
+def weight_row_scales(scale: torch.Tensor, rows: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> torch.Tensor:
+    """Block scales ``[ceil(N/br), ceil(K/bc)]`` -> per-row scales ``[N, ceil(K/bc)]`` (block rows repeated)."""
+    return scale.repeat_interleave(fmt.block[0], dim=0)[:rows].contiguous()
+
+
+def dequantize_rows(w_q: torch.Tensor, row_scales: torch.Tensor, fmt: QuantFormat = E4M3_WEIGHT_128) -> torch.Tensor:
+    """float32 weight ``decode(w_q) * row_scales`` expanded along the columns (equal to :func:`dequantize` on the blocks)."""
+    _, _, _, decode = VALUE_CODECS[fmt.name]
+    n, k = w_q.shape
+    return decode(w_q) * row_scales.repeat_interleave(fmt.block[1], dim=1)[:, :k]
+
+
+def _check_formats(w_fmt: QuantFormat, a_fmt: QuantFormat) -> None:
+    if a_fmt.block[0] != 1:
+        raise ValueError(f"activation format must quantize per token (block rows 1), got {a_fmt.block}")
+
+
+def _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt):
+    _check_formats(w_fmt, a_fmt)
+    xq, xs = quantize(x2d, a_fmt)
+    return dequantize(xq, xs, a_fmt), dequantize_rows(w_q, w_row_scales, w_fmt)
+
+
+@register("fp8_linear", "cpu")
+def _fp8_linear_cpu(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt=E4M3_WEIGHT_128, a_fmt=E4M3_ACT_1x128):
+    xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
+    return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None, *, w_fmt: QuantFormat = E4M3_WEIGHT_128,
+               a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
+    """Inference FP8 linear (no autograd): dynamic per-token activation quantization, then the batch-invariant linear."""
+    if x.shape[-1] != w_q.shape[-1]:
+        raise ValueError(f"fp8_linear: input has {x.shape[-1]} features, weight expects {w_q.shape[-1]}")
+    x2d = x.reshape(-1, x.shape[-1])
+    y = implementation("fp8_linear", x.device)(x2d, w_q, w_row_scales, bias, out_dtype or x.dtype, w_fmt, a_fmt)
+    return y.reshape(*x.shape[:-1], w_q.shape[0])
+
+
+class FP8LinearSTE(torch.autograd.Function):
+    """FP8 forward (as :func:`fp8_linear`) with a straight-through backward to the input and the master weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_q, w_row_scales, out_dtype, w_fmt, a_fmt):
+        x2d = x.reshape(-1, x.shape[-1])
+        xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
+        y = implementation("linear", x.device)(xd, wd, bias, out_dtype)
+        ctx.save_for_backward(xd, wd)
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.reshape(*x.shape[:-1], w_q.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xd, wd = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ wd).to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ xd).to(ctx.w_dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def fp8_linear_ste(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_q: torch.Tensor, w_row_scales: torch.Tensor,
+                   out_dtype: torch.dtype | None = None, *, w_fmt: QuantFormat = E4M3_WEIGHT_128,
+                   a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
+    """Training FP8 linear: forward bitwise :func:`fp8_linear` on ``(w_q, w_row_scales)`` (the quantized ``weight``);
+    gradients flow to ``x``, the master ``weight`` and ``bias`` by the straight-through estimator."""
+    if x.shape[-1] != w_q.shape[-1] or tuple(weight.shape) != tuple(w_q.shape):
+        raise ValueError(f"fp8_linear_ste: shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, w_q {tuple(w_q.shape)} disagree")
+    return FP8LinearSTE.apply(x, weight, bias, w_q, w_row_scales, out_dtype or x.dtype, w_fmt, a_fmt)

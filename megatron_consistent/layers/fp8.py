@@ -1,0 +1,65 @@
+"""FP8 forward for the consistent Megatron linears (issue #9); the trainer keeps its bf16 masters.
+
+:func:`enable_fp8` binds an :class:`FP8Binding` to every decoder linear of a
+model from :func:`build_consistent_gpt_model` (``linear_qkv``, ``linear_proj``,
+``linear_fc1``, ``linear_fc2``; not the LM head).  On every forward the bound
+linear quantizes its bf16 master weight exactly as the block-FP8 export does
+(:func:`megatron_consistent.conversion.fp8.quantized_parts`: split into the HF
+tensors q/k/v or gate/up, 128x128 blocks per HF tensor, rejoined in Megatron's
+fused row order), then calls
+:func:`megatron_consistent.kernels.fp8.fp8_linear_ste` — forward bitwise the
+vLLM plugin's ``fp8_linear`` on the exported checkpoint, backward the
+straight-through estimator into the master weight.  The weights are
+re-quantized on every call (no cache: an in-place update through ``.data``
+would not be seen by a version-keyed cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ArchConfig
+from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
+from ..conversion.hf import _join, _plan
+from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, fp8_linear_ste, weight_row_scales
+
+__all__ = ["FP8Binding", "enable_fp8", "disable_fp8"]
+
+
+class FP8Binding:
+    """Quantize a Megatron fused weight as the export does, then the FP8 linear with STE backward."""
+
+    def __init__(self, arch: ArchConfig, kind: str, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128):
+        self.arch, self.kind, self.w_fmt, self.a_fmt = arch, kind, w_fmt, a_fmt
+
+    def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w_q, row_scales)`` of the fused weight, in Megatron's row order."""
+        parts = quantized_parts(self.arch, self.kind, weight, self.w_fmt)
+        w_q = _join(self.arch, self.kind, [q for q, _ in parts])
+        rows = _join(self.arch, self.kind, [weight_row_scales(s, q.shape[0], self.w_fmt) for q, s in parts])
+        return w_q.contiguous(), rows.contiguous()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w_q, rows = self.quantize_weight(weight)
+        return fp8_linear_ste(x, weight, bias, w_q, rows, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
+
+
+def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> list[str]:
+    """Switch the decoder linears of a consistent GPTModel to the FP8 forward; returns the bound module names."""
+    arch: ArchConfig = model.arch_config
+    check_fp8_arch(arch)
+    bound = []
+    for mname, _, kind in _plan(arch):
+        if is_quantized(mname):
+            module_name = mname.rsplit(".", 1)[0]
+            model.get_submodule(module_name).fp8 = FP8Binding(arch, kind, w_fmt, a_fmt)
+            bound.append(module_name)
+    model.fp8_formats = (w_fmt, a_fmt)
+    return bound
+
+
+def disable_fp8(model) -> None:
+    for m in model.modules():
+        if getattr(m, "fp8", None) is not None:
+            m.fp8 = None
+    model.fp8_formats = None
