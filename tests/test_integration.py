@@ -333,8 +333,9 @@ def test_refit_stream_updates_live_engine_in_place(tmp_path):
     from safetensors.torch import load_file
 
     from megatron_consistent.conversion import export_hf
-    from megatron_consistent.integration import nemo_rl_metrics, pack_weights
+    from megatron_consistent.integration import nemo_rl_metrics
     from megatron_consistent.layers import build_consistent_gpt_model
+    from megatron_consistent.sync.protocol import pack_update
     from megatron_consistent.verify.check import recompute
     from megatron_consistent.verify.metrics import mismatch_metrics
 
@@ -345,14 +346,13 @@ def test_refit_stream_updates_live_engine_in_place(tmp_path):
     stream = list(load_file(str(tmp_path / "new" / "model.safetensors")).items())  # HF names, as export_hf_weights yields
     random.Random(0).shuffle(stream)  # any order
     half = len(stream) // 2
-    shms = []
     # NeMo-RL: buckets of ~refit_buffer_size bytes, each into model.load_weights; verl: one tensor at a time
-    shm1, nemo_rl_like = pack_weights(stream[:half], bucket_bytes=8192)
-    shm2, verl_like = pack_weights(stream[half:], bucket_bytes=0)
+    nemo_rl_like = pack_update(stream[:half], bucket_bytes=8192)
+    verl_like = pack_update(stream[half:], bucket_bytes=0)
     name0, t0 = stream[0]
-    shm3, unknown = pack_weights([("model.layers.99.mlp.up_proj.weight", t0)])
-    shm4, wrong_shape = pack_weights([(name0, t0.reshape(-1)[: t0.numel() // 2])])
-    shms = [shm1, shm2, shm3, shm4]
+    unknown = pack_update([("model.layers.99.mlp.up_proj.weight", t0)])
+    wrong_shape = pack_update([(name0, t0.reshape(-1)[: t0.numel() // 2])])
+    shm_files = [u["path"] for u in (nemo_rl_like, verl_like, unknown, wrong_shape)]
     assert len(nemo_rl_like["buckets"]) > 1 and len(verl_like["buckets"]) == len(stream) - half
     prompts = [[5 + i, 17, 9 + 3 * i, 40, 22 + i, 7, 11][: 3 + i] for i in range(5)]
     rollout = dict(model_dir=str(tmp_path / "old"), prompts=prompts, consistent=True, dtype=arch.dtype, temperature=1.0,
@@ -366,9 +366,8 @@ def test_refit_stream_updates_live_engine_in_place(tmp_path):
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "engine", str(req), str(tmp_path / "res.json")],
                               env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     finally:
-        for s in shms:
-            s.close()
-            s.unlink()
+        for f in shm_files:
+            os.unlink(f)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert json.loads((tmp_path / "old" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

@@ -132,6 +132,25 @@ def _seeded_build(seed: int, build):
         return build()
 
 
+def _new_gpt_model(GPTModel, arch: ArchConfig, config, spec, **extra):
+    """``GPTModel`` for ``arch``: single stage, full vocabulary, output (un)tied as in the config.
+
+    ``extra``: the position-embedding arguments (consistent: ``"none"``; stock: Megatron's RoPE).
+    """
+    kwargs = dict(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        **extra,
+    )
+    return GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
+
+
 def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, **parallel):
     """A Megatron ``GPTModel`` on CPU whose every op follows the kernels' numerics contract.
 
@@ -151,18 +170,7 @@ def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype |
         block_spec.layer_specs = [moe_layer_spec(s, arch) if arch.layer_is_moe(i) else s for i, s in enumerate(block_spec.layer_specs)]
 
     def build():
-        kwargs = dict(
-            config=config,
-            transformer_layer_spec=block_spec,
-            vocab_size=arch.vocab_size,
-            max_sequence_length=arch.max_position_embeddings,
-            pre_process=True,
-            post_process=True,
-            parallel_output=True,
-            share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="none",
-        )
-        model = GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
+        model = _new_gpt_model(GPTModel, arch, config, block_spec, position_embedding_type="none")
         model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
         return model
 
@@ -219,21 +227,7 @@ def build_stock_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None
 
         spec = stock_moe_block_spec(spec, arch)
 
-    def build():
-        kwargs = dict(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=arch.vocab_size,
-            max_sequence_length=arch.max_position_embeddings,
-            pre_process=True,
-            post_process=True,
-            parallel_output=True,
-            share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            **rope_kwargs,
-        )
-        return GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
-
-    model = _seeded_build(seed, build)
+    model = _seeded_build(seed, lambda: _new_gpt_model(GPTModel, arch, config, spec, **rope_kwargs))
     # Megatron's stock RMSNorm (WrappedTorchNorm -> torch.nn.RMSNorm) creates float32 weights even in a bf16
     # model; training wraps the model in Float16Module, which casts everything to the model dtype. Do the same.
     model.to(dtype=dtype)

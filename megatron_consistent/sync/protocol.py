@@ -6,14 +6,25 @@ vLLM's ``collective_rpc`` msgpack channel unchanged)::
     {"protocol": 1, "version": 7, "path": "/dev/shm/mc-sync-....bin", "total_nbytes": 123456,
      "require_inplace": true,
      "tensors": [{"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [64, 64],
-                  "offset": 0, "nbytes": 8192}, ...]}
+                  "offset": 0, "nbytes": 8192}, ...],
+     "buckets": [[0, 5], [5, 9], ...]}
 
 ``path`` is a file in ``/dev/shm`` (tmpfs, i.e. POSIX shared memory) holding
 the tensors' raw little-endian bytes back to back, each at a 64-byte aligned
-``offset``.  :func:`validate_update` checks the *whole* update against the
-receiver's expected ``{name: (shape, dtype)}`` and its current version before a
-single byte is copied; the receiver applies nothing unless it returns no
-problems.
+``offset``.  ``buckets`` splits ``tensors`` into consecutive ``[start, stop)``
+runs for receivers that load bucket by bucket (:func:`iter_buckets`; the
+NeMo-RL / verl refit shape of :class:`megatron_consistent.integration.RefitWorkerExtension`).
+
+Two receivers read this format:
+
+* :class:`~.worker.WeightSyncExtension` — a *whole* update: :func:`validate_update`
+  checks it against the engine's expected ``{name: (shape, dtype)}`` and its
+  current version before a single byte is copied; nothing is applied unless it
+  returns no problems.
+* ``RefitWorkerExtension`` — any subset, in any order: :func:`validate_update`
+  without ``expected`` / ``current_version`` checks the framing only (dtypes,
+  byte counts, spans, buckets, the file), and the model's ``load_weights``
+  refuses unknown names and wrong shapes.
 """
 
 from __future__ import annotations
@@ -21,13 +32,15 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from ..config import ArchConfig
 
-__all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "hf_tensor_specs", "pack_update", "validate_update", "tensor_views"]
+__all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "hf_tensor_specs", "pack_update", "validate_update", "tensor_views",
+           "iter_buckets"]
 
 PROTOCOL = 1
 ALIGN = 64
@@ -68,17 +81,24 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def pack_update(tensors: dict[str, torch.Tensor], version: int, *, require_inplace: bool = True, path: str | None = None) -> dict:
-    """Write ``tensors`` (CPU; bf16/fp16/fp32) into a new shared-memory file; returns the update dict.
+def pack_update(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int = 0, *,
+                require_inplace: bool = True, path: str | None = None, bucket_bytes: int | None = None) -> dict:
+    """Write ``tensors`` (CPU; bf16/fp16/fp32), in order, into a new shared-memory file; returns the update dict.
 
+    ``tensors``: a ``{name: tensor}`` mapping or ``(name, tensor)`` pairs.
+    ``version``: the weight version (:class:`~.worker.WeightSyncExtension`
+    requires it to increase; refits ignore it).  ``bucket_bytes``: split the
+    tensors into buckets of at most that many bytes (a tensor larger than it
+    gets a bucket of its own); ``None``: one bucket; ``0``: one tensor per bucket.
     The caller owns the file (``update["path"]``) and removes it after the push.
     """
+    items = list(tensors.items()) if isinstance(tensors, Mapping) else [(n, t) for n, t in tensors]
     entries, offset = [], 0
-    for name, t in tensors.items():
+    for name, t in items:
         if t.dtype not in _DTYPE_NAMES:
             raise WeightSyncError(f"{name}: dtype {t.dtype} cannot be sent (bfloat16/float16/float32 only)")
         nbytes = t.numel() * t.element_size()
-        entries.append({"name": name, "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+        entries.append({"name": str(name), "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     total = max(offset, ALIGN)
     path = path or str(Path(_shm_dir()) / f"mc-sync-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin")
@@ -86,21 +106,39 @@ def pack_update(tensors: dict[str, torch.Tensor], version: int, *, require_inpla
         f.truncate(total)
     buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
     with torch.no_grad():
-        for e, t in zip(entries, tensors.values()):
+        for e, (_, t) in zip(entries, items):
             src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             buf[e["offset"] : e["offset"] + e["nbytes"]].copy_(src)
     del buf
     return {"protocol": PROTOCOL, "version": int(version), "path": path, "total_nbytes": total,
-            "require_inplace": bool(require_inplace), "tensors": entries}
+            "require_inplace": bool(require_inplace), "tensors": entries, "buckets": _split(entries, bucket_bytes)}
 
 
-def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]], current_version: int) -> list[str]:
+def _split(entries: list[dict], bucket_bytes: int | None) -> list[list[int]]:
+    """``[start, stop)`` runs of ``entries``: greedy up to ``bucket_bytes`` (``None``: one run; ``0``: one per entry)."""
+    buckets, start, size = [], 0, 0
+    for i, e in enumerate(entries):
+        if i > start and (bucket_bytes == 0 or (bucket_bytes is not None and size + e["nbytes"] > bucket_bytes)):
+            buckets.append([start, i])
+            start, size = i, 0
+        size += e["nbytes"]
+    if entries:
+        buckets.append([start, len(entries)])
+    return buckets
+
+
+def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]] | None = None,
+                    current_version: int | None = None) -> list[str]:
     """Every problem of ``update`` against ``expected`` ``{name: (shape, dtype)}``; empty list = it fits entirely.
 
     Checks: protocol and field types; version strictly greater than
     ``current_version``; no missing, extra or duplicate names; shapes; dtypes;
     ``nbytes == numel * itemsize``; offsets aligned, inside the buffer and not
-    overlapping; the shared-memory file exists with ``total_nbytes`` bytes.
+    overlapping; ``buckets`` (if present) split the tensors into consecutive
+    runs; the shared-memory file exists with ``total_nbytes`` bytes.
+    ``expected=None``: names and shapes are not checked (a partial update, any
+    subset; dtypes must still be ones :data:`DTYPES` knows); ``current_version=None``:
+    the version need only be an int.
     """
     if not isinstance(update, dict):
         return [f"update must be a dict, got {type(update).__name__}"]
@@ -110,7 +148,7 @@ def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]], cu
     version = update.get("version")
     if not isinstance(version, int) or isinstance(version, bool):
         problems.append(f"version must be an int, got {version!r}")
-    elif version <= current_version:
+    elif current_version is not None and version <= current_version:
         problems.append(f"stale version {version}: the engine already holds version {current_version} (versions must increase strictly)")
     total = update.get("total_nbytes")
     path = update.get("path")
@@ -126,20 +164,25 @@ def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]], cu
         return problems + [f"tensors must be a list, got {type(entries).__name__}"]
     seen, spans = set(), []
     for e in entries:
-        if not isinstance(e, dict) or not {"name", "dtype", "shape", "offset", "nbytes"} <= e.keys():
+        if (not isinstance(e, dict) or not {"name", "dtype", "shape", "offset", "nbytes"} <= e.keys()
+                or not isinstance(e["name"], str) or not isinstance(e["shape"], list)
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in e["shape"])):
             problems.append(f"malformed tensor entry {e!r}")
             continue
         name = e["name"]
         if name in seen:
             problems.append(f"duplicate tensor {name}")
         seen.add(name)
-        if name not in expected:
-            continue
-        shape, dtype = expected[name]
-        if list(e["shape"]) != list(shape):
-            problems.append(f"wrong shape for {name}: update {tuple(e['shape'])}, engine expects {tuple(shape)}")
-        if e["dtype"] != dtype:
-            problems.append(f"wrong dtype for {name}: update {e['dtype']}, engine expects {dtype}")
+        if expected is not None:
+            if name not in expected:
+                continue
+            shape, dtype = expected[name]
+            if list(e["shape"]) != list(shape):
+                problems.append(f"wrong shape for {name}: update {tuple(e['shape'])}, engine expects {tuple(shape)}")
+            if e["dtype"] != dtype:
+                problems.append(f"wrong dtype for {name}: update {e['dtype']}, engine expects {dtype}")
+        elif e["dtype"] not in DTYPES:
+            problems.append(f"{name}: dtype {e['dtype']!r} cannot be received ({'/'.join(DTYPES)} only)")
         if e["dtype"] in DTYPES:
             numel = 1
             for s in e["shape"]:
@@ -151,12 +194,22 @@ def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]], cu
             problems.append(f"{name}: span offset={off} nbytes={n} is unaligned or outside the buffer ({total} bytes)")
         else:
             spans.append((off, off + n, name))
-    missing = sorted(expected.keys() - seen)
-    extra = sorted(seen - expected.keys())
-    if missing:
-        problems.append(f"missing tensors: {missing}")
-    if extra:
-        problems.append(f"unexpected tensors: {extra}")
+    if expected is not None:
+        missing = sorted(expected.keys() - seen)
+        extra = sorted(seen - expected.keys())
+        if missing:
+            problems.append(f"missing tensors: {missing}")
+        if extra:
+            problems.append(f"unexpected tensors: {extra}")
+    buckets = update.get("buckets", [[0, len(entries)]] if entries else [])
+    stop = 0
+    for b in buckets if isinstance(buckets, list) else [None]:
+        if not (isinstance(b, list) and len(b) == 2 and all(isinstance(i, int) for i in b) and b[0] == stop < b[1]):
+            stop = -1
+            break
+        stop = b[1]
+    if stop != len(entries):
+        problems.append(f"buckets {buckets!r} do not split the {len(entries)} tensors into consecutive runs")
     spans.sort()
     for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
         if b0 < a1:
@@ -164,15 +217,30 @@ def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]], cu
     return problems
 
 
+def _mapped(update: dict) -> torch.Tensor:
+    """The shared-memory file, mapped privately (copy-on-write), as bytes."""
+    return torch.from_file(update["path"], shared=False, size=update["total_nbytes"], dtype=torch.uint8)
+
+
+def _view(buf: torch.Tensor, e: dict) -> torch.Tensor:
+    return buf[e["offset"] : e["offset"] + e["nbytes"]].view(DTYPES[e["dtype"]]).view(tuple(e["shape"]))
+
+
 def tensor_views(update: dict) -> dict[str, torch.Tensor]:
     """Map the shared-memory file privately (copy-on-write) and return ``{name: tensor view}`` per the schema.
 
     Call only after :func:`validate_update` returned no problems.
     """
-    total = update["total_nbytes"]
-    buf = torch.from_file(update["path"], shared=False, size=total, dtype=torch.uint8)
-    out = {}
-    for e in update["tensors"]:
-        raw = buf[e["offset"] : e["offset"] + e["nbytes"]]
-        out[e["name"]] = raw.view(DTYPES[e["dtype"]]).view(tuple(e["shape"]))
-    return out
+    buf = _mapped(update)
+    return {e["name"]: _view(buf, e) for e in update["tensors"]}
+
+
+def iter_buckets(update: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The update's buckets, in order, as lists of ``(name, tensor view)`` (no ``buckets`` key: one bucket).
+
+    Call only after :func:`validate_update` returned no problems.
+    """
+    buf = _mapped(update)
+    entries = update["tensors"]
+    for start, stop in update.get("buckets", [[0, len(entries)]] if entries else []):
+        yield [(e["name"], _view(buf, e)) for e in entries[start:stop]]

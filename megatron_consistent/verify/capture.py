@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from .rollout import run_module
 
 CAPTURE_ENV = "MEGATRON_CONSISTENT_CAPTURE"  # same names as vllm_plugin.model (which this module must not import)
 FAULT_ENV = "MEGATRON_CONSISTENT_FAULT"
@@ -226,31 +227,11 @@ def _engine_main(req: CaptureRequest) -> dict:
     return {"tokens": list(out.token_ids), "logprobs": [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]}
 
 
-def run_module_in_subprocess(module: str, request: dict, work_dir: Path, name: str, env: dict) -> dict:
-    """``python -m module REQUEST.json RESULT.json`` in a fresh process; the result, or ``{"error", "log"}``."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    req_path, res_path, log_path = work_dir / f"{name}.request.json", work_dir / f"{name}.result.json", work_dir / f"{name}.log"
-    req_path.write_text(json.dumps(request))
-    res_path.unlink(missing_ok=True)
-    full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
-    with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", module, str(req_path), str(res_path)], env=full_env, stdout=log,
-                              stderr=subprocess.STDOUT)
-    text = log_path.read_text(errors="replace")
-    if proc.returncode != 0 or not res_path.exists():
-        errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
-        return {"error": (errors[-1] if errors else text[-400:]).strip(), "log": str(log_path)}
-    result = json.loads(res_path.read_text())
-    result["plugin_active"] = "megatron-consistent plugin active" in text
-    result["log"] = str(log_path)
-    return result
-
-
 def run_capture_engine(req: CaptureRequest, work_dir: Path, name: str = "capture") -> dict:
     """Replay ``req.prompt`` + forced ``req.response`` in a consistent engine with captures written to ``req.capture_dir``."""
     Path(req.capture_dir).mkdir(parents=True, exist_ok=True)
     env = {"MEGATRON_CONSISTENT_VLLM": "1", CAPTURE_ENV: str(Path(req.capture_dir).resolve()), FAULT_ENV: req.fault}
-    return run_module_in_subprocess(MODULE, asdict(req), work_dir, name, env)
+    return run_module(MODULE, asdict(req), work_dir, name, env)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -294,15 +294,15 @@ def _engine(ctx, which: str) -> dict:
     """Results of the ``large`` or ``small`` budget engine (started once, all its jobs at once)."""
     key = f"engine_{which}"
     if key not in ctx.cache:
-        from .capture import run_module_in_subprocess
+        from .rollout import run_module
 
         arch, model_dir = _model(ctx)
         small = which == "small"
         req = {"model_dir": model_dir, "dtype": arch.dtype, "seed": ctx.cfg.seed, "max_model_len": 512,
                "max_num_batched_tokens": max(16, ctx.cfg.max_num_batched_tokens // 2) if small else 1024,
                "jobs": _jobs(arch, ctx.cfg, small)}
-        res = run_module_in_subprocess("megatron_consistent.verify.gates", req, ctx.out / "engines", f"gates_{which}",
-                                       {"MEGATRON_CONSISTENT_VLLM": "1"})
+        res = run_module("megatron_consistent.verify.gates", req, ctx.out / "engines", f"gates_{which}",
+                         {"MEGATRON_CONSISTENT_VLLM": "1"})
         if "error" in res:
             raise RuntimeError(f"{which}-budget engine failed: {res['error']} (log: {res['log']})")
         if not res.pop("plugin_active"):

@@ -80,17 +80,17 @@ def generate(llm, req: RolloutRequest) -> dict:
     return {"tokens": tokens, "logprobs": logprobs, "gen_tokens": n, "seconds": seconds, "gen_tokens_per_s": n / seconds}
 
 
-def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
-    """Run the request in a fresh process; returns the result or ``{"error": ...}`` with the log's tail."""
+def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict) -> dict:
+    """``python -m module REQUEST.json RESULT.json`` in a fresh process (``HF_HUB_OFFLINE=1`` + ``env`` added to
+    this environment); the result dict with ``plugin_active`` and ``log``, or ``{"error", "log"}`` with the log's tail."""
     work_dir.mkdir(parents=True, exist_ok=True)
     req_path, res_path, log_path = work_dir / f"{name}.request.json", work_dir / f"{name}.result.json", work_dir / f"{name}.log"
-    req_path.write_text(json.dumps(asdict(req)))
+    req_path.write_text(json.dumps(request))
     res_path.unlink(missing_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **{ENV_VAR: "1" if req.consistent else "0"})
-    if req.routes_dir:
-        env["MEGATRON_CONSISTENT_ROUTES"] = req.routes_dir
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", __name__, str(req_path), str(res_path)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run([sys.executable, "-m", module, str(req_path), str(res_path)], env=full_env, stdout=log,
+                              stderr=subprocess.STDOUT)
     text = log_path.read_text(errors="replace")
     if proc.returncode != 0 or not res_path.exists():
         errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
@@ -99,6 +99,14 @@ def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
     result["plugin_active"] = "megatron-consistent plugin active" in text
     result["log"] = str(log_path)
     return result
+
+
+def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
+    """Run the request in a fresh process; returns the result or ``{"error": ...}`` with the log's tail."""
+    env = {ENV_VAR: "1" if req.consistent else "0"}
+    if req.routes_dir:
+        env["MEGATRON_CONSISTENT_ROUTES"] = req.routes_dir
+    return run_module(__name__, asdict(req), work_dir, name, env)
 
 
 def main(argv: list[str] | None = None) -> int:
