@@ -185,3 +185,23 @@ def test_check_fp8_zero_mismatch(tmp_path, name):
     assert report["zero_mismatch"]
     log = open(tmp_path / "engines" / "consistent.log").read()
     assert "megatron-consistent plugin active" in log
+
+
+def test_kv_round_trip_is_exact_in_bf16():
+    from megatron_consistent.kernels.fp8 import kv_dequantize, kv_quantize, kv_round_trip
+
+    x = _rand(64, 2, 32, scale=4.0)
+    q = kv_quantize(x)
+    assert q.dtype == torch.float8_e4m3fn
+    assert torch.equal(kv_round_trip(x), kv_dequantize(q, torch.bfloat16))
+    assert torch.equal(kv_quantize(kv_round_trip(x)).view(torch.uint8), q.view(torch.uint8))  # e4m3 values are exact in bf16
+
+
+def test_check_fp8_kv_cache_zero_mismatch(tmp_path):
+    """bf16 weights, E4M3 KV cache in the engine; the trainer round-trips its K/V the same way."""
+    cfg = load_check_config(hf_config=str(builtin_model_dir("tiny-mistral-gqa")), kv_cache_dtype="fp8", mode="consistent", num_prompts=6,
+                            max_tokens=12, max_num_batched_tokens=32, out_dir=str(tmp_path), max_prompt_len=60, shared_prefix_len=40,
+                            prefix_groups=2)
+    report = run_check(cfg)
+    assert report["consistent"]["tokens"] == 72 and report["consistent"]["max_abs"] == 0.0 and report["zero_mismatch"]
+    assert "kv_cache_dtype=fp8" in open(tmp_path / "engines" / "consistent.log").read()

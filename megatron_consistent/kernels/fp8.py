@@ -254,3 +254,22 @@ def fp8_linear_ste(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.shape[-1] != w_q.shape[-1] or tuple(weight.shape) != tuple(w_q.shape):
         raise ValueError(f"fp8_linear_ste: shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, w_q {tuple(w_q.shape)} disagree")
     return FP8LinearSTE.apply(x, weight, bias, w_q, w_row_scales, out_dtype or x.dtype, w_fmt, a_fmt)
+
+
+# ------------------------------------------------------------------------------------------- FP8 KV cache
+KV_SCALE = 1.0  # fixed per-tensor scale of the FP8 KV cache (vLLM's default k/v scale when a checkpoint has none)
+
+
+def kv_quantize(x: torch.Tensor) -> torch.Tensor:
+    """K or V -> ``float8_e4m3fn``: ``cast_e4m3(clamp(float32(x) / KV_SCALE, -448, 448))`` (round-to-nearest-even)."""
+    return _encode_e4m3(x.to(torch.float32) / KV_SCALE)
+
+
+def kv_dequantize(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``float8_e4m3fn`` K/V -> ``dtype``: ``float32(q) * KV_SCALE`` rounded to ``dtype`` (exact for bf16/fp16/fp32 with scale 1)."""
+    return (q.to(torch.float32) * KV_SCALE).to(dtype)
+
+
+def kv_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What attention sees of K/V that went through the FP8 cache (the trainer applies it to a private copy)."""
+    return kv_dequantize(kv_quantize(x), x.dtype)

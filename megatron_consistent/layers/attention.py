@@ -90,6 +90,10 @@ class ConsistentCoreAttention(nn.Module):
         positions = kernels.causal_positions(q.shape[0], q.shape[1], device=q.device)
         q = kernels.apply_rope(q, positions, self.rope)
         k = kernels.apply_rope(k, positions, self.rope)
+        if getattr(self, "fp8_kv", False):  # FP8 KV cache (issue #9): the engine's cache round trip, on private copies
+            from ..kernels.fp8 import kv_round_trip
+
+            k, v = kv_round_trip(k), kv_round_trip(v)
         if self.capture is not None:
             self.capture(q, k)
         return kernels.attention(q, k, v, positions, scale=self.softmax_scale)

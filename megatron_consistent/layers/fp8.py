@@ -63,3 +63,16 @@ def disable_fp8(model) -> None:
         if getattr(m, "fp8", None) is not None:
             m.fp8 = None
     model.fp8_formats = None
+
+
+def enable_fp8_kv(model, on: bool = True) -> int:
+    """FP8 KV cache round trip in the trainer: every consistent core attention quantizes -> dequantizes its
+    post-RoPE K and V (private copies) exactly as the vLLM plugin's E4M3 cache does (kernels.fp8.kv_round_trip)."""
+    from .attention import ConsistentCoreAttention
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, ConsistentCoreAttention):
+            m.fp8_kv = on
+            n += 1
+    return n

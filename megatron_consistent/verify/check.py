@@ -49,6 +49,7 @@ class CheckConfig:
     recompute_batch: int = 16
     out_dir: str = "runs/check"
     quantization: str = ""  # "" (model dtype) or "fp8": block-FP8 weights + dynamic 1x128 activations (kernels/fp8.py)
+    kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8": E4M3 KV cache, fixed scale 1 (kernels/fp8.py)
     json: str = ""
 
     def validate(self) -> None:
@@ -60,6 +61,8 @@ class CheckConfig:
             raise ValueError("--num-prompts and --max-tokens must be >= 1")
         if self.max_prompt_len + self.max_tokens > self.max_model_len:
             raise ValueError(f"max_prompt_len + max_tokens ({self.max_prompt_len + self.max_tokens}) exceeds max_model_len {self.max_model_len}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.quantization not in ("", "fp8"):
             raise ValueError(f"--quantization must be fp8 (or empty), got {self.quantization!r}")
         if self.block_size % 32:
@@ -130,6 +133,10 @@ def run_check(cfg: CheckConfig) -> dict:
         export_hf(model, arch, out / "model_bf16")  # the stock trainer's weights (bf16 masters)
     else:
         export_hf(model, arch, model_dir)
+    if cfg.kv_cache_dtype == "fp8":  # the trainer reproduces the engine's FP8 KV round trip
+        from ..layers.fp8 import enable_fp8_kv
+
+        enable_fp8_kv(model)
     prompts = make_prompts(cfg, arch.vocab_size)
     temperature = cfg.temperature if cfg.logprobs_mode == "processed" else 1.0
     report = {"settings": {**asdict(cfg), "hf_config": hf_path, "arch": arch.as_dict()}}
@@ -139,6 +146,8 @@ def run_check(cfg: CheckConfig) -> dict:
             model_dir=str(model_dir), prompts=prompts, consistent=mode == "consistent", dtype=arch.dtype,
             temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
+        if cfg.kv_cache_dtype != "auto":
+            req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         routes_dir = None
         if arch.is_moe and mode == "consistent":
             import shutil

@@ -53,7 +53,7 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
         refused = {
             "alibi_slopes": alibi_slopes is not None,
             f"sliding_window={sliding_window}": sliding_window is not None,
-            f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
+            f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"),
             "logits_soft_cap": bool(logits_soft_cap),
             f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
             "kv_sharing": kv_sharing_target_layer_name is not None,
@@ -64,8 +64,14 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
             raise UnsupportedConfigError(f"megatron-consistent attention does not support: {', '.join(bad)}")
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        self.fp8_kv = kv_cache_dtype != "auto"  # E4M3 cache, fixed scale kernels.fp8.KV_SCALE (issue #9)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.fp8_kv:
+            from ..kernels.fp8 import kv_quantize
+
+            write_kv(kv_cache.view(torch.float8_e4m3fn), slot_mapping[: key.shape[0]], kv_quantize(key), kv_quantize(value))
+            return
         write_kv(kv_cache, slot_mapping[: key.shape[0]], key, value)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
@@ -87,7 +93,13 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
             valid = offs[None, :] < q_lens[reqs][:, None]
             rows = torch.where(valid, starts[reqs][:, None] + offs[None, :], 0)
             positions = torch.where(valid, seq_lens[reqs][:, None] - q_lens[reqs][:, None] + offs[None, :], -1)
-            k, v = gather_kv(kv_cache, attn_metadata.block_table[reqs], seq_lens[reqs])
+            if self.fp8_kv:  # gather the E4M3 pages, dequantize to the model dtype, then the same attention
+                from ..kernels.fp8 import kv_dequantize
+
+                k, v = gather_kv(kv_cache.view(torch.float8_e4m3fn), attn_metadata.block_table[reqs], seq_lens[reqs])
+                k, v = kv_dequantize(k, query.dtype), kv_dequantize(v, query.dtype)
+            else:
+                k, v = gather_kv(kv_cache, attn_metadata.block_table[reqs], seq_lens[reqs])
             out = attention(query[rows], k, v, positions, seq_lens[reqs], scale=self.scale)
             output[rows[valid]] = out[valid].reshape(-1, *output.shape[1:]).to(output.dtype)
         del n
