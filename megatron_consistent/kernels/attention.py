@@ -21,7 +21,8 @@ Numerics contract (CPU):
 A block with no visible key leaves ``(m, l, acc)`` bitwise unchanged
 (``alpha = exp(0) = 1``, ``p = 0``), so extra trailing blocks, padding and
 batch neighbours never change a row.  Backward: float32 materialised softmax
-(deterministic, not batch-invariant).
+(deterministic, not batch-invariant); on CUDA the registered
+``("attention_backward", "cuda")`` Triton kernel (flash-style, deterministic).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import math
 
 import torch
 
-from .dispatch import implementation, register
+from .dispatch import NoConsistentKernelError, implementation, register
 from .numerics import ceil_to, exp, log, tree_sum
 
 KV_BLOCK = 32
@@ -111,6 +112,13 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, q_positions, k_lengths, out, lse = ctx.saved_tensors
+        try:
+            fused = implementation("attention_backward", q.device)
+        except NoConsistentKernelError:
+            fused = None
+        if fused is not None:
+            dq, dk, dv = fused(grad_out, q, k, v, out, lse, q_positions, k_lengths, ctx.scale)
+            return dq, dk, dv, None, None, None
         hq, hkv = q.shape[2], k.shape[2]
         qf = q.to(torch.float32).transpose(1, 2)
         kf, vf = _expand_heads(k, hq), _expand_heads(v, hq)
