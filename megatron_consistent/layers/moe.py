@@ -35,12 +35,14 @@ loss.  It never changes a forward value and is not added implicitly.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
 from ..kernels import moe as kmoe
 
-__all__ = ["ConsistentMoELayer", "collect_routes", "moe_aux_loss", "moe_layer_spec"]
+__all__ = ["ConsistentMoELayer", "StockMoELayer", "collect_routes", "moe_aux_loss", "moe_layer_spec", "replay_routes"]
 
 
 def _init(shape, init_method, dtype):
@@ -161,7 +163,17 @@ class StockMoELayer(ConsistentMoELayer):
     stock recompute of ``megatron-consistent check``; Megatron's own MoELayer
     is not built (its token dispatchers need a distributed setup beyond the
     CPU check).
+
+    Routing replay (the routing-replay baseline of ``check``): while
+    :attr:`forced_routes` = ``(experts [s*b, k] int64, mask [s*b] bool)`` is set
+    (see :func:`replay_routes`), the rows with ``mask`` use the given experts
+    instead of the block's own top-k; their weights are the block's own
+    float32 softmax at those experts, slots re-ordered by descending weight
+    (as ``torch.topk`` orders them), then renormalised when ``norm_topk_prob``.
+    Rows without ``mask`` keep their own top-k.
     """
+
+    forced_routes: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, padding_mask=None, **unused):
         import torch.nn.functional as F
@@ -170,6 +182,14 @@ class StockMoELayer(ConsistentMoELayer):
         h = x.reshape(-1, shape[-1])
         probs = torch.softmax(F.linear(h, self.router.weight).float(), dim=-1)
         w, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.forced_routes is not None:
+            forced, mask = self.forced_routes
+            if forced.shape != experts.shape or mask.shape != experts.shape[:1]:
+                raise ValueError(f"forced routes {tuple(forced.shape)} / mask {tuple(mask.shape)} do not match the "
+                                 f"layer's tokens x top-k {tuple(experts.shape)}")
+            experts = torch.where(mask[:, None], forced.to(experts.device, experts.dtype), experts)
+            w, order = torch.sort(probs.gather(-1, experts), dim=-1, descending=True, stable=True)
+            experts = experts.gather(-1, order)
         if self.arch.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)
         w = w.to(h.dtype)
@@ -188,6 +208,26 @@ class StockMoELayer(ConsistentMoELayer):
             ys = F.linear(F.silu(gu[:, :n]) * gu[:, n:], se.linear_fc2.weight)
             out = out + torch.sigmoid(F.linear(h, se.gate_weight)) * ys
         return out.reshape(shape), None
+
+
+@contextmanager
+def replay_routes(model, routes: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    """Force the routes of a stock GPTModel's :class:`StockMoELayer` blocks inside the ``with``.
+
+    ``routes``: layer index (0-based) -> ``(experts [s*b, k], mask [s*b])`` in the
+    model's ``[s, b]`` token order (the order :func:`collect_routes` returns).
+    """
+    blocks = {i: layer.mlp for i, layer in enumerate(model.decoder.layers) if isinstance(layer.mlp, StockMoELayer)}
+    unknown = set(routes) - set(blocks)
+    if unknown:
+        raise ValueError(f"layers {sorted(unknown)} have no StockMoELayer (stock MoE layers: {sorted(blocks)})")
+    try:
+        for i, r in routes.items():
+            blocks[i].forced_routes = r
+        yield
+    finally:
+        for b in blocks.values():
+            b.forced_routes = None
 
 
 def stock_moe_block_spec(layer_spec, arch):

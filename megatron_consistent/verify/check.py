@@ -25,7 +25,7 @@ from .rollout import RolloutRequest, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
 METRIC_COLUMNS = ["path", "tokens", "max_abs", "mean_abs", "std", "k3", "token_mult_prob_error", "exact_fraction", "gen_tokens_per_s",
-                  "routing_agreement"]  # routing_agreement: MoE configs, consistent path (verify/routing.py)
+                  "routing_agreement"]  # routing_agreement: MoE configs (verify/routing.py); routing_replay row: MoE baseline
 
 
 @dataclass
@@ -93,8 +93,13 @@ def make_prompts(cfg: CheckConfig, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
-def recompute(model, prompts, responses, temperature: float, batch: int, stock: bool, route_sink=None) -> torch.Tensor:
-    """Trainer log-probs of every response token (Megatron model in training mode), concatenated."""
+def recompute(model, prompts, responses, temperature: float, batch: int, stock: bool, route_sink=None, replay=None) -> torch.Tensor:
+    """Trainer log-probs of every response token (Megatron model in training mode), concatenated.
+
+    ``replay`` (stock MoE model only): ``replay(first, lengths, width)`` -> the forced routes of the batch
+    (:class:`~megatron_consistent.verify.routing.ReplayRoutes`), applied by ``layers.moe.replay_routes``."""
+    from contextlib import nullcontext
+
     from ..layers import compute_stock_token_logprobs, compute_token_logprobs
 
     fn = compute_stock_token_logprobs if stock else compute_token_logprobs
@@ -104,7 +109,14 @@ def recompute(model, prompts, responses, temperature: float, batch: int, stock: 
         seqs = [p + r for p, r in zip(prompts[b0 : b0 + batch], responses[b0 : b0 + batch])]
         width = max(len(s) for s in seqs)
         ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding: causal, so never seen
-        lp = fn(model, ids, temperature).detach()
+        if replay is not None:
+            from ..layers.moe import replay_routes
+
+            ctx = replay_routes(model, replay(b0, [len(s) for s in seqs], width))
+        else:
+            ctx = nullcontext()
+        with ctx:
+            lp = fn(model, ids, temperature).detach()
         if route_sink is not None:  # MoE: the routes of this forward (verify/routing.py)
             from ..layers.moe import collect_routes
 
@@ -112,6 +124,18 @@ def recompute(model, prompts, responses, temperature: float, batch: int, stock: 
         for i, (p, r) in enumerate(zip(prompts[b0 : b0 + batch], responses[b0 : b0 + batch])):
             out.append(lp[i, len(p) - 1 : len(p) - 1 + len(r)])
     return torch.cat(out)
+
+
+def routing_replay(trainer, arch, prompts, roll, engine_routes, temperature, cfg, rollout_lp) -> dict:
+    """Mismatch of the stock rollout vs the stock recompute with the stock engine's routes replayed (MoE baseline)."""
+    from .routing import ReplayRoutes, TrainerRoutes, routing_agreement
+
+    replay = ReplayRoutes(engine_routes, [p + r for p, r in zip(prompts, roll["tokens"])], arch.moe_layers)
+    sink = TrainerRoutes()
+    lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=True, route_sink=sink, replay=replay)
+    return {**mismatch_metrics(lp, rollout_lp), **routing_agreement(engine_routes, sink, as_sets=True),
+            "route_source": "stock vLLM CPURouter capture_fn (verify/stock_routes.py)",
+            "replayed_from_prefix": replay.from_prefix, "unrouted_positions": replay.missing}
 
 
 def run_check(cfg: CheckConfig) -> dict:
@@ -149,12 +173,15 @@ def run_check(cfg: CheckConfig) -> dict:
         if cfg.kv_cache_dtype != "auto":
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         routes_dir = None
-        if arch.is_moe and mode == "consistent":
+        if arch.is_moe:  # consistent: the plugin records; baseline: stock engine + capture hook (verify/stock_routes.py)
             import shutil
 
             routes_dir = out / "routes" / mode
             shutil.rmtree(routes_dir, ignore_errors=True)
-            req.routes_dir = str(routes_dir.resolve())
+            if mode == "consistent":
+                req.routes_dir = str(routes_dir.resolve())
+            else:
+                req.stock_routes_dir = str(routes_dir.resolve())
         roll = run_in_subprocess(req, out / "engines", mode)
         if "error" in roll:
             report[mode] = {"unavailable": roll["error"], "log": roll["log"]}
@@ -177,7 +204,10 @@ def run_check(cfg: CheckConfig) -> dict:
         if sink is not None:
             from .routing import load_engine_routes, routing_agreement
 
-            report[mode].update(routing_agreement(load_engine_routes(routes_dir), sink))
+            engine_routes = load_engine_routes(routes_dir)
+            report[mode].update(routing_agreement(engine_routes, sink, as_sets=mode == "baseline"))
+            if mode == "baseline":  # routing replay: the stock recompute with the stock engine's routes forced
+                report["routing_replay"] = routing_replay(trainer, arch, prompts, roll, engine_routes, temperature, cfg, rollout_lp)
     c, b = report.get("consistent", {}), report.get("baseline", {})
     if "gen_tokens_per_s" in c and "gen_tokens_per_s" in b:
         report["throughput_ratio"] = c["gen_tokens_per_s"] / b["gen_tokens_per_s"]
@@ -188,7 +218,7 @@ def run_check(cfg: CheckConfig) -> dict:
 def render(report: dict) -> str:
     """The readable table of a report."""
     rows = []
-    for mode in ("consistent", "baseline"):
+    for mode in ("consistent", "baseline", "routing_replay"):
         if mode not in report:
             continue
         r = report[mode]

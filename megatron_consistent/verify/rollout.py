@@ -40,13 +40,19 @@ class RolloutRequest:
     enable_prefix_caching: bool = True
     engine_kwargs: dict = field(default_factory=dict)
     routes_dir: str = ""  # MoE: the consistent engine writes its routes here (vllm_plugin/moe.py)
+    stock_routes_dir: str = ""  # MoE, stock engine: capture its routes here (verify/stock_routes.py; no plugin)
 
 
 def engine(req: RolloutRequest):
     """A vLLM ``LLM`` configured from the request (call inside the rollout process)."""
     from vllm import LLM
 
-    return LLM(
+    extra = {}
+    if req.stock_routes_dir:
+        from .stock_routes import EXTENSION
+
+        extra["worker_extension_cls"] = EXTENSION
+    llm = LLM(
         model=req.model_dir,
         skip_tokenizer_init=True,
         dtype=req.dtype,
@@ -58,8 +64,14 @@ def engine(req: RolloutRequest):
         enable_prefix_caching=req.enable_prefix_caching,
         logprobs_mode="processed_logprobs" if req.logprobs_mode == "processed" else "raw_logprobs",
         enforce_eager=True,
+        **extra,
         **req.engine_kwargs,
     )
+    if req.stock_routes_dir:
+        from .stock_routes import RPC
+
+        llm.mc_stock_route_layers = llm.collective_rpc(RPC, args=(req.stock_routes_dir,))[0]
+    return llm
 
 
 def generate(llm, req: RolloutRequest) -> dict:
@@ -113,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     req = RolloutRequest(**json.loads(Path(args[0]).read_text()))
     llm = engine(req)
-    Path(args[1]).write_text(json.dumps(generate(llm, req)))
+    result = generate(llm, req)
+    if req.stock_routes_dir:
+        result["stock_route_layers"] = llm.mc_stock_route_layers
+    Path(args[1]).write_text(json.dumps(result))
     return 0
 
 

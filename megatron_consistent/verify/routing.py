@@ -3,6 +3,9 @@
 * engine side: the routes files the plugin writes under ``MEGATRON_CONSISTENT_ROUTES``
   (:mod:`megatron_consistent.vllm_plugin.moe`): per model forward, each row's
   request index, absolute position and experts ``[num_moe_layers, k]``;
+* for the routing-replay baseline, the stock engine's routes (captured without the plugin,
+  :mod:`megatron_consistent.verify.stock_routes`, same file format) are turned into the
+  forced routes of each recompute batch by :class:`ReplayRoutes`;
 * trainer side: :class:`TrainerRoutes` collects the Megatron model's routes
   (:func:`megatron_consistent.layers.moe.collect_routes`) during the recompute.
 
@@ -47,12 +50,59 @@ class TrainerRoutes:
             self.by_request[first + j] = stacked[:, :n, j].transpose(0, 1).clone()  # [n, L, k]
 
 
-def routing_agreement(engine: dict[tuple[int, int], torch.Tensor], trainer: TrainerRoutes) -> dict:
-    """``{"routing_agreement", "routed_tokens", "routed_pairs"}``; a token the trainer did not see counts as disagreeing."""
+def routing_agreement(engine: dict[tuple[int, int], torch.Tensor], trainer: TrainerRoutes, as_sets: bool = False) -> dict:
+    """``{"routing_agreement", "routed_tokens", "routed_pairs"}``; a token the trainer did not see counts as disagreeing.
+
+    ``as_sets``: compare each token's k experts per layer after sorting them (for the stock
+    engine, whose CPU router's ``torch.topk(sorted=False)`` leaves the slot order unspecified)."""
     same = total = 0
     for (r, p), e in engine.items():
         t = trainer.by_request.get(r)
         total += e.numel()
         if t is not None and p < t.shape[0]:
-            same += int((t[p] == e).sum())
+            a, b = (t[p].sort(-1).values, e.sort(-1).values) if as_sets else (t[p], e)
+            same += int((a == b).sum())
     return {"routing_agreement": same / total if total else float("nan"), "routed_tokens": len(engine), "routed_pairs": total}
+
+
+class ReplayRoutes:
+    """Engine routes -> the forced routes of each recompute batch (``replay(first, lengths, width)``).
+
+    Returns ``{layer: (experts [width*B, k], mask [width*B])}`` in the model's ``[s, b]`` order
+    for :func:`megatron_consistent.layers.moe.replay_routes`.  A position the engine did not
+    compute for this request (a prefix-cache hit) takes the route recorded for the same token
+    prefix (causal attention: the route of position p depends only on tokens[:p+1]) by another
+    request, the earliest recorded; a position with no route at all (the last response token, never fed back
+    to the engine, and padding) keeps the trainer's own top-k.  :attr:`missing` counts positions
+    before the last token of a sequence that had no route (0 expected).
+    """
+
+    def __init__(self, engine: dict[tuple[int, int], torch.Tensor], sequences: list[list[int]], moe_layers: tuple[int, ...]):
+        self.engine, self.seqs, self.layers = engine, sequences, tuple(moe_layers)
+        self.by_prefix: dict[tuple[int, ...], torch.Tensor] = {}
+        for (r, p) in sorted(engine):
+            self.by_prefix.setdefault(tuple(sequences[r][: p + 1]), engine[(r, p)])
+        first = next(iter(engine.values()))
+        self.num_layers, self.k = first.shape
+        if self.num_layers != len(self.layers):
+            raise ValueError(f"engine routes cover {self.num_layers} MoE layers, the model has {len(self.layers)}")
+        self.missing = 0
+        self.from_prefix = 0
+
+    def __call__(self, first: int, lengths: list[int], width: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        b = len(lengths)
+        ex = torch.zeros(self.num_layers, width, b, self.k, dtype=torch.int64)
+        mask = torch.zeros(width, b, dtype=torch.bool)
+        for j, n in enumerate(lengths):
+            r = first + j
+            for p in range(n):
+                e = self.engine.get((r, p))
+                if e is None:
+                    e = self.by_prefix.get(tuple(self.seqs[r][: p + 1]))
+                    self.from_prefix += e is not None
+                if e is None:
+                    self.missing += p < n - 1
+                    continue
+                ex[:, p, j] = e
+                mask[p, j] = True
+        return {layer: (ex[i].reshape(width * b, self.k), mask.reshape(width * b)) for i, layer in enumerate(self.layers)}
