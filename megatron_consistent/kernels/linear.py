@@ -13,7 +13,9 @@ Numerics contract (CPU):
 A row's result therefore depends on that row and the weights only — never on
 how many rows share the call, their order, or the thread count.
 
-Backward: float32 matmuls (deterministic for a given shape); the backward is
+Backward: deterministic matmuls for a given shape — float32 on CPU; on CUDA
+with bf16/fp16 inputs, tensor-core matmuls in the input dtype (float32
+accumulation, one rounding), as Megatron's own backward does.  The backward is
 not part of the rollout path and need not be batch-invariant.
 """
 
@@ -69,15 +71,17 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
-        x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+        compute = x.dtype if low else torch.float32
+        g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        g, x2d = g.to(compute), x.reshape(-1, x.shape[-1]).to(compute)
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight.to(torch.float32)).to(x.dtype).reshape(x.shape)
+            grad_x = (g @ weight.to(compute)).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             grad_w = (g.t() @ x2d).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
 
 
