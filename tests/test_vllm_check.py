@@ -78,3 +78,19 @@ def test_cli_refuses_unsupported_features(tmp_path, capsys, feature, value):
     assert cli_main(["check", "--hf-config", str(cfg), "--out-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert feature.split("_")[0] in err or "yarn" in err
+
+
+def test_engine_failure_reports_the_worker_root_cause():
+    from megatron_consistent.verify.rollout import _failure_reason
+
+    log = "\n".join([
+        "(Worker pid=1) ERROR 11-29 [x.py:1] WorkerProc failed to start.",
+        "(Worker pid=1) ERROR 11-29 [x.py:1] Traceback (most recent call last):",
+        "(Worker pid=1) ERROR 11-29 [x.py:1]   File \"a.py\", line 3, in f",
+        "(Worker pid=1) ERROR 11-29 [x.py:1] ValueError: no kernel. Reasons:",
+        "(Worker pid=1) ERROR 11-29 [x.py:1] Kernel requires AMX tile support.",
+        "(EngineCore pid=2) ERROR 11-29 [core.py:1] Exception: WorkerProc initialization failed.",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ])
+    assert _failure_reason(log) == "ValueError: no kernel. Reasons: Kernel requires AMX tile support."
+    assert _failure_reason("x\nRuntimeError: boom") == "RuntimeError: boom"

@@ -92,6 +92,18 @@ def generate(llm, req: RolloutRequest) -> dict:
     return {"tokens": tokens, "logprobs": logprobs, "gen_tokens": n, "seconds": seconds, "gen_tokens_per_s": n / seconds}
 
 
+def _failure_reason(log_text: str) -> str:
+    """The root cause of a failed engine run: the worker's last error message, else the last error line."""
+    worker = [ln.split("] ", 1)[-1] for ln in log_text.splitlines()
+              if " ERROR " in ln and ln.startswith(("(Worker", "(VllmWorker"))]
+    worker = [m.strip() for m in worker if m.strip() and not m.startswith((" ", "Traceback"))]
+    raised = [i for i, m in enumerate(worker) if "Error:" in m or "Exception:" in m]
+    if raised:  # the exception message, with the lines it continues on
+        return " ".join(worker[raised[-1]:])
+    errors = [ln for ln in log_text.splitlines() if "Error" in ln or "error" in ln]
+    return (errors[-1] if errors else log_text[-400:]).strip()
+
+
 def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict) -> dict:
     """``python -m module REQUEST.json RESULT.json`` in a fresh process (``HF_HUB_OFFLINE=1`` + ``env`` added to
     this environment); the result dict with ``plugin_active`` and ``log``, or ``{"error", "log"}`` with the log's tail."""
@@ -105,8 +117,7 @@ def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict)
                               stderr=subprocess.STDOUT)
     text = log_path.read_text(errors="replace")
     if proc.returncode != 0 or not res_path.exists():
-        errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]
-        return {"error": (errors[-1] if errors else text[-400:]).strip(), "log": str(log_path)}
+        return {"error": _failure_reason(text), "log": str(log_path)}
     result = json.loads(res_path.read_text())
     result["plugin_active"] = "megatron-consistent plugin active" in text
     result["log"] = str(log_path)
