@@ -94,3 +94,14 @@ def test_engine_failure_reports_the_worker_root_cause():
     ])
     assert _failure_reason(log) == "ValueError: no kernel. Reasons: Kernel requires AMX tile support."
     assert _failure_reason("x\nRuntimeError: boom") == "RuntimeError: boom"
+
+
+def test_yaml_config_loads_with_flag_overrides():
+    from pathlib import Path
+
+    yaml = Path(__file__).resolve().parents[1] / "examples" / "configs" / "check.yaml"
+    cfg = load_check_config(str(yaml), num_prompts=8)
+    assert cfg.hf_config.endswith("tiny-qwen3-qknorm-tied") and cfg.temperature == 0.7
+    assert cfg.num_prompts == 8 and cfg.max_tokens == 64
+    with pytest.raises(ValueError, match="mode"):
+        load_check_config(str(yaml), mode="sideways")
