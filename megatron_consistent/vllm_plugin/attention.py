@@ -78,7 +78,6 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
                 output_block_scale=None):
         if attn_metadata is None:  # profiling / warm-up run
             return output
-        n = attn_metadata.num_actual_tokens
         starts = attn_metadata.query_start_loc.to(torch.int64)
         q_lens = starts[1:] - starts[:-1]
         seq_lens = attn_metadata.seq_lens.to(torch.int64)
@@ -102,7 +101,6 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
                 k, v = gather_kv(kv_cache, attn_metadata.block_table[reqs], seq_lens[reqs])
             out = attention(query[rows], k, v, positions, seq_lens[reqs], scale=self.scale)
             output[rows[valid]] = out[valid].reshape(-1, *output.shape[1:]).to(output.dtype)
-        del n
         return output
 
 
