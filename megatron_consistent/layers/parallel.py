@@ -14,7 +14,6 @@ already initialized (e.g. by a launcher), provided the sizes are 1.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from ..config import UnsupportedConfigError

@@ -67,7 +67,7 @@ def _as_config(cfg) -> LifecycleConfig:
 
 
 def _arch(cfg: LifecycleConfig):
-    from ..config import ArchConfig, load_hf_config
+    from ..config import ArchConfig
     from ..training import TINY_RL_HF_CONFIG
 
     return ArchConfig.from_hf(load_hf_config(cfg.hf_config) if cfg.hf_config else TINY_RL_HF_CONFIG)
@@ -209,7 +209,7 @@ def _scenario_checkpoint_restore(cfg: LifecycleConfig) -> dict:
     import torch
 
     from ..checkpoint import load_checkpoint, save_checkpoint
-    from ..config import ArchConfig, load_hf_config
+    from ..config import ArchConfig
     from ..conversion import CheckpointMismatchError
     from ..layers import build_consistent_gpt_model, compute_token_logprobs
     from ..sync.session import RLSession

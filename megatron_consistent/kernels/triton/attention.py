@@ -28,7 +28,6 @@ is used, so decode and prefill run the same per-row recurrence.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
