@@ -25,7 +25,6 @@ them calls the package), and checked two ways:
 
 from __future__ import annotations
 
-import math
 
 import torch
 from hypothesis import given, settings

@@ -5,7 +5,6 @@ Equality claims here use ``torch.equal`` only.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest

@@ -67,7 +67,7 @@ def _as_config(cfg) -> LifecycleConfig:
 
 
 def _arch(cfg: LifecycleConfig):
-    from ..config import ArchConfig
+    from ..config import ArchConfig, load_hf_config
     from ..training import TINY_RL_HF_CONFIG
 
     return ArchConfig.from_hf(load_hf_config(cfg.hf_config) if cfg.hf_config else TINY_RL_HF_CONFIG)
