@@ -4,6 +4,13 @@
 anything the consistent path does not implement (another architecture,
 sliding-window attention, a rope scaling type, biases in the MLP, another
 activation) is refused by name before any work is done.
+
+Hybrid Mamba-2 models (``NemotronHForCausalLM``, ``Mamba2ForCausalLM``) carry a
+per-layer ``layer_types`` tuple (``"mamba" | "attention" | "mlp" | "moe"``) and an
+:class:`SSMConfig`; ``ArchConfig.is_hybrid`` tells them apart.  Their attention
+layers use no rotary embedding (``use_rope=False``), their MLPs / experts are
+non-gated ``relu2`` (``hidden_act``), their MoE routing is sigmoid + selection
+bias (``moe_scoring``, ``moe_n_group``, ``moe_topk_group``, ``routed_scaling_factor``).
 """
 
 from __future__ import annotations
@@ -18,14 +25,56 @@ import torch
 from .kernels.rotary import RopeConfig, rope_scaling_items
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", *MOE_ARCHITECTURES)
+HYBRID_ARCHITECTURES = ("NemotronHForCausalLM", "Mamba2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", *MOE_ARCHITECTURES,
+                           *HYBRID_ARCHITECTURES)
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
-                "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral"}
+                "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
+                "NemotronHForCausalLM": "nemotron_h", "Mamba2ForCausalLM": "mamba2"}
+LAYER_TYPES = ("mamba", "attention", "mlp", "moe")
 SUPPORTED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class UnsupportedConfigError(ValueError):
     """A model or run configuration the consistent path refuses (named in the message)."""
+
+
+@dataclass(frozen=True)
+class SSMConfig:
+    """The Mamba-2 mixer of a hybrid model (HF NemotronH / Mamba2 field meanings).
+
+    ``time_step_limit`` clamps ``softplus(dt + dt_bias)`` (``(0, inf)``: no clamp);
+    the gated RMSNorm normalizes each of the ``n_groups`` groups of
+    ``d_inner // n_groups`` channels (``norm_before_gate=False``) with ``norm_eps``.
+    """
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    use_conv_bias: bool = True
+    norm_eps: float = 1e-5
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: x, B, C."""
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def in_proj_size(self) -> int:
+        """Rows of ``in_proj``: z, xBC, dt (in that order)."""
+        return self.d_inner + self.conv_dim + self.num_heads
+
+    @property
+    def group_size(self) -> int:
+        return self.d_inner // self.n_groups
 
 
 @dataclass(frozen=True)
@@ -56,10 +105,36 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
+    # Hybrid (Mamba-2 / Nemotron-H); defaults = the dense decoders above.
+    layer_types: tuple[str, ...] = ()  # empty: every layer is attention + MLP
+    ssm: SSMConfig | None = None
+    use_rope: bool = True
+    hidden_act: str = "silu"  # "silu": gated SwiGLU MLP / experts; "relu2": non-gated relu(x)^2 (Nemotron-H)
+    moe_scoring: str = "softmax"  # "sigmoid": Nemotron-H router (with e_score_correction_bias)
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    @property
+    def mlp_gated(self) -> bool:
+        return self.hidden_act == "silu"
+
+    @property
+    def moe_score_bias(self) -> bool:
+        """Whether the router carries a float32 selection bias (``e_score_correction_bias``)."""
+        return self.moe_scoring == "sigmoid"
+
+    def layer_type(self, i: int) -> str:
+        """``"mamba" | "attention" | "mlp" | "moe"`` for hybrids; ``"decoder"`` (attention + MLP) otherwise."""
+        return self.layer_types[i] if self.layer_types else "decoder"
 
     def layer_is_moe(self, i: int) -> bool:
         return i in self.moe_layers
@@ -83,6 +158,8 @@ class ArchConfig:
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch in HYBRID_ARCHITECTURES:
+            return _hybrid_from_hf(cls, arch, hf)
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedConfigError(f"unsupported activation {hf['hidden_act']!r} (only silu)")
         if hf.get("mlp_bias"):
@@ -131,6 +208,8 @@ class ArchConfig:
 
     def to_hf(self) -> dict:
         """The HF ``config.json`` dict this architecture is exported as."""
+        if self.is_hybrid:
+            return _hybrid_to_hf(self)
         hf = {
             "architectures": [self.architecture],
             "model_type": _MODEL_TYPES[self.architecture],
@@ -162,6 +241,21 @@ class ArchConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ArchConfig":
+        """Inverse of :meth:`as_dict` (also after a JSON round trip: lists back to tuples)."""
+        d = dict(d)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = tuple(tuple(x) for x in d["rope_scaling"])
+        for key in ("moe_layers", "layer_types"):
+            if key in d:
+                d[key] = tuple(d[key])
+        if d.get("ssm") is not None:
+            ssm = dict(d["ssm"])
+            ssm["time_step_limit"] = tuple(float(x) for x in ssm["time_step_limit"])
+            d["ssm"] = SSMConfig(**ssm)
+        return cls(**d)
 
 
 _MOE_REFUSED = ("n_group", "topk_group", "topk_method", "scoring_func", "e_score_correction_bias", "routed_scaling_factor",
@@ -212,6 +306,158 @@ def _moe_to_hf(a: "ArchConfig") -> dict:
         out["shared_expert_intermediate_size"] = a.shared_expert_intermediate_size
         out["qkv_bias"] = a.qkv_bias
     return out
+
+
+# ---------------------------------------------------------------------------------------------- hybrid (Mamba-2)
+_PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_HF_BLOCK_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
+                   "mlp": "mlp", "moe": "moe"}
+_HF_BLOCK_NAMES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp", "moe": "moe"}
+
+
+def _first(hf: dict, *keys, default=None):
+    """The value of the first key present (HF NemotronH accepts legacy ``mamba_*`` aliases)."""
+    for k in keys:
+        if k in hf:
+            return hf[k]
+    return default
+
+
+def _refuse_set(arch: str, hf: dict, keys_ok: dict) -> None:
+    """Refuse every ``key`` whose value is set and differs from the implemented value ``keys_ok[key]``."""
+    for key, ok in keys_ok.items():
+        if key in hf and hf[key] not in (ok if isinstance(ok, tuple) else (ok,)):
+            raise UnsupportedConfigError(f"unsupported {arch} feature: {key}={hf[key]!r} (implemented: {ok!r})")
+
+
+def _nemotronh_layer_types(hf: dict) -> tuple[str, ...]:
+    pattern = hf.get("hybrid_override_pattern")
+    listed = hf.get("layers_block_type", hf.get("layer_types"))
+    from_pattern = from_list = None
+    if pattern is not None:
+        bad = sorted(set(pattern) - set(_PATTERN_CHARS))
+        if bad:
+            raise UnsupportedConfigError(f"unsupported hybrid_override_pattern characters {bad} (supported: M * - E)")
+        from_pattern = tuple(_PATTERN_CHARS[c] for c in pattern)
+    if listed is not None:
+        bad = sorted({t for t in listed if t not in _HF_BLOCK_TYPES})
+        if bad:
+            raise UnsupportedConfigError(f"unsupported layers_block_type entries {bad} (supported: {', '.join(_HF_BLOCK_TYPES)})")
+        from_list = tuple(_HF_BLOCK_TYPES[t] for t in listed)
+    if from_pattern is not None and from_list is not None and from_pattern != from_list:
+        raise UnsupportedConfigError(f"hybrid_override_pattern {pattern!r} disagrees with layers_block_type {listed!r}")
+    types = from_list or from_pattern
+    if not types:
+        raise UnsupportedConfigError("NemotronHForCausalLM config without hybrid_override_pattern / layers_block_type")
+    return types
+
+
+def _ssm_from_hf(arch: str, hf: dict, hidden: int, eps: float) -> SSMConfig:
+    if arch == "NemotronHForCausalLM":
+        heads, head_dim = hf.get("mamba_num_heads", 128), hf.get("mamba_head_dim", 64)
+        state = hf.get("ssm_state_size", 128)
+    else:
+        heads, head_dim, state = hf.get("num_heads", 128), hf.get("head_dim", 64), hf.get("state_size", 128)
+        expand = hf.get("expand", 2)
+        if expand * hidden != heads * head_dim:
+            raise UnsupportedConfigError(f"Mamba2: hidden_size*expand ({hidden}*{expand}) != num_heads*head_dim ({heads}*{head_dim})")
+    limit = _first(hf, "time_step_limit", "mamba_dt_limit", default=(0.0, float("inf")))
+    if not isinstance(limit, (list, tuple)) or len(limit) != 2 or not 0.0 <= float(limit[0]) <= float(limit[1]):
+        raise UnsupportedConfigError(f"unsupported time_step_limit={limit!r} (expected [low, high] with 0 <= low <= high)")
+    ssm = SSMConfig(num_heads=int(heads), head_dim=int(head_dim), state_size=int(state),
+                    n_groups=int(_first(hf, "n_groups", "mamba_n_groups", default=8)),
+                    conv_kernel=int(_first(hf, "conv_kernel", "mamba_d_conv", default=4)),
+                    chunk_size=int(_first(hf, "chunk_size", "mamba_chunk_size", default=128 if arch == "NemotronHForCausalLM" else 256)),
+                    time_step_limit=(float(limit[0]), float(limit[1])),
+                    use_conv_bias=bool(_first(hf, "use_conv_bias", "mamba_conv_bias", default=True)), norm_eps=eps)
+    if min(ssm.num_heads, ssm.head_dim, ssm.state_size, ssm.n_groups, ssm.conv_kernel, ssm.chunk_size) < 1:
+        raise UnsupportedConfigError(f"{arch}: Mamba sizes must be >= 1 ({ssm})")
+    if ssm.num_heads % ssm.n_groups:
+        raise UnsupportedConfigError(f"{arch}: Mamba num_heads {ssm.num_heads} not divisible by n_groups {ssm.n_groups}")
+    if ssm.conv_kernel < 2:
+        raise UnsupportedConfigError(f"{arch}: conv_kernel={ssm.conv_kernel} (must be >= 2)")
+    return ssm
+
+
+def _hybrid_from_hf(cls, arch: str, hf: dict) -> ArchConfig:
+    """NemotronH / Mamba2 HF config -> :class:`ArchConfig`; every unimplemented option refused by name."""
+    dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", "")
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    if hf.get("residual_in_fp32", arch == "Mamba2ForCausalLM"):  # HF Mamba2 defaults to True
+        raise UnsupportedConfigError(f"unsupported {arch} feature: residual_in_fp32=True (the residual stream stays in the model "
+                                     "dtype, as in vLLM; set residual_in_fp32=false)")
+    hidden, eps = int(hf["hidden_size"]), float(hf.get("layer_norm_epsilon", 1e-5))
+    common = dict(architecture=arch, vocab_size=int(hf["vocab_size"]), hidden_size=hidden, rms_norm_eps=eps,
+                  rope_theta=10000.0, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, use_rope=False)
+    if arch == "Mamba2ForCausalLM":
+        _refuse_set(arch, hf, {"hidden_act": "silu", "use_bias": False})
+        layers = int(hf.get("num_hidden_layers", 64))
+        return cls(intermediate_size=0, num_layers=layers, num_heads=0, num_kv_heads=0, head_dim=0,
+                   max_position_embeddings=int(hf.get("max_position_embeddings", 4096)), layer_types=("mamba",) * layers,
+                   ssm=_ssm_from_hf(arch, hf, hidden, eps), hidden_act="silu", **common)
+    _refuse_set(arch, hf, {"mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "use_bias": False, "mamba_proj_bias": False,
+                           "mlp_bias": False, "attention_bias": False, "attention_dropout": (0, 0.0), "hidden_dropout": (0, 0.0),
+                           "sliding_window": None, "moe_latent_size": None, "num_nextn_predict_layers": (0, None),
+                           "mamba_ssm_cache_dtype": ("float32", None), "block_configs": None, "tie_word_embeddings": False})
+    types = _nemotronh_layer_types(hf)
+    inter = hf.get("intermediate_size", 21504)
+    if isinstance(inter, list):
+        if len(set(inter)) != 1:
+            raise UnsupportedConfigError(f"unsupported NemotronH feature: per-layer intermediate_size {inter}")
+        inter = inter[0]
+    heads = int(hf.get("num_attention_heads", 32))
+    kv = int(hf.get("num_key_value_heads") or heads)
+    if "attention" in types and heads % kv:
+        raise UnsupportedConfigError(f"num_attention_heads {heads} not divisible by num_key_value_heads {kv}")
+    moe = {}
+    if "moe" in types:
+        experts, top_k = int(_first(hf, "n_routed_experts", "num_local_experts", default=8)), int(hf.get("num_experts_per_tok", 2))
+        n_group, topk_group = int(hf.get("n_group", 1) or 1), int(hf.get("topk_group", 1) or 1)
+        if int(hf.get("n_shared_experts", 1) or 0) != 1:
+            raise UnsupportedConfigError(f"unsupported NemotronH feature: n_shared_experts={hf.get('n_shared_experts')!r} (only 1: HF and "
+                                         "vLLM size the shared expert differently otherwise)")
+        if experts <= 0 or not 1 <= top_k <= experts:
+            raise UnsupportedConfigError(f"num_experts_per_tok={top_k} must be in [1, n_routed_experts={experts}]")
+        if experts % n_group or not 1 <= topk_group <= n_group:
+            raise UnsupportedConfigError(f"n_group={n_group}, topk_group={topk_group} invalid for n_routed_experts={experts}")
+        moe = dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(hf.get("moe_intermediate_size", 7688)),
+                   norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                   shared_expert_intermediate_size=int(hf.get("moe_shared_expert_intermediate_size", 7688)),
+                   moe_layers=tuple(i for i, t in enumerate(types) if t == "moe"), moe_scoring="sigmoid", moe_n_group=n_group,
+                   moe_topk_group=topk_group, routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)))
+        if min(moe["moe_intermediate_size"], moe["shared_expert_intermediate_size"]) <= 0:
+            raise UnsupportedConfigError("NemotronH: moe_intermediate_size and moe_shared_expert_intermediate_size must be > 0")
+    return cls(intermediate_size=int(inter), num_layers=len(types), num_heads=heads, num_kv_heads=kv,
+               head_dim=int(hf.get("head_dim") or hidden // heads), max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+               layer_types=types, ssm=_ssm_from_hf(arch, hf, hidden, eps) if "mamba" in types else None, hidden_act="relu2",
+               **moe, **common)
+
+
+def _hybrid_to_hf(a: ArchConfig) -> dict:
+    hf = {"architectures": [a.architecture], "model_type": _MODEL_TYPES[a.architecture], "vocab_size": a.vocab_size,
+          "hidden_size": a.hidden_size, "num_hidden_layers": a.num_layers, "layer_norm_epsilon": a.rms_norm_eps,
+          "max_position_embeddings": a.max_position_embeddings, "tie_word_embeddings": a.tie_word_embeddings,
+          "torch_dtype": a.dtype, "residual_in_fp32": False, "bos_token_id": 1, "eos_token_id": 2}
+    s = a.ssm
+    ssm = {} if s is None else {"n_groups": s.n_groups, "conv_kernel": s.conv_kernel, "chunk_size": s.chunk_size,
+                                "time_step_limit": list(s.time_step_limit), "use_conv_bias": s.use_conv_bias}
+    if a.architecture == "Mamba2ForCausalLM":
+        hf.update(ssm, num_heads=s.num_heads, head_dim=s.head_dim, state_size=s.state_size, expand=s.d_inner // a.hidden_size,
+                  hidden_act="silu", use_bias=False)
+        return hf
+    hf.update(ssm, hybrid_override_pattern="".join({v: k for k, v in _PATTERN_CHARS.items()}[t] for t in a.layer_types),
+              layers_block_type=[_HF_BLOCK_NAMES[t] for t in a.layer_types], intermediate_size=a.intermediate_size,
+              num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, mlp_hidden_act="relu2",
+              mamba_hidden_act="silu", use_bias=False, mlp_bias=False, attention_bias=False, mamba_proj_bias=False)
+    if s is not None:
+        hf.update(mamba_num_heads=s.num_heads, mamba_head_dim=s.head_dim, ssm_state_size=s.state_size)
+    if a.is_moe:
+        hf.update(n_routed_experts=a.num_experts, num_experts_per_tok=a.num_experts_per_tok, moe_intermediate_size=a.moe_intermediate_size,
+                  moe_shared_expert_intermediate_size=a.shared_expert_intermediate_size, n_shared_experts=1,
+                  norm_topk_prob=a.norm_topk_prob, routed_scaling_factor=a.routed_scaling_factor, n_group=a.moe_n_group,
+                  topk_group=a.moe_topk_group)
+    return hf
 
 
 DEFAULT_MODEL = "tiny-llama"

@@ -215,7 +215,8 @@ def _arch_differences(arch: ArchConfig, in_dir: Path) -> list[str]:
     except UnsupportedConfigError as e:
         return [f"config.json: {e}"]
     a, b = replace(arch, dtype="float32"), replace(found, dtype="float32")
-    return [f"config.json {k}={v!r}, expected {getattr(a, k)!r}" for k, v in b.as_dict().items() if getattr(a, k) != v]
+    expected = a.as_dict()
+    return [f"config.json {k}={v!r}, expected {expected[k]!r}" for k, v in b.as_dict().items() if expected[k] != v]
 
 
 def import_hf(model, arch: ArchConfig, in_dir) -> None:
