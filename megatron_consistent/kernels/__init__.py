@@ -6,17 +6,23 @@ know nothing of Megatron or vLLM.
 """
 
 from .attention import KV_BLOCK, attention, causal_positions
+from .causal_conv1d import CausalConv1d, causal_conv1d
 from .dispatch import NoConsistentKernelError, implementation, register
+from .gated_rms_norm import GatedRMSNorm, gated_rms_norm
 from .linear import K_BLOCK, Linear, linear
 from .logprobs import compute_logits, gather_logprobs, log_softmax, token_logprobs
 from .paged_kv import gather_kv, write_kv
+from .relu_squared import ReluSquared, relu_squared
 from .rms_norm import RMSNorm, add_residual, rms_norm
 from .rotary import RopeConfig, RotaryEmbedding, apply_rope, rope_cache, rope_scaling_items
 from .silu_and_mul import SiluAndMul, silu_and_mul
+from .ssd import mamba_dt, ssd_continue, ssd_scan
 
 __all__ = [
     "KV_BLOCK", "K_BLOCK", "Linear", "NoConsistentKernelError", "RMSNorm", "RopeConfig", "RotaryEmbedding",
     "SiluAndMul", "add_residual", "apply_rope", "attention", "causal_positions", "compute_logits", "gather_kv", "gather_logprobs",
     "implementation", "linear", "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",
     "silu_and_mul", "token_logprobs", "write_kv",
+    "CausalConv1d", "GatedRMSNorm", "ReluSquared", "causal_conv1d", "gated_rms_norm", "mamba_dt", "relu_squared",
+    "ssd_continue", "ssd_scan",
 ]

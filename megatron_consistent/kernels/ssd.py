@@ -1,0 +1,326 @@
+"""Mamba-2 selective state space (SSD) — chunked scan with a decode/chunked-prefill replay.
+
+Shapes: ``x [..., T, H, P]`` (model dtype), ``dt [..., T, H]`` float32, ``A [H]`` float32
+(``= -exp(A_log)``), ``B, C [..., T, G, N]`` (model dtype), ``D [H]``, state ``[..., H, P, N]``
+float32.  Head ``h`` reads group ``g(h) = h // (H // G)``.  The recurrence is
+``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``, ``y_t = C_t . S_t + D x_t``; it is evaluated
+in chunks of ``L = chunk_size`` tokens aligned to absolute position 0 of the segment (the
+segment must start on a chunk boundary; ``initial_state`` is the state at that boundary).
+
+Numerics contract (CPU, every accumulation float32, every op elementwise IEEE or a
+:func:`numerics.tree_sum` over a FIXED length):
+
+1. ``a_i = dt_i * A`` (float32); within a chunk ``cum_0 = a_0``, ``cum_i = cum_{i-1} + a_i``
+   — a sequential prefix sum, so ``cum_t`` depends on the chunk's tokens ``<= t`` only.
+   Tokens past the end of a partial chunk are zero-padded (``dt = x = B = C = 0``).
+2. Intra-chunk term of position ``t`` (row ``t`` of its chunk, ``s`` over ALL ``L`` rows):
+   ``cb[t,s,g] = tree_sum_N(C_t[g,n] * B_s[g,n])``;
+   ``w[t,s,h] = (cb[t,s,g(h)] * exp(cum_t - cum_s)) * dt_s`` for ``s <= t``, exactly ``+0`` for
+   ``s > t`` (mask applied with ``where`` before and after the :func:`numerics.exp`);
+   ``intra[t,h,p] = tree_sum_{s=0..L-1}(w[t,s,h] * x_s[h,p])`` — the tree is over the full
+   chunk, so a partial chunk reduces exactly like a full one.
+3. Inter-chunk term: ``inter[t,h,p] = tree_sum_N(C_t[g(h),n] * S_c[h,p,n]) * exp(cum_t)`` with
+   ``S_c`` the state at the start of ``t``'s chunk.
+4. ``y_t = round_to_dtype((intra + inter) + D[h] * x_t[h,p])`` — one rounding to ``x.dtype``.
+5. State at the end of a COMPLETE chunk:
+   ``u[s,h] = exp(cum_{L-1} - cum_s) * dt_s``;
+   ``S_{c+1}[h,p,n] = exp(cum_{L-1}) * S_c[h,p,n] + tree_sum_{s=0..L-1}((u[s,h] * x_s[h,p]) * B_s[g(h),n])``.
+   Only complete chunks update the state; ``boundary_state`` is the state after the last one.
+
+So ``y_t`` depends only on (the boundary state of ``t``'s chunk, the tokens of ``t``'s
+chunk up to ``t``): its bits do not depend on ``T``, on how the sequence was split into
+prefill pieces / decode steps, on the other sequences of the batch or on the thread
+count.  ``ssd_continue`` replays the partial chunk (pending tokens ++ new tokens) from the
+last boundary state and evaluates exactly the same expressions, so decode gives the
+whole-sequence bits.  Backward (not batch-invariant, only correct): float32 recompute of
+the same math with differentiable torch ops (cumsum/einsum) + ``torch.autograd.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .dispatch import implementation, register
+from .numerics import exp, log, tree_sum
+
+# Output positions are evaluated in blocks whose [rows, L, H, P] float32 work tensor stays
+# under this many elements (a memory bound only: each position is computed independently).
+_WORK_ELEMENTS = 1 << 22
+
+
+# --------------------------------------------------------------------------- mamba_dt
+
+
+@register("mamba_dt", "cpu")
+def _mamba_dt_cpu(dt_raw, dt_bias, dt_min: float, dt_max: float) -> torch.Tensor:
+    v = dt_raw.to(torch.float32) + dt_bias.to(torch.float32)
+    e = exp(v).to(torch.float64)
+    sp = torch.where(v > 20.0, v, log(1.0 + e))
+    return torch.clamp(sp, min=dt_min, max=dt_max)
+
+
+class MambaDtFunction(torch.autograd.Function):
+    """Autograd wrapper for :func:`mamba_dt` (closed-form float32 backward)."""
+
+    @staticmethod
+    def forward(ctx, dt_raw, dt_bias, dt_min, dt_max):
+        out = implementation("mamba_dt", dt_raw.device)(dt_raw, dt_bias, dt_min, dt_max)
+        ctx.save_for_backward(dt_raw, dt_bias, out)
+        ctx.dt_min, ctx.dt_max = dt_min, dt_max
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        dt_raw, dt_bias, out = ctx.saved_tensors
+        v = dt_raw.to(torch.float32) + dt_bias.to(torch.float32)
+        sig = torch.where(v > 20.0, torch.ones_like(v), torch.sigmoid(v))
+        sp = torch.where(v > 20.0, v, torch.nn.functional.softplus(v))
+        inside = (sp >= ctx.dt_min) & (sp <= ctx.dt_max)
+        g = torch.where(inside, grad_out.to(torch.float32) * sig, torch.zeros_like(v))
+        grad_bias = g.reshape(-1, g.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return g.to(dt_raw.dtype), None if grad_bias is None else grad_bias.to(dt_bias.dtype), None, None
+
+
+def mamba_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float = 0.0, dt_max: float = math.inf) -> torch.Tensor:
+    """``clamp(softplus(dt_raw + dt_bias), dt_min, dt_max)`` in float32 ``[..., T, H]``.
+
+    softplus(v) = v for v > 20, else ``log(1 + exp(v))`` with :func:`numerics.exp` (float32),
+    the ``1 +`` in float64 and :func:`numerics.log` (one rounding); elementwise.
+    """
+    if dt_bias.shape != (dt_raw.shape[-1],):
+        raise ValueError(f"mamba_dt: dt_bias {tuple(dt_bias.shape)} does not match {dt_raw.shape[-1]} heads")
+    if not dt_min <= dt_max:
+        raise ValueError(f"mamba_dt: dt_min {dt_min} > dt_max {dt_max}")
+    return MambaDtFunction.apply(dt_raw, dt_bias, float(dt_min), float(dt_max))
+
+
+# --------------------------------------------------------------------------- SSD forward
+
+
+def _prefix_sum(a: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sequential inclusive prefix sum along ``dim`` (one IEEE add per step, left to right)."""
+    a = a.movedim(dim, 0)
+    out = torch.empty_like(a)
+    acc = a[0]
+    out[0] = acc
+    for i in range(1, a.shape[0]):
+        acc = acc + a[i]
+        out[i] = acc
+    return out.movedim(0, dim)
+
+
+def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
+    """Contract forward. Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32.
+
+    Returns (y [b, T - first_out, H, P] in x.dtype, state after the last complete chunk).
+    """
+    bsz, t_len, nh, hp = x.shape
+    ng, ns = B.shape[-2:]
+    L = chunk_size
+    heads = torch.arange(nh) // (nh // ng)
+    n_chunks = -(-t_len // L)
+    n_complete = t_len // L
+    pad = n_chunks * L - t_len
+
+    def chunks(v):
+        v = v.to(torch.float32)
+        if pad:
+            v = torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
+        return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
+
+    xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(B), chunks(C)   # [b,c,L,...]
+    a32 = A.to(torch.float32)
+    d32 = D.to(torch.float32)
+    cum = _prefix_sum(dtc * a32, dim=2)                               # [b,c,L,H]
+
+    # 5. states at chunk boundaries (sequential over complete chunks)
+    states = [state]
+    s = state
+    for c in range(n_complete):
+        u = exp(cum[:, c, L - 1:L, :] - cum[:, c]) * dtc[:, c]         # [b,L,H]
+        uxs = (u.permute(0, 2, 1)[:, :, None, :] * xc[:, c].permute(0, 2, 3, 1))  # [b,H,P,L]
+        bh = bc[:, c][:, :, heads, :].permute(0, 2, 3, 1)             # [b,H,N,L]
+        contrib = tree_sum(uxs[:, :, :, None, :] * bh[:, :, None, :, :])  # [b,H,P,N]
+        s = exp(cum[:, c, L - 1])[:, :, None, None] * s + contrib
+        states.append(s)
+    boundary = s
+
+    # 2-4. outputs for positions first_out..T-1, in blocks of positions
+    all_states = torch.stack(states, dim=1)                           # [b,c+1,H,P,N]
+    ys = []
+    per_pos = max(1, L * nh * max(hp, ns))
+    block = max(1, _WORK_ELEMENTS // (bsz * per_pos))
+    rows = torch.arange(L)
+    for start in range(first_out, t_len, block):
+        pos = torch.arange(start, min(t_len, start + block))
+        ci, ri = pos // L, pos % L
+        cum_c = cum[:, ci]                                            # [b,o,L,H]
+        cum_t = cum_c[:, torch.arange(len(pos)), ri]                  # [b,o,H]
+        c_t = cc[:, ci, ri]                                           # [b,o,G,N]
+        cb = tree_sum(c_t[:, :, None, :, :] * bc[:, ci])              # [b,o,L,G]
+        mask = (rows[None, :] <= ri[:, None])[None, :, :, None]       # [1,o,L,1]
+        seg = torch.where(mask, cum_t[:, :, None, :] - cum_c, 0.0)
+        w = torch.where(mask, (cb[..., heads] * exp(seg)) * dtc[:, ci], 0.0)   # [b,o,L,H]
+        intra = tree_sum(w.permute(0, 1, 3, 2)[:, :, :, None, :] * xc[:, ci].permute(0, 1, 3, 4, 2))  # [b,o,H,P]
+        s_c = all_states[:, ci]                       # [b,o,H,P,N]
+        inter = tree_sum(c_t[:, :, heads, None, :] * s_c) * exp(cum_t)[..., None]
+        x_t = xc[:, ci, ri]                                           # [b,o,H,P]
+        ys.append(((intra + inter) + d32[:, None] * x_t).to(x.dtype))
+    y = torch.cat(ys, dim=1) if ys else x.new_zeros(bsz, 0, nh, hp)
+    return y, boundary
+
+
+register("ssd_scan", "cpu")(_ssd_cpu)
+
+
+def _ssd_autograd(x, dt, A, B, C, D, chunk_size: int, state):
+    """Differentiable float32 chunked SSD (torch cumsum/einsum; for the backward only).
+
+    Same mathematics as the contract, not the same bits.  Returns (y [b,T,H,P], boundary state).
+    """
+    bsz, t_len, nh, hp = x.shape
+    ng = B.shape[-2]
+    L = chunk_size
+    heads = torch.arange(nh) // (nh // ng)
+    n_chunks = -(-t_len // L)
+    n_complete = t_len // L
+    pad = n_chunks * L - t_len
+
+    def chunks(v):
+        if pad:
+            v = torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
+        return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
+
+    xc, dtc = chunks(x), chunks(dt)
+    bc, cc = chunks(B)[:, :, :, heads], chunks(C)[:, :, :, heads]    # [b,c,L,H,N]
+    cum = torch.cumsum(dtc * A, dim=2)                                # [b,c,L,H]
+    tri = torch.tril(torch.ones(L, L, dtype=torch.bool))
+    seg = cum[:, :, :, None, :] - cum[:, :, None, :, :]               # [b,c,t,s,H]
+    decay = torch.exp(torch.where(tri[None, None, :, :, None], seg, torch.zeros_like(seg)))
+    decay = decay * tri[None, None, :, :, None]
+    cb = torch.einsum("bcthn,bcshn->bctsh", cc, bc)
+    intra = torch.einsum("bctsh,bcsh,bcshp->bcthp", cb * decay, dtc, xc)
+    states = [state]
+    s = state
+    for c in range(n_complete):
+        u = torch.exp(cum[:, c, -1:, :] - cum[:, c]) * dtc[:, c]
+        s = torch.exp(cum[:, c, -1])[:, :, None, None] * s + torch.einsum("bsh,bshp,bshn->bhpn", u, xc[:, c], bc[:, c])
+        states.append(s)
+    s_c = torch.stack(states[:n_chunks], dim=1)                       # [b,c,H,P,N]
+    inter = torch.einsum("bcthn,bchpn->bcthp", cc, s_c) * torch.exp(cum)[..., None]
+    y = (intra + inter + D[:, None] * xc).reshape(bsz, n_chunks * L, nh, hp)[:, :t_len]
+    return y, states[n_complete]
+
+
+class SSDScanFunction(torch.autograd.Function):
+    """Autograd wrapper for the chunked scan; returns outputs for positions ``first_out..T-1``."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, state, chunk_size, first_out):
+        ctx.save_for_backward(x, dt, A, B, C, D, state)
+        ctx.chunk_size, ctx.first_out = chunk_size, first_out
+        return implementation("ssd_scan", x.device)(x, dt, A, B, C, D, chunk_size, state, first_out)
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_state):
+        saved = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().to(torch.float32).requires_grad_(True) for t in saved]
+            y, bstate = _ssd_autograd(*leaves[:6], ctx.chunk_size, leaves[6])
+            outs = [y[:, ctx.first_out:]]
+            gouts = [grad_y.to(torch.float32)]
+            if grad_state is not None:
+                outs.append(bstate)
+                gouts.append(grad_state.to(torch.float32))
+            grads = torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
+        return tuple(torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads, saved)) + (None, None)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _check(x, dt, A, B, C, D, chunk_size, state):
+    if x.dim() < 3:
+        raise ValueError(f"ssd: x must be [..., T, H, P], got {tuple(x.shape)}")
+    lead, t_len, nh, hp = x.shape[:-3], x.shape[-3], x.shape[-2], x.shape[-1]
+    if dt.shape != (*lead, t_len, nh):
+        raise ValueError(f"ssd: dt {tuple(dt.shape)} is not {(*lead, t_len, nh)}")
+    if B.dim() != x.dim() or B.shape[:-2] != (*lead, t_len) or C.shape != B.shape:
+        raise ValueError(f"ssd: B {tuple(B.shape)} / C {tuple(C.shape)} are not [..., T={t_len}, G, N]")
+    ng = B.shape[-2]
+    if ng < 1 or nh % ng:
+        raise ValueError(f"ssd: {nh} heads cannot be split over {ng} groups")
+    if A.shape != (nh,) or D.shape != (nh,):
+        raise ValueError(f"ssd: A {tuple(A.shape)} and D {tuple(D.shape)} must be [H={nh}]")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"ssd: chunk_size must be a positive int, got {chunk_size!r}")
+    if state is not None and state.shape != (*lead, nh, hp, B.shape[-1]):
+        raise ValueError(f"ssd: state {tuple(state.shape)} is not {(*lead, nh, hp, B.shape[-1])}")
+    if state is not None and state.dtype != torch.float32:
+        raise ValueError(f"ssd: state must be float32, got {state.dtype}")
+
+
+def _scan(x, dt, A, B, C, D, chunk_size, state, first_out):
+    lead = x.shape[:-3]
+    t_len, nh, hp = x.shape[-3:]
+    ng, ns = B.shape[-2:]
+    flat = lambda v, *tail: v.reshape(-1, *tail)  # noqa: E731
+    if state is None:
+        state = torch.zeros(*lead, nh, hp, ns, dtype=torch.float32, device=x.device)
+    y, bstate = SSDScanFunction.apply(
+        flat(x, t_len, nh, hp), flat(dt, t_len, nh), A, flat(B, t_len, ng, ns), flat(C, t_len, ng, ns), D,
+        flat(state, nh, hp, ns), chunk_size, first_out,
+    )
+    return y.reshape(*lead, t_len - first_out, nh, hp), bstate.reshape(*lead, nh, hp, ns)
+
+
+def ssd_scan(x, dt, A, B, C, D, chunk_size: int, initial_state=None):
+    """Chunked SSD scan of a segment starting on a chunk boundary; returns ``(y, boundary_state)``.
+
+    ``y [..., T, H, P]`` in ``x.dtype`` (D skip included, no z gating); ``boundary_state``
+    float32 ``[..., H, P, N]`` = the state after the last COMPLETE chunk (``initial_state``
+    or zeros if none completed).
+    """
+    _check(x, dt, A, B, C, D, chunk_size, initial_state)
+    return _scan(x, dt, A, B, C, D, chunk_size, initial_state, 0)
+
+
+def empty_pending(x_like_shape, nh, hp, ng, ns, dtype, device=None):
+    """An empty ``pending`` tuple ``(x, dt, B, C)`` with 0 tokens for leading dims ``x_like_shape``."""
+    lead = tuple(x_like_shape)
+    return (torch.zeros(*lead, 0, nh, hp, dtype=dtype, device=device),
+            torch.zeros(*lead, 0, nh, dtype=torch.float32, device=device),
+            torch.zeros(*lead, 0, ng, ns, dtype=dtype, device=device),
+            torch.zeros(*lead, 0, ng, ns, dtype=dtype, device=device))
+
+
+def ssd_continue(boundary_state, pending, x, dt, B, C, A, D, chunk_size: int):
+    """Decode / chunked-prefill step: replay ``pending ++ new`` from the last chunk boundary.
+
+    ``pending`` = ``(x, dt, B, C)`` of the tokens since the last boundary (fewer than
+    ``chunk_size``; ``None`` = no tokens), ``boundary_state`` = the float32 state at that
+    boundary (``None`` = zeros).  Returns ``(y_new, boundary_state', pending')``: the new
+    tokens' outputs (same bits as a whole-sequence :func:`ssd_scan`), the state after the
+    last complete chunk, and the tokens since that boundary.
+    """
+    lead = x.shape[:-3]
+    if pending is None:
+        pending = empty_pending(lead, x.shape[-2], x.shape[-1], B.shape[-2], B.shape[-1], x.dtype, x.device)
+    px, pdt, pb, pc = pending
+    n_pending = px.shape[-3]
+    if n_pending >= chunk_size:
+        raise ValueError(f"ssd_continue: {n_pending} pending tokens, must be fewer than chunk_size {chunk_size}")
+    for name, p, v, tail in (("x", px, x, 2), ("dt", pdt, dt, 1), ("B", pb, B, 2), ("C", pc, C, 2)):
+        if p.shape[:-1 - tail] != v.shape[:-1 - tail] or p.shape[-tail:] != v.shape[-tail:]:
+            raise ValueError(f"ssd_continue: pending {name} {tuple(p.shape)} does not match new {name} {tuple(v.shape)}")
+    xs = torch.cat([px.to(x.dtype), x], dim=-3)
+    dts = torch.cat([pdt.to(torch.float32), dt.to(torch.float32)], dim=-2)
+    bs = torch.cat([pb.to(B.dtype), B], dim=-3)
+    cs = torch.cat([pc.to(C.dtype), C], dim=-3)
+    _check(xs, dts, A, bs, cs, D, chunk_size, boundary_state)
+    y, bstate = _scan(xs, dts, A, bs, cs, D, chunk_size, boundary_state, n_pending)
+    keep = (xs.shape[-3] // chunk_size) * chunk_size
+    new_pending = (xs[..., keep:, :, :], dts[..., keep:, :], bs[..., keep:, :, :], cs[..., keep:, :, :])
+    return y, bstate, new_pending
