@@ -1,9 +1,13 @@
 """Block-FP8 export (issue #9): the bf16 Megatron masters -> HF block-FP8 safetensors.
 
 Quantized tensors: every decoder linear in HF layout — ``self_attn.{q,k,v,o}_proj``
-and ``mlp.{gate,up,down}_proj`` — each quantized on its own (per HF tensor, so
-the 128x128 block grid is the HF tensor's, whatever fusion the engine uses).
-Embeddings, norms, biases and ``lm_head`` stay in the model dtype.
+and ``mlp.{gate,up,down}_proj``; in MoE layers every expert's
+``{gate,up,down}_proj`` (Mixtral ``w1/w3/w2``) and the shared expert's — each
+quantized on its own (per HF tensor, so the 128x128 block grid is the HF
+tensor's, whatever fusion or stacking the engine uses).  Embeddings, norms,
+biases, ``lm_head``, the MoE router (``mlp.gate``) and ``shared_expert_gate``
+stay in the model dtype (the router as in vLLM / the published block-FP8 MoE
+checkpoints: its logits decide discrete routes, and it is tiny).
 
 Per quantized tensor ``<name>.weight``: the E4M3 values (``float8_e4m3fn``) and
 ``<name>.weight_scale_inv`` (float32 ``[ceil(N/128), ceil(K/128)]``, the
@@ -39,12 +43,27 @@ __all__ = ["QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "export_hf_fp8", "fp8_hf_
 
 QUANT_KEY = "megatron_consistent_quantization"
 QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
-                               "mlp.linear_fc2.weight")
+                               "mlp.linear_fc2.weight", "mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight",
+                               "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight")
 
 
 def check_fp8_arch(arch: ArchConfig) -> None:
-    if arch.is_moe:
-        raise UnsupportedConfigError(f"fp8 quantization: MoE architectures ({arch.architecture}) are not supported yet (dense only)")
+    """Every architecture of :mod:`..config` is supported (dense and MoE); kept as the single refusal point."""
+    del arch
+
+
+def unquantized_hf_modules(arch: ArchConfig) -> list[str]:
+    """HF module names kept in the model dtype inside the decoder: MoE routers (``gate``) and ``shared_expert_gate``."""
+    from .moe import moe_hf_prefix
+
+    out = []
+    for i in range(arch.num_layers):
+        if arch.layer_is_moe(i):
+            p = f"model.layers.{i}.{moe_hf_prefix(arch)}."
+            out.append(p + "gate")
+            if arch.shared_expert_intermediate_size:
+                out.append(p + "shared_expert_gate")
+    return out
 
 
 def is_quantized(megatron_name: str) -> bool:
@@ -60,7 +79,9 @@ def quantized_parts(arch: ArchConfig, kind: str, weight: torch.Tensor, fmt: Quan
 def quantization_entry(fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> dict:
     """The ``megatron_consistent_quantization`` config entry (read back by :func:`formats_from_entry`)."""
     return {"method": "fp8", "weight": fmt.as_dict(), "activation": {**a_fmt.as_dict(), "dynamic": True},
-            "modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+            "modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.*.{gate,up,down}_proj|w1|w3|w2",
+                        "shared_expert.{gate,up,down}_proj"],
+            "not_quantized": ["embed_tokens", "norms", "lm_head", "mlp.gate (MoE router)", "shared_expert_gate"]}
 
 
 def formats_from_entry(entry: dict) -> tuple[QuantFormat, QuantFormat]:
@@ -102,6 +123,8 @@ def export_hf_fp8(model, arch: ArchConfig, out_dir, fmt: QuantFormat = E4M3_WEIG
     if hf_quantization_config:
         hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(fmt.block), "activation_scheme": "dynamic",
                                      "fmt": "e4m3"}
+        if arch.is_moe:  # routers stay in the model dtype (as in the published block-FP8 MoE checkpoints)
+            hf["quantization_config"]["modules_to_not_convert"] = unquantized_hf_modules(arch)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out

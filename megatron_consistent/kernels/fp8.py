@@ -70,8 +70,9 @@ import torch
 from .dispatch import implementation, register
 
 __all__ = [
-    "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "FP8LinearSTE", "QuantFormat", "VALUE_CODECS", "block_amax",
-    "compute_scales", "dequantize", "dequantize_rows", "fp8_linear", "fp8_linear_ste", "quantize", "weight_row_scales",
+    "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "FP8LinearSTE", "FP8Weights", "QuantFormat", "VALUE_CODECS", "block_amax",
+    "compute_scales", "dequantize", "dequantize_rows", "fp8_expert_mlp", "fp8_linear", "fp8_linear_ste", "fp8_moe_experts", "quantize",
+    "weight_row_scales",
 ]
 
 E4M3_MAX = 448.0
@@ -254,6 +255,73 @@ def fp8_linear_ste(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.shape[-1] != w_q.shape[-1] or tuple(weight.shape) != tuple(w_q.shape):
         raise ValueError(f"fp8_linear_ste: shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, w_q {tuple(w_q.shape)} disagree")
     return FP8LinearSTE.apply(x, weight, bias, w_q, w_row_scales, out_dtype or x.dtype, w_fmt, a_fmt)
+
+
+# ------------------------------------------------------------------------------------------- FP8 MoE experts
+@dataclass(frozen=True)
+class FP8Weights:
+    """A quantized weight (stacked per expert or single): ``q`` ``[..., N, K]``, per-row scales ``rows`` ``[..., N, ceil(K/bc)]``,
+    and optionally the master weight ``[..., N, K]`` (training: gradients reach it by the STE; None: inference)."""
+
+    q: torch.Tensor
+    rows: torch.Tensor
+    master: torch.Tensor | None = None
+
+    def expert(self, e: int) -> "FP8Weights":
+        return FP8Weights(self.q[e], self.rows[e], None if self.master is None else self.master[e])
+
+
+def _fp8_apply(x, w: FP8Weights, w_fmt, a_fmt):
+    if w.master is None:
+        return fp8_linear(x, w.q, w.rows, w_fmt=w_fmt, a_fmt=a_fmt)
+    return fp8_linear_ste(x, w.master, None, w.q, w.rows, w_fmt=w_fmt, a_fmt=a_fmt)
+
+
+def fp8_expert_mlp(x: torch.Tensor, fc1: FP8Weights, fc2: FP8Weights, w_fmt: QuantFormat = E4M3_WEIGHT_128,
+                   a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
+    """One SwiGLU expert in FP8: ``fp8_linear(silu_and_mul(fp8_linear(x, fc1)), fc2)`` (gate rows first)."""
+    from .silu_and_mul import silu_and_mul
+
+    return _fp8_apply(silu_and_mul(_fp8_apply(x, fc1, w_fmt, a_fmt)), fc2, w_fmt, a_fmt)
+
+
+def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fc1: FP8Weights, fc2: FP8Weights,
+                    shared: tuple | None = None, *, w_fmt: QuantFormat = E4M3_WEIGHT_128,
+                    a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
+    """:func:`kernels.moe.moe_experts` with block-FP8 expert linears: ``[T, H]`` in ``hidden.dtype``.
+
+    ``fc1`` stacked ``[E, 2I, H]`` (gate rows first), ``fc2`` ``[E, H, I]``; ``shared`` =
+    ``(FP8Weights fc1 [2Is, H], FP8Weights fc2 [H, Is], W_gate [1, H] model dtype or None)``.  The same contract as
+    ``moe_experts`` — (token, slot) pairs grouped by ascending expert, one call per expert (the FP8 linear is
+    row-invariant: per-token activation groups), the shared expert's sigmoid gate from the unquantized gate weight,
+    float32 slot-order combine, one rounding — with every expert linear being :func:`fp8_linear` (forward bitwise
+    equal with or without masters)."""
+    from . import moe as kmoe
+
+    if hidden.dim() != 2:
+        raise ValueError(f"fp8_moe_experts: hidden must be [T, H], got {tuple(hidden.shape)}")
+    if weights.dtype != torch.float32:
+        raise ValueError(f"fp8_moe_experts: weights must be float32, got {weights.dtype}")
+    t, k = experts.shape
+    flat = experts.reshape(-1)
+    token_of_pair = torch.arange(t * k, device=hidden.device) // k
+    pieces, order = [], []
+    for e in torch.unique(flat).tolist():  # sorted ascending
+        pairs = (flat == e).nonzero()[:, 0]
+        pieces.append(fp8_expert_mlp(hidden[token_of_pair[pairs]], fc1.expert(e), fc2.expert(e), w_fmt, a_fmt))
+        order.append(pairs)
+    if pieces:
+        inverse = torch.empty(t * k, dtype=torch.int64, device=hidden.device)
+        inverse[torch.cat(order)] = torch.arange(t * k, device=hidden.device)
+        y = torch.cat(pieces)[inverse].reshape(t, k, -1)
+    else:
+        y = hidden.new_zeros(t, k, fc2.q.shape[-2])
+    ys = gate = None
+    if shared is not None:
+        s_fc1, s_fc2, s_gate = shared
+        ys = fp8_expert_mlp(hidden, s_fc1, s_fc2, w_fmt, a_fmt)
+        gate = None if s_gate is None else kmoe.shared_expert_gate(hidden, s_gate)
+    return kmoe.CombineFunction.apply(y, weights, ys, gate)
 
 
 # ------------------------------------------------------------------------------------------- FP8 KV cache

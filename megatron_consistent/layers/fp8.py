@@ -9,7 +9,10 @@ tensors q/k/v or gate/up, 128x128 blocks per HF tensor, rejoined in Megatron's
 fused row order), then calls
 :func:`megatron_consistent.kernels.fp8.fp8_linear_ste` — forward bitwise the
 vLLM plugin's ``fp8_linear`` on the exported checkpoint, backward the
-straight-through estimator into the master weight.  The weights are
+straight-through estimator into the master weight.  MoE layers: the attention
+linears as above, and :class:`FP8MoEBinding` on the MoE block quantizes every
+expert (and shared expert) per HF tensor the same way; the router and the
+shared-expert gate stay in the model dtype.  The weights are
 re-quantized on every call (no cache: an in-place update through ``.data``
 would not be seen by a version-keyed cache).
 """
@@ -21,9 +24,10 @@ import torch
 from ..config import ArchConfig
 from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
 from ..conversion.hf import _join, _plan
-from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, fp8_linear_ste, weight_row_scales
+from ..conversion.moe import MOE_KINDS
+from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, FP8Weights, QuantFormat, fp8_linear_ste, fp8_moe_experts, weight_row_scales
 
-__all__ = ["FP8Binding", "enable_fp8", "disable_fp8"]
+__all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
 
 
 class FP8Binding:
@@ -44,13 +48,46 @@ class FP8Binding:
         return fp8_linear_ste(x, weight, bias, w_q, rows, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
 
 
+class FP8MoEBinding:
+    """Block-FP8 experts of a :class:`~megatron_consistent.layers.moe.ConsistentMoELayer` (router unquantized).
+
+    Each forward quantizes every expert's gate / up / down (and the shared expert's) per HF tensor with
+    :func:`quantized_parts` (the export's routine), restacks values and per-row scales in the Megatron layout, and
+    runs :func:`megatron_consistent.kernels.fp8.fp8_moe_experts` with the bf16 masters attached (STE backward)."""
+
+    def __init__(self, arch: ArchConfig, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128):
+        self.arch, self.w_fmt, self.a_fmt = arch, w_fmt, a_fmt
+
+    def quantize_weight(self, kind: str, weight: torch.Tensor) -> FP8Weights:
+        parts = quantized_parts(self.arch, kind, weight, self.w_fmt)
+        q = _join(self.arch, kind, [q for q, _ in parts]).contiguous()
+        rows = _join(self.arch, kind, [weight_row_scales(s, q.shape[0], self.w_fmt) for q, s in parts]).contiguous()
+        return FP8Weights(q, rows, weight)
+
+    def __call__(self, block, h: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        fc1 = self.quantize_weight("experts_fc1", block.experts.linear_fc1.weight)
+        fc2 = self.quantize_weight("experts_fc2", block.experts.linear_fc2.weight)
+        shared = None
+        if block.shared_experts is not None:
+            se = block.shared_experts
+            shared = (self.quantize_weight("fc1", se.linear_fc1.weight), self.quantize_weight("copy", se.linear_fc2.weight), se.gate_weight)
+        return fp8_moe_experts(h, experts, w, fc1, fc2, shared, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
+
+
 def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> list[str]:
-    """Switch the decoder linears of a consistent GPTModel to the FP8 forward; returns the bound module names."""
+    """Switch the decoder linears of a consistent GPTModel to the FP8 forward (MoE layers: the experts, via
+    :class:`FP8MoEBinding` on the block); returns the bound module names."""
+    from .moe import ConsistentMoELayer
+
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch)
     bound = []
+    for i, layer in enumerate(model.decoder.layers):
+        if isinstance(layer.mlp, ConsistentMoELayer):
+            layer.mlp.fp8 = FP8MoEBinding(arch, w_fmt, a_fmt)
+            bound.append(f"decoder.layers.{i}.mlp")
     for mname, _, kind in _plan(arch):
-        if is_quantized(mname):
+        if is_quantized(mname) and kind not in MOE_KINDS and ".shared_experts." not in mname:
             module_name = mname.rsplit(".", 1)[0]
             model.get_submodule(module_name).fp8 = FP8Binding(arch, kind, w_fmt, a_fmt)
             bound.append(module_name)

@@ -114,7 +114,11 @@ class ConsistentMoELayer(nn.Module):
         if self.shared_experts is not None:
             se = self.shared_experts
             shared = (se.linear_fc1.weight, se.linear_fc2.weight, se.gate_weight)
-        out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared)
+        fp8 = getattr(self, "fp8", None)  # layers/fp8.py enable_fp8: block-FP8 experts on the bf16 masters, STE backward
+        if fp8 is not None:
+            out = fp8(self, h, experts, w)
+        else:
+            out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared)
         self.last_aux_loss = None
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             self.last_aux_loss = self.aux_loss_coef * kmoe.load_balancing_loss(z, experts, self.arch.num_experts)

@@ -14,6 +14,10 @@ vLLM's FP8 methods: the model class holds raw parameters and ignores vLLM's
 loaded from ``<name>.weight_scale_inv``); every call expands the block scales
 to per-row scales in the fused row order and runs
 :func:`megatron_consistent.kernels.fp8.fp8_linear` — the trainer's FP8 forward.
+MoE layers (:class:`FP8MoEDecoderLayer`): q/k/v/o the same way; stacked E4M3
+experts with per-expert block scales through
+:func:`megatron_consistent.kernels.fp8.fp8_moe_experts`; the router and the
+shared-expert gate stay in the model dtype.
 Refits send the same two tensors per linear.
 """
 
@@ -24,8 +28,10 @@ from torch import nn
 
 from ..config import ArchConfig, UnsupportedConfigError
 from ..conversion.fp8 import QUANT_KEY, formats_from_entry
-from ..kernels.fp8 import fp8_linear, weight_row_scales
+from ..kernels import moe as kmoe
+from ..kernels.fp8 import FP8Weights, fp8_linear, fp8_moe_experts, weight_row_scales
 from .model import ConsistentDecoderLayer
+from .moe import ConsistentMoEDecoderLayer
 
 __all__ = ["FP8DecoderLayer", "quantization_of"]
 
@@ -51,47 +57,129 @@ def quantization_of(hf: dict):
     return formats_from_entry(entry)
 
 
+def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
+    """Replace ``layer``'s fused linears ``ops`` by E4M3 storage + one block-scale parameter per HF tensor."""
+    layer.w_fmt, layer.a_fmt = formats
+    br, bc = layer.w_fmt.block
+    layer._rows = {}
+    sizes = {"q_proj": layer.q_size, "k_proj": layer.kv_size, "v_proj": layer.kv_size, "o_proj": arch.hidden_size,
+             "gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size, "down_proj": arch.hidden_size}
+    for op in ops:
+        pname, parts = _FUSED[op]
+        old = getattr(layer, pname)
+        setattr(layer, pname, nn.Parameter(torch.zeros(old.shape, dtype=layer.w_fmt.storage_dtype), requires_grad=False))
+        k = old.shape[1]
+        for short, _ in parts:
+            n = sizes[short]
+            setattr(layer, f"{short}_scale", nn.Parameter(torch.ones(-(-n // br), -(-k // bc), dtype=torch.float32), requires_grad=False))
+        layer._rows[op] = [sizes[s] for s, _ in parts]
+        layer.lin[op] = _make_linear(layer, op)
+
+
+def _make_linear(layer, op: str):
+    parts = _FUSED[op][1]
+
+    def run(x, w_q, b=None):
+        rows = torch.cat([weight_row_scales(getattr(layer, f"{s}_scale"), n, layer.w_fmt) for (s, _), n in zip(parts, layer._rows[op])])
+        return fp8_linear(x, w_q, rows, b, w_fmt=layer.w_fmt, a_fmt=layer.a_fmt)
+
+    return run
+
+
+def _fused_scale_targets(layer, ops, p: str) -> dict[str, torch.Tensor]:
+    return {p + f"{suffix}.weight_scale_inv": getattr(layer, f"{short}_scale") for op in ops for short, suffix in _FUSED[op][1]}
+
+
 class FP8DecoderLayer(ConsistentDecoderLayer):
     """Dense decoder layer whose four linears are block-FP8 (E4M3 values + per-HF-tensor block scales)."""
 
+    OPS = ("qkv", "o_proj", "gate_up", "down")
+
     def __init__(self, arch: ArchConfig, cache_config, prefix: str, *, formats):
         super().__init__(arch, cache_config, prefix)
-        self.w_fmt, self.a_fmt = formats
-        br, bc = self.w_fmt.block
-        self._rows: dict[str, list[int]] = {}
-        sizes = {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size, "o_proj": arch.hidden_size,
-                 "gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size, "down_proj": arch.hidden_size}
-        for op, (pname, parts) in _FUSED.items():
-            old = getattr(self, pname)
-            setattr(self, pname, nn.Parameter(torch.zeros(old.shape, dtype=self.w_fmt.storage_dtype), requires_grad=False))
-            k = old.shape[1]
-            for short, _ in parts:
-                n = sizes[short]
-                setattr(self, f"{short}_scale", nn.Parameter(torch.ones(-(-n // br), -(-k // bc), dtype=torch.float32), requires_grad=False))
-            self._rows[op] = [sizes[s] for s, _ in parts]
-            self.lin[op] = self._make_linear(op)
-
-    def _make_linear(self, op: str):
-        parts = _FUSED[op][1]
-
-        def run(x, w_q, b=None):
-            rows = torch.cat([weight_row_scales(getattr(self, f"{s}_scale"), n, self.w_fmt)
-                              for (s, _), n in zip(parts, self._rows[op])])
-            return fp8_linear(x, w_q, rows, b, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
-
-        return run
+        _quantize_fused(self, self.OPS, arch, formats)
 
     def scale_targets(self, p: str) -> dict[str, torch.Tensor]:
         """HF ``weight_scale_inv`` names of this layer (prefix ``p``) -> its block-scale parameters."""
-        return {p + f"{suffix}.weight_scale_inv": getattr(self, f"{short}_scale")
-                for _, parts in _FUSED.values() for short, suffix in parts}
+        return _fused_scale_targets(self, self.OPS, p)
+
+
+class FP8MoEDecoderLayer(ConsistentMoEDecoderLayer):
+    """MoE decoder layer in block-FP8: q/k/v/o as :class:`FP8DecoderLayer`; every expert's gate / up / down (and the
+    shared expert's) E4M3 with its own block scales; the router and ``shared_expert_gate`` in the model dtype.
+
+    Storage: ``experts_fc1`` ``[E, 2I, H]`` / ``experts_fc2`` ``[E, H, I]`` (and ``shared_fc1`` / ``shared_fc2``) in
+    ``float8_e4m3fn``; scales ``experts_{gate,up,down}_scale`` ``[E, ceil(N/128), ceil(K/128)]`` (and
+    ``shared_{gate,up,down}_scale``).  The MLP runs :func:`megatron_consistent.kernels.fp8.fp8_moe_experts`."""
+
+    OPS = ("qkv", "o_proj")
+
+    def __init__(self, arch: ArchConfig, cache_config, prefix: str, *, formats):
+        super().__init__(arch, cache_config, prefix)
+        _quantize_fused(self, self.OPS, arch, formats)
+        fp8 = self.w_fmt.storage_dtype
+        br, bc = self.w_fmt.block
+        E, H, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+
+        def scale(*lead, n, k):
+            return nn.Parameter(torch.ones(*lead, -(-n // br), -(-k // bc), dtype=torch.float32), requires_grad=False)
+
+        self.experts_fc1 = nn.Parameter(torch.zeros(E, 2 * inter, H, dtype=fp8), requires_grad=False)
+        self.experts_fc2 = nn.Parameter(torch.zeros(E, H, inter, dtype=fp8), requires_grad=False)
+        self.experts_gate_scale, self.experts_up_scale = scale(E, n=inter, k=H), scale(E, n=inter, k=H)
+        self.experts_down_scale = scale(E, n=H, k=inter)
+        if self.shared is not None:
+            s = arch.shared_expert_intermediate_size
+            self.shared_fc1 = nn.Parameter(torch.zeros(2 * s, H, dtype=fp8), requires_grad=False)
+            self.shared_fc2 = nn.Parameter(torch.zeros(H, s, dtype=fp8), requires_grad=False)
+            self.shared_gate_scale, self.shared_up_scale = scale(n=s, k=H), scale(n=s, k=H)
+            self.shared_down_scale = scale(n=H, k=s)
+            self.shared = (self.shared_fc1, self.shared_fc2, self.shared_gate)
+
+    def _fc1_rows(self, gate_scale, up_scale, n):
+        return torch.cat([weight_row_scales(gate_scale, n, self.w_fmt), weight_row_scales(up_scale, n, self.w_fmt)])
+
+    def mlp_forward(self, x: torch.Tensor):
+        from . import moe as pmoe
+
+        z = kmoe.router_logits(x, self.router)
+        w, experts = kmoe.route_logits(z, self.arch.num_experts_per_tok, "softmax", norm_topk_prob=self.arch.norm_topk_prob)
+        if pmoe.RECORDER is not None:
+            pmoe.RECORDER(self.idx, self._positions, experts)
+        inter, H = self.arch.moe_intermediate_size, self.arch.hidden_size
+        fc1 = FP8Weights(self.experts_fc1, torch.stack([self._fc1_rows(self.experts_gate_scale[e], self.experts_up_scale[e], inter)
+                                                        for e in range(self.arch.num_experts)]))
+        fc2 = FP8Weights(self.experts_fc2, torch.stack([weight_row_scales(self.experts_down_scale[e], H, self.w_fmt)
+                                                        for e in range(self.arch.num_experts)]))
+        shared = None
+        if self.shared is not None:
+            s = self.arch.shared_expert_intermediate_size
+            shared = (FP8Weights(self.shared_fc1, self._fc1_rows(self.shared_gate_scale, self.shared_up_scale, s)),
+                      FP8Weights(self.shared_fc2, weight_row_scales(self.shared_down_scale, H, self.w_fmt)), self.shared_gate)
+        return z, experts, fp8_moe_experts(x, experts, w, fc1, fc2, shared, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
+
+    def scale_targets(self, p: str) -> dict[str, torch.Tensor]:
+        """HF ``weight_scale_inv`` names of this layer (prefix ``p``) -> its block-scale parameters (views per expert)."""
+        from ..conversion.moe import expert_proj_names, moe_hf_prefix
+
+        out = _fused_scale_targets(self, self.OPS, p)
+        q = f"{p}{moe_hf_prefix(self.arch)}."
+        gate, up, down = expert_proj_names(self.arch)
+        for e in range(self.arch.num_experts):
+            out[q + f"experts.{e}.{gate}.weight_scale_inv"] = self.experts_gate_scale[e]
+            out[q + f"experts.{e}.{up}.weight_scale_inv"] = self.experts_up_scale[e]
+            out[q + f"experts.{e}.{down}.weight_scale_inv"] = self.experts_down_scale[e]
+        if self.shared is not None:
+            for name in ("gate", "up", "down"):
+                out[q + f"shared_expert.{name}_proj.weight_scale_inv"] = getattr(self, f"shared_{name}_scale")
+        return out
 
 
 def layer_factory(arch: ArchConfig, formats):
-    if arch.is_moe:
-        raise UnsupportedConfigError(f"fp8 quantization: MoE architectures ({arch.architecture}) are not supported yet (dense only)")
+    """Layer constructor for a block-FP8 checkpoint: :class:`FP8MoEDecoderLayer` where the config puts MoE, else dense."""
 
     def make(a, cache_config, prefix):
-        return FP8DecoderLayer(a, cache_config, prefix, formats=formats)
+        cls = FP8MoEDecoderLayer if a.layer_is_moe(int(prefix.rsplit(".", 1)[-1])) else FP8DecoderLayer
+        return cls(a, cache_config, prefix, formats=formats)
 
     return make
