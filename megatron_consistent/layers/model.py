@@ -151,21 +151,31 @@ def _new_gpt_model(GPTModel, arch: ArchConfig, config, spec, **extra):
     return GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
 
 
-def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, **parallel):
+def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, moe_impl: str | None = None,
+                               moe_token_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, **parallel):
     """A Megatron ``GPTModel`` on CPU whose every op follows the kernels' numerics contract.
 
     ``hf_config``: HF config dict, :class:`ArchConfig`, or path.  ``dtype``
     defaults to the config's.  ``parallel`` may name
     ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
     ``context_parallel_size`` / ``sequence_parallel`` — anything but 1/False
-    is refused (:class:`UnsupportedConfigError`).
+    is refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
+    ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
+    consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
+    ``None`` = :data:`.moe_megatron.DEFAULT_MOE_IMPL` where supported.
     """
+    from .moe_megatron import megatron_moe_setup
+
     arch, dtype = _prepare(hf_config, dtype, parallel)
-    config = make_transformer_config(arch, dtype, consistent=True)
+    moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
+    config = make_transformer_config(arch, dtype, consistent=True, **moe_kwargs)
     GPTModel = _gpt_model_class()
     block_spec = get_consistent_gpt_block_spec(arch.num_layers, arch.qk_norm, rope=arch.rope)
-    if arch.is_moe:  # MoE layers: the mlp slot is the consistent MoE block (layers/moe.py)
-        from .moe import moe_layer_spec
+    if arch.is_moe:  # MoE layers: the mlp slot is Megatron's MoELayer (layers/moe_megatron.py) or our block (layers/moe.py)
+        if moe_impl == "megatron":
+            from .moe_megatron import megatron_moe_layer_spec as moe_layer_spec
+        else:
+            from .moe import moe_layer_spec
 
         block_spec.layer_specs = [moe_layer_spec(s, arch) if arch.layer_is_moe(i) else s for i, s in enumerate(block_spec.layer_specs)]
 
@@ -177,6 +187,7 @@ def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype |
     model = _seeded_build(seed, build)
     model.consistent_kind = CONSISTENT
     model.arch_config = arch
+    model.moe_impl = moe_impl
     return model
 
 

@@ -1,0 +1,462 @@
+"""Megatron-Core's own ``MoELayer`` (and its token dispatchers) with the consistent router, experts and combine.
+
+The MoE layers of the consistent GPT model can be Megatron-Core's **unmodified
+``MoELayer`` class** (``megatron/core/transformer/moe/moe_layer.py``), built
+from ``MoESubmodules`` whose three builders are ours.  What runs where, per
+forward of one MoE layer (``x [s, b, H]``, ``T = s*b`` tokens, top-k):
+
+=====================================  =================================================================
+Megatron code (used as is)             ours (this module, computing through :mod:`..kernels.moe`)
+=====================================  =================================================================
+``MoELayer.forward`` / ``route`` /     :class:`ConsistentTopKRouter` (a ``TopKRouter`` subclass):
+``preprocess`` / ``dispatch`` /        float32 logits ``linear(x, W_router, out_dtype=float32)``,
+``routed_experts_compute`` /           ``kmoe.route_logits`` (deterministic softmax/sigmoid, stable
+``combine`` / ``postprocess``          top-k: exact ties -> lowest expert index, ``norm_topk_prob``);
+                                       returns Megatron's ``(probs [T, E] float32, routing_map [T, E])``
+token dispatcher chosen by             :class:`ConsistentExperts` (the experts slot): each expert's rows
+``moe_token_dispatcher_type``:         through ``kmoe.expert_mlp`` (batch-invariant linear ->
+``allgather`` (CPU and GPU) or         silu_and_mul -> linear, one call per expert over its contiguous
+``alltoall`` (GPU: Megatron creates    rows: row-invariant, so a token's result does not depend on the
+a ``torch.cuda.Stream``) — their       tokens sharing its expert), then the **combine of our contract**:
+``permute`` / ``unpermute``            per token ``acc = sum_j w_j * float32(y_j)`` in top-k SLOT order
+(``scatter_add``), ``all_to_all`` /    (float32, ``w_j`` = the dispatched ``permuted_probs``), written
+``sort_chunks_by_idxs`` (identities    to the row of the token's slot 0; its other k-1 rows are exact
+at EP=1)                               zeros.  Output float32.
+``TopKRouter`` aux-loss machinery      :class:`ConsistentSharedExperts`: ``g * float32(y_shared)``
+(``apply_z_loss``, ``_apply_aux_loss``  float32 (``g`` = float32 sigmoid gate or 1)
+/ seq / global, ``MoEAuxLossAuto-
+Scaler``, the aux-loss tracker)
+=====================================  =================================================================
+
+Why the values are exactly those of :class:`.moe.ConsistentMoELayer` (and of
+the vLLM plugin): Megatron's ``unpermute`` sums a token's k rows with
+``scatter_add`` into zeros (order unspecified; atomics on GPU).  Here every
+token has one row holding its float32 ``acc`` and k-1 rows of ``+0.0``; adding
+``+0.0`` is exact and ``acc`` is never ``-0.0`` (a float32 sum started from
+``+0.0`` cannot round to ``-0.0``), so the unpermute is a pure gather in any
+order.  ``MoELayer.postprocess`` then adds the shared-expert output:
+``acc + g * float32(y_shared)``, the same float32 op as the kernel combine.
+The layer's output is float32; the MoE layers' ``mlp_bda``
+(:func:`consistent_moe_bias_dropout_add`) rounds it **once** to the model
+dtype and then does the usual residual add — bitwise the kernel path's
+``round(acc)`` followed by ``add_residual``.
+
+Row layout: the experts slot gets the dispatched rows in Megatron's permute
+order (expert-major, tokens ascending — the order of ``permute`` in 0.16 and
+0.19, both dispatchers at EP=1).  The router hands the slot-ordered experts
+and its input to the experts through a per-layer :class:`RoutingContext`; the
+experts derive each row's (token, slot) from them and **verify** it on every
+forward (row count, ``tokens_per_expert``, and ``dispatched rows ==
+input[token of row]`` exactly), raising if Megatron ever permutes differently.
+
+Scope: expert-parallel size 1, expert TP 1, TP 1; no token dropping
+(capacity factor), no permute/router fusion (TE), no shared-expert overlap,
+no latent MoE, no expert bias / input jitter / sinkhorn; each refused by name
+(:class:`UnsupportedConfigError`) before anything is built.  Expert
+parallelism would put a token's slots on different ranks, whose partial
+results Megatron sums with a reduce-scatter / all-to-all — not our combine.
+
+Aux loss: with ``moe_aux_loss_coeff`` > 0 (``build_consistent_gpt_model(...,
+moe_aux_loss_coeff=...)``), training mode and autograd on, Megatron's own
+machinery attaches the load-balancing loss to ``probs`` through
+``MoEAuxLossAutoScaler`` (identity forward); its token counts use our routing
+map.  Forward values never change; gradients then include the aux loss, as
+in Megatron.  The default coefficient is 0 (the module path's convention:
+nothing is added implicitly).
+
+Parameters are named exactly as in :class:`.moe.ConsistentMoELayer`
+(``router.weight [E, H]``, ``experts.linear_fc1.weight [E, 2I, H]``,
+``experts.linear_fc2.weight [E, H, I]``, ``shared_experts.linear_fc1.weight``,
+``shared_experts.linear_fc2.weight``, ``shared_experts.gate_weight [1, H]``),
+so state dicts, converters and the HF export are shared, and the same seed
+gives the same weights (same construction / RNG order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ..config import UnsupportedConfigError
+from ..kernels import add_residual
+from ..kernels import moe as kmoe
+from .moe import _Container, _init, _mark
+
+__all__ = [
+    "ConsistentExperts", "ConsistentSharedExperts", "ConsistentTopKRouter", "DISPATCHERS", "RoutingContext",
+    "check_megatron_moe_arch", "consistent_moe_bias_dropout_add", "megatron_moe_config_kwargs", "megatron_moe_layer_spec",
+]
+
+DISPATCHERS = ("allgather", "alltoall")
+
+
+class RoutingContext:
+    """Per-layer hand-over from the router to the experts of one MoE layer (one forward at a time).
+
+    ``routes``: slot-ordered experts ``[T, k]`` int64; ``hidden``: the router's input ``[T, H]``.
+    """
+
+    def __init__(self):
+        self.routes: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo):  # spec copies get their own (empty) context
+        return RoutingContext()
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def check_megatron_moe_arch(arch) -> None:
+    """Refuse, by name, what the Megatron-MoELayer path does not implement for ``arch``."""
+    if not arch.is_moe:
+        raise UnsupportedConfigError("the Megatron MoELayer path needs an MoE architecture (num_experts > 0)")
+    if getattr(arch, "is_hybrid", False):
+        raise UnsupportedConfigError("the Megatron MoELayer path covers GPT decoders only, not hybrid (Mamba) models")
+    if not getattr(arch, "mlp_gated", True):
+        raise UnsupportedConfigError(f"the Megatron MoELayer path has SwiGLU experts only (hidden_act={arch.hidden_act!r})")
+    if getattr(arch, "moe_score_bias", False):
+        raise UnsupportedConfigError("the Megatron MoELayer path has no router selection bias (e_score_correction_bias)")
+
+
+def _refuse(config) -> None:
+    """Every Megatron MoE option that would break the combine contract, named, before any work."""
+    bad = []
+    g = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+    if g("expert_model_parallel_size", 1) != 1:
+        bad.append(f"expert parallelism (expert_model_parallel_size={g('expert_model_parallel_size')})")
+    if (g("expert_tensor_parallel_size", 1) or 1) != 1:
+        bad.append(f"expert tensor parallelism (expert_tensor_parallel_size={g('expert_tensor_parallel_size')})")
+    if g("tensor_model_parallel_size", 1) != 1:
+        bad.append(f"tensor parallelism (tensor_model_parallel_size={g('tensor_model_parallel_size')})")
+    if g("moe_token_dispatcher_type") not in DISPATCHERS:
+        bad.append(f"moe_token_dispatcher_type={g('moe_token_dispatcher_type')!r} (supported: {', '.join(DISPATCHERS)})")
+    elif g("moe_token_dispatcher_type") == "alltoall" and not torch.cuda.is_available():
+        bad.append("moe_token_dispatcher_type='alltoall' without CUDA (Megatron's all-to-all dispatcher creates a "
+                   "torch.cuda.Stream; use 'allgather' on the CPU)")
+    for name in ("moe_expert_capacity_factor", "moe_latent_size", "moe_input_jitter_eps"):
+        if g(name) is not None:
+            bad.append(f"{name}={g(name)}")
+    for name in ("moe_permute_fusion", "moe_router_fusion", "moe_shared_expert_overlap", "moe_router_enable_expert_bias",
+                 "moe_pad_expert_input_to_capacity", "moe_router_padding_for_quantization", "moe_router_force_load_balancing",
+                 "moe_enable_routing_replay", "moe_grouped_gemm", "add_bias_linear", "overlap_moe_expert_parallel_comm"):
+        if g(name, False):
+            bad.append(f"{name}=True")
+    if g("moe_router_load_balancing_type", "aux_loss") not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none") and \
+            not isinstance(g("moe_router_load_balancing_type"), list):
+        bad.append(f"moe_router_load_balancing_type={g('moe_router_load_balancing_type')!r} (sinkhorn / quantile "
+                   "balancing change the routing)")
+    if g("moe_router_score_function", "softmax") not in kmoe.SCORINGS:
+        bad.append(f"moe_router_score_function={g('moe_router_score_function')!r}")
+    if g("cuda_graph_impl", "none") not in (None, "none"):
+        bad.append(f"cuda_graph_impl={g('cuda_graph_impl')!r}")
+    if g("moe_router_force_biased") is not None:
+        bad.append(f"moe_router_force_biased={g('moe_router_force_biased')}")
+    if bad:
+        raise UnsupportedConfigError("the consistent Megatron MoELayer path does not support: " + "; ".join(bad))
+
+
+# ---------------------------------------------------------------------------------------------- router
+def _router_class():
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    class ConsistentTopKRouter(TopKRouter):
+        """``TopKRouter`` whose logits, scores, top-k and weights are :mod:`..kernels.moe`'s (contract there).
+
+        ``forward(x [s, b, H]) -> (probs [T, E] float32, routing_map [T, E] bool)`` as Megatron's.
+        ``probs`` holds the k weights at the chosen experts (0 elsewhere); ``last_routes`` keeps the
+        slot-ordered experts ``[T, k]`` of the last forward.  Megatron's z-loss and aux losses are
+        attached by its own methods (identity in the forward).
+        """
+
+        def __init__(self, config, pg_collection=None, *, context: RoutingContext | None = None,
+                     norm_topk_prob: bool | None = None, **kwargs):
+            _refuse(config)
+            super().__init__(config=config, pg_collection=pg_collection, **kwargs)
+            self.context = context
+            self.norm_topk_prob = (not config.moe_router_pre_softmax) if norm_topk_prob is None else bool(norm_topk_prob)
+            self.last_routes: torch.Tensor | None = None
+
+        def gating(self, input: torch.Tensor) -> torch.Tensor:
+            """float32 logits ``[..., E]`` by the batch-invariant linear (never moves the weight)."""
+            z = kmoe.router_logits(input.reshape(-1, input.shape[-1]), self.weight)
+            return z.view(*input.shape[:-1], z.shape[-1])
+
+        def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+            from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+            seq_length, bsz = (logits.shape[0], logits.shape[1]) if logits.dim() == 3 else (logits.shape[0], 1)
+            z = logits.reshape(-1, self.config.num_moe_experts)
+            if padding_mask is not None:
+                padding_mask = padding_mask.reshape(-1)
+            z = self.apply_z_loss(z, padding_mask=padding_mask)
+            c = self.config
+            w, experts = kmoe.route_logits(
+                z, self.topk, self.score_function, norm_topk_prob=self.norm_topk_prob,
+                n_group=c.moe_router_num_groups or 1, topk_group=c.moe_router_group_topk or 1,
+                routed_scaling_factor=c.moe_router_topk_scaling_factor or 1.0)
+            probs = torch.zeros_like(z).scatter(1, experts, w)
+            routing_map = torch.zeros_like(z, dtype=torch.bool).scatter(1, experts, True)
+            if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+                _, scores = compute_routing_scores_for_aux_loss(z, self.topk, self.score_function, fused=False,
+                                                                padding_mask=padding_mask)
+                counted = routing_map if padding_mask is None else routing_map & ~padding_mask[:, None]
+                masked = padding_mask is not None
+                probs = self._apply_aux_loss(probs, scores, counted, with_padding_mask=masked)
+                probs = self._apply_seq_aux_loss(probs, scores, counted, seq_length, bsz, with_padding_mask=masked)
+                probs = self._apply_global_aux_loss(probs, scores, counted, with_padding_mask=masked)
+            self.last_routes = experts.detach()
+            return probs, routing_map
+
+        def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):
+            if self.context is not None:
+                self.context.hidden = input.reshape(-1, input.shape[-1])
+            probs, routing_map = self.routing(self.gating(input), padding_mask=padding_mask)
+            if self.context is not None:
+                self.context.routes = self.last_routes
+            return probs, routing_map
+
+    return ConsistentTopKRouter
+
+
+class _LazyRouter:
+    """``ConsistentTopKRouter`` needs megatron-core at class creation; built on first use."""
+
+    _cls = None
+
+    def __call__(self, *args, **kwargs):
+        return self.get()(*args, **kwargs)
+
+    def get(self):
+        if _LazyRouter._cls is None:
+            _LazyRouter._cls = _router_class()
+        return _LazyRouter._cls
+
+
+def __getattr__(name):  # module attribute ConsistentTopKRouter, created lazily
+    if name == "ConsistentTopKRouter":
+        return _LazyRouter().get()
+    raise AttributeError(name)
+
+
+# ---------------------------------------------------------------------------------------------- experts
+def _megatron_module():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+def _sharded(module, prefix, sharded_offsets, metadata):
+    from .linear import sharded_state_dict_tp1
+
+    return sharded_state_dict_tp1(module, prefix, sharded_offsets, metadata, {})
+
+
+def permuted_layout(routes: torch.Tensor) -> torch.Tensor:
+    """Row of every (token, slot) pair ``[T, k]`` in Megatron's permute order (expert-major, tokens ascending)."""
+    t, k = routes.shape
+    order = torch.sort(routes.reshape(-1), stable=True).indices  # pair index (t*k + j) of each row
+    row_of_pair = torch.empty_like(order)
+    row_of_pair[order] = torch.arange(t * k, device=routes.device)
+    return row_of_pair.view(t, k)
+
+
+def slot_order_rows(y: torch.Tensor, w_rows: torch.Tensor, row_of_pair: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, H]``: row ``row_of_pair[t, 0]`` = ``sum_j w_j * float32(y_j)`` (slot order), other rows +0.0."""
+    t, k = row_of_pair.shape
+    acc = torch.zeros(t, y.shape[-1], dtype=torch.float32, device=y.device)
+    for j in range(k):
+        rows = row_of_pair[:, j]
+        acc = acc + w_rows[rows].unsqueeze(-1) * y[rows].to(torch.float32)
+    out = torch.zeros(y.shape[0], y.shape[-1], dtype=torch.float32, device=y.device)
+    return out.index_copy(0, row_of_pair[:, 0], acc)
+
+
+class ConsistentExperts(nn.Module):
+    """Megatron's experts slot: ``forward(rows [N, H], tokens_per_expert [E], permuted_probs [N]) -> (out [N, H] fp32, None)``.
+
+    Rows arrive grouped by expert (``tokens_per_expert`` each, ascending expert); every group runs
+    ``kmoe.expert_mlp`` with its expert's weights; the result is combined per token in slot order (see the
+    module docstring) so that Megatron's unpermute is a pure gather.
+    """
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None, *, context: RoutingContext | None = None,
+                 name: str | None = None, **unused):
+        super().__init__()
+        _refuse(config)
+        if context is None:
+            raise UnsupportedConfigError("ConsistentExperts needs the layer's RoutingContext (build it with "
+                                         "megatron_moe_layer_spec)")
+        if num_local_experts != config.num_moe_experts:
+            raise UnsupportedConfigError(f"expert parallelism: {num_local_experts} local of {config.num_moe_experts} experts")
+        self.config, self.context = config, context
+        E, H, inter, dt = num_local_experts, config.hidden_size, config.moe_ffn_hidden_size, config.params_dtype
+        self.linear_fc1 = _Container()
+        self.linear_fc2 = _Container()
+        self.linear_fc1.weight = _mark(_init((E, 2 * inter, H), getattr(config, "init_method", None), dt))
+        self.linear_fc2.weight = _mark(_init((E, H, inter), getattr(config, "output_layer_init_method", None), dt))
+
+    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, **kwargs):
+        if any(v is not None for v in kwargs.values()):
+            raise UnsupportedConfigError(f"ConsistentExperts: unsupported expert arguments {sorted(kwargs)}")
+        routes, hidden = self.context.routes, self.context.hidden
+        self.context.hidden = None
+        if routes is None or hidden is None:
+            raise RuntimeError("ConsistentExperts: no routing from the layer's ConsistentTopKRouter for this forward")
+        if permuted_probs.dtype != torch.float32:
+            raise RuntimeError(f"ConsistentExperts: dispatched probs must be float32, got {permuted_probs.dtype}")
+        counts = torch.as_tensor(tokens_per_expert).to("cpu", torch.int64)
+        expected = torch.bincount(routes.reshape(-1).cpu(), minlength=counts.numel())
+        row_of_pair = permuted_layout(routes)
+        token_of_row = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+        token_of_row[row_of_pair.reshape(-1)] = torch.arange(routes.shape[0], device=rows.device).repeat_interleave(routes.shape[1])
+        with torch.no_grad():
+            layout_ok = (rows.shape[0] == routes.numel() and torch.equal(counts, expected)
+                         and torch.equal(rows, hidden[token_of_row]))
+        if not layout_ok:
+            raise RuntimeError("ConsistentExperts: the dispatched rows are not in the expert-major, token-ascending "
+                               "order of Megatron's permute (this megatron-core permutes differently)")
+        pieces, start = [], 0
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                pieces.append(kmoe.expert_mlp(rows[start : start + n], w1[e], w2[e]))
+                start += n
+        y = torch.cat(pieces) if pieces else rows.new_zeros(0, w2.shape[1])
+        return slot_order_rows(y, permuted_probs, row_of_pair), None
+
+    def backward_dw(self):  # Megatron calls it only with delayed wgrad; gradients are already in .grad
+        return None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return _sharded(self, prefix, sharded_offsets, metadata)
+
+
+class ConsistentSharedExperts(nn.Module):
+    """Megatron's shared-experts slot: ``forward(x [s, b, H]) -> g * float32(y_shared)`` float32 ``[s, b, H]``.
+
+    ``y_shared = kmoe.expert_mlp(x, W_fc1, W_fc2)``; ``g = kmoe.shared_expert_gate(x, gate_weight)``
+    (float32 sigmoid) when built with ``gate=True``, else 1.  ``MoELayer.postprocess`` adds it to the
+    float32 routed sum before the single rounding.
+    """
+
+    def __init__(self, config, pg_collection=None, gate: bool = False, name: str | None = None, **unused):
+        super().__init__()
+        _refuse(config)
+        s, H, dt = config.moe_shared_expert_intermediate_size, config.hidden_size, config.params_dtype
+        init, out_init = getattr(config, "init_method", None), getattr(config, "output_layer_init_method", None)
+        self.linear_fc1 = _Container()
+        self.linear_fc2 = _Container()
+        self.linear_fc1.weight = _mark(_init((2 * s, H), init, dt))
+        self.linear_fc2.weight = _mark(_init((H, s), out_init, dt))
+        self.gate_weight = _mark(_init((1, H), init, dt)) if gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        ys = kmoe.expert_mlp(h, self.linear_fc1.weight, self.linear_fc2.weight).to(torch.float32)
+        if self.gate_weight is not None:
+            ys = kmoe.shared_expert_gate(h, self.gate_weight) * ys
+        return ys.view(*x.shape[:-1], ys.shape[-1])
+
+    def backward_dw(self):
+        return None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return _sharded(self, prefix, sharded_offsets, metadata)
+
+
+# ---------------------------------------------------------------------------------------------- residual / spec
+def _moe_residual_add(x_with_bias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+    x, bias = x_with_bias
+    if bias is not None:
+        raise UnsupportedConfigError("unsupported feature: a bias in the MoE residual add (add_bias_linear)")
+    if prob:
+        raise UnsupportedConfigError(f"unsupported feature: hidden dropout p={prob} in the residual add (must be 0)")
+    return add_residual(x.to(residual.dtype), residual)  # the MoE layer's float32 sum, rounded once
+
+
+def consistent_moe_bias_dropout_add(training: bool, fused: bool):
+    """``mlp_bda`` of the MoE layers: round the float32 MoE output once to the residual dtype, then ``add_residual``."""
+    return _moe_residual_add
+
+
+def megatron_moe_config_kwargs(arch, dispatcher: str = "allgather", aux_loss_coeff: float = 0.0) -> dict:
+    """``TransformerConfig`` MoE fields for ``arch`` (EP=1, no fusions, our router's options)."""
+    check_megatron_moe_arch(arch)
+    if dispatcher not in DISPATCHERS:
+        raise UnsupportedConfigError(f"unsupported moe_token_dispatcher_type {dispatcher!r}; supported: {', '.join(DISPATCHERS)}")
+    k = arch.num_experts_per_tok
+    shared = arch.shared_expert_intermediate_size or None
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=k,
+        moe_ffn_hidden_size=arch.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=bool(shared),
+        # Megatron: "pre-softmax" = softmax over all experts then top-k (no renormalisation); Megatron requires it
+        # for top-1.  Our router takes norm_topk_prob explicitly (megatron_moe_layer_spec), this only documents it.
+        moe_router_pre_softmax=(not arch.norm_topk_prob) or k == 1,
+        moe_router_score_function=getattr(arch, "moe_scoring", "softmax"),
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=dispatcher,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=float(aux_loss_coeff),
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=1,
+    )
+
+
+def megatron_moe_layer_spec(dense_layer_spec, arch):
+    """A copy of the consistent dense TransformerLayer spec whose ``mlp`` is Megatron's ``MoELayer`` with our submodules."""
+    import copy
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    check_megatron_moe_arch(arch)
+    context = RoutingContext()
+    spec = copy.deepcopy(dense_layer_spec)
+    spec.submodules.mlp = ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=ConsistentExperts, params={"context": context}),
+            shared_experts=ConsistentSharedExperts,
+            router=functools.partial(_LazyRouter().get(), context=context, norm_topk_prob=arch.norm_topk_prob),
+        ),
+    )
+    spec.submodules.mlp_bda = consistent_moe_bias_dropout_add
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------- model builder hook
+MOE_IMPLS = ("megatron", "module")
+DEFAULT_MOE_IMPL = "module"
+
+
+def megatron_moe_setup(arch, moe_impl: str | None, dispatcher: str = "allgather", aux_loss_coeff: float = 0.0):
+    """``(impl, TransformerConfig kwargs)`` for :func:`.model.build_consistent_gpt_model`.
+
+    ``impl``: ``"megatron"`` (Megatron-Core's MoELayer + this module's submodules) or ``"module"``
+    (:class:`.moe.ConsistentMoELayer`); ``None`` picks :data:`DEFAULT_MOE_IMPL` where the architecture is
+    supported by the Megatron path, else ``"module"``.  Dense models: ``(None, {})``.
+    """
+    if not arch.is_moe:
+        if moe_impl not in (None, *MOE_IMPLS):
+            raise UnsupportedConfigError(f"unsupported moe_impl {moe_impl!r}; supported: {', '.join(MOE_IMPLS)}")
+        return None, {}
+    if moe_impl is None:
+        moe_impl = DEFAULT_MOE_IMPL
+        if moe_impl == "megatron":
+            try:
+                check_megatron_moe_arch(arch)
+            except UnsupportedConfigError:
+                moe_impl = "module"
+    if moe_impl not in MOE_IMPLS:
+        raise UnsupportedConfigError(f"unsupported moe_impl {moe_impl!r}; supported: {', '.join(MOE_IMPLS)}")
+    if moe_impl == "module":
+        if dispatcher != "allgather" or aux_loss_coeff:
+            raise UnsupportedConfigError("moe_token_dispatcher / moe_aux_loss_coeff apply to moe_impl='megatron' only")
+        return moe_impl, {}
+    return moe_impl, megatron_moe_config_kwargs(arch, dispatcher, aux_loss_coeff)
