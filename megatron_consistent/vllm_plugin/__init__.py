@@ -6,7 +6,7 @@ variable ``MEGATRON_CONSISTENT_VLLM=1`` set before the engine starts (it is
 inherited by vLLM's worker processes).  When enabled, the plugin
 
 * maps the supported architectures (see :mod:`megatron_consistent.config`) to
-  :class:`~.model.ConsistentForCausalLM`,
+  :class:`~.model.ConsistentForCausalLM` (hybrid Mamba-2 ones to :mod:`.hybrid_model`),
 * overrides vLLM's ``CPU_ATTN`` backend with :mod:`.attention`,
 * routes log-probs through the consistent ``log_softmax`` (:mod:`.sampler`),
 
@@ -21,6 +21,8 @@ import os
 ENV_VAR = "MEGATRON_CONSISTENT_VLLM"
 _MODEL_CLASS = "megatron_consistent.vllm_plugin.model:ConsistentForCausalLM"
 _BACKEND_CLASS = "megatron_consistent.vllm_plugin.attention.ConsistentAttentionBackend"
+_HYBRID_CLASSES = {"NemotronHForCausalLM": "megatron_consistent.vllm_plugin.hybrid_model:ConsistentNemotronHForCausalLM",
+                   "Mamba2ForCausalLM": "megatron_consistent.vllm_plugin.hybrid_model:ConsistentMamba2ForCausalLM"}
 _state = {"registered": False}
 
 
@@ -48,7 +50,7 @@ def register() -> None:
     from .sampler import patch_sampler
 
     for arch in SUPPORTED_ARCHITECTURES:
-        ModelRegistry.register_model(arch, _MODEL_CLASS)
+        ModelRegistry.register_model(arch, _HYBRID_CLASSES.get(arch, _MODEL_CLASS))
     register_backend(AttentionBackendEnum.CPU_ATTN, _BACKEND_CLASS)
     patch_sampler()
     _state["registered"] = True

@@ -1,0 +1,223 @@
+"""vLLM model classes for the hybrid Mamba-2 architectures (``NemotronHForCausalLM``, ``Mamba2ForCausalLM``).
+
+Op for op the Megatron hybrid stack of :mod:`megatron_consistent.layers.hybrid`::
+
+    h = embed(ids)
+    per layer:  h = add_residual(mixer(rms_norm(h, W_norm)), h)      mixer by the layer's kind:
+        mamba      :class:`.mamba.ConsistentMambaMixer` (state cached by vLLM, chunk replay)
+        attention  q|k|v = linear(x, W_qkv); linear(attention(q, k, v), W_o)   (NO rotary embedding)
+        mlp        linear(relu_squared(linear(x, W_up)), W_down)
+        moe        sigmoid router + selection bias, non-gated relu2 experts + shared expert (kernels.moe)
+    logits = compute_logits(rms_norm(h, W_norm_f), W_lm_head)          (float32)
+
+Refused by name: prefix caching (vLLM's mamba "align" cache mode keeps the running
+state at block ends, not the chunk-boundary state + pending tokens this path
+replays), speculative decoding, ReplaySSM, TP/PP > 1.  Weights: HF names
+(``backbone.*``; ``model.*`` / ``embed_tokens`` aliases accepted), loaded and
+refitted in place by :meth:`ConsistentForCausalLM.load_weights`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
+
+from ..config import ArchConfig, UnsupportedConfigError
+from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_norm
+from ..kernels import moe as kmoe
+from .mamba import ConsistentMambaMixer, state_dtypes, state_shapes
+from .model import ConsistentForCausalLM, _param
+
+logger = init_logger("vllm.plugins.megatron_consistent.hybrid")
+
+
+class AttentionMixer(nn.Module):
+    """Nemotron-H attention: fused q|k|v rows, vLLM's paged attention (consistent backend), no rope."""
+
+    def __init__(self, arch: ArchConfig, cache_config, prefix: str):
+        super().__init__()
+        a, dt = arch, arch.torch_dtype
+        self.q, self.kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        self.qkv_proj = _param(self.q + 2 * self.kv, a.hidden_size, dtype=dt)
+        self.o_proj = _param(a.hidden_size, self.q, dtype=dt)
+        self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads, cache_config=cache_config,
+                              prefix=f"{prefix}.attn")
+
+    def forward(self, x):
+        q, k, v = linear(x, self.qkv_proj).split([self.q, self.kv, self.kv], dim=-1)
+        return linear(self.attn(q.contiguous(), k.contiguous(), v.contiguous()), self.o_proj)
+
+    def hf_targets(self, p):
+        q, kv = self.q, self.kv
+        return {p + "q_proj.weight": self.qkv_proj[:q], p + "k_proj.weight": self.qkv_proj[q:q + kv],
+                p + "v_proj.weight": self.qkv_proj[q + kv:], p + "o_proj.weight": self.o_proj}
+
+
+class MLPMixer(nn.Module):
+    """Nemotron-H non-gated MLP: ``down(relu2(up(x)))``."""
+
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        dt = arch.torch_dtype
+        self.up_proj = _param(arch.intermediate_size, arch.hidden_size, dtype=dt)
+        self.down_proj = _param(arch.hidden_size, arch.intermediate_size, dtype=dt)
+
+    def forward(self, x):
+        return linear(relu_squared(linear(x, self.up_proj)), self.down_proj)
+
+    def hf_targets(self, p):
+        return {p + "up_proj.weight": self.up_proj, p + "down_proj.weight": self.down_proj}
+
+
+class MoEMixer(nn.Module):
+    """Nemotron-H MoE: float32 router logits, sigmoid + e_score_correction_bias selection (group limit, scaling),
+    non-gated relu2 experts and an ungated shared expert, combined once (:mod:`kernels.moe`)."""
+
+    def __init__(self, arch: ArchConfig):
+        super().__init__()
+        a, dt = arch, arch.torch_dtype
+        E, inter, s = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
+        self.arch = a
+        self.gate = _param(E, a.hidden_size, dtype=dt)
+        self.score_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self.experts_up = _param(E, inter, a.hidden_size, dtype=dt)
+        self.experts_down = _param(E, a.hidden_size, inter, dtype=dt)
+        self.shared_up = _param(s, a.hidden_size, dtype=dt) if s else None
+        self.shared_down = _param(a.hidden_size, s, dtype=dt) if s else None
+
+    def forward(self, x):
+        a = self.arch
+        z = kmoe.router_logits(x, self.gate)
+        w, experts = kmoe.route_logits(z, a.num_experts_per_tok, a.moe_scoring, self.score_bias, a.norm_topk_prob, a.moe_n_group,
+                                       a.moe_topk_group, a.routed_scaling_factor)
+        shared = None if self.shared_up is None else (self.shared_up, self.shared_down, None)
+        return kmoe.moe_experts(x, experts, w, self.experts_up, self.experts_down, shared, "relu2")
+
+    def hf_targets(self, p):
+        out = {p + "gate.weight": self.gate, p + "gate.e_score_correction_bias": self.score_bias}
+        for e in range(self.arch.num_experts):
+            out[p + f"experts.{e}.up_proj.weight"] = self.experts_up[e]
+            out[p + f"experts.{e}.down_proj.weight"] = self.experts_down[e]
+        if self.shared_up is not None:
+            out[p + "shared_experts.up_proj.weight"] = self.shared_up
+            out[p + "shared_experts.down_proj.weight"] = self.shared_down
+        return out
+
+
+class HybridLayer(nn.Module):
+    """``h + mixer(rms_norm(h))`` with the mixer of the layer's kind."""
+
+    def __init__(self, arch: ArchConfig, kind: str, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        self.arch, self.kind = arch, kind
+        self.norm = _param(arch.hidden_size, dtype=arch.torch_dtype)
+        if kind == "mamba":
+            self.mixer = ConsistentMambaMixer(arch, vllm_config, f"{prefix}.mixer")
+        elif kind == "attention":
+            self.mixer = AttentionMixer(arch, vllm_config.cache_config, f"{prefix}.mixer")
+        elif kind == "mlp":
+            self.mixer = MLPMixer(arch)
+        elif kind == "moe":
+            self.mixer = MoEMixer(arch)
+        else:
+            raise UnsupportedConfigError(f"unsupported hybrid layer type {kind!r}")
+
+    def forward(self, h):
+        return add_residual(self.mixer(rms_norm(h, self.norm, self.arch.rms_norm_eps)), h)
+
+
+def _check_engine(arch: ArchConfig, vllm_config: VllmConfig) -> None:
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    if mc.dtype != arch.torch_dtype:
+        raise UnsupportedConfigError(f"engine dtype {mc.dtype} differs from the checkpoint's {arch.dtype}: pass dtype='{arch.dtype}' to vLLM")
+    tp, pp = vllm_config.parallel_config.tensor_parallel_size, vllm_config.parallel_config.pipeline_parallel_size
+    if tp != 1 or pp != 1:
+        raise UnsupportedConfigError(f"megatron-consistent supports TP=1, PP=1 only (got TP={tp}, PP={pp})")
+    if cc.enable_prefix_caching:
+        raise UnsupportedConfigError(
+            f"megatron-consistent: prefix caching (enable_prefix_caching=True, vLLM mamba_cache_mode={cc.mamba_cache_mode!r}) is not "
+            f"supported for the hybrid Mamba architecture {arch.architecture}: vLLM caches the running SSM state at block ends, the "
+            "consistent path needs the chunk-boundary state plus the pending tokens; pass enable_prefix_caching=False")
+    if vllm_config.num_speculative_tokens:
+        raise UnsupportedConfigError("megatron-consistent: speculative decoding is not supported for hybrid Mamba models")
+    if getattr(cc, "use_replayssm", False):
+        raise UnsupportedConfigError("megatron-consistent: use_replayssm is not supported (the plugin keeps its own chunk replay)")
+
+
+class _ConsistentHybridBase(ConsistentForCausalLM):
+    """Shared body of the two hybrid model classes (weights / refit / logits inherited from the dense class)."""
+
+    @classmethod
+    def _arch(cls, vllm_config: VllmConfig) -> ArchConfig:
+        return ArchConfig.from_hf(vllm_config.model_config.hf_config.to_dict())
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return state_shapes(cls._arch(vllm_config).ssm)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return state_dtypes(cls._arch(vllm_config).torch_dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        raise UnsupportedConfigError("megatron-consistent: hybrid models do not support prefix caching (mamba_cache_mode='align')")
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        nn.Module.__init__(self)
+        arch = self._arch(vllm_config)
+        if not arch.is_hybrid:
+            raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture")
+        _check_engine(arch, vllm_config)
+        self.arch = arch
+        self._loaded_targets: set[str] = set()
+        self._dummy_start = str(getattr(vllm_config.load_config, "load_format", "")).lower().endswith("dummy")
+        self.fp8_formats = None
+        dt = arch.torch_dtype
+        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        self.layers = nn.ModuleList(HybridLayer(arch, kind, vllm_config, f"{prefix}backbone.layers.{i}")
+                                    for i, kind in enumerate(arch.layer_types))
+        self.norm = _param(arch.hidden_size, dtype=dt)
+        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        logger.info("megatron-consistent: %s (%s) runs on the consistent kernels, Mamba state replayed from chunk boundaries",
+                    arch.architecture, "".join({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}[t] for t in arch.layer_types))
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
+        h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            h = layer(h)
+        return rms_norm(h, self.norm, self.arch.rms_norm_eps)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return compute_logits(hidden_states, self.lm_head)
+
+    def hf_targets(self) -> dict[str, torch.Tensor]:
+        out = {"backbone.embeddings.weight": self.embed_tokens, "backbone.norm_f.weight": self.norm}
+        if not self.arch.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            p = f"backbone.layers.{i}."
+            out[p + "norm.weight"] = layer.norm
+            out.update(layer.mixer.hf_targets(p + "mixer."))
+        return out
+
+    def load_weights(self, weights):
+        def renamed():
+            for name, t in weights:
+                if name.startswith("model."):
+                    name = "backbone." + name[len("model."):]
+                yield name.replace("backbone.embed_tokens.", "backbone.embeddings."), t
+
+        return super().load_weights(renamed())
+
+
+class ConsistentNemotronHForCausalLM(_ConsistentHybridBase, HasInnerState, IsHybrid):
+    """Nemotron-H (layers M * - E) on the consistent kernels."""
+
+
+class ConsistentMamba2ForCausalLM(_ConsistentHybridBase, HasInnerState, IsAttentionFree):
+    """Mamba-2 (every layer M) on the consistent kernels."""

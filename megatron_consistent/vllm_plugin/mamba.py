@@ -1,0 +1,174 @@
+"""Consistent Mamba-2 mixer for vLLM: a ``MambaBase`` whose cached state replays the partial chunk.
+
+The op sequence is the one of ``docs/hybrid.md`` / the Megatron hybrid layer, op for op::
+
+    zxbcdt = linear(x, W_in)                                   z | xBC | dt
+    xBC, conv_state = causal_conv1d(xBC, W_conv, b_conv, conv_state, "silu")
+    dt = mamba_dt(dt, dt_bias, *time_step_limit)               float32
+    y, boundary, pending = ssd_continue(boundary, pending, x, dt, B, C, A=-exp(A_log), D, chunk_size)
+    out = linear(gated_rms_norm(y, z, W_norm, d_inner // n_groups, eps), W_out)
+
+vLLM allocates and tracks this state per request (one slot per request: prefix
+caching is refused for hybrid models).  A slot holds, in this order:
+
+* ``ssm``   ``[H, P, N]`` float32 — the SSD state at the last chunk boundary
+  (absolute positions ``0, L, 2L, ...``, ``L = chunk_size``), NOT after the last token;
+* ``dt``    ``[L, H]`` float32 — ``dt`` of the pending tokens (rows ``0..p-1``);
+* ``conv``  ``[K-1, conv_dim]`` model dtype — the last ``K-1`` conv inputs;
+* ``xbc``   ``[L, conv_dim]`` model dtype — post-conv ``x | B | C`` of the pending tokens,
+
+with ``p = num_computed_tokens % L`` pending tokens.  Every prefill piece and every
+decode step calls :func:`kernels.ssd_continue` from the boundary state with the pending
+tokens, so each output has the bits of the whole-sequence :func:`kernels.ssd_scan`
+whatever the chunked-prefill cut, the decode step or the batch.  A request's
+``num_computed_tokens`` comes from vLLM's metadata (``seq_lens - query_len``); a request
+with none computed starts from zeros.  Requests with the same (new tokens, pending) sizes
+are run as one batched call (the kernels are batch-invariant).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ..config import ArchConfig, SSMConfig
+from ..kernels import causal_conv1d, gated_rms_norm, linear, mamba_dt, ssd_continue
+from ..kernels.numerics import exp
+
+
+def state_shapes(ssm: SSMConfig) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one request's slot: (ssm boundary state, pending dt, conv state, pending xBC)."""
+    L = ssm.chunk_size
+    return ((ssm.num_heads, ssm.head_dim, ssm.state_size), (L, ssm.num_heads), (ssm.conv_kernel - 1, ssm.conv_dim), (L, ssm.conv_dim))
+
+
+def state_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    return (torch.float32, torch.float32, dtype, dtype)
+
+
+def _f32(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
+
+
+class ConsistentMambaMixer(MambaBase, nn.Module):
+    """The Mamba-2 mixer of one layer (input: the layer's normed hidden states ``[T, hidden]``).
+
+    Small parameters (``A_log``, ``D``, ``dt_bias``, conv weight/bias, gated-norm weight)
+    are held in float32 — every kernel reads them as float32, so this is bit-neutral and
+    loads a float32 or a bf16 checkpoint exactly.
+    """
+
+    def __init__(self, arch: ArchConfig, vllm_config, prefix: str):
+        nn.Module.__init__(self)
+        s = arch.ssm
+        self.arch, self.ssm, self.prefix = arch, s, prefix
+        self.dtype = arch.torch_dtype
+        self.in_proj = nn.Parameter(torch.zeros(s.in_proj_size, arch.hidden_size, dtype=self.dtype), requires_grad=False)
+        self.conv_weight = _f32(s.conv_dim, 1, s.conv_kernel)  # HF conv1d.weight layout [C, 1, K]
+        self.conv_bias = _f32(s.conv_dim) if s.use_conv_bias else None
+        self.A_log, self.D, self.dt_bias = _f32(s.num_heads), _f32(s.num_heads), _f32(s.num_heads)
+        self.norm_weight = _f32(s.d_inner)
+        self.out_proj = nn.Parameter(torch.zeros(arch.hidden_size, s.d_inner, dtype=self.dtype), requires_grad=False)
+        self.kv_cache = tuple(torch.tensor([]) for _ in range(4))
+        ctx = vllm_config.compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"duplicate layer name {prefix}")
+        ctx[prefix] = self  # vLLM binds the state cache and builds the metadata of every layer found here
+
+    # --- MambaBase --------------------------------------------------------------------------
+    def get_state_shape(self):
+        return state_shapes(self.ssm)
+
+    def get_state_dtype(self):
+        return state_dtypes(self.dtype)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.MAMBA2  # reuse vLLM's Mamba-2 metadata (state slots, query locations, seq lens)
+
+    def hf_targets(self, p: str) -> dict[str, torch.Tensor]:
+        """HF names (prefix ``p`` = ``...layers.<i>.mixer.``) -> views of this mixer's storage."""
+        out = {p + "in_proj.weight": self.in_proj, p + "conv1d.weight": self.conv_weight, p + "A_log": self.A_log, p + "D": self.D,
+               p + "dt_bias": self.dt_bias, p + "norm.weight": self.norm_weight, p + "out_proj.weight": self.out_proj}
+        if self.conv_bias is not None:
+            out[p + "conv1d.bias"] = self.conv_bias
+        return out
+
+    # --- forward ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+
+        s = self.ssm
+        zxbcdt = linear(x, self.in_proj)
+        z, xbc, dt_raw = zxbcdt.split([s.d_inner, s.conv_dim, s.num_heads], dim=-1)
+        dt = mamba_dt(dt_raw, self.dt_bias, *s.time_step_limit)
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
+        t = x.shape[0]
+        y = x.new_zeros(t, s.d_inner)
+        if meta is None:  # profile / warm-up run: one fresh sequence, no cache
+            y[:] = self._run(xbc[None], dt[None], None).reshape(t, s.d_inner)
+        else:
+            groups: dict[tuple[int, int], list] = {}
+            for first, n, slot, computed in self._requests(meta):
+                groups.setdefault((n, computed % s.chunk_size), []).append((first, slot, computed))
+            for (n, _), reqs in groups.items():
+                rows = torch.tensor([r[0] for r in reqs])[:, None] + torch.arange(n)[None, :]
+                out = self._run(xbc[rows], dt[rows], ([r[1] for r in reqs], [r[2] for r in reqs]))
+                y[rows.reshape(-1)] = out.reshape(-1, s.d_inner)
+        return linear(gated_rms_norm(y, z, self.norm_weight, s.group_size, s.norm_eps), self.out_proj)
+
+    @staticmethod
+    def _requests(meta) -> list[tuple[int, int, int, int]]:
+        """(first row, new tokens, state slot, computed tokens) of every request; vLLM puts decodes first."""
+        nd, npf = meta.num_decodes, meta.num_prefills
+        seq_lens = meta.seq_lens.to(torch.int64).tolist()
+        reqs = []
+        if nd:
+            slots_d = meta.state_indices_tensor_d[:, 0].tolist()
+            reqs += [(i, 1, slots_d[i], seq_lens[i] - 1) for i in range(nd)]
+        if npf:
+            qsl = (meta.query_start_loc_p.to(torch.int64) + meta.num_decode_tokens).tolist()
+            slots_p = meta.state_indices_tensor_p.tolist()
+            for j in range(npf):
+                n = qsl[j + 1] - qsl[j]
+                reqs.append((qsl[j], n, slots_p[j], seq_lens[nd + j] - n))
+        return reqs
+
+    def _run(self, xbc: torch.Tensor, dt: torch.Tensor, cache) -> torch.Tensor:
+        """Conv + SSD of ``b`` requests of equal (new, pending) sizes; ``xbc [b, n, conv_dim]``, ``dt [b, n, H]``.
+
+        ``cache``: (state slots, computed tokens) — read the slots, write them back; None: fresh, no cache.
+        Returns ``y [b, n, H, P]``.
+        """
+        s = self.ssm
+        b, n = xbc.shape[:2]
+        L, d, gn = s.chunk_size, s.d_inner, s.n_groups * s.state_size
+        conv_state = boundary = pending = None
+        if cache is not None:
+            ssm_c, dt_c, conv_c, xbc_c = self.kv_cache
+            slots, computed = torch.tensor(cache[0], dtype=torch.int64), cache[1]
+            p = computed[0] % L
+            fresh = torch.tensor([c == 0 for c in computed])
+            conv_state = torch.where(fresh[:, None, None], 0, conv_c[slots])
+            boundary = torch.where(fresh[:, None, None, None], 0.0, ssm_c[slots])
+            px, pb, pc = xbc_c[slots, :p].split([d, gn, gn], dim=-1)
+            pending = (px.reshape(b, p, s.num_heads, s.head_dim), dt_c[slots, :p],
+                       pb.reshape(b, p, s.n_groups, s.state_size), pc.reshape(b, p, s.n_groups, s.state_size))
+        xbc, new_conv = causal_conv1d(xbc, self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
+        x, B, C = xbc.split([d, gn, gn], dim=-1)
+        A = -exp(self.A_log)
+        y, new_boundary, (nx, ndt, nb, nc) = ssd_continue(
+            boundary, pending, x.reshape(b, n, s.num_heads, s.head_dim), dt, B.reshape(b, n, s.n_groups, s.state_size),
+            C.reshape(b, n, s.n_groups, s.state_size), A, self.D, L)
+        if cache is not None:
+            q = nx.shape[1]
+            ssm_c[slots] = new_boundary
+            conv_c[slots] = new_conv
+            dt_c[slots, :q] = ndt
+            xbc_c[slots, :q] = torch.cat([nx.reshape(b, q, d), nb.reshape(b, q, gn), nc.reshape(b, q, gn)], dim=-1)
+        return y
