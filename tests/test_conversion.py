@@ -14,7 +14,9 @@ from megatron_consistent.conversion import CheckpointMismatchError, export_hf, i
 from megatron_consistent.layers import build_consistent_gpt_model, build_stock_gpt_model
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "megatron_consistent" / "configs" / "models"
-MODEL_NAMES = sorted(p.name for p in MODELS_DIR.iterdir() if (p / "config.json").is_file())
+# dense / MoE decoders (model.* layout); the hybrid Mamba-2 configs (backbone.* layout) are tested in tests/test_hybrid_megatron.py
+MODEL_NAMES = sorted(p.name for p in MODELS_DIR.iterdir()
+                     if (p / "config.json").is_file() and not ArchConfig.from_hf(load_hf_config(p)).is_hybrid)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:

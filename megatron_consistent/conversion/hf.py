@@ -22,6 +22,9 @@ output_layer.weight                             lm_head.weight  (absent when emb
 groups, its ``np/ng`` query heads, then its key head, then its value head
 (``head_dim`` rows each); the q/k/v biases (Qwen2) follow the same order.
 
+Hybrid Mamba-2 / Nemotron-H models (``arch.is_hybrid``) use the ``backbone.*``
+layout of :mod:`.hybrid` through the same functions.
+
 Only slicing, concatenation and copies are involved — no arithmetic — so
 export -> import is bitwise.  Files are safetensors only (no pickle).
 :func:`import_hf` validates everything (config, names, shapes, dtypes) before
@@ -40,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ArchConfig, UnsupportedConfigError
+from .hybrid import hybrid_param_shapes, hybrid_plan
 from .moe import MOE_KINDS, moe_hf_shapes, moe_join, moe_plan, moe_split
 
 __all__ = ["CheckpointMismatchError", "export_hf", "hf_state_dict", "import_hf", "megatron_to_hf_names"]
@@ -55,7 +59,9 @@ class CheckpointMismatchError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- name/shape plan
 def _plan(arch: ArchConfig) -> list[tuple[str, list[str], str]]:
-    """Entries ``(megatron_name, [hf_names], kind)`` with kind in {copy, qkv, fc1}."""
+    """Entries ``(megatron_name, [hf_names], kind)`` with kind in {copy, qkv, fc1} (hybrids: conversion/hybrid.py)."""
+    if arch.is_hybrid:
+        return hybrid_plan(arch)
     plan = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "copy")]
     for i in range(arch.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -140,13 +146,13 @@ def _model_params(model, arch: ArchConfig) -> dict[str, torch.nn.Parameter]:
         problems.append(f"model lacks parameters {missing}")
     if extra:
         problems.append(f"model has parameters the {arch.architecture} layout does not map: {extra}")
-    ng, g, hd = _qkv_sizes(arch)
-    want = {
+    ng, g, hd = _qkv_sizes(arch) if arch.num_kv_heads else (0, 0, 0)
+    want = hybrid_param_shapes(arch) if arch.is_hybrid else {
         "embedding.word_embeddings.weight": (arch.vocab_size, arch.hidden_size),
         "output_layer.weight": (arch.vocab_size, arch.hidden_size),
         "decoder.final_layernorm.weight": (arch.hidden_size,),
     }
-    for i in range(arch.num_layers):
+    for i in range(0 if arch.is_hybrid else arch.num_layers):
         m = f"decoder.layers.{i}."
         want[m + "self_attention.linear_qkv.weight"] = (ng * (g + 2) * hd, arch.hidden_size)
         want[m + "self_attention.linear_qkv.bias"] = (ng * (g + 2) * hd,)

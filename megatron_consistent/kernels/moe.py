@@ -19,7 +19,9 @@ Numerics contract (CPU), per token — nothing depends on the other tokens of th
   all float32;
 * **experts**: every (token, slot) pair runs
   ``linear(silu_and_mul(linear(x, W_gate_up[e])), W_down[e])`` in the model
-  dtype.  Pairs are grouped by expert (ascending) into one call per expert;
+  dtype (``activation="relu2"``: the non-gated Nemotron-H expert
+  ``linear(relu_squared(linear(x, W_up[e])), W_down[e])``, ``W_up [E, I, H]``).
+  Pairs are grouped by expert (ascending) into one call per expert;
   the linear is row-invariant, so an expert's result for a token does not
   depend on which other tokens share that expert;
 * **combine**: ``acc = 0``; for ``j = 0..k-1``: ``acc = acc + w_j * float32(y_j)``;
@@ -44,7 +46,10 @@ from torch import nn
 from .dispatch import implementation, register
 from .linear import linear
 from .numerics import exp, tree_sum
+from .relu_squared import relu_squared
 from .silu_and_mul import silu_and_mul
+
+EXPERT_ACTIVATIONS = ("swiglu", "relu2")
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -179,12 +184,18 @@ class CombineFunction(torch.autograd.Function):
         return gy, gw, gshared, ggate
 
 
-def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """One SwiGLU expert: ``linear(silu_and_mul(linear(x, W_gate_up)), W_down)`` (gate rows first)."""
+def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
+    """One SwiGLU expert: ``linear(silu_and_mul(linear(x, W_gate_up)), W_down)`` (gate rows first);
+    ``activation="relu2"``: the non-gated ``linear(relu_squared(linear(x, W_up)), W_down)``."""
+    if activation == "relu2":
+        return linear(relu_squared(linear(x, w_gate_up)), w_down)
+    if activation != "swiglu":
+        raise ValueError(f"unsupported expert activation {activation!r}; supported: {', '.join(EXPERT_ACTIVATIONS)}")
     return linear(silu_and_mul(linear(x, w_gate_up)), w_down)
 
 
-def expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+def expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   activation: str = "swiglu") -> torch.Tensor:
     """``[T, k, H]``: every (token, slot) pair through its expert, one call per expert (ascending index)."""
     t, k = experts.shape
     flat = experts.reshape(-1)
@@ -192,7 +203,7 @@ def expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch
     pieces, order = [], []
     for e in torch.unique(flat).tolist():  # sorted ascending
         pairs = (flat == e).nonzero()[:, 0]
-        pieces.append(expert_mlp(hidden[token_of_pair[pairs]], w_gate_up[e], w_down[e]))
+        pieces.append(expert_mlp(hidden[token_of_pair[pairs]], w_gate_up[e], w_down[e], activation))
         order.append(pairs)
     if not pieces:
         return hidden.new_zeros(t, k, w_down.shape[1])
@@ -221,21 +232,22 @@ class _SigmoidFunction(torch.autograd.Function):
 
 
 def moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, shared: tuple | None = None) -> torch.Tensor:
+                w_down: torch.Tensor, shared: tuple | None = None, activation: str = "swiglu") -> torch.Tensor:
     """Routed experts plus optional shared expert, combined once: ``[T, H]`` in ``hidden.dtype``.
 
     ``w_gate_up [E, 2I, H]`` (gate rows first), ``w_down [E, H, I]``; ``shared`` =
-    ``(W_gate_up [2Is, H], W_down [H, Is], W_gate [1, H] or None)``.
+    ``(W_gate_up [2Is, H], W_down [H, Is], W_gate [1, H] or None)``; ``activation="relu2"``: non-gated
+    experts, ``W_up [E, I, H]`` / shared ``W_up [Is, H]`` in place of the gate+up weights.
     """
     if hidden.dim() != 2:
         raise ValueError(f"moe_experts: hidden must be [T, H], got {tuple(hidden.shape)}")
     if weights.dtype != torch.float32:
         raise ValueError(f"moe_experts: weights must be float32, got {weights.dtype}")
-    y = expert_outputs(hidden, experts, w_gate_up, w_down)
+    y = expert_outputs(hidden, experts, w_gate_up, w_down, activation)
     ys = gate = None
     if shared is not None:
         s_gu, s_down, s_gate = shared
-        ys = expert_mlp(hidden, s_gu, s_down)
+        ys = expert_mlp(hidden, s_gu, s_down, activation)
         gate = None if s_gate is None else shared_expert_gate(hidden, s_gate)
     return CombineFunction.apply(y, weights, ys, gate)
 

@@ -19,7 +19,12 @@ consumer expects (see ``docs/integration.md`` for the exact config lines):
 * :func:`consistent_slime_spec` ``(args, config, vp_stage)`` — slime's ``--spec``
   form; RoPE comes from slime's (Megatron-LM's) ``args``.
 
-A hybrid (Mamba) stack spec belongs to the Mamba support and is not here.
+* :data:`consistent_hybrid_stack_spec` — the hybrid (Mamba-2 / Nemotron-H) stack
+  ``ModuleSpec`` for Megatron-LM's Mamba/hybrid builder
+  (``--spec megatron_consistent.layers.entry_points consistent_hybrid_stack_spec``):
+  :class:`.hybrid.ConsistentHybridStack` with the consistent Mamba mixer, no-RoPE
+  attention, relu2 MLP and MoE layers (sizes read from the ``TransformerConfig``'s
+  ``mamba_*`` / ``moe_*`` fields at build time; see :mod:`.hybrid`).
 
 Every path puts every numerics-bearing op on the consistent kernels, including
 the two modules a layer spec cannot name: the block's final norm and
@@ -53,6 +58,7 @@ from ..config import UnsupportedConfigError
 from ..kernels import RopeConfig
 from ..kernels.rotary import rope_scaling_items
 from .attention import ConsistentCoreAttention
+from .hybrid import ConsistentHybridStack, get_consistent_hybrid_stack_spec
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear
 from .mlp import ConsistentSiluAndMul, consistent_bias_dropout_add
 from .norm import ConsistentRMSNorm
@@ -62,6 +68,7 @@ __all__ = [
     "ConsistentSelfAttention",
     "ConsistentTransformerLayer",
     "ConfigRopeCoreAttention",
+    "consistent_hybrid_stack_spec",
     "consistent_layer_spec",
     "consistent_layer_spec_provider",
     "consistent_slime_spec",
@@ -231,7 +238,9 @@ def _swap_final_norm_and_head(parent, name: str, child):
     if name == "final_layernorm" and not isinstance(child, ConsistentRMSNorm) and _is_consistent_block(parent):
         cfg = parent.config
         return ConsistentRMSNorm(config=cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon)
-    if name == "output_layer" and not isinstance(child, ConsistentOutputLayer) and _is_consistent_block(parent._modules.get("decoder")):
+    decoder = parent._modules.get("decoder")
+    if name == "output_layer" and not isinstance(child, ConsistentOutputLayer) and (
+            _is_consistent_block(decoder) or isinstance(decoder, ConsistentHybridStack)):
         return ConsistentOutputLayer.from_megatron(child)
     return None
 
@@ -281,6 +290,9 @@ def make_consistent_layer_spec(rope: RopeConfig | None = None) -> ModuleSpec:
 
 #: Megatron-LM: ``--spec megatron_consistent.layers.entry_points consistent_layer_spec``.
 consistent_layer_spec: ModuleSpec = make_consistent_layer_spec()
+
+#: Megatron-LM hybrid / Mamba models: ``--spec megatron_consistent.layers.entry_points consistent_hybrid_stack_spec``.
+consistent_hybrid_stack_spec: ModuleSpec = get_consistent_hybrid_stack_spec()
 
 
 def _block_spec(config, rope: RopeConfig | None) -> TransformerBlockSubmodules:

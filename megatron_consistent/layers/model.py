@@ -162,11 +162,20 @@ def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype |
     is refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
-    ``None`` = :data:`.moe_megatron.DEFAULT_MOE_IMPL` where supported.
+    ``None`` = :data:`.moe_megatron.DEFAULT_MOE_IMPL` where supported.  Hybrid Mamba-2 / Nemotron-H
+    configs (``arch.is_hybrid``) are built by :func:`.hybrid.build_consistent_hybrid_model`
+    (Megatron's MambaModel / HybridModel; MoE layers: :class:`.moe.ConsistentMoELayer`).
     """
     from .moe_megatron import megatron_moe_setup
 
-    arch, dtype = _prepare(hf_config, dtype, parallel)
+    arch = as_arch_config(hf_config)
+    if arch.is_hybrid:
+        if moe_impl not in (None, "module"):
+            raise UnsupportedConfigError(f"moe_impl={moe_impl!r} is not supported for the hybrid {arch.architecture} (module only)")
+        from .hybrid import build_consistent_hybrid_model
+
+        return build_consistent_hybrid_model(arch, seed=seed, dtype=dtype, **parallel)
+    arch, dtype = _prepare(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
     config = make_transformer_config(arch, dtype, consistent=True, **moe_kwargs)
     GPTModel = _gpt_model_class()
@@ -226,6 +235,8 @@ def build_stock_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None
     from .cpu_shims import apply_cpu_shims
 
     arch, dtype = _prepare(hf_config, dtype, parallel)
+    if arch.is_hybrid:
+        raise UnsupportedConfigError(f"no stock Megatron baseline is built for the hybrid architecture {arch.architecture}")
     apply_cpu_shims()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

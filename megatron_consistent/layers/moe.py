@@ -24,6 +24,12 @@ Parameters (the "Megatron layout" the converters use; stacked per expert)::
     shared_experts.linear_fc1.weight [2Is, H]     (when shared_expert_intermediate_size > 0)
     shared_experts.linear_fc2.weight [H, Is]
     shared_experts.gate_weight       [1, H]       (Qwen2-MoE's shared_expert_gate)
+    router.expert_bias               [E] float32  (Nemotron-H e_score_correction_bias; requires_grad=False)
+
+Nemotron-H (``arch.hidden_act == "relu2"``): the experts and the shared expert are
+non-gated (``linear_fc1`` holds the up rows only: ``[E, I, H]`` / ``[Is, H]``), the
+shared expert has no gate, routing is sigmoid + selection bias + group limit +
+``routed_scaling_factor`` (``kernels.moe.route_logits``).
 
 The auxiliary load-balancing loss (``router_aux_loss_coef`` > 0, training
 mode with autograd on) is kept on the side in :attr:`ConsistentMoELayer.last_aux_loss`;
@@ -80,12 +86,17 @@ class ConsistentMoELayer(nn.Module):
         out_init = getattr(config, "output_layer_init_method", None)
         H, E, inter = a.hidden_size, a.num_experts, a.moe_intermediate_size
         self.arch, self.top_k = a, a.num_experts_per_tok
+        # Nemotron-H (hybrid): non-gated relu2 experts (fc1 = up rows only), sigmoid router with a float32
+        # selection bias (HF e_score_correction_bias; not trained), shared expert without a gate.
+        self.activation, fc1_rows = ("swiglu", 2) if a.mlp_gated else ("relu2", 1)
         self.router = _Container()
         self.router.weight = _mark(_init((E, H), init, dt))
+        if a.moe_score_bias:
+            self.router.expert_bias = _mark(nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False))
         self.experts = _Container()
         self.experts.linear_fc1 = _Container()
         self.experts.linear_fc2 = _Container()
-        self.experts.linear_fc1.weight = _mark(_init((E, 2 * inter, H), init, dt))
+        self.experts.linear_fc1.weight = _mark(_init((E, fc1_rows * inter, H), init, dt))
         self.experts.linear_fc2.weight = _mark(_init((E, H, inter), out_init, dt))
         self.shared_experts = None
         if a.shared_expert_intermediate_size:
@@ -93,9 +104,9 @@ class ConsistentMoELayer(nn.Module):
             self.shared_experts = _Container()
             self.shared_experts.linear_fc1 = _Container()
             self.shared_experts.linear_fc2 = _Container()
-            self.shared_experts.linear_fc1.weight = _mark(_init((2 * s, H), init, dt))
+            self.shared_experts.linear_fc1.weight = _mark(_init((fc1_rows * s, H), init, dt))
             self.shared_experts.linear_fc2.weight = _mark(_init((H, s), out_init, dt))
-            self.shared_experts.gate_weight = _mark(_init((1, H), init, dt))
+            self.shared_experts.gate_weight = _mark(_init((1, H), init, dt)) if not a.is_hybrid else None
         self.aux_loss_coef = a.router_aux_loss_coef
         self.last_routes: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
@@ -108,7 +119,9 @@ class ConsistentMoELayer(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         z = kmoe.router_logits(h, self.router.weight)
-        w, experts = kmoe.route_logits(z, self.top_k, "softmax", norm_topk_prob=self.arch.norm_topk_prob)
+        a = self.arch
+        w, experts = kmoe.route_logits(z, self.top_k, a.moe_scoring, getattr(self.router, "expert_bias", None), a.norm_topk_prob,
+                                       a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor)
         self.last_routes = experts.detach()
         shared = None
         if self.shared_experts is not None:
@@ -118,7 +131,8 @@ class ConsistentMoELayer(nn.Module):
         if fp8 is not None:
             out = fp8(self, h, experts, w)
         else:
-            out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared)
+            out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared,
+                                   self.activation)
         self.last_aux_loss = None
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             self.last_aux_loss = self.aux_loss_coef * kmoe.load_balancing_loss(z, experts, self.arch.num_experts)

@@ -1,0 +1,453 @@
+"""Hybrid Mamba-2 / Nemotron-H models on Megatron-Core's MambaStack (0.16) / HybridStack (0.19), consistent kernels only.
+
+Layer kinds (HF ``hybrid_override_pattern`` characters; Megatron's layer symbols):
+
+* ``M`` -> Megatron ``MambaLayer``: ``norm`` (:class:`ConsistentHybridNorm`) ->
+  :class:`ConsistentMambaMixer` -> residual add (:func:`kernels.add_residual`);
+* ``*`` -> ``TransformerLayer`` with attention only: RMSNorm -> ``linear_qkv`` ->
+  :class:`ConsistentNoRopeCoreAttention` (Nemotron-H attention has NO rotary
+  embedding: neither HF's ``NemotronHAttention`` nor vLLM's ``nemotron_h.py``
+  rotates q/k) -> ``linear_proj`` -> residual add;
+* ``-`` -> ``MLPLayer``: RMSNorm -> ``linear_fc1`` -> :class:`ConsistentReluSquared`
+  (non-gated ``relu2``) -> ``linear_fc2`` -> residual add;
+* ``E`` -> ``TransformerLayer`` with the MoE slot only: RMSNorm ->
+  :class:`.moe.ConsistentMoELayer` (non-gated relu2 experts, sigmoid routing with
+  the float32 selection bias, group limit, routed scaling, ungated shared expert).
+
+After the last layer the stack's final norm is :class:`ConsistentRMSNorm`
+(:class:`ConsistentHybridStack` builds it instead of Megatron's hard-coded
+``TENorm``) and the LM head is :class:`.output.ConsistentOutputLayer` (float32 logits).
+
+Mixer dataflow (``docs``: ``/work/notes/hybrid_design.md``; HF NemotronH / Mamba2
+names), for hidden ``[s, b, H]`` taken to ``[b, s, H]``::
+
+    zxbcdt = linear(h, in_proj.weight)                         # [b, s, d_inner + conv_dim + nh]
+    z, xBC, dt = split(zxbcdt, [d_inner, conv_dim, nh])
+    xBC, _ = causal_conv1d(xBC, conv1d.weight[:, 0, :], conv1d.bias, None, "silu")
+    x, B, C = split(xBC, [d_inner, G*N, G*N])
+    dt = mamba_dt(dt, dt_bias, *time_step_limit)               # float32
+    A = -numerics.exp(float32(A_log))                         # float32, own exp (ssm_decay_rate)
+    y, _ = ssd_scan(x, dt, A, B, C, D, chunk_size)             # every sequence starts on a chunk boundary
+    y = gated_rms_norm(y, z, norm.weight, d_inner // G, eps)
+    out = linear(y, out_proj.weight)
+
+Every sequence of a batch starts at position 0 (a chunk boundary); THD-packed
+input is split at ``cu_seqlens_q`` and every segment is scanned on its own, so
+packing never changes a row.  Parameters are all in the model dtype
+(``A_log``, ``D``, ``dt_bias`` included, as in the HF checkpoints); the kernels
+compute in float32.
+
+Model builder: :func:`build_consistent_hybrid_model` (also reached through
+:func:`.model.build_consistent_gpt_model`, which dispatches on ``arch.is_hybrid``);
+the class is Megatron's ``HybridModel`` when it exists (0.19) else ``MambaModel``
+(0.16), with ``position_embedding_type='none'``.  Refused by name: TP/PP/CP/SP > 1,
+inference contexts (KV / SSM cache inside Megatron), ``residual_in_fp32``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..config import ArchConfig, SSMConfig, UnsupportedConfigError
+from ..kernels import numerics
+from .attention import ConsistentCoreAttention, _is_causal
+from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear, sharded_state_dict_tp1
+from .mlp import consistent_bias_dropout_add
+from .norm import ConsistentRMSNorm
+from .parallel import check_parallel_config
+
+__all__ = [
+    "ConsistentHybridNorm", "ConsistentHybridStack", "ConsistentMambaMixer", "ConsistentNoRopeCoreAttention", "ConsistentReluSquared",
+    "build_consistent_hybrid_model", "get_consistent_hybrid_stack_spec", "hybrid_pattern", "ssm_decay_rate",
+]
+
+_PATTERN = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+
+
+def hybrid_pattern(arch: ArchConfig) -> str:
+    """Megatron's layer pattern (``M * - E``) of a hybrid ``arch``."""
+    if not arch.is_hybrid:
+        raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid (Mamba) architecture")
+    return "".join(_PATTERN[t] for t in arch.layer_types)
+
+
+# ---------------------------------------------------------------------------------------------- small modules
+class _NegExp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a_log):
+        a = -numerics.exp(a_log.to(torch.float32))
+        ctx.save_for_backward(a)
+        ctx.dtype = a_log.dtype
+        return a
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return (g * a).to(ctx.dtype)  # d(-exp(x))/dx = -exp(x) = A
+
+
+def ssm_decay_rate(a_log: torch.Tensor) -> torch.Tensor:
+    """``A = -exp(float32(A_log))`` with :func:`kernels.numerics.exp` (float32, one rounding); backward ``g * A``."""
+    return _NegExp.apply(a_log)
+
+
+class ConsistentHybridNorm(ConsistentRMSNorm):
+    """:class:`ConsistentRMSNorm` whose ``eps`` defaults to ``config.layernorm_epsilon`` (Megatron 0.16's MambaLayer passes none)."""
+
+    def __init__(self, config, hidden_size: int, eps: float | None = None, **unused):
+        super().__init__(config, hidden_size, config.layernorm_epsilon if eps is None else eps)
+
+
+class ConsistentReluSquared(nn.Module):
+    """MLP activation slot: ``relu(x)**2`` by :func:`kernels.relu_squared` (non-gated: ``gated_linear_unit`` must be False)."""
+
+    def __init__(self, config=None, **unused):
+        super().__init__()
+        if config is not None and getattr(config, "gated_linear_unit", False):
+            raise UnsupportedConfigError("ConsistentReluSquared is the non-gated relu2 MLP; gated_linear_unit must be False")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.relu_squared(x)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return {}
+
+
+class ConsistentNoRopeCoreAttention(ConsistentCoreAttention):
+    """:class:`ConsistentCoreAttention` without rotary embedding (Nemotron-H): causal :func:`kernels.attention` of q, k, v."""
+
+    def __init__(self, *, config, layer_number: int = 1, attn_mask_type=None, attention_type: str = "self",
+                 softmax_scale: float | None = None, **unused):
+        nn.Module.__init__(self)
+        check_parallel_config(config)
+        if attention_type != "self":
+            raise UnsupportedConfigError(f"unsupported attention_type {attention_type!r} (self-attention only)")
+        if attn_mask_type is not None and not _is_causal(attn_mask_type):
+            raise UnsupportedConfigError(f"unsupported attn_mask_type {attn_mask_type} (causal only)")
+        if getattr(config, "attention_dropout", 0.0):
+            raise UnsupportedConfigError(f"unsupported feature: attention_dropout={config.attention_dropout} (must be 0)")
+        if getattr(config, "window_size", None) is not None:
+            raise UnsupportedConfigError(f"unsupported feature: sliding window attention (window_size={config.window_size})")
+        self.layer_number = layer_number
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+
+    def _attend(self, q, k, v):
+        positions = kernels.causal_positions(q.shape[0], q.shape[1], device=q.device)
+        if getattr(self, "fp8_kv", False):
+            from ..kernels.fp8 import kv_round_trip
+
+            k, v = kv_round_trip(k), kv_round_trip(v)
+        if self.capture is not None:
+            self.capture(q, k)
+        return kernels.attention(q, k, v, positions, scale=self.softmax_scale)
+
+
+# ---------------------------------------------------------------------------------------------- the mixer
+def _mark(p: nn.Parameter) -> nn.Parameter:
+    p.tensor_model_parallel = False
+    p.allreduce = True
+    p.sequence_parallel = False
+    return p
+
+
+class _Params(nn.Module):
+    """A parameter holder (``conv1d`` / ``norm``) so state-dict names match HF's and Megatron's."""
+
+
+def ssm_config_from_transformer_config(config, chunk_size: int = 128, conv_kernel: int = 4) -> SSMConfig:
+    """The :class:`SSMConfig` that Megatron's own mixer would build from a ``TransformerConfig`` (``mamba_*`` fields)."""
+    head_dim = int(getattr(config, "mamba_head_dim", 64))
+    heads = getattr(config, "mamba_num_heads", None) or (2 * config.hidden_size) // head_dim
+    return SSMConfig(num_heads=int(heads), head_dim=head_dim, state_size=int(getattr(config, "mamba_state_dim", 128)),
+                     n_groups=int(getattr(config, "mamba_num_groups", 8)), conv_kernel=conv_kernel, chunk_size=chunk_size,
+                     norm_eps=float(config.layernorm_epsilon))
+
+
+class ConsistentMambaMixer(nn.Module):
+    """Megatron mixer slot of ``MambaLayer``: ``forward(h [s, b, H]) -> (out [s, b, H], None)`` by the Mamba-2 kernels.
+
+    Parameters (HF names inside ``mixer.``): ``in_proj.weight [d_inner + conv_dim + nh, H]``,
+    ``conv1d.weight [conv_dim, 1, K]``, ``conv1d.bias [conv_dim]`` (``use_conv_bias``),
+    ``dt_bias [nh]``, ``A_log [nh]``, ``D [nh]``, ``norm.weight [d_inner]``, ``out_proj.weight [H, d_inner]``.
+    Init (seeded, float32 then cast): linears as Megatron's; conv uniform(+-1/sqrt(K)) like
+    ``nn.Conv1d``; ``dt_bias`` = softplus^-1 of log-uniform dt in [1e-3, 1e-1] (floor 1e-4);
+    ``A_log = log(1..nh)`` (HF NemotronH); ``D = 1``; ``norm.weight = 1``.
+    """
+
+    def __init__(self, config, d_model: int | None = None, layer_number: int | None = None, pg_collection=None,
+                 pp_layer_offset: int = 0, *, ssm: SSMConfig | None = None, chunk_size: int = 128, **unused):
+        super().__init__()
+        check_parallel_config(config)
+        self.config = config
+        self.ssm = s = ssm or ssm_config_from_transformer_config(config, chunk_size)
+        d_model = d_model or config.hidden_size
+        self.d_model, self.layer_number = d_model, layer_number
+        if s.d_inner % s.n_groups or s.num_heads % s.n_groups:
+            raise UnsupportedConfigError(f"Mamba mixer: n_groups {s.n_groups} must divide num_heads {s.num_heads}")
+        dt = config.params_dtype
+        self.in_proj = ConsistentColumnParallelLinear(d_model, s.in_proj_size, config=config, init_method=config.init_method, bias=False)
+        self.conv1d = _Params()
+        bound = 1.0 / math.sqrt(s.conv_kernel)
+        self.conv1d.weight = _mark(nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel).uniform_(-bound, bound).to(dt)))
+        if s.use_conv_bias:
+            self.conv1d.bias = _mark(nn.Parameter(torch.empty(s.conv_dim).uniform_(-bound, bound).to(dt)))
+        else:
+            self.conv1d.bias = None
+        dt0 = torch.exp(torch.rand(s.num_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
+        self.dt_bias = _mark(nn.Parameter((dt0 + torch.log(-torch.expm1(-dt0))).to(dt)))
+        self.A_log = _mark(nn.Parameter(torch.log(torch.arange(1, s.num_heads + 1, dtype=torch.float32)).to(dt)))
+        self.D = _mark(nn.Parameter(torch.ones(s.num_heads, dtype=dt)))
+        self.norm = _Params()
+        self.norm.weight = _mark(nn.Parameter(torch.ones(s.d_inner, dtype=dt)))
+        self.out_proj = ConsistentRowParallelLinear(s.d_inner, d_model, config=config,
+                                                    init_method=getattr(config, "output_layer_init_method", None), bias=False)
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def mix(self, h: torch.Tensor) -> torch.Tensor:
+        """``[b, T, H] -> [b, T, H]`` for sequences that start at position 0."""
+        s = self.ssm
+        b, t, _ = h.shape
+        zxbcdt, _ = self.in_proj(h)
+        z, xbc, dt_raw = torch.split(zxbcdt, [s.d_inner, s.conv_dim, s.num_heads], dim=-1)
+        xbc, _ = kernels.causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, None, "silu")
+        gn = s.n_groups * s.state_size
+        x, B, C = torch.split(xbc, [s.d_inner, gn, gn], dim=-1)
+        dt = kernels.mamba_dt(dt_raw, self.dt_bias, *s.time_step_limit)
+        y, _ = kernels.ssd_scan(x.reshape(b, t, s.num_heads, s.head_dim), dt, ssm_decay_rate(self.A_log),
+                                B.reshape(b, t, s.n_groups, s.state_size), C.reshape(b, t, s.n_groups, s.state_size), self.D,
+                                s.chunk_size)
+        y = kernels.gated_rms_norm(y.reshape(b, t, s.d_inner), z, self.norm.weight, s.group_size, s.norm_eps)
+        out, _ = self.out_proj(y)
+        return out
+
+    def forward(self, hidden_states: torch.Tensor, inference_context=None, packed_seq_params=None, inference_params=None, **unused):
+        if inference_context is not None or inference_params is not None:
+            raise UnsupportedConfigError("Megatron inference contexts (SSM/conv state caches) are not supported by the consistent "
+                                         "Mamba mixer; generate with the vLLM plugin")
+        if packed_seq_params is not None:
+            return self._forward_packed(hidden_states, packed_seq_params), None
+        return self.mix(hidden_states.transpose(0, 1)).transpose(0, 1), None
+
+    def _forward_packed(self, h: torch.Tensor, psp) -> torch.Tensor:
+        fmt = getattr(psp, "qkv_format", "thd")
+        if fmt != "thd" or psp.cu_seqlens_q is None:
+            raise UnsupportedConfigError(f"unsupported packed_seq_params (qkv_format {fmt!r}; thd with cu_seqlens_q only)")
+        if h.dim() == 3 and h.shape[1] != 1:
+            raise UnsupportedConfigError(f"packed (thd) input must have batch 1, got {h.shape[1]}")
+        flat = h.reshape(h.shape[0], h.shape[-1])
+        bounds = [int(x) for x in psp.cu_seqlens_q.tolist()]
+        if bounds[0] != 0 or bounds[-1] != flat.shape[0] or any(b1 < b0 for b0, b1 in zip(bounds, bounds[1:])):
+            raise UnsupportedConfigError(f"cu_seqlens_q {bounds} does not partition the {flat.shape[0]} packed tokens")
+        outs = [self.mix(flat[s0:s1][None])[0] for s0, s1 in zip(bounds, bounds[1:]) if s1 > s0]
+        return torch.cat(outs, dim=0).reshape(h.shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        return sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, {})
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, {self.ssm}"
+
+
+# ---------------------------------------------------------------------------------------------- the stack
+def _stack_classes():
+    """(stack class, submodules dataclass) — HybridStack (0.19) or MambaStack (0.16)."""
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+
+        return HybridStack, HybridStackSubmodules
+    except ImportError:
+        from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+
+        return MambaStack, MambaStackSubmodules
+
+
+_Stack, _StackSubmodules = _stack_classes()
+
+
+class ConsistentHybridStack(_Stack):
+    """Megatron's Mamba/Hybrid stack with the consistent final RMSNorm in place of its hard-coded ``TENorm``."""
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        if kwargs.get("residual_in_fp32"):
+            raise UnsupportedConfigError("unsupported feature: residual_in_fp32=True (the residual stream stays in the model dtype)")
+        post_layer_norm = kwargs.pop("post_layer_norm", True)
+        super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+        self.post_layer_norm = post_layer_norm
+        if self.post_process and post_layer_norm:
+            self.final_norm = ConsistentRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+        from .entry_points import _install_registration_hook
+
+        _install_registration_hook()  # a model whose decoder is this stack gets the consistent LM head (entry-point builds)
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, rotary_pos_emb=None, **kwargs):
+        if rotary_pos_emb is not None:
+            raise UnsupportedConfigError("rotary position embeddings in a hybrid model (position_embedding_type='rope'): "
+                                         "Nemotron-H attention has none; build the model with position_embedding_type='none'")
+        return super().forward(hidden_states, attention_mask, inference_context=inference_context, rotary_pos_emb=None, **kwargs)
+
+
+def _arch_from_transformer_config(config) -> ArchConfig:
+    """The MoE fields :class:`.moe.ConsistentMoELayer` reads, from a Megatron ``TransformerConfig`` (entry-point use)."""
+    experts = getattr(config, "num_moe_experts", None)
+    if not experts:
+        raise UnsupportedConfigError("an E (MoE) layer needs num_moe_experts in the TransformerConfig")
+    scoring = getattr(config, "moe_router_score_function", "softmax")
+    if getattr(config, "gated_linear_unit", False):
+        raise UnsupportedConfigError("the consistent hybrid MoE layer implements Nemotron-H's non-gated relu2 experts only")
+    top_k = int(config.moe_router_topk)
+    return ArchConfig(
+        architecture="NemotronHForCausalLM", vocab_size=1, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_layers=config.num_layers, num_heads=config.num_attention_heads, num_kv_heads=config.num_query_groups or config.num_attention_heads,
+        head_dim=config.kv_channels, rms_norm_eps=config.layernorm_epsilon, rope_theta=10000.0, max_position_embeddings=1,
+        num_experts=int(experts), num_experts_per_tok=top_k, moe_intermediate_size=int(config.moe_ffn_hidden_size),
+        norm_topk_prob=scoring == "sigmoid" and top_k > 1,  # Megatron's sigmoid top-k renormalizes when k > 1
+        shared_expert_intermediate_size=int(getattr(config, "moe_shared_expert_intermediate_size", None) or 0),
+        layer_types=("moe",), use_rope=False, hidden_act="relu2", moe_scoring=scoring,
+        moe_n_group=int(getattr(config, "moe_router_num_groups", None) or 1), moe_topk_group=int(getattr(config, "moe_router_group_topk", None) or 1),
+        routed_scaling_factor=float(getattr(config, "moe_router_topk_scaling_factor", None) or 1.0))
+
+
+class ConsistentHybridMoELayer(nn.Module):
+    """MoE slot for entry-point specs without an ``arch``: derives it from the TransformerConfig, then a ConsistentMoELayer."""
+
+    def __new__(cls, config, **kwargs):
+        from .moe import ConsistentMoELayer
+
+        arch = kwargs.pop("arch", None) or _arch_from_transformer_config(config)
+        return ConsistentMoELayer(config, arch=arch, **kwargs)
+
+
+def get_consistent_hybrid_stack_spec(arch: ArchConfig | None = None):
+    """ModuleSpec of :class:`ConsistentHybridStack` whose four layer kinds run on the consistent kernels.
+
+    ``arch`` (from :class:`ArchConfig`) fixes the Mamba mixer's :class:`SSMConfig` and the MoE
+    layer's routing; without it (Megatron-LM ``--spec``), both are read from the
+    ``TransformerConfig`` (``mamba_*``, ``num_moe_experts``, ``moe_router_*`` fields; chunk size 128).
+    """
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from .moe import ConsistentMoELayer
+
+    bda = consistent_bias_dropout_add
+    mixer_params = {"ssm": arch.ssm} if arch is not None and arch.ssm is not None else {}
+    moe = (ModuleSpec(module=ConsistentMoELayer, params={"arch": arch}) if arch is not None and arch.is_moe
+           else ModuleSpec(module=ConsistentHybridMoELayer))
+    return ModuleSpec(
+        module=ConsistentHybridStack,
+        submodules=_StackSubmodules(
+            mamba_layer=ModuleSpec(
+                module=MambaLayer,
+                submodules=MambaLayerSubmodules(norm=ConsistentHybridNorm, mixer=ModuleSpec(module=ConsistentMambaMixer, params=mixer_params),
+                                                mamba_bda=bda),
+            ),
+            attention_layer=ModuleSpec(
+                module=TransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    input_layernorm=ConsistentRMSNorm,
+                    self_attention=ModuleSpec(
+                        module=SelfAttention,
+                        params={"attn_mask_type": AttnMaskType.causal},
+                        submodules=SelfAttentionSubmodules(linear_qkv=ConsistentColumnParallelLinear, core_attention=ConsistentNoRopeCoreAttention,
+                                                           linear_proj=ConsistentRowParallelLinear),
+                    ),
+                    self_attn_bda=bda,
+                ),
+            ),
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=ConsistentRMSNorm,
+                    mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ConsistentColumnParallelLinear,
+                                                                        linear_fc2=ConsistentRowParallelLinear,
+                                                                        activation_func=ConsistentReluSquared)),
+                    mlp_bda=bda,
+                ),
+            ),
+            moe_layer=ModuleSpec(
+                module=TransformerLayer,
+                submodules=TransformerLayerSubmodules(pre_mlp_layernorm=ConsistentRMSNorm, mlp=moe, mlp_bda=bda),
+            ),
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype):
+    """``TransformerConfig`` of a hybrid ``arch``: non-gated relu2 MLP, Mamba sizes, no attention placeholders needed."""
+    from .model import make_transformer_config
+
+    heads = arch.num_heads or 1  # pure Mamba-2: no attention layer is built; Megatron still wants > 0 heads
+    if not arch.num_heads:
+        arch = dataclasses.replace(arch, num_heads=heads, num_kv_heads=1, head_dim=arch.hidden_size)
+    if not arch.intermediate_size:
+        arch = dataclasses.replace(arch, intermediate_size=4 * arch.hidden_size)
+    # activation_func is never called (the spec's ConsistentReluSquared runs); Megatron's use_te_activation_func
+    # check only accepts names TE knows, so relu stands in for relu2 there.
+    extra = dict(gated_linear_unit=False, activation_func=torch.nn.functional.relu)
+    if arch.ssm is not None:
+        extra.update(mamba_state_dim=arch.ssm.state_size, mamba_head_dim=arch.ssm.head_dim, mamba_num_groups=arch.ssm.n_groups,
+                     mamba_num_heads=arch.ssm.num_heads)
+    config = make_transformer_config(arch, dtype, consistent=True, **extra)
+    return config
+
+
+def _hybrid_model_class():
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+        return HybridModel
+    except ImportError:
+        from megatron.core.models.mamba.mamba_model import MambaModel
+
+        return MambaModel
+
+
+def _hybrid_model_kwargs(cls, arch: ArchConfig, config, spec) -> dict:
+    params = inspect.signature(cls.__init__).parameters
+    kwargs = dict(config=config, vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings, pre_process=True,
+                  post_process=True, parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                  position_embedding_type="none")
+    kwargs["hybrid_stack_spec" if "hybrid_stack_spec" in params else "mamba_stack_spec"] = spec
+    kwargs["hybrid_layer_pattern" if "hybrid_layer_pattern" in params else "hybrid_override_pattern"] = hybrid_pattern(arch)
+    return kwargs
+
+
+def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, **parallel):
+    """A Megatron Mamba/Hybrid model of a NemotronH / Mamba2 config on CPU, every op a consistent kernel.
+
+    Same conventions as :func:`.model.build_consistent_gpt_model` (seeded init with
+    the global RNG restored, CPU init, exact vocabulary, ``consistent_kind`` and
+    ``arch_config`` attributes, float32 logits): ``compute_token_logprobs`` works on it.
+    """
+    from .model import CONSISTENT, _prepare, _seeded_build
+    from .output import ConsistentOutputLayer
+
+    arch, dtype = _prepare(hf_config, dtype, parallel)
+    if not arch.is_hybrid:
+        raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture; use build_consistent_gpt_model")
+    config = make_hybrid_transformer_config(arch, dtype)
+    cls = _hybrid_model_class()
+    spec = get_consistent_hybrid_stack_spec(arch)
+
+    def build():
+        model = cls(**_hybrid_model_kwargs(cls, arch, config, spec))
+        if not isinstance(model.output_layer, ConsistentOutputLayer):  # the registration hook may have swapped it already
+            model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
+        return model
+
+    model = _seeded_build(seed, build)
+    model.consistent_kind = CONSISTENT
+    model.arch_config = arch
+    return model
