@@ -7,6 +7,11 @@ and/or stock vLLM as the baseline) with chunked prefill forced by a small
 ``max_num_batched_tokens`` -> recompute every response token's log-prob with
 the Megatron model in training mode -> compare.  The baseline pairs stock vLLM
 with Megatron's stock local spec on the same weights.
+
+Hybrid Mamba-2 models (``arch.is_hybrid``): the engines run with prefix caching
+off (the consistent plugin refuses it for hybrids by name), and the baseline's
+stock trainer is HF transformers' PyTorch path (:mod:`.hf_baseline`; Megatron's
+stock Mamba mixer needs the unavailable ``mamba_ssm`` package).
 """
 
 from __future__ import annotations
@@ -164,16 +169,20 @@ def run_check(cfg: CheckConfig) -> dict:
     prompts = make_prompts(cfg, arch.vocab_size)
     temperature = cfg.temperature if cfg.logprobs_mode == "processed" else 1.0
     report = {"settings": {**asdict(cfg), "hf_config": hf_path, "arch": arch.as_dict()}}
+    if arch.is_hybrid:
+        report["settings"]["prefix_caching"] = "off: hybrid Mamba model (the consistent plugin refuses enable_prefix_caching for it)"
+        report["settings"]["baseline_trainer"] = "HF transformers torch path (Megatron's stock Mamba mixer needs mamba_ssm)"
     modes = ["consistent", "baseline"] if cfg.mode == "both" else [cfg.mode]
     for mode in tqdm(modes, desc="check"):
         req = RolloutRequest(
             model_dir=str(model_dir), prompts=prompts, consistent=mode == "consistent", dtype=arch.dtype,
             temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, max_model_len=cfg.max_model_len)
+            max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+            enable_prefix_caching=not arch.is_hybrid)
         if cfg.kv_cache_dtype != "auto":
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         routes_dir = None
-        if arch.is_moe:  # consistent: the plugin records; baseline: stock engine + capture hook (verify/stock_routes.py)
+        if arch.is_moe and not arch.is_hybrid:  # consistent: the plugin records; baseline: stock engine + capture hook (verify/stock_routes.py)
             import shutil
 
             routes_dir = out / "routes" / mode
@@ -190,6 +199,15 @@ def run_check(cfg: CheckConfig) -> dict:
             raise RuntimeError(f"the consistent engine did not load the plugin; see {roll['log']}")
         if mode == "consistent":
             trainer = model
+        elif arch.is_hybrid:  # stock trainer: HF transformers' torch path on the exported checkpoint (verify/hf_baseline.py)
+            from .hf_baseline import hf_recompute, load_hf_model
+
+            train_lp = hf_recompute(load_hf_model(str(model_dir), arch.torch_dtype), prompts, roll["tokens"], temperature,
+                                    cfg.recompute_batch)
+            rollout_lp = torch.tensor([x for lps in roll["logprobs"] for x in lps], dtype=torch.float32)
+            report[mode] = {**mismatch_metrics(train_lp, rollout_lp), "gen_tokens_per_s": roll["gen_tokens_per_s"],
+                            "trainer": "HF transformers (torch path)"}
+            continue
         else:
             trainer = build_stock_gpt_model(arch, seed=cfg.seed)
             import_hf(trainer, arch, out / "model_bf16" if cfg.quantization else model_dir)
