@@ -56,8 +56,8 @@ _WORK_ELEMENTS = 1 << 22
 @register("mamba_dt", "cpu")
 def _mamba_dt_cpu(dt_raw, dt_bias, dt_min: float, dt_max: float) -> torch.Tensor:
     v = dt_raw.to(torch.float32) + dt_bias.to(torch.float32)
-    e = exp(v).to(torch.float64)
-    sp = torch.where(v > 20.0, v, log(1.0 + e))
+    e = exp(v)
+    sp = torch.where(v > 20.0, v, torch.where(v < -20.0, e, log(1.0 + e.to(torch.float64))))
     return torch.clamp(sp, min=dt_min, max=dt_max)
 
 
@@ -86,8 +86,10 @@ class MambaDtFunction(torch.autograd.Function):
 def mamba_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float = 0.0, dt_max: float = math.inf) -> torch.Tensor:
     """``clamp(softplus(dt_raw + dt_bias), dt_min, dt_max)`` in float32 ``[..., T, H]``.
 
-    softplus(v) = v for v > 20, else ``log(1 + exp(v))`` with :func:`numerics.exp` (float32),
-    the ``1 +`` in float64 and :func:`numerics.log` (one rounding); elementwise.
+    ``v = float32(dt_raw) + float32(dt_bias)``; softplus(v) = ``v`` for ``v > 20``, ``exp(v)`` for
+    ``v < -20`` (relative difference < 1e-9), else ``log(1 + exp(v))`` with :func:`numerics.exp`
+    (float32), the ``1 +`` in float64 and :func:`numerics.log` (one rounding); then the clamp.
+    Elementwise, so position- and batch-independent.
     """
     if dt_bias.shape != (dt_raw.shape[-1],):
         raise ValueError(f"mamba_dt: dt_bias {tuple(dt_bias.shape)} does not match {dt_raw.shape[-1]} heads")
@@ -266,7 +268,10 @@ def _scan(x, dt, A, B, C, D, chunk_size, state, first_out):
     lead = x.shape[:-3]
     t_len, nh, hp = x.shape[-3:]
     ng, ns = B.shape[-2:]
-    flat = lambda v, *tail: v.reshape(-1, *tail)  # noqa: E731
+    nb = 1
+    for n in lead:
+        nb *= n
+    flat = lambda v, *tail: v.reshape(nb, *tail)  # noqa: E731
     if state is None:
         state = torch.zeros(*lead, nh, hp, ns, dtype=torch.float32, device=x.device)
     y, bstate = SSDScanFunction.apply(

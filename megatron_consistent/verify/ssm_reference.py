@@ -28,7 +28,9 @@ def ssd_recurrence_f64(x, dt, A, B, C, D, initial_state=None):
     """Sequential recurrence in float64.
 
     ``x [..., T, H, P]``, ``dt [..., T, H]``, ``A, D [H]``, ``B, C [..., T, G, N]``,
-    ``initial_state [..., H, P, N]``.  Returns ``(y [..., T, H, P], states [..., T+1, H, P, N])``
+    ``initial_state [..., H, P, N]`` (``A`` may also be per token, ``[..., T, H]``: its gradient then
+    shows each token's contribution to the gradient of a shared ``A``).
+    Returns ``(y [..., T, H, P], states [..., T+1, H, P, N])``
     with ``states[..., t, :, :, :]`` the state after ``t`` tokens (``states[..., 0]`` = initial).
     """
     x, dt, A, B, C, D = (_d(t) for t in (x, dt, A, B, C, D))
@@ -39,7 +41,7 @@ def ssd_recurrence_f64(x, dt, A, B, C, D, initial_state=None):
     h = torch.zeros(*lead, nh, hp, ns, dtype=F64) if initial_state is None else _d(initial_state)
     ys, states = [], [h]
     for t in range(t_len):
-        decay = torch.exp(dt[..., t, :] * A)                           # [..., H]
+        decay = torch.exp(dt[..., t, :] * (A if A.dim() == 1 else A[..., t, :]))                           # [..., H]
         h = decay[..., None, None] * h + (dt[..., t, :, None] * x[..., t, :, :])[..., None] * bh[..., t, :, None, :]
         ys.append((h * ch[..., t, :, None, :]).sum(-1) + D[:, None] * x[..., t, :, :])
         states.append(h)
