@@ -159,8 +159,10 @@ def collect_routes(model) -> dict[int, torch.Tensor]:
     """Layer index (0-based) -> the last forward's experts ``[s*b, k]`` of every MoE layer of a GPTModel."""
     out = {}
     for i, layer in enumerate(model.decoder.layers):
-        if isinstance(layer.mlp, ConsistentMoELayer) and layer.mlp.last_routes is not None:
-            out[i] = layer.mlp.last_routes
+        mlp = getattr(layer, "mlp", None)  # Megatron's MoELayer (layers/moe_megatron.py): its router keeps them
+        routes = mlp.last_routes if isinstance(mlp, ConsistentMoELayer) else getattr(getattr(mlp, "router", None), "last_routes", None)
+        if routes is not None:
+            out[i] = routes
     return out
 
 

@@ -1,0 +1,176 @@
+"""Megatron-Core's own MoELayer (all-gather token dispatcher, CPU) with the consistent router / experts / combine.
+
+* the GPT model whose MoE layers are Megatron's ``MoELayer`` (``moe_impl="megatron"``) gives logits
+  torch.equal to the :class:`ConsistentMoELayer` model (``moe_impl="module"``) with the same weights, for
+  the three built-in MoE configs (top-1, top-2 renormalised, top-8 + gated shared expert), and the same routes;
+* hypothesis: any batch composition — a row alone == the row in the batch (Megatron path);
+* broken variants are caught: Megatron's native combine (weighted rows summed by the unpermute in bf16)
+  differs; a dispatcher row order other than the one the experts verify raises;
+* Megatron's aux-loss machinery (coeff > 0, training) changes no forward value but reaches the router gradient;
+* gradients of the Megatron-path model vs the float64 reference (verify/moe_reference.py) within
+  ``verify.reference.GRAD_REL_TOL``;
+* unsupported options are refused by name.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_consistent.config import UnsupportedConfigError, builtin_model_dir
+from megatron_consistent.layers import build_consistent_gpt_model
+from megatron_consistent.layers import moe_megatron as mm
+from megatron_consistent.layers.model import _positions
+from megatron_consistent.layers.moe import collect_routes
+
+CONFIGS = ["tiny-qwen3moe-top1", "tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"]
+_CACHE: dict = {}
+
+
+def _model(name: str, impl: str, seed: int = 0, **kw):
+    key = (name, impl, seed, tuple(sorted(kw.items())))
+    if key not in _CACHE:
+        _CACHE[key] = build_consistent_gpt_model(builtin_model_dir(name), seed=seed, moe_impl=impl, **kw)
+    return _CACHE[key]
+
+
+def _logits(model, ids):
+    return model(ids, _positions(ids), None)
+
+
+def _ids(vocab, b, s, seed):
+    return torch.randint(3, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_megatron_moelayer_equals_module_path(name):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    same_seed, meg = _model(name, "module"), _model(name, "megatron")
+    assert meg.moe_impl == "megatron" and same_seed.moe_impl == "module"
+    sd0 = same_seed.state_dict()
+    assert set(meg.state_dict()) == set(sd0)  # same parameter names: converters / export are shared
+    # same seed -> same weights (same construction / RNG order as the module path)
+    assert all(torch.equal(sd0[k], v) for k, v in meg.state_dict().items() if isinstance(v, torch.Tensor))
+    moe_layers = [layer.mlp for layer in meg.decoder.layers if meg.arch_config.layer_is_moe(layer.layer_number - 1)]
+    assert moe_layers and all(type(m) is MoELayer for m in moe_layers)  # Megatron's class itself, not a subclass
+    assert all(isinstance(m.token_dispatcher, MoEAllGatherTokenDispatcher) for m in moe_layers)
+    assert all(isinstance(m.experts, mm.ConsistentExperts) for m in moe_layers)
+    module = build_consistent_gpt_model(builtin_model_dir(name), seed=1, moe_impl="module")  # other weights, mapped over
+    meg.load_state_dict(module.state_dict())
+    ids = _ids(meg.arch_config.vocab_size, 3, 23, seed=4)
+    with torch.no_grad():
+        a, b = _logits(module, ids), _logits(meg, ids)
+        ra, rb = collect_routes(module), collect_routes(meg)
+    assert torch.equal(a, b)
+    assert sorted(ra) == sorted(rb) and all(torch.equal(ra[i], rb[i]) for i in ra)
+
+
+@settings(max_examples=6, deadline=None)
+@given(lens=st.lists(st.integers(1, 19), min_size=2, max_size=4), pick=st.integers(0, 3), seed=st.integers(0, 2**16))
+def test_megatron_path_row_alone_equals_row_in_batch(lens, pick, seed):
+    meg = _model("tiny-mixtral-top2", "megatron")
+    s = max(lens)
+    ids = _ids(meg.arch_config.vocab_size, len(lens), s, seed)
+    i = pick % len(lens)
+    with torch.no_grad():
+        batch = _logits(meg, ids)
+        routes = collect_routes(meg)
+        alone = _logits(meg, ids[i : i + 1, : lens[i]])
+        routes_alone = collect_routes(meg)
+    assert torch.equal(alone[0], batch[i, : lens[i]])
+    for layer, r in routes.items():  # [s*b, k] in [s, b] token order
+        assert torch.equal(routes_alone[layer], r.view(s, len(lens), -1)[: lens[i], i])
+
+
+def _native_megatron_rows(y, w_rows, row_of_pair):
+    """BROKEN on purpose: Megatron's SequentialMLP convention — each row weighted in the model dtype, the
+    unpermute's scatter_add sums a token's rows (no fp32 slot-order combine)."""
+    return (y * w_rows.unsqueeze(-1).to(y.dtype)).to(torch.float32)
+
+
+def test_broken_combine_and_broken_layout_are_caught(monkeypatch):
+    module = _model("tiny-qwen2moe-top8-shared", "module")
+    meg = _model("tiny-qwen2moe-top8-shared", "megatron")
+    meg.load_state_dict(module.state_dict())
+    ids = _ids(meg.arch_config.vocab_size, 2, 17, seed=9)
+    with torch.no_grad():
+        ref = _logits(module, ids)
+        assert torch.equal(_logits(meg, ids), ref)
+        monkeypatch.setattr(mm, "slot_order_rows", _native_megatron_rows)
+        assert not torch.equal(_logits(meg, ids), ref)
+        monkeypatch.undo()
+        # a row order other than Megatron's (tokens descending within each expert) must be detected, not used
+        right = mm.permuted_layout
+        monkeypatch.setattr(mm, "permuted_layout", lambda r: right(r.flip(0)).flip(0))
+        with pytest.raises(RuntimeError, match="expert-major, token-ascending"):
+            _logits(meg, ids)
+        monkeypatch.undo()
+        assert torch.equal(_logits(meg, ids), ref)
+
+
+def test_megatron_aux_loss_changes_no_forward_value_but_reaches_the_router():
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    name = "tiny-qwen3moe-top1"
+    plain = build_consistent_gpt_model(builtin_model_dir(name), seed=0, moe_impl="megatron")
+    aux = build_consistent_gpt_model(builtin_model_dir(name), seed=0, moe_impl="megatron", moe_aux_loss_coeff=0.05)
+    assert aux.config.moe_aux_loss_coeff == 0.05 and plain.config.moe_aux_loss_coeff == 0.0
+    aux.load_state_dict(plain.state_dict())
+    plain.train()
+    aux.train()
+    ids = _ids(plain.arch_config.vocab_size, 2, 19, seed=5)
+    clear_aux_losses_tracker()
+    la, lb = _logits(plain, ids), _logits(aux, ids)
+    assert torch.equal(la, lb)  # forward values unchanged (MoEAuxLossAutoScaler is the identity)
+    tracked = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    assert float(tracked.sum()) > 0  # Megatron's tracker recorded it
+    la.float().sum().backward()
+    lb.float().sum().backward()
+    router = "decoder.layers.1.mlp.router.weight"
+    ga, gb = dict(plain.named_parameters())[router].grad, dict(aux.named_parameters())[router].grad
+    assert not torch.equal(ga, gb)  # the aux-loss gradient reached the router
+    clear_aux_losses_tracker()
+
+
+@pytest.mark.parametrize("name", ["tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"])
+def test_megatron_path_gradients_vs_float64_reference(name, monkeypatch):
+    import megatron_consistent.layers as layers
+    from megatron_consistent.verify.reference import GRAD_REL_TOL, LOSS_REL_TOL, gradient_check
+
+    built = []
+    build = layers.build_consistent_gpt_model
+
+    def megatron_build(*a, **k):
+        m = build(*a, moe_impl="megatron", **k)
+        built.append(m.moe_impl)
+        return m
+
+    monkeypatch.setattr(layers, "build_consistent_gpt_model", megatron_build)
+    r = gradient_check(builtin_model_dir(name), batch=2, seq=40)  # every expert routed at least once (else no ref grad)
+    assert built and set(built) == {"megatron"}
+    assert r["max_rel_err"] <= GRAD_REL_TOL, (r["worst"], r["max_rel_err"])
+    assert r["loss_rel_err"] <= LOSS_REL_TOL
+    assert any(".experts." in k for k in r["rel_errors"]) and any(k.endswith(".gate.weight") for k in r["rel_errors"])
+
+
+def test_unsupported_options_refused_by_name():
+    path = builtin_model_dir("tiny-mixtral-top2")
+    if not torch.cuda.is_available():  # Megatron's all-to-all dispatcher creates a torch.cuda.Stream
+        with pytest.raises(UnsupportedConfigError, match="alltoall"):
+            build_consistent_gpt_model(path, moe_impl="megatron", moe_token_dispatcher="alltoall")
+    with pytest.raises(UnsupportedConfigError, match="flex"):
+        build_consistent_gpt_model(path, moe_impl="megatron", moe_token_dispatcher="flex")
+    with pytest.raises(UnsupportedConfigError, match="moe_impl"):
+        build_consistent_gpt_model(path, moe_impl="sequential")
+    cfg = types.SimpleNamespace(expert_model_parallel_size=2, moe_token_dispatcher_type="allgather",
+                                moe_expert_capacity_factor=1.0, moe_permute_fusion=True)
+    with pytest.raises(UnsupportedConfigError, match=r"expert parallelism.*moe_expert_capacity_factor=1.0.*moe_permute_fusion"):
+        mm._refuse(cfg)
+    with pytest.raises(UnsupportedConfigError, match="hybrid"):
+        mm.check_megatron_moe_arch(types.SimpleNamespace(is_moe=True, is_hybrid=True))
