@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, quantize
+from ..kernels.nvfp4 import nvfp4_quantize, pack_e2m1
 from .hf import _DTYPE_STR, _model_params, _plan, _split
 
 __all__ = ["QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "export_hf_fp8", "fp8_hf_state_dict", "quantization_entry", "quantized_parts"]
@@ -48,8 +49,11 @@ QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attenti
 
 
 def check_fp8_arch(arch: ArchConfig) -> None:
-    """Every architecture of :mod:`..config` is supported (dense and MoE); kept as the single refusal point."""
-    del arch
+    """Dense and SwiGLU-MoE decoders are supported; hybrid (Mamba) models and non-gated experts are refused by name."""
+    if getattr(arch, "is_hybrid", False):
+        raise UnsupportedConfigError(f"fp8 quantization: hybrid Mamba architectures ({arch.architecture}) are not supported")
+    if arch.is_moe and not getattr(arch, "mlp_gated", True):
+        raise UnsupportedConfigError(f"fp8 quantization: non-gated (relu2) MoE experts ({arch.architecture}) are not supported")
 
 
 def unquantized_hf_modules(arch: ArchConfig) -> list[str]:
@@ -76,30 +80,42 @@ def quantized_parts(arch: ArchConfig, kind: str, weight: torch.Tensor, fmt: Quan
         return [quantize(part.contiguous(), fmt) for part in _split(arch, kind, weight.detach())]
 
 
-def quantization_entry(fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> dict:
-    """The ``megatron_consistent_quantization`` config entry (read back by :func:`formats_from_entry`)."""
-    return {"method": "fp8", "weight": fmt.as_dict(), "activation": {**a_fmt.as_dict(), "dynamic": True},
+def quantization_entry(fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat | None = E4M3_ACT_1x128) -> dict:
+    """The ``megatron_consistent_quantization`` config entry (read back by :func:`formats_from_entry`); ``a_fmt`` None:
+    weight-only (NVFP4 W4A16)."""
+    return {"method": "nvfp4" if fmt.name == "e2m1" else "fp8", "weight": fmt.as_dict(),
+            "activation": None if a_fmt is None else {**a_fmt.as_dict(), "dynamic": True},
             "modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.*.{gate,up,down}_proj|w1|w3|w2",
                         "shared_expert.{gate,up,down}_proj"],
             "not_quantized": ["embed_tokens", "norms", "lm_head", "mlp.gate (MoE router)", "shared_expert_gate"]}
 
 
-def formats_from_entry(entry: dict) -> tuple[QuantFormat, QuantFormat]:
-    if entry.get("method") != "fp8":
-        raise UnsupportedConfigError(f"{QUANT_KEY}: unsupported method {entry.get('method')!r} (only fp8)")
+def formats_from_entry(entry: dict) -> tuple[QuantFormat, QuantFormat | None]:
+    if entry.get("method") not in ("fp8", "nvfp4"):
+        raise UnsupportedConfigError(f"{QUANT_KEY}: unsupported method {entry.get('method')!r} (fp8 or nvfp4)")
     w, a = entry["weight"], entry["activation"]
-    return (QuantFormat(w["name"], tuple(w["block"]), w["scale_format"]), QuantFormat(a["name"], tuple(a["block"]), a["scale_format"]))
+    return (QuantFormat(w["name"], tuple(w["block"]), w["scale_format"]),
+            None if a is None else QuantFormat(a["name"], tuple(a["block"]), a["scale_format"]))
 
 
 def fp8_hf_state_dict(model, arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> dict[str, torch.Tensor]:
-    """HF-named tensors: FP8 ``.weight`` + ``.weight_scale_inv`` for the decoder linears, the model dtype elsewhere."""
+    """HF-named tensors: FP8 ``.weight`` + ``.weight_scale_inv`` for the decoder linears (NVFP4: packed ``.weight`` uint8
+    ``[N, K/2]``, ``.weight_scale`` E4M3 ``[N, K/16]``, ``.weight_scale_2`` float32 scalar), the model dtype elsewhere."""
     check_fp8_arch(arch)
+    if fmt.name == "e2m1" and arch.is_moe:
+        raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
     params = _model_params(model, arch)
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for mname, hf_names, kind in _plan(arch):
             p = params[mname].detach().cpu()
-            if is_quantized(mname):
+            if is_quantized(mname) and fmt.name == "e2m1":  # NVFP4: ModelOpt names, two codes per byte
+                for hf_name, part in zip(hf_names, _split(arch, kind, p)):
+                    codes, sb, g = nvfp4_quantize(part.contiguous(), fmt.block[1])
+                    tensors[hf_name] = pack_e2m1(codes).contiguous()
+                    tensors[hf_name + "_scale"] = sb.contiguous()
+                    tensors[hf_name + "_scale_2"] = g.contiguous()
+            elif is_quantized(mname):
                 for hf_name, (q, s) in zip(hf_names, quantized_parts(arch, kind, p, fmt)):
                     tensors[hf_name] = q.contiguous()
                     tensors[hf_name + "_scale_inv"] = s.contiguous()
@@ -109,9 +125,14 @@ def fp8_hf_state_dict(model, arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_12
     return tensors
 
 
-def export_hf_fp8(model, arch: ArchConfig, out_dir, fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128,
+def export_hf_fp8(model, arch: ArchConfig, out_dir, fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat | None = E4M3_ACT_1x128,
                   hf_quantization_config: bool = True) -> Path:
-    """Write a block-FP8 HF folder (``config.json`` + ``model.safetensors``); see the module doc for the layout."""
+    """Write a block-FP8 (or NVFP4) HF folder (``config.json`` + ``model.safetensors``); see the module doc for the layout.
+
+    NVFP4: no standard ``quantization_config`` is written (vLLM's ModelOpt NVFP4 methods are CUDA-only; the
+    consistent plugin reads ``megatron_consistent_quantization``)."""
+    if fmt.name == "e2m1":
+        hf_quantization_config = False
     tensors = fp8_hf_state_dict(model, arch, fmt)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,5 +147,41 @@ def export_hf_fp8(model, arch: ArchConfig, out_dir, fmt: QuantFormat = E4M3_WEIG
         if arch.is_moe:  # routers stay in the model dtype (as in the published block-FP8 MoE checkpoints)
             hf["quantization_config"]["modules_to_not_convert"] = unquantized_hf_modules(arch)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+# ------------------------------------------------------------------------------------------- baseline: per-tensor FP8
+def per_tensor_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: one E4M3 scale for the whole 2-D tensor (``amax / 448``), as the per-tensor FP8 checkpoints stock
+    vLLM reads (``<name>.weight_scale``, a float32 scalar).  For the *baseline* only (stock vLLM CPU runs per-tensor FP8
+    through ``torch._scaled_mm``; its block-FP8 GEMMs need AMX)."""
+    q, s = quantize(w, QuantFormat("e4m3", tuple(w.shape), "fp32"))
+    return q, s.reshape(())
+
+
+def export_hf_fp8_per_tensor(model, arch: ArchConfig, out_dir) -> Path:
+    """Per-tensor FP8 HF folder for **stock** vLLM (the baseline): the same modules as :func:`export_hf_fp8`, each HF
+    tensor with one float32 ``weight_scale``; ``quantization_config = {"quant_method": "fp8", "activation_scheme":
+    "dynamic"}`` (no ``weight_block_size``; no ``megatron_consistent_quantization`` — the consistent plugin refuses it)."""
+    params = _model_params(model, arch)
+    tensors: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for mname, hf_names, kind in _plan(arch):
+            for hf_name, part in zip(hf_names, _split(arch, kind, params[mname].detach().cpu())):
+                if is_quantized(mname):
+                    tensors[hf_name], tensors[hf_name[: -len("weight")] + "weight_scale"] = per_tensor_quantize(part.contiguous())
+                else:
+                    tensors[hf_name] = part.contiguous().clone()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = arch.to_hf()
+    dtype = next(p.dtype for p in model.parameters())
+    if dtype in _DTYPE_STR:
+        hf["torch_dtype"] = _DTYPE_STR[dtype]
+    hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if arch.is_moe:
+        hf["quantization_config"]["modules_to_not_convert"] = unquantized_hf_modules(arch)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out

@@ -31,12 +31,13 @@ the product is exact for ``pow2`` scales and rounded once to float32 for
 *dequantization multiplier* (the tensor stored as ``weight_scale_inv`` in HF
 block-FP8 checkpoints).
 
-Room for NVFP4: a format is (value codec, block, scale format); NVFP4 would be
-``QuantFormat("nvfp4", (1, 16), "e4m3")`` with an E2M1 codec (max 6, packed
-two per byte) registered in :data:`VALUE_CODECS` and an ``"e4m3"`` scale
-format (scales themselves rounded to E4M3, with a per-tensor fp32 global
-scale).  Neither is implemented; :func:`quantize` refuses unknown codecs and
-scale formats by name.
+NVFP4: :data:`NVFP4_WEIGHT` = ``QuantFormat("e2m1", (1, 16), "e4m3")`` — the
+E2M1 codec (max 6; one code per byte in memory, packed two per byte in
+checkpoints) and the ``"e4m3"`` scale format (E4M3 block scales times a
+per-tensor float32 global scale); order of operations in :mod:`.nvfp4`.
+:func:`quantize` returns the effective float32 block scale ``float32(sb) * g``.
+Weight-only (W4A16): the linears take ``a_fmt=None``.  Unknown codecs and
+scale formats are refused by name.
 
 FP8 linear
 ----------
@@ -68,15 +69,16 @@ from typing import Callable
 import torch
 
 from .dispatch import implementation, register
+from .nvfp4 import E2M1_MAX, decode_e2m1, encode_e2m1, nvfp4_effective_scales, nvfp4_quantize
 
 __all__ = [
-    "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "FP8LinearSTE", "FP8Weights", "QuantFormat", "VALUE_CODECS", "block_amax",
+    "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "NVFP4_WEIGHT", "FP8LinearSTE", "FP8Weights", "QuantFormat", "VALUE_CODECS", "block_amax",
     "compute_scales", "dequantize", "dequantize_rows", "fp8_expert_mlp", "fp8_linear", "fp8_linear_ste", "fp8_moe_experts", "quantize",
     "weight_row_scales",
 ]
 
 E4M3_MAX = 448.0
-SCALE_FORMATS = ("fp32", "pow2")
+SCALE_FORMATS = ("fp32", "pow2", "e4m3")  # e4m3: NVFP4's two-level scales (E4M3 per block x float32 per tensor), kernels/nvfp4.py
 
 
 def _encode_e4m3(y: torch.Tensor) -> torch.Tensor:
@@ -90,6 +92,7 @@ def _decode_e4m3(q: torch.Tensor) -> torch.Tensor:
 # codec name -> (largest finite value, storage dtype, encode(float32 scaled values), decode(storage) -> float32)
 VALUE_CODECS: dict[str, tuple[float, torch.dtype, Callable, Callable]] = {
     "e4m3": (E4M3_MAX, torch.float8_e4m3fn, _encode_e4m3, _decode_e4m3),
+    "e2m1": (E2M1_MAX, torch.uint8, encode_e2m1, decode_e2m1),  # NVFP4 values: one 4-bit code per byte in memory
 }
 
 
@@ -108,6 +111,8 @@ class QuantFormat:
             raise ValueError(f"unknown scale format {self.scale_format!r}; implemented: {', '.join(SCALE_FORMATS)}")
         if len(self.block) != 2 or min(self.block) < 1:
             raise ValueError(f"block must be two positive sizes, got {self.block}")
+        if (self.scale_format == "e4m3") != (self.name == "e2m1") or (self.name == "e2m1" and self.block[0] != 1):
+            raise ValueError(f"unsupported format {self}: the e2m1 codec goes with e4m3 scales over (1, n) blocks (NVFP4)")
 
     @property
     def max_value(self) -> float:
@@ -123,6 +128,7 @@ class QuantFormat:
 
 E4M3_WEIGHT_128 = QuantFormat("e4m3", (128, 128), "fp32")
 E4M3_ACT_1x128 = QuantFormat("e4m3", (1, 128), "fp32")
+NVFP4_WEIGHT = QuantFormat("e2m1", (1, 16), "e4m3")  # W4A16: pass a_fmt=None to the linears (kernels/nvfp4.py)
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -163,6 +169,10 @@ def quantize(x: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, torch.Ten
     """``(q, scale)``: ``q`` in the format's storage dtype, shaped like ``x``; ``scale`` float32 per block (module doc)."""
     _, _, encode, _ = VALUE_CODECS[fmt.name]
     x2 = _as_2d(x)
+    if fmt.scale_format == "e4m3":  # NVFP4: per-tensor global scale; the returned scale is float32(sb) * g per block
+        q, sb, g = nvfp4_quantize(x2, fmt.block[1])
+        scale = nvfp4_effective_scales(sb, g)
+        return (q.reshape(x.shape), scale.reshape(*x.shape[:-1], scale.shape[-1])) if x.dim() != 2 else (q, scale)
     scale = compute_scales(block_amax(x2, fmt.block), fmt)
     y = x2.to(torch.float32) / _expand(scale, fmt.block, *x2.shape)
     q = encode(y)
@@ -192,13 +202,19 @@ def dequantize_rows(w_q: torch.Tensor, row_scales: torch.Tensor, fmt: QuantForma
     return decode(w_q) * row_scales.repeat_interleave(fmt.block[1], dim=1)[:, :k]
 
 
-def _check_formats(w_fmt: QuantFormat, a_fmt: QuantFormat) -> None:
+def _check_formats(w_fmt: QuantFormat, a_fmt: QuantFormat | None) -> None:
+    if a_fmt is None:  # weight-only (W4A16 / W8A16): activations enter unquantized
+        return
+    if a_fmt.name == "e2m1":
+        raise ValueError("NVFP4 activations are not implemented (per-tensor global scales depend on the batch): use a_fmt=None (W4A16)")
     if a_fmt.block[0] != 1:
         raise ValueError(f"activation format must quantize per token (block rows 1), got {a_fmt.block}")
 
 
 def _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt):
     _check_formats(w_fmt, a_fmt)
+    if a_fmt is None:
+        return x2d.to(torch.float32), dequantize_rows(w_q, w_row_scales, w_fmt)
     xq, xs = quantize(x2d, a_fmt)
     return dequantize(xq, xs, a_fmt), dequantize_rows(w_q, w_row_scales, w_fmt)
 

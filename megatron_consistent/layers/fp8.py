@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ArchConfig
+from ..config import ArchConfig, UnsupportedConfigError
 from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
-from ..conversion.hf import _join, _plan
+from ..conversion.hf import _join, _plan, _split
 from ..conversion.moe import MOE_KINDS
 from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, FP8Weights, QuantFormat, fp8_linear_ste, fp8_moe_experts, weight_row_scales
 
@@ -81,6 +81,8 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
 
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch)
+    if w_fmt.name == "e2m1" and arch.is_moe:
+        raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
     bound = []
     for i, layer in enumerate(model.decoder.layers):
         if isinstance(layer.mlp, ConsistentMoELayer):
@@ -111,5 +113,82 @@ def enable_fp8_kv(model, on: bool = True) -> int:
     for m in model.modules():
         if isinstance(m, ConsistentCoreAttention):
             m.fp8_kv = on
+            n += 1
+    return n
+
+
+# ------------------------------------------------------------------------------------------- BASELINE (stock) fake quant
+_FUSED_GROUPS = {"qkv": 3, "fc1": 2, "experts_fc1": 2}  # HF parts that stock vLLM fuses and requantizes to their max scale
+
+
+def _per_tensor_fake_quant(arch: ArchConfig, kind: str, weight: torch.Tensor) -> torch.Tensor:
+    """The weight stock vLLM computes with from a per-tensor FP8 checkpoint: each HF tensor quantized with its own scale
+    (conversion.fp8.per_tensor_quantize), fused shards requantized to the group's max scale, dequantized."""
+    from ..conversion.fp8 import per_tensor_quantize
+    from ..kernels.fp8 import _encode_e4m3
+
+    parts = [per_tensor_quantize(p.contiguous()) for p in _split(arch, kind, weight.detach())]
+    g = _FUSED_GROUPS.get(kind, 1)
+    out = []
+    for i in range(0, len(parts), g):
+        group = parts[i:i + g]
+        s_max = torch.stack([s for _, s in group]).max()
+        for q, s in group:
+            dq = q.to(torch.float32) * s
+            out.append((_encode_e4m3(dq / s_max).to(torch.float32) * s_max).to(weight.dtype))
+    return _join(arch, kind, out)
+
+
+def _fake_quant_input_per_tensor(module, args, kwargs):
+    """Dynamic per-tensor activation quantization (stock vLLM CPU's W8A8 per-tensor scheme): one scale for the whole
+    input — so every token depends on the batch."""
+    from ..kernels.fp8 import E4M3_MAX, _encode_e4m3
+
+    x = args[0]
+    s = x.detach().abs().amax().to(torch.float32) / E4M3_MAX
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return ((_encode_e4m3(x.to(torch.float32) / s).to(torch.float32) * s).to(x.dtype), *args[1:]), kwargs
+
+
+def enable_stock_fp8_fake_quant(model) -> list[str]:
+    """BASELINE trainer for ``check --quantization fp8``: a stock Megatron model (``build_stock_gpt_model``) whose
+    quantized linears get the per-tensor FP8 weights stock vLLM runs (:func:`_per_tensor_fake_quant`, written into the
+    parameters — recompute only) and, for the dense / attention linears, dynamic per-tensor activation fake quant;
+    stock ``F.linear`` in the model dtype.  MoE experts (StockMoELayer): weights only."""
+    arch: ArchConfig = model.arch_config
+    params = dict(model.named_parameters())
+    done = []
+    for mname, _, kind in _plan(arch):
+        if not is_quantized(mname):
+            continue
+        with torch.no_grad():
+            params[mname].copy_(_per_tensor_fake_quant(arch, kind, params[mname]))
+        module = model.get_submodule(mname.rsplit(".", 1)[0])
+        if kind not in MOE_KINDS and ".shared_experts." not in mname:
+            module.register_forward_pre_hook(_fake_quant_input_per_tensor, with_kwargs=True)
+        done.append(mname)
+    return done
+
+
+def enable_stock_fp8_kv(model) -> int:
+    """BASELINE trainer for ``check --kv-cache-dtype fp8``: Megatron's stock core attention sees K and V after the
+    E4M3 round trip (``kernels.fp8.kv_round_trip``, scale 1 — stock vLLM's default k/v scale)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from ..kernels.fp8 import kv_round_trip
+
+    def hook(module, args, kwargs):
+        args = list(args)
+        for i, name in ((1, "key"), (2, "value")):
+            if len(args) > i:
+                args[i] = kv_round_trip(args[i])
+            elif name in kwargs:
+                kwargs[name] = kv_round_trip(kwargs[name])
+        return tuple(args), kwargs
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, DotProductAttention):
+            m.register_forward_pre_hook(hook, with_kwargs=True)
             n += 1
     return n

@@ -68,8 +68,8 @@ class CheckConfig:
             raise ValueError(f"max_prompt_len + max_tokens ({self.max_prompt_len + self.max_tokens}) exceeds max_model_len {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.quantization not in ("", "fp8"):
-            raise ValueError(f"--quantization must be fp8 (or empty), got {self.quantization!r}")
+        if self.quantization not in ("", "fp8", "nvfp4"):
+            raise ValueError(f"--quantization must be fp8 or nvfp4 (or empty), got {self.quantization!r}")
         if self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32 (vLLM CPU), got {self.block_size}")
 
@@ -153,13 +153,17 @@ def run_check(cfg: CheckConfig) -> dict:
     out = Path(cfg.out_dir)
     model_dir = out / "model"
     model = build_consistent_gpt_model(arch, seed=cfg.seed)
-    if cfg.quantization == "fp8":  # trainer: FP8 forward on the bf16 masters; engines: the block-FP8 export of them
-        from ..conversion.fp8 import export_hf_fp8
+    if cfg.quantization:  # trainer: FP8 / NVFP4 forward on the bf16 masters; engines: the quantized export of them
+        from ..conversion.fp8 import export_hf_fp8, export_hf_fp8_per_tensor
+        from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
         from ..layers.fp8 import enable_fp8
 
-        enable_fp8(model)
-        export_hf_fp8(model, arch, model_dir)
+        formats = (NVFP4_WEIGHT, None) if cfg.quantization == "nvfp4" else (E4M3_WEIGHT_128, E4M3_ACT_1x128)  # NVFP4: W4A16
+        enable_fp8(model, *formats)
+        export_hf_fp8(model, arch, model_dir, *formats)
         export_hf(model, arch, out / "model_bf16")  # the stock trainer's weights (bf16 masters)
+        if cfg.quantization == "fp8" and cfg.mode != "consistent":  # stock vLLM CPU runs per-tensor FP8 (block FP8 needs AMX)
+            export_hf_fp8_per_tensor(model, arch, out / "model_stock_fp8")
     else:
         export_hf(model, arch, model_dir)
     if cfg.kv_cache_dtype == "fp8":  # the trainer reproduces the engine's FP8 KV round trip
@@ -179,6 +183,11 @@ def run_check(cfg: CheckConfig) -> dict:
             temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
             enable_prefix_caching=not arch.is_hybrid)
+        if mode == "baseline" and cfg.quantization == "nvfp4":
+            report[mode] = {"unavailable": "stock vLLM has no NVFP4 linear on CPU (its ModelOpt NVFP4 kernels are CUDA-only)"}
+            continue
+        if mode == "baseline" and cfg.quantization == "fp8":  # stock FP8 baseline: per-tensor checkpoint (docs/fp8.md)
+            req.model_dir = str(out / "model_stock_fp8")
         if cfg.kv_cache_dtype != "auto":
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         routes_dir = None
@@ -211,6 +220,14 @@ def run_check(cfg: CheckConfig) -> dict:
         else:
             trainer = build_stock_gpt_model(arch, seed=cfg.seed)
             import_hf(trainer, arch, out / "model_bf16" if cfg.quantization else model_dir)
+            if cfg.quantization == "fp8":  # stock kernels + the stock engine's per-tensor FP8 fake quant (layers/fp8.py)
+                from ..layers.fp8 import enable_stock_fp8_fake_quant
+
+                enable_stock_fp8_fake_quant(trainer)
+            if cfg.kv_cache_dtype == "fp8":  # stock core attention on E4M3 round-tripped K/V
+                from ..layers.fp8 import enable_stock_fp8_kv
+
+                enable_stock_fp8_kv(trainer)
         sink = None
         if routes_dir is not None:
             from .routing import TrainerRoutes

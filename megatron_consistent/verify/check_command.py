@@ -20,7 +20,8 @@ def add_arguments(p) -> None:
     p.add_argument("--logprobs-mode", dest="logprobs_mode", choices=["processed", "raw"])
     p.add_argument("--out-dir", dest="out_dir")
     p.add_argument("--kv-cache-dtype", dest="kv_cache_dtype", choices=["auto", "fp8"], help="fp8: E4M3 KV cache (scale 1) in both engines")
-    p.add_argument("--quantization", choices=["fp8"], help="fp8: block-FP8 (E4M3, 128x128 weight blocks, dynamic 1x128 activations)")
+    p.add_argument("--quantization", choices=["fp8", "nvfp4"],
+                   help="fp8: block-FP8 (E4M3, 128x128 weight blocks, dynamic 1x128 activations); nvfp4: NVFP4 weights (W4A16)")
     p.add_argument("--json", help="write the JSON report here (default: OUT_DIR/check.json)")
 
 

@@ -18,7 +18,10 @@ MoE layers (:class:`FP8MoEDecoderLayer`): q/k/v/o the same way; stacked E4M3
 experts with per-expert block scales through
 :func:`megatron_consistent.kernels.fp8.fp8_moe_experts`; the router and the
 shared-expert gate stay in the model dtype.
-Refits send the same two tensors per linear.
+Refits send the same two tensors per linear.  NVFP4 checkpoints (W4A16): the
+fused storage holds the packed E2M1 codes (``uint8 [N, K/2]``), each HF tensor
+its E4M3 ``weight_scale [N, K/16]`` and float32 ``weight_scale_2``; every call
+unpacks and runs the same ``fp8_linear`` with ``a_fmt=None``.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import torch
 from torch import nn
 
 from ..config import ArchConfig, UnsupportedConfigError
-from ..conversion.fp8 import QUANT_KEY, formats_from_entry
+from ..conversion.fp8 import QUANT_KEY, check_fp8_arch, formats_from_entry
 from ..kernels import moe as kmoe
 from ..kernels.fp8 import FP8Weights, fp8_linear, fp8_moe_experts, weight_row_scales
+from ..kernels.nvfp4 import nvfp4_effective_scales, unpack_e2m1
 from .model import ConsistentDecoderLayer
 from .moe import ConsistentMoEDecoderLayer
 
@@ -61,16 +65,24 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
     """Replace ``layer``'s fused linears ``ops`` by E4M3 storage + one block-scale parameter per HF tensor."""
     layer.w_fmt, layer.a_fmt = formats
     br, bc = layer.w_fmt.block
+    nv = layer.nvfp4 = layer.w_fmt.name == "e2m1"  # NVFP4: codes packed two per byte, E4M3 block scales + float32 global
     layer._rows = {}
     sizes = {"q_proj": layer.q_size, "k_proj": layer.kv_size, "v_proj": layer.kv_size, "o_proj": arch.hidden_size,
              "gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size, "down_proj": arch.hidden_size}
     for op in ops:
         pname, parts = _FUSED[op]
         old = getattr(layer, pname)
-        setattr(layer, pname, nn.Parameter(torch.zeros(old.shape, dtype=layer.w_fmt.storage_dtype), requires_grad=False))
-        k = old.shape[1]
+        n_all, k = old.shape
+        if nv and k % 2:
+            raise UnsupportedConfigError(f"nvfp4: {pname} has an odd input size {k} (two E2M1 codes per byte)")
+        shape = (n_all, k // 2) if nv else old.shape
+        setattr(layer, pname, nn.Parameter(torch.zeros(shape, dtype=layer.w_fmt.storage_dtype), requires_grad=False))
         for short, _ in parts:
             n = sizes[short]
+            if nv:
+                setattr(layer, f"{short}_scale", nn.Parameter(torch.ones(n, -(-k // bc), dtype=torch.float8_e4m3fn), requires_grad=False))
+                setattr(layer, f"{short}_scale_2", nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False))
+                continue
             setattr(layer, f"{short}_scale", nn.Parameter(torch.ones(-(-n // br), -(-k // bc), dtype=torch.float32), requires_grad=False))
         layer._rows[op] = [sizes[s] for s, _ in parts]
         layer.lin[op] = _make_linear(layer, op)
@@ -80,6 +92,9 @@ def _make_linear(layer, op: str):
     parts = _FUSED[op][1]
 
     def run(x, w_q, b=None):
+        if layer.nvfp4:
+            rows = torch.cat([nvfp4_effective_scales(getattr(layer, f"{s}_scale"), getattr(layer, f"{s}_scale_2")) for s, _ in parts])
+            return fp8_linear(x, unpack_e2m1(w_q), rows, b, w_fmt=layer.w_fmt, a_fmt=layer.a_fmt)
         rows = torch.cat([weight_row_scales(getattr(layer, f"{s}_scale"), n, layer.w_fmt) for (s, _), n in zip(parts, layer._rows[op])])
         return fp8_linear(x, w_q, rows, b, w_fmt=layer.w_fmt, a_fmt=layer.a_fmt)
 
@@ -87,6 +102,9 @@ def _make_linear(layer, op: str):
 
 
 def _fused_scale_targets(layer, ops, p: str) -> dict[str, torch.Tensor]:
+    if layer.nvfp4:  # ModelOpt names: weight_scale (E4M3 per 16) and weight_scale_2 (float32 global)
+        return {p + f"{suffix}.weight_scale{k}": getattr(layer, f"{short}_scale{k}") for op in ops for short, suffix in _FUSED[op][1]
+                for k in ("", "_2")}
     return {p + f"{suffix}.weight_scale_inv": getattr(layer, f"{short}_scale") for op in ops for short, suffix in _FUSED[op][1]}
 
 
@@ -177,6 +195,9 @@ class FP8MoEDecoderLayer(ConsistentMoEDecoderLayer):
 
 def layer_factory(arch: ArchConfig, formats):
     """Layer constructor for a block-FP8 checkpoint: :class:`FP8MoEDecoderLayer` where the config puts MoE, else dense."""
+    check_fp8_arch(arch)
+    if formats[0].name == "e2m1" and arch.is_moe:
+        raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
 
     def make(a, cache_config, prefix):
         cls = FP8MoEDecoderLayer if a.layer_is_moe(int(prefix.rsplit(".", 1)[-1])) else FP8DecoderLayer
