@@ -10,8 +10,10 @@ segment must start on a chunk boundary; ``initial_state`` is the state at that b
 Numerics contract (CPU, every accumulation float32, every op elementwise IEEE or a
 :func:`numerics.tree_sum` over a FIXED length):
 
-1. ``a_i = dt_i * A`` (float32); within a chunk ``cum_0 = a_0``, ``cum_i = cum_{i-1} + a_i``
-   — a sequential prefix sum, so ``cum_t`` depends on the chunk's tokens ``<= t`` only.
+1. ``a_i = dt_i * A`` (float32); within a chunk ``cum`` = inclusive prefix sum of ``a`` by the
+   doubling scan: ``cum = a``; for ``k = 1, 2, 4, ... < L``: ``cum_i = cum_i + cum_{i-k}`` for all
+   ``i >= k`` at once (:func:`_prefix_sum`) — ``cum_t`` is a fixed binary combination of the
+   chunk's ``a_0..a_t`` only (log2(L) adds deep; a sequential sum would cost L dependent steps).
    Tokens past the end of a partial chunk are zero-padded (``dt = x = B = C = 0``).
 2. Intra-chunk term of position ``t`` (row ``t`` of its chunk, ``s`` over ALL ``L`` rows):
    ``cb[t,s,g] = tree_sum_N(C_t[g,n] * B_s[g,n])``;
@@ -102,14 +104,17 @@ def mamba_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float = 0.0, d
 
 
 def _prefix_sum(a: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sequential inclusive prefix sum along ``dim`` (one IEEE add per step, left to right)."""
-    a = a.movedim(dim, 0)
-    out = torch.empty_like(a)
-    acc = a[0]
-    out[0] = acc
-    for i in range(1, a.shape[0]):
-        acc = acc + a[i]
-        out[i] = acc
+    """Inclusive prefix sum along ``dim`` by the doubling (Hillis-Steele) scan.
+
+    For ``k = 1, 2, 4, ... < n``: ``out[i] = out[i] + out[i - k]`` for every ``i >= k`` at once
+    (one IEEE add each).  Position ``i``'s value is a fixed binary combination of ``a[0..i]``:
+    it never reads a later element and its tree does not depend on ``n``.
+    """
+    out = a.movedim(dim, 0)
+    k = 1
+    while k < out.shape[0]:
+        out = torch.cat([out[:k], out[k:] + out[:-k]])
+        k *= 2
     return out.movedim(0, dim)
 
 
@@ -133,20 +138,27 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
 
     xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(B), chunks(C)   # [b,c,L,...]
-    a32 = A.to(torch.float32)
     d32 = D.to(torch.float32)
-    cum = _prefix_sum(dtc * a32, dim=2)                               # [b,c,L,H]
+    cum = _prefix_sum(dtc * A.to(torch.float32), dim=2)              # [b,c,L,H]
 
-    # 5. states at chunk boundaries (sequential over complete chunks)
+    # 5. states at chunk boundaries: per-chunk contributions in blocks of chunks, then the
+    #    sequential recurrence S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c.
     states = [state]
     s = state
-    for c in range(n_complete):
-        u = exp(cum[:, c, L - 1:L, :] - cum[:, c]) * dtc[:, c]         # [b,L,H]
-        uxs = (u.permute(0, 2, 1)[:, :, None, :] * xc[:, c].permute(0, 2, 3, 1))  # [b,H,P,L]
-        bh = bc[:, c][:, :, heads, :].permute(0, 2, 3, 1)             # [b,H,N,L]
-        contrib = tree_sum(uxs[:, :, :, None, :] * bh[:, :, None, :, :])  # [b,H,P,N]
-        s = exp(cum[:, c, L - 1])[:, :, None, None] * s + contrib
-        states.append(s)
+    per_chunk = bsz * nh * hp * ns * L
+    cblock = max(1, (4 * _WORK_ELEMENTS) // per_chunk)
+    for c0 in range(0, n_complete, cblock):
+        cs = slice(c0, min(n_complete, c0 + cblock))
+        last = cum[:, cs, L - 1]                                      # [b,k,H]
+        e = exp(torch.cat([last[:, :, None, :] - cum[:, cs], last[:, :, None, :]], dim=2))   # [b,k,L+1,H]
+        u = e[:, :, :L] * dtc[:, cs]                                  # [b,k,L,H]
+        uxs = u.permute(0, 1, 3, 2)[:, :, :, None, :] * xc[:, cs].permute(0, 1, 3, 4, 2)  # [b,k,H,P,L]
+        bh = bc[:, cs][:, :, :, heads, :].permute(0, 1, 3, 4, 2)     # [b,k,H,N,L]
+        contrib = tree_sum(uxs[:, :, :, :, None, :] * bh[:, :, :, None, :, :])  # [b,k,H,P,N]
+        decay = e[:, :, L]                                            # [b,k,H]
+        for j in range(contrib.shape[1]):
+            s = decay[:, j, :, None, None] * s + contrib[:, j]
+            states.append(s)
     boundary = s
 
     # 2-4. outputs for positions first_out..T-1, in blocks of positions
@@ -164,10 +176,10 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         cb = tree_sum(c_t[:, :, None, :, :] * bc[:, ci])              # [b,o,L,G]
         mask = (rows[None, :] <= ri[:, None])[None, :, :, None]       # [1,o,L,1]
         seg = torch.where(mask, cum_t[:, :, None, :] - cum_c, 0.0)
-        w = torch.where(mask, (cb[..., heads] * exp(seg)) * dtc[:, ci], 0.0)   # [b,o,L,H]
+        e = exp(torch.cat([seg, cum_t[:, :, None, :]], dim=2))        # [b,o,L+1,H]
+        w = torch.where(mask, (cb[..., heads] * e[:, :, :L]) * dtc[:, ci], 0.0)   # [b,o,L,H]
         intra = tree_sum(w.permute(0, 1, 3, 2)[:, :, :, None, :] * xc[:, ci].permute(0, 1, 3, 4, 2))  # [b,o,H,P]
-        s_c = all_states[:, ci]                       # [b,o,H,P,N]
-        inter = tree_sum(c_t[:, :, heads, None, :] * s_c) * exp(cum_t)[..., None]
+        inter = tree_sum(c_t[:, :, heads, None, :] * all_states[:, ci]) * e[:, :, L, :, None]
         x_t = xc[:, ci, ri]                                           # [b,o,H,P]
         ys.append(((intra + inter) + d32[:, None] * x_t).to(x.dtype))
     y = torch.cat(ys, dim=1) if ys else x.new_zeros(bsz, 0, nh, hp)
