@@ -114,6 +114,23 @@ def test_broken_combine_and_broken_layout_are_caught(monkeypatch):
         assert torch.equal(_logits(meg, ids), ref)
 
 
+def test_megatron_path_fp8_experts_equal_module_path():
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    name = "tiny-qwen2moe-top8-shared"
+    module = build_consistent_gpt_model(builtin_model_dir(name), seed=2, moe_impl="module")
+    meg = build_consistent_gpt_model(builtin_model_dir(name), seed=2, moe_impl="megatron")
+    bound_m, bound_g = enable_fp8(module), enable_fp8(meg)
+    assert bound_m == bound_g and "decoder.layers.0.mlp" in bound_g
+    assert meg.decoder.layers[0].mlp.experts.fp8 is meg.decoder.layers[0].mlp.shared_experts.fp8 is not None
+    ids = _ids(meg.arch_config.vocab_size, 2, 15, seed=3)
+    with torch.no_grad():
+        fp8_logits = _logits(meg, ids)
+        assert torch.equal(fp8_logits, _logits(module, ids))
+        meg.decoder.layers[0].mlp.shared_experts.fp8 = None  # bf16 shared expert: a different value, caught
+        assert not torch.equal(_logits(meg, ids), fp8_logits)
+
+
 def test_megatron_aux_loss_changes_no_forward_value_but_reaches_the_router():
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 

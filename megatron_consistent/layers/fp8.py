@@ -78,6 +78,7 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     """Switch the decoder linears of a consistent GPTModel to the FP8 forward (MoE layers: the experts, via
     :class:`FP8MoEBinding` on the block); returns the bound module names."""
     from .moe import ConsistentMoELayer
+    from .moe_megatron import ConsistentExperts
 
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch)
@@ -87,6 +88,11 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     for i, layer in enumerate(model.decoder.layers):
         if isinstance(layer.mlp, ConsistentMoELayer):
             layer.mlp.fp8 = FP8MoEBinding(arch, w_fmt, a_fmt)
+            bound.append(f"decoder.layers.{i}.mlp")
+        elif isinstance(getattr(layer.mlp, "experts", None), ConsistentExperts):  # Megatron's MoELayer (layers/moe_megatron.py)
+            layer.mlp.experts.fp8 = FP8MoEBinding(arch, w_fmt, a_fmt)
+            if layer.mlp.shared_experts is not None:
+                layer.mlp.shared_experts.fp8 = layer.mlp.experts.fp8
             bound.append(f"decoder.layers.{i}.mlp")
     for mname, _, kind in _plan(arch):
         if is_quantized(mname) and kind not in MOE_KINDS and ".shared_experts." not in mname:

@@ -317,13 +317,26 @@ class ConsistentExperts(nn.Module):
             raise RuntimeError("ConsistentExperts: the dispatched rows are not in the expert-major, token-ascending "
                                "order of Megatron's permute (this megatron-core permutes differently)")
         pieces, start = [], 0
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        mlp = self._expert_mlp()
         for e, n in enumerate(counts.tolist()):
             if n:
-                pieces.append(kmoe.expert_mlp(rows[start : start + n], w1[e], w2[e]))
+                pieces.append(mlp(rows[start : start + n], e))
                 start += n
+        w2 = self.linear_fc2.weight
         y = torch.cat(pieces) if pieces else rows.new_zeros(0, w2.shape[1])
         return slot_order_rows(y, permuted_probs, row_of_pair), None
+
+    def _expert_mlp(self):
+        """``f(rows, e)``: expert ``e``'s SwiGLU MLP; block-FP8 (``kernels.fp8.fp8_expert_mlp``, quantized per forward
+        from the bf16 masters, STE backward) while ``layers.fp8.enable_fp8`` has set :attr:`fp8`."""
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        fp8 = getattr(self, "fp8", None)
+        if fp8 is None:
+            return lambda x, e: kmoe.expert_mlp(x, w1[e], w2[e])
+        from ..kernels.fp8 import fp8_expert_mlp
+
+        fc1, fc2 = fp8.quantize_weight("experts_fc1", w1), fp8.quantize_weight("experts_fc2", w2)
+        return lambda x, e: fp8_expert_mlp(x, fc1.expert(e), fc2.expert(e), fp8.w_fmt, fp8.a_fmt)
 
     def backward_dw(self):  # Megatron calls it only with delayed wgrad; gradients are already in .grad
         return None
@@ -353,7 +366,15 @@ class ConsistentSharedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
-        ys = kmoe.expert_mlp(h, self.linear_fc1.weight, self.linear_fc2.weight).to(torch.float32)
+        fp8 = getattr(self, "fp8", None)  # layers.fp8.enable_fp8: block-FP8 linears (as kernels.fp8.fp8_moe_experts)
+        if fp8 is None:
+            ys = kmoe.expert_mlp(h, self.linear_fc1.weight, self.linear_fc2.weight)
+        else:
+            from ..kernels.fp8 import fp8_expert_mlp
+
+            ys = fp8_expert_mlp(h, fp8.quantize_weight("fc1", self.linear_fc1.weight),
+                                fp8.quantize_weight("copy", self.linear_fc2.weight), fp8.w_fmt, fp8.a_fmt)
+        ys = ys.to(torch.float32)
         if self.gate_weight is not None:
             ys = kmoe.shared_expert_gate(h, self.gate_weight) * ys
         return ys.view(*x.shape[:-1], ys.shape[-1])
