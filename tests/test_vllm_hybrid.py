@@ -1,0 +1,225 @@
+"""Hybrid Mamba-2 (issue #8) in vLLM: the plugin's mixer state and a real engine vs the Megatron recompute.
+
+Two levels:
+
+* the plugin's :class:`ConsistentMambaMixer` driven directly with vLLM-shaped
+  metadata (decodes first, then prefill pieces; state slots; ``seq_lens``):
+  hypothesis draws sequences, schedules (chunked-prefill pieces of any size,
+  decode steps, requests joining/sitting out) and slot assignments; every output
+  row must be bitwise the whole-sequence forward.  A variant that drops the
+  pending tokens (replays from the boundary state without them) must be caught.
+* one real engine with the plugin on ``tiny-nemotronh`` (M * - layers), chunked
+  prefill forced (``max_num_batched_tokens=16``, prompts up to 70 tokens = 5
+  chunks of 16): a request in a mixed batch, the same request alone, and the
+  response re-fed as a prompt (whole-prompt prefill log-probs of the tokens that
+  were decoded one by one) — all ``torch.equal`` to the Megatron recompute; and
+  a second engine start with prefix caching, refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------- mixer state logic
+def _arch(chunk: int = 4) -> ArchConfig:
+    hf = load_hf_config(builtin_model_dir("tiny-mamba2"))
+    hf.update(chunk_size=chunk, hidden_size=32, num_heads=4, head_dim=16, state_size=8)
+    return ArchConfig.from_hf(hf)
+
+
+def _mixer(arch: ArchConfig, slots: int, seed: int = 0):
+    from megatron_consistent.vllm_plugin.mamba import ConsistentMambaMixer
+
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={}))
+    m = ConsistentMambaMixer(arch, cfg, "backbone.layers.0.mixer")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            v = torch.randn(p.shape, generator=g) * (0.5 if p.dim() > 1 else 1.0)
+            if name == "dt_bias":
+                v = v - 2.0
+            p.copy_(v.to(torch.bfloat16).to(p.dtype))  # bf16-representable, like an exported checkpoint
+    m.kv_cache = tuple(torch.full((slots, *shape), float("nan"), dtype=dt)  # unwritten slots hold garbage
+                       for shape, dt in zip(m.get_state_shape(), m.get_state_dtype()))
+    return m
+
+
+def _forward(monkeypatch, mixer, meta, x):
+    import vllm.forward_context as fc
+
+    monkeypatch.setattr(fc, "get_forward_context", lambda: SimpleNamespace(attn_metadata=None if meta is None else {mixer.prefix: meta}))
+    return mixer(x)
+
+
+def _meta(batch):
+    """vLLM Mamba-2 metadata for ``batch`` = [(slot, computed, new)], decodes (new == 1, computed > 0) first."""
+    dec = [b for b in batch if b[2] == 1 and b[1] > 0]
+    pre = [b for b in batch if not (b[2] == 1 and b[1] > 0)]
+    qsl = [0]
+    for b in pre:
+        qsl.append(qsl[-1] + b[2])
+    return dec + pre, SimpleNamespace(
+        num_decodes=len(dec), num_prefills=len(pre), num_decode_tokens=len(dec), num_prefill_tokens=qsl[-1],
+        seq_lens=torch.tensor([c + n for _, c, n in dec + pre], dtype=torch.int32),
+        state_indices_tensor_d=torch.tensor([[s] for s, _, _ in dec], dtype=torch.int32).reshape(-1, 1),
+        state_indices_tensor_p=torch.tensor([s for s, _, _ in pre], dtype=torch.int32),
+        query_start_loc_p=torch.tensor(qsl, dtype=torch.int32))
+
+
+@st.composite
+def _schedules(draw):
+    n = draw(st.integers(1, 3))
+    lengths = [draw(st.integers(1, 19)) for _ in range(n)]
+    steps, done = [], [0] * n
+    while any(d < L for d, L in zip(done, lengths)):
+        step = []
+        for i in range(n):
+            left = lengths[i] - done[i]
+            if left and not draw(st.booleans()):  # True: sits this step out
+                k = draw(st.integers(1, min(left, 9)))
+                step.append((i, done[i], k))
+                done[i] += k
+        if step:
+            steps.append(draw(st.permutations(step)))
+    return lengths, steps, draw(st.permutations(list(range(n + 2))))[:n]
+
+
+def _run_schedule(monkeypatch, mixer, hidden, steps, slots):
+    out = [torch.full_like(h, float("nan")) for h in hidden]
+    for step in steps:
+        batch = [(slots[i], c, k) for i, c, k in step]
+        ordered, meta = _meta(batch)
+        who = {(slots[i], c): i for i, c, _ in step}
+        x = torch.cat([hidden[who[(s, c)]][c:c + k] for s, c, k in ordered])
+        y = _forward(monkeypatch, mixer, meta, x)
+        r = 0
+        for s, c, k in ordered:
+            out[who[(s, c)]][c:c + k] = y[r:r + k]
+            r += k
+    return out
+
+
+@settings(max_examples=15, suppress_health_check=[HealthCheck.large_base_example])
+@given(_schedules(), st.integers(0, 2**16))
+def test_mixer_any_schedule_equals_whole_sequence(sched, seed):
+    """Chunked prefill pieces, decode steps and batch mates never change a row: bitwise the one-pass forward."""
+    with pytest.MonkeyPatch.context() as mp:
+        _check_schedule(mp, sched, seed)
+
+
+def _check_schedule(monkeypatch, sched, seed):
+    lengths, steps, slots = sched
+    arch = _arch()
+    mixer = _mixer(arch, slots=len(lengths) + 2, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden = [torch.randn(L, arch.hidden_size, generator=g).to(torch.bfloat16) for L in lengths]
+    whole = [_forward(monkeypatch, mixer, None, h) for h in hidden]
+    got = _run_schedule(monkeypatch, mixer, hidden, steps, slots)
+    for w, o in zip(whole, got):
+        assert torch.equal(w, o)
+
+
+def test_mixer_without_pending_tokens_is_caught(monkeypatch):
+    """A replay that forgets the tokens since the last boundary (a plausible bug) must differ."""
+    from megatron_consistent.vllm_plugin import mamba as mod
+
+    arch = _arch(chunk=4)
+    mixer = _mixer(arch, slots=2, seed=3)
+    h = torch.randn(10, arch.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    whole = _forward(monkeypatch, mixer, None, h)
+    steps = [[(0, 0, 6)], [(0, 6, 1)], [(0, 7, 3)]]  # pieces start mid-chunk (6 % 4, 7 % 4)
+    assert torch.equal(_run_schedule(monkeypatch, mixer, [h], steps, [1])[0], whole)
+    real = mod.ssd_continue
+    monkeypatch.setattr(mod, "ssd_continue", lambda b, p, *a: real(b, None, *a))
+    broken = _run_schedule(monkeypatch, mixer, [h], steps, [1])[0]
+    assert torch.equal(broken[:6], whole[:6]) and not torch.equal(broken[6:], whole[6:])
+
+
+# ---------------------------------------------------------------------------------------------- real engine
+ENGINE_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+req = json.loads(open(sys.argv[1]).read())
+llm = LLM(model=req["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.3,
+          max_num_batched_tokens=16, max_num_seqs=8, max_model_len=256, block_size=32, enforce_eager=True,
+          enable_prefix_caching=req["prefix_caching"], logprobs_mode="raw_logprobs")
+def run(prompts, **kw):  # greedy (per-request seeds: "CPU Generator does not use offset"), raw log-probs
+    ps = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], logprobs=0, ignore_eos=True, **kw)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], ps, use_tqdm=False)
+def decoded(o):
+    c = o.outputs[0]
+    return {"tokens": list(c.token_ids), "logprobs": [s[t].logprob for s, t in zip(c.logprobs, c.token_ids)]}
+P = req["prompts"]
+batch = [decoded(o) for o in run(P)]
+alone = decoded(run(P[:1])[0])
+refed = run([p + b["tokens"] for p, b in zip(P, batch)], prompt_logprobs=0)
+prefill = [[d[t].logprob for d, t in zip(o.prompt_logprobs[len(p):], o.prompt_token_ids[len(p):])] for o, p in zip(refed, P)]
+open(sys.argv[2], "w").write(json.dumps({"batch": batch, "alone": alone, "prefill": prefill}))
+"""
+
+
+def _engine(tmp_path, name, request):
+    req, res, log = tmp_path / f"{name}.json", tmp_path / f"{name}.result.json", tmp_path / f"{name}.log"
+    req.write_text(json.dumps(request))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", MEGATRON_CONSISTENT_VLLM="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(req), str(res)], env=env, cwd=REPO, stdout=f,
+                            stderr=subprocess.STDOUT).returncode
+    return rc, (json.loads(res.read_text()) if rc == 0 and res.exists() else None), log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def nemotronh(tmp_path_factory):
+    from megatron_consistent.conversion import export_hf
+    from megatron_consistent.layers import build_consistent_gpt_model
+
+    arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir("tiny-nemotronh")))
+    model = build_consistent_gpt_model(arch, seed=5)
+    out = tmp_path_factory.mktemp("nemotronh")
+    export_hf(model, arch, out / "model")
+    return arch, model, out
+
+
+def test_engine_batch_alone_chunked_prefill_decode_equal_megatron(nemotronh):
+    from megatron_consistent.verify.check import recompute
+
+    arch, model, out = nemotronh
+    g = torch.Generator().manual_seed(7)
+    lengths = [70, 5, 33, 17, 48, 1]  # up to 5 chunks of 16; pieces of 16 tokens cut them mid-chunk
+    prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    rc, res, log = _engine(out, "main", {"model": str(out / "model"), "prompts": prompts, "max_tokens": 12, "prefix_caching": False})
+    assert rc == 0, log[-3000:]
+    assert "Mamba state replayed from chunk boundaries" in log  # the plugin's hybrid class ran
+    responses = [b["tokens"] for b in res["batch"]]
+    want = recompute(model, prompts, responses, 1.0, batch=6, stock=False)
+    decode_lp = torch.tensor([x for b in res["batch"] for x in b["logprobs"]], dtype=torch.float32)
+    prefill_lp = torch.tensor([x for lps in res["prefill"] for x in lps], dtype=torch.float32)
+    assert decode_lp.numel() == 12 * len(prompts)
+    assert torch.equal(decode_lp, want)  # mixed batch, chunked prefill + decode == Megatron
+    assert torch.equal(prefill_lp, want)  # the same tokens through (chunked) prefill == Megatron
+    assert res["alone"]["tokens"] == res["batch"][0]["tokens"]
+    assert torch.equal(torch.tensor(res["alone"]["logprobs"]), torch.tensor(res["batch"][0]["logprobs"]))
+
+
+def test_engine_refuses_prefix_caching_by_name(nemotronh):
+    _, _, out = nemotronh
+    rc, _, log = _engine(out, "prefix", {"model": str(out / "model"), "prompts": [[5, 6, 7]], "max_tokens": 2, "prefix_caching": True})
+    assert rc != 0
+    assert "UnsupportedConfigError" in log and "enable_prefix_caching" in log and "NemotronHForCausalLM" in log
