@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .setup-done
 
-.PHONY: setup check check-all test bench clean
+.PHONY: setup check check-all check-hybrid test bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ check-all: setup
 		$(PYTHON) -m megatron_consistent.cli check --hf-config megatron_consistent/configs/models/$$m --temperature $$t \
 			--out-dir runs/check-all/$$m-t$$t || exit 1; \
 	done; done
+
+# Issue #8: hybrid Mamba-2 / Nemotron-H, 64 prompts x 64 tokens, chunked prefill forced (chunk_size 16, prompts up to 80 tokens).
+HYBRID_MODELS := tiny-mamba2 tiny-nemotronh tiny-nemotronh-moe
+check-hybrid: setup
+	@for m in $(HYBRID_MODELS); do \
+		$(PYTHON) -m megatron_consistent.cli check --hf-config megatron_consistent/configs/models/$$m --max-num-batched-tokens 64 \
+			--out-dir runs/check-hybrid/$$m || exit 1; \
+	done
 
 test: setup
 	$(PYTHON) -m pytest -q tests
