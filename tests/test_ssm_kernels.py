@@ -400,7 +400,8 @@ def _rel(a, b) -> float:
     return float((a.to(F64) - b).norm() / b.norm().clamp_min(1e-300))
 
 
-@given(case=ssd_cases(max_t=50, dtypes=(F32,)), pending=st.integers(0, 15))
+@settings(max_examples=10)
+@given(case=ssd_cases(max_t=40, dtypes=(F32,)), pending=st.integers(0, 15))
 def test_ssd_gradients_vs_f64(case, pending):
     inp = ssd_inputs(case)
     names = ("x", "dt", "A", "B", "C", "D", "S0")

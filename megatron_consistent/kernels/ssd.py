@@ -164,7 +164,7 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
     # 2-4. outputs for positions first_out..T-1, in blocks of positions
     all_states = torch.stack(states, dim=1)                           # [b,c+1,H,P,N]
     ys = []
-    per_pos = max(1, L * nh * max(hp, ns))
+    per_pos = nh * hp * max(L, ns) + L * ng * ns                    # largest work tensors per position
     block = max(1, _WORK_ELEMENTS // (bsz * per_pos))
     rows = torch.arange(L)
     for start in range(first_out, t_len, block):

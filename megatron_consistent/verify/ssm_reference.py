@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 F64 = torch.float64
 
@@ -50,16 +49,16 @@ def ssd_recurrence_f64(x, dt, A, B, C, D, initial_state=None):
 
 
 def causal_conv1d_f64(x, weight, bias=None, state=None, activation="silu"):
-    """Depthwise causal conv in float64 via ``F.conv1d`` on ``state ++ x``; returns ``(y, new_state)``."""
+    """Depthwise causal conv in float64, ``y[t, c] = sum_j w[c, j] * xin[t + j, c]`` over ``xin = state ++ x``
+    (sliding windows by ``unfold``; float64 ``F.conv1d`` with groups is very slow on CPU); returns ``(y, new_state)``."""
     x, weight, bias, state = (_d(t) for t in (x, weight, bias, state))
     k = weight.shape[1]
     if state is None:
         state = x.new_zeros(*x.shape[:-2], k - 1, x.shape[-1])
     xin = torch.cat([state, x], dim=-2)
-    lead = xin.shape[:-2]
-    flat = xin.reshape(-1, *xin.shape[-2:]).transpose(1, 2)           # [b, C, K-1+T]
-    y = F.conv1d(flat, weight[:, None, :], bias, groups=weight.shape[0]).transpose(1, 2)
-    y = y.reshape(*lead, x.shape[-2], x.shape[-1])
+    y = (xin.unfold(-2, k, 1) * weight).sum(-1)                       # [..., T, C]
+    if bias is not None:
+        y = y + bias
     if activation == "silu":
         y = y * torch.sigmoid(y)
     return y, xin[..., xin.shape[-2] - (k - 1):, :]
