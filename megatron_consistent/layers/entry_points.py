@@ -239,6 +239,9 @@ def _swap_final_norm_and_head(parent, name: str, child):
         cfg = parent.config
         return ConsistentRMSNorm(config=cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon)
     decoder = parent._modules.get("decoder")
+    if name == "output_layer" and isinstance(decoder, ConsistentHybridStack) and parent._modules.get("rotary_pos_emb") is not None:
+        raise UnsupportedConfigError("rotary position embeddings in a hybrid model (position_embedding_type='rope'): Nemotron-H "
+                                     "attention has none; build it with position_embedding_type='none'")
     if name == "output_layer" and not isinstance(child, ConsistentOutputLayer) and (
             _is_consistent_block(decoder) or isinstance(decoder, ConsistentHybridStack)):
         return ConsistentOutputLayer.from_megatron(child)

@@ -215,7 +215,8 @@ class ConsistentMambaMixer(nn.Module):
         b, t, _ = h.shape
         zxbcdt, _ = self.in_proj(h)
         z, xbc, dt_raw = torch.split(zxbcdt, [s.d_inner, s.conv_dim, s.num_heads], dim=-1)
-        xbc, _ = kernels.causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, None, "silu")
+        zero_state = xbc.new_zeros(b, s.conv_kernel - 1, s.conv_dim)  # sequences start at position 0 (explicit: autograd-safe)
+        xbc, _ = kernels.causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, zero_state, "silu")
         gn = s.n_groups * s.state_size
         x, B, C = torch.split(xbc, [s.d_inner, gn, gn], dim=-1)
         dt = kernels.mamba_dt(dt_raw, self.dt_bias, *s.time_step_limit)
