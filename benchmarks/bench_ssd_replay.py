@@ -30,7 +30,7 @@ from megatron_consistent.kernels.numerics import exp, tree_sum
 
 
 def best_time(fn, reps: int) -> float:
-    """Median of ``reps`` timings of ``fn()`` (seconds), after two warm-up calls."""
+    """Minimum of ``reps`` timings of ``fn()`` (seconds), after two warm-up calls (robust to a loaded machine)."""
     fn()
     fn()
     times = []
@@ -38,7 +38,7 @@ def best_time(fn, reps: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def recurrent_stock(h, x, dt, A, B, C, D):

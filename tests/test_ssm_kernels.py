@@ -344,6 +344,13 @@ def test_one_vs_two_threads_on_a_larger_call(torch_threads):
     assert torch.equal(one[2], one[0][:, 295:])  # the replayed tokens equal the whole-sequence ones
 
 
+@given(seed=seeds, n=st.integers(1, 40), tail=st.sampled_from(((), (3,), (2, 5))))
+def test_leading_axis_tree_is_numerics_tree_sum(seed, n, tail):
+    """The kernel's fast tree over axis 0 is numerics.tree_sum (same pairing, same bits)."""
+    x = _randn(_gen(seed), n, *tail, scale=1e3)
+    assert torch.equal(ssd_module._tree_sum0(x), tree_sum(x, dim=0))
+
+
 # --------------------------------------------------------------------------- (e) forward vs float64 oracle
 
 
@@ -500,14 +507,13 @@ def test_gated_norm_relu_squared_mamba_dt_gradients_vs_f64(seed, groups, group_s
 # --------------------------------------------------------------------------- (g) broken variants are caught
 
 
-def _present_tokens_torch_sum(x, dim=-1):
-    """BROKEN stand-in for tree_sum: sums with torch.sum over only the leading columns that hold a nonzero
-    anywhere in the call — for the intra-chunk term that is 'the tokens present', so its length (and with it
-    torch's accumulation order) depends on how the sequence was split."""
-    x = x.movedim(dim, -1)
-    present = (x != 0).reshape(-1, x.shape[-1]).any(0).nonzero()
+def _present_tokens_torch_sum(x):
+    """BROKEN stand-in for the kernel's tree over axis 0: torch.sum over only the leading entries that hold a
+    nonzero anywhere in the call — for the intra-chunk term that is 'the tokens present', so its length (and
+    with it torch's accumulation order) depends on how the sequence was split."""
+    present = (x != 0).reshape(x.shape[0], -1).any(1).nonzero()
     n = int(present.max()) + 1 if len(present) else 1
-    return x[..., :n].sum(-1)
+    return x[:n].sum(0)
 
 
 def _recurrent_decode_step(state, pending, x, dt, B, C, A, D, chunk_size):
@@ -550,7 +556,7 @@ def test_decode_checker_catches_broken_ssd(variant):
         inp = ssd_inputs(case)
         if variant == "recurrent_decode":
             return ssd_decode_violation(inp, case.chunk, [1] * case.t, step=_recurrent_decode_step) is not None
-        with mock.patch.object(ssd_module, "tree_sum", _present_tokens_torch_sum):
+        with mock.patch.object(ssd_module, "_tree_sum0", _present_tokens_torch_sum):
             return (ssd_decode_violation(inp, case.chunk, [1] * case.t) is not None
                     or ssd_decode_violation(inp, case.chunk, pieces) is not None)
 

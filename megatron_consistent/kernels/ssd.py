@@ -45,7 +45,7 @@ import math
 import torch
 
 from .dispatch import implementation, register
-from .numerics import exp, log, tree_sum
+from .numerics import exp, log
 
 # Output positions are evaluated in blocks whose [rows, L, H, P] float32 work tensor stays
 # under this many elements (a memory bound only: each position is computed independently).
@@ -118,10 +118,24 @@ def _prefix_sum(a: torch.Tensor, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def _tree_sum0(x: torch.Tensor) -> torch.Tensor:
+    """:func:`numerics.tree_sum` over axis 0 — the same zero padding and pairing (``i`` with ``i + n/2``),
+    so the same bits — with the reduced axis outermost, where each tree level adds two contiguous halves."""
+    n = x.shape[0]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros(width - n, *x.shape[1:])])
+    while width > 1:
+        width //= 2
+        x = x[:width] + x[width:]
+    return x[0]
+
+
 def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
     """Contract forward. Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32.
 
     Returns (y [b, T - first_out, H, P] in x.dtype, state after the last complete chunk).
+    Work tensors put the reduced axis first (speed only: every element is computed by the same ops).
     """
     bsz, t_len, nh, hp = x.shape
     ng, ns = B.shape[-2:]
@@ -142,27 +156,27 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
     cum = _prefix_sum(dtc * A.to(torch.float32), dim=2)              # [b,c,L,H]
 
     # 5. states at chunk boundaries: per-chunk contributions in blocks of chunks, then the
-    #    sequential recurrence S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c.
-    states = [state]
-    s = state
+    #    sequential recurrence S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c.  Kept as [N, b, H, P].
+    s = state.permute(3, 0, 1, 2).contiguous()
+    states = [s]
     per_chunk = bsz * nh * hp * ns * L
     cblock = max(1, (4 * _WORK_ELEMENTS) // per_chunk)
     for c0 in range(0, n_complete, cblock):
         cs = slice(c0, min(n_complete, c0 + cblock))
         last = cum[:, cs, L - 1]                                      # [b,k,H]
         e = exp(torch.cat([last[:, :, None, :] - cum[:, cs], last[:, :, None, :]], dim=2))   # [b,k,L+1,H]
-        u = e[:, :, :L] * dtc[:, cs]                                  # [b,k,L,H]
-        uxs = u.permute(0, 1, 3, 2)[:, :, :, None, :] * xc[:, cs].permute(0, 1, 3, 4, 2)  # [b,k,H,P,L]
-        bh = bc[:, cs][:, :, :, heads, :].permute(0, 1, 3, 4, 2)     # [b,k,H,N,L]
-        contrib = tree_sum(uxs[:, :, :, :, None, :] * bh[:, :, :, None, :, :])  # [b,k,H,P,N]
+        u = (e[:, :, :L] * dtc[:, cs]).permute(2, 0, 1, 3)            # [L,b,k,H]
+        ux = u[..., None] * xc[:, cs].permute(2, 0, 1, 3, 4).contiguous()            # [L,b,k,H,P]
+        bh = bc[:, cs][:, :, :, heads, :].permute(2, 4, 0, 1, 3).contiguous()      # [L,N,b,k,H]
+        contrib = _tree_sum0(ux[:, None] * bh[..., None])             # [N,b,k,H,P]
         decay = e[:, :, L]                                            # [b,k,H]
-        for j in range(contrib.shape[1]):
-            s = decay[:, j, :, None, None] * s + contrib[:, j]
+        for j in range(contrib.shape[2]):
+            s = decay[None, :, j, :, None] * s + contrib[:, :, j]
             states.append(s)
-    boundary = s
+    boundary = s.permute(1, 2, 3, 0).contiguous()
 
     # 2-4. outputs for positions first_out..T-1, in blocks of positions
-    all_states = torch.stack(states, dim=1)                           # [b,c+1,H,P,N]
+    all_states = torch.stack(states, dim=2)                           # [N,b,c+1,H,P]
     ys = []
     per_pos = nh * hp * max(L, ns) + L * ng * ns                    # largest work tensors per position
     block = max(1, _WORK_ELEMENTS // (bsz * per_pos))
@@ -172,14 +186,14 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         ci, ri = pos // L, pos % L
         cum_c = cum[:, ci]                                            # [b,o,L,H]
         cum_t = cum_c[:, torch.arange(len(pos)), ri]                  # [b,o,H]
-        c_t = cc[:, ci, ri]                                           # [b,o,G,N]
-        cb = tree_sum(c_t[:, :, None, :, :] * bc[:, ci])              # [b,o,L,G]
+        c_t = cc[:, ci, ri].permute(3, 0, 1, 2)                       # [N,b,o,G]
+        cb = _tree_sum0(c_t[:, :, :, None, :] * bc[:, ci].permute(4, 0, 1, 2, 3).contiguous())  # [b,o,L,G]
         mask = (rows[None, :] <= ri[:, None])[None, :, :, None]       # [1,o,L,1]
         seg = torch.where(mask, cum_t[:, :, None, :] - cum_c, 0.0)
         e = exp(torch.cat([seg, cum_t[:, :, None, :]], dim=2))        # [b,o,L+1,H]
         w = torch.where(mask, (cb[..., heads] * e[:, :, :L]) * dtc[:, ci], 0.0)   # [b,o,L,H]
-        intra = tree_sum(w.permute(0, 1, 3, 2)[:, :, :, None, :] * xc[:, ci].permute(0, 1, 3, 4, 2))  # [b,o,H,P]
-        inter = tree_sum(c_t[:, :, heads, None, :] * all_states[:, ci]) * e[:, :, L, :, None]
+        intra = _tree_sum0(w.permute(2, 0, 1, 3)[..., None] * xc[:, ci].permute(2, 0, 1, 3, 4).contiguous())  # [b,o,H,P]
+        inter = _tree_sum0(c_t[..., heads][..., None] * all_states[:, :, ci]) * e[:, :, L, :, None]
         x_t = xc[:, ci, ri]                                           # [b,o,H,P]
         ys.append(((intra + inter) + d32[:, None] * x_t).to(x.dtype))
     y = torch.cat(ys, dim=1) if ys else x.new_zeros(bsz, 0, nh, hp)
