@@ -45,7 +45,8 @@ def _stacked(kind: str, w: torch.Tensor, master=None) -> FP8Weights:
 
 @pytest.fixture(scope="module", params=["tiny-qwen3moe-top1", "tiny-qwen2moe-top8-shared"])
 def moe_fp8(request, tmp_path_factory):
-    model = build_consistent_gpt_model(builtin_model_dir(request.param), seed=0)
+    # the ConsistentMoELayer block is inspected below (the default Megatron MoELayer path: tests/test_moe_megatron_layer.py)
+    model = build_consistent_gpt_model(builtin_model_dir(request.param), seed=0, moe_impl="module")
     bound = enable_fp8(model)
     arch = model.arch_config
     assert sum(b.endswith(".mlp") for b in bound) == len(arch.moe_layers)

@@ -453,7 +453,7 @@ def megatron_moe_layer_spec(dense_layer_spec, arch):
 
 # ---------------------------------------------------------------------------------------------- model builder hook
 MOE_IMPLS = ("megatron", "module")
-DEFAULT_MOE_IMPL = "module"
+DEFAULT_MOE_IMPL = "megatron"
 
 
 def megatron_moe_setup(arch, moe_impl: str | None, dispatcher: str = "allgather", aux_loss_coeff: float = 0.0):
