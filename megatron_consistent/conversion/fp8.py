@@ -150,38 +150,3 @@ def export_hf_fp8(model, arch: ArchConfig, out_dir, fmt: QuantFormat = E4M3_WEIG
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out
 
-
-# ------------------------------------------------------------------------------------------- baseline: per-tensor FP8
-def per_tensor_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: one E4M3 scale for the whole 2-D tensor (``amax / 448``), as the per-tensor FP8 checkpoints stock
-    vLLM reads (``<name>.weight_scale``, a float32 scalar).  For the *baseline* only (stock vLLM CPU runs per-tensor FP8
-    through ``torch._scaled_mm``; its block-FP8 GEMMs need AMX)."""
-    q, s = quantize(w, QuantFormat("e4m3", tuple(w.shape), "fp32"))
-    return q, s.reshape(())
-
-
-def export_hf_fp8_per_tensor(model, arch: ArchConfig, out_dir) -> Path:
-    """Per-tensor FP8 HF folder for **stock** vLLM (the baseline): the same modules as :func:`export_hf_fp8`, each HF
-    tensor with one float32 ``weight_scale``; ``quantization_config = {"quant_method": "fp8", "activation_scheme":
-    "dynamic"}`` (no ``weight_block_size``; no ``megatron_consistent_quantization`` — the consistent plugin refuses it)."""
-    params = _model_params(model, arch)
-    tensors: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for mname, hf_names, kind in _plan(arch):
-            for hf_name, part in zip(hf_names, _split(arch, kind, params[mname].detach().cpu())):
-                if is_quantized(mname):
-                    tensors[hf_name], tensors[hf_name[: -len("weight")] + "weight_scale"] = per_tensor_quantize(part.contiguous())
-                else:
-                    tensors[hf_name] = part.contiguous().clone()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf = arch.to_hf()
-    dtype = next(p.dtype for p in model.parameters())
-    if dtype in _DTYPE_STR:
-        hf["torch_dtype"] = _DTYPE_STR[dtype]
-    hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    if arch.is_moe:
-        hf["quantization_config"]["modules_to_not_convert"] = unquantized_hf_modules(arch)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    return out

@@ -23,7 +23,7 @@ import torch
 
 from ..config import ArchConfig, UnsupportedConfigError
 from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
-from ..conversion.hf import _join, _plan, _split
+from ..conversion.hf import _join, _plan
 from ..conversion.moe import MOE_KINDS
 from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, FP8Weights, QuantFormat, fp8_linear_ste, fp8_moe_experts, weight_row_scales
 
@@ -124,43 +124,31 @@ def enable_fp8_kv(model, on: bool = True) -> int:
 
 
 # ------------------------------------------------------------------------------------------- BASELINE (stock) fake quant
-_FUSED_GROUPS = {"qkv": 3, "fc1": 2, "experts_fc1": 2}  # HF parts that stock vLLM fuses and requantizes to their max scale
+STOCK_FP8_QUANTIZATION = "fp8_per_channel"  # the stock vLLM FP8 path that runs on this CPU (docs/fp8.md, "Baseline")
+_STOCK_MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's minimum FP8 scaling factor
 
 
-def _per_tensor_fake_quant(arch: ArchConfig, kind: str, weight: torch.Tensor) -> torch.Tensor:
-    """The weight stock vLLM computes with from a per-tensor FP8 checkpoint: each HF tensor quantized with its own scale
-    (conversion.fp8.per_tensor_quantize), fused shards requantized to the group's max scale, dequantized."""
-    from ..conversion.fp8 import per_tensor_quantize
-    from ..kernels.fp8 import _encode_e4m3
-
-    parts = [per_tensor_quantize(p.contiguous()) for p in _split(arch, kind, weight.detach())]
-    g = _FUSED_GROUPS.get(kind, 1)
-    out = []
-    for i in range(0, len(parts), g):
-        group = parts[i:i + g]
-        s_max = torch.stack([s for _, s in group]).max()
-        for q, s in group:
-            dq = q.to(torch.float32) * s
-            out.append((_encode_e4m3(dq / s_max).to(torch.float32) * s_max).to(weight.dtype))
-    return _join(arch, kind, out)
-
-
-def _fake_quant_input_per_tensor(module, args, kwargs):
-    """Dynamic per-tensor activation quantization (stock vLLM CPU's W8A8 per-tensor scheme): one scale for the whole
-    input — so every token depends on the batch."""
+def _stock_fake_quant_rows(t: torch.Tensor, reciprocal: bool) -> torch.Tensor:
+    """Per-row E4M3 fake quant as stock vLLM's online ``fp8_per_channel`` does it: ``s = max(amax_row / 448, 1/(448*512))``,
+    ``q = e4m3(clamp(t / s))`` (weights: true division; activations: ``t * (1/s)``), back to ``t.dtype`` as ``q * s``."""
     from ..kernels.fp8 import E4M3_MAX, _encode_e4m3
 
-    x = args[0]
-    s = x.detach().abs().amax().to(torch.float32) / E4M3_MAX
-    s = torch.where(s == 0, torch.ones_like(s), s)
-    return ((_encode_e4m3(x.to(torch.float32) / s).to(torch.float32) * s).to(x.dtype), *args[1:]), kwargs
+    tf = t.to(torch.float32)
+    s = (tf.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=_STOCK_MIN_SCALE)
+    q = _encode_e4m3(tf * s.reciprocal() if reciprocal else tf / s)
+    return (q.to(torch.float32) * s).to(t.dtype)
+
+
+def _fake_quant_input_per_token(module, args, kwargs):
+    return (_stock_fake_quant_rows(args[0], reciprocal=True), *args[1:]), kwargs
 
 
 def enable_stock_fp8_fake_quant(model) -> list[str]:
-    """BASELINE trainer for ``check --quantization fp8``: a stock Megatron model (``build_stock_gpt_model``) whose
-    quantized linears get the per-tensor FP8 weights stock vLLM runs (:func:`_per_tensor_fake_quant`, written into the
-    parameters — recompute only) and, for the dense / attention linears, dynamic per-tensor activation fake quant;
-    stock ``F.linear`` in the model dtype.  MoE experts (StockMoELayer): weights only."""
+    """BASELINE trainer for ``check --quantization fp8``: a stock Megatron model (``build_stock_gpt_model``) fake-quantized
+    the way the stock engine (vLLM ``quantization="fp8_per_channel"``, online, on the bf16 checkpoint) quantizes: every
+    decoder linear's weight per output channel (written into the parameters — recompute only) and, for the dense /
+    attention linears, the input per token (a forward pre-hook); then stock ``F.linear`` in the model dtype (the engine
+    runs ``torch._scaled_mm`` with float32 accumulation).  MoE experts (StockMoELayer): weights only."""
     arch: ArchConfig = model.arch_config
     params = dict(model.named_parameters())
     done = []
@@ -168,10 +156,9 @@ def enable_stock_fp8_fake_quant(model) -> list[str]:
         if not is_quantized(mname):
             continue
         with torch.no_grad():
-            params[mname].copy_(_per_tensor_fake_quant(arch, kind, params[mname]))
-        module = model.get_submodule(mname.rsplit(".", 1)[0])
+            params[mname].copy_(_stock_fake_quant_rows(params[mname].detach(), reciprocal=False))
         if kind not in MOE_KINDS and ".shared_experts." not in mname:
-            module.register_forward_pre_hook(_fake_quant_input_per_tensor, with_kwargs=True)
+            model.get_submodule(mname.rsplit(".", 1)[0]).register_forward_pre_hook(_fake_quant_input_per_token, with_kwargs=True)
         done.append(mname)
     return done
 

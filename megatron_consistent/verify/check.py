@@ -154,16 +154,14 @@ def run_check(cfg: CheckConfig) -> dict:
     model_dir = out / "model"
     model = build_consistent_gpt_model(arch, seed=cfg.seed)
     if cfg.quantization:  # trainer: FP8 / NVFP4 forward on the bf16 masters; engines: the quantized export of them
-        from ..conversion.fp8 import export_hf_fp8, export_hf_fp8_per_tensor
+        from ..conversion.fp8 import export_hf_fp8
         from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
         from ..layers.fp8 import enable_fp8
 
         formats = (NVFP4_WEIGHT, None) if cfg.quantization == "nvfp4" else (E4M3_WEIGHT_128, E4M3_ACT_1x128)  # NVFP4: W4A16
         enable_fp8(model, *formats)
         export_hf_fp8(model, arch, model_dir, *formats)
-        export_hf(model, arch, out / "model_bf16")  # the stock trainer's weights (bf16 masters)
-        if cfg.quantization == "fp8" and cfg.mode != "consistent":  # stock vLLM CPU runs per-tensor FP8 (block FP8 needs AMX)
-            export_hf_fp8_per_tensor(model, arch, out / "model_stock_fp8")
+        export_hf(model, arch, out / "model_bf16")  # the stock trainer's weights (bf16 masters); the stock FP8 engine's too
     else:
         export_hf(model, arch, model_dir)
     if cfg.kv_cache_dtype == "fp8":  # the trainer reproduces the engine's FP8 KV round trip
@@ -186,8 +184,11 @@ def run_check(cfg: CheckConfig) -> dict:
         if mode == "baseline" and cfg.quantization == "nvfp4":
             report[mode] = {"unavailable": "stock vLLM has no NVFP4 linear on CPU (its ModelOpt NVFP4 kernels are CUDA-only)"}
             continue
-        if mode == "baseline" and cfg.quantization == "fp8":  # stock FP8 baseline: per-tensor checkpoint (docs/fp8.md)
-            req.model_dir = str(out / "model_stock_fp8")
+        if mode == "baseline" and cfg.quantization == "fp8":  # stock vLLM CPU's FP8 path: online per-channel (docs/fp8.md)
+            from ..layers.fp8 import STOCK_FP8_QUANTIZATION
+
+            req.model_dir = str(out / "model_bf16")
+            req.engine_kwargs = {**req.engine_kwargs, "quantization": STOCK_FP8_QUANTIZATION}
         if cfg.kv_cache_dtype != "auto":
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         routes_dir = None
@@ -220,7 +221,7 @@ def run_check(cfg: CheckConfig) -> dict:
         else:
             trainer = build_stock_gpt_model(arch, seed=cfg.seed)
             import_hf(trainer, arch, out / "model_bf16" if cfg.quantization else model_dir)
-            if cfg.quantization == "fp8":  # stock kernels + the stock engine's per-tensor FP8 fake quant (layers/fp8.py)
+            if cfg.quantization == "fp8":  # stock kernels + the stock engine's per-channel / per-token FP8 fake quant
                 from ..layers.fp8 import enable_stock_fp8_fake_quant
 
                 enable_stock_fp8_fake_quant(trainer)
