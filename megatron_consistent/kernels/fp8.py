@@ -58,7 +58,11 @@ Backward (:class:`FP8LinearSTE`): a straight-through estimator — the
 quantizers are treated as the identity in the backward, so with
 ``xd = dq(q(x))`` and ``wd = dq(q(W))``: ``dL/dx = g @ wd`` and
 ``dL/dW_master = g^T @ xd`` (float32 matmuls, rounded to the dtypes of ``x``
-and of the bf16 master weight), ``dL/db = sum g``.
+and of the bf16 master weight; on CUDA with bf16/fp16 ``x``, tensor-core matmuls in
+that dtype as :class:`.linear.LinearFunction`), ``dL/db = sum g``.  Its forward is
+the registered ``fp8_linear`` of the device (CUDA: the FP8 Triton GEMM of
+:mod:`.triton.fp8_linear`, batch-invariant, not bit-equal to the CPU path), so the
+trainer's FP8 forward equals the engine's on each device.
 """
 
 from __future__ import annotations
@@ -154,7 +158,9 @@ def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def compute_scales(amax: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """Dequantization scales from block amax: ``amax / max_value`` (fp32), rounded up to 2^k for ``pow2``; 1 for zero blocks."""
-    s = amax.to(torch.float32) / fmt.max_value
+    amax = amax.to(torch.float32)
+    # a tensor divisor: on CUDA, torch computes ``t / python_scalar`` as ``t * (1 / scalar)`` (not one IEEE division)
+    s = amax / torch.full_like(amax, fmt.max_value)
     if fmt.scale_format == "pow2":
         m, e = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1)
         s = torch.where(m == 0.5, s, torch.ldexp(torch.ones_like(s), e))
@@ -242,24 +248,30 @@ class FP8LinearSTE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_q, w_row_scales, out_dtype, w_fmt, a_fmt):
         x2d = x.reshape(-1, x.shape[-1])
-        xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
-        y = implementation("linear", x.device)(xd, wd, bias, out_dtype)
-        ctx.save_for_backward(xd, wd)
+        # the registered fp8_linear of the device: on CPU dequantize + linear, on CUDA the FP8 Triton GEMM
+        y = implementation("fp8_linear", x.device)(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt, a_fmt)
+        ctx.save_for_backward(x2d, w_q, w_row_scales)  # dequantized operands are recomputed in the backward
+        ctx.fmts = (w_fmt, a_fmt)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.reshape(*x.shape[:-1], w_q.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        xd, wd = ctx.saved_tensors
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
+        x2d, w_q, w_row_scales = ctx.saved_tensors
+        xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, *ctx.fmts)
+        # CUDA with bf16/fp16 activations: tensor-core matmuls in that dtype (float32 accumulation), as LinearFunction
+        low = x2d.is_cuda and ctx.x_dtype in (torch.bfloat16, torch.float16)
+        compute = ctx.x_dtype if low else torch.float32
+        g32 = grad_out.reshape(-1, grad_out.shape[-1]).to(torch.float32)
+        g = g32.to(compute)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ wd).to(ctx.x_dtype).reshape(ctx.x_shape)
+            grad_x = (g @ wd.to(compute)).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = (g.t() @ xd).to(ctx.w_dtype)
+            grad_w = (g.t() @ xd.to(compute)).to(ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0).to(ctx.bias_dtype)
+            grad_b = g32.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 

@@ -79,7 +79,7 @@ def _group_limit(keys: torch.Tensor, n_group: int, topk_group: int) -> torch.Ten
     best2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
     group_score = best2[..., 0] + best2[..., 1] if best2.shape[-1] == 2 else best2[..., 0]
     keep = stable_topk(group_score, topk_group)
-    mask = torch.zeros(t, n_group, dtype=torch.bool).scatter_(1, keep, True)
+    mask = torch.zeros(t, n_group, dtype=torch.bool, device=keys.device).scatter_(1, keep, True)
     return torch.where(mask[..., None], grouped, torch.full_like(grouped, -torch.inf)).reshape(t, e)
 
 
@@ -157,18 +157,24 @@ def route(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int, scoring
 
 
 # ---------------------------------------------------------------------------------------------- experts / combine
+@register("moe_combine", "cpu")
+def _combine_cpu(y, w, shared, gate):
+    acc = torch.zeros(y.shape[0], y.shape[-1], dtype=torch.float32, device=y.device)
+    for j in range(y.shape[1]):
+        acc = acc + w[:, j : j + 1] * y[:, j].to(torch.float32)
+    if shared is not None:
+        acc = acc + (shared.to(torch.float32) if gate is None else gate * shared.to(torch.float32))
+    return acc.to(y.dtype)
+
+
 class CombineFunction(torch.autograd.Function):
-    """``round(sum_j w_j * float32(y_j) [+ g * float32(y_shared)])`` in fixed slot order."""
+    """``round(sum_j w_j * float32(y_j) [+ g * float32(y_shared)])`` in fixed slot order (the device's
+    ``moe_combine``; CUDA: one Triton kernel, the same two roundings per slot — no fused multiply-add)."""
 
     @staticmethod
     def forward(ctx, y, w, shared, gate):
-        acc = torch.zeros(y.shape[0], y.shape[-1], dtype=torch.float32, device=y.device)
-        for j in range(y.shape[1]):
-            acc = acc + w[:, j : j + 1] * y[:, j].to(torch.float32)
-        if shared is not None:
-            acc = acc + (shared.to(torch.float32) if gate is None else gate * shared.to(torch.float32))
         ctx.save_for_backward(y, w, shared, gate)
-        return acc.to(y.dtype)
+        return implementation("moe_combine", y.device)(y, w, shared, gate)
 
     @staticmethod
     def backward(ctx, g):
@@ -196,7 +202,15 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, a
 
 def expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    activation: str = "swiglu") -> torch.Tensor:
-    """``[T, k, H]``: every (token, slot) pair through its expert, one call per expert (ascending index)."""
+    """``[T, k, H]``: every (token, slot) pair through its expert — the device's ``moe_expert_outputs`` (CUDA: one
+    grouped Triton GEMM over all experts with the Triton linear's per-row arithmetic, :mod:`.triton.moe`)."""
+    return implementation("moe_expert_outputs", hidden.device)(hidden, experts, w_gate_up, w_down, activation)
+
+
+@register("moe_expert_outputs", "cpu")
+def _expert_outputs_cpu(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                        activation: str = "swiglu") -> torch.Tensor:
+    """One :func:`expert_mlp` call per expert (ascending index) on the pairs routed to it."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     token_of_pair = torch.arange(t * k, device=hidden.device) // k

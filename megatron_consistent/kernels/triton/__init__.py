@@ -6,7 +6,7 @@ GPU results are deterministic and batch-invariant on the GPU; they are not
 bit-equal to the CPU contract (see each module's docstring and docs/benchmarks.md).
 """
 
-from . import attention, attention_bwd, linear, log_softmax, rms_norm, rope, silu_and_mul  # noqa: F401  (registration)
+from . import attention, attention_bwd, fp8_linear, linear, log_softmax, moe, rms_norm, rope, silu_and_mul  # noqa: F401  (registration)
 from .attention import KV_BLOCK_GPU, attention_fwd
 from .linear import CONFIG_TABLE, config_for, gemm
 

@@ -1,0 +1,323 @@
+"""Block-FP8 linear for CUDA (Triton): FP8 tensor cores, batch-invariant (issue #9).
+
+Same signature as the CPU ``fp8_linear`` (:mod:`megatron_consistent.kernels.fp8`):
+``(x2d, w_q [N, K] e4m3, w_row_scales [N, ceil(K/128)] fp32, bias, out_dtype, w_fmt, a_fmt)``.
+
+GPU numerics contract, one output element ``y[m, n]`` (K cut into 128-wide groups
+``g = 0 .. G-1``, ``G = ceil(K / 128)``, the activation group = the weight block = ``BLOCK_K``):
+
+1. **activations** are quantized per token and group, dynamically, by
+   :func:`quantize_activations`: ``amax`` exact; ``s = amax / 448`` (IEEE float32
+   division, ``div_rn``); ``s = 1`` for a zero group; ``q = cast_e4m3(clamp(x / s, ±448))``
+   (IEEE division, round-to-nearest-even cast) — the arithmetic of
+   :func:`kernels.fp8.quantize`, per row, so batch-invariant.  The Triton kernel is
+   checked bitwise against ``kernels.fp8.quantize`` on the GPU; ``pow2`` scales use
+   those torch ops directly (also per row);
+2. ``p_g = dot(xq[m, g], wq[n, g])``: one FP8 tensor-core MMA chain over the group's
+   128 products into a float32 accumulator that starts at 0 (Hopper's FP8 MMA keeps
+   fewer accumulator bits internally; the chain is the same for every (m, n) position);
+3. ``acc = fma(p_g, xs[m, g] * ws[n, g], acc)`` — the two scales multiplied first
+   (one float32 rounding), then one fused multiply-add — groups in increasing order,
+   ``acc`` from 0;
+4. the groups are cut into *splits* of ``SPLIT_GROUPS`` groups, a function of ``(N, K)``
+   only (:func:`fp8_config`); split partials are summed in increasing split order in
+   float32 from 0 (one split: taken as is);
+5. + bias (float32), one rounding to ``out_dtype``.
+
+Scheduling may depend on M (bitwise neutral): few (M, N) tiles -> one program per
+(tile, split) writes its partial to a workspace and a second kernel sums the partials
+in split order; otherwise one persistent program walks a tile's splits.  Not bit-equal
+to the CPU path (which dequantizes to float32 and uses the blocked float32 ``linear``);
+the trainer's FP8 forward (``FP8LinearSTE``) dispatches here too, so trainer and engine
+agree on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dispatch import implementation, register
+from ..fp8 import E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, QuantFormat, _dequantized_operands, quantize
+from ._common import device_index, num_sms
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover
+    TensorDescriptor = None
+
+GROUP = 128  # activation group = weight block column = BLOCK_K
+
+
+def _fp8_cfg(bm, bn, warps, stages, progs_per_sm):
+    return {"BM": bm, "BN": bn, "BK": GROUP, "W": warps, "S": stages, "G": 8, "P": progs_per_sm}
+
+
+# Tile shapes from the H200 sweep (benchmarks/bench_gpu_fp8.py --sweep, docs/fp8.md); they schedule work only:
+# every shape gave the same bits as every other (checked in the sweep and in tests/test_gpu_fp8.py).
+FP8_TILE_TABLE: dict[tuple[int, int], dict] = {
+    (4096, 4096): _fp8_cfg(128, 64, 4, 4, 3),
+    (6144, 4096): _fp8_cfg(128, 64, 4, 4, 3),
+}
+FP8_DEFAULT_TILE = _fp8_cfg(64, 128, 4, 4, 2)
+
+
+def fp8_config(n: int, k: int) -> dict:
+    """Tile / split config: a function of (N, K) only, never of M.  The split count (the only part that enters the
+    arithmetic besides BLOCK_K = 128) fills ~132 SMs with 128-wide N bands, whatever tile shape is used."""
+    groups = triton.cdiv(k, GROUP)
+    n_bands = triton.cdiv(n, 128)
+    splits = max(1, min(8, 132 // max(n_bands, 1), groups // 4))
+    return {**FP8_TILE_TABLE.get((n, k), FP8_DEFAULT_TILE), "SPLIT_GROUPS": triton.cdiv(groups, splits)}
+
+
+# ---------------------------------------------------------------------------------------------- activation quantizer
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(X, Q, S, M, K, stride_xm, stride_qm, stride_sm,
+                      BR: tl.constexpr, BK: tl.constexpr, MAXV: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    g = tl.program_id(1)
+    cols = g * BK + tl.arange(0, BK)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols[None, :] < K)
+    r64 = rows.to(tl.int64)
+    x = tl.load(X + r64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    s = tl.math.div_rn(amax, tl.full([BR], MAXV, tl.float32))
+    s = tl.where((s == 0.0) | (amax == 0.0), 1.0, s)
+    y = tl.math.div_rn(x, tl.broadcast_to(s[:, None], (BR, BK)))
+    y = tl.minimum(tl.maximum(y, -MAXV), MAXV)
+    tl.store(Q + r64[:, None] * stride_qm + cols[None, :], y.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + r64 * stride_sm + g, s, mask=rmask)
+
+
+_QUANT_BACKEND = os.environ.get("MC_FP8_QUANT", "triton")  # "triton" | "torch" (same bits; see tests)
+
+
+def quantize_activations(x2d: torch.Tensor, a_fmt: QuantFormat = E4M3_ACT_1x128, backend: str | None = None):
+    """``(xq [M, K] e4m3, xs [M, ceil(K/128)] fp32)``: per-token 1x128 dynamic quantization (contract step 1)."""
+    backend = backend or _QUANT_BACKEND
+    if backend == "torch" or a_fmt.scale_format != "fp32":
+        q, s = quantize(x2d, a_fmt)
+        return q, s.contiguous()
+    m, k = x2d.shape
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    g = triton.cdiv(k, GROUP)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2d.device)
+    s = torch.empty((m, g), dtype=torch.float32, device=x2d.device)
+    if m and k:
+        br = 16
+        _act_quant_kernel[(triton.cdiv(m, br), g)](x2d, q, s, m, k, x2d.stride(0), q.stride(0), s.stride(0),
+                                                   BR=br, BK=GROUP, MAXV=E4M3_MAX, num_warps=4)
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------------- GEMM kernel
+@triton.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    group = GROUP_M * num_n
+    gid = tile // group
+    first_m = gid * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % gsize
+    pid_n = (tile % group) // gsize
+    return pid_m, pid_n
+
+
+@triton.jit
+def _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_am, stride_bn, stride_asm, stride_bsn,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr):
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    k = g * BK
+    if USE_TMA:
+        a = a_src.load([off_m, k])
+        b = b_src.load([off_n, k])
+    else:
+        kk = k + tl.arange(0, BK)
+        a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+    sa = tl.load(as_ptr + rm.to(tl.int64) * stride_asm + g, mask=rm < M, other=0.0)
+    sb = tl.load(bs_ptr + rn.to(tl.int64) * stride_bsn + g, mask=rn < N, other=0.0)
+    return a, b, sa, sb
+
+
+@triton.jit
+def _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
+               stride_am, stride_bn, stride_asm, stride_bsn,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """float32 ``sum_g fma(dot_g, sa*sb, acc)`` over ``n_groups`` groups from group ``g0``, acc from 0, in K order."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for gi in tl.range(0, n_groups, num_stages=NUM_STAGES):
+        a, b, sa, sb = _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0 + gi, M, N, K, stride_am,
+                                   stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA)
+        p = tl.dot(a, b.T)
+        acc = tl.fma(p, sa[:, None] * sb[None, :], acc)
+    return acc
+
+
+@triton.jit
+def _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
+              BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        total = total + bias[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "num_progs"])
+def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
+                     M, N, K, stride_am, stride_bn, stride_asm, stride_bsn, stride_om, num_progs,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLIT_GROUPS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
+                     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    n_groups_all = tl.cdiv(K, BK)
+    num_tiles = num_m * num_n
+    if PARALLEL:
+        # one program per (tile, split): float32 partial to ws[split, m, n]; _reduce_splits sums them in split order
+        for unit in tl.range(pid, num_tiles * SPLITS, num_progs):
+            tile = unit // SPLITS
+            s = unit % SPLITS
+            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            off_m = pid_m * BM
+            off_n = pid_n * BN
+            g0 = s * SPLIT_GROUPS
+            n_groups = tl.minimum(SPLIT_GROUPS, n_groups_all - g0)
+            acc = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
+                             stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES)
+            rm = off_m + tl.arange(0, BM)
+            rn = off_n + tl.arange(0, BN)
+            base = ws_ptr + s.to(tl.int64) * M * N
+            tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    else:
+        for tile in tl.range(pid, num_tiles, num_progs):
+            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            off_m = pid_m * BM
+            off_n = pid_n * BN
+            if SPLITS == 1:
+                total = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, 0, n_groups_all, M, N, K,
+                                   stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES)
+            else:
+                total = tl.zeros((BM, BN), dtype=tl.float32)
+                for s in tl.range(0, SPLITS):
+                    g0 = s * SPLIT_GROUPS
+                    n_groups = tl.minimum(SPLIT_GROUPS, n_groups_all - g0)
+                    acc = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
+                                     stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES)
+                    total = total + acc
+            _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _reduce_splits(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = round(((0 + p_0) + p_1) + ... + bias)`` elementwise over the split partials, in split order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        total = total + tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total = total + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    es = t.element_size()
+    return (TensorDescriptor is not None and t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+_FORCE_PATH = os.environ.get("MC_FP8_GEMM_PATH", "")  # "", "serial", "parallel" (numerics-neutral)
+
+
+def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
+             out_dtype: torch.dtype, *, path: str | None = None, use_tma: bool | None = None,
+             split_groups: int | None = None, cfg: dict | None = None) -> torch.Tensor:
+    """``y = sum_g fma(dot(xq_g, wq_g), xs_g * ws_g)`` (contract steps 2-5).  ``split_groups`` overrides the
+    (N, K) table — for tests only (a split that depends on M breaks batch invariance)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fp8_gemm: operands must be float8_e4m3fn, got {xq.dtype} and {wq.dtype}")
+    g_all = triton.cdiv(k, GROUP)
+    if tuple(xs.shape) != (m, g_all) or tuple(ws.shape) != (n, g_all):
+        raise ValueError(f"fp8_gemm: scales {tuple(xs.shape)} / {tuple(ws.shape)} do not match "
+                         f"[{m}, {g_all}] / [{n}, {g_all}]")
+    xq = xq if xq.stride(-1) == 1 else xq.contiguous()
+    wq = wq if wq.stride(-1) == 1 else wq.contiguous()
+    xs = xs.to(torch.float32)
+    ws = ws.to(torch.float32)
+    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(out_dtype)
+        return out
+    cfg = {**fp8_config(n, k), **(cfg or {})}
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    if bk != GROUP:
+        raise ValueError(f"fp8_gemm: BLOCK_K must be the scale group {GROUP}, got {bk}")
+    split_groups = min(split_groups or cfg["SPLIT_GROUPS"], g_all)
+    splits = triton.cdiv(g_all, split_groups)
+    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    sms = num_sms(device_index(xq))
+    path = path or _FORCE_PATH or ("parallel" if splits > 1 and num_tiles < sms else "serial")
+    parallel = path == "parallel" and splits > 1
+    if use_tma is None:
+        use_tma = _tma_ok(xq) and _tma_ok(wq)
+    if use_tma:
+        a_src = TensorDescriptor.from_tensor(xq, [bm, bk])
+        b_src = TensorDescriptor.from_tensor(wq, [bn, bk])
+    else:
+        a_src, b_src = xq, wq
+    if parallel:
+        wsp = torch.empty(splits * m * n, dtype=torch.float32, device=xq.device)
+        units = num_tiles * splits
+    else:
+        wsp = out  # unused
+        units = num_tiles
+    grid = min(sms * cfg["P"], units)  # P programs per SM: overlap one program's scale epilogue with another's MMAs
+    _fp8_gemm_kernel[(grid,)](
+        a_src, b_src, xs, ws, bias if bias is not None else out, out, wsp,
+        m, n, k, xq.stride(0), wq.stride(0), xs.stride(0), ws.stride(0), out.stride(0), grid,
+        BM=bm, BN=bn, BK=bk, GROUP_M=cfg["G"], SPLIT_GROUPS=split_groups, SPLITS=splits, PARALLEL=parallel,
+        USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"], num_warps=cfg["W"], num_stages=cfg["S"],
+    )
+    if parallel:
+        block = 1024
+        _reduce_splits[(triton.cdiv(m * n, block),)](wsp, bias if bias is not None else out, out, m * n, n,
+                                                      SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+def _fp8_kernel_applies(w_fmt: QuantFormat, a_fmt: QuantFormat | None, w_q: torch.Tensor) -> bool:
+    return (a_fmt is not None and w_fmt.name == "e4m3" and a_fmt.name == "e4m3" and w_q.dtype == torch.float8_e4m3fn
+            and tuple(a_fmt.block) == (1, GROUP) and w_fmt.block[1] == GROUP)
+
+
+@register("fp8_linear", "cuda")
+def _fp8_linear_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None,
+                     out_dtype: torch.dtype, w_fmt: QuantFormat = E4M3_WEIGHT_128,
+                     a_fmt: QuantFormat | None = E4M3_ACT_1x128) -> torch.Tensor:
+    """E4M3 weights with 128-wide blocks and 1x128 E4M3 activations: the FP8 GEMM above.  Any other format the
+    quantizer accepts (weight-only ``a_fmt=None``, other group sizes, other codecs): the CPU path's arithmetic —
+    float32 dequantized operands (per row) — through the batch-invariant Triton ``linear``."""
+    if not _fp8_kernel_applies(w_fmt, a_fmt, w_q):
+        xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
+        return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
+    xq, xs = quantize_activations(x2d, a_fmt)
+    return fp8_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype)

@@ -1,0 +1,181 @@
+"""FP8 Triton linear (issue #9 on CUDA): batch invariance (bitwise), quantizer equality, accuracy, STE.
+
+Skipped without CUDA.  "Bitwise" means ``torch.equal`` on the raw bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton FP8 linear of issue #9)")
+
+if torch.cuda.is_available():
+    from megatron_consistent.kernels.triton import fp8_linear as tf8
+
+from megatron_consistent.kernels import fp8
+from megatron_consistent.kernels.dispatch import implementation
+
+DEV = torch.device("cuda")
+MS = [1, 7, 64, 300, 2048]
+SHAPES = [(4096, 4096), (6144, 4096), (1000, 300), (256, 1024), (4096, 14336)]
+
+# Accuracy bound vs the float64 value of the same dequantized math, relative to sum_k |xd_k * wd_k| of each
+# output: Hopper's FP8 MMA keeps about 14 significant accumulator bits inside a 128-wide group (DeepSeek-V3
+# report, sec. 3.3.2), i.e. ~2^-13 of the group's magnitude; the two scale roundings and the float32 group
+# accumulation add ~2^-23 each.  1e-3 (~8x the expected 2^-13) still catches a wrong scale (>= 1e-1) or a
+# dropped/duplicated group (~1/G of the magnitude).
+REL_TOL = 1e-3
+
+
+def _bits(a: torch.Tensor) -> torch.Tensor:
+    return a.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()])
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _weight(n, k, seed=0, std=0.05):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(n, k, device=DEV, generator=g) * std
+    q, s = fp8.quantize(w, fp8.E4M3_WEIGHT_128)
+    return w, q, fp8.weight_row_scales(s, n)
+
+
+def _acts(m, k, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, generator=g)
+    x[:, : min(k, 5)] *= 40.0  # outlier channels: groups with very different scales
+    return x.to(torch.bfloat16)
+
+
+def test_activation_quantizer_triton_equals_torch_quantize():
+    for m, k in [(300, 4096), (37, 300), (5, 128), (1, 1000)]:
+        x = _acts(m, k)
+        x[min(3, m - 1)] = 0  # a zero row: scale 1
+        q, s = tf8.quantize_activations(x, backend="triton")
+        q_ref, s_ref = fp8.quantize(x, fp8.E4M3_ACT_1x128)
+        assert _bits_equal(s, s_ref), (m, k)
+        assert _bits_equal(q, q_ref), (m, k, int((_bits(q) != _bits(q_ref)).sum()))
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_fp8_linear_row_alone_equals_row_in_batch(n, k, out_dtype):
+    _, wq, rows = _weight(n, k)
+    bias = torch.randn(n, device=DEV).to(torch.bfloat16)
+    x = _acts(2048, k)
+    full = fp8.fp8_linear(x, wq, rows, bias, out_dtype)
+    for m in MS:
+        for start in sorted({0, 2048 - m, (2048 - m) // 3}):
+            part = fp8.fp8_linear(x[start : start + m], wq, rows, bias, out_dtype)
+            assert _bits_equal(part, full[start : start + m]), f"M={m} rows {start}.. differ from the 2048-row batch"
+    perm = torch.randperm(2048, device=DEV)[:300]
+    assert _bits_equal(fp8.fp8_linear(x[perm], wq, rows, bias, out_dtype), full[perm])
+    assert _bits_equal(fp8.fp8_linear(x, wq, rows, bias, out_dtype), full)  # repeatable
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 300)])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_schedules_and_loads_bitwise_equal(n, k, m):
+    """Split-parallel vs split-serial scheduling, TMA vs pointer loads, Triton vs torch quantizer: same bits."""
+    _, wq, rows = _weight(n, k, seed=2)
+    x = _acts(m, k, seed=3)
+    outs = []
+    for backend in ("triton", "torch"):
+        xq, xs = tf8.quantize_activations(x, backend=backend)
+        for path in ("serial", "parallel"):
+            for tma in (True, False):
+                if tma and not (tf8._tma_ok(xq) and tf8._tma_ok(wq)):
+                    continue
+                outs.append(tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, path=path, use_tma=tma))
+    assert len(outs) >= 4
+    for o in outs[1:]:
+        assert _bits_equal(o, outs[0])
+
+
+TILE_VARIANTS = [dict(BM=128, BN=128, W=8, S=4, P=1), dict(BM=64, BN=128, W=4, S=4, P=2), dict(BM=128, BN=64, W=4, S=4, P=3),
+                 dict(BM=64, BN=128, W=4, S=3, P=8), dict(BM=128, BN=128, W=8, S=3, P=2)]
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (1000, 300)])
+def test_tile_shapes_bitwise_equal(n, k):
+    """Tile shape, warps, stages and programs per SM only schedule the work."""
+    _, wq, rows = _weight(n, k, seed=10)
+    for m in (1, 64, 300):
+        xq, xs = tf8.quantize_activations(_acts(m, k, seed=m))
+        ref = tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32)
+        for cfg in TILE_VARIANTS:
+            assert _bits_equal(tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=cfg), ref), (m, cfg)
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 300), (256, 14336)])
+def test_fp8_linear_vs_float64_dequantized_reference(n, k):
+    _, wq, rows = _weight(n, k, seed=4)
+    x = _acts(64, k, seed=5)
+    y = fp8.fp8_linear(x, wq, rows, None, torch.float32)
+    xq, xs = fp8.quantize(x, fp8.E4M3_ACT_1x128)
+    xd = fp8.dequantize(xq, xs, fp8.E4M3_ACT_1x128).double()
+    wd = fp8.dequantize_rows(wq, rows).double()
+    ref = xd @ wd.T
+    mag = xd.abs() @ wd.abs().T
+    rel = ((y.double() - ref).abs() / mag.clamp_min(1e-30)).max().item()
+    assert rel <= REL_TOL, rel
+    # and the CPU contract (float32 dequantize + blocked linear) agrees to the same tolerance
+    cpu = fp8.fp8_linear(x[:8].cpu(), wq.cpu(), rows.cpu(), None, torch.float32).to(DEV)
+    assert ((cpu.double() - y[:8].double()).abs() / mag[:8].clamp_min(1e-30)).max().item() <= REL_TOL
+
+
+def test_broken_m_dependent_split_is_caught():
+    """A split-K that depends on M (more splits for small M, as a naive decode kernel would do) changes bits."""
+    n, k = 4096, 4096
+    _, wq, rows = _weight(n, k, seed=6)
+    x = _acts(2048, k, seed=7)
+
+    def broken(xb):
+        xq, xs = tf8.quantize_activations(xb)
+        return tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, split_groups=1 if xb.shape[0] < 64 else 32)
+
+    full = broken(x)
+    assert any(not _bits_equal(broken(x[i : i + 1]), full[i : i + 1]) for i in range(0, 2048, 97))
+    # the real kernel on the same rows passes
+    good_full = fp8.fp8_linear(x, wq, rows, None, torch.float32)
+    assert all(_bits_equal(fp8.fp8_linear(x[i : i + 1], wq, rows, None, torch.float32), good_full[i : i + 1])
+               for i in range(0, 2048, 97))
+
+
+def test_other_formats_take_the_dequantized_triton_linear():
+    """Formats the FP8 kernel does not take (here 1x64 activation groups) run the CPU path's float32 dequantized
+    operands through the Triton linear: bitwise that, and still batch-invariant."""
+    _, wq, rows = _weight(256, 512)
+    x = _acts(40, 512)
+    a64 = fp8.QuantFormat("e4m3", (1, 64), "fp32")
+    y = fp8.fp8_linear(x, wq, rows, a_fmt=a64)
+    xq, xs = fp8.quantize(x, a64)
+    ref = implementation("linear", DEV)(fp8.dequantize(xq, xs, a64), fp8.dequantize_rows(wq, rows), None, torch.bfloat16)
+    assert _bits_equal(y, ref)
+    assert _bits_equal(fp8.fp8_linear(x[7:8], wq, rows, a_fmt=a64), y[7:8])
+
+
+def test_ste_forward_is_the_cuda_fp8_linear_and_backward_runs_on_cuda():
+    n, k, m = 512, 1024, 96
+    w, wq, rows = _weight(n, k, seed=8)
+    master = w.to(torch.bfloat16).requires_grad_(True)
+    bias = torch.zeros(n, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    x = _acts(m, k, seed=9).requires_grad_(True)
+    y = fp8.fp8_linear_ste(x, master, bias, wq, rows)
+    direct = implementation("fp8_linear", DEV)(x.detach(), wq, rows, bias.detach(), torch.bfloat16)
+    assert _bits_equal(y.detach(), direct)  # trainer forward == engine forward on CUDA
+    up = torch.randn(m, n, device=DEV)
+    (y.float() * up).sum().backward()
+    assert x.grad.is_cuda and master.grad.is_cuda and master.grad.dtype == torch.bfloat16
+    xq, xs = fp8.quantize(x.detach(), fp8.E4M3_ACT_1x128)
+    xd = fp8.dequantize(xq, xs, fp8.E4M3_ACT_1x128).double()
+    wd = fp8.dequantize_rows(wq, rows).double()
+    gx_ref, gw_ref = up.double() @ wd, up.double().T @ xd
+    # bf16 tensor-core backward: operands rounded to bf16 (2^-9 relative each), float32 accumulation; 1e-2
+    # relative Frobenius error leaves headroom while a transposed / wrong operand gives O(1)
+    assert (x.grad.double() - gx_ref).norm() / gx_ref.norm() <= 1e-2
+    assert (master.grad.double() - gw_ref).norm() / gw_ref.norm() <= 1e-2
+    assert torch.allclose(bias.grad.float(), up.sum(0), rtol=1e-2, atol=1e-1)
