@@ -20,7 +20,8 @@ caching is refused for hybrid models).  A slot holds, in this order:
 with ``p = num_computed_tokens % L`` pending tokens.  Every prefill piece and every
 decode step calls :func:`kernels.ssd_continue` from the boundary state with the pending
 tokens, so each output has the bits of the whole-sequence :func:`kernels.ssd_scan`
-whatever the chunked-prefill cut, the decode step or the batch.  A request's
+whatever the chunked-prefill cut, the decode step or the batch (one-token steps of the
+batch are replayed together in one zero-padded scan, :meth:`ConsistentMambaMixer._step`).  A request's
 ``num_computed_tokens`` comes from vLLM's metadata (``seq_lens - query_len``); a request
 with none computed starts from zeros.  Requests with the same (new tokens, pending) sizes
 are run as one batched call (the kernels are batch-invariant).
@@ -36,7 +37,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import causal_conv1d, gated_rms_norm, linear, mamba_dt, ssd_continue
+from ..kernels import causal_conv1d, gated_rms_norm, linear, mamba_dt, ssd_continue, ssd_scan
 from ..kernels.numerics import exp
 
 
@@ -114,8 +115,16 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
             y[:] = self._run(xbc[None], dt[None], None).reshape(t, s.d_inner)
         else:
             groups: dict[tuple[int, int], list] = {}
+            steps = []  # one-token requests (decodes): one batched replay
             for first, n, slot, computed in self._requests(meta):
-                groups.setdefault((n, computed % s.chunk_size), []).append((first, slot, computed))
+                if n == 1:
+                    steps.append((first, slot, computed))
+                else:
+                    groups.setdefault((n, computed % s.chunk_size), []).append((first, slot, computed))
+            if steps:
+                rows = torch.tensor([r[0] for r in steps])
+                out = self._step(xbc[rows], dt[rows], [r[1] for r in steps], [r[2] for r in steps])
+                y[rows] = out.reshape(-1, s.d_inner)
             for (n, _), reqs in groups.items():
                 rows = torch.tensor([r[0] for r in reqs])[:, None] + torch.arange(n)[None, :]
                 out = self._run(xbc[rows], dt[rows], ([r[1] for r in reqs], [r[2] for r in reqs]))
@@ -138,6 +147,40 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
                 n = qsl[j + 1] - qsl[j]
                 reqs.append((qsl[j], n, slots_p[j], seq_lens[nd + j] - n))
         return reqs
+
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, slots: list[int], computed: list[int]) -> torch.Tensor:
+        """One new token for each of ``b`` requests (any pending counts ``p``): ``xbc [b, conv_dim]``, ``dt [b, H]``.
+
+        One :func:`kernels.ssd_scan` over ``[b, max(p) + 1]`` rows: request ``i``'s row ``r`` is its
+        pending token ``r`` (``r < p_i``), its new token (``r == p_i``) or zero (``r > p_i``) —
+        exactly the zero padding the scan gives a partial chunk, so row ``p_i`` has the bits of
+        :func:`kernels.ssd_continue`.  Returns ``y [b, H, P]``.
+        """
+        s = self.ssm
+        b = xbc.shape[0]
+        L, d, gn = s.chunk_size, s.d_inner, s.n_groups * s.state_size
+        ssm_c, dt_c, conv_c, xbc_c = self.kv_cache
+        idx = torch.tensor(slots, dtype=torch.int64)
+        p = torch.tensor([c % L for c in computed], dtype=torch.int64)
+        fresh = torch.tensor([c == 0 for c in computed])
+        conv_state = torch.where(fresh[:, None, None], 0, conv_c[idx])
+        boundary = torch.where(fresh[:, None, None, None], 0.0, ssm_c[idx])
+        new_xbc, new_conv = causal_conv1d(xbc[:, None], self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
+        t = int(p.max()) + 1
+        r = torch.arange(t)[None, :]
+        seg = torch.where((r < p[:, None])[..., None], xbc_c[idx, :t], 0)
+        seg = torch.where((r == p[:, None])[..., None], new_xbc, seg)
+        seg_dt = torch.where((r < p[:, None])[..., None], dt_c[idx, :t], 0.0)
+        seg_dt = torch.where((r == p[:, None])[..., None], dt[:, None].to(torch.float32), seg_dt)
+        x, B, C = seg.split([d, gn, gn], dim=-1)
+        y, state = ssd_scan(x.reshape(b, t, s.num_heads, s.head_dim), seg_dt, -exp(self.A_log),
+                            B.reshape(b, t, s.n_groups, s.state_size), C.reshape(b, t, s.n_groups, s.state_size), self.D, L, boundary)
+        done = p == L - 1  # this token completes the chunk: the scan's boundary state is this request's
+        ssm_c[idx] = torch.where(done[:, None, None, None], state, boundary)
+        conv_c[idx] = new_conv
+        xbc_c[idx, p] = new_xbc[:, 0]
+        dt_c[idx, p] = dt.to(torch.float32)
+        return y[torch.arange(b), p]
 
     def _run(self, xbc: torch.Tensor, dt: torch.Tensor, cache) -> torch.Tensor:
         """Conv + SSD of ``b`` requests of equal (new, pending) sizes; ``xbc [b, n, conv_dim]``, ``dt [b, n, H]``.
