@@ -205,3 +205,40 @@ def test_check_fp8_kv_cache_zero_mismatch(tmp_path):
     report = run_check(cfg)
     assert report["consistent"]["tokens"] == 72 and report["consistent"]["max_abs"] == 0.0 and report["zero_mismatch"]
     assert "kv_cache_dtype=fp8" in open(tmp_path / "engines" / "consistent.log").read()
+
+
+# ------------------------------------------------------------------------------------------- baseline trainer fake quant
+def test_stock_fake_quant_is_vllm_online_per_channel():
+    """The baseline trainer's fake quant is bitwise stock vLLM's own fp8_per_channel quantizers (weights per output channel,
+    activations per token via QuantFP8.forward_native), dequantized to bf16."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.online.fp8 import _fp8_channel_scale, _fp8_quant_per_channel
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, weight_amax
+
+    from megatron_consistent.layers.fp8 import _stock_fake_quant_rows
+
+    w = _rand(96, 160, seed=4, scale=0.05)
+    w[3] = 0
+    s = _fp8_channel_scale(weight_amax(w, dim=-1, keepdim=True))
+    assert torch.equal((_fp8_quant_per_channel(w, s).float() * s).bfloat16(), _stock_fake_quant_rows(w, reciprocal=False))
+    x = _rand(7, 160, seed=5)
+    with set_current_vllm_config(VllmConfig()):
+        xq, xs = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN).forward_native(x)
+    assert torch.equal((xq.float() * xs).bfloat16(), _stock_fake_quant_rows(x, reciprocal=True))
+
+
+def test_stock_fp8_trainer_hooks_change_the_stock_forward():
+    from megatron_consistent.layers import build_stock_gpt_model, compute_stock_token_logprobs
+    from megatron_consistent.layers.fp8 import enable_stock_fp8_fake_quant, enable_stock_fp8_kv
+
+    model = build_stock_gpt_model(builtin_model_dir("tiny-llama"), seed=0)
+    ids = torch.randint(3, model.arch_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.train()
+    plain = compute_stock_token_logprobs(model, ids).detach()
+    assert enable_stock_fp8_kv(model) == model.arch_config.num_layers
+    kv = compute_stock_token_logprobs(model, ids).detach()
+    assert len(enable_stock_fp8_fake_quant(model)) == 4 * model.arch_config.num_layers
+    both = compute_stock_token_logprobs(model, ids).detach()
+    assert not torch.equal(plain, kv) and not torch.equal(kv, both)
+    assert (both - plain).abs().max() < 0.5  # a fake quant, not garbage
