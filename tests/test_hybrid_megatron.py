@@ -167,14 +167,18 @@ def _length_dependent_scan(x, dt, A, B, C, D, chunk_size, initial_state=None):
 
 
 def test_prefix_check_catches_length_dependent_scan(monkeypatch):
-    # float32 model: every ulp of the scan reaches the logits (bf16 outputs would round most 1-ulp differences away)
+    """The prefix property on one float32 Mamba mixer with O(1) activations (every ulp of the scan is visible there,
+    unlike in bf16 log-probs of a small-init model): the real scan passes, a length-dependent chunking is caught."""
     model = build_consistent_hybrid_model(builtin_model_dir("tiny-mamba2"), seed=0, dtype=torch.float32)
-    ids = tokens(1, 40, seed=5)
+    mixer = model.decoder.layers[0].mixer
+    h = torch.randn(2, 40, model.arch_config.hidden_size, generator=torch.Generator().manual_seed(5))
+    prefixes = (21, 29, 37)
     with torch.no_grad():
-        full = compute_token_logprobs(model, ids)[0]
-        assert torch.equal(compute_token_logprobs(model, ids[:, :29])[0], full[:28])  # the real scan: prefix == whole
+        full = mixer.mix(h)
+        assert all(torch.equal(mixer.mix(h[:, :n]), full[:, :n]) for n in prefixes)  # the real scan: prefix == whole
         monkeypatch.setattr(kernels, "ssd_scan", _length_dependent_scan)
-        assert not torch.equal(compute_token_logprobs(model, ids[:, :29])[0], compute_token_logprobs(model, ids)[0, :28])
+        full = mixer.mix(h)
+        assert not all(torch.equal(mixer.mix(h[:, :n]), full[:, :n]) for n in prefixes)
 
 
 # ---------------------------------------------------------------------------------------------- gradients vs float64
