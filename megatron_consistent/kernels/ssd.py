@@ -8,7 +8,8 @@ in chunks of ``L = chunk_size`` tokens aligned to absolute position 0 of the seg
 segment must start on a chunk boundary; ``initial_state`` is the state at that boundary).
 
 Numerics contract (CPU, every accumulation float32, every op elementwise IEEE or a
-:func:`numerics.tree_sum` over a FIXED length):
+:func:`numerics.tree_sum` over a FIXED length — evaluated as :func:`_tree_sum0` with the reduced
+axis outermost, same pairing, same bits):
 
 1. ``a_i = dt_i * A`` (float32); within a chunk ``cum`` = inclusive prefix sum of ``a`` by the
    doubling scan: ``cum = a``; for ``k = 1, 2, 4, ... < L``: ``cum_i = cum_i + cum_{i-k}`` for all
@@ -47,8 +48,8 @@ import torch
 from .dispatch import implementation, register
 from .numerics import exp, log
 
-# Output positions are evaluated in blocks whose [rows, L, H, P] float32 work tensor stays
-# under this many elements (a memory bound only: each position is computed independently).
+# Output positions (and complete chunks, x4) are evaluated in blocks whose float32 work tensors stay
+# under about this many elements — a memory bound only: every element is computed by the same ops.
 _WORK_ELEMENTS = 1 << 22
 
 
