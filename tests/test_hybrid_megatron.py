@@ -181,6 +181,22 @@ def test_prefix_check_catches_length_dependent_scan(monkeypatch):
         assert not all(torch.equal(mixer.mix(h[:, :n]), full[:, :n]) for n in prefixes)
 
 
+def test_packed_thd_equals_separate_sequences(models):
+    """THD packing (Megatron's packed_seq_params): every segment is scanned / attended on its own, so packing never changes
+    a row: the packed forward's logits equal each sequence's own forward, bit for bit."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    model = models["tiny-nemotronh-moe"]
+    lengths = (17, 1, 30)
+    seqs = [tokens(1, n, seed=20 + n) for n in lengths]
+    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    with torch.no_grad():
+        packed = model(torch.cat(seqs, dim=1), None, None, packed_seq_params=psp)[0]
+        for (a, b), ids in zip(zip(cu[:-1].tolist(), cu[1:].tolist()), seqs):
+            assert torch.equal(packed[a:b], model(ids, None, None)[0])
+
+
 # ---------------------------------------------------------------------------------------------- gradients vs float64
 def _rms_f64(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
