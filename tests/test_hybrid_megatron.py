@@ -402,3 +402,33 @@ def test_entry_point_spec_builds_consistent_model():
         assert torch.isfinite(model(ids, None, None)).all()
     with pytest.raises(UnsupportedConfigError, match="rotary"):  # refused while the model is built
         cls(**{**kwargs, "position_embedding_type": "rope"})
+
+
+def test_entry_point_moe_layers_read_the_transformer_config():
+    """Megatron-LM E layers: the MoE routing / sizes come from the TransformerConfig's moe_* fields."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import import_module
+
+    from megatron_consistent.layers.model import _prepare, make_transformer_config
+    from megatron_consistent.layers.moe import ConsistentMoELayer
+
+    spec = import_module(("megatron_consistent.layers.entry_points", "consistent_hybrid_stack_spec"))
+    arch, dtype = _prepare(builtin_model_dir("tiny-nemotronh-moe"), None, {})
+    moe_args = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=128, moe_router_num_groups=2,
+                    moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)
+    config = make_transformer_config(dataclasses.replace(arch, num_experts=0), dtype, consistent=True, gated_linear_unit=False,
+                                     activation_func=torch.nn.functional.relu, mamba_state_dim=16, mamba_head_dim=16,
+                                     mamba_num_groups=2, mamba_num_heads=8, **moe_args)
+    cls = lh._hybrid_model_class()
+    model = cls(**lh._hybrid_model_kwargs(cls, arch, config, spec))
+    moe = model.decoder.layers[1].mlp
+    assert isinstance(moe, ConsistentMoELayer) and moe.activation == "relu2"
+    a = moe.arch
+    assert (a.moe_scoring, a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.shared_expert_intermediate_size,
+            a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor, a.norm_topk_prob) == ("sigmoid", 8, 2, 64, 128, 2, 1, 2.5, True)
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens(1, 20, seed=9), None, None)).all()
+    with pytest.raises(UnsupportedConfigError, match="non-gated"):
+        lh.ConsistentHybridMoELayer(dataclasses.replace(config, gated_linear_unit=True))
