@@ -17,17 +17,23 @@ token-by-token recurrence — no chunks) on identical inputs:
   roundoff of the output dtype (the one final rounding: 2**-8 bf16, 2**-24 fp32) and
   ``scale`` is the oracle run on absolute values (``|x|, |B|, |C|, |D|, |S0|``) = the sum of
   the magnitudes of every term reaching ``y``.  Justification: each term passes through
-  <= ~L + log2(L) + log2(N) + 8 float32 roundings (prefix sum of dt*A over <= 16 tokens,
+  <= ~2 log2(L) + log2(N) + 8 float32 roundings (doubling prefix scan of dt*A, log2 L adds;
   one exp, <= 4 products, two fixed trees, two adds) and a state through one update per
-  chunk, so a first-order bound is gamma_k * scale with k of a few tens: measured <= 51 u32
-  over 40 random cases; 2**-14 = 1024 u32 leaves > 20x headroom while a wrong formula
-  errs by O(1).  Boundary states: ``2**-14 * scale`` likewise.
-* gradients (fp32 inputs): relative Frobenius error <= 1e-5 for every tensor except ``A``
+  chunk, so a first-order bound is gamma_k * scale with k of a few tens (plus the exp's
+  sensitivity to the rounding of cum): measured <= 102 u32 over 40 random cases and none
+  over the limit in 300 ("thorough" profile); 2**-14 = 1024 u32 leaves 10x headroom while a
+  wrong formula errs by O(1).  Boundary states: ``2**-14 * scale`` likewise.
+* SSD gradients (fp32 inputs): relative Frobenius error <= 1e-5 for every tensor except ``A``
   (the backward is a float32 recompute through cumsum/einsum; reductions of <= ~10^3
   terms, error ~ log2(K) u ~ 1e-6; measured <= 7e-7).  ``grad A`` is a sum over every
-  token of contributions that cancel (measured |grad A| up to 50x below the sum of the
-  magnitudes), so it is bounded relative to that sum, per head, which the oracle gives
-  by differentiating w.r.t. a per-token copy of ``A``: <= 2e-4 (measured <= 8e-6).
+  token of contributions that cancel (|grad A| can be orders of magnitude below the sum of
+  the magnitudes, e.g. when exp(dt A) ~ 1e-7), so it is bounded relative to that sum, per
+  head, which the oracle gives by differentiating w.r.t. a per-token copy of ``A``:
+  <= 1e-5 (measured <= 3.5e-7; the backward's segment sums are masked cumsums, not
+  differences of cumsums, so no O(1) gradient pairs cancel into it).
+  conv1d, gated_rms_norm and mamba_dt gradients are bounded elementwise by 2**-16 (256 u) times
+  the sum of the magnitudes of the terms each element adds (their weight / bias gradients are
+  row sums that can cancel to far below the terms, e.g. a one-channel conv or group_size 1).
 
 Deliberately broken variants are caught by the same decode-vs-prefill checker
 (``hypothesis.find`` must produce a violating case): an intra-chunk reduction that sums
@@ -73,9 +79,11 @@ DTYPES = (BF16, F32)
 U_OUT = {BF16: 2.0**-8, F32: 2.0**-24}
 SSD_FWD_TOL = 2.0**-14
 GRAD_REL_TOL = 1e-5
-GRAD_A_TOL = 2e-4
+GRAD_A_TOL = 1e-5
 
 seeds = st.integers(0, 2**32 - 1)
+# The expensive properties run half the active profile's examples (10 under "ci", 150 under "thorough").
+FEWER = settings(max_examples=max(1, settings.default.max_examples // 2))
 threads = st.sampled_from((1, 2))
 
 
@@ -259,7 +267,7 @@ def _lead_and_index(data):
     return lead, index
 
 
-@settings(max_examples=12)
+@FEWER
 @given(problem=ssd_problems(max_t=40), data=st.data(), t_alone=threads, t_batch=threads)
 def test_ssd_sequence_alone_vs_in_batch(problem, data, t_alone, t_batch, torch_threads):
     """ssd_scan and a chunked-prefill run of ssd_continue: a sequence's bits alone == inside a batch (any thread count)."""
@@ -286,7 +294,7 @@ def test_ssd_sequence_alone_vs_in_batch(problem, data, t_alone, t_batch, torch_t
     assert _differences(out_alone, out_batch) is None
 
 
-@settings(max_examples=12)
+@FEWER
 @given(p=conv_problems(max_t=30), data=st.data(), t_alone=threads, t_batch=threads)
 def test_conv1d_sequence_alone_vs_in_batch(p, data, t_alone, t_batch, torch_threads):
     lead, index = _lead_and_index(data)
@@ -407,7 +415,7 @@ def _rel(a, b) -> float:
     return float((a.to(F64) - b).norm() / b.norm().clamp_min(1e-300))
 
 
-@settings(max_examples=10)
+@FEWER
 @given(case=ssd_cases(max_t=40, dtypes=(F32,)), pending=st.integers(0, 15))
 def test_ssd_gradients_vs_f64(case, pending):
     inp = ssd_inputs(case)

@@ -36,7 +36,8 @@ prefill pieces / decode steps, on the other sequences of the batch or on the thr
 count.  ``ssd_continue`` replays the partial chunk (pending tokens ++ new tokens) from the
 last boundary state and evaluates exactly the same expressions, so decode gives the
 whole-sequence bits.  Backward (not batch-invariant, only correct): float32 recompute of
-the same math with differentiable torch ops (cumsum/einsum) + ``torch.autograd.grad``.
+the same math with differentiable torch ops (cumsum/einsum; segment sums ``a_{s+1} + .. + a_t``
+as masked cumsums so ``grad A`` stays accurate when decays are tiny) + ``torch.autograd.grad``.
 """
 
 from __future__ import annotations
@@ -224,17 +225,20 @@ def _ssd_autograd(x, dt, A, B, C, D, chunk_size: int, state):
 
     xc, dtc = chunks(x), chunks(dt)
     bc, cc = chunks(B)[:, :, :, heads], chunks(C)[:, :, :, heads]    # [b,c,L,H,N]
-    cum = torch.cumsum(dtc * A, dim=2)                                # [b,c,L,H]
-    tri = torch.tril(torch.ones(L, L, dtype=torch.bool))
-    seg = cum[:, :, :, None, :] - cum[:, :, None, :, :]               # [b,c,t,s,H]
-    decay = torch.exp(torch.where(tri[None, None, :, :, None], seg, torch.zeros_like(seg)))
-    decay = decay * tri[None, None, :, :, None]
+    a = dtc * A                                                       # [b,c,L,H]
+    cum = torch.cumsum(a, dim=2)
+    # seg[t,s] = a_{s+1} + ... + a_t as a masked cumsum (not cum_t - cum_s): the diagonal is an empty sum, so
+    # the gradient carries no O(1) pairs that cancel to a tiny grad A (decays far below 1).
+    strict = torch.tril(torch.ones(L, L, dtype=torch.bool), diagonal=-1)[None, None, :, :, None]   # k > s
+    seg = torch.cumsum(torch.where(strict, a[:, :, :, None, :], torch.zeros((), dtype=a.dtype)), dim=2)  # [b,c,t,s,H]
+    tri = torch.tril(torch.ones(L, L, dtype=torch.bool))[None, None, :, :, None]
+    decay = torch.where(tri, torch.exp(torch.where(tri, seg, torch.zeros((), dtype=a.dtype))), torch.zeros((), dtype=a.dtype))
     cb = torch.einsum("bcthn,bcshn->bctsh", cc, bc)
     intra = torch.einsum("bctsh,bcsh,bcshp->bcthp", cb * decay, dtc, xc)
     states = [state]
     s = state
     for c in range(n_complete):
-        u = torch.exp(cum[:, c, -1:, :] - cum[:, c]) * dtc[:, c]
+        u = decay[:, c, -1] * dtc[:, c]                               # exp(a_{s+1} + ... + a_{L-1}) * dt_s
         s = torch.exp(cum[:, c, -1])[:, :, None, None] * s + torch.einsum("bsh,bshp,bshn->bhpn", u, xc[:, c], bc[:, c])
         states.append(s)
     s_c = torch.stack(states[:n_chunks], dim=1)                       # [b,c,H,P,N]
