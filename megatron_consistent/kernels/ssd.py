@@ -80,7 +80,7 @@ class MambaDtFunction(torch.autograd.Function):
         dt_raw, dt_bias, out = ctx.saved_tensors
         v = dt_raw.to(torch.float32) + dt_bias.to(torch.float32)
         sig = torch.where(v > 20.0, torch.ones_like(v), torch.sigmoid(v))
-        sp = torch.where(v > 20.0, v, torch.nn.functional.softplus(v))
+        sp = _mamba_dt_cpu(dt_raw, dt_bias, -math.inf, math.inf)      # the forward's unclamped value
         inside = (sp >= ctx.dt_min) & (sp <= ctx.dt_max)
         g = torch.where(inside, grad_out.to(torch.float32) * sig, torch.zeros_like(v))
         grad_bias = g.reshape(-1, g.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
