@@ -192,7 +192,7 @@ def run_check(cfg: CheckConfig) -> dict:
         if cfg.kv_cache_dtype != "auto":
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         routes_dir = None
-        if arch.is_moe and not arch.is_hybrid:  # consistent: the plugin records; baseline: stock engine + capture hook (verify/stock_routes.py)
+        if arch.is_moe and (mode == "consistent" or not arch.is_hybrid):  # consistent: the plugin records; baseline: stock engine + capture hook (verify/stock_routes.py)
             import shutil
 
             routes_dir = out / "routes" / mode

@@ -19,6 +19,8 @@ refitted in place by :meth:`ConsistentForCausalLM.load_weights`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -29,6 +31,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_norm
 from ..kernels import moe as kmoe
+from . import moe as plugin_moe
 from .mamba import ConsistentMambaMixer, state_dtypes, state_shapes
 from .model import ConsistentForCausalLM, _param
 
@@ -77,11 +80,13 @@ class MoEMixer(nn.Module):
     """Nemotron-H MoE: float32 router logits, sigmoid + e_score_correction_bias selection (group limit, scaling),
     non-gated relu2 experts and an ungated shared expert, combined once (:mod:`kernels.moe`)."""
 
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, idx: int):
         super().__init__()
         a, dt = arch, arch.torch_dtype
         E, inter, s = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
-        self.arch = a
+        self.arch, self.idx = a, idx
+        if os.environ.get(plugin_moe.ROUTES_ENV) and plugin_moe.RECORDER is None:  # route recording (vllm_plugin/moe.py)
+            plugin_moe.RECORDER = plugin_moe.RouteRecorder(os.environ[plugin_moe.ROUTES_ENV], a.moe_layers)
         self.gate = _param(E, a.hidden_size, dtype=dt)
         self.score_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.experts_up = _param(E, inter, a.hidden_size, dtype=dt)
@@ -89,11 +94,13 @@ class MoEMixer(nn.Module):
         self.shared_up = _param(s, a.hidden_size, dtype=dt) if s else None
         self.shared_down = _param(a.hidden_size, s, dtype=dt) if s else None
 
-    def forward(self, x):
+    def forward(self, x, positions):
         a = self.arch
         z = kmoe.router_logits(x, self.gate)
         w, experts = kmoe.route_logits(z, a.num_experts_per_tok, a.moe_scoring, self.score_bias, a.norm_topk_prob, a.moe_n_group,
                                        a.moe_topk_group, a.routed_scaling_factor)
+        if plugin_moe.RECORDER is not None:
+            plugin_moe.RECORDER(self.idx, positions, experts)
         shared = None if self.shared_up is None else (self.shared_up, self.shared_down, None)
         return kmoe.moe_experts(x, experts, w, self.experts_up, self.experts_down, shared, "relu2")
 
@@ -122,12 +129,13 @@ class HybridLayer(nn.Module):
         elif kind == "mlp":
             self.mixer = MLPMixer(arch)
         elif kind == "moe":
-            self.mixer = MoEMixer(arch)
+            self.mixer = MoEMixer(arch, int(prefix.rsplit(".", 1)[-1]))
         else:
             raise UnsupportedConfigError(f"unsupported hybrid layer type {kind!r}")
 
-    def forward(self, h):
-        return add_residual(self.mixer(rms_norm(h, self.norm, self.arch.rms_norm_eps)), h)
+    def forward(self, h, positions):
+        x = rms_norm(h, self.norm, self.arch.rms_norm_eps)
+        return add_residual(self.mixer(x, positions) if self.kind == "moe" else self.mixer(x), h)
 
 
 def _check_engine(arch: ArchConfig, vllm_config: VllmConfig) -> None:
@@ -189,7 +197,7 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, positions)
         return rms_norm(h, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
