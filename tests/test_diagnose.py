@@ -72,3 +72,13 @@ def test_qkv_canonical_layout_splits_query_groups():
     t = torch.cat(blocks)[None, None]  # [s=1, b=1, 256]
     c = _qkv_canonical(t, arch)[0].reshape(-1, hn)[:, 0].tolist()
     assert c == [0.0, 1.0, 10.0, 11.0, 100.0, 101.0, 200.0, 201.0]
+
+
+def test_hybrid_refused_by_name_before_any_engine(tmp_path):
+    """Per-op capture exists for GPT models only: a hybrid model dir is refused by name, no engine started."""
+    from megatron_consistent.config import UnsupportedConfigError
+
+    cfg = DiagnoseConfig(prompt=[5, 6], response=[7], model_dir=str(builtin_model_dir("tiny-nemotronh")), out_dir=str(tmp_path))
+    with pytest.raises(UnsupportedConfigError, match="NemotronHForCausalLM"):
+        run_diagnose(cfg)
+    assert not (tmp_path / "engine").exists()

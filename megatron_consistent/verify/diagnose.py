@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import kernels
-from ..config import ArchConfig, load_hf_config
+from ..config import ArchConfig, UnsupportedConfigError, load_hf_config
 from .capture import CaptureRequest, load_engine_capture, op_order, run_capture_engine, stack_rows
 from .metrics import format_table
 
@@ -277,7 +277,7 @@ def replay(folder: str | Path) -> dict:
     folder = Path(folder)
     summary = json.loads((folder / "summary.json").read_text())
     inputs = json.loads((folder / "inputs.json").read_text())
-    arch = ArchConfig(**{k: (tuple(tuple(x) for x in v) if k == "rope_scaling" and v else v) for k, v in inputs["arch"].items()})
+    arch = ArchConfig.from_dict(inputs["arch"])
     t = load_file(str(folder / "captured.safetensors"))
     weights = load_file(str(folder / "weights.safetensors"))
     op = summary["op"]
@@ -312,12 +312,19 @@ def _load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _refuse_hybrid(arch: ArchConfig) -> None:
+    if arch.is_hybrid:
+        raise UnsupportedConfigError(f"diagnose: per-op capture is implemented for GPT architectures, not for the hybrid "
+                                     f"{arch.architecture} (use `megatron-consistent check` for hybrids)")
+
+
 def build_megatron(model_dir: str | Path, seed: int = 0):
     """The consistent Megatron model with the HF weights of ``model_dir``; returns (model, arch)."""
     from ..conversion import import_hf
     from ..layers import build_consistent_gpt_model
 
     arch = ArchConfig.from_hf(load_hf_config(model_dir))
+    _refuse_hybrid(arch)
     model = build_consistent_gpt_model(arch, seed=seed)
     import_hf(model, arch, model_dir)
     return model, arch
@@ -333,6 +340,7 @@ def run_diagnose(cfg: DiagnoseConfig, model=None) -> dict:
         model, arch = build_megatron(model_dir, cfg.seed)
     else:
         arch = model.arch_config
+    _refuse_hybrid(arch)
     ids = list(cfg.prompt) + list(cfg.response)
     if len(ids) > cfg.max_model_len:
         raise ValueError(f"prompt + response ({len(ids)}) exceeds max_model_len {cfg.max_model_len}")
