@@ -29,8 +29,6 @@ are run as one batched call (the kernels are batch-invariant).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from vllm.model_executor.layers.mamba.abstract import MambaBase
