@@ -357,6 +357,18 @@ def test_one_vs_two_threads_on_a_larger_call(torch_threads):
     assert torch.equal(one[2], one[0][:, 295:])  # the replayed tokens equal the whole-sequence ones
 
 
+@settings(max_examples=8)
+@given(case=ssd_cases(max_t=40), work=st.sampled_from((1, 7, 300)))
+def test_ssd_work_blocking_is_memory_only(case, work):
+    """Splitting the work into blocks of positions / chunks / heads (tiny budgets) does not change a bit."""
+    inp = ssd_inputs(case, (2,))
+    args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D")]
+    whole = ssd_scan(*args, case.chunk, inp["S0"])
+    with mock.patch.object(ssd_module, "_WORK_ELEMENTS", work):
+        blocked = ssd_scan(*args, case.chunk, inp["S0"])
+    assert _differences(whole, blocked) is None
+
+
 @given(seed=seeds, n=st.integers(1, 40), tail=st.sampled_from(((), (3,), (2, 5))))
 def test_leading_axis_tree_is_numerics_tree_sum(seed, n, tail):
     """The kernel's fast tree over axis 0 is numerics.tree_sum (same pairing, same bits)."""

@@ -162,7 +162,7 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
     s = state.permute(3, 0, 1, 2).contiguous()
     states = [s]
     per_chunk = bsz * nh * hp * ns * L
-    cblock = max(1, (4 * _WORK_ELEMENTS) // per_chunk)
+    cblock = max(1, (4 * _WORK_ELEMENTS) // per_chunk)               # chunks per block (then heads per block)
     for c0 in range(0, n_complete, cblock):
         cs = slice(c0, min(n_complete, c0 + cblock))
         last = cum[:, cs, L - 1]                                      # [b,k,H]
@@ -170,7 +170,9 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         u = (e[:, :, :L] * dtc[:, cs]).permute(2, 0, 1, 3)            # [L,b,k,H]
         ux = u[..., None] * xc[:, cs].permute(2, 0, 1, 3, 4).contiguous()            # [L,b,k,H,P]
         bh = bc[:, cs][:, :, :, heads, :].permute(2, 4, 0, 1, 3).contiguous()      # [L,N,b,k,H]
-        contrib = _tree_sum0(ux[:, None] * bh[..., None])             # [N,b,k,H,P]
+        hblock = max(1, (_WORK_ELEMENTS // 4) // (per_chunk // nh * ux.shape[2]))   # heads per work tensor
+        contrib = torch.cat([_tree_sum0(ux[:, None, ..., h0:h0 + hblock, :] * bh[..., h0:h0 + hblock, None])
+                             for h0 in range(0, nh, hblock)], dim=3)  # [N,b,k,H,P]
         decay = e[:, :, L]                                            # [b,k,H]
         for j in range(contrib.shape[2]):
             s = decay[None, :, j, :, None] * s + contrib[:, :, j]
