@@ -87,7 +87,7 @@ def test_schedules_and_loads_bitwise_equal(n, k, m):
         xq, xs = tf8.quantize_activations(x, backend=backend)
         for path in ("serial", "parallel"):
             for tma in (True, False):
-                if tma and not (tf8._tma_ok(xq) and tf8._tma_ok(wq)):
+                if tma and not (tf8.tma_ok(xq) and tf8.tma_ok(wq)):
                     continue
                 outs.append(tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, path=path, use_tma=tma))
     assert len(outs) >= 4

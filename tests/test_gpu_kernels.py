@@ -72,7 +72,7 @@ def test_gemm_schedules_and_loads_bitwise_equal(n, k, m):
     outs = []
     for path in ("serial", "parallel"):
         for tma in (True, False):
-            if tma and not (tlin._tma_ok(x) and tlin._tma_ok(w)):
+            if tma and not (tlin.tma_ok(x) and tlin.tma_ok(w)):
                 continue
             outs.append(tlin.gemm(x, w, None, torch.float32, path=path, use_tma=tma))
     for o in outs[1:]:

@@ -8,6 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except Exception:  # pragma: no cover
+    TensorDescriptor = None
+
 TORCH_TO_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -22,3 +27,42 @@ def device_index(t: torch.Tensor) -> int:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """Whether ``t`` (2-D, row-major rows) can back a host-side TMA descriptor."""
+    es = t.element_size()
+    return (TensorDescriptor is not None and t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def tma_sources(a: torch.Tensor, b: torch.Tensor, bm: int, bn: int, bk: int, use_tma: bool):
+    """The GEMM operand sources ``(a, b)``: TMA descriptors of ``[bm, bk]`` / ``[bn, bk]`` blocks, or the tensors."""
+    if use_tma:
+        return TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk])
+    return a, b
+
+
+def gemm_output(m: int, n: int, k: int, bias: torch.Tensor | None, out_dtype: torch.dtype, device):
+    """``(out [m, n], done)``: a fresh output, and whether it is already final (empty, or ``K == 0``: the bias)."""
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return out, True
+    if k == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(out_dtype)
+        return out, True
+    return out, False
+
+
+@triton.jit
+def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(M tile, N tile) of linear tile index ``tile`` in grouped order (``GROUP_M`` M tiles per band, for L2 reuse)."""
+    group = GROUP_M * num_n
+    gid = tile // group
+    first_m = gid * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % gsize
+    pid_n = (tile % group) // gsize
+    return pid_m, pid_n

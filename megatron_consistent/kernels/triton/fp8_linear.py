@@ -42,12 +42,7 @@ import triton.language as tl
 
 from ..dispatch import implementation, register
 from ..fp8 import E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, QuantFormat, _dequantized_operands, quantize
-from ._common import device_index, num_sms
-
-try:  # host-side TMA descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except Exception:  # pragma: no cover
-    TensorDescriptor = None
+from ._common import device_index, gemm_output, num_sms, tile_coords, tma_ok, tma_sources
 
 GROUP = 128  # activation group = weight block column = BLOCK_K
 
@@ -118,17 +113,6 @@ def quantize_activations(x2d: torch.Tensor, a_fmt: QuantFormat = E4M3_ACT_1x128,
 
 # ---------------------------------------------------------------------------------------------- GEMM kernel
 @triton.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
-    group = GROUP_M * num_n
-    gid = tile // group
-    first_m = gid * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group) % gsize
-    pid_n = (tile % group) // gsize
-    return pid_m, pid_n
-
-
-@triton.jit
 def _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_am, stride_bn, stride_asm, stride_bsn,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr):
     rm = off_m + tl.arange(0, BM)
@@ -190,7 +174,7 @@ def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
         for unit in tl.range(pid, num_tiles * SPLITS, num_progs):
             tile = unit // SPLITS
             s = unit % SPLITS
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
             g0 = s * SPLIT_GROUPS
@@ -203,7 +187,7 @@ def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
             tl.store(base + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
     else:
         for tile in tl.range(pid, num_tiles, num_progs):
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
             if SPLITS == 1:
@@ -233,12 +217,6 @@ def _reduce_splits(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_B
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    es = t.element_size()
-    return (TensorDescriptor is not None and t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0
-            and t.data_ptr() % 16 == 0)
-
-
 _FORCE_PATH = os.environ.get("MC_FP8_GEMM_PATH", "")  # "", "serial", "parallel" (numerics-neutral)
 
 
@@ -259,13 +237,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     wq = wq if wq.stride(-1) == 1 else wq.contiguous()
     xs = xs.to(torch.float32)
     ws = ws.to(torch.float32)
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        out.zero_()
-        if bias is not None:
-            out += bias.to(out_dtype)
+    out, done = gemm_output(m, n, k, bias, out_dtype, xq.device)
+    if done:
         return out
     cfg = {**fp8_config(n, k), **(cfg or {})}
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -278,12 +251,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     path = path or _FORCE_PATH or ("parallel" if splits > 1 and num_tiles < sms else "serial")
     parallel = path == "parallel" and splits > 1
     if use_tma is None:
-        use_tma = _tma_ok(xq) and _tma_ok(wq)
-    if use_tma:
-        a_src = TensorDescriptor.from_tensor(xq, [bm, bk])
-        b_src = TensorDescriptor.from_tensor(wq, [bn, bk])
-    else:
-        a_src, b_src = xq, wq
+        use_tma = tma_ok(xq) and tma_ok(wq)
+    a_src, b_src = tma_sources(xq, wq, bm, bn, bk, use_tma)
     if parallel:
         wsp = torch.empty(splits * m * n, dtype=torch.float32, device=xq.device)
         units = num_tiles * splits

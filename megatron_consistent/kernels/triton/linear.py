@@ -35,12 +35,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import register
-from ._common import device_index, num_sms
-
-try:  # host-side TMA descriptors (Triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except Exception:  # pragma: no cover
-    TensorDescriptor = None
+from ._common import device_index, gemm_output, num_sms, tile_coords, tma_ok, tma_sources
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,17 +103,6 @@ def config_for(n: int, k: int, dtype: torch.dtype, m: int | None = None, tiles_b
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
-    group = GROUP_M * num_n
-    gid = tile // group
-    first_m = gid * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group) % gsize
-    pid_n = (tile % group) // gsize
-    return pid_m, pid_n
-
-
-@triton.jit
 def _split_acc(a_src, b_src, off_m, off_n, k_step0, n_steps, M, N, K, stride_am, stride_bn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
                NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr):
@@ -174,7 +158,7 @@ def _gemm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
         for unit in tl.range(pid, num_tiles * SPLITS, num_progs):
             tile = unit // SPLITS
             s = unit % SPLITS
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
             k0 = s * SPLIT_STEPS
@@ -196,7 +180,7 @@ def _gemm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         for tile in tl.range(pid, num_tiles, num_progs):
-            pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
             if SPLITS == 1:
@@ -229,12 +213,6 @@ def _counters(dev: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    es = t.element_size()
-    return (TensorDescriptor is not None and t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0
-            and t.data_ptr() % 16 == 0)
-
-
 # scheduling knobs (numerics-neutral); overridable for experiments
 _FORCE_PATH = os.environ.get("MC_GEMM_PATH", "")  # "", "serial", "parallel"
 _FORCE_NO_TMA = os.environ.get("MC_GEMM_NO_TMA", "") == "1"
@@ -251,13 +229,8 @@ def gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         x2d = x2d.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    out = torch.empty((m, n), dtype=out_dtype, device=x2d.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        out.zero_()
-        if bias is not None:
-            out += bias.to(out_dtype)
+    out, done = gemm_output(m, n, k, bias, out_dtype, x2d.device)
+    if done:
         return out
     cfg = cfg or config_for(n, k, weight.dtype, m, tiles_by_m)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -269,12 +242,8 @@ def gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
     path = path or _FORCE_PATH or ("parallel" if splits > 1 and num_tiles * 3 <= sms else "serial")
     parallel = path == "parallel" and splits > 1
     if use_tma is None:
-        use_tma = not _FORCE_NO_TMA and _tma_ok(x2d) and _tma_ok(weight)
-    if use_tma:
-        a_src = TensorDescriptor.from_tensor(x2d, [bm, bk])
-        b_src = TensorDescriptor.from_tensor(weight, [bn, bk])
-    else:
-        a_src, b_src = x2d, weight
+        use_tma = not _FORCE_NO_TMA and tma_ok(x2d) and tma_ok(weight)
+    a_src, b_src = tma_sources(x2d, weight, bm, bn, bk, use_tma)
     if parallel:
         ws = torch.empty(num_tiles * splits * bm * bn, dtype=torch.float32, device=x2d.device)
         cnt = _counters(x2d.device, num_tiles)
