@@ -128,6 +128,26 @@ def _split_acc(a_src, b_src, off_m, off_n, k_step0, n_steps, M, N, K, stride_am,
 
 
 @triton.jit
+def _serial_splits(a_src, b_src, off_m, off_n, k_steps, M, N, K, stride_am, stride_bn,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr,
+                   SPLITS: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile's float32 total, all splits in one program: the split partials summed in split order from 0
+    (one split: taken as is)."""
+    if SPLITS == 1:
+        total = _split_acc(a_src, b_src, off_m, off_n, 0, k_steps, M, N, K, stride_am, stride_bn,
+                           BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION)
+    else:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.range(0, SPLITS):
+            k0 = s * SPLIT_STEPS
+            n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
+            acc = _split_acc(a_src, b_src, off_m, off_n, k0, n_steps, M, N, K, stride_am, stride_bn,
+                             BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION)
+            total = total + acc
+    return total
+
+
+@triton.jit
 def _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
               BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
     rm = off_m + tl.arange(0, BM)
@@ -183,17 +203,8 @@ def _gemm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
-            if SPLITS == 1:
-                total = _split_acc(a_src, b_src, off_m, off_n, 0, k_steps, M, N, K, stride_am, stride_bn,
-                                   BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION)
-            else:
-                total = tl.zeros((BM, BN), dtype=tl.float32)
-                for s in tl.range(0, SPLITS):
-                    k0 = s * SPLIT_STEPS
-                    n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
-                    acc = _split_acc(a_src, b_src, off_m, off_n, k0, n_steps, M, N, K, stride_am, stride_bn,
-                                     BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION)
-                    total = total + acc
+            total = _serial_splits(a_src, b_src, off_m, off_n, k_steps, M, N, K, stride_am, stride_bn,
+                                   BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION)
             _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
 
 

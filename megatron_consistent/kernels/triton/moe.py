@@ -36,7 +36,7 @@ from .. import moe as kmoe
 from ..dispatch import register
 from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
-from .linear import _epilogue, _split_acc, config_for
+from .linear import _epilogue, _serial_splits, config_for
 
 _ACTIVATIONS = getattr(kmoe, "EXPERT_ACTIVATIONS", ("swiglu",))
 
@@ -66,17 +66,8 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1
         w_e = w_ptr + e.to(tl.int64) * stride_we
         k_steps = tl.cdiv(K, BK)
         # the Triton linear's serial path, rows masked to [r0, r1)
-        if SPLITS == 1:
-            total = _split_acc(x_ptr, w_e, r0, off_n, 0, k_steps, r1, N, K, stride_xm, stride_wn,
-                               BM, BN, BK, False, NUM_STAGES, PRECISION)
-        else:
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in tl.range(0, SPLITS):
-                k0 = s * SPLIT_STEPS
-                n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
-                acc = _split_acc(x_ptr, w_e, r0, off_n, k0, n_steps, r1, N, K, stride_xm, stride_wn,
-                                 BM, BN, BK, False, NUM_STAGES, PRECISION)
-                total = total + acc
+        total = _serial_splits(x_ptr, w_e, r0, off_n, k_steps, r1, N, K, stride_xm, stride_wn,
+                               BM, BN, BK, SPLIT_STEPS, SPLITS, False, NUM_STAGES, PRECISION)
         _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
 
 
