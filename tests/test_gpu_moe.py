@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton MoE of issue #7)")
 
@@ -18,6 +17,7 @@ if torch.cuda.is_available():
 from megatron_consistent.kernels import linear
 from megatron_consistent.kernels import moe as kmoe
 from megatron_consistent.kernels.dispatch import implementation
+from megatron_consistent.verify.moe_reference import moe_experts_f64
 
 DEV = torch.device("cuda")
 
@@ -104,25 +104,6 @@ def test_exact_ties_pick_lowest_index_on_cuda():
     assert torch.equal(e.cpu(), torch.tensor([[0, 1], [0, 1]]))
 
 
-def _reference(x, router, fc1, fc2, shared, experts, norm):
-    s = torch.softmax(x @ router.T, -1)
-    w = s.gather(-1, experts)
-    if norm:
-        w = w / w.sum(-1, keepdim=True)
-    inter = fc1.shape[1] // 2
-    out = torch.zeros_like(x)
-    for j in range(experts.shape[1]):
-        e = experts[:, j]
-        gate = torch.einsum("th,tih->ti", x, fc1[e, :inter])
-        up = torch.einsum("th,tih->ti", x, fc1[e, inter:])
-        out = out + w[:, j : j + 1] * torch.einsum("ti,thi->th", F.silu(gate) * up, fc2[e])
-    if shared is not None:
-        s_fc1, s_fc2, s_gate = shared
-        n = s_fc1.shape[0] // 2
-        out = out + torch.sigmoid(x @ s_gate.T) * ((F.silu(x @ s_fc1[:n].T) * (x @ s_fc1[n:].T)) @ s_fc2.T)
-    return out
-
-
 # float32 kernels vs float64: every op is a float32 reduction over <= 256 terms (error ~ log2(K) u ~ 5e-7 for
 # the fixed-order sums, K u ~ 2e-5 worst case for a sequential chain), ~6 ops deep; 1e-4 relative Frobenius
 # error leaves headroom while a wrong Jacobian / slot / expert gives >= 1e-2 (as tests/test_moe_reference.py).
@@ -145,7 +126,7 @@ def test_gradients_vs_float64(norm, top_k, shared):
     y = kmoe.moe_experts(ours["x"], experts, w, ours["fc1"], ours["fc2"], sh)
     (y * upstream.to(DEV)).sum().backward()
     rsh = (ref["s_fc1"], ref["s_fc2"], ref["s_gate"]) if shared else None
-    y_ref = _reference(ref["x"], ref["router"], ref["fc1"], ref["fc2"], rsh, experts.cpu(), norm)
+    y_ref = moe_experts_f64(ref["x"], ref["router"], ref["fc1"], ref["fc2"], rsh, experts.cpu(), "softmax", norm)
     (y_ref * upstream.double()).sum().backward()
     assert (y.cpu().double() - y_ref).norm() / y_ref.norm() <= GRAD_REL_TOL
     for k in ["x", "router", "fc1", "fc2"] + (["s_fc1", "s_fc2", "s_gate"] if shared else []):

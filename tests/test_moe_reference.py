@@ -11,35 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_consistent.kernels import moe as kmoe
+from megatron_consistent.verify.moe_reference import moe_experts_f64
 
 # Relative Frobenius error of each float32 gradient vs float64: the chain is ~6 float32 ops, each a reduction over
 # <= 128 terms (blocked / tree sums, error ~ log2(K) * u with u = 6e-8, i.e. ~4e-7 per op), so ~1e-6 expected;
 # 1e-4 leaves ample headroom while a wrong Jacobian (missing renormalisation term, wrong slot) gives >= 1e-2.
 GRAD_REL_TOL = 1e-4
-
-
-def _reference(x, router, fc1, fc2, shared, experts, scoring, norm):
-    z = x @ router.T
-    s = torch.softmax(z, -1) if scoring == "softmax" else torch.sigmoid(z)
-    w = s.gather(-1, experts)
-    if norm:
-        w = w / w.sum(-1, keepdim=True)
-    inter = fc1.shape[1] // 2
-    out = torch.zeros_like(x)
-    for j in range(experts.shape[1]):
-        e = experts[:, j]
-        gate = torch.einsum("th,tih->ti", x, fc1[e, :inter])
-        up = torch.einsum("th,tih->ti", x, fc1[e, inter:])
-        out = out + w[:, j : j + 1] * torch.einsum("ti,thi->th", F.silu(gate) * up, fc2[e])
-    if shared is not None:
-        s_fc1, s_fc2, s_gate = shared
-        n = s_fc1.shape[0] // 2
-        ys = (F.silu(x @ s_fc1[:n].T) * (x @ s_fc1[n:].T)) @ s_fc2.T
-        out = out + torch.sigmoid(x @ s_gate.T) * ys
-    return out
 
 
 @pytest.mark.parametrize("scoring, norm, top_k, shared", [("softmax", False, 1, False), ("softmax", True, 2, True),
@@ -64,7 +43,7 @@ def test_gradients_vs_float64(scoring, norm, top_k, shared):
     y = kmoe.moe_experts(ours["x"], experts, w, ours["fc1"], ours["fc2"], sh)
     (y * upstream).sum().backward()
     rsh = (ref["s_fc1"], ref["s_fc2"], ref["s_gate"]) if shared else None
-    y_ref = _reference(ref["x"], ref["router"], ref["fc1"], ref["fc2"], rsh, experts, scoring, norm)
+    y_ref = moe_experts_f64(ref["x"], ref["router"], ref["fc1"], ref["fc2"], rsh, experts, scoring, norm)
     (y_ref * upstream.double()).sum().backward()
     assert (y.double() - y_ref).norm() / y_ref.norm() <= GRAD_REL_TOL
     names = ["x", "router", "fc1", "fc2"] + (["s_fc1", "s_fc2", "s_gate"] if shared else [])

@@ -3,6 +3,7 @@
 Softmax router over all experts, ``torch.topk`` selection (the reference does
 not need a tie rule: its inputs have no ties), optional renormalisation of the
 selected weights, SwiGLU experts, Qwen2-MoE's sigmoid-gated shared expert.
+:func:`moe_experts_f64` is the same block on kernel-layout tensors with the routes given, for gradient checks.
 """
 
 from __future__ import annotations
@@ -35,3 +36,28 @@ def moe_mlp_f64(w: dict[str, torch.Tensor], arch, layer_prefix: str, h: torch.Te
         ys = (F.silu(x @ w[s + "gate_proj.weight"].T) * (x @ w[s + "up_proj.weight"].T)) @ w[s + "down_proj.weight"].T
         out = out + torch.sigmoid(x @ w[p + "shared_expert_gate.weight"].T) * ys
     return out.reshape(h.shape)
+
+
+def moe_experts_f64(x, router, fc1, fc2, shared, experts, scoring: str = "softmax", norm: bool = False) -> torch.Tensor:
+    """MoE output of ``x [T, H]`` for given routes ``experts [T, k]`` on kernel-layout weights (``router [E, H]``,
+    ``fc1 [E, 2I, H]`` gate rows then up rows, ``fc2 [E, H, I]``, ``shared = (s_fc1, s_fc2, s_gate)`` or None), in
+    the dtype of the inputs (float64 for the gradient checks): softmax / sigmoid scores, the selected weights
+    (optionally renormalised), SwiGLU experts, the sigmoid-gated shared expert, the weighted sum."""
+    z = x @ router.T
+    s = torch.softmax(z, -1) if scoring == "softmax" else torch.sigmoid(z)
+    w = s.gather(-1, experts)
+    if norm:
+        w = w / w.sum(-1, keepdim=True)
+    inter = fc1.shape[1] // 2
+    out = torch.zeros_like(x)
+    for j in range(experts.shape[1]):
+        e = experts[:, j]
+        gate = torch.einsum("th,tih->ti", x, fc1[e, :inter])
+        up = torch.einsum("th,tih->ti", x, fc1[e, inter:])
+        out = out + w[:, j : j + 1] * torch.einsum("ti,thi->th", F.silu(gate) * up, fc2[e])
+    if shared is not None:
+        s_fc1, s_fc2, s_gate = shared
+        n = s_fc1.shape[0] // 2
+        ys = (F.silu(x @ s_fc1[:n].T) * (x @ s_fc1[n:].T)) @ s_fc2.T
+        out = out + torch.sigmoid(x @ s_gate.T) * ys
+    return out
