@@ -54,6 +54,8 @@ class WeightSyncError(RuntimeError):
 
 def hf_tensor_specs(arch: ArchConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     """HF tensor name -> (shape, dtype name) of a checkpoint of ``arch`` (what a full update must contain)."""
+    if arch.is_hybrid:
+        return _hybrid_specs(arch)
     a, dt = arch, arch.dtype
     q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
     specs = {"model.embed_tokens.weight": ((a.vocab_size, h), dt), "model.norm.weight": ((h,), dt)}
@@ -74,6 +76,24 @@ def hf_tensor_specs(arch: ArchConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         specs[p + "mlp.gate_proj.weight"] = ((i, h), dt)
         specs[p + "mlp.up_proj.weight"] = ((i, h), dt)
         specs[p + "mlp.down_proj.weight"] = ((h, i), dt)
+    return specs
+
+
+def _hybrid_specs(arch: ArchConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """:func:`hf_tensor_specs` of a Mamba-2 / Nemotron-H ``arch``: the names of :mod:`..conversion.hybrid` (the router's
+    ``e_score_correction_bias`` is float32, everything else ``arch.dtype``)."""
+    from ..conversion.hybrid import hybrid_param_shapes, hybrid_plan
+
+    shapes, specs = hybrid_param_shapes(arch), {}
+    for mname, hf_names, kind in hybrid_plan(arch):
+        shape, dt = shapes[mname], "float32" if mname.endswith("router.expert_bias") else arch.dtype
+        if kind == "qkv":
+            rows = (arch.num_heads * arch.head_dim,) + (arch.num_kv_heads * arch.head_dim,) * 2
+            specs.update({n: ((r, shape[1]), dt) for n, r in zip(hf_names, rows)})
+        elif kind == "experts_fc2":  # [E, out, in] stack -> one [out, in] tensor per expert
+            specs.update({n: (tuple(shape[1:]), dt) for n in hf_names})
+        else:
+            specs[hf_names[0]] = (tuple(shape), dt)
     return specs
 
 

@@ -47,10 +47,15 @@ class WeightSyncExtension:
     def _mc_expected(self, model) -> tuple[dict, dict | None]:
         """(expected specs, in-place targets or None for the stock model)."""
         if hasattr(model, "hf_targets"):
-            targets = model.hf_targets()
-            specs = {n: (tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in targets.items()}
+            targets, wire = model.hf_targets(), self._mc_wire_dtypes(model)
+            specs = {n: (tuple(t.shape), wire.get(n, str(t.dtype).replace("torch.", ""))) for n, t in targets.items()}
             return specs, targets
         return hf_tensor_specs(self._mc_arch()), None
+
+    @staticmethod
+    def _mc_wire_dtypes(model) -> dict[str, str]:
+        """Targets the model holds wider than the checkpoint (hybrid Mamba mixers: float32) -> the dtype updates carry."""
+        return model.hf_wire_dtypes() if hasattr(model, "hf_wire_dtypes") else {}
 
     def mc_sync_version(self) -> int:
         """The weight version this engine serves (0 = the weights it was started with)."""
@@ -67,7 +72,14 @@ class WeightSyncExtension:
         model = self._mc_model()
         if not hasattr(model, "hf_targets"):
             return {}
-        return {n: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        from .protocol import DTYPES
+
+        def wire(n, t):  # a widened target hashes as its checkpoint dtype when that is exact, else as held (differs)
+            w = DTYPES[wire_dtypes[n]] if n in wire_dtypes else t.dtype
+            return t.to(w) if torch.equal(t.to(w).to(t.dtype), t) else t
+
+        wire_dtypes = self._mc_wire_dtypes(model)
+        return {n: hashlib.sha256(wire(n, t.detach()).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                 for n, t in model.hf_targets().items()}
 
     def mc_sync_model_kind(self) -> str:

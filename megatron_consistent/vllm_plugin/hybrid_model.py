@@ -213,6 +213,17 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
             out.update(layer.mixer.hf_targets(p + "mixer."))
         return out
 
+    def hf_wire_dtypes(self) -> dict[str, str]:
+        """HF name -> the dtype a checkpoint / weight update carries, for the targets held wider than that: the Mamba
+        mixers' float32 small parameters (``A_log``, ``D``, ``dt_bias``, conv, gated norm) arrive in the model dtype
+        and the copy widens them exactly."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            if layer.kind == "mamba":
+                targets = layer.mixer.hf_targets(f"backbone.layers.{i}.mixer.")
+                out.update({n: self.arch.dtype for n, t in targets.items() if t.dtype != self.arch.torch_dtype})
+        return out
+
     def load_weights(self, weights):
         def renamed():
             for name, t in weights:
