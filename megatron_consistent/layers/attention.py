@@ -41,6 +41,19 @@ def _is_causal(mask_type) -> bool:
     return getattr(mask_type, "name", str(mask_type)).split(".")[-1] == "causal"
 
 
+def _check_attention_features(config, attention_type: str, attn_mask_type) -> None:
+    """Refuse by name what the consistent core attention does not do: cross attention, non-causal masks,
+    attention dropout, sliding windows."""
+    if attention_type != "self":
+        raise UnsupportedConfigError(f"unsupported attention_type {attention_type!r} (self-attention only)")
+    if attn_mask_type is not None and not _is_causal(attn_mask_type):
+        raise UnsupportedConfigError(f"unsupported attn_mask_type {attn_mask_type} (causal only)")
+    if getattr(config, "attention_dropout", 0.0):
+        raise UnsupportedConfigError(f"unsupported feature: attention_dropout={config.attention_dropout} (must be 0)")
+    if getattr(config, "window_size", None) is not None:
+        raise UnsupportedConfigError(f"unsupported feature: sliding window attention (window_size={config.window_size})")
+
+
 class ConsistentCoreAttention(nn.Module):
     """Megatron core-attention interface; bind a :class:`RopeConfig` with :func:`consistent_core_attention`."""
 
@@ -70,14 +83,7 @@ class ConsistentCoreAttention(nn.Module):
             )
         if self.rope.style != "neox":
             raise UnsupportedConfigError(f"unsupported rope style {self.rope.style!r} for the Megatron layers (NeoX only)")
-        if attention_type != "self":
-            raise UnsupportedConfigError(f"unsupported attention_type {attention_type!r} (self-attention only)")
-        if attn_mask_type is not None and not _is_causal(attn_mask_type):
-            raise UnsupportedConfigError(f"unsupported attn_mask_type {attn_mask_type} (causal only)")
-        if getattr(config, "attention_dropout", 0.0):
-            raise UnsupportedConfigError(f"unsupported feature: attention_dropout={config.attention_dropout} (must be 0)")
-        if getattr(config, "window_size", None) is not None:
-            raise UnsupportedConfigError(f"unsupported feature: sliding window attention (window_size={config.window_size})")
+        _check_attention_features(config, attention_type, attn_mask_type)
         head_dim = getattr(config, "kv_channels", None)
         if head_dim is not None and head_dim != self.rope.rotary_dim:
             raise UnsupportedConfigError(f"rope rotary_dim {self.rope.rotary_dim} != kv_channels {head_dim} (partial rotary is not supported)")
@@ -85,11 +91,14 @@ class ConsistentCoreAttention(nn.Module):
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
 
     # -- helpers -------------------------------------------------------------------------------------------------
+    def _rotate(self, q, k, positions):
+        """RoPE of q and k (a subclass without rotary embedding returns them as they are)."""
+        return kernels.apply_rope(q, positions, self.rope), kernels.apply_rope(k, positions, self.rope)
+
     def _attend(self, q, k, v):
         """q [B, T, np, hn], k/v [B, T, ng, hn] of whole sequences starting at position 0."""
         positions = kernels.causal_positions(q.shape[0], q.shape[1], device=q.device)
-        q = kernels.apply_rope(q, positions, self.rope)
-        k = kernels.apply_rope(k, positions, self.rope)
+        q, k = self._rotate(q, k, positions)
         if getattr(self, "fp8_kv", False):  # FP8 KV cache (issue #9): the engine's cache round trip, on private copies
             from ..kernels.fp8 import kv_round_trip
 

@@ -56,7 +56,7 @@ from torch import nn
 from .. import kernels
 from ..config import ArchConfig, SSMConfig, UnsupportedConfigError
 from ..kernels import numerics
-from .attention import ConsistentCoreAttention, _is_causal
+from .attention import ConsistentCoreAttention, _check_attention_features
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear, sharded_state_dict_tp1
 from .mlp import consistent_bias_dropout_add
 from .norm import ConsistentRMSNorm
@@ -126,26 +126,12 @@ class ConsistentNoRopeCoreAttention(ConsistentCoreAttention):
                  softmax_scale: float | None = None, **unused):
         nn.Module.__init__(self)
         check_parallel_config(config)
-        if attention_type != "self":
-            raise UnsupportedConfigError(f"unsupported attention_type {attention_type!r} (self-attention only)")
-        if attn_mask_type is not None and not _is_causal(attn_mask_type):
-            raise UnsupportedConfigError(f"unsupported attn_mask_type {attn_mask_type} (causal only)")
-        if getattr(config, "attention_dropout", 0.0):
-            raise UnsupportedConfigError(f"unsupported feature: attention_dropout={config.attention_dropout} (must be 0)")
-        if getattr(config, "window_size", None) is not None:
-            raise UnsupportedConfigError(f"unsupported feature: sliding window attention (window_size={config.window_size})")
+        _check_attention_features(config, attention_type, attn_mask_type)
         self.layer_number = layer_number
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
 
-    def _attend(self, q, k, v):
-        positions = kernels.causal_positions(q.shape[0], q.shape[1], device=q.device)
-        if getattr(self, "fp8_kv", False):
-            from ..kernels.fp8 import kv_round_trip
-
-            k, v = kv_round_trip(k), kv_round_trip(v)
-        if self.capture is not None:
-            self.capture(q, k)
-        return kernels.attention(q, k, v, positions, scale=self.softmax_scale)
+    def _rotate(self, q, k, positions):
+        return q, k
 
 
 # ---------------------------------------------------------------------------------------------- the mixer
