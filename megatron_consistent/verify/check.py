@@ -253,17 +253,19 @@ def run_check(cfg: CheckConfig) -> dict:
 
 def render(report: dict) -> str:
     """The readable table of a report."""
-    rows = []
+    rows, unavailable = [], []
     for mode in ("consistent", "baseline", "routing_replay"):
         if mode not in report:
             continue
         r = report[mode]
-        rows.append({"path": mode, **r} if "tokens" in r else {"path": mode, "tokens": f"unavailable: {r['unavailable']}"})
+        rows.append({"path": mode, **r} if "tokens" in r else {"path": mode, "tokens": "unavailable"})
+        if "tokens" not in r:
+            unavailable.append(f"{mode} unavailable: {r['unavailable']}")
     s = report["settings"]
     title = (f"megatron-consistent check  model={s['arch']['architecture']} ({Path(s['hf_config']).name})  prompts={s['num_prompts']} "
              f"max_tokens={s['max_tokens']} temperature={s['temperature']} logprobs={s['logprobs_mode']} "
              f"max_num_batched_tokens={s['max_num_batched_tokens']}")
-    text = format_table(rows, METRIC_COLUMNS, title)
+    text = "\n".join([format_table(rows, METRIC_COLUMNS, title), *unavailable])
     if "throughput_ratio" in report:
         text += f"\nthroughput ratio (consistent / stock vLLM, same run): {report['throughput_ratio']:.3f}"
     if "consistent" in report and "tokens" in report["consistent"]:
