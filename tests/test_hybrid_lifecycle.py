@@ -1,11 +1,11 @@
 """RL lifecycle on a HYBRID engine (issue #8): in-place weight refit into a live Nemotron-H-MoE vLLM engine.
 
-One engine launch (``tiny-nemotronh-moe``, layers ``M E * M - E``: all four hybrid
-layer kinds — Mamba-2 mixer, routed+shared MoE, attention, relu^2 MLP — so the
-push covers every hybrid tensor family: ``in_proj``, ``conv1d``, ``dt_bias``,
-``A_log``, ``D``, the gated norm, q/k/v, experts, the float32
-``e_score_correction_bias``).  ``tiny-mamba2`` (attention-free) has only the
-``M`` family, a subset of the above.  The engine runs in a child process
+Two engine launches, one at a time: ``tiny-nemotronh-moe`` (layers ``M E * M - E``:
+all four hybrid layer kinds — Mamba-2 mixer, routed+shared MoE, attention,
+relu^2 MLP — so the push covers every hybrid tensor family: ``in_proj``,
+``conv1d``, ``dt_bias``, ``A_log``, ``D``, the gated norm, q/k/v, experts, the
+float32 ``e_score_correction_bias``) and ``tiny-mamba2`` (attention-free,
+``IsAttentionFree`` engine path, tied embeddings).  Each engine runs in a child process
 (:class:`megatron_consistent.sync.session.RLSession`, multiprocess engine core,
 chunked prefill forced with ``max_num_batched_tokens=16``):
 
@@ -153,9 +153,20 @@ def _bitwise(r: dict, what: str) -> None:
     assert r["bitwise_equal"] and r["exact_fraction"] == 1.0 and r["max_abs"] == 0.0 and r["zero_mismatch"], (what, r)
 
 
-def test_live_hybrid_engine_refit_in_place(tmp_path):
-    bad = ["backbone.layers.3.mixer.A_log", "backbone.layers.0.mixer.conv1d.weight"]
-    r = _live(tmp_path, "tiny-nemotronh-moe", bad)
+MAMBA = ("mixer.A_log", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.in_proj.weight", "mixer.dt_bias", "mixer.D",
+         "mixer.norm.weight", "mixer.out_proj.weight")
+LIVE = {  # model: (refused tensors, tensor families the optimizer step must have changed in the engine)
+    "tiny-nemotronh-moe": (["backbone.layers.3.mixer.A_log", "backbone.layers.0.mixer.conv1d.weight"],
+                           MAMBA + ("mixer.q_proj.weight", "mixer.o_proj.weight", "mixer.experts.0.up_proj.weight",
+                                    "mixer.shared_experts.down_proj.weight", "mixer.gate.weight", "mixer.up_proj.weight")),
+    "tiny-mamba2": (["backbone.layers.2.mixer.conv1d.weight", "backbone.layers.1.mixer.A_log"], MAMBA),  # attention-free
+}
+
+
+@pytest.mark.parametrize("model", list(LIVE))
+def test_live_hybrid_engine_refit_in_place(tmp_path, model):
+    bad, families = LIVE[model]
+    r = _live(tmp_path, model, bad)
     assert r["engine_names_equal_specs"]
     _bitwise(r["before"], "before the update")
     assert r["weights_before"]["equal"], r["weights_before"]
@@ -164,9 +175,7 @@ def test_live_hybrid_engine_refit_in_place(tmp_path):
     assert step["optimizer_stepped"] and step["engine_version"] == step["sync_version"] == 1, step
     assert step["pointers_unchanged"] and step["trainer_pointers_unchanged"], step
     changed = set(r["changed"])
-    for family in ("mixer.A_log", "mixer.conv1d.weight", "mixer.in_proj.weight", "mixer.dt_bias", "mixer.D",
-                   "mixer.norm.weight", "mixer.q_proj.weight", "mixer.experts.0.up_proj.weight",
-                   "mixer.shared_experts.down_proj.weight", "mixer.up_proj.weight"):
+    for family in families:
         assert any(n.endswith(family) for n in changed), (family, sorted(changed))
     assert r["trainer_moved_on_old_tokens"]  # the old rollout no longer matches: a skipped push would fail below
     _bitwise(r["after"], "after the push")
