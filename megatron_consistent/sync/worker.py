@@ -9,7 +9,10 @@ Arguments and results are plain JSON-like values (see :mod:`.protocol`).
 * Consistent engine (``MEGATRON_CONSISTENT_VLLM=1``): the model is
   :class:`~megatron_consistent.vllm_plugin.model.ConsistentForCausalLM`; each
   HF tensor is ``copy_``-ed into the view ``hf_targets()`` gives for it, i.e.
-  into the engine's existing parameter storage.  Every parameter's
+  into the engine's existing parameter storage (a target the model holds wider
+  than the checkpoint, ``hf_wire_dtypes()`` — the hybrid Mamba mixers' float32
+  small parameters — is validated against the checkpoint dtype and widened
+  exactly by the copy).  Every parameter's
   ``data_ptr`` is recorded before and after; a moved storage is reported as a
   failure (``require_inplace``).
 * Stock engine (baseline): vLLM's CPU linear layers keep only a repacked copy
