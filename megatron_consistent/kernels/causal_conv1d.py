@@ -73,6 +73,7 @@ class CausalConv1dFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, state, activation):
+        ctx.state_given = state is not None  # no gradient may be returned for a None input
         if state is None:
             state = x.new_zeros(*x.shape[:-2], weight.shape[1] - 1, x.shape[-1])
         ctx.save_for_backward(x, weight, bias, state)
@@ -99,6 +100,8 @@ class CausalConv1dFunction(torch.autograd.Function):
                 continue
             g = next(grads)
             result.append(torch.zeros_like(t) if g is None else g.to(t.dtype))
+        if not ctx.state_given:
+            result[3] = None
         return tuple(result) + (None,)
 
 

@@ -142,7 +142,8 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
     bsz, t_len, nh, hp = x.shape
     ng, ns = B.shape[-2:]
     L = chunk_size
-    heads = torch.arange(nh) // (nh // ng)
+    dev = x.device                                                   # index/mask tensors live with the data
+    heads = torch.arange(nh, device=dev) // (nh // ng)
     n_chunks = -(-t_len // L)
     n_complete = t_len // L
     pad = n_chunks * L - t_len
@@ -184,12 +185,12 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
     ys = []
     per_pos = nh * hp * max(L, ns) + L * ng * ns                    # largest work tensors per position
     block = max(1, _WORK_ELEMENTS // (bsz * per_pos))
-    rows = torch.arange(L)
+    rows = torch.arange(L, device=dev)
     for start in range(first_out, t_len, block):
-        pos = torch.arange(start, min(t_len, start + block))
+        pos = torch.arange(start, min(t_len, start + block), device=dev)
         ci, ri = pos // L, pos % L
         cum_c = cum[:, ci]                                            # [b,o,L,H]
-        cum_t = cum_c[:, torch.arange(len(pos)), ri]                  # [b,o,H]
+        cum_t = cum_c[:, torch.arange(len(pos), device=dev), ri]                  # [b,o,H]
         c_t = cc[:, ci, ri].permute(3, 0, 1, 2)                       # [N,b,o,G]
         cb = _tree_sum0(c_t[:, :, :, None, :] * bc[:, ci].permute(4, 0, 1, 2, 3).contiguous())  # [b,o,L,G]
         mask = (rows[None, :] <= ri[:, None])[None, :, :, None]       # [1,o,L,1]
@@ -215,7 +216,8 @@ def _ssd_autograd(x, dt, A, B, C, D, chunk_size: int, state):
     bsz, t_len, nh, hp = x.shape
     ng = B.shape[-2]
     L = chunk_size
-    heads = torch.arange(nh) // (nh // ng)
+    dev = x.device
+    heads = torch.arange(nh, device=dev) // (nh // ng)
     n_chunks = -(-t_len // L)
     n_complete = t_len // L
     pad = n_chunks * L - t_len
@@ -231,9 +233,9 @@ def _ssd_autograd(x, dt, A, B, C, D, chunk_size: int, state):
     cum = torch.cumsum(a, dim=2)
     # seg[t,s] = a_{s+1} + ... + a_t as a masked cumsum (not cum_t - cum_s): the diagonal is an empty sum, so
     # the gradient carries no O(1) pairs that cancel to a tiny grad A (decays far below 1).
-    strict = torch.tril(torch.ones(L, L, dtype=torch.bool), diagonal=-1)[None, None, :, :, None]   # k > s
+    strict = torch.tril(torch.ones(L, L, dtype=torch.bool, device=dev), diagonal=-1)[None, None, :, :, None]   # k > s
     seg = torch.cumsum(torch.where(strict, a[:, :, :, None, :], torch.zeros((), dtype=a.dtype)), dim=2)  # [b,c,t,s,H]
-    tri = torch.tril(torch.ones(L, L, dtype=torch.bool))[None, None, :, :, None]
+    tri = torch.tril(torch.ones(L, L, dtype=torch.bool, device=dev))[None, None, :, :, None]
     decay = torch.where(tri, torch.exp(torch.where(tri, seg, torch.zeros((), dtype=a.dtype))), torch.zeros((), dtype=a.dtype))
     cb = torch.einsum("bcthn,bcshn->bctsh", cc, bc)
     intra = torch.einsum("bctsh,bcsh,bcshp->bcthp", cb * decay, dtc, xc)

@@ -1,0 +1,37 @@
+"""CUDA registrations of the Mamba-2 / Nemotron-H ops: the CPU contract code run on GPU tensors (no Triton).
+
+``mamba_dt``, ``ssd_scan`` (hence ``ssd_continue``), ``causal_conv1d``, ``gated_rms_norm`` and
+``relu_squared`` are registered for ``"cuda"`` with the very functions registered for ``"cpu"``:
+their forwards use only elementwise torch ops, fixed-shape slicing / gathers, the float64
+:mod:`..numerics` ``exp`` / ``log`` and fixed-length :func:`..numerics.tree_sum` trees — no
+matmul / einsum, no cumsum, no scatter / index_add, no reduction over a length that varies.
+Index and mask tensors are created on the data's device.
+
+Contract on the GPU: deterministic and batch-invariant torch ops on the GPU (each element is
+computed by the same sequence of separate IEEE kernels whatever the batch, the sequence length
+or the prefill / decode split), so a sequence's outputs are the same bits alone or in a batch,
+whole or token by token.  Reference speed, not a tuned kernel (the SSD scan materialises
+``[L, ...]`` work tensors per position block).  GPU bits are not required to equal CPU bits
+(CUDA's float64 ``exp`` / ``floor`` / division need not round like the CPU's); tests compare
+them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float32 recompute
+(cumsum / einsum; correct, not batch-invariant), as on the CPU.
+"""
+
+from __future__ import annotations
+
+from ..causal_conv1d import _causal_conv1d_cpu
+from ..dispatch import register
+from ..gated_rms_norm import _gated_rms_norm_cpu
+from ..relu_squared import _relu_squared_cpu
+from ..ssd import _mamba_dt_cpu, _ssd_cpu
+
+OPS = {
+    "mamba_dt": _mamba_dt_cpu,
+    "ssd_scan": _ssd_cpu,
+    "causal_conv1d": _causal_conv1d_cpu,
+    "gated_rms_norm": _gated_rms_norm_cpu,
+    "relu_squared": _relu_squared_cpu,
+}
+
+for _op, _fn in OPS.items():
+    register(_op, "cuda")(_fn)
