@@ -330,20 +330,8 @@ def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
         raise ValueError(f"fp8_moe_experts: hidden must be [T, H], got {tuple(hidden.shape)}")
     if weights.dtype != torch.float32:
         raise ValueError(f"fp8_moe_experts: weights must be float32, got {weights.dtype}")
-    t, k = experts.shape
-    flat = experts.reshape(-1)
-    token_of_pair = torch.arange(t * k, device=hidden.device) // k
-    pieces, order = [], []
-    for e in torch.unique(flat).tolist():  # sorted ascending
-        pairs = (flat == e).nonzero()[:, 0]
-        pieces.append(fp8_expert_mlp(hidden[token_of_pair[pairs]], fc1.expert(e), fc2.expert(e), w_fmt, a_fmt))
-        order.append(pairs)
-    if pieces:
-        inverse = torch.empty(t * k, dtype=torch.int64, device=hidden.device)
-        inverse[torch.cat(order)] = torch.arange(t * k, device=hidden.device)
-        y = torch.cat(pieces)[inverse].reshape(t, k, -1)
-    else:
-        y = hidden.new_zeros(t, k, fc2.q.shape[-2])
+    y = kmoe.per_expert_outputs(hidden, experts, fc2.q.shape[-2],
+                                lambda e, x: fp8_expert_mlp(x, fc1.expert(e), fc2.expert(e), w_fmt, a_fmt))
     ys = gate = None
     if shared is not None:
         s_fc1, s_fc2, s_gate = shared

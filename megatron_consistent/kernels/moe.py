@@ -211,16 +211,24 @@ def expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch
 def _expert_outputs_cpu(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                         activation: str = "swiglu") -> torch.Tensor:
     """One :func:`expert_mlp` call per expert (ascending index) on the pairs routed to it."""
+    return per_expert_outputs(hidden, experts, w_down.shape[1],
+                              lambda e, x: expert_mlp(x, w_gate_up[e], w_down[e], activation))
+
+
+def per_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, out_features: int, expert_fn) -> torch.Tensor:
+    """``[T, k, out_features]``: ``expert_fn(e, rows)`` once per routed expert ``e`` (ascending index) on the hidden
+    rows of the (token, slot) pairs routed to it (pair order), scattered back to (token, slot) order; zeros when
+    no pair is routed."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     token_of_pair = torch.arange(t * k, device=hidden.device) // k
     pieces, order = [], []
     for e in torch.unique(flat).tolist():  # sorted ascending
         pairs = (flat == e).nonzero()[:, 0]
-        pieces.append(expert_mlp(hidden[token_of_pair[pairs]], w_gate_up[e], w_down[e], activation))
+        pieces.append(expert_fn(e, hidden[token_of_pair[pairs]]))
         order.append(pairs)
     if not pieces:
-        return hidden.new_zeros(t, k, w_down.shape[1])
+        return hidden.new_zeros(t, k, out_features)
     inverse = torch.empty(t * k, dtype=torch.int64, device=hidden.device)
     inverse[torch.cat(order)] = torch.arange(t * k, device=hidden.device)
     return torch.cat(pieces)[inverse].reshape(t, k, -1)
