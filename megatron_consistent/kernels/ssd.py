@@ -133,6 +133,14 @@ def _tree_sum0(x: torch.Tensor) -> torch.Tensor:
     return x[0]
 
 
+def _chunked(v, n_chunks: int, L: int):
+    """``[b, T, ...] -> [b, n_chunks, L, ...]``, zero rows appended up to ``n_chunks * L``."""
+    pad = n_chunks * L - v.shape[1]
+    if pad:
+        v = torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
+    return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
+
+
 def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
     """Contract forward. Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32.
 
@@ -146,13 +154,9 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
     heads = torch.arange(nh, device=dev) // (nh // ng)
     n_chunks = -(-t_len // L)
     n_complete = t_len // L
-    pad = n_chunks * L - t_len
 
     def chunks(v):
-        v = v.to(torch.float32)
-        if pad:
-            v = torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
-        return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
+        return _chunked(v.to(torch.float32), n_chunks, L)
 
     xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(B), chunks(C)   # [b,c,L,...]
     d32 = D.to(torch.float32)
@@ -220,12 +224,9 @@ def _ssd_autograd(x, dt, A, B, C, D, chunk_size: int, state):
     heads = torch.arange(nh, device=dev) // (nh // ng)
     n_chunks = -(-t_len // L)
     n_complete = t_len // L
-    pad = n_chunks * L - t_len
 
     def chunks(v):
-        if pad:
-            v = torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
-        return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
+        return _chunked(v, n_chunks, L)
 
     xc, dtc = chunks(x), chunks(dt)
     bc, cc = chunks(B)[:, :, :, heads], chunks(C)[:, :, :, heads]    # [b,c,L,H,N]
