@@ -292,11 +292,13 @@ def test_conv_norm_relu2_dt_gradients_on_cuda_vs_f64(seed, t, ch, k, group_size)
 
 # --------------------------------------------------------------------------- the tiny hybrid model on CUDA
 
-# CPU and GPU models are both bf16 (the GPU attention kernel takes bf16): each gradient carries ~1e-2 relative bf16
-# error (tests/test_gpu_megatron.py's estimate, bound 5e-2 there) and the GPU GEMMs round differently from the CPU
-# ones, so CPU vs GPU gradients may differ by up to ~2 x 5e-2; a wrong backward formula or a lost gradient gives
-# errors of order 1.
-CPU_GPU_GRAD_REL_TOL = 1e-1
+# The GPU attention kernel takes bf16, so the GPU model is bf16, and a bf16 model's gradients carry their own rounding
+# error: vs the float32 gradients of the same weights, the CPU bf16 model is off by up to ~4e-2 per tensor on
+# tiny-nemotronh (measured, seed 2, 2x37 tokens: A_log 4.1e-2, D 1.4e-2, others <= 1.3e-2; the SSM scalars' gradients
+# are sums of cancelling terms).  The GPU bf16 gradients must be about as accurate: per tensor, error vs the CPU
+# float32 gradients <= 3 x the CPU bf16 error + 5e-2 (tests/test_gpu_megatron.py's bf16 bound).  A wrong backward
+# formula or a lost gradient gives errors of order 1.
+GPU_VS_CPU_BF16_FACTOR, GPU_GRAD_FLOOR = 3.0, 5e-2
 
 
 def _ids(b: int, s: int, seed: int, vocab: int) -> torch.Tensor:
@@ -341,24 +343,36 @@ def test_hybrid_moe_model_backward_on_cuda(hybrid_moe):
 
 def test_hybrid_model_gradients_cuda_vs_cpu():
     """tiny-nemotronh (Mamba + attention + relu2 MLP; no MoE, so no routing decision can flip between devices):
-    per-parameter relative Frobenius difference of the GPU and CPU bf16 gradients <= CPU_GPU_GRAD_REL_TOL."""
+    GPU bf16 gradients vs the CPU float32 model's gradients on the same weights, bounded by the CPU bf16 model's own
+    error (see GPU_VS_CPU_BF16_FACTOR)."""
     pytest.importorskip("megatron.core")
     from megatron_consistent.config import builtin_model_dir
     from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
 
+    path = builtin_model_dir("tiny-nemotronh")
+    models = {"cpu": build_consistent_gpt_model(path, seed=2), "cuda": build_consistent_gpt_model(path, seed=2).cuda(),
+              "f32": build_consistent_gpt_model(path, seed=2, dtype=torch.float32)}
+    with torch.no_grad():
+        for (n, p), (m, q) in zip(models["cpu"].named_parameters(), models["f32"].named_parameters(), strict=True):
+            assert n == m
+            q.copy_(p.float())
     grads = {}
-    for device in ("cpu", "cuda"):
-        model = build_consistent_gpt_model(builtin_model_dir("tiny-nemotronh"), seed=2).to(device)
-        ids = _ids(2, 37, 5, model.arch_config.vocab_size).to(device)
+    for key, model in models.items():
+        ids = _ids(2, 37, 5, model.arch_config.vocab_size).to(next(model.parameters()).device)
         (-compute_token_logprobs(model, ids).mean()).backward()
-        grads[device] = {n: p.grad.detach().to(CPU, F64) for n, p in model.named_parameters() if p.grad is not None}
-    assert grads["cpu"].keys() == grads["cuda"].keys() and grads["cpu"]
-    errs = {}
-    for n, want in grads["cpu"].items():
+        grads[key] = {n: p.grad.detach().to(CPU, F64) for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["cpu"].keys() == grads["cuda"].keys() == grads["f32"].keys() and grads["f32"]
+
+    def rel(got, want):
+        scale = want.norm().item()
+        return (got - want).norm().item() / scale if scale > 0 else got.norm().item()
+
+    report = []
+    for n, want in grads["f32"].items():
         got = grads["cuda"][n]
         assert torch.isfinite(got).all(), n
-        scale = want.norm().item()
-        errs[n] = (got - want).norm().item() / scale if scale > 0 else got.norm().item()
-    worst = max(errs, key=errs.get)
-    print(f"tiny-nemotronh CPU vs GPU gradients: worst {worst} {errs[worst]:.3e}")
-    assert errs[worst] <= CPU_GPU_GRAD_REL_TOL, f"{worst}: {errs[worst]:.3e}"
+        e_gpu, e_cpu = rel(got, want), rel(grads["cpu"][n], want)
+        report.append((e_gpu, e_cpu, n))
+        assert e_gpu <= GPU_VS_CPU_BF16_FACTOR * e_cpu + GPU_GRAD_FLOOR, f"{n}: GPU {e_gpu:.3e}, CPU bf16 {e_cpu:.3e}"
+    e_gpu, e_cpu, n = max(report)
+    print(f"tiny-nemotronh gradients vs CPU float32: worst GPU bf16 {n} {e_gpu:.3e} (CPU bf16 there {e_cpu:.3e})")
