@@ -59,6 +59,7 @@ from ..kernels import numerics
 from .attention import ConsistentCoreAttention, _check_attention_features
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear, sharded_state_dict_tp1
 from .mlp import consistent_bias_dropout_add
+from .moe import _mark
 from .norm import ConsistentRMSNorm
 from .parallel import check_parallel_config
 
@@ -135,13 +136,6 @@ class ConsistentNoRopeCoreAttention(ConsistentCoreAttention):
 
 
 # ---------------------------------------------------------------------------------------------- the mixer
-def _mark(p: nn.Parameter) -> nn.Parameter:
-    p.tensor_model_parallel = False
-    p.allreduce = True
-    p.sequence_parallel = False
-    return p
-
-
 class _Params(nn.Module):
     """A parameter holder (``conv1d`` / ``norm``) so state-dict names match HF's and Megatron's."""
 
