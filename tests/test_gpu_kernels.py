@@ -62,6 +62,21 @@ def test_gemm_batch_invariant(n, k, out_dtype):
     assert err <= tol, err
 
 
+def test_gemm_output_past_int32_offsets():
+    """An LM-head-sized call (M x N > 2**31 elements): the last rows equal the same rows computed alone.
+
+    With 32-bit row offsets the addresses of rows past 2**31 / N wrap and those rows come out wrong."""
+    torch.manual_seed(0)
+    m, n, k = 14336, 152064, 64  # 2.18e9 outputs, fp32 logits (8.7 GB)
+    assert m * n > 2**31
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    full = linear(x, w, out_dtype=torch.float32)
+    for sl in [slice(m - 3, m), slice(m // 2, m // 2 + 2), slice(0, 2)]:
+        assert _bits_equal(linear(x[sl], w, out_dtype=torch.float32), full[sl]), f"rows {sl}"
+    del full
+
+
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 300)])
 @pytest.mark.parametrize("m", [1, 16, 100, 700])
 def test_gemm_schedules_and_loads_bitwise_equal(n, k, m):

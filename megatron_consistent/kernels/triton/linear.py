@@ -119,9 +119,9 @@ def _split_acc(a_src, b_src, off_m, off_n, k_step0, n_steps, M, N, K, stride_am,
             b = b_src.load([off_n, k])
         else:
             kk = k + rk
-            a = tl.load(a_src + rm[:, None] * stride_am + kk[None, :],
+            a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + kk[None, :],
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_src + rn[:, None] * stride_bn + kk[None, :],
+            b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + kk[None, :],
                         mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
     return acc
@@ -150,13 +150,14 @@ def _serial_splits(a_src, b_src, off_m, off_n, k_steps, M, N, K, stride_am, stri
 @triton.jit
 def _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
               BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Bias add and the one rounding; row offsets in int64 (an LM head's M x N passes 2**31)."""
     rm = off_m + tl.arange(0, BM)
     rn = off_n + tl.arange(0, BN)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         total = total + bias[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "num_progs"])
