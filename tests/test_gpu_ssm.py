@@ -171,7 +171,8 @@ def _rel(a, b) -> float:
 @FEW
 @given(c=ssd_cases(max_t=40))
 def test_ssd_gradients_on_cuda_vs_f64(c):
-    """float32 backward on the GPU vs float64 autograd of the recurrence, with the CPU test's bounds."""
+    """float32 backward on the GPU vs float64 autograd of the recurrence, with the CPU test's bounds; and the same
+    gradient bits on a second run (no atomics on the backward path: the group -> head broadcast is an expand)."""
     inp = ssd_inputs(dict(c, with_state=True), F32)
     names = ("x", "dt", "A", "B", "C", "D", "S0")
     leaves = [inp[k].to(DEV).requires_grad_(True) for k in names]
@@ -179,6 +180,9 @@ def test_ssd_gradients_on_cuda_vs_f64(c):
     g = _gen(c["seed"] + 1)
     gy, gs = _randn(g, *y.shape), _randn(g, *state.shape)
     grads = [t.cpu() for t in torch.autograd.grad([y, state], leaves, [gy.to(DEV), gs.to(DEV)])]
+    y2, state2 = ssd_scan(*leaves[:6], c["chunk"], leaves[6])
+    again = torch.autograd.grad([y2, state2], leaves, [gy.to(DEV), gs.to(DEV)])
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(again, grads)), "the GPU backward is not deterministic run to run"
     x64 = [inp[k].to(F64).requires_grad_(True) for k in names]
     a_tok = x64[2].detach().expand(c["t"], c["nh"]).clone().requires_grad_(True)
     y64, states64 = ssd_recurrence_f64(*x64[:2], a_tok, *x64[3:6], x64[6])

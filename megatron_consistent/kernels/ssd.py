@@ -221,15 +221,19 @@ def _ssd_autograd(x, dt, A, B, C, D, chunk_size: int, state):
     ng = B.shape[-2]
     L = chunk_size
     dev = x.device
-    heads = torch.arange(nh, device=dev) // (nh // ng)
+    rep = nh // ng
     n_chunks = -(-t_len // L)
     n_complete = t_len // L
 
     def chunks(v):
         return _chunked(v, n_chunks, L)
 
+    def per_head(v):  # [b,c,L,G,N] -> [b,c,L,H,N], head h reads group h // rep; an expand, so its backward is a
+        # fixed-shape sum over the rep heads of a group (no index_put / atomic scatter on CUDA)
+        return v[..., None, :].expand(*v.shape[:-1], rep, v.shape[-1]).reshape(*v.shape[:-2], nh, v.shape[-1])
+
     xc, dtc = chunks(x), chunks(dt)
-    bc, cc = chunks(B)[:, :, :, heads], chunks(C)[:, :, :, heads]    # [b,c,L,H,N]
+    bc, cc = per_head(chunks(B)), per_head(chunks(C))                 # [b,c,L,H,N]
     a = dtc * A                                                       # [b,c,L,H]
     cum = torch.cumsum(a, dim=2)
     # seg[t,s] = a_{s+1} + ... + a_t as a masked cumsum (not cum_t - cum_s): the diagonal is an empty sum, so
