@@ -178,4 +178,5 @@ def test_ste_forward_is_the_cuda_fp8_linear_and_backward_runs_on_cuda():
     # relative Frobenius error leaves headroom while a transposed / wrong operand gives O(1)
     assert (x.grad.double() - gx_ref).norm() / gx_ref.norm() <= 1e-2
     assert (master.grad.double() - gw_ref).norm() / gw_ref.norm() <= 1e-2
-    assert torch.allclose(bias.grad.float(), up.sum(0), rtol=1e-2, atol=1e-1)
+    ref_b = up.sum(0)  # the bias gradient: a float32 column sum of the upstream gradient, rounded to bf16
+    assert ((bias.grad.float() - ref_b).abs() <= 1e-1 + 1e-2 * ref_b.abs()).all()

@@ -337,7 +337,7 @@ def test_bad_hybrid_checkpoint_loads_nothing(models, tmp_path):
     assert all(torch.equal(p, before[n]) for n, p in dst.named_parameters())
 
 
-# Cross-implementation sanity check (allclose-style ONLY here): transformers' torch path in float32 on the exported
+# Cross-implementation sanity check (the one tolerance-based comparison in this file): transformers' torch path in float32 on the exported
 # bf16 weights vs our bf16 model.  Metric: mean |logit difference| / mean |logit|.  bf16 rounding of activations
 # gives ~1e-2 relative per element, averaging to <= 1e-2 (measured 0.6-0.8%); a mapping error (conv taps reversed,
 # D dropped, wrong split order) gives 0.35 .. 1.2.  HF's Mamba2 gated norm is NOT grouped (vLLM's and mamba_ssm's

@@ -1,6 +1,6 @@
 """Hybrid Mamba-2 kernels (issue #8): causal_conv1d, mamba_dt, ssd_scan / ssd_continue, gated_rms_norm, relu_squared.
 
-Bitwise properties (``torch.equal``, never allclose):
+Bitwise properties (``torch.equal``, never a tolerance):
 
 * decode-vs-prefill at EVERY position: a whole-sequence ``ssd_scan`` against the same
   sequence fed token by token through ``ssd_continue`` and against random chunked-prefill
