@@ -31,7 +31,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
                 "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                 "NemotronHForCausalLM": "nemotron_h", "Mamba2ForCausalLM": "mamba2"}
-LAYER_TYPES = ("mamba", "attention", "mlp", "moe")
 SUPPORTED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -131,10 +130,6 @@ class ArchConfig:
     def moe_score_bias(self) -> bool:
         """Whether the router carries a float32 selection bias (``e_score_correction_bias``)."""
         return self.moe_scoring == "sigmoid"
-
-    def layer_type(self, i: int) -> str:
-        """``"mamba" | "attention" | "mlp" | "moe"`` for hybrids; ``"decoder"`` (attention + MLP) otherwise."""
-        return self.layer_types[i] if self.layer_types else "decoder"
 
     def layer_is_moe(self, i: int) -> bool:
         return i in self.moe_layers

@@ -28,15 +28,15 @@ decoder.final_norm.weight                              backbone.norm_f.weight
 output_layer.weight                                    lm_head.weight  (absent when embeddings are tied)
 =====================================================  ===================================================
 
-Only slicing, stacking and copies — export -> import is bitwise.  :func:`export_hf` /
-:func:`import_hf` are those of :mod:`.hf` (which dispatches here on ``arch.is_hybrid``).
+Only slicing, stacking and copies — export -> import is bitwise.  Export / import are
+:func:`.hf.export_hf` / :func:`.hf.import_hf`, which dispatch here on ``arch.is_hybrid``.
 """
 
 from __future__ import annotations
 
 from ..config import ArchConfig, UnsupportedConfigError
 
-__all__ = ["export_hf", "hybrid_param_shapes", "hybrid_plan", "import_hf"]
+__all__ = ["hybrid_param_shapes", "hybrid_plan"]
 
 _MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")
 
@@ -103,18 +103,3 @@ def hybrid_param_shapes(arch: ArchConfig) -> dict[str, tuple[int, ...]]:
                         m + "mlp.shared_experts.linear_fc1.weight": (si, H), m + "mlp.shared_experts.linear_fc2.weight": (H, si)})
     return out
 
-
-def export_hf(model, arch: ArchConfig, out_dir):
-    """:func:`.hf.export_hf` for a hybrid model (``config.json`` + ``model.safetensors`` in the layout above)."""
-    from .hf import export_hf as _export
-
-    hybrid_plan(arch)  # refuses a non-hybrid arch by name
-    return _export(model, arch, out_dir)
-
-
-def import_hf(model, arch: ArchConfig, in_dir) -> None:
-    """:func:`.hf.import_hf` for a hybrid model: all-or-nothing, in place."""
-    from .hf import import_hf as _import
-
-    hybrid_plan(arch)
-    return _import(model, arch, in_dir)

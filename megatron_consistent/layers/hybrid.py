@@ -380,8 +380,7 @@ def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype):
     if arch.ssm is not None:
         extra.update(mamba_state_dim=arch.ssm.state_size, mamba_head_dim=arch.ssm.head_dim, mamba_num_groups=arch.ssm.n_groups,
                      mamba_num_heads=arch.ssm.num_heads)
-    config = make_transformer_config(arch, dtype, consistent=True, **extra)
-    return config
+    return make_transformer_config(arch, dtype, consistent=True, **extra)
 
 
 def _hybrid_model_class():

@@ -240,12 +240,6 @@ def __getattr__(name):  # module attribute ConsistentTopKRouter, created lazily
 
 
 # ---------------------------------------------------------------------------------------------- experts
-def _megatron_module():
-    from megatron.core.transformer.module import MegatronModule
-
-    return MegatronModule
-
-
 def _sharded(module, prefix, sharded_offsets, metadata):
     from .linear import sharded_state_dict_tp1
 
