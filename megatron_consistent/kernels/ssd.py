@@ -1,7 +1,7 @@
 """Mamba-2 selective state space (SSD) — chunked scan with a decode/chunked-prefill replay.
 
 Shapes: ``x [..., T, H, P]`` (model dtype), ``dt [..., T, H]`` float32, ``A [H]`` float32
-(``= -exp(A_log)``), ``B, C [..., T, G, N]`` (model dtype), ``D [H]``, state ``[..., H, P, N]``
+(``= -exp(A_log)``, :func:`ssm_decay_rate`), ``B, C [..., T, G, N]`` (model dtype), ``D [H]``, state ``[..., H, P, N]``
 float32.  Head ``h`` reads group ``g(h) = h // (H // G)``.  The recurrence is
 ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``, ``y_t = C_t . S_t + D x_t``; it is evaluated
 in chunks of ``L = chunk_size`` tokens aligned to absolute position 0 of the segment (the
@@ -100,6 +100,30 @@ def mamba_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float = 0.0, d
     if not dt_min <= dt_max:
         raise ValueError(f"mamba_dt: dt_min {dt_min} > dt_max {dt_max}")
     return MambaDtFunction.apply(dt_raw, dt_bias, float(dt_min), float(dt_max))
+
+
+# --------------------------------------------------------------------------- ssm_decay_rate
+
+
+class SSMDecayRateFunction(torch.autograd.Function):
+    """Autograd wrapper for :func:`ssm_decay_rate` (closed-form backward ``g * A``)."""
+
+    @staticmethod
+    def forward(ctx, a_log):
+        a = -exp(a_log.to(torch.float32))
+        ctx.save_for_backward(a)
+        ctx.dtype = a_log.dtype
+        return a
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return (g * a).to(ctx.dtype)  # d(-exp(x))/dx = -exp(x) = A
+
+
+def ssm_decay_rate(a_log: torch.Tensor) -> torch.Tensor:
+    """``A = -exp(float32(A_log))`` with :func:`numerics.exp` (float32, one rounding), float32 ``[H]``; backward ``g * A``."""
+    return SSMDecayRateFunction.apply(a_log)
 
 
 # --------------------------------------------------------------------------- SSD forward

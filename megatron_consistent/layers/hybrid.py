@@ -26,7 +26,7 @@ names), for hidden ``[s, b, H]`` taken to ``[b, s, H]``::
     xBC, _ = causal_conv1d(xBC, conv1d.weight[:, 0, :], conv1d.bias, None, "silu")
     x, B, C = split(xBC, [d_inner, G*N, G*N])
     dt = mamba_dt(dt, dt_bias, *time_step_limit)               # float32
-    A = -numerics.exp(float32(A_log))                         # float32, own exp (ssm_decay_rate)
+    A = ssm_decay_rate(A_log)                                  # -exp(float32(A_log)), own exp, float32
     y, _ = ssd_scan(x, dt, A, B, C, D, chunk_size)             # every sequence starts on a chunk boundary
     y = gated_rms_norm(y, z, norm.weight, d_inner // G, eps)
     out = linear(y, out_proj.weight)
@@ -55,7 +55,6 @@ from torch import nn
 
 from .. import kernels
 from ..config import ArchConfig, SSMConfig, UnsupportedConfigError
-from ..kernels import numerics
 from .attention import ConsistentCoreAttention, _check_attention_features
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear, sharded_state_dict_tp1
 from .mlp import consistent_bias_dropout_add
@@ -65,7 +64,7 @@ from .parallel import check_parallel_config
 
 __all__ = [
     "ConsistentHybridNorm", "ConsistentHybridStack", "ConsistentMambaMixer", "ConsistentNoRopeCoreAttention", "ConsistentReluSquared",
-    "build_consistent_hybrid_model", "get_consistent_hybrid_stack_spec", "hybrid_pattern", "ssm_decay_rate",
+    "build_consistent_hybrid_model", "get_consistent_hybrid_stack_spec", "hybrid_pattern",
 ]
 
 _PATTERN = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
@@ -79,25 +78,6 @@ def hybrid_pattern(arch: ArchConfig) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- small modules
-class _NegExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a_log):
-        a = -numerics.exp(a_log.to(torch.float32))
-        ctx.save_for_backward(a)
-        ctx.dtype = a_log.dtype
-        return a
-
-    @staticmethod
-    def backward(ctx, g):
-        (a,) = ctx.saved_tensors
-        return (g * a).to(ctx.dtype)  # d(-exp(x))/dx = -exp(x) = A
-
-
-def ssm_decay_rate(a_log: torch.Tensor) -> torch.Tensor:
-    """``A = -exp(float32(A_log))`` with :func:`kernels.numerics.exp` (float32, one rounding); backward ``g * A``."""
-    return _NegExp.apply(a_log)
-
-
 class ConsistentHybridNorm(ConsistentRMSNorm):
     """:class:`ConsistentRMSNorm` whose ``eps`` defaults to ``config.layernorm_epsilon`` (Megatron 0.16's MambaLayer passes none)."""
 
@@ -200,7 +180,7 @@ class ConsistentMambaMixer(nn.Module):
         gn = s.n_groups * s.state_size
         x, B, C = torch.split(xbc, [s.d_inner, gn, gn], dim=-1)
         dt = kernels.mamba_dt(dt_raw, self.dt_bias, *s.time_step_limit)
-        y, _ = kernels.ssd_scan(x.reshape(b, t, s.num_heads, s.head_dim), dt, ssm_decay_rate(self.A_log),
+        y, _ = kernels.ssd_scan(x.reshape(b, t, s.num_heads, s.head_dim), dt, kernels.ssm_decay_rate(self.A_log),
                                 B.reshape(b, t, s.n_groups, s.state_size), C.reshape(b, t, s.n_groups, s.state_size), self.D,
                                 s.chunk_size)
         y = kernels.gated_rms_norm(y.reshape(b, t, s.d_inner), z, self.norm.weight, s.group_size, s.norm_eps)

@@ -35,8 +35,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import causal_conv1d, gated_rms_norm, linear, mamba_dt, ssd_continue, ssd_scan
-from ..kernels.numerics import exp
+from ..kernels import causal_conv1d, gated_rms_norm, linear, mamba_dt, ssd_continue, ssd_scan, ssm_decay_rate
 
 
 def state_shapes(ssm: SSMConfig) -> tuple[tuple[int, ...], ...]:
@@ -171,7 +170,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         seg_dt = torch.where((r < p[:, None])[..., None], dt_c[idx, :t], 0.0)
         seg_dt = torch.where((r == p[:, None])[..., None], dt[:, None].to(torch.float32), seg_dt)
         x, B, C = seg.split([d, gn, gn], dim=-1)
-        y, state = ssd_scan(x.reshape(b, t, s.num_heads, s.head_dim), seg_dt, -exp(self.A_log),
+        y, state = ssd_scan(x.reshape(b, t, s.num_heads, s.head_dim), seg_dt, ssm_decay_rate(self.A_log),
                             B.reshape(b, t, s.n_groups, s.state_size), C.reshape(b, t, s.n_groups, s.state_size), self.D, L, boundary)
         done = p == L - 1  # this token completes the chunk: the scan's boundary state is this request's
         ssm_c[idx] = torch.where(done[:, None, None, None], state, boundary)
@@ -202,7 +201,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
                        pb.reshape(b, p, s.n_groups, s.state_size), pc.reshape(b, p, s.n_groups, s.state_size))
         xbc, new_conv = causal_conv1d(xbc, self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
         x, B, C = xbc.split([d, gn, gn], dim=-1)
-        A = -exp(self.A_log)
+        A = ssm_decay_rate(self.A_log)
         y, new_boundary, (nx, ndt, nb, nc) = ssd_continue(
             boundary, pending, x.reshape(b, n, s.num_heads, s.head_dim), dt, B.reshape(b, n, s.n_groups, s.state_size),
             C.reshape(b, n, s.n_groups, s.state_size), A, self.D, L)
