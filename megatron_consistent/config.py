@@ -123,6 +123,11 @@ class ArchConfig:
         return bool(self.layer_types)
 
     @property
+    def hybrid_pattern(self) -> str:
+        """The layer pattern in HF ``hybrid_override_pattern`` / Megatron symbols (``M * - E``); ``""`` for non-hybrids."""
+        return "".join(_PATTERN_SYMBOLS[t] for t in self.layer_types)
+
+    @property
     def mlp_gated(self) -> bool:
         return self.hidden_act == "silu"
 
@@ -305,6 +310,7 @@ def _moe_to_hf(a: "ArchConfig") -> dict:
 
 # ---------------------------------------------------------------------------------------------- hybrid (Mamba-2)
 _PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_PATTERN_SYMBOLS = {t: c for c, t in _PATTERN_CHARS.items()}
 _HF_BLOCK_TYPES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
                    "mlp": "mlp", "moe": "moe"}
 _HF_BLOCK_NAMES = {"mamba": "linear_attention", "attention": "full_attention", "mlp": "mlp", "moe": "moe"}
@@ -441,7 +447,7 @@ def _hybrid_to_hf(a: ArchConfig) -> dict:
         hf.update(ssm, num_heads=s.num_heads, head_dim=s.head_dim, state_size=s.state_size, expand=s.d_inner // a.hidden_size,
                   hidden_act="silu", use_bias=False)
         return hf
-    hf.update(ssm, hybrid_override_pattern="".join({v: k for k, v in _PATTERN_CHARS.items()}[t] for t in a.layer_types),
+    hf.update(ssm, hybrid_override_pattern=a.hybrid_pattern,
               layers_block_type=[_HF_BLOCK_NAMES[t] for t in a.layer_types], intermediate_size=a.intermediate_size,
               num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, mlp_hidden_act="relu2",
               mamba_hidden_act="silu", use_bias=False, mlp_bias=False, attention_bias=False, mamba_proj_bias=False)

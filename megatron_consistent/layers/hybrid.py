@@ -67,14 +67,12 @@ __all__ = [
     "build_consistent_hybrid_model", "get_consistent_hybrid_stack_spec", "hybrid_pattern",
 ]
 
-_PATTERN = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
-
 
 def hybrid_pattern(arch: ArchConfig) -> str:
     """Megatron's layer pattern (``M * - E``) of a hybrid ``arch``."""
     if not arch.is_hybrid:
         raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid (Mamba) architecture")
-    return "".join(_PATTERN[t] for t in arch.layer_types)
+    return arch.hybrid_pattern
 
 
 # ---------------------------------------------------------------------------------------------- small modules

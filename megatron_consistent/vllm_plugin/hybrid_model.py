@@ -192,7 +192,7 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
         self.norm = _param(arch.hidden_size, dtype=dt)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         logger.info("megatron-consistent: %s (%s) runs on the consistent kernels, Mamba state replayed from chunk boundaries",
-                    arch.architecture, "".join({"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}[t] for t in arch.layer_types))
+                    arch.architecture, arch.hybrid_pattern)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
