@@ -18,7 +18,7 @@ After the last layer the stack's final norm is :class:`ConsistentRMSNorm`
 (:class:`ConsistentHybridStack` builds it instead of Megatron's hard-coded
 ``TENorm``) and the LM head is :class:`.output.ConsistentOutputLayer` (float32 logits).
 
-Mixer dataflow (``docs``: ``/work/notes/hybrid_design.md``; HF NemotronH / Mamba2
+Mixer dataflow (``docs/hybrid.md``; HF NemotronH / Mamba2
 names), for hidden ``[s, b, H]`` taken to ``[b, s, H]``::
 
     zxbcdt = linear(h, in_proj.weight)                         # [b, s, d_inner + conv_dim + nh]
