@@ -72,8 +72,10 @@ from typing import Callable
 
 import torch
 
+from . import moe as kmoe
 from .dispatch import implementation, register
 from .nvfp4 import E2M1_MAX, decode_e2m1, encode_e2m1, nvfp4_effective_scales, nvfp4_quantize
+from .silu_and_mul import silu_and_mul
 
 __all__ = [
     "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "NVFP4_WEIGHT", "FP8LinearSTE", "FP8Weights", "QuantFormat", "VALUE_CODECS", "block_amax",
@@ -308,8 +310,6 @@ def _fp8_apply(x, w: FP8Weights, w_fmt, a_fmt):
 def fp8_expert_mlp(x: torch.Tensor, fc1: FP8Weights, fc2: FP8Weights, w_fmt: QuantFormat = E4M3_WEIGHT_128,
                    a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
     """One SwiGLU expert in FP8: ``fp8_linear(silu_and_mul(fp8_linear(x, fc1)), fc2)`` (gate rows first)."""
-    from .silu_and_mul import silu_and_mul
-
     return _fp8_apply(silu_and_mul(_fp8_apply(x, fc1, w_fmt, a_fmt)), fc2, w_fmt, a_fmt)
 
 
@@ -324,8 +324,6 @@ def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
     row-invariant: per-token activation groups), the shared expert's sigmoid gate from the unquantized gate weight,
     float32 slot-order combine, one rounding — with every expert linear being :func:`fp8_linear` (forward bitwise
     equal with or without masters)."""
-    from . import moe as kmoe
-
     if hidden.dim() != 2:
         raise ValueError(f"fp8_moe_experts: hidden must be [T, H], got {tuple(hidden.shape)}")
     if weights.dtype != torch.float32:
