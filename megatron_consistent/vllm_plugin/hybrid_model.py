@@ -33,7 +33,7 @@ from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_no
 from ..kernels import moe as kmoe
 from . import moe as plugin_moe
 from .mamba import ConsistentMambaMixer, state_dtypes, state_shapes
-from .model import ConsistentForCausalLM, _param
+from .model import ConsistentForCausalLM, _param, check_engine_config
 
 logger = init_logger("vllm.plugins.megatron_consistent.hybrid")
 
@@ -139,12 +139,8 @@ class HybridLayer(nn.Module):
 
 
 def _check_engine(arch: ArchConfig, vllm_config: VllmConfig) -> None:
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    if mc.dtype != arch.torch_dtype:
-        raise UnsupportedConfigError(f"engine dtype {mc.dtype} differs from the checkpoint's {arch.dtype}: pass dtype='{arch.dtype}' to vLLM")
-    tp, pp = vllm_config.parallel_config.tensor_parallel_size, vllm_config.parallel_config.pipeline_parallel_size
-    if tp != 1 or pp != 1:
-        raise UnsupportedConfigError(f"megatron-consistent supports TP=1, PP=1 only (got TP={tp}, PP={pp})")
+    check_engine_config(arch, vllm_config)
+    cc = vllm_config.cache_config
     if cc.enable_prefix_caching:
         raise UnsupportedConfigError(
             f"megatron-consistent: prefix caching (enable_prefix_caching=True, vLLM mamba_cache_mode={cc.mamba_cache_mode!r}) is not "

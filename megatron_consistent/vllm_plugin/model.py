@@ -129,6 +129,18 @@ def _layer_class(arch: ArchConfig, i: int) -> type:
     return ConsistentDecoderLayer
 
 
+def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
+    """Refuse by name an engine whose dtype differs from the checkpoint's, or TP / PP > 1."""
+    mc = vllm_config.model_config
+    if mc.dtype != arch.torch_dtype:
+        raise UnsupportedConfigError(
+            f"engine dtype {mc.dtype} differs from the checkpoint's {arch.dtype}: pass dtype='{arch.dtype}' to vLLM")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if tp != 1 or pp != 1:
+        raise UnsupportedConfigError(f"megatron-consistent supports TP=1, PP=1 only (got TP={tp}, PP={pp})")
+
+
 class ConsistentForCausalLM(nn.Module):
     """Out-of-tree vLLM model computing with megatron-consistent kernels."""
 
@@ -136,13 +148,7 @@ class ConsistentForCausalLM(nn.Module):
         super().__init__()
         mc = vllm_config.model_config
         arch = ArchConfig.from_hf(mc.hf_config.to_dict())
-        if mc.dtype != arch.torch_dtype:
-            raise UnsupportedConfigError(
-                f"engine dtype {mc.dtype} differs from the checkpoint's {arch.dtype}: pass dtype='{arch.dtype}' to vLLM")
-        tp = vllm_config.parallel_config.tensor_parallel_size
-        pp = vllm_config.parallel_config.pipeline_parallel_size
-        if tp != 1 or pp != 1:
-            raise UnsupportedConfigError(f"megatron-consistent supports TP=1, PP=1 only (got TP={tp}, PP={pp})")
+        check_engine_config(arch, vllm_config)
         self.arch = arch
         # refit bookkeeping (load_weights): HF targets ever loaded; a dummy-started engine gets its weights from refits
         self._loaded_targets: set[str] = set()
