@@ -19,8 +19,6 @@ refitted in place by :meth:`ConsistentForCausalLM.load_weights`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -85,8 +83,7 @@ class MoEMixer(nn.Module):
         a, dt = arch, arch.torch_dtype
         E, inter, s = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
         self.arch, self.idx = a, idx
-        if os.environ.get(plugin_moe.ROUTES_ENV) and plugin_moe.RECORDER is None:  # route recording (vllm_plugin/moe.py)
-            plugin_moe.RECORDER = plugin_moe.RouteRecorder(os.environ[plugin_moe.ROUTES_ENV], a.moe_layers)
+        plugin_moe.start_recorder(a)  # route recording (vllm_plugin/moe.py)
         self.gate = _param(E, a.hidden_size, dtype=dt)
         self.score_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.experts_up = _param(E, inter, a.hidden_size, dtype=dt)

@@ -88,6 +88,13 @@ class RouteRecorder:
 RECORDER: RouteRecorder | None = None
 
 
+def start_recorder(arch) -> None:
+    """Start the process's :data:`RECORDER` (once) when :data:`ROUTES_ENV` names an output folder."""
+    global RECORDER
+    if os.environ.get(ROUTES_ENV) and RECORDER is None:
+        RECORDER = RouteRecorder(os.environ[ROUTES_ENV], arch.moe_layers)
+
+
 class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
     """The plugin's decoder layer with the MLP replaced by the MoE block (attention part inherited)."""
 
@@ -106,9 +113,7 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
             self.shared_fc2 = _param(a.hidden_size, s, dtype=dt)
             self.shared_gate = _param(1, a.hidden_size, dtype=dt)
             self.shared = (self.shared_fc1, self.shared_fc2, self.shared_gate)
-        global RECORDER
-        if os.environ.get(ROUTES_ENV) and RECORDER is None:
-            RECORDER = RouteRecorder(os.environ[ROUTES_ENV], a.moe_layers)
+        start_recorder(a)
         self._positions = None
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
