@@ -25,7 +25,8 @@ from ..config import ArchConfig, UnsupportedConfigError
 from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
 from ..conversion.hf import _join, _plan
 from ..conversion.moe import MOE_KINDS
-from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, FP8Weights, QuantFormat, fp8_linear_ste, fp8_moe_experts, weight_row_scales
+from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, fp8_linear_ste, fp8_moe_experts,
+                           kv_round_trip, weight_row_scales)
 
 __all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
 
@@ -125,14 +126,12 @@ def enable_fp8_kv(model, on: bool = True) -> int:
 
 # ------------------------------------------------------------------------------------------- BASELINE (stock) fake quant
 STOCK_FP8_QUANTIZATION = "fp8_per_channel"  # the stock vLLM FP8 path that runs on this CPU (docs/fp8.md, "Baseline")
-_STOCK_MIN_SCALE = 1.0 / (448.0 * 512.0)  # vLLM's minimum FP8 scaling factor
+_STOCK_MIN_SCALE = 1.0 / (E4M3_MAX * 512.0)  # vLLM's minimum FP8 scaling factor
 
 
 def _stock_fake_quant_rows(t: torch.Tensor, reciprocal: bool) -> torch.Tensor:
     """Per-row E4M3 fake quant as stock vLLM's online ``fp8_per_channel`` does it: ``s = max(amax_row / 448, 1/(448*512))``,
     ``q = e4m3(clamp(t / s))`` (weights: true division; activations: ``t * (1/s)``), back to ``t.dtype`` as ``q * s``."""
-    from ..kernels.fp8 import E4M3_MAX, _encode_e4m3
-
     tf = t.to(torch.float32)
     s = (tf.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=_STOCK_MIN_SCALE)
     q = _encode_e4m3(tf * s.reciprocal() if reciprocal else tf / s)
@@ -167,8 +166,6 @@ def enable_stock_fp8_kv(model) -> int:
     """BASELINE trainer for ``check --kv-cache-dtype fp8``: Megatron's stock core attention sees K and V after the
     E4M3 round trip (``kernels.fp8.kv_round_trip``, scale 1 — stock vLLM's default k/v scale)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    from ..kernels.fp8 import kv_round_trip
 
     def hook(module, args, kwargs):
         args = list(args)
