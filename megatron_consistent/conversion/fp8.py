@@ -50,9 +50,9 @@ QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attenti
 
 def check_fp8_arch(arch: ArchConfig) -> None:
     """Dense and SwiGLU-MoE decoders are supported; hybrid (Mamba) models and non-gated experts are refused by name."""
-    if getattr(arch, "is_hybrid", False):
+    if arch.is_hybrid:
         raise UnsupportedConfigError(f"fp8 quantization: hybrid Mamba architectures ({arch.architecture}) are not supported")
-    if arch.is_moe and not getattr(arch, "mlp_gated", True):
+    if arch.is_moe and not arch.mlp_gated:
         raise UnsupportedConfigError(f"fp8 quantization: non-gated (relu2) MoE experts ({arch.architecture}) are not supported")
 
 

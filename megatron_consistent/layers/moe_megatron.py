@@ -111,11 +111,11 @@ def check_megatron_moe_arch(arch) -> None:
     """Refuse, by name, what the Megatron-MoELayer path does not implement for ``arch``."""
     if not arch.is_moe:
         raise UnsupportedConfigError("the Megatron MoELayer path needs an MoE architecture (num_experts > 0)")
-    if getattr(arch, "is_hybrid", False):
+    if arch.is_hybrid:
         raise UnsupportedConfigError("the Megatron MoELayer path covers GPT decoders only, not hybrid (Mamba) models")
-    if not getattr(arch, "mlp_gated", True):
+    if not arch.mlp_gated:
         raise UnsupportedConfigError(f"the Megatron MoELayer path has SwiGLU experts only (hidden_act={arch.hidden_act!r})")
-    if getattr(arch, "moe_score_bias", False):
+    if arch.moe_score_bias:
         raise UnsupportedConfigError("the Megatron MoELayer path has no router selection bias (e_score_correction_bias)")
 
 
@@ -411,7 +411,7 @@ def megatron_moe_config_kwargs(arch, dispatcher: str = "allgather", aux_loss_coe
         # Megatron: "pre-softmax" = softmax over all experts then top-k (no renormalisation); Megatron requires it
         # for top-1.  Our router takes norm_topk_prob explicitly (megatron_moe_layer_spec), this only documents it.
         moe_router_pre_softmax=(not arch.norm_topk_prob) or k == 1,
-        moe_router_score_function=getattr(arch, "moe_scoring", "softmax"),
+        moe_router_score_function=arch.moe_scoring,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type="aux_loss",
