@@ -146,17 +146,20 @@ def _model_params(model, arch: ArchConfig) -> dict[str, torch.nn.Parameter]:
         problems.append(f"model lacks parameters {missing}")
     if extra:
         problems.append(f"model has parameters the {arch.architecture} layout does not map: {extra}")
-    ng, g, hd = _qkv_sizes(arch) if arch.num_kv_heads else (0, 0, 0)
-    want = hybrid_param_shapes(arch) if arch.is_hybrid else {
-        "embedding.word_embeddings.weight": (arch.vocab_size, arch.hidden_size),
-        "output_layer.weight": (arch.vocab_size, arch.hidden_size),
-        "decoder.final_layernorm.weight": (arch.hidden_size,),
-    }
-    for i in range(0 if arch.is_hybrid else arch.num_layers):
-        m = f"decoder.layers.{i}."
-        want[m + "self_attention.linear_qkv.weight"] = (ng * (g + 2) * hd, arch.hidden_size)
-        want[m + "self_attention.linear_qkv.bias"] = (ng * (g + 2) * hd,)
-        want[m + "mlp.linear_fc1.weight"] = (2 * arch.intermediate_size, arch.hidden_size)
+    if arch.is_hybrid:
+        want = hybrid_param_shapes(arch)
+    else:
+        ng, g, hd = _qkv_sizes(arch)
+        want = {
+            "embedding.word_embeddings.weight": (arch.vocab_size, arch.hidden_size),
+            "output_layer.weight": (arch.vocab_size, arch.hidden_size),
+            "decoder.final_layernorm.weight": (arch.hidden_size,),
+        }
+        for i in range(arch.num_layers):
+            m = f"decoder.layers.{i}."
+            want[m + "self_attention.linear_qkv.weight"] = (ng * (g + 2) * hd, arch.hidden_size)
+            want[m + "self_attention.linear_qkv.bias"] = (ng * (g + 2) * hd,)
+            want[m + "mlp.linear_fc1.weight"] = (2 * arch.intermediate_size, arch.hidden_size)
     for name, shape in want.items():
         if name in params and tuple(params[name].shape) != shape:
             problems.append(f"model parameter {name} has shape {tuple(params[name].shape)}, {arch.architecture} config implies {shape}")
