@@ -32,18 +32,11 @@ from .numerics import exp
 ACTIVATIONS = ("silu", None)
 
 
-def _inputs(x, weight, state):
-    k = weight.shape[1]
-    if state is None:
-        state = x.new_zeros(*x.shape[:-2], k - 1, x.shape[-1])
-    return torch.cat([state.to(x.dtype), x], dim=-2)
-
-
 @register("causal_conv1d", "cpu")
 def _causal_conv1d_cpu(x, weight, bias, state, activation):
     k = weight.shape[1]
     t = x.shape[-2]
-    xin = _inputs(x, weight, state)
+    xin = torch.cat([state.to(x.dtype), x], dim=-2)  # state: a tensor (CausalConv1dFunction makes the zeros)
     wf = weight.to(torch.float32)
     acc = xin[..., 0:t, :].to(torch.float32) * wf[:, 0]
     for j in range(1, k):
