@@ -300,7 +300,11 @@ def test_vllm_untouched_without_env_var_and_mapped_with_it(tmp_path):
     assert line, out.stderr[-2000:]
     probe = json.loads(line[-1][5:])
     assert all(m.startswith("vllm.model_executor.models.") for m in probe["off"].values()), probe["off"]
-    assert set(probe["on"].values()) == {"megatron_consistent.vllm_plugin.model"}, probe["on"]
+    from megatron_consistent.config import HYBRID_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+
+    expected = {a: "megatron_consistent.vllm_plugin." + ("hybrid_model" if a in HYBRID_ARCHITECTURES else "model")
+                for a in SUPPORTED_ARCHITECTURES}
+    assert {a: probe["on"].get(a) for a in SUPPORTED_ARCHITECTURES} == expected, probe["on"]
     # plugin load_weights: the initial load must be complete; refits take any subset, in place; bad names/shapes refused
     lw = probe["load_weights"]
     assert lw["first_partial"].startswith("refused: initial load leaves 2 tensors unset: ['x.weight', 'y.weight']")
