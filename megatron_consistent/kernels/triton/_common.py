@@ -13,9 +13,6 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
 except Exception:  # pragma: no cover
     TensorDescriptor = None
 
-TORCH_TO_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -18,8 +18,10 @@ GPU numerics contract (same shape as the CPU contract of :mod:`megatron_consiste
   tokens share the expert (``tests/test_gpu_moe.py`` checks bitwise);
   the activation between the two GEMMs is the registered CUDA ``silu_and_mul``
   (or ``relu_squared``), elementwise;
-* **combine**: ``kernels.moe.CombineFunction`` (float32, slot order, one rounding)
-  — elementwise torch ops, unchanged.
+* **combine** (``moe_combine``): one Triton kernel, compiled without fused
+  multiply-add, per token ``acc = Σ_j float32(w_j) · float32(y_j)`` in top-k slot
+  order from 0 (plus the gated shared expert), one rounding — bitwise the CPU
+  ``kernels.moe`` combine.
 
 Backward (training): the grouped GEMM's backward runs one matmul per expert in
 the input dtype (float32 accumulation), like ``LinearFunction`` on CUDA; it need
@@ -38,7 +40,6 @@ from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
 from .linear import _epilogue, _serial_splits, config_for
 
-_ACTIVATIONS = getattr(kmoe, "EXPERT_ACTIVATIONS", ("swiglu",))
 
 
 # ---------------------------------------------------------------------------------------------- router
@@ -150,8 +151,8 @@ class GroupedLinearFunction(torch.autograd.Function):
 def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                          activation: str = "swiglu") -> torch.Tensor:
     """``[T, k, H]``: pairs sorted by expert, grouped GEMM -> activation -> grouped GEMM, back to (token, slot)."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"unsupported expert activation {activation!r}; supported: {', '.join(_ACTIVATIONS)}")
+    if activation not in kmoe.EXPERT_ACTIVATIONS:
+        raise ValueError(f"unsupported expert activation {activation!r}; supported: {', '.join(kmoe.EXPERT_ACTIVATIONS)}")
     t, k = experts.shape
     flat = experts.reshape(-1)
     order = torch.sort(flat, stable=True).indices  # ascending expert, pair order within an expert
