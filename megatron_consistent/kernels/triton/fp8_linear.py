@@ -43,6 +43,7 @@ import triton.language as tl
 from ..dispatch import implementation, register
 from ..fp8 import E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, QuantFormat, _dequantized_operands, quantize
 from ._common import device_index, gemm_output, num_sms, tile_coords, tma_ok, tma_sources
+from .linear import _epilogue
 
 GROUP = 128  # activation group = weight block column = BLOCK_K
 
@@ -144,18 +145,6 @@ def _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K
         p = tl.dot(a, b.T)
         acc = tl.fma(p, sa[:, None] * sb[None, :], acc)
     return acc
-
-
-@triton.jit
-def _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
-              BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr):
-    rm = off_m + tl.arange(0, BM)
-    rn = off_n + tl.arange(0, BN)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-        total = total + bias[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "num_progs"])
