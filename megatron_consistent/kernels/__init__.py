@@ -5,6 +5,7 @@ Each op module holds a forward (registered per device in :mod:`dispatch`), an
 know nothing of Megatron or vLLM.
 """
 
+from . import inference_ops
 from .attention import KV_BLOCK, attention, causal_positions
 from .causal_conv1d import CausalConv1d, causal_conv1d
 from .dispatch import NoConsistentKernelError, implementation, register
@@ -21,7 +22,7 @@ from .ssd import mamba_dt, ssd_continue, ssd_scan, ssm_decay_rate
 __all__ = [
     "KV_BLOCK", "K_BLOCK", "Linear", "NoConsistentKernelError", "RMSNorm", "RopeConfig", "RotaryEmbedding",
     "SiluAndMul", "add_residual", "apply_rope", "attention", "causal_positions", "compute_logits", "gather_kv", "gather_logprobs",
-    "implementation", "linear", "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",
+    "implementation", "inference_ops", "linear", "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",
     "silu_and_mul", "token_logprobs", "write_kv",
     "CausalConv1d", "GatedRMSNorm", "ReluSquared", "causal_conv1d", "gated_rms_norm", "mamba_dt", "relu_squared",
     "ssd_continue", "ssd_scan", "ssm_decay_rate",

@@ -92,8 +92,8 @@ def rope_cache(cfg: RopeConfig, device: torch.device = torch.device("cpu")) -> t
     if device.type != "cpu":
         cos, sin = rope_cache(cfg)
         return cos.to(device), sin.to(device)
-    inv = torch.tensor(inverse_frequencies(cfg), dtype=torch.float64)
-    pos = torch.arange(cfg.max_positions, dtype=torch.float64)
+    inv = torch.tensor(inverse_frequencies(cfg), dtype=torch.float64, device="cpu")  # CPU even under a device context
+    pos = torch.arange(cfg.max_positions, dtype=torch.float64, device="cpu")
     sin, cos = sin_cos(pos[:, None] * inv[None, :])
     return cos, sin
 

@@ -29,6 +29,9 @@ from .metrics import format_table, is_zero_mismatch, mismatch_metrics
 from .rollout import RolloutRequest, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
+DEVICES = ("auto", "cpu", "cuda")
+GPU_BLOCK_SIZES = (16, 32, 64, 128)  # what the consistent CUDA attention serves (vllm_plugin/cuda_attention.py)
+BATCH_INVARIANT_ROW = "stock_batch_invariant"  # CUDA: stock vLLM with VLLM_BATCH_INVARIANT=1 vs the stock trainer
 METRIC_COLUMNS = ["path", "tokens", "max_abs", "mean_abs", "std", "k3", "token_mult_prob_error", "exact_fraction", "gen_tokens_per_s",
                   "routing_agreement"]  # routing_agreement: MoE configs (verify/routing.py); routing_replay row: MoE baseline
 
@@ -56,6 +59,13 @@ class CheckConfig:
     quantization: str = ""  # "" (model dtype) or "fp8": block-FP8 weights + dynamic 1x128 activations (kernels/fp8.py)
     kv_cache_dtype: str = "auto"  # "auto" (model dtype) or "fp8": E4M3 KV cache, fixed scale 1 (kernels/fp8.py)
     json: str = ""
+    device: str = "auto"  # auto: cuda when available (engines and trainer on the GPU), else cpu
+    gpu_memory_utilization: float = 0.3
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -70,7 +80,14 @@ class CheckConfig:
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.quantization not in ("", "fp8", "nvfp4"):
             raise ValueError(f"--quantization must be fp8 or nvfp4 (or empty), got {self.quantization!r}")
-        if self.block_size % 32:
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible")
+        if self.resolved_device() == "cuda":
+            if self.block_size not in GPU_BLOCK_SIZES:
+                raise ValueError(f"block_size must be one of {GPU_BLOCK_SIZES} on CUDA, got {self.block_size}")
+        elif self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32 (vLLM CPU), got {self.block_size}")
 
 
@@ -108,12 +125,13 @@ def recompute(model, prompts, responses, temperature: float, batch: int, stock: 
     from ..layers import compute_stock_token_logprobs, compute_token_logprobs
 
     fn = compute_stock_token_logprobs if stock else compute_token_logprobs
+    device = next(model.parameters()).device
     model.train()
     out = []
     for b0 in tqdm(range(0, len(prompts), batch), desc=f"recompute ({'stock' if stock else 'consistent'})", leave=False):
         seqs = [p + r for p, r in zip(prompts[b0 : b0 + batch], responses[b0 : b0 + batch])]
         width = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding: causal, so never seen
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)  # right padding: causal, never seen
         if replay is not None:
             from ..layers.moe import replay_routes
 
@@ -127,7 +145,7 @@ def recompute(model, prompts, responses, temperature: float, batch: int, stock: 
 
             route_sink(b0, [len(s) for s in seqs], collect_routes(model))
         for i, (p, r) in enumerate(zip(prompts[b0 : b0 + batch], responses[b0 : b0 + batch])):
-            out.append(lp[i, len(p) - 1 : len(p) - 1 + len(r)])
+            out.append(lp[i, len(p) - 1 : len(p) - 1 + len(r)].cpu())
     return torch.cat(out)
 
 
@@ -152,6 +170,7 @@ def run_check(cfg: CheckConfig) -> dict:
     arch = ArchConfig.from_hf(load_hf_config(hf_path))  # refuses unsupported configs before any work
     out = Path(cfg.out_dir)
     model_dir = out / "model"
+    device = torch.device(cfg.resolved_device())
     model = build_consistent_gpt_model(arch, seed=cfg.seed)
     if cfg.quantization:  # trainer: FP8 / NVFP4 forward on the bf16 masters; engines: the quantized export of them
         from ..conversion.fp8 import export_hf_fp8
@@ -174,13 +193,21 @@ def run_check(cfg: CheckConfig) -> dict:
     if arch.is_hybrid:
         report["settings"]["prefix_caching"] = "off: hybrid Mamba model (the consistent plugin refuses enable_prefix_caching for it)"
         report["settings"]["baseline_trainer"] = "HF transformers torch path (Megatron's stock Mamba mixer needs mamba_ssm)"
+    report["settings"]["device"] = device.type
+    model.to(device)
     modes = ["consistent", "baseline"] if cfg.mode == "both" else [cfg.mode]
+    if device.type == "cuda" and cfg.mode in ("both", "baseline"):
+        modes.append(BATCH_INVARIANT_ROW)
     for mode in tqdm(modes, desc="check"):
         req = RolloutRequest(
             model_dir=str(model_dir), prompts=prompts, consistent=mode == "consistent", dtype=arch.dtype,
             temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
-            enable_prefix_caching=not arch.is_hybrid)
+            enable_prefix_caching=not arch.is_hybrid, gpu_memory_utilization=cfg.gpu_memory_utilization,
+            batch_invariant=mode == BATCH_INVARIANT_ROW)
+        if mode == BATCH_INVARIANT_ROW and (cfg.quantization or cfg.kv_cache_dtype != "auto" or arch.is_hybrid):
+            report[mode] = {"unavailable": "the batch-invariant row is run for bf16 dense / MoE models only"}
+            continue
         if mode == "baseline" and cfg.quantization == "nvfp4":
             report[mode] = {"unavailable": "stock vLLM has no NVFP4 linear on CPU (its ModelOpt NVFP4 kernels are CUDA-only)"}
             continue
@@ -192,7 +219,10 @@ def run_check(cfg: CheckConfig) -> dict:
         if cfg.kv_cache_dtype != "auto":
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         routes_dir = None
-        if arch.is_moe and (mode == "consistent" or not arch.is_hybrid):  # consistent: the plugin records; baseline: stock engine + capture hook (verify/stock_routes.py)
+        # MoE routes: the consistent plugin records them; the stock CPU engine through a capture hook (verify/stock_routes.py;
+        # not on CUDA, where the stock engine replays CUDA graphs)
+        stock_capture = mode == "baseline" and not arch.is_hybrid and device.type == "cpu"
+        if arch.is_moe and (mode == "consistent" or stock_capture):
             import shutil
 
             routes_dir = out / "routes" / mode
@@ -221,6 +251,7 @@ def run_check(cfg: CheckConfig) -> dict:
         else:
             trainer = build_stock_gpt_model(arch, seed=cfg.seed)
             import_hf(trainer, arch, out / "model_bf16" if cfg.quantization else model_dir)
+            trainer.to(device)
             if cfg.quantization == "fp8":  # stock kernels + the stock engine's per-channel / per-token FP8 fake quant
                 from ..layers.fp8 import enable_stock_fp8_fake_quant
 
@@ -234,7 +265,8 @@ def run_check(cfg: CheckConfig) -> dict:
             from .routing import TrainerRoutes
 
             sink = TrainerRoutes()
-        train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode == "baseline", route_sink=sink)
+        train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode != "consistent",
+                             route_sink=sink)
         rollout_lp = torch.tensor([x for lps in roll["logprobs"] for x in lps], dtype=torch.float32)
         report[mode] = {**mismatch_metrics(train_lp, rollout_lp), "gen_tokens_per_s": roll["gen_tokens_per_s"]}
         if sink is not None:
@@ -247,6 +279,9 @@ def run_check(cfg: CheckConfig) -> dict:
     c, b = report.get("consistent", {}), report.get("baseline", {})
     if "gen_tokens_per_s" in c and "gen_tokens_per_s" in b:
         report["throughput_ratio"] = c["gen_tokens_per_s"] / b["gen_tokens_per_s"]
+    bi = report.get(BATCH_INVARIANT_ROW, {})
+    if "gen_tokens_per_s" in c and "gen_tokens_per_s" in bi:
+        report["batch_invariant_throughput_ratio"] = c["gen_tokens_per_s"] / bi["gen_tokens_per_s"]
     report["zero_mismatch"] = bool(c) and "tokens" in c and is_zero_mismatch(c)
     return report
 
@@ -254,7 +289,7 @@ def run_check(cfg: CheckConfig) -> dict:
 def render(report: dict) -> str:
     """The readable table of a report."""
     rows, unavailable = [], []
-    for mode in ("consistent", "baseline", "routing_replay"):
+    for mode in ("consistent", "baseline", BATCH_INVARIANT_ROW, "routing_replay"):
         if mode not in report:
             continue
         r = report[mode]
@@ -268,6 +303,8 @@ def render(report: dict) -> str:
     text = "\n".join([format_table(rows, METRIC_COLUMNS, title), *unavailable])
     if "throughput_ratio" in report:
         text += f"\nthroughput ratio (consistent / stock vLLM, same run): {report['throughput_ratio']:.3f}"
+    if "batch_invariant_throughput_ratio" in report:
+        text += f"\nthroughput ratio (consistent / stock vLLM with VLLM_BATCH_INVARIANT=1): {report['batch_invariant_throughput_ratio']:.3f}"
     if "consistent" in report and "tokens" in report["consistent"]:
         text += "\nconsistent: " + ("ZERO MISMATCH (every token bitwise equal)" if report["zero_mismatch"] else "MISMATCH")
     return text

@@ -38,9 +38,30 @@ class RolloutRequest:
     block_size: int = 32
     max_model_len: int = 512
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool | None = None  # None: eager on CPU and for the models the plugin runs eager on CUDA, else compiled + CUDA graphs
+    batch_invariant: bool = False  # stock engine with vLLM's own VLLM_BATCH_INVARIANT=1 mode (CUDA)
     engine_kwargs: dict = field(default_factory=dict)
     routes_dir: str = ""  # MoE: the consistent engine writes its routes here (vllm_plugin/moe.py)
     stock_routes_dir: str = ""  # MoE, stock engine: capture its routes here (verify/stock_routes.py; no plugin)
+
+
+def eager(req: RolloutRequest) -> bool:
+    """Whether the engine runs eager: always on CPU; on CUDA the plugin's models compile unless it names a reason."""
+    import torch
+
+    if req.enforce_eager is not None:
+        return req.enforce_eager
+    if not torch.cuda.is_available():
+        return True
+    if not req.consistent:
+        return False
+    from ..config import ArchConfig, load_hf_config
+    from ..vllm_plugin.model import eager_only_reason
+
+    hf = load_hf_config(req.model_dir)
+    arch = ArchConfig.from_hf(hf)
+    return arch.is_hybrid or bool(eager_only_reason(arch, hf))
 
 
 def engine(req: RolloutRequest):
@@ -57,13 +78,13 @@ def engine(req: RolloutRequest):
         skip_tokenizer_init=True,
         dtype=req.dtype,
         seed=req.seed,
-        gpu_memory_utilization=0.3,
+        gpu_memory_utilization=req.gpu_memory_utilization,
         max_num_batched_tokens=req.max_num_batched_tokens,
         max_model_len=req.max_model_len,
         block_size=req.block_size,
         enable_prefix_caching=req.enable_prefix_caching,
         logprobs_mode="processed_logprobs" if req.logprobs_mode == "processed" else "raw_logprobs",
-        enforce_eager=True,
+        enforce_eager=eager(req),
         **extra,
         **req.engine_kwargs,
     )
@@ -127,6 +148,8 @@ def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict)
 def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
     """Run the request in a fresh process; returns the result or ``{"error": ...}`` with the log's tail."""
     env = {ENV_VAR: "1" if req.consistent else "0"}
+    if req.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
     if req.routes_dir:
         env["MEGATRON_CONSISTENT_ROUTES"] = req.routes_dir
     return run_module(__name__, asdict(req), work_dir, name, env)

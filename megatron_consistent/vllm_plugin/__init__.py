@@ -7,7 +7,9 @@ inherited by vLLM's worker processes).  When enabled, the plugin
 
 * maps the supported architectures (see :mod:`megatron_consistent.config`) to
   :class:`~.model.ConsistentForCausalLM` (hybrid Mamba-2 ones to :mod:`.hybrid_model`),
-* overrides vLLM's ``CPU_ATTN`` backend with :mod:`.attention`,
+* installs the consistent attention backend (CPU: over ``CPU_ATTN``, :mod:`.attention`;
+  CUDA: over ``CUSTOM``, :mod:`.cuda_attention`; the tested vLLM versions and
+  everything that differs between them live in :mod:`.compat`),
 * routes log-probs through the consistent ``log_softmax`` (:mod:`.sampler`),
 
 and logs that the consistent path is active.  Calling :func:`register` again
@@ -20,7 +22,6 @@ import os
 
 ENV_VAR = "MEGATRON_CONSISTENT_VLLM"
 _MODEL_CLASS = "megatron_consistent.vllm_plugin.model:ConsistentForCausalLM"
-_BACKEND_CLASS = "megatron_consistent.vllm_plugin.attention.ConsistentAttentionBackend"
 _HYBRID_CLASSES = {"NemotronHForCausalLM": "megatron_consistent.vllm_plugin.hybrid_model:ConsistentNemotronHForCausalLM",
                    "Mamba2ForCausalLM": "megatron_consistent.vllm_plugin.hybrid_model:ConsistentMamba2ForCausalLM"}
 _state = {"registered": False}
@@ -35,25 +36,24 @@ def register() -> None:
     """vLLM general-plugin hook (idempotent)."""
     if _state["registered"] or not enabled():
         return
+    import vllm
     from vllm import ModelRegistry
     from vllm.logger import init_logger
     from vllm.platforms import current_platform
 
-    from ..config import SUPPORTED_ARCHITECTURES, UnsupportedConfigError
+    from ..config import SUPPORTED_ARCHITECTURES
+    from .compat import check_platform, install_attention_backend
 
-    if not current_platform.is_cpu():
-        raise UnsupportedConfigError(
-            f"{ENV_VAR}=1: the consistent vLLM attention path is implemented for vLLM's CPU platform only "
-            f"(this is {current_platform.device_type}); unset {ENV_VAR} to run stock vLLM")
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
+    device = current_platform.device_type
+    check_platform(device, vllm.__version__)  # untested platform / vLLM version: refused by name
     from .sampler import patch_sampler
 
     for arch in SUPPORTED_ARCHITECTURES:
         ModelRegistry.register_model(arch, _HYBRID_CLASSES.get(arch, _MODEL_CLASS))
-    register_backend(AttentionBackendEnum.CPU_ATTN, _BACKEND_CLASS)
+    install_attention_backend(device)
     patch_sampler()
     _state["registered"] = True
     init_logger("vllm.plugins.megatron_consistent").info(
-        "megatron-consistent plugin active (pid %d): %s -> consistent model, CPU_ATTN -> consistent attention, "
-        "log-probs -> consistent log_softmax", os.getpid(), ", ".join(SUPPORTED_ARCHITECTURES))
+        "megatron-consistent plugin active (pid %d, %s, vllm %s): %s -> consistent model, attention -> consistent "
+        "attention, log-probs -> consistent log_softmax", os.getpid(), device, vllm.__version__,
+        ", ".join(SUPPORTED_ARCHITECTURES))

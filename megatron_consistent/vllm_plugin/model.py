@@ -29,12 +29,13 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig
+from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 
 from ..config import ArchConfig, UnsupportedConfigError
-from ..kernels import add_residual, apply_rope, compute_logits, linear, rms_norm, silu_and_mul
+from ..kernels import add_residual, compute_logits, inference_ops, rope_cache
+from .compat import attention_backend_class, compiled_by_vllm
 
 logger = init_logger("vllm.plugins.megatron_consistent.model")
 
@@ -53,7 +54,8 @@ def _linears(idx: int) -> dict:
     fault = os.environ.get(FAULT_ENV, "")
     if fault:
         logger.warning("megatron-consistent: %s=%s — injected fault active", FAULT_ENV, fault)
-    return {op: _fault_linear if fault == f"layer{idx}.{op}" else linear for op in ("qkv", "o_proj", "gate_up", "down")}
+    return {op: _fault_linear if fault == f"layer{idx}.{op}" else inference_ops.linear
+            for op in ("qkv", "o_proj", "gate_up", "down")}
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -80,12 +82,13 @@ class ConsistentDecoderLayer(nn.Module):
         self.gate_up_proj = _param(2 * a.intermediate_size, a.hidden_size, dtype=dt)
         self.down_proj = _param(a.hidden_size, a.intermediate_size, dtype=dt)
         self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads,
-                              cache_config=cache_config, prefix=f"{prefix}.self_attn.attn")
+                              cache_config=cache_config, prefix=f"{prefix}.self_attn.attn",
+                              attn_backend=attention_backend_class())
 
     def mlp_forward(self, x: torch.Tensor):
         """(gate_up, act, down) of the dense SwiGLU MLP; the MoE layer (vllm_plugin/moe.py) overrides it."""
         gu = self.lin["gate_up"](x, self.gate_up_proj)
-        act = silu_and_mul(gu)
+        act = inference_ops.silu_and_mul(gu)
         return gu, act, self.lin["down"](act, self.down_proj)
 
     def mlp_targets(self, p: str) -> dict[str, torch.Tensor]:
@@ -94,24 +97,25 @@ class ConsistentDecoderLayer(nn.Module):
         return {p + "mlp.gate_proj.weight": self.gate_up_proj[:n], p + "mlp.up_proj.weight": self.gate_up_proj[n:],
                 p + "mlp.down_proj.weight": self.down_proj}
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One layer; ``rope``: the float32 (cos, sin) table rows at each token's position."""
         a, lin, cap, i = self.arch, self.lin, CAPTURE, self.idx
         t = h.shape[0]
-        x = rms_norm(h, self.input_layernorm, a.rms_norm_eps)
+        x = inference_ops.rms_norm(h, self.input_layernorm, a.rms_norm_eps)
         qkv = lin["qkv"](x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, a.num_heads, a.head_dim)
         k = k.reshape(t, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
-            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
+            q = inference_ops.rms_norm(q, self.q_norm, a.rms_norm_eps)
+            k = inference_ops.rms_norm(k, self.k_norm, a.rms_norm_eps)
             if cap is not None:
                 cap(f"layer{i}.q_norm", q), cap(f"layer{i}.k_norm", k)
-        q = apply_rope(q, positions, a.rope)
-        k = apply_rope(k, positions, a.rope)
+        q = inference_ops.rope(q, *rope, a.rope.style)
+        k = inference_ops.rope(k, *rope, a.rope.style)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
         ho = add_residual(o_proj := lin["o_proj"](o, self.o_proj), h)
-        x2 = rms_norm(ho, self.post_attention_layernorm, a.rms_norm_eps)
+        x2 = inference_ops.rms_norm(ho, self.post_attention_layernorm, a.rms_norm_eps)
         gu, act, m = self.mlp_forward(x2)
         out = add_residual(m, ho)
         if cap is not None:
@@ -129,6 +133,25 @@ def _layer_class(arch: ArchConfig, i: int) -> type:
     return ConsistentDecoderLayer
 
 
+def eager_only_reason(arch: ArchConfig, hf_config: dict) -> str:
+    """Why this model runs eager on CUDA ('' when vLLM compiles it and replays CUDA graphs)."""
+    from .fp8 import quantization_of
+
+    if arch.is_moe:
+        return "MoE layers (routing and grouped experts synchronise with the host)"
+    if quantization_of(hf_config):
+        return "FP8 / NVFP4 weights"
+    if os.environ.get(CAPTURE_ENV) or os.environ.get(FAULT_ENV):
+        return f"{CAPTURE_ENV} / {FAULT_ENV} diagnostics"
+    return ""
+
+
+def _compiled(vllm_config: VllmConfig) -> bool:
+    """``support_torch_compile``'s ``enable_if``: compile where :func:`eager_only_reason` finds nothing."""
+    hf = vllm_config.model_config.hf_config.to_dict()
+    return not eager_only_reason(ArchConfig.from_hf(hf), hf)
+
+
 def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     """Refuse by name an engine whose dtype differs from the checkpoint's, or TP / PP > 1."""
     mc = vllm_config.model_config
@@ -139,10 +162,22 @@ def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if tp != 1 or pp != 1:
         raise UnsupportedConfigError(f"megatron-consistent supports TP=1, PP=1 only (got TP={tp}, PP={pp})")
+    if vllm_config.model_config.max_model_len > arch.rope.max_positions:
+        raise UnsupportedConfigError(
+            f"max_model_len {vllm_config.model_config.max_model_len} exceeds the rope table ({arch.rope.max_positions})")
+    reason = eager_only_reason(arch, vllm_config.model_config.hf_config.to_dict())
+    graphs = vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+    if reason and vllm_config.device_config.device_type == "cuda" and graphs:
+        raise UnsupportedConfigError(
+            f"{arch.architecture} with {reason} runs eager on CUDA in megatron-consistent: start vLLM with enforce_eager=True")
 
 
+@compiled_by_vllm(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=_compiled)
 class ConsistentForCausalLM(nn.Module):
-    """Out-of-tree vLLM model computing with megatron-consistent kernels."""
+    """Out-of-tree vLLM model computing with megatron-consistent kernels.
+
+    vLLM compiles ``forward`` (every kernel is one opaque custom op, :mod:`..kernels.inference_ops`) and replays
+    it as CUDA graphs, except for the models :func:`eager_only_reason` names."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -163,6 +198,9 @@ class ConsistentForCausalLM(nn.Module):
             (fp8_layer or _layer_class(arch, i))(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dt)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        cos, sin = rope_cache(arch.rope, torch.device(vllm_config.device_config.device))  # the trainer's float32 tables
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         if os.environ.get(CAPTURE_ENV):
             global CAPTURE
             from ..verify.capture import EngineCapture
@@ -180,9 +218,10 @@ class ConsistentForCausalLM(nn.Module):
         if cap is not None:
             cap.begin(input_ids, positions)
             cap("embed", h)
+        rope = (self.rope_cos[positions], self.rope_sin[positions])
         for layer in self.layers:
-            h = layer(positions, h)
-        out = rms_norm(h, self.norm, self.arch.rms_norm_eps)
+            h = layer(positions, h, rope)
+        out = inference_ops.rms_norm(h, self.norm, self.arch.rms_norm_eps)
         if cap is not None:
             cap("final_norm", out)
             cap.end()

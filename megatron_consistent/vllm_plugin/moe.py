@@ -116,9 +116,9 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
         start_recorder(a)
         self._positions = None
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, rope) -> torch.Tensor:
         self._positions = positions
-        return super().forward(positions, h)
+        return super().forward(positions, h, rope)
 
     def mlp_forward(self, x: torch.Tensor):
         """(router logits, routed experts, MLP output) of ``x [T, H]``."""

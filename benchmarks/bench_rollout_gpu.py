@@ -1,0 +1,151 @@
+"""Rollout throughput on a CUDA machine: consistent plugin vs stock vLLM vs stock with VLLM_BATCH_INVARIANT=1.
+
+Each engine runs in its own process on the same seeded prompts and random
+(``load_format="dummy"``) weights of a Llama shape, with vLLM's default
+torch.compile + CUDA-graph mode, and samples ``max_tokens`` new tokens per
+prompt with log-probs (``logprobs=0``, processed mode, as an RL rollout asks).
+Generation is repeated until at least ``--min-seconds`` of it were timed; the
+first (warm-up) pass is not timed.  Ratios consistent / stock come from one run.
+
+    python benchmarks/bench_rollout_gpu.py --shapes a b c --out benchmarks/results/rollout_gpu.json
+
+Shapes (issue #14): a = 1B Llama (hidden 2048, 16 layers, GQA 32/8, vocab 32000), 512 prompts of 64-1024
+tokens x 512; b = 8B Llama (hidden 4096, 32 layers, GQA 32/8, vocab 128256), 256 x 512; c = the long tail,
+8 prompts of 16k tokens x 512 on the 1B shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    "a": {"model": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=8192, vocab_size=32000),
+          "prompts": 512, "min_len": 64, "max_len": 1024, "max_tokens": 512},
+    "b": {"model": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=14336, vocab_size=128256),
+          "prompts": 256, "min_len": 64, "max_len": 1024, "max_tokens": 512},
+    "c": {"model": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=8192, vocab_size=32000),
+          "prompts": 8, "min_len": 16384, "max_len": 16384, "max_tokens": 512},
+}
+ENGINES = {"consistent": {"MEGATRON_CONSISTENT_VLLM": "1"},
+           "stock": {"MEGATRON_CONSISTENT_VLLM": "0"},
+           "stock_batch_invariant": {"MEGATRON_CONSISTENT_VLLM": "0", "VLLM_BATCH_INVARIANT": "1"}}
+
+
+def write_model(folder: Path, dims: dict, max_len: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
+           "rope_theta": 500000.0, "max_position_embeddings": max(32768, max_len), "tie_word_embeddings": False,
+           "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
+           "head_dim": dims["hidden_size"] // dims["num_attention_heads"], **dims}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def prompts_for(shape: dict, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(shape["min_len"], shape["max_len"]))]
+            for _ in range(shape["prompts"])]
+
+
+def worker(request: dict) -> dict:
+    """Inside the engine's process: build the engine, warm up, time generation."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(model=request["model_dir"], skip_tokenizer_init=True, dtype="bfloat16", seed=0, load_format="dummy",
+              gpu_memory_utilization=request["gpu_memory_utilization"], max_model_len=request["max_model_len"],
+              max_num_seqs=request["max_num_seqs"], enable_prefix_caching=False, logprobs_mode="processed_logprobs")
+    startup = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+    params = SamplingParams(temperature=1.0, max_tokens=request["max_tokens"], logprobs=0, ignore_eos=True, seed=0)
+    llm.generate(prompts[: max(1, len(prompts) // 8)], params, use_tqdm=False)  # warm-up (not timed)
+    tokens, seconds, passes = 0, 0.0, 0
+    while seconds < request["min_seconds"] or passes == 0:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds += time.perf_counter() - t
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        passes += 1
+    return {"gen_tokens": tokens, "seconds": seconds, "passes": passes, "gen_tokens_per_s": tokens / seconds,
+            "startup_s": startup}
+
+
+def run_engine(name: str, request: dict, work: Path) -> dict:
+    req, res, log = work / f"{name}.req.json", work / f"{name}.res.json", work / f"{name}.log"
+    req.write_text(json.dumps(request))
+    env = dict(os.environ, **ENGINES[name])
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, __file__, "--worker", str(req), str(res)], env=env, stdout=f,
+                            stderr=subprocess.STDOUT).returncode
+    if rc != 0 or not res.exists():
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        return {"error": f"exit {rc}", "log_tail": tail}
+    out = json.loads(res.read_text())
+    out["plugin_active"] = "megatron-consistent plugin active" in log.read_text(errors="replace")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["a", "b", "c"], choices=sorted(SHAPES))
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--min-seconds", type=float, default=20.0)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--out", default="benchmarks/results/rollout_gpu.json")
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        result = worker(json.loads(Path(args.worker[0]).read_text()))
+        Path(args.worker[1]).write_text(json.dumps(result))
+        return 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # fail on a bad path before any engine starts
+    report = {"settings": vars(args), "shapes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in args.shapes:
+            shape = SHAPES[key]
+            model_dir = Path(tmp) / f"llama-{key}"
+            max_len = shape["max_len"] + shape["max_tokens"]
+            write_model(model_dir, shape["model"], max_len)
+            request = {"model_dir": str(model_dir), "prompts": prompts_for(shape, shape["model"]["vocab_size"]),
+                       "max_tokens": shape["max_tokens"], "min_seconds": args.min_seconds,
+                       "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": max_len,
+                       "max_num_seqs": min(512, shape["prompts"])}
+            row = {"shape": {k: v for k, v in shape.items() if k != "model"} | shape["model"]}
+            for name in args.engines:
+                row[name] = run_engine(name, request, Path(tmp))
+                print(f"[{key}] {name}: {json.dumps(row[name])[:300]}", flush=True)
+            for other in ("stock", "stock_batch_invariant"):
+                c, o = row.get("consistent", {}), row.get(other, {})
+                if "gen_tokens_per_s" in c and "gen_tokens_per_s" in o:
+                    row[f"consistent_over_{other}"] = c["gen_tokens_per_s"] / o["gen_tokens_per_s"]
+            report["shapes"][key] = row
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"\n{'shape':6} {'engine':22} {'gen tok/s':>11} {'timed s':>8} {'startup s':>9}")
+    for key, row in report["shapes"].items():
+        for name in args.engines:
+            r = row[name]
+            if "gen_tokens_per_s" in r:
+                print(f"{key:6} {name:22} {r['gen_tokens_per_s']:11.0f} {r['seconds']:8.1f} {r['startup_s']:9.1f}")
+            else:
+                print(f"{key:6} {name:22} {'failed: ' + r['error']}")
+        for other in ("stock", "stock_batch_invariant"):
+            if f"consistent_over_{other}" in row:
+                print(f"{key:6} consistent / {other}: {row[f'consistent_over_{other}']:.3f}")
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
