@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
-         "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype"]
+         "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization"]
 
 
 def add_arguments(p) -> None:
@@ -23,6 +23,10 @@ def add_arguments(p) -> None:
     p.add_argument("--quantization", choices=["fp8", "nvfp4"],
                    help="fp8: block-FP8 (E4M3, 128x128 weight blocks, dynamic 1x128 activations); nvfp4: NVFP4 weights (W4A16)")
     p.add_argument("--json", help="write the JSON report here (default: OUT_DIR/check.json)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                   help="auto (default): engines and trainer on the GPU when one is visible (adds the stock VLLM_BATCH_INVARIANT=1 row)")
+    p.add_argument("--block-size", dest="block_size", type=int, help="KV cache block size (CPU: multiple of 32; CUDA: 16/32/64/128)")
+    p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
 
 
 def run(args) -> int:

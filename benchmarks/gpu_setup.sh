@@ -1,0 +1,9 @@
+# Source on the H200 (device tool) from the repo root, after the vLLM 0.26 bundle was installed into /tmp/vsite
+# (../shared/gpu-vllm/README.md); carry `.whl` (megatron-core 0.19.2, omegaconf 2.3.0, antlr4-python3-runtime 4.9.3).
+# Installs this package editable (its vLLM plugin is found through the `vllm.general_plugins` entry point) and sets
+# the environment every GPU run here uses.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+export PYTHONPATH=/tmp/vsite:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
