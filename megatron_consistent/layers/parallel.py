@@ -14,6 +14,7 @@ already initialized (e.g. by a launcher), provided the sizes are 1.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ..config import UnsupportedConfigError
@@ -72,6 +73,10 @@ def init_cpu_process_group(
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+        if torch.cuda.is_available():  # Megatron's stock core attention forks the model-parallel CUDA RNG state on GPU
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
     else:
         check_parallel_sizes(
             parallel_state.get_tensor_model_parallel_world_size(),

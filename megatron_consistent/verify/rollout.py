@@ -61,7 +61,7 @@ def eager(req: RolloutRequest) -> bool:
 
     hf = load_hf_config(req.model_dir)
     arch = ArchConfig.from_hf(hf)
-    return arch.is_hybrid or bool(eager_only_reason(arch, hf))
+    return bool(eager_only_reason(arch, hf))
 
 
 def engine(req: RolloutRequest):

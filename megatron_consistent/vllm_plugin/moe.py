@@ -18,7 +18,7 @@ in the engine's environment every model forward that vLLM scheduled writes
 ``experts [num_moe_layers, T, k]``.  The request of each row comes from the
 model runner's batch order (``GPUModelRunner._prepare_inputs`` is wrapped to
 note ``input_batch.req_ids`` and the scheduled token counts; rows are laid out
-in that order).  Forwards not prepared by the runner (profile / warm-up runs)
+in that order; :func:`.compat.install_batch_hook` for both of vLLM's runners).  Forwards not prepared by the runner (profile / warm-up runs)
 are not recorded.
 """
 
@@ -30,27 +30,15 @@ from pathlib import Path
 import torch
 
 from ..kernels import moe as kmoe
+from .compat import install_batch_hook
 from .model import ConsistentDecoderLayer, _param
 
 ROUTES_ENV = "MEGATRON_CONSISTENT_ROUTES"
 _BATCH: dict = {"rows": None}  # set by the wrapped _prepare_inputs: [(request index, num tokens)]
 
 
-def _install_runner_hook() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner._prepare_inputs, "_mc_routes", False):
-        return
-    original = GPUModelRunner._prepare_inputs
-
-    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
-        out = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-        n = self.input_batch.num_reqs
-        _BATCH["rows"] = [(int(str(r).split("-")[0]), int(c)) for r, c in zip(self.input_batch.req_ids[:n], num_scheduled_tokens)]
-        return out
-
-    _prepare_inputs._mc_routes = True
-    GPUModelRunner._prepare_inputs = _prepare_inputs
+def _note_batch(rows: list[tuple[str, int]]) -> None:
+    _BATCH["rows"] = [(int(str(r).split("-")[0]), int(c)) for r, c in rows]
 
 
 class RouteRecorder:
@@ -62,7 +50,7 @@ class RouteRecorder:
         self.layers = moe_layers
         self.step = 0
         self.cur: dict | None = None
-        _install_runner_hook()
+        install_batch_hook(_note_batch)
 
     def __call__(self, layer_idx: int, positions: torch.Tensor, experts: torch.Tensor) -> None:
         from safetensors.torch import save_file
