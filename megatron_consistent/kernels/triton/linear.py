@@ -46,8 +46,8 @@ from ._common import device_index, gemm_output, num_sms, tile_coords, tma_ok, tm
 def _cfg(bm, bn, bk, split_steps, warps, stages, group=8, swap=False, spill=False, path=""):
     """BM x BN output tile (BM rows of x, BN rows of w), BLOCK_K, split.  ``swap``: swap-AB (the MMA computes the
     ``[BN, BM]`` tile of ``y.T = w @ x.T``, so the weight rows fill the MMA's M side; for skinny M).  ``spill``:
-    serial splits keep the running split sum in a per-program float32 scratch in global memory instead of a second
-    register accumulator (lets 128x256 tiles use a split).  ``path``: "" (auto) / "serial" / "parallel".  None of
+    serial splits write each split's partial to a per-program float32 slot in global memory (L2) and sum them
+    there in split order, instead of holding a second register accumulator (lets 128x256 tiles use a split).  ``path``: "" (auto) / "serial" / "parallel".  None of
     the three changes the arithmetic of an element; ``BK`` and ``SPLIT_STEPS`` are the numerics."""
     cfg = {"BM": bm, "BN": bn, "BK": bk, "SPLIT_STEPS": split_steps, "W": warps, "S": stages, "G": group}
     if swap:
@@ -177,34 +177,15 @@ def _tile_offsets(R0: tl.constexpr, R1: tl.constexpr):
 
 
 @triton.jit
-def _serial_splits(a_src, b_src, scratch, off_m, off_n, k_steps, M, N, K, stride_am, stride_bn,
+def _serial_splits(a_src, b_src, off_m, off_n, k_steps, M, N, K, stride_am, stride_bn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr,
                    SPLITS: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
-                   SWAP: tl.constexpr = False, SPILL: tl.constexpr = False):
+                   SWAP: tl.constexpr = False):
     """One tile's float32 total, all splits in one program: the split partials summed in split order from 0
-    (one split: taken as is).  ``SPILL``: the running sum waits in ``scratch`` (this program's tile-sized float32
-    slot in global memory) while the next split runs, instead of in registers — the same additions."""
+    (one split: taken as is)."""
     if SPLITS == 1:
         total = _split_acc(a_src, b_src, off_m, off_n, 0, k_steps, M, N, K, stride_am, stride_bn,
                            BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
-    elif SPILL:
-        if SWAP:
-            offs = _tile_offsets(BN, BM)
-        else:
-            offs = _tile_offsets(BM, BN)
-        for s in tl.static_range(SPLITS):
-            k0 = s * SPLIT_STEPS
-            n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
-            acc = _split_acc(a_src, b_src, off_m, off_n, k0, n_steps, M, N, K, stride_am, stride_bn,
-                             BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
-            if s == 0:
-                total = tl.zeros_like(acc) + acc
-            else:
-                tl.debug_barrier()
-                total = tl.load(scratch + offs) + acc
-            if s < SPLITS - 1:
-                tl.store(scratch + offs, total)
-                tl.debug_barrier()
     else:
         if SWAP:
             total = tl.zeros((BN, BM), dtype=tl.float32)
@@ -245,13 +226,37 @@ def _epilogue_t(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
     tl.store(out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None], total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _reduce_slot_epilogue(slot, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
+                          BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SWAP: tl.constexpr, CH: tl.constexpr):
+    """``((0 + p0) + p1) + ...`` over the split partials in ``slot`` (``[SPLITS, tile]`` float32), then bias and the
+    rounding, ``CH`` tile rows at a time (few registers)."""
+    if SWAP:
+        R0: tl.constexpr = BN
+        R1: tl.constexpr = BM
+    else:
+        R0: tl.constexpr = BM
+        R1: tl.constexpr = BN
+    offs = _tile_offsets(CH, R1)
+    for c in tl.static_range(R0 // CH):
+        total = tl.zeros((CH, R1), dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            total = total + tl.load(slot + s * (BM * BN) + c * (CH * R1) + offs)
+        if SWAP:
+            _epilogue_t(total, bias_ptr, out_ptr, off_m, off_n + c * CH, M, N, stride_om, BM, CH, HAS_BIAS)
+        else:
+            _epilogue(total, bias_ptr, out_ptr, off_m + c * CH, off_n, M, N, stride_om, CH, BN, HAS_BIAS)
+
+
 @triton.jit(do_not_specialize=["M", "num_progs"])
 def _gemm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                  M, N, K, stride_am, stride_bn, stride_om, num_progs,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
                  USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 PRECISION: tl.constexpr, SWAP: tl.constexpr = False, SPILL: tl.constexpr = False):
+                 PRECISION: tl.constexpr, SWAP: tl.constexpr = False, SPILL: tl.constexpr = False,
+                 SPILL_ROWS: tl.constexpr = 32):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -292,17 +297,35 @@ def _gemm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                     _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
-        scratch = ws_ptr + pid.to(tl.int64) * (BM * BN)  # SPILL only
+        scratch = ws_ptr + pid.to(tl.int64) * (SPLITS * BM * BN)  # SPILL only: this program's slot
+        if SWAP:
+            offs = _tile_offsets(BN, BM)
+        else:
+            offs = _tile_offsets(BM, BN)
         for tile in tl.range(pid, num_tiles, num_progs):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
-            total = _serial_splits(a_src, b_src, scratch, off_m, off_n, k_steps, M, N, K, stride_am, stride_bn,
-                                   BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, SPILL)
-            if SWAP:
-                _epilogue_t(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
+            if SPILL and SPLITS > 1:
+                # each split's partial goes to this program's slot (no second register accumulator), then the
+                # partials are summed in split order and written out in row chunks
+                for s in tl.range(0, SPLITS):
+                    k0 = s * SPLIT_STEPS
+                    n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
+                    acc = _split_acc(a_src, b_src, off_m, off_n, k0, n_steps, M, N, K, stride_am, stride_bn,
+                                     BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                    tl.store(scratch + s * (BM * BN) + offs, acc)
+                tl.debug_barrier()
+                _reduce_slot_epilogue(scratch, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
+                                      BM, BN, SPLITS, HAS_BIAS, SWAP, SPILL_ROWS)
+                tl.debug_barrier()  # the slot is rewritten by this program's next tile
             else:
-                _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
+                total = _serial_splits(a_src, b_src, off_m, off_n, k_steps, M, N, K, stride_am, stride_bn,
+                                       BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                if SWAP:
+                    _epilogue_t(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
+                else:
+                    _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,7 +390,7 @@ def gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         units = num_tiles
         cnt = out  # unused
         # SPILL: one tile-sized float32 slot per program for the running split sum
-        ws = (torch.empty(min(sms, units) * bm * bn, dtype=torch.float32, device=x2d.device)
+        ws = (torch.empty(min(sms, units) * splits * bm * bn, dtype=torch.float32, device=x2d.device)
               if spill and splits > 1 else out)
     grid = min(sms, units)
     _gemm_kernel[(grid,)](
@@ -376,6 +399,7 @@ def gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["G"], SPLIT_STEPS=split_steps, SPLITS=splits,
         PARALLEL=parallel, USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"],
         PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", SWAP=swap, SPILL=spill and splits > 1,
+        SPILL_ROWS=min(32, bn if swap else bm),
         num_warps=cfg["W"], num_stages=cfg["S"],
     )
     return out
