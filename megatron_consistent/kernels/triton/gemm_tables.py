@@ -11,3 +11,7 @@ Paste the sweep's ``gemm_tables.py`` over this file to adopt its recommendation.
 import torch  # noqa: F401  (entries name torch dtypes)
 
 GEMM_M_CLASS_TABLE: dict = {}
+
+# FP8 block GEMM tiles, (N, K) -> fp8_linear._fp8_cfg(...) dict (scheduling only: BLOCK_K = 128 and the split are
+# fixed by fp8_linear.fp8_config).  Empty: fp8_linear.FP8_TILE_TABLE decides.
+FP8_TILE_OVERRIDES: dict = {}
