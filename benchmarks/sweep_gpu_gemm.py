@@ -54,7 +54,9 @@ MS = [1, 16, 64, 256, 1024, 4096]
 BITS_MS = [1, 7, 16, 64, 300, 2048]
 SMALL, MID, LARGE = (1, 16, 64), (64, 256, 1024), (256, 1024, 4096)
 FP8_MS = [256, 1024, 4096]
+DEV = "cuda"  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful bits or times)
 FP8_BITS_MS = [1, 7, 300, 2048]
+BITS_ROWS = 2048
 
 
 def target(m: int) -> float:
@@ -63,13 +65,13 @@ def target(m: int) -> float:
 
 # ---------------------------------------------------------------------------------------------- candidates
 def numerics_groups(n: int, k: int, quick: bool = False):
-    """(name, BK, SPLIT_STEPS): no split, and 2 / 4 fixed splits where N alone gives few tiles."""
+    """(name, BK, SPLIT_STEPS): no split; a fixed 2-way split where N alone gives few tiles; also 4-way for long K."""
     steps = k // 64
     groups = [("bk64 nosplit", 64, NOSPLIT)]
-    if n <= 8192 and not quick:
-        groups += [("bk64 split2", 64, steps // 2), ("bk64 split4", 64, steps // 4)]
-    elif n <= 8192:
-        groups += [("bk64 split2", 64, steps // 2)]
+    if n <= 8192:
+        groups.append(("bk64 split2", 64, max(1, steps // 2)))
+        if k >= 8192 and not quick:
+            groups.append(("bk64 split4", 64, max(1, steps // 4)))
     return groups
 
 
@@ -79,7 +81,6 @@ def tile_candidates(splits: int, quick: bool = False):
     par = {"PATH": "parallel"} if split else {}
     c = [("128x128 w8 s4", {"BM": 128, "BN": 128, "W": 8, "S": 4}, MID + LARGE[1:]),
          ("128x256 w8 s3" + (" spill" if split else ""), {"BM": 128, "BN": 256, "W": 8, "S": 3, "SPILL": split}, LARGE),
-         ("256x128 w8 s3" + (" spill" if split else ""), {"BM": 256, "BN": 128, "W": 8, "S": 3, "SPILL": split}, LARGE),
          ("64x128 w4 s6", {"BM": 64, "BN": 128, "W": 4, "S": 6}, MID),
          ("64x64 w4 s8", {"BM": 64, "BN": 64, "W": 4, "S": 8}, (16, 64, 256)),
          ("swap 16x64 w4 s8", {"BM": 16, "BN": 64, "W": 4, "S": 8, "SWAP": True, **par}, SMALL),
@@ -180,6 +181,10 @@ def precompile(jobs, workers):
 def bench(fn, rep):
     import triton.testing
 
+    if DEV == "cpu":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
@@ -212,12 +217,12 @@ def check_rows(run, ref, ms):
 def sweep_bf16(args, deadline, log):
     from megatron_consistent.kernels.triton import linear as tlin
 
-    dev = torch.device("cuda")
+    dev = torch.device(DEV)
     results = []
     for sname, (n, k) in SHAPES.items():
         torch.manual_seed(0)
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(n_copies(n * k * 2))]
-        xb = torch.randn(2048, k, device=dev, dtype=torch.bfloat16)
+        xb = torch.randn(BITS_ROWS, k, device=dev, dtype=torch.bfloat16)
         xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in MS}
         shape_res = {"shape": sname, "N": n, "K": k, "cublas_ms": {}, "default_ms": {}, "groups": []}
         for m in MS:
@@ -316,7 +321,7 @@ def sweep_fp8(args, deadline, log):
     from megatron_consistent.kernels import fp8
     from megatron_consistent.kernels.triton import fp8_linear as tf8
 
-    dev = torch.device("cuda")
+    dev = torch.device(DEV)
     results = []
     for sname, (n, k) in SHAPES.items():
         torch.manual_seed(0)
@@ -324,7 +329,7 @@ def sweep_fp8(args, deadline, log):
         for _ in range(n_copies(n * k)):
             q, s = fp8.quantize(torch.randn(n, k, device=dev) * 0.02, fp8.E4M3_WEIGHT_128)
             wf.append((q, fp8.weight_row_scales(s, n).contiguous(), s))
-        xb = torch.randn(2048, k, device=dev, dtype=torch.bfloat16)
+        xb = torch.randn(BITS_ROWS, k, device=dev, dtype=torch.bfloat16)
         xqb, xsb = tf8.quantize_activations(xb)
         wq0, rows0, _ = wf[0]
         ref = tf8.fp8_gemm(xqb, xsb, wq0, rows0, None, torch.float32)  # today's table tile
@@ -407,13 +412,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON path")
     ap.add_argument("--tables-out", default=None, help="gemm_tables.py path (default: next to --out)")
-    ap.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script (timing stops after)")
+    ap.add_argument("--budget", type=float, default=280.0, help="seconds for the whole script (timing stops after)")
     ap.add_argument("--rep", type=int, default=15, help="ms of CUDA-graph replay per measurement")
-    ap.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer groups / candidates")
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default all)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="TRITON_INTERPRET=1 plumbing test on tiny CPU shapes")
     args = ap.parse_args()
+    global DEV, MS, BITS_MS, SMALL, MID, LARGE, FP8_MS, FP8_BITS_MS, BITS_ROWS
+    if args.cpu_smoke:
+        DEV = "cpu"
+        SHAPES.clear()
+        SHAPES["smoke 192x256"] = (192, 256)
+        MS, BITS_MS, FP8_MS, FP8_BITS_MS, BITS_ROWS = [1, 16, 64, 256], [1, 7, 16, 64], [16, 64], [1, 7], 256
+        SMALL, MID, LARGE = (1, 16), (16, 64, 256), (64, 256)
     t0 = time.time()
     deadline = t0 + args.budget
     if args.shapes:
@@ -448,9 +461,9 @@ def main():
         if not args.no_fp8:
             for _, t in FP8_CANDS:
                 jobs.append(("fp8", n, k, fp8_cfg(t)))
-    compile_errors = precompile(jobs, args.workers)
+    compile_errors = precompile(jobs, args.workers) if DEV == "cuda" else []
 
-    meta = {"gpu": torch.cuda.get_device_name(), "date": _dt.date.today().isoformat(), "torch": torch.__version__,
+    meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu-smoke", "date": _dt.date.today().isoformat(), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "budget_s": args.budget, "rep_ms": args.rep}
     out = {**meta, "compile_errors": compile_errors}
 
