@@ -3,8 +3,10 @@
 GPU numerics contract (one output element ``y[m, n]``):
 
 * the K axis is cut into ``BLOCK_K`` steps and the steps into fixed *splits* of
-  ``SPLIT_STEPS`` steps each; the tile shape, ``BLOCK_K`` and the split are
-  looked up from a table keyed by ``(N, K, dtype)`` — never by M;
+  ``SPLIT_STEPS`` steps each; ``BLOCK_K`` and the split are looked up from a
+  table keyed by ``(N, K, dtype)`` — never by M.  The tile shape is too, except
+  in the M-class table (``gemm_tables.py``, filled from an H200 sweep that
+  checked the bits; empty by default), where only the tile / schedule follows M;
 * inside a split the tensor cores accumulate the steps in increasing K order
   into a float32 accumulator that starts at 0 (``tl.dot`` chaining);
 * the split partials are summed in increasing split order in float32 starting
@@ -19,7 +21,16 @@ the last program to finish the tile (an atomic counter) sums the partials in
 split order; otherwise one program walks all splits of a tile and keeps the
 running sum in registers.  Both paths execute the same per-element arithmetic.
 Programs are persistent (grid = number of SMs at most) and walk tiles in a
-grouped order for L2 reuse.
+grouped order for L2 reuse.  Two more schedules, selected per config:
+*swap-AB* (``SWAP``) computes the transposed tile ``w_tile @ x_tile.T`` so the
+weight rows fill the MMA's M side when M is small (each element: the same
+products, the same K order); *spill* (``SPILL``) lets one program walk the
+splits of a big tile by writing each split's partial to a per-program float32
+slot (L2) and summing the slot in split order, instead of holding a second
+register accumulator.  Whether a swapped tile, or a tile small enough to use
+``mma.sync`` instead of ``wgmma``, really gives the bits of the others is a
+hardware question: benchmarks/sweep_gpu_gemm.py checks it per candidate and
+tests/test_gpu_kernels.py checks every adopted table entry.
 
 The atomic counters live in one buffer per device that each tile resets to 0
 when it finishes, so two GEMMs must not run concurrently on different streams
