@@ -54,6 +54,7 @@ MS = [1, 16, 64, 256, 1024, 4096]
 BITS_MS = [1, 7, 16, 64, 300, 2048]
 SMALL, MID, LARGE = (1, 16, 64), (64, 256, 1024), (256, 1024, 4096)
 FP8_MS = [256, 1024, 4096]
+ODD_SHAPES = [(1000, 300), (256, 1024), (2050, 4096)]  # bits only (no timing): does a candidate tile keep the bits?
 DEV = "cuda"  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful bits or times)
 FP8_BITS_MS = [1, 7, 300, 2048]
 BITS_ROWS = 2048
@@ -133,16 +134,17 @@ def _warm(jobs):
     cache = {}
     for kind, n, k, cfg in jobs:
         try:
-            if kind == "bf16":
+            if kind in ("bf16", "bf16b"):  # bf16b: the odd shapes, with bias, fp32 out
                 key = ("bf16", n, k)
                 if key not in cache:
                     cache.clear()
                     cache[key] = (torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02,
-                                  torch.randn(4096, k, device=dev, dtype=torch.bfloat16))
-                w, x = cache[key]
+                                  torch.randn(4096, k, device=dev, dtype=torch.bfloat16),
+                                  torch.randn(n, device=dev, dtype=torch.bfloat16))
+                w, x, b = cache[key]
                 for m in (1, 4096):
-                    for od in (torch.bfloat16, torch.float32):
-                        tlin.gemm(x[:m], w, None, od, cfg=cfg)
+                    for od in ((torch.float32,) if kind == "bf16b" else (torch.bfloat16, torch.float32)):
+                        tlin.gemm(x[:m], w, b if kind == "bf16b" else None, od, cfg=cfg)
             else:
                 key = ("fp8", n, k)
                 if key not in cache:
@@ -273,6 +275,31 @@ def sweep_bf16(args, deadline, log):
         del ws
         torch.cuda.empty_cache()
     return results
+
+
+def odd_shape_bits(args, log):
+    """Bits only, no split: every candidate tile vs the 128x128 reference on odd (N, K) (masks, partial tiles)."""
+    from megatron_consistent.kernels.triton import linear as tlin
+
+    dev = torch.device(DEV)
+    res = []
+    for n, k in ODD_SHAPES:
+        torch.manual_seed(1)
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05
+        b = torch.randn(n, device=dev, dtype=torch.bfloat16)
+        xb = torch.randn(BITS_ROWS, k, device=dev, dtype=torch.bfloat16)
+        cands = tile_candidates(1, args.quick)
+        ref = tlin.gemm(xb, w, b, torch.float32, cfg=make_cfg(64, NOSPLIT, cands[0][1]))
+        for cname, tile, _ in cands:
+            cfg = make_cfg(64, NOSPLIT, tile)
+            try:
+                bad = check_rows(lambda sl: tlin.gemm(xb[sl], w, b, torch.float32, cfg=cfg), ref, BITS_MS)
+                res.append({"N": n, "K": k, "name": cname, "bits_bad_ms": bad, "bit_identical": not bad})
+            except Exception as e:  # noqa: BLE001
+                res.append({"N": n, "K": k, "name": cname, "error": f"{type(e).__name__}: {str(e)[:200]}",
+                            "bit_identical": False})
+            log(f"  odd {n}x{k} {cname:30s} bits {'SAME' if res[-1]['bit_identical'] else 'DIFF ' + str(res[-1].get('bits_bad_ms', res[-1].get('error')))}")
+    return res
 
 
 def recommend_bf16(results):
@@ -416,6 +443,7 @@ def main():
     ap.add_argument("--rep", type=int, default=15, help="ms of CUDA-graph replay per measurement")
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--no-odd", action="store_true", help="skip the bits-only odd-shape check")
     ap.add_argument("--quick", action="store_true", help="fewer groups / candidates")
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default all)")
     ap.add_argument("--cpu-smoke", action="store_true", help="TRITON_INTERPRET=1 plumbing test on tiny CPU shapes")
@@ -425,6 +453,7 @@ def main():
         DEV = "cpu"
         SHAPES.clear()
         SHAPES["smoke 192x256"] = (192, 256)
+        ODD_SHAPES[:] = [(100, 80)]
         MS, BITS_MS, FP8_MS, FP8_BITS_MS, BITS_ROWS = [1, 16, 64, 256], [1, 7, 16, 64], [16, 64], [1, 7], 256
         SMALL, MID, LARGE = (1, 16), (16, 64, 256), (64, 256)
     t0 = time.time()
@@ -461,6 +490,10 @@ def main():
         if not args.no_fp8:
             for _, t in FP8_CANDS:
                 jobs.append(("fp8", n, k, fp8_cfg(t)))
+    if not args.no_odd:
+        for n, k in ODD_SHAPES:
+            for _, tile, _ in tile_candidates(1, args.quick):
+                jobs.append(("bf16b", n, k, make_cfg(64, NOSPLIT, tile)))
     compile_errors = precompile(jobs, args.workers) if DEV == "cuda" else []
 
     meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu-smoke", "date": _dt.date.today().isoformat(), "torch": torch.__version__,
@@ -476,6 +509,16 @@ def main():
     fp8_share = 0.0 if args.no_fp8 else 0.25  # of the time left after compiling
     bf16_deadline = time.time() + (deadline - time.time()) * (1 - fp8_share)
     out["bf16"] = sweep_bf16(args, bf16_deadline, log)
+    if not args.no_odd:
+        out["odd_shapes_bits"] = odd_shape_bits(args, log)
+        # a tile that changed bits on an odd shape is not trusted on the table shapes either
+        distrust = {r["name"] for r in out["odd_shapes_bits"] if not r["bit_identical"]}
+        for sr in out["bf16"]:
+            for g in sr["groups"]:
+                for c in g["candidates"]:
+                    if c["name"].replace(" spill", "") in distrust or c["name"] in distrust:
+                        c["bit_identical_on_odd_shapes"] = False
+                        c["bit_identical"] = False
     bf16_recs = recommend_bf16(out["bf16"])
     out["bf16_recommended"] = {f"{n}x{k}": r for (n, k), r in bf16_recs.items()}
     dump()
