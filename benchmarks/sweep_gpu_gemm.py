@@ -272,7 +272,7 @@ def sweep_bf16(args, deadline, log):
                 group["candidates"].append(rec)
             shape_res["groups"].append(group)
         results.append(shape_res)
-        del ws
+        ws = xs = None
         torch.cuda.empty_cache()
     return results
 
@@ -396,7 +396,7 @@ def sweep_fp8(args, deadline, log):
                 + "  ".join(f"M={m}: {r:.3f}" if r else f"M={m}: -" for m, r in rec["ratio"].items()))
             sr["candidates"].append(rec)
         results.append(sr)
-        del wf
+        wf = None
         torch.cuda.empty_cache()
     return results
 

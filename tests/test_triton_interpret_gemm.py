@@ -16,9 +16,9 @@ import torch
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 triton = pytest.importorskip("triton")
 
-from megatron_consistent.kernels import fp8  # noqa: E402
-from megatron_consistent.kernels.triton import fp8_linear as tf8  # noqa: E402
-from megatron_consistent.kernels.triton import linear as tlin  # noqa: E402
+from megatron_consistent.kernels import fp8
+from megatron_consistent.kernels.triton import fp8_linear as tf8
+from megatron_consistent.kernels.triton import linear as tlin
 
 NOSPLIT = tlin._NOSPLIT
 c = tlin._cfg
