@@ -131,7 +131,9 @@ def default_config(n: int, k: int, dtype: torch.dtype) -> dict:
 
 
 def config_for(n: int, k: int, dtype: torch.dtype, m: int | None = None, tiles_by_m: bool | None = None) -> dict:
-    if M_CLASSES and (n, k, dtype) in M_CLASS_TABLE:
+    # the M-class table serves the dense GEMM (tiles_by_m None); an explicit tiles_by_m=False (the MoE grouped GEMM,
+    # one config for every M) keeps CONFIG_TABLE
+    if M_CLASSES and tiles_by_m is None and (n, k, dtype) in M_CLASS_TABLE:
         return m_class_config(M_CLASS_TABLE[(n, k, dtype)], m)
     tiles_by_m = TILES_BY_M if tiles_by_m is None else tiles_by_m
     if tiles_by_m and (n, k, dtype) in TILES_BY_M_TABLE:
