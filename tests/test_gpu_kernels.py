@@ -141,8 +141,11 @@ def _path_cfg(k, bm, bn, swap=False, splits=1, spill=False, path="", warps=4, st
                      swap=swap, spill=spill, path=path)
 
 
-@pytest.mark.parametrize("name", list(PATH_CFGS))
-@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 300), (4096, 14336)])
+PATH_CASES = ([(name, 4096, 4096) for name in PATH_CFGS] + [(name, 1000, 300) for name in PATH_CFGS]
+              + [("swap 64x128 split spill", 4096, 14336), ("128x256 split spill", 4096, 14336)])
+
+
+@pytest.mark.parametrize("name,n,k", PATH_CASES)
 def test_gemm_new_paths_row_alone_equals_batch(name, n, k):
     cfg = _path_cfg(k, **PATH_CFGS[name])
     torch.manual_seed(5)
