@@ -76,9 +76,9 @@ def run_gemm(ms, tiles_by_m=False):
     rows = []
     for name, (n, k) in GEMM_SHAPES.items():
         for m in ms:
-            r = time_gemm_pair(m, n, k, tiles_by_m=tiles_by_m)
+            r = time_gemm_pair(m, n, k, tiles_by_m=tiles_by_m or None)  # None: the M-class table if installed
             r["shape"] = name
-            r["config"] = tlin.config_for(n, k, torch.bfloat16, m, tiles_by_m)
+            r["config"] = tlin.config_for(n, k, torch.bfloat16, m, tiles_by_m or None)
             r["tiles_by_m"] = tiles_by_m
             rows.append(r)
             print(f"GEMM{'[by-M]' if tiles_by_m else ''} {name:32s} M={m:5d}  cuBLAS {r['cublas_tflops']:7.1f}  ours {r['ours_tflops']:7.1f} TFLOP/s"

@@ -127,6 +127,62 @@ def test_fp8_linear_vs_float64_dequantized_reference(n, k):
     assert ((cpu.double() - y[:8].double()).abs() / mag[:8].clamp_min(1e-30)).max().item() <= REL_TOL
 
 
+SWS_VARIANTS = [dict(BM=128, BN=64, W=4, S=4, P=3, SWS=True), dict(BM=64, BN=128, W=4, S=4, P=2, SWS=True),
+                dict(BM=128, BN=128, W=8, S=4, P=1, SWS=True), dict(BM=256, BN=64, W=8, S=3, P=1, SWS=True),
+                dict(BM=64, BN=64, W=4, S=6, P=4, SWS=True)]
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (1000, 300), (4096, 14336)])
+def test_scalar_weight_scale_tiles_bitwise_equal(n, k):
+    """SWS (one weight scale per tile and group, 128-row weight blocks) gives the bits of the per-row scales, at
+    every M and on both split schedules; a row alone equals the row in a 2048 batch."""
+    _, wq, rows = _weight(n, k, seed=11)
+    x = _acts(2048, k, seed=12)
+    xq, xs = tf8.quantize_activations(x)
+    ref = tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32)
+    for cfg in SWS_VARIANTS:
+        for m in (1, 7, 64, 300, 2048):
+            y = tf8.fp8_gemm(xq[:m], xs[:m], wq, rows, None, torch.float32, cfg=cfg, w_block_rows=128)
+            assert _bits_equal(y, ref[:m]), (cfg, m)
+        y = tf8.fp8_gemm(xq[1000:1001], xs[1000:1001], wq, rows, None, torch.float32, cfg=cfg, w_block_rows=128)
+        assert _bits_equal(y, ref[1000:1001]), cfg
+        for path in ("serial", "parallel"):
+            y = tf8.fp8_gemm(xq[:16], xs[:16], wq, rows, None, torch.float32, cfg=cfg, w_block_rows=128, path=path)
+            assert _bits_equal(y, ref[:16]), (cfg, path)
+
+
+def test_scalar_weight_scale_needs_block_constant_scales():
+    """The SWS shortcut is only exact when the row scales are constant over the block: with per-row scales that
+    vary inside a block (a lie about ``w_block_rows``) the output changes -- the test above has teeth."""
+    n, k = 1024, 1024
+    _, wq, rows = _weight(n, k, seed=13)
+    g = torch.Generator(device=DEV).manual_seed(14)
+    rows = rows * (1 + 0.5 * torch.rand(rows.shape, device=DEV, generator=g))  # per-row, not per-block
+    xq, xs = tf8.quantize_activations(_acts(64, k, seed=15))
+    ref = tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32)
+    cfg = dict(BM=64, BN=128, W=4, S=4, P=2, SWS=True)
+    assert not _bits_equal(tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=cfg, w_block_rows=128), ref)
+    # without the block claim the config falls back to per-row scales: exact again
+    assert _bits_equal(tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=cfg), ref)
+
+
+@pytest.mark.parametrize("nk", (sorted(tf8._FP8_OVERRIDES) if torch.cuda.is_available() else []) or [None], ids=str)
+def test_fp8_tile_overrides_rows_identical(nk):
+    """Tiles adopted from the sweep (gemm_tables.FP8_TILE_OVERRIDES): row alone = row in batch, and the bits of the
+    previous table tile."""
+    if nk is None:
+        pytest.skip("no FP8 tile overrides installed")
+    n, k = nk
+    _, wq, rows = _weight(n, k, seed=16)
+    x = _acts(2048, k, seed=17)
+    full = fp8.fp8_linear(x, wq, rows, None, torch.float32)
+    for m in (1, 7, 64, 300):
+        assert _bits_equal(fp8.fp8_linear(x[:m], wq, rows, None, torch.float32), full[:m]), m
+    xq, xs = tf8.quantize_activations(x)
+    base = tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=dict(BM=64, BN=128, W=4, S=4, P=2))
+    assert _bits_equal(full, base)
+
+
 def test_broken_m_dependent_split_is_caught():
     """A split-K that depends on M (more splits for small M, as a naive decode kernel would do) changes bits."""
     n, k = 4096, 4096

@@ -110,6 +110,115 @@ def test_gemm_tiles_by_m_bitwise_equal_across_classes(n, k):
         assert _bits_equal(tlin.gemm(x[:300], w, None, torch.float32, cfg=cfg, use_tma=False), full[:300]), (bm, bn)
 
 
+def _rows_identical_across_m(run, x, ms=(1, 7, 16, 64, 300, 2048)):
+    """``run(rows) -> y``: the first m rows for every m in ``ms``, a row alone in the middle and a permutation give
+    the bits of the full batch (``x`` has >= 2048 rows).  Returns the failing cases (empty = invariant)."""
+    full = run(x)
+    bad = [m for m in ms if not _bits_equal(run(x[:m]), full[:m])]
+    if not _bits_equal(run(x[1000:1001]), full[1000:1001]):
+        bad.append("row1000")
+    perm = torch.randperm(x.shape[0], device=x.device, generator=torch.Generator(device=x.device).manual_seed(0))[:300]
+    if not _bits_equal(run(x[perm]), full[perm]):
+        bad.append("perm")
+    return bad
+
+
+# one config for every M: swap-AB (plain and split, serial / split-parallel), spilled serial splits; the tile is the
+# same at every M so these check indexing, masks and the split machinery of each path on the GPU
+PATH_CFGS = {
+    "swap 16x64": dict(bm=16, bn=64, swap=True),
+    "swap 16x64 split parallel": dict(bm=16, bn=64, swap=True, splits=2, path="parallel"),
+    "swap 32x128 split serial": dict(bm=32, bn=128, swap=True, splits=2, path="serial"),
+    "swap 64x128 split spill": dict(bm=64, bn=128, swap=True, splits=3, spill=True),
+    "128x256 split spill": dict(bm=128, bn=256, splits=2, spill=True, warps=8, stages=3),
+    "64x128 split spill": dict(bm=64, bn=128, splits=4, spill=True),
+}
+
+
+def _path_cfg(k, bm, bn, swap=False, splits=1, spill=False, path="", warps=4, stages=4):
+    steps = -(-k // 64)
+    return tlin._cfg(bm, bn, 64, -(-steps // splits) if splits > 1 else tlin._NOSPLIT, warps, stages,
+                     swap=swap, spill=spill, path=path)
+
+
+PATH_CASES = ([(name, 4096, 4096) for name in PATH_CFGS] + [(name, 1000, 300) for name in PATH_CFGS]
+              + [("swap 64x128 split spill", 4096, 14336), ("128x256 split spill", 4096, 14336)])
+
+
+@pytest.mark.parametrize("name,n,k", PATH_CASES)
+def test_gemm_new_paths_row_alone_equals_batch(name, n, k):
+    cfg = _path_cfg(k, **PATH_CFGS[name])
+    torch.manual_seed(5)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(2048, k, device=DEV, dtype=torch.bfloat16)
+    for od in (torch.float32, torch.bfloat16):
+        bad = _rows_identical_across_m(lambda xx: tlin.gemm(xx, w, b, od, cfg=cfg), x)
+        assert not bad, (name, od, bad)
+    y = tlin.gemm(x[:300], w, b, torch.float32, cfg=cfg)
+    ref = x[:300].float() @ w.float().T + b.float()
+    assert (y - ref).abs().max().item() <= 1e-3 * max(1.0, k / 1024)
+    # pointer loads and the other split schedule: same bits
+    assert _bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg=cfg, use_tma=False), y)
+    if cfg["SPLIT_STEPS"] < tlin._NOSPLIT:
+        for path in ("serial", "parallel"):
+            assert _bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg={**cfg, "PATH": path}), y), path
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 300)])
+def test_gemm_spill_equals_register_splits(n, k):
+    """SPILL (partials through an L2 slot) performs the same additions as the register split sum: same bits."""
+    torch.manual_seed(6)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(700, k, device=DEV, dtype=torch.bfloat16)
+    for splits in (2, 3):
+        ref = tlin.gemm(x, w, None, torch.float32, cfg=_path_cfg(k, 128, 128, splits=splits, path="serial", warps=8))
+        for bm, bn, wp in ((128, 128, 8), (64, 128, 4), (128, 256, 8)):
+            cfg = _path_cfg(k, bm, bn, splits=splits, spill=True, path="serial", warps=wp, stages=3)
+            assert _bits_equal(tlin.gemm(x, w, None, torch.float32, cfg=cfg), ref), (splits, bm, bn)
+
+
+def test_gemm_m_dependent_split_is_caught():
+    """A split that depends on M (more splits for small M, the naive decode choice) breaks the row invariance, and
+    the checker used for the M-class table and the swap-AB / spill paths sees it."""
+    n, k = 4096, 4096
+    torch.manual_seed(7)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05
+    x = torch.randn(2048, k, device=DEV, dtype=torch.bfloat16)
+
+    def broken_split(xx):
+        return tlin.gemm(xx, w, None, torch.float32, cfg=_path_cfg(k, 64, 128, splits=4 if xx.shape[0] <= 64 else 1))
+
+    assert _rows_identical_across_m(broken_split, x)
+    # the same tiles with the split / BLOCK_K fixed pass
+    assert not _rows_identical_across_m(
+        lambda xx: tlin.gemm(xx, w, None, torch.float32, cfg=_path_cfg(k, 64, 128, splits=4)), x)
+
+
+M_CLASS_ENTRIES = sorted(tlin.M_CLASS_TABLE) if torch.cuda.is_available() else []
+
+
+@pytest.mark.skipif(not M_CLASS_ENTRIES, reason="M-class table empty (benchmarks/sweep_gpu_gemm.py fills it)")
+@pytest.mark.parametrize("key", M_CLASS_ENTRIES, ids=lambda key: f"{key[0]}x{key[1]}")
+def test_gemm_m_class_table_rows_identical_across_classes(key):
+    """Every M-class entry: a row's bits are the same whichever class computed it (M = 1 .. 2048, fp32 and bf16 out,
+    with bias), and each class's tile forced at 300 rows gives the same bits too."""
+    n, k, dtype = key
+    entry = tlin.M_CLASS_TABLE[key]
+    torch.manual_seed(8)
+    w = (torch.randn(n, k, device=DEV) * 0.05).to(dtype)
+    b = torch.randn(n, device=DEV).to(dtype)
+    x = torch.randn(2048, k, device=DEV).to(dtype)
+    for od in (torch.float32, torch.bfloat16):
+        bad = _rows_identical_across_m(lambda xx: linear(xx, w, b, out_dtype=od), x,
+                                       ms=(1, 2, 7, 16, 17, 63, 64, 65, 255, 256, 300, 1024, 2048))
+        assert not bad, (key, od, bad)
+    full = tlin.gemm(x, w, b, torch.float32)
+    for max_m, _ in entry["classes"]:
+        cfg = tlin.m_class_config(entry, max_m)
+        assert _bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg=cfg), full[:300]), (key, max_m, cfg)
+
+
 def test_gemm_vs_cpu_contract():
     torch.manual_seed(2)
     x = torch.randn(8, 1024, dtype=torch.bfloat16)

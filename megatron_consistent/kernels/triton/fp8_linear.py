@@ -48,8 +48,14 @@ from .linear import _epilogue
 GROUP = 128  # activation group = weight block column = BLOCK_K
 
 
-def _fp8_cfg(bm, bn, warps, stages, progs_per_sm):
-    return {"BM": bm, "BN": bn, "BK": GROUP, "W": warps, "S": stages, "G": 8, "P": progs_per_sm}
+def _fp8_cfg(bm, bn, warps, stages, progs_per_sm, scalar_wscale=False):
+    """``scalar_wscale``: when the weight scales are constant over blocks of rows that hold whole BN tiles (128x128
+    weight blocks, BN | 128), load one weight scale per (tile, group) instead of BN equal ones: the product
+    ``xs * ws`` is then BM multiplications instead of BM * BN, with the same float32 values (bits unchanged)."""
+    cfg = {"BM": bm, "BN": bn, "BK": GROUP, "W": warps, "S": stages, "G": 8, "P": progs_per_sm}
+    if scalar_wscale:
+        cfg["SWS"] = True
+    return cfg
 
 
 # Tile shapes from the H200 sweep (benchmarks/bench_gpu_fp8.py --sweep, docs/fp8.md); they schedule work only:
@@ -59,6 +65,12 @@ FP8_TILE_TABLE: dict[tuple[int, int], dict] = {
     (6144, 4096): _fp8_cfg(128, 64, 4, 4, 3),
 }
 FP8_DEFAULT_TILE = _fp8_cfg(64, 128, 4, 4, 2)
+# M-independent overrides from an H200 run of benchmarks/sweep_gpu_gemm.py (its fp8_tables.py); empty = the above.
+try:
+    from .gemm_tables import FP8_TILE_OVERRIDES as _FP8_OVERRIDES
+except ImportError:  # pragma: no cover
+    _FP8_OVERRIDES = {}
+FP8_TILE_TABLE.update(_FP8_OVERRIDES)
 
 
 def fp8_config(n: int, k: int) -> dict:
@@ -115,7 +127,7 @@ def quantize_activations(x2d: torch.Tensor, a_fmt: QuantFormat = E4M3_ACT_1x128,
 # ---------------------------------------------------------------------------------------------- GEMM kernel
 @triton.jit
 def _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_am, stride_bn, stride_asm, stride_bsn,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, SWS: tl.constexpr = False):
     rm = off_m + tl.arange(0, BM)
     rn = off_n + tl.arange(0, BN)
     k = g * BK
@@ -129,21 +141,28 @@ def _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_a
         b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + kk[None, :],
                     mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
     sa = tl.load(as_ptr + rm.to(tl.int64) * stride_asm + g, mask=rm < M, other=0.0)
-    sb = tl.load(bs_ptr + rn.to(tl.int64) * stride_bsn + g, mask=rn < N, other=0.0)
+    if SWS:  # one weight scale for the whole tile (the tile lies inside one weight block of rows)
+        sb = tl.load(bs_ptr + off_n.to(tl.int64) * stride_bsn + g)
+    else:
+        sb = tl.load(bs_ptr + rn.to(tl.int64) * stride_bsn + g, mask=rn < N, other=0.0)
     return a, b, sa, sb
 
 
 @triton.jit
 def _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
                stride_am, stride_bn, stride_asm, stride_bsn,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr):
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
+               SWS: tl.constexpr = False):
     """float32 ``sum_g fma(dot_g, sa*sb, acc)`` over ``n_groups`` groups from group ``g0``, acc from 0, in K order."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for gi in tl.range(0, n_groups, num_stages=NUM_STAGES):
         a, b, sa, sb = _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0 + gi, M, N, K, stride_am,
-                                   stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA)
+                                   stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS)
         p = tl.dot(a, b.T)
-        acc = tl.fma(p, sa[:, None] * sb[None, :], acc)
+        if SWS:
+            acc = tl.fma(p, tl.broadcast_to((sa * sb)[:, None], (BM, BN)), acc)
+        else:
+            acc = tl.fma(p, sa[:, None] * sb[None, :], acc)
     return acc
 
 
@@ -152,7 +171,8 @@ def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
                      M, N, K, stride_am, stride_bn, stride_asm, stride_bsn, stride_om, num_progs,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      SPLIT_GROUPS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
-                     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr):
+                     USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     SWS: tl.constexpr = False):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -169,7 +189,7 @@ def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
             g0 = s * SPLIT_GROUPS
             n_groups = tl.minimum(SPLIT_GROUPS, n_groups_all - g0)
             acc = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
-                             stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES)
+                             stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
             rm = off_m + tl.arange(0, BM)
             rn = off_n + tl.arange(0, BN)
             base = ws_ptr + s.to(tl.int64) * M * N
@@ -181,14 +201,14 @@ def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
             off_n = pid_n * BN
             if SPLITS == 1:
                 total = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, 0, n_groups_all, M, N, K,
-                                   stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES)
+                                   stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
             else:
                 total = tl.zeros((BM, BN), dtype=tl.float32)
                 for s in tl.range(0, SPLITS):
                     g0 = s * SPLIT_GROUPS
                     n_groups = tl.minimum(SPLIT_GROUPS, n_groups_all - g0)
                     acc = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
-                                     stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES)
+                                     stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
                     total = total + acc
             _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
 
@@ -211,9 +231,11 @@ _FORCE_PATH = os.environ.get("MC_FP8_GEMM_PATH", "")  # "", "serial", "parallel"
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
              out_dtype: torch.dtype, *, path: str | None = None, use_tma: bool | None = None,
-             split_groups: int | None = None, cfg: dict | None = None) -> torch.Tensor:
+             split_groups: int | None = None, cfg: dict | None = None, w_block_rows: int = 0) -> torch.Tensor:
     """``y = sum_g fma(dot(xq_g, wq_g), xs_g * ws_g)`` (contract steps 2-5).  ``split_groups`` overrides the
-    (N, K) table — for tests only (a split that depends on M breaks batch invariance)."""
+    (N, K) table — for tests only (a split that depends on M breaks batch invariance).  ``w_block_rows``: the row
+    scales ``ws`` are constant over aligned blocks of that many rows (the weight format's block; 0 = unknown) —
+    lets a ``SWS`` config load one scale per tile."""
     m, k = xq.shape
     n = wq.shape[0]
     if xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn:
@@ -236,11 +258,12 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     split_groups = min(split_groups or cfg["SPLIT_GROUPS"], g_all)
     splits = triton.cdiv(g_all, split_groups)
     num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    sms = num_sms(device_index(xq))
+    sms = num_sms(device_index(xq)) if xq.device.type == "cuda" else 4  # CPU: TRITON_INTERPRET=1 tests
     path = path or _FORCE_PATH or ("parallel" if splits > 1 and num_tiles < sms else "serial")
     parallel = path == "parallel" and splits > 1
     if use_tma is None:
-        use_tma = tma_ok(xq) and tma_ok(wq)
+        use_tma = xq.device.type == "cuda" and tma_ok(xq) and tma_ok(wq)
+    sws = bool(cfg.get("SWS", False)) and w_block_rows > 0 and w_block_rows % bn == 0
     a_src, b_src = tma_sources(xq, wq, bm, bn, bk, use_tma)
     if parallel:
         wsp = torch.empty(splits * m * n, dtype=torch.float32, device=xq.device)
@@ -253,7 +276,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
         a_src, b_src, xs, ws, bias if bias is not None else out, out, wsp,
         m, n, k, xq.stride(0), wq.stride(0), xs.stride(0), ws.stride(0), out.stride(0), grid,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["G"], SPLIT_GROUPS=split_groups, SPLITS=splits, PARALLEL=parallel,
-        USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"], num_warps=cfg["W"], num_stages=cfg["S"],
+        USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"], SWS=sws, num_warps=cfg["W"],
+        num_stages=cfg["S"],
     )
     if parallel:
         block = 1024
@@ -278,4 +302,4 @@ def _fp8_linear_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.T
         xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
         return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
     xq, xs = quantize_activations(x2d, a_fmt)
-    return fp8_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype)
+    return fp8_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype, w_block_rows=w_fmt.block[0])
