@@ -1,29 +1,55 @@
-"""Causal GQA attention for CUDA (Triton): one kernel for training, prefill, chunked prefill and decode.
+"""Causal GQA attention for CUDA (Triton): one per-row arithmetic for training, prefill, chunked prefill and decode.
+
+Two entry points share every ``@triton.jit`` helper of the per-row arithmetic (key block,
+partition, merge, finalisation): :func:`attention_fwd` (dense ``[B, T, H, D]`` K/V, the trainer
+and the registered ``("attention", "cuda")`` op) and :func:`paged_attention` (vLLM-style paged
+KV cache, varlen queries, CUDA-graph capturable).  :func:`write_kv_cache` stores new K/V into the
+paged cache.
 
 GPU numerics contract (one query row = one (token, query head)):
 
-* keys are visited in blocks of ``KV_BLOCK_GPU`` (64) aligned at absolute
-  position 0, in increasing order, from block 0 up to the block holding the
-  last key the row may see — for every way the query reaches the kernel
-  (whole sequence, prefill chunk over a cached prefix, decode step);
-* raw scores ``s = q . k`` by the tensor cores (bf16/fp16 inputs, float32
-  accumulate, head dim in increasing 16-wide steps); invisible keys get ``-inf``;
-* online softmax in float32 on raw scores: ``m' = max(m, max_j s)``,
-  ``alpha = exp2((m - m') * c)``, ``p = exp2((s - m') * c)`` with
-  ``c = scale * log2(e)`` (subtract first, then scale: no FMA contraction can
-  change a row's bits between masked and unmasked blocks);
-* ``p`` is rounded to the input dtype; ``acc = mma(p, v, acc * alpha)`` and
-  ``l = mma(p, 1, l * alpha)`` — the normaliser is summed by the tensor cores
-  over the same rounded ``p`` as the numerator, so no layout-dependent
-  reduction enters a row's result (the row max is exact);
-* ``out = round(acc / l)``; ``lse = (m * c + log2(l)) * ln2``; a row with no
-  visible key (or position -1) gives ``out = 0``, ``lse = -inf``.
+* the key axis is cut into **partitions** of ``PART_KEYS`` = ``PART_BLOCKS`` (8) x
+  ``KV_BLOCK_GPU`` (64) = 512 keys, aligned at absolute position 0 — a fixed cut that depends
+  on nothing but the key positions (not the batch, the tile, the path or how the row reached
+  the kernel: whole sequence, prefill chunk over a cached prefix, decode step);
+* inside a partition, keys are visited in blocks of 64 (aligned at 0) in increasing order, from
+  a fresh state ``m = -inf, l = 0, acc = 0``:
 
-Query rows of one (batch, kv head) are packed (token-major, then the ``G``
-query heads that share the kv head) into tiles of 16, 64 or 128 rows by the
-number of rows; a row's arithmetic does not depend on the tile it lands in
-(tests/test_gpu_kernels.py checks this bitwise).  No split over the KV axis
-is used, so decode and prefill run the same per-row recurrence.
+  - raw scores ``s = q . k`` by the tensor cores (bf16/fp16 inputs, float32 accumulate, head dim
+    in increasing 16-wide steps); invisible keys get ``-inf``;
+  - ``m' = max(m, max_j s)``, ``alpha = exp2((m - m') * c)``, ``p = exp2((s - m') * c)`` with
+    ``c = scale * log2(e)`` (subtract first, then scale: no FMA contraction can change a row's
+    bits between masked and unmasked blocks; ``m' = -inf`` is replaced by 0 in both);
+  - ``p`` is rounded to the input dtype; ``acc = mma(p, v, acc * alpha)`` and
+    ``l = mma(p, 1, l * alpha)`` — the normaliser is summed by the tensor cores over the same
+    rounded ``p`` as the numerator (the row max is exact);
+
+* partitions are merged into a running ``(M, L, ACC)`` (initially ``-inf, 0, 0``) in increasing
+  order by one formula: ``M' = max(M, m)``, ``a = exp2((M - R) * c)``, ``b = exp2((m - R) * c)``
+  with ``R = M'`` (0 if ``-inf``), ``L' = fma(L, a, l * b)``, ``ACC' = fma(ACC, a, acc * b)``
+  (explicit ``tl.fma``, so no contraction choice differs between kernels); a partition with no
+  visible key (``m = -inf``) leaves the running state bitwise unchanged (selected, not computed),
+  so trailing partitions, padding and batch neighbours never change a row;
+* ``out = round(ACC / L)``; ``lse = fma(M, c, log2(L)) * ln2``; a row with no visible key (or
+  position -1) gives ``out = 0``, ``lse = -inf``.
+
+Two execution paths give identical bits (the path is chosen from shapes only, or forced with
+``split=``): **in-program** — one program per (query tile, kv head) walks its partitions in order
+and merges as it goes (prefill, training, large batches); **split** — one program per (query
+tile, kv head, partition) writes the partition's float32 ``(m, l, acc)`` to a workspace and a
+second kernel merges them in partition order (decode at small batch / long context, to fill the
+SMs).  Both call the same ``_partition`` / ``_merge`` / ``_finalize`` helpers.
+
+Query rows of one (sequence, kv head) are packed (token-major, then the ``G`` query heads that
+share the kv head) into tiles of 16, 64 or 128 rows by the number of rows; a row's arithmetic
+does not depend on the tile it lands in (tests/test_gpu_kernels.py, tests/test_gpu_paged_attention.py
+check this bitwise).
+
+FP8 KV cache (``float8_e4m3fn`` with a per-tensor ``kv_scale``): a loaded key/value is
+``round_to_q_dtype(float32(k8) * kv_scale)`` — :func:`megatron_consistent.kernels.fp8.kv_dequantize`
+— so a paged FP8 row equals :func:`attention_fwd` on the dequantized K/V; :func:`write_kv_cache`
+stores ``cast_e4m3(clamp(div_rn(float32(x), kv_scale), -448, 448))`` —
+:func:`megatron_consistent.kernels.fp8.kv_quantize`.
 """
 
 from __future__ import annotations
@@ -38,21 +64,56 @@ from ..dispatch import register
 from ._common import next_pow2
 
 KV_BLOCK_GPU = 64
+PART_BLOCKS = 8
+PART_KEYS = KV_BLOCK_GPU * PART_BLOCKS
+PAGE_SIZES = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+_E4M3_MAX = 448.0
+
+# Test-only: when True the partition size is derived from the call's longest key range (a batch
+# property), which breaks the contract on purpose; tests/test_gpu_paged_attention.py must catch it.
+_TEST_BATCH_DEPENDENT_PARTITION = False
+
+
+def _part_blocks(max_kv: int) -> int:
+    if _TEST_BATCH_DEPENDENT_PARTITION:
+        return max(1, triton.cdiv(max(int(max_kv), 1), KV_BLOCK_GPU * 4))
+    return PART_BLOCKS
+
+
+# ----------------------------------------------------------------------------- per-row arithmetic
 
 
 @triton.jit
-def _attn_block(q, kb, vb, start, offs_n, d, dm, pos, kl, Tk, skt, svt, m_i, l_mat, acc, ones,
-                MASKED: tl.constexpr, qk_scale):
-    kpos = start + offs_n
-    if MASKED:
-        kin = kpos < Tk
-        k = tl.load(kb + kpos[:, None] * skt + d[None, :], mask=kin[:, None] & dm[None, :], other=0.0)
-        v = tl.load(vb + kpos[:, None] * svt + d[None, :], mask=kin[:, None] & dm[None, :], other=0.0)
+def _load_kv(kb, vb, tab, kpos, kin, d, dm, skp, skt, svp, svt, kv_scale,
+             DTYPE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr):
+    """K, V tiles ``[BLOCK_N, BLOCK_D]`` of keys ``kpos`` (dense: ``PAGE == 0``; else paged via ``tab``)."""
+    if PAGE == 0:
+        koff = kpos.to(tl.int64) * skt
+        voff = kpos.to(tl.int64) * svt
     else:
-        k = tl.load(kb + kpos[:, None] * skt + d[None, :], mask=dm[None, :], other=0.0)
-        v = tl.load(vb + kpos[:, None] * svt + d[None, :], mask=dm[None, :], other=0.0)
+        if MASKED:
+            page = tl.load(tab + kpos // PAGE, mask=kin, other=0).to(tl.int64)
+        else:
+            page = tl.load(tab + kpos // PAGE).to(tl.int64)
+        koff = page * skp + (kpos % PAGE) * skt
+        voff = page * svp + (kpos % PAGE) * svt
+    if MASKED:
+        lm = kin[:, None] & dm[None, :]
+    else:
+        lm = (kpos >= 0)[:, None] & dm[None, :]
+    k = tl.load(kb + koff[:, None] + d[None, :], mask=lm, other=0.0)
+    v = tl.load(vb + voff[:, None] + d[None, :], mask=lm, other=0.0)
+    if FP8:
+        k = (k.to(tl.float32) * kv_scale).to(DTYPE)
+        v = (v.to(tl.float32) * kv_scale).to(DTYPE)
+    return k, v
+
+
+@triton.jit
+def _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED: tl.constexpr):
+    """One 64-key block of the online softmax (see the module docstring)."""
     s = tl.dot(q, k.T)
     if MASKED:
         vis = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < kl)
@@ -67,59 +128,219 @@ def _attn_block(q, kb, vb, start, offs_n, d, dm, pos, kl, Tk, skt, svt, m_i, l_m
     return m_new, l_mat, acc
 
 
-@triton.jit(do_not_specialize=["Tq", "Tk", "HQ", "HKV"])
-def _attn_kernel(Q, K, V, QPOS, KLEN, O, LSE, qk_scale,
-                 Tq, Tk, HQ, HKV,
-                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, spb, spt,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (latest) tiles first
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
-    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = r // G
-    hq = kvh * G + (r % G)
-    rv = t < Tq
-    pos = tl.load(QPOS + b * spb + t * spt, mask=rv, other=-1)
-    kl = tl.minimum(tl.load(KLEN + b), Tk).to(tl.int32)
-    pos = pos.to(tl.int32)
+@triton.jit
+def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt, kv_scale, qk_scale,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+               PAGE: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Fresh online softmax over the key blocks ``[p0, pe)`` of one partition -> ``(m, l, acc)``.
+
+    Blocks below ``full`` are visible to every active row of the tile and skip the mask."""
+    DTYPE: tl.constexpr = q.dtype
+    offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    q = tl.load(Q + b * sqb + t[:, None] * sqt + hq[:, None] * sqh + d[None, :],
+    ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32).to(DTYPE)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    u = tl.minimum(tl.maximum(full, p0), pe)
+    for start in tl.range(p0, u, BLOCK_N, num_stages=NUM_STAGES):
+        kpos = start + offs_n
+        k, v = _load_kv(kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
+                        DTYPE, PAGE, FP8, False)
+        m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, False)
+    for start in tl.range(u, pe, BLOCK_N, num_stages=NUM_STAGES):
+        kpos = start + offs_n
+        k, v = _load_kv(kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
+                        DTYPE, PAGE, FP8, True)
+        m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, True)
+    l_i = tl.max(l_mat, 1)  # all 16 columns are equal
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge(m1, l1, acc1, m2, l2, acc2, qk_scale):
+    """Running state (m1, l1, acc1) followed by partition (m2, l2, acc2); an empty partition is the identity."""
+    m = tl.maximum(m1, m2)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    a1 = tl.math.exp2((m1 - m_ref) * qk_scale)
+    a2 = tl.math.exp2((m2 - m_ref) * qk_scale)
+    l = tl.fma(l1, a1, l2 * a2)
+    acc = tl.fma(acc1, a1[:, None], acc2 * a2[:, None])
+    empty = m2 == float("-inf")
+    return tl.where(empty, m1, m), tl.where(empty, l1, l), tl.where(empty[:, None], acc1, acc)
+
+
+@triton.jit
+def _finalize(m, l, acc, pos, qk_scale):
+    empty = (l == 0.0) | (pos < 0)
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    out = tl.where(empty[:, None], 0.0, out)
+    lse = tl.fma(m, qk_scale, tl.math.log2(tl.where(empty, 1.0, l))) * 0.6931471805599453
+    lse = tl.where(empty, float("-inf"), lse)
+    return out, lse
+
+
+@triton.jit
+def _map_tile(pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt, stab,
+              G: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr):
+    """Rows of program (pid0, pid1) -> (has_work, tile id, seq, kv head, row valid, token, q head, pos, k_len, key bound, page table).
+
+    Dense (``PAGE == 0``): pid0 = query tile (heaviest first), pid1 = batch * HKV + kv head.
+    Paged: pid1 = kv head; pid0 = a virtual tile: sequence ``s`` owns virtual tiles
+    ``[V_s, V_s + cdiv(q_len_s * G, BLOCK_M))`` with ``V_s = (query_start_loc[s] * G) // BLOCK_M + s``
+    (found by binary search); virtual tiles past a sequence's rows have no work."""
+    r = tl.arange(0, BLOCK_M)
+    if PAGE == 0:
+        tile = tl.num_programs(0) - 1 - pid0
+        b = pid1 // HKV
+        kvh = pid1 % HKV
+        rr = tile * BLOCK_M + r
+        t = rr // G
+        rv = t < Tq
+        pos = tl.load(QPOS + b * spb + t * spt, mask=rv, other=-1).to(tl.int32)
+        kl = tl.minimum(tl.load(KLEN + b), Tk).to(tl.int32)
+        kbound = Tk
+        tab = TAB
+        work = tile >= 0
+        hq = kvh * G + (rr % G)
+    else:
+        tile = pid0
+        kvh = pid1
+        lo = 0
+        hi = NSEQ - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            vmid = (tl.load(QSL + mid) * G) // BLOCK_M + mid
+            ok = vmid <= pid0
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        b = lo
+        q0 = tl.load(QSL + b)
+        qlen = tl.load(QSL + b + 1) - q0
+        lt = pid0 - ((q0 * G) // BLOCK_M + b)
+        rr = lt * BLOCK_M + r
+        tloc = rr // G
+        rv = tloc < qlen
+        seqlen = tl.load(SEQ + b).to(tl.int32)
+        t = q0 + tloc
+        pos = tl.where(rv, seqlen - qlen + tloc, -1).to(tl.int32)
+        kl = seqlen
+        kbound = seqlen
+        tab = TAB + b.to(tl.int64) * stab
+        work = lt * BLOCK_M < qlen * G
+        hq = kvh * G + (rr % G)
+    return work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab
+
+
+@triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS"])
+def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, qk_scale, kv_scale,
+                 NSEQ, Tq, Tk, HQ, HKV, NPARTS,
+                 sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
+                 G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+                 SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab = _map_tile(
+        pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt, stab, G, BLOCK_M, PAGE)
+    if not work:
+        return
+    PART: tl.constexpr = PART_BLOCKS * BLOCK_N
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    b64 = b.to(tl.int64)
+    q = tl.load(Q + b64 * sqb + t.to(tl.int64)[:, None] * sqt + hq[:, None] * sqh + d[None, :],
                 mask=rv[:, None] & dm[None, :], other=0.0)
+    kb = K + b64 * skb + kvh * skh
+    vb = V + b64 * svb + kvh * svh
     active = pos >= 0
     hi = tl.minimum(tl.max(pos, 0) + 1, kl)
     full = tl.minimum(tl.min(tl.where(active, pos + 1, 1 << 30), 0), kl)
     full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
     full = tl.minimum(full, tl.maximum(hi, 0))
+    r = tl.arange(0, BLOCK_M)
+    if SPLIT:
+        p = tl.program_id(2)
+        p0 = p * PART
+        if p0 >= hi:
+            return
+        m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
+                                     skp, skt, svp, svt, kv_scale, qk_scale,
+                                     BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES)
+        w = ((tile.to(tl.int64) * tl.num_programs(1) + pid1) * NPARTS + p) * BLOCK_M
+        tl.store(WS_M + w + r, m_p)
+        tl.store(WS_L + w + r, l_p)
+        tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        for p0 in range(0, hi, PART):
+            m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
+                                         skp, skt, svp, svt, kv_scale, qk_scale,
+                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES)
+            m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
+        out, lse = _finalize(m_i, l_i, acc, pos, qk_scale)
+        tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
+                 out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
+        if STORE_LSE:
+            tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
 
+
+@triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS"])
+def _attn_merge_kernel(QPOS, KLEN, QSL, SEQ, TAB, O, LSE, WS_M, WS_L, WS_ACC, qk_scale,
+                       NSEQ, Tq, Tk, HQ, HKV, NPARTS, sob, sot, soh, spb, spt, stab,
+                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr,
+                       STORE_LSE: tl.constexpr):
+    """Split path, second kernel: merge the partitions written by ``_attn_kernel[SPLIT]`` in order."""
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab = _map_tile(
+        pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt, stab, G, BLOCK_M, PAGE)
+    if not work:
+        return
+    PART: tl.constexpr = PART_BLOCKS * BLOCK_N
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    r = tl.arange(0, BLOCK_M)
+    hi = tl.minimum(tl.max(pos, 0) + 1, kl)
+    nparts = tl.minimum((hi + PART - 1) // PART, NPARTS)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    ones = tl.full((BLOCK_N, 16), 1.0, dtype=Q.dtype.element_ty)
-    offs_n = tl.arange(0, BLOCK_N)
-    kb = K + b.to(tl.int64) * skb + kvh * skh
-    vb = V + b.to(tl.int64) * svb + kvh * svh
-    for start in tl.range(0, full, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_mat, acc = _attn_block(q, kb, vb, start, offs_n, d, dm, pos, kl, Tk, skt, svt,
-                                      m_i, l_mat, acc, ones, False, qk_scale)
-    for start in tl.range(full, hi, BLOCK_N, num_stages=NUM_STAGES):
-        m_i, l_mat, acc = _attn_block(q, kb, vb, start, offs_n, d, dm, pos, kl, Tk, skt, svt,
-                                      m_i, l_mat, acc, ones, True, qk_scale)
+    wb = (tile.to(tl.int64) * tl.num_programs(1) + pid1) * NPARTS
+    for p in range(0, nparts):
+        w = (wb + p) * BLOCK_M
+        m_p = tl.load(WS_M + w + r)
+        l_p = tl.load(WS_L + w + r)
+        acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :])
+        m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
+    out, lse = _finalize(m_i, l_i, acc, pos, qk_scale)
+    b64 = b.to(tl.int64)
+    tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
+             out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
+    if STORE_LSE:
+        tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
 
-    l_i = tl.max(l_mat, 1)  # all 16 columns are equal
-    empty = (l_i == 0.0) | (pos < 0)
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    out = tl.where(empty[:, None], 0.0, out)
-    lse = (m_i * qk_scale + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
-    lse = tl.where(empty, float("-inf"), lse)
-    tl.store(O + b * sob + t[:, None] * sot + hq[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
-             mask=rv[:, None] & dm[None, :])
-    tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
 
+@triton.jit
+def _zero_rows_kernel(O, QSL, NSEQ, T, sot, ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``out[t] = 0`` for the padding tokens ``t >= query_start_loc[-1]`` (rows of ``ROW`` elements)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    end = tl.load(QSL + NSEQ)
+    tm = (t >= end) & (t < T)
+    for c0 in range(0, ROW, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        z = tl.zeros((BLOCK_T, BLOCK_C), dtype=O.dtype.element_ty)
+        tl.store(O + t.to(tl.int64)[:, None] * sot + c[None, :], z, mask=tm[:, None] & (c < ROW)[None, :])
+
+
+# ----------------------------------------------------------------------------- host side
 
 _FORCE_BLOCK_M = int(os.environ.get("MC_ATTN_BLOCK_M", "0"))
+_DEFAULT_SMS = 132
 
 
 def _tile_for(rows: int, forced: int = 0) -> tuple[int, int, int]:
@@ -128,7 +349,57 @@ def _tile_for(rows: int, forced: int = 0) -> tuple[int, int, int]:
     return bm, (8 if bm >= 128 else 4), (3 if bm >= 64 else 4)
 
 
-def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0):
+def _sms(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return _DEFAULT_SMS
+    from ._common import device_index, num_sms
+    return num_sms(device_index(torch.empty(0, device=dev)))
+
+
+def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device) -> bool:
+    """Shapes-only path choice (never changes bits): split when too few programs fill the SMs."""
+    if split is not None:
+        return bool(split) and nparts > 1
+    return nparts > 1 and programs < 2 * _sms(dev)
+
+
+def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, nseq, tq, tk, hq, hkv,
+            qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, warps, stages, d):
+    g = hq // hkv
+    block_d = max(16, next_pow2(d))
+    part_blocks = _part_blocks(max_kv)
+    nparts = max(1, triton.cdiv(max(int(max_kv), 1), part_blocks * KV_BLOCK_GPU))
+    qk_scale = float(scale) * _LOG2E
+    use_split = _use_split(split, grid0 * n1, nparts, q.device)
+    if use_split:
+        rows = grid0 * n1 * nparts * bm
+        ws_m = torch.empty(rows, dtype=torch.float32, device=q.device)
+        ws_l = torch.empty(rows, dtype=torch.float32, device=q.device)
+        ws_acc = torch.empty((rows, block_d), dtype=torch.float32, device=q.device)
+        grid = (grid0, n1, nparts)
+    else:
+        ws_m = ws_l = ws_acc = out
+        grid = (grid0, n1)
+    common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=KV_BLOCK_GPU, PART_BLOCKS=part_blocks,
+                  PAGE=page, STORE_LSE=lse is not None)
+    lse_arg = lse if lse is not None else out
+    _attn_kernel[grid](
+        q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
+        nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *os_, *ps, stab,
+        FP8=fp8, SPLIT=use_split, NUM_STAGES=stages, num_warps=warps, num_stages=stages, **common)
+    if use_split:
+        _attn_merge_kernel[(grid0, n1)](
+            qpos, klen, qsl, seq, tab, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale,
+            nseq, tq, tk, hq, hkv, nparts, *os_, *ps, stab, num_warps=4, **common)
+    return use_split
+
+
+def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, split: bool | None = None):
+    """Dense causal GQA attention -> ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32)``.
+
+    ``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]`` bf16/fp16 (last dim contiguous, else copied),
+    ``q_positions [B, Tq]`` (-1 = padding), ``k_lengths [B]``.  ``block_m`` forces the query tile and
+    ``split`` the path (``None``: chosen from shapes); neither changes a bit (module docstring)."""
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -145,19 +416,138 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0):
         return out, lse
     qpos = q_positions.to(device=q.device, dtype=torch.int64)
     klen = k_lengths.to(device=q.device, dtype=torch.int64)
-    rows = tq * g
-    bm, warps, stages = _tile_for(rows, block_m)
-    grid = (triton.cdiv(rows, bm), b * hkv)
-    _attn_kernel[grid](
-        q, k, v, qpos, klen, out, lse, float(scale) * _LOG2E,
-        tq, tk, hq, hkv,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        qpos.stride(0), qpos.stride(1),
-        G=g, D=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_M=bm, BLOCK_N=KV_BLOCK_GPU, NUM_STAGES=stages,
-        num_warps=warps, num_stages=stages,
-    )
+    bm, warps, stages = _tile_for(tq * g, block_m)
+    _launch(q=q, k=k, v=v, tab=klen, qsl=klen, seq=klen, qpos=qpos, klen=klen, out=out, lse=lse, scale=scale,
+            kv_scale=1.0, nseq=b, tq=tq, tk=tk, hq=hq, hkv=hkv,
+            qs=(q.stride(0), q.stride(1), q.stride(2)), ks=(k.stride(0), 0, k.stride(1), k.stride(2)),
+            vs=(v.stride(0), 0, v.stride(1), v.stride(2)), os_=(out.stride(0), out.stride(1), out.stride(2)),
+            ps=(qpos.stride(0), qpos.stride(1)), stab=0, grid0=triton.cdiv(tq * g, bm), n1=b * hkv,
+            max_kv=tk, page=0, fp8=False, split=split, bm=bm, warps=warps, stages=stages, d=d)
     return out, lse
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                    max_query_len: int, max_seq_len: int, kv_scale: float | None = None,
+                    *, split: bool | None = None, block_m: int = 0) -> torch.Tensor:
+    """Causal GQA attention of varlen queries over a paged KV cache; writes and returns ``out``.
+
+    * ``q [T, Hq, D]`` bf16/fp16, last dim contiguous; ``out [T, Hq, D]`` q's dtype, last dim contiguous.
+      Tokens ``t >= query_start_loc[-1]`` (padding) get ``out[t] = 0``.
+    * ``k_cache, v_cache [num_blocks, page_size, Hkv, D]``: any strides with a contiguous last dim
+      (e.g. ``kv_cache[0]``, ``kv_cache[1]`` of one ``[2, num_blocks, page_size, Hkv, D]`` tensor);
+      ``page_size`` in :data:`PAGE_SIZES`; dtype = q's, or ``torch.float8_e4m3fn`` with ``kv_scale``.
+    * ``block_table [num_seqs, max_pages]`` int32 (row stride free, last dim contiguous),
+      ``query_start_loc [num_seqs + 1]`` int32, ``seq_lens [num_seqs]`` int32 (cached + new tokens),
+      all contiguous on q's device.  Query ``i`` of sequence ``s`` sits at absolute position
+      ``seq_lens[s] - q_len_s + i`` and sees keys ``0 .. position``.
+    * ``max_query_len`` / ``max_seq_len``: Python ints bounding every ``q_len_s`` / ``seq_lens[s]``
+      (e.g. the engine's max_num_batched_tokens / max_model_len); they pick the tile size, the path
+      and the grid, never a bit.  Keys past ``max_seq_len`` are not visited (caller's bound).
+
+    No host synchronisation: grids come from tensor shapes and the two ints, so the call can be
+    captured in a CUDA graph (the split path allocates its float32 workspace with ``torch.empty``
+    inside the call, which capture supports).  ``split`` forces the path (``None``: by shapes)."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: expected q [T,Hq,D], caches [blocks,page,Hkv,D]; got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    t_all, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    if page not in PAGE_SIZES:
+        raise ValueError(f"paged_attention: page_size {page} not supported (supported: {PAGE_SIZES})")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"paged_attention: q must be bf16/fp16, got {q.dtype}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:
+        if kv_scale is None:
+            raise ValueError("paged_attention: a float8_e4m3fn KV cache needs kv_scale")
+    elif k_cache.dtype != q.dtype:
+        raise TypeError(f"paged_attention: cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
+    if v_cache.dtype != k_cache.dtype or k_cache.shape[3] != d or hq % hkv:
+        raise ValueError("paged_attention: k/v caches must share dtype and head dim with q; Hq % Hkv == 0")
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("paged_attention: out must be [T, Hq, D] in q's dtype with a contiguous last dim")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("paged_attention: q, caches and block_table need a contiguous last dim")
+    if hq * d > 0 and out.stride(1) != d:
+        raise ValueError("paged_attention: out rows [Hq, D] must be contiguous")
+    nseq = seq_lens.shape[0]
+    if t_all == 0:
+        return out
+    if nseq > 0:
+        g = hq // hkv
+        bm, warps, stages = _tile_for(max(1, min(int(max_query_len), t_all)) * g, block_m)
+        grid0 = (t_all * g) // bm + nseq
+        est = min(grid0, nseq * triton.cdiv(max(1, int(max_query_len)) * g, bm)) * hkv
+        split = split if split is not None else _use_split(None, est, triton.cdiv(max(int(max_seq_len), 1), PART_KEYS), q.device)
+        _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
+                klen=seq_lens, out=out, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
+                nseq=nseq, tq=t_all, tk=0, hq=hq, hkv=hkv,
+                qs=(0, q.stride(0), q.stride(1)), ks=(0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
+                vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+                os_=(0, out.stride(0), out.stride(1)), ps=(0, 0), stab=block_table.stride(0),
+                grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split,
+                bm=bm, warps=warps, stages=stages, d=d)
+    bt = 16
+    _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out, query_start_loc, nseq, t_all, out.stride(0),
+                                                  ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
+    return out
+
+
+# ----------------------------------------------------------------------------- KV-cache write
+
+
+@triton.jit
+def _write_kv_kernel(KEY, VAL, KC, VC, SLOT, kv_scale, HKV,
+                     skt, skh, svt, svh, kcp, kct, kch, vcp, vct, vch,
+                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PAGE: tl.constexpr, FP8: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOT + t).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // PAGE
+    off = slot % PAGE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    msk = (h < HKV)[:, None] & (d < D)[None, :]
+    t64 = t.to(tl.int64)
+    k = tl.load(KEY + t64 * skt + h[:, None] * skh + d[None, :], mask=msk, other=0.0)
+    v = tl.load(VAL + t64 * svt + h[:, None] * svh + d[None, :], mask=msk, other=0.0)
+    if FP8:
+        k = tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), kv_scale), -448.0), 448.0)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), kv_scale), -448.0), 448.0)
+    tl.store(KC + page * kcp + off * kct + h[:, None] * kch + d[None, :], k.to(KC.dtype.element_ty), mask=msk)
+    tl.store(VC + page * vcp + off * vct + h[:, None] * vch + d[None, :], v.to(VC.dtype.element_ty), mask=msk)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, kv_scale: float | None = None) -> None:
+    """Store ``key, value [T, Hkv, D]`` (last dim contiguous) at ``slot_mapping [N]`` int64 (``N <= T``).
+
+    Token ``i < N`` goes to page ``slot // page_size``, offset ``slot % page_size`` of
+    ``k_cache, v_cache [num_blocks, page_size, Hkv, D]`` (any strides, contiguous last dim);
+    ``slot < 0`` is skipped.  Same dtype: an exact copy (cast to the cache dtype); a
+    ``float8_e4m3fn`` cache stores :func:`megatron_consistent.kernels.fp8.kv_quantize` of the values
+    with ``kv_scale`` (required).  No host synchronisation (CUDA-graph capturable)."""
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if page not in PAGE_SIZES:
+        raise ValueError(f"write_kv_cache: page_size {page} not supported (supported: {PAGE_SIZES})")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and kv_scale is None:
+        raise ValueError("write_kv_cache: a float8_e4m3fn KV cache needs kv_scale")
+    if key.shape[0] < n or key.shape[1:] != (hkv, d) or value.shape != key.shape:
+        raise ValueError(f"write_kv_cache: key/value {tuple(key.shape)} do not match the cache {tuple(k_cache.shape)} / {n} slots")
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("write_kv_cache: key, value and caches need a contiguous last dim")
+    _write_kv_kernel[(n,)](
+        key, value, k_cache, v_cache, slot_mapping, float(kv_scale) if fp8 else 1.0, hkv,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        D=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), PAGE=page, FP8=fp8, num_warps=4)
 
 
 @register("attention", "cuda")
