@@ -86,8 +86,8 @@ def _part_blocks(max_kv: int) -> int:
 
 
 @triton.jit
-def _load_kv(kb, vb, tab, kpos, kin, d, dm, skp, skt, svp, svt, kv_scale,
-             DTYPE: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr):
+def _load_kv(q, kb, vb, tab, kpos, kin, d, dm, skp, skt, svp, svt, kv_scale,
+             PAGE: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr):
     """K, V tiles ``[BLOCK_N, BLOCK_D]`` of keys ``kpos`` (dense: ``PAGE == 0``; else paged via ``tab``)."""
     if PAGE == 0:
         koff = kpos.to(tl.int64) * skt
@@ -106,8 +106,8 @@ def _load_kv(kb, vb, tab, kpos, kin, d, dm, skp, skt, svp, svt, kv_scale,
     k = tl.load(kb + koff[:, None] + d[None, :], mask=lm, other=0.0)
     v = tl.load(vb + voff[:, None] + d[None, :], mask=lm, other=0.0)
     if FP8:
-        k = (k.to(tl.float32) * kv_scale).to(DTYPE)
-        v = (v.to(tl.float32) * kv_scale).to(DTYPE)
+        k = (k.to(tl.float32) * kv_scale).to(q.dtype)
+        v = (v.to(tl.float32) * kv_scale).to(q.dtype)
     return k, v
 
 
@@ -135,24 +135,23 @@ def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt
     """Fresh online softmax over the key blocks ``[p0, pe)`` of one partition -> ``(m, l, acc)``.
 
     Blocks below ``full`` are visible to every active row of the tile and skip the mask."""
-    DTYPE: tl.constexpr = q.dtype
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32).to(DTYPE)
+    ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32).to(q.dtype)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     u = tl.minimum(tl.maximum(full, p0), pe)
     for start in tl.range(p0, u, BLOCK_N, num_stages=NUM_STAGES):
         kpos = start + offs_n
-        k, v = _load_kv(kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
-                        DTYPE, PAGE, FP8, False)
+        k, v = _load_kv(q, kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
+                        PAGE, FP8, False)
         m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, False)
     for start in tl.range(u, pe, BLOCK_N, num_stages=NUM_STAGES):
         kpos = start + offs_n
-        k, v = _load_kv(kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
-                        DTYPE, PAGE, FP8, True)
+        k, v = _load_kv(q, kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
+                        PAGE, FP8, True)
         m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, True)
     l_i = tl.max(l_mat, 1)  # all 16 columns are equal
     return m_i, l_i, acc
@@ -207,8 +206,8 @@ def _map_tile(pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt
     else:
         tile = pid0
         kvh = pid1
-        lo = 0
-        hi = NSEQ - 1
+        lo = pid0 * 0
+        hi = lo + NSEQ - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
             vmid = (tl.load(QSL + mid) * G) // BLOCK_M + mid
