@@ -1,0 +1,308 @@
+"""Paged varlen attention (kernels/triton/attention.py: paged_attention, write_kv_cache) and the
+fixed-partition split-KV contract of the Triton attention.
+
+"Bitwise" means ``torch.equal`` on the raw bits.  Every paged row (token, query head) must equal
+:func:`attention_fwd` on the same q/K/V laid out densely at the same absolute positions, whatever
+the batch composition (decode, chunked prefill over a cached prefix, whole prefill, mixed), the
+page size, and the path (in-program partitions vs split partitions + merge kernel).
+
+Devices: CUDA when available (bf16 and fp16).  Without CUDA, with ``TRITON_INTERPRET=1`` and an
+importable Triton, the same tests run in Triton's interpreter on CPU tensors (small shapes, fp16
+only: the interpreter's ``tl.dot`` mishandles bf16).  The interpreter proves the logic (indices,
+masks, paging, partition merge, the batch-dependent variant being caught), not GPU bits.
+Otherwise the module is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+try:
+    import triton  # noqa: F401
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover
+    _HAVE_TRITON = False
+
+if torch.cuda.is_available() and _HAVE_TRITON and not _INTERPRET:
+    DEV = torch.device("cuda")
+elif _INTERPRET and _HAVE_TRITON:
+    DEV = torch.device("cpu")
+else:
+    DEV = None
+
+pytestmark = pytest.mark.skipif(
+    DEV is None, reason="needs a CUDA GPU, or TRITON_INTERPRET=1 with triton importable (Triton interpreter on CPU)")
+
+if DEV is not None:
+    from megatron_consistent.kernels.fp8 import KV_SCALE, kv_dequantize, kv_quantize
+    from megatron_consistent.kernels.triton import attention as ta
+
+ON_GPU = DEV is not None and DEV.type == "cuda"
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
+HQ, HKV, D = (8, 2, 64) if ON_GPU else (4, 2, 32)
+PART = 512
+EXAMPLES = 25 if ON_GPU else 4
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in (torch.bfloat16, torch.float16):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a, b)
+
+
+def _e4m3_exact(x):
+    """Interpreter only: values exactly representable in e4m3 (the interpreter's float32 -> fp8 cast
+    rounds half-up without carry, unlike the GPU's round-to-nearest-even; exact values make it moot)."""
+    return kv_dequantize(kv_quantize(x), x.dtype)
+
+
+def _randn(shape, gen, dtype):
+    return torch.randn(shape, generator=gen).to(DEV, dtype)
+
+
+class Batch:
+    """Sequences ``(cached, q_len)`` with dense K/V, a shuffled paged cache and varlen q."""
+
+    def __init__(self, seqs, page, dtype, seed, fp8=False, pad_tokens=0, dense_kv=None):
+        gen = torch.Generator().manual_seed(seed)
+        self.seqs, self.page, self.dtype, self.fp8 = list(seqs), page, dtype, fp8
+        self.lens = [c + n for c, n in self.seqs]
+        self.qlens = [n for _, n in self.seqs]
+        self.kv = dense_kv or [(_randn((L, HKV, D), gen, dtype), _randn((L, HKV, D), gen, dtype)) for L in self.lens]
+        if fp8 and not ON_GPU:
+            self.kv = [(_e4m3_exact(k_), _e4m3_exact(v_)) for k_, v_ in self.kv]
+        self.q = [_randn((n, HQ, D), gen, dtype) for n in self.qlens]
+        npages = [-(-L // page) for L in self.lens]
+        total = sum(npages) + 2
+        perm = torch.randperm(total, generator=gen).tolist()
+        self.poison = perm[-1]  # a page of NaN: unused table entries point at it
+        max_pages = max(npages + [1]) + 1
+        table = torch.full((len(self.seqs), max_pages), self.poison, dtype=torch.int32)
+        k = 0
+        for s, n in enumerate(npages):
+            table[s, :n] = torch.tensor(perm[k:k + n], dtype=torch.int32)
+            k += n
+        self.table = table.to(DEV)
+        cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+        kv = torch.full((2, total, page, HKV, D), float("nan"), dtype=torch.float32).to(DEV, cache_dtype)
+        self.k_cache, self.v_cache = kv[0], kv[1]
+        slots = []
+        for s, L in enumerate(self.lens):
+            pos = torch.arange(L)
+            slots.append(table[s, pos // page].to(torch.int64) * page + pos % page)
+        keys = torch.cat([k_ for k_, _ in self.kv]) if self.kv else torch.empty(0, HKV, D, dtype=dtype, device=DEV)
+        vals = torch.cat([v_ for _, v_ in self.kv]) if self.kv else torch.empty(0, HKV, D, dtype=dtype, device=DEV)
+        ta.write_kv_cache(keys, vals, self.k_cache, self.v_cache, torch.cat(slots).to(DEV) if slots else
+                          torch.empty(0, dtype=torch.int64, device=DEV), kv_scale=KV_SCALE if fp8 else None)
+        self.qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(self.qlens, dtype=torch.int64), 0)),
+                                dtype=torch.int32).to(DEV)
+        self.seq_lens = torch.tensor(self.lens, dtype=torch.int32).to(DEV)
+        self.t = sum(self.qlens)
+        self.q_all = torch.cat(self.q + [_randn((pad_tokens, HQ, D), gen, dtype)])
+
+    def paged(self, split=None, block_m=0, max_seq_len=None, max_query_len=None):
+        out = torch.full_like(self.q_all, float("nan"))
+        ta.paged_attention(self.q_all, self.k_cache, self.v_cache, self.table, self.qsl, self.seq_lens, D ** -0.5, out,
+                           max_query_len=max_query_len or max(self.qlens + [1]),
+                           max_seq_len=max_seq_len or max(self.lens + [1]),
+                           kv_scale=KV_SCALE if self.fp8 else None, split=split, block_m=block_m)
+        return out
+
+    def dense(self, s, split=None):
+        """attention_fwd of sequence ``s`` alone (K/V dequantized when the cache is FP8)."""
+        k, v = self.kv[s]
+        if self.fp8:
+            k, v = kv_dequantize(kv_quantize(k), self.dtype), kv_dequantize(kv_quantize(v), self.dtype)
+        L, n = self.lens[s], self.qlens[s]
+        pos = torch.arange(L - n, L, device=DEV)[None]
+        out, _ = ta.attention_fwd(self.q[s][None], k[None], v[None], pos, torch.tensor([L], device=DEV), D ** -0.5,
+                                  split=split)
+        return out[0]
+
+    def rows(self, out, s):
+        a = int(self.qsl[s])
+        return out[a:a + self.qlens[s]]
+
+
+def _check_against_dense(batch: Batch, out: torch.Tensor, split=None) -> list[int]:
+    """Indices of the sequences whose paged rows differ from dense attention_fwd (empty = all equal)."""
+    return [s for s in range(len(batch.seqs)) if not _bits_equal(batch.rows(out, s), batch.dense(s, split))]
+
+
+# ------------------------------------------------------------------ dense attention_fwd: partition contract
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_fwd_split_equals_in_program_and_row_alone(dtype):
+    """Rows at positions either side of partition (512, 1024) and block (64) boundaries: split path ==
+    in-program path == the row alone (own Tk) == the row inside a longer, padded batch."""
+    gen = torch.Generator().manual_seed(1)
+    T = 1100
+    q = _randn((2, T, HQ, D), gen, dtype)
+    k = _randn((2, T + 30, HKV, D), gen, dtype)
+    v = _randn((2, T + 30, HKV, D), gen, dtype)
+    picks = torch.tensor([0, 63, 64, 65, 510, 511, 512, 513, 1023, 1024, 1025, T - 1])
+    pos = picks[None].repeat(2, 1).to(DEV)
+    klen = torch.tensor([T + 30, 1024], device=DEV)
+    a, la = ta.attention_fwd(q[:, picks], k, v, pos, klen, D ** -0.5, split=False)
+    b, lb = ta.attention_fwd(q[:, picks], k, v, pos, klen, D ** -0.5, split=True)
+    assert _bits_equal(a, b) and _bits_equal(la, lb), "split != in-program"
+    for i, p in enumerate(picks.tolist()):
+        L = min(p + 1, 1024)
+        one, lone = ta.attention_fwd(q[1:, p:p + 1], k[1:, :L], v[1:, :L], pos[1:, i:i + 1],
+                                     torch.tensor([L], device=DEV), D ** -0.5)
+        assert _bits_equal(one[0, 0], a[1, i]), f"position {p}: alone != in batch"
+        assert _bits_equal(lone[0, :, 0], la[1, :, i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_fwd_prefill_chunk_decode_across_partitions(dtype):
+    """Whole prefill == prefill in chunks over the cached prefix == decode steps, across 512-key partitions."""
+    gen = torch.Generator().manual_seed(2)
+    T = 1090
+    q, k, v = _randn((1, T, HQ, D), gen, dtype), _randn((1, T, HKV, D), gen, dtype), _randn((1, T, HKV, D), gen, dtype)
+    pos = torch.arange(T, device=DEV)[None]
+    full, lfull = ta.attention_fwd(q, k, v, pos, torch.tensor([T], device=DEV), D ** -0.5)
+    for a, b in [(0, 500), (500, 530), (530, 1030), (1030, T)]:
+        ch, lch = ta.attention_fwd(q[:, a:b], k[:, :b], v[:, :b], pos[:, a:b], torch.tensor([b], device=DEV), D ** -0.5)
+        assert _bits_equal(ch, full[:, a:b]), f"chunk [{a},{b})"
+        assert _bits_equal(lch, lfull[:, :, a:b])
+    for p in [511, 512, 1024, T - 1]:
+        for split in (False, True):
+            dec, _ = ta.attention_fwd(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], pos[:, p:p + 1],
+                                      torch.tensor([p + 1], device=DEV), D ** -0.5, split=split)
+            assert _bits_equal(dec[0, 0], full[0, p]), f"decode at {p}, split={split}"
+
+
+# ------------------------------------------------------------------ paged == dense
+
+
+_seq = st.one_of(
+    st.tuples(st.integers(0, 1100), st.just(1)),  # decode over a cache
+    st.tuples(st.integers(1, 1100), st.integers(2, 40)),  # chunked prefill over a cached prefix
+    st.tuples(st.just(0), st.integers(1, 600)),  # whole prefill
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(seqs=st.lists(_seq, min_size=1, max_size=4), page=st.sampled_from([16, 32, 64]),
+       split=st.sampled_from([None, False, True]), seed=st.integers(0, 2 ** 16), pad=st.integers(0, 3))
+def test_paged_equals_dense_random_batches(seqs, page, split, seed, pad):
+    dtype = DTYPES[seed % len(DTYPES)]
+    batch = Batch(seqs, page, dtype, seed, pad_tokens=pad)
+    out = batch.paged(split=split)
+    assert _check_against_dense(batch, out) == []
+    assert bool((out[batch.t:] == 0).all()), "padding rows must be 0"
+    # each row alone (its own max lengths, the other path) gives the same bits
+    s = seed % len(seqs)
+    alone = Batch([seqs[s]], page, dtype, seed, dense_kv=[batch.kv[s]])
+    alone.q = [batch.q[s]]
+    alone.q_all = batch.q[s]
+    other = None if split is None else (not split)
+    assert _bits_equal(alone.paged(split=other), batch.rows(out, s)), "row alone != row in the batch"
+
+
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
+@pytest.mark.parametrize("split", [False, True])
+def test_paged_boundaries_mixed_batch(page, split):
+    """Decode and chunks ending either side of block (64) and partition (512, 1024) boundaries, in one batch."""
+    seqs = [(62, 1), (63, 1), (64, 1), (510, 1), (511, 1), (512, 1), (1023, 1), (1024, 1),
+            (500, 20), (1000, 30), (0, 70)]
+    for dtype in DTYPES:
+        batch = Batch(seqs, page, dtype, seed=page + split, pad_tokens=5)
+        out = batch.paged(split=split, max_seq_len=4096)  # a loose bound (max_model_len) never changes bits
+        assert _check_against_dense(batch, out) == []
+        assert _bits_equal(out, batch.paged(split=not split)), "split != in-program"
+        assert _bits_equal(out, batch.paged(split=split, block_m=128)), "tile size changed bits"
+        assert bool((out[batch.t:] == 0).all())
+
+
+def test_paged_fp8_kv_equals_dense_dequantized():
+    for page, split in [(16, True), (64, False)]:
+        batch = Batch([(600, 1), (30, 9), (0, 33), (513, 1)], page, DTYPES[0], seed=7, fp8=True, pad_tokens=2)
+        out = batch.paged(split=split)
+        assert _check_against_dense(batch, out) == []
+        assert bool((out[batch.t:] == 0).all())
+
+
+def test_paged_padding_rows_and_empty_sequences_zero():
+    """T beyond query_start_loc[-1] and sequences with q_len 0 (CUDA-graph padding): rows are written 0."""
+    batch = Batch([(40, 1), (0, 5), (300, 1)], 16, DTYPES[0], seed=3, pad_tokens=9)
+    qsl = batch.qsl.tolist()
+    batch.qsl = torch.tensor(qsl + [qsl[-1], qsl[-1]], dtype=torch.int32, device=DEV)  # two empty sequences
+    batch.seq_lens = torch.cat([batch.seq_lens, torch.tensor([0, 7], dtype=torch.int32, device=DEV)])
+    batch.table = torch.cat([batch.table, batch.table[:2]])
+    out = batch.paged(split=True, max_seq_len=512)
+    for s in range(3):
+        assert _bits_equal(batch.rows(out, s), batch.dense(s))
+    assert not bool(out.isnan().any()), "every row of out must be written"
+    assert bool((out[batch.t:] == 0).all())
+    empty = Batch([(0, 1)], 16, DTYPES[0], seed=4, pad_tokens=6)
+    empty.qsl = torch.zeros(2, dtype=torch.int32, device=DEV)  # no real token at all
+    assert bool((empty.paged() == 0).all())
+
+
+def test_paged_refuses_unsupported_page_size():
+    q = torch.zeros(1, HQ, D, dtype=DTYPES[0], device=DEV)
+    cache = torch.zeros(2, 24, HKV, D, dtype=DTYPES[0], device=DEV)
+    with pytest.raises(ValueError, match="page_size 24"):
+        ta.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+                           torch.tensor([0, 1], dtype=torch.int32, device=DEV),
+                           torch.tensor([1], dtype=torch.int32, device=DEV), 1.0, torch.empty_like(q), 1, 1)
+
+
+# ------------------------------------------------------------------ write_kv_cache
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_write_kv_cache_round_trip(fp8):
+    gen = torch.Generator().manual_seed(5)
+    dtype, page, blocks = DTYPES[0], 16, 6
+    kv = torch.zeros((2, blocks, page, HKV, D), dtype=torch.float32).to(DEV, torch.float8_e4m3fn if fp8 else dtype)
+    kc, vc = kv[0], kv[1]
+    before = kv.clone()
+    n_tok = 12
+    key = (_randn((n_tok + 3, HKV, D), gen, dtype) * 40)  # 3 extra rows beyond the slots: never written
+    val = (_randn((n_tok + 3, HKV, D), gen, dtype) * 40)
+    key[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, -3000.0], dtype=dtype)  # saturation
+    if fp8 and not ON_GPU:
+        key, val = _e4m3_exact(key), _e4m3_exact(val)
+    slots = torch.randperm(blocks * page, generator=gen)[:n_tok]
+    slots[[2, 7]] = -1
+    ta.write_kv_cache(key, val, kc, vc, slots.to(DEV), kv_scale=KV_SCALE if fp8 else None)
+    exp = before.clone()
+    keep = slots >= 0
+    pg, off = slots[keep] // page, slots[keep] % page
+    enc = (lambda x: kv_quantize(x)) if fp8 else (lambda x: x)
+    exp[0][pg.to(DEV), off.to(DEV)] = enc(key[:n_tok][keep.to(DEV)])
+    exp[1][pg.to(DEV), off.to(DEV)] = enc(val[:n_tok][keep.to(DEV)])
+    assert torch.equal(kv.view(torch.uint8), exp.view(torch.uint8))
+
+
+# ------------------------------------------------------------------ the tests can fail
+
+
+def test_batch_dependent_partition_is_caught(monkeypatch):
+    """A deliberately broken kernel (partition size from the batch's longest sequence) must fail the checks above."""
+    monkeypatch.setattr(ta, "_TEST_BATCH_DEPENDENT_PARTITION", True)
+    dtype = DTYPES[0]
+    batch = Batch([(600, 1), (0, 4), (1500, 1)], 16, dtype, seed=11)
+    alone = Batch([(600, 1)], 16, dtype, seed=11, dense_kv=[batch.kv[0]])
+    alone.q, alone.q_all = [batch.q[0]], batch.q[0]
+    caught = not _bits_equal(alone.paged(split=True), batch.rows(batch.paged(split=True), 0))
+    caught_dense = _check_against_dense(batch, batch.paged(split=False)) != []
+    assert caught and caught_dense, "a batch-dependent partition went unnoticed"
+    monkeypatch.setattr(ta, "_TEST_BATCH_DEPENDENT_PARTITION", False)
+    assert _bits_equal(alone.paged(split=True), batch.rows(batch.paged(split=True), 0))
