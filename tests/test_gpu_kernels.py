@@ -304,6 +304,31 @@ def test_attention_batch_and_padding_invariant():
         assert torch.all(o[i, n:] == 0) and torch.all(torch.isinf(lse[i, :, n:]))
 
 
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8)])
+def test_attention_partitions_split_and_row_alone_bitwise(hq, hkv):
+    """Fixed 512-key partitions: rows either side of partition (512, 1024, 2048) and block (64)
+    boundaries give the same bits on the split path, the in-program path, alone (own Tk, decode)
+    and inside a prefill batch, for every query tile size."""
+    b, t, d = 2, 2100, 128
+    q, k, v = _qkv(b, t, hq, hkv, d, seed=6)
+    pos = torch.arange(t, device=DEV).expand(b, t).contiguous()
+    klen = torch.tensor([t, 1500], device=DEV)
+    full_o, full_l = _attn(q, k, v, pos, klen)
+    for split in (False, True):
+        for bm in (16, 64, 128):
+            o, lse = tattn.attention_fwd(q, k, v, pos, klen, d ** -0.5, block_m=bm, split=split)
+            assert _bits_equal(o, full_o) and _bits_equal(lse, full_l), f"split={split} BLOCK_M={bm}"
+    assert tattn.PART_KEYS == 512
+    for p in (63, 64, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, 2099):
+        for split in (False, True):
+            o, lse = tattn.attention_fwd(q[:1, p:p + 1], k[:1, :p + 1], v[:1, :p + 1], pos[:1, p:p + 1],
+                                         torch.tensor([p + 1], device=DEV), d ** -0.5, split=split)
+            assert _bits_equal(o[0, 0], full_o[0, p]) and _bits_equal(lse[0, :, 0], full_l[0, :, p]), f"decode {p}"
+    # a chunk straddling two partitions, cache cut at the chunk end
+    o, _ = _attn(q[:, 500:1030], k[:, :1030], v[:, :1030], pos[:, 500:1030], torch.full((b,), 1030, device=DEV))
+    assert _bits_equal(o[0], full_o[0, 500:1030])
+
+
 def test_attention_vs_cpu_contract():
     b, t, hq, hkv, d = 1, 96, 4, 2, 64
     q, k, v = _qkv(b, t, hq, hkv, d, seed=5)
