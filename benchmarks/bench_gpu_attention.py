@@ -1,0 +1,218 @@
+"""GPU attention benchmark: the consistent Triton kernels vs SDPA (flash) and vLLM's FA3, one run.
+
+    python benchmarks/bench_gpu_attention.py --out /tmp/attn.json [--quick]
+
+* decode: B in {1, 4, 16, 64} x context in {4k, 8k, 32k}, GQA 32/8, D 128, bf16:
+  ``paged_attention`` (page 16; its shape-chosen path, plus the other path forced) vs
+  ``scaled_dot_product_attention`` (flash backend, dense K/V, ``enable_gqa``) vs vLLM's FA3
+  ``flash_attn_with_kvcache`` on the same paged cache (when ``vllm.vllm_flash_attn`` imports);
+  with the HBM floor = K+V bytes / device copy bandwidth measured in this run;
+* prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
+  trainer) and ``paged_attention`` (page 16) vs SDPA (flash, causal) and FA3
+  ``flash_attn_varlen_func``; TFLOP/s with causal FLOPs ``2 * T * (T + 1) * H * D``.
+
+Every time is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``) cycling through enough
+input copies (separate pages / tensors) that the working set exceeds L2.  Writes JSON to ``--out``
+and prints a table; ratios are ``time(reference) / time(ours)`` (> 1: ours faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megatron_consistent.kernels.triton import attention as tattn  # noqa: E402
+
+DEV = torch.device("cuda")
+HQ, HKV, D = 32, 8, 128
+PAGE = 16
+L2_FLUSH_BYTES = 256 << 20  # working set per timed graph (H200 L2 is 50 MB)
+
+try:  # vLLM's FA3 build
+    from vllm.vllm_flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore
+
+    _FA = True
+except Exception as e:  # noqa: BLE001
+    _FA = False
+    _FA_ERR = repr(e)
+
+
+def bench(fns, rep=40):
+    """ms per call of ``fns`` (a list of closures over different input copies, cycled)."""
+    state = {"i": 0}
+
+    def step():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(step, rep=rep)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write)."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=50)
+    del src, dst
+    return 2 * n / (ms * 1e-3)
+
+
+def _sdpa(q, k, v, causal, gqa):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        kw = {"enable_gqa": True} if gqa else {}
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, **kw)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        print(f"  (skipped: {type(e).__name__}: {str(e)[:160]})", flush=True)
+        return float("nan")
+
+
+def decode_case(b, ctx, bw, rows):
+    kv_bytes = 2 * b * ctx * HKV * D * 2
+    copies = max(1, min(8, math.ceil(L2_FLUSH_BYTES / kv_bytes)))
+    pages_per_seq = triton.cdiv(ctx, PAGE)
+    nblocks = copies * b * pages_per_seq
+    kv = torch.randn(2, nblocks, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)
+    kc, vc = kv[0], kv[1]
+    perm = torch.randperm(nblocks, device=DEV).to(torch.int32).view(copies, b, pages_per_seq)
+    qs = [torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    outs = [torch.empty_like(x) for x in qs]
+    qsl = torch.arange(b + 1, device=DEV, dtype=torch.int32)
+    seq = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
+    scale = D ** -0.5
+    max_model_len = 32768
+
+    def ours(split=None):
+        return [lambda i=i: tattn.paged_attention(qs[i], kc, vc, perm[i], qsl, seq, scale, outs[i], 1, max_model_len,
+                                                  split=split) for i in range(copies)]
+
+    r = {"kind": "decode", "B": b, "ctx": ctx, "kv_bytes": kv_bytes}
+    r["hbm_floor_ms"] = kv_bytes / bw * 1e3
+    r["ours_ms"] = bench(ours())
+    est_split = tattn._use_split(None, min((b * (HQ // HKV)) // 16 + b, b) * HKV,
+                                 triton.cdiv(max_model_len, tattn.PART_KEYS), DEV)
+    r["ours_path"] = "split" if est_split else "in-program"
+    r["ours_other_path_ms"] = bench(ours(split=not est_split))
+    # SDPA on dense copies of the same size
+    dense = [(torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16),
+              torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)) for _ in range(min(copies, 4))]
+    sq = [x.view(b, HQ, 1, D) for x in qs]
+    r["sdpa_ms"] = _try(lambda: bench([lambda i=i: _sdpa(sq[i], *dense[i], False, True) for i in range(len(dense))]))
+    del dense
+    if _FA:
+        cs = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
+        fq = [x.view(b, 1, HQ, D) for x in qs]
+        r["fa3_ms"] = _try(lambda: bench([lambda i=i: flash_attn_with_kvcache(
+            fq[i], kc, vc, cache_seqlens=cs, block_table=perm[i], softmax_scale=scale, causal=True, fa_version=3)
+            for i in range(copies)]))
+    else:
+        r["fa3_ms"] = float("nan")
+    for k in ("sdpa", "fa3"):
+        r[f"ratio_vs_{k}"] = r[f"{k}_ms"] / r["ours_ms"]
+    r["ratio_vs_floor"] = r["hbm_floor_ms"] / r["ours_ms"]
+    rows.append(r)
+    print(f"decode B={b:3d} ctx={ctx:6d}  floor {r['hbm_floor_ms']:.4f}  ours {r['ours_ms']:.4f} ({r['ours_path']}; "
+          f"other {r['ours_other_path_ms']:.4f})  sdpa {r['sdpa_ms']:.4f}  fa3 {r['fa3_ms']:.4f} ms   "
+          f"ours/floor {r['ratio_vs_floor']:.2f}  x sdpa {r['ratio_vs_sdpa']:.2f}  x fa3 {r['ratio_vs_fa3']:.2f}", flush=True)
+    del kv
+
+
+def prefill_case(t, hkv, rows):
+    scale = D ** -0.5
+    per = 2 * t * (HQ + 2 * hkv) * D
+    copies = max(1, min(4, math.ceil(L2_FLUSH_BYTES / per)))
+    qs = [torch.randn(1, t, HQ, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    ks = [torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    vs = [torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    pos = torch.arange(t, device=DEV)[None]
+    kl = torch.full((1,), t, device=DEV)
+    flops = 2.0 * t * (t + 1) * HQ * D
+    r = {"kind": "prefill", "T": t, "Hq": HQ, "Hkv": hkv}
+    r["ours_dense_ms"] = bench([lambda i=i: tattn.attention_fwd(qs[i], ks[i], vs[i], pos, kl, scale) for i in range(copies)])
+    # paged: the same K/V in a page-16 cache (pages shuffled)
+    npg = triton.cdiv(t, PAGE)
+    kv = torch.zeros(2, copies * npg, PAGE, hkv, D, device=DEV, dtype=torch.bfloat16)
+    tab = torch.randperm(copies * npg, device=DEV).to(torch.int32).view(copies, 1, npg)
+    for i in range(copies):
+        slots = (tab[i, 0].to(torch.int64)[:, None] * PAGE + torch.arange(PAGE, device=DEV)).flatten()[:t]
+        tattn.write_kv_cache(ks[i][0], vs[i][0], kv[0], kv[1], slots)
+    qsl = torch.tensor([0, t], device=DEV, dtype=torch.int32)
+    seq = torch.tensor([t], device=DEV, dtype=torch.int32)
+    pq = [x[0] for x in qs]
+    outs = [torch.empty_like(x) for x in pq]
+    r["ours_paged_ms"] = bench([lambda i=i: tattn.paged_attention(pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i],
+                                                                  t, 32768) for i in range(copies)])
+    sq = [x.transpose(1, 2) for x in qs]
+    sk = [x.transpose(1, 2) for x in ks]
+    sv = [x.transpose(1, 2) for x in vs]
+    r["sdpa_ms"] = _try(lambda: bench([lambda i=i: _sdpa(sq[i], sk[i], sv[i], True, hkv != HQ) for i in range(copies)]))
+    if _FA:
+        cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
+        r["fa3_ms"] = _try(lambda: bench([lambda i=i: flash_attn_varlen_func(
+            pq[i], ks[i][0], vs[i][0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t, max_seqlen_k=t,
+            softmax_scale=scale, causal=True, fa_version=3) for i in range(copies)]))
+    else:
+        r["fa3_ms"] = float("nan")
+    for k in ("ours_dense", "ours_paged", "sdpa", "fa3"):
+        r[f"{k}_tflops"] = flops / r[f"{k}_ms"] * 1e-9
+    r["ratio_dense_vs_sdpa"] = r["sdpa_ms"] / r["ours_dense_ms"]
+    r["ratio_dense_vs_fa3"] = r["fa3_ms"] / r["ours_dense_ms"]
+    r["ratio_paged_vs_fa3"] = r["fa3_ms"] / r["ours_paged_ms"]
+    rows.append(r)
+    print(f"prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d}  TFLOP/s: ours dense {r['ours_dense_tflops']:6.1f}  ours paged "
+          f"{r['ours_paged_tflops']:6.1f}  sdpa {r['sdpa_tflops']:6.1f}  fa3 {r['fa3_tflops']:6.1f}   "
+          f"dense x sdpa {r['ratio_dense_vs_sdpa']:.2f}  dense x fa3 {r['ratio_dense_vs_fa3']:.2f}  "
+          f"paged x fa3 {r['ratio_paged_vs_fa3']:.2f}", flush=True)
+    del kv
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--quick", action="store_true", help="a subset (smoke run)")
+    args = ap.parse_args()
+    t0 = time.time()
+    torch.manual_seed(0)
+    if not _FA:
+        print(f"vLLM FA3 not importable ({_FA_ERR}); FA3 columns are NaN")
+    bw = copy_bandwidth()
+    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  "
+          f"(PART_KEYS={tattn.PART_KEYS}, page {PAGE})", flush=True)
+    rows = []
+    for b in ((1, 64) if args.quick else (1, 4, 16, 64)):
+        for ctx in ((4096, 32768) if args.quick else (4096, 8192, 32768)):
+            decode_case(b, ctx, bw, rows)
+            torch.cuda.empty_cache()
+    for t in ((4096,) if args.quick else (4096, 16384)):
+        for hkv in (8, 32):
+            prefill_case(t, hkv, rows)
+            torch.cuda.empty_cache()
+    res = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "fa3": _FA, "part_keys": tattn.PART_KEYS,
+           "page": PAGE, "rows": rows, "wall_s": time.time() - t0}
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=float)
+    print(f"wrote {args.out}  ({res['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
