@@ -109,8 +109,7 @@ def decode_case(b, ctx, bw, rows):
     r = {"kind": "decode", "B": b, "ctx": ctx, "kv_bytes": kv_bytes}
     r["hbm_floor_ms"] = kv_bytes / bw * 1e3
     r["ours_ms"] = bench(ours())
-    est_split = tattn._use_split(None, min((b * (HQ // HKV)) // 16 + b, b) * HKV,
-                                 triton.cdiv(max_model_len, tattn.PART_KEYS), DEV)
+    est_split = tattn.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[4]
     r["ours_path"] = "split" if est_split else "in-program"
     r["ours_other_path_ms"] = bench(ours(split=not est_split))
     # SDPA on dense copies of the same size

@@ -351,8 +351,8 @@ def _tile_for(rows: int, forced: int = 0) -> tuple[int, int, int]:
 def _sms(dev: torch.device) -> int:
     if dev.type != "cuda":
         return _DEFAULT_SMS
-    from ._common import device_index, num_sms
-    return num_sms(device_index(torch.empty(0, device=dev)))
+    from ._common import num_sms
+    return num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device) -> bool:
@@ -425,6 +425,17 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, spli
     return out, lse
 
 
+def paged_plan(t_all: int, hq: int, hkv: int, nseq: int, max_query_len: int, max_seq_len: int,
+               device: torch.device, split: bool | None = None, block_m: int = 0):
+    """``(BLOCK_M, num_warps, num_stages, grid0, split)`` of a :func:`paged_attention` call (shapes only)."""
+    g = hq // hkv
+    bm, warps, stages = _tile_for(max(1, min(int(max_query_len), t_all)) * g, block_m)
+    grid0 = (t_all * g) // bm + nseq
+    est = min(grid0, nseq * triton.cdiv(max(1, int(max_query_len)) * g, bm)) * hkv
+    nparts = triton.cdiv(max(int(max_seq_len), 1), PART_KEYS)
+    return bm, warps, stages, grid0, _use_split(split, est, nparts, device)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                     max_query_len: int, max_seq_len: int, kv_scale: float | None = None,
@@ -474,11 +485,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t_all == 0:
         return out
     if nseq > 0:
-        g = hq // hkv
-        bm, warps, stages = _tile_for(max(1, min(int(max_query_len), t_all)) * g, block_m)
-        grid0 = (t_all * g) // bm + nseq
-        est = min(grid0, nseq * triton.cdiv(max(1, int(max_query_len)) * g, bm)) * hkv
-        split = split if split is not None else _use_split(None, est, triton.cdiv(max(int(max_seq_len), 1), PART_KEYS), q.device)
+        bm, warps, stages, grid0, split = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
+                                                     split=split, block_m=block_m)
         _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
                 klen=seq_lens, out=out, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
                 nseq=nseq, tq=t_all, tk=0, hq=hq, hkv=hkv,
