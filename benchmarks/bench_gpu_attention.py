@@ -5,7 +5,7 @@
 * decode: B in {1, 4, 16, 64} x context in {4k, 8k, 32k}, GQA 32/8, D 128, bf16:
   ``paged_attention`` (page 16; its shape-chosen path, plus the other path forced) vs
   ``scaled_dot_product_attention`` (flash backend, dense K/V, ``enable_gqa``) vs vLLM's FA3
-  ``flash_attn_with_kvcache`` on the same paged cache (when ``vllm.vllm_flash_attn`` imports);
+  ``flash_attn_varlen_func`` with ``block_table`` on the same paged cache (when ``vllm.vllm_flash_attn`` imports);
   with the HBM floor = K+V bytes / device copy bandwidth measured in this run;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16) vs SDPA (flash, causal) and FA3
@@ -38,8 +38,8 @@ HQ, HKV, D = 32, 8, 128
 PAGE = 16
 L2_FLUSH_BYTES = 256 << 20  # working set per timed graph (H200 L2 is 50 MB)
 
-try:  # vLLM's FA3 build
-    from vllm.vllm_flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # type: ignore
+try:  # vLLM's FA3 build (paged decode goes through flash_attn_varlen_func + block_table, as vLLM's backend does)
+    from vllm.vllm_flash_attn import flash_attn_varlen_func  # type: ignore
 
     _FA = True
 except Exception as e:  # noqa: BLE001
@@ -119,11 +119,10 @@ def decode_case(b, ctx, bw, rows):
     r["sdpa_ms"] = _try(lambda: bench([lambda i=i: _sdpa(sq[i], *dense[i], False, True) for i in range(len(dense))]))
     del dense
     if _FA:
-        cs = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
-        fq = [x.view(b, 1, HQ, D) for x in qs]
-        r["fa3_ms"] = _try(lambda: bench([lambda i=i: flash_attn_with_kvcache(
-            fq[i], kc, vc, cache_seqlens=cs, block_table=perm[i], softmax_scale=scale, causal=True, fa_version=3)
-            for i in range(copies)]))
+        fo = [torch.empty_like(x) for x in qs]
+        r["fa3_ms"] = _try(lambda: bench([lambda i=i: flash_attn_varlen_func(
+            q=qs[i], k=kc, v=vc, out=fo[i], cu_seqlens_q=qsl, max_seqlen_q=1, seqused_k=seq, max_seqlen_k=ctx,
+            softmax_scale=scale, causal=True, block_table=perm[i], fa_version=3) for i in range(copies)]))
     else:
         r["fa3_ms"] = float("nan")
     for k in ("sdpa", "fa3"):
@@ -168,7 +167,7 @@ def prefill_case(t, hkv, rows):
     if _FA:
         cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
         r["fa3_ms"] = _try(lambda: bench([lambda i=i: flash_attn_varlen_func(
-            pq[i], ks[i][0], vs[i][0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t, max_seqlen_k=t,
+            q=pq[i], k=ks[i][0], v=vs[i][0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t, max_seqlen_k=t,
             softmax_scale=scale, causal=True, fa_version=3) for i in range(copies)]))
     else:
         r["fa3_ms"] = float("nan")
