@@ -309,3 +309,36 @@ def test_batch_dependent_partition_is_caught(monkeypatch):
     assert caught and caught_dense, "a batch-dependent partition went unnoticed"
     monkeypatch.setattr(ta, "_TEST_BATCH_DEPENDENT_PARTITION", False)
     assert _bits_equal(alone.paged(split=True), batch.rows(batch.paged(split=True), 0))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("split", [False, True])
+def test_paged_cuda_graph_capture_and_replay(split):
+    """write_kv_cache + paged_attention captured in a CUDA graph (no host sync) and replayed with new
+    query_start_loc / seq_lens / slot contents equal the eager calls bit for bit."""
+    batch = Batch([(100, 1), (0, 8), (600, 3)], 16, DTYPES[0], seed=21, pad_tokens=4)
+    t = batch.q_all.shape[0]
+    gen = torch.Generator().manual_seed(22)
+    key, val = _randn((t, HKV, D), gen, DTYPES[0]), _randn((t, HKV, D), gen, DTYPES[0])
+    slots = torch.full((t,), -1, dtype=torch.int64, device=DEV)
+    out = torch.empty_like(batch.q_all)
+
+    def step():
+        ta.write_kv_cache(key, val, batch.k_cache, batch.v_cache, slots)
+        ta.paged_attention(batch.q_all, batch.k_cache, batch.v_cache, batch.table, batch.qsl, batch.seq_lens,
+                           D ** -0.5, out, max_query_len=t, max_seq_len=2048, split=split)
+
+    step()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for qsl, lens in [([0, 1, 9, 12], [101, 8, 603]), ([0, 4, 5, 12], [60, 5, 700]), ([0, 0, 2, 3], [1, 9, 1])]:
+        batch.qsl.copy_(torch.tensor(qsl, dtype=torch.int32))
+        batch.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        got = out.clone()
+        step()
+        assert _bits_equal(got, out), f"replay != eager for {qsl}, {lens}"
+        assert bool((out[qsl[-1]:] == 0).all()) and not bool(out.isnan().any())
