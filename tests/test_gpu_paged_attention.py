@@ -229,6 +229,8 @@ def test_paged_boundaries_mixed_batch(page, split):
         assert _check_against_dense(batch, out) == []
         assert _bits_equal(out, batch.paged(split=not split)), "split != in-program"
         assert _bits_equal(out, batch.paged(split=split, block_m=128)), "tile size changed bits"
+        # max_seq_len / max_query_len are hints: below the real lengths the rows are still complete
+        assert _bits_equal(out, batch.paged(split=True, max_seq_len=513, max_query_len=1)), "short max_seq_len hint"
         assert bool((out[batch.t:] == 0).all())
 
 

@@ -37,8 +37,10 @@ Two execution paths give identical bits (the path is chosen from shapes only, or
 ``split=``): **in-program** — one program per (query tile, kv head) walks its partitions in order
 and merges as it goes (prefill, training, large batches); **split** — one program per (query
 tile, kv head, partition) writes the partition's float32 ``(m, l, acc)`` to a workspace and a
-second kernel merges them in partition order (decode at small batch / long context, to fill the
-SMs).  Both call the same ``_partition`` / ``_merge`` / ``_finalize`` helpers.
+second launch merges them in partition order (decode at small batch / long context, to fill the
+SMs); partitions past the workspace (a row longer than the launch's ``max_seq_len`` hint) are
+computed by the merging program itself.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2)
+calling the same ``_partition`` / ``_merge`` / ``_finalize`` helpers.
 
 Query rows of one (sequence, kv head) are packed (token-major, then the ``G`` query heads that
 share the kv head) into tiles of 16, 64 or 128 rows by the number of rows; a row's arithmetic
@@ -238,7 +240,11 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-                 SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
+    (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
+    from the workspace in order, then compute and merge any further ones in-program (so a row longer
+    than the launch's ``max_seq_len`` bound is still complete, with the same bits)."""
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab = _map_tile(
@@ -248,26 +254,28 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
     PART: tl.constexpr = PART_BLOCKS * BLOCK_N
     d = tl.arange(0, BLOCK_D)
     dm = d < D
+    r = tl.arange(0, BLOCK_M)
     b64 = b.to(tl.int64)
+    active = pos >= 0
+    hi = tl.minimum(tl.max(pos, 0) + 1, kl)
+    wb = (tile.to(tl.int64) * tl.num_programs(1) + pid1) * NPARTS
+    if MODE == 1:
+        p = tl.program_id(2)
+        if p * PART >= hi:
+            return
     q = tl.load(Q + b64 * sqb + t.to(tl.int64)[:, None] * sqt + hq[:, None] * sqh + d[None, :],
                 mask=rv[:, None] & dm[None, :], other=0.0)
     kb = K + b64 * skb + kvh * skh
     vb = V + b64 * svb + kvh * svh
-    active = pos >= 0
-    hi = tl.minimum(tl.max(pos, 0) + 1, kl)
     full = tl.minimum(tl.min(tl.where(active, pos + 1, 1 << 30), 0), kl)
     full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
     full = tl.minimum(full, tl.maximum(hi, 0))
-    r = tl.arange(0, BLOCK_M)
-    if SPLIT:
-        p = tl.program_id(2)
+    if MODE == 1:
         p0 = p * PART
-        if p0 >= hi:
-            return
         m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                      skp, skt, svp, svt, kv_scale, qk_scale,
                                      BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES)
-        w = ((tile.to(tl.int64) * tl.num_programs(1) + pid1) * NPARTS + p) * BLOCK_M
+        w = (wb + p) * BLOCK_M
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
         tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
@@ -275,7 +283,16 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for p0 in range(0, hi, PART):
+        n_ws = 0
+        if MODE == 2:
+            n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)
+            for p in range(0, n_ws):
+                w = (wb + p) * BLOCK_M
+                m_p = tl.load(WS_M + w + r)
+                l_p = tl.load(WS_L + w + r)
+                acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :])
+                m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
+        for p0 in range(n_ws * PART, hi, PART):
             m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                          skp, skt, svp, svt, kv_scale, qk_scale,
                                          BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES)
@@ -285,43 +302,6 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                  out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
         if STORE_LSE:
             tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
-
-
-@triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS"])
-def _attn_merge_kernel(QPOS, KLEN, QSL, SEQ, TAB, O, LSE, WS_M, WS_L, WS_ACC, qk_scale,
-                       NSEQ, Tq, Tk, HQ, HKV, NPARTS, sob, sot, soh, spb, spt, stab,
-                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr,
-                       STORE_LSE: tl.constexpr):
-    """Split path, second kernel: merge the partitions written by ``_attn_kernel[SPLIT]`` in order."""
-    pid0 = tl.program_id(0)
-    pid1 = tl.program_id(1)
-    work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab = _map_tile(
-        pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt, stab, G, BLOCK_M, PAGE)
-    if not work:
-        return
-    PART: tl.constexpr = PART_BLOCKS * BLOCK_N
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    r = tl.arange(0, BLOCK_M)
-    hi = tl.minimum(tl.max(pos, 0) + 1, kl)
-    nparts = tl.minimum((hi + PART - 1) // PART, NPARTS)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    wb = (tile.to(tl.int64) * tl.num_programs(1) + pid1) * NPARTS
-    for p in range(0, nparts):
-        w = (wb + p) * BLOCK_M
-        m_p = tl.load(WS_M + w + r)
-        l_p = tl.load(WS_L + w + r)
-        acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :])
-        m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
-    out, lse = _finalize(m_i, l_i, acc, pos, qk_scale)
-    b64 = b.to(tl.int64)
-    tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
-             out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
-    if STORE_LSE:
-        tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
 
 
 @triton.jit
@@ -380,16 +360,15 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
         ws_m = ws_l = ws_acc = out
         grid = (grid0, n1)
     common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=KV_BLOCK_GPU, PART_BLOCKS=part_blocks,
-                  PAGE=page, STORE_LSE=lse is not None)
+                  PAGE=page, FP8=fp8, STORE_LSE=lse is not None, NUM_STAGES=stages, num_warps=warps, num_stages=stages)
     lse_arg = lse if lse is not None else out
-    _attn_kernel[grid](
-        q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
-        nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *os_, *ps, stab,
-        FP8=fp8, SPLIT=use_split, NUM_STAGES=stages, num_warps=warps, num_stages=stages, **common)
+    args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
+            nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *os_, *ps, stab)
     if use_split:
-        _attn_merge_kernel[(grid0, n1)](
-            qpos, klen, qsl, seq, tab, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale,
-            nseq, tq, tk, hq, hkv, nparts, *os_, *ps, stab, num_warps=4, **common)
+        _attn_kernel[grid](*args, MODE=1, **common)
+        _attn_kernel[(grid0, n1)](*args, MODE=2, **common)
+    else:
+        _attn_kernel[grid](*args, MODE=0, **common)
     return use_split
 
 
@@ -442,7 +421,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     *, split: bool | None = None, block_m: int = 0) -> torch.Tensor:
     """Causal GQA attention of varlen queries over a paged KV cache; writes and returns ``out``.
 
-    * ``q [T, Hq, D]`` bf16/fp16, last dim contiguous; ``out [T, Hq, D]`` q's dtype, last dim contiguous.
+    * ``q [T, Hq, D]`` bf16/fp16, last dim contiguous; ``out [T, Hq, D]`` (or ``[T, Hq * D]``) in q's
+      dtype, each token's ``Hq x D`` row contiguous (token stride free).
       Tokens ``t >= query_start_loc[-1]`` (padding) get ``out[t] = 0``.
     * ``k_cache, v_cache [num_blocks, page_size, Hkv, D]``: any strides with a contiguous last dim
       (e.g. ``kv_cache[0]``, ``kv_cache[1]`` of one ``[2, num_blocks, page_size, Hkv, D]`` tensor);
@@ -451,9 +431,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       ``query_start_loc [num_seqs + 1]`` int32, ``seq_lens [num_seqs]`` int32 (cached + new tokens),
       all contiguous on q's device.  Query ``i`` of sequence ``s`` sits at absolute position
       ``seq_lens[s] - q_len_s + i`` and sees keys ``0 .. position``.
-    * ``max_query_len`` / ``max_seq_len``: Python ints bounding every ``q_len_s`` / ``seq_lens[s]``
-      (e.g. the engine's max_num_batched_tokens / max_model_len); they pick the tile size, the path
-      and the grid, never a bit.  Keys past ``max_seq_len`` are not visited (caller's bound).
+    * ``max_query_len`` / ``max_seq_len``: Python ints, hints of the largest ``q_len_s`` /
+      ``seq_lens[s]`` (e.g. the batch's values, or the engine's max_num_batched_tokens /
+      max_model_len for a captured graph); they pick the tile size, the path and the split grid,
+      never a bit, and a sequence exceeding them is still computed completely (same bits).
 
     No host synchronisation: grids come from tensor shapes and the two ints, so the call can be
     captured in a CUDA graph (the split path allocates its float32 workspace with ``torch.empty``
@@ -475,11 +456,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise TypeError(f"paged_attention: cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
     if v_cache.dtype != k_cache.dtype or k_cache.shape[3] != d or hq % hkv:
         raise ValueError("paged_attention: k/v caches must share dtype and head dim with q; Hq % Hkv == 0")
-    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("paged_attention: out must be [T, Hq, D] in q's dtype with a contiguous last dim")
+    if out.dim() == 2 and out.shape == (t_all, hq * d) and out.stride(-1) == 1:
+        out3 = out.view(t_all, hq, d)
+    else:
+        out3 = out
+    if out3.shape != q.shape or out3.dtype != q.dtype or out3.stride(-1) != 1:
+        raise ValueError("paged_attention: out must be [T, Hq, D] (or [T, Hq*D]) in q's dtype, last dim contiguous")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
         raise ValueError("paged_attention: q, caches and block_table need a contiguous last dim")
-    if hq * d > 0 and out.stride(1) != d:
+    if hq * d > 0 and out3.stride(1) != d:
         raise ValueError("paged_attention: out rows [Hq, D] must be contiguous")
     nseq = seq_lens.shape[0]
     if t_all == 0:
@@ -488,15 +473,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         bm, warps, stages, grid0, split = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
                                                      split=split, block_m=block_m)
         _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
-                klen=seq_lens, out=out, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
+                klen=seq_lens, out=out3, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
                 nseq=nseq, tq=t_all, tk=0, hq=hq, hkv=hkv,
                 qs=(0, q.stride(0), q.stride(1)), ks=(0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
                 vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
-                os_=(0, out.stride(0), out.stride(1)), ps=(0, 0), stab=block_table.stride(0),
+                os_=(0, out3.stride(0), out3.stride(1)), ps=(0, 0), stab=block_table.stride(0),
                 grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split,
                 bm=bm, warps=warps, stages=stages, d=d)
     bt = 16
-    _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out, query_start_loc, nseq, t_all, out.stride(0),
+    _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
                                                   ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
     return out
 
