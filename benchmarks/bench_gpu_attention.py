@@ -32,6 +32,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_consistent.kernels.triton import attention as tattn  # noqa: E402
+from megatron_consistent.kernels.triton import paged_attention as tpa  # noqa: E402
 
 DEV = torch.device("cuda")
 HQ, HKV, D = 32, 8, 128
@@ -103,13 +104,13 @@ def decode_case(b, ctx, bw, rows):
     max_model_len = 32768
 
     def ours(split=None):
-        return [lambda i=i: tattn.paged_attention(qs[i], kc, vc, perm[i], qsl, seq, scale, outs[i], 1, max_model_len,
+        return [lambda i=i: tpa.paged_attention(qs[i], kc, vc, perm[i], qsl, seq, scale, outs[i], 1, max_model_len,
                                                   split=split) for i in range(copies)]
 
     r = {"kind": "decode", "B": b, "ctx": ctx, "kv_bytes": kv_bytes}
     r["hbm_floor_ms"] = kv_bytes / bw * 1e3
     r["ours_ms"] = bench(ours())
-    est_split = tattn.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[4]
+    est_split = tpa.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[4]
     r["ours_path"] = "split" if est_split else "in-program"
     r["ours_other_path_ms"] = bench(ours(split=not est_split))
     # SDPA on dense copies of the same size
@@ -153,12 +154,12 @@ def prefill_case(t, hkv, rows):
     tab = torch.randperm(copies * npg, device=DEV).to(torch.int32).view(copies, 1, npg)
     for i in range(copies):
         slots = (tab[i, 0].to(torch.int64)[:, None] * PAGE + torch.arange(PAGE, device=DEV)).flatten()[:t]
-        tattn.write_kv_cache(ks[i][0], vs[i][0], kv[0], kv[1], slots)
+        tpa.write_kv_cache(ks[i][0], vs[i][0], kv[0], kv[1], slots)
     qsl = torch.tensor([0, t], device=DEV, dtype=torch.int32)
     seq = torch.tensor([t], device=DEV, dtype=torch.int32)
     pq = [x[0] for x in qs]
     outs = [torch.empty_like(x) for x in pq]
-    r["ours_paged_ms"] = bench([lambda i=i: tattn.paged_attention(pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i],
+    r["ours_paged_ms"] = bench([lambda i=i: tpa.paged_attention(pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i],
                                                                   t, 32768) for i in range(copies)])
     sq = [x.transpose(1, 2) for x in qs]
     sk = [x.transpose(1, 2) for x in ks]

@@ -1,4 +1,4 @@
-"""Paged varlen attention (kernels/triton/attention.py: paged_attention, write_kv_cache) and the
+"""Paged varlen attention (kernels/triton/paged_attention.py: paged_attention, write_kv_cache) and the
 fixed-partition split-KV contract of the Triton attention.
 
 "Bitwise" means ``torch.equal`` on the raw bits.  Every paged row (token, query head) must equal
@@ -16,7 +16,6 @@ Otherwise the module is skipped.
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -44,6 +43,7 @@ pytestmark = pytest.mark.skipif(
 if DEV is not None:
     from megatron_consistent.kernels.fp8 import KV_SCALE, kv_dequantize, kv_quantize
     from megatron_consistent.kernels.triton import attention as ta
+    from megatron_consistent.kernels.triton import paged_attention as tpa
 
 ON_GPU = DEV is not None and DEV.type == "cuda"
 DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
@@ -104,7 +104,7 @@ class Batch:
             slots.append(table[s, pos // page].to(torch.int64) * page + pos % page)
         keys = torch.cat([k_ for k_, _ in self.kv]) if self.kv else torch.empty(0, HKV, D, dtype=dtype, device=DEV)
         vals = torch.cat([v_ for _, v_ in self.kv]) if self.kv else torch.empty(0, HKV, D, dtype=dtype, device=DEV)
-        ta.write_kv_cache(keys, vals, self.k_cache, self.v_cache, torch.cat(slots).to(DEV) if slots else
+        tpa.write_kv_cache(keys, vals, self.k_cache, self.v_cache, torch.cat(slots).to(DEV) if slots else
                           torch.empty(0, dtype=torch.int64, device=DEV), kv_scale=KV_SCALE if fp8 else None)
         self.qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(self.qlens, dtype=torch.int64), 0)),
                                 dtype=torch.int32).to(DEV)
@@ -114,7 +114,7 @@ class Batch:
 
     def paged(self, split=None, block_m=0, max_seq_len=None, max_query_len=None):
         out = torch.full_like(self.q_all, float("nan"))
-        ta.paged_attention(self.q_all, self.k_cache, self.v_cache, self.table, self.qsl, self.seq_lens, D ** -0.5, out,
+        tpa.paged_attention(self.q_all, self.k_cache, self.v_cache, self.table, self.qsl, self.seq_lens, D ** -0.5, out,
                            max_query_len=max_query_len or max(self.qlens + [1]),
                            max_seq_len=max_seq_len or max(self.lens + [1]),
                            kv_scale=KV_SCALE if self.fp8 else None, split=split, block_m=block_m)
@@ -263,7 +263,7 @@ def test_paged_refuses_unsupported_page_size():
     q = torch.zeros(1, HQ, D, dtype=DTYPES[0], device=DEV)
     cache = torch.zeros(2, 24, HKV, D, dtype=DTYPES[0], device=DEV)
     with pytest.raises(ValueError, match="page_size 24"):
-        ta.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+        tpa.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32, device=DEV),
                            torch.tensor([0, 1], dtype=torch.int32, device=DEV),
                            torch.tensor([1], dtype=torch.int32, device=DEV), 1.0, torch.empty_like(q), 1, 1)
 
@@ -286,7 +286,7 @@ def test_write_kv_cache_round_trip(fp8):
         key, val = _e4m3_exact(key), _e4m3_exact(val)
     slots = torch.randperm(blocks * page, generator=gen)[:n_tok]
     slots[[2, 7]] = -1
-    ta.write_kv_cache(key, val, kc, vc, slots.to(DEV), kv_scale=KV_SCALE if fp8 else None)
+    tpa.write_kv_cache(key, val, kc, vc, slots.to(DEV), kv_scale=KV_SCALE if fp8 else None)
     exp = before.clone()
     keep = slots >= 0
     pg, off = slots[keep] // page, slots[keep] % page
@@ -326,8 +326,8 @@ def test_paged_cuda_graph_capture_and_replay(split):
     out = torch.empty_like(batch.q_all)
 
     def step():
-        ta.write_kv_cache(key, val, batch.k_cache, batch.v_cache, slots)
-        ta.paged_attention(batch.q_all, batch.k_cache, batch.v_cache, batch.table, batch.qsl, batch.seq_lens,
+        tpa.write_kv_cache(key, val, batch.k_cache, batch.v_cache, slots)
+        tpa.paged_attention(batch.q_all, batch.k_cache, batch.v_cache, batch.table, batch.qsl, batch.seq_lens,
                            D ** -0.5, out, max_query_len=t, max_seq_len=2048, split=split)
 
     step()  # compile

@@ -2,9 +2,9 @@
 
 Two entry points share every ``@triton.jit`` helper of the per-row arithmetic (key block,
 partition, merge, finalisation): :func:`attention_fwd` (dense ``[B, T, H, D]`` K/V, the trainer
-and the registered ``("attention", "cuda")`` op) and :func:`paged_attention` (vLLM-style paged
-KV cache, varlen queries, CUDA-graph capturable).  :func:`write_kv_cache` stores new K/V into the
-paged cache.
+and the registered ``("attention", "cuda")`` op) and :func:`.paged_attention.paged_attention`
+(vLLM-style paged KV cache, varlen queries, CUDA-graph capturable; module :mod:`.paged_attention`,
+which also holds the KV-cache write).
 
 GPU numerics contract (one query row = one (token, query head)):
 
@@ -47,11 +47,9 @@ share the kv head) into tiles of 16, 64 or 128 rows by the number of rows; a row
 does not depend on the tile it lands in (tests/test_gpu_kernels.py, tests/test_gpu_paged_attention.py
 check this bitwise).
 
-FP8 KV cache (``float8_e4m3fn`` with a per-tensor ``kv_scale``): a loaded key/value is
+FP8 KV cache (paged path, ``float8_e4m3fn`` with a per-tensor ``kv_scale``): a loaded key/value is
 ``round_to_q_dtype(float32(k8) * kv_scale)`` — :func:`megatron_consistent.kernels.fp8.kv_dequantize`
-— so a paged FP8 row equals :func:`attention_fwd` on the dequantized K/V; :func:`write_kv_cache`
-stores ``cast_e4m3(clamp(div_rn(float32(x), kv_scale), -448, 448))`` —
-:func:`megatron_consistent.kernels.fp8.kv_quantize`.
+— so a paged FP8 row equals :func:`attention_fwd` on the dequantized K/V.
 """
 
 from __future__ import annotations
@@ -68,10 +66,8 @@ from ._common import next_pow2
 KV_BLOCK_GPU = 64
 PART_BLOCKS = 8
 PART_KEYS = KV_BLOCK_GPU * PART_BLOCKS
-PAGE_SIZES = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-_E4M3_MAX = 448.0
 
 # Test-only: when True the partition size is derived from the call's longest key range (a batch
 # property), which breaks the contract on purpose; tests/test_gpu_paged_attention.py must catch it.
@@ -304,18 +300,6 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
             tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
 
 
-@triton.jit
-def _zero_rows_kernel(O, QSL, NSEQ, T, sot, ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``out[t] = 0`` for the padding tokens ``t >= query_start_loc[-1]`` (rows of ``ROW`` elements)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    end = tl.load(QSL + NSEQ)
-    tm = (t >= end) & (t < T)
-    for c0 in range(0, ROW, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        z = tl.zeros((BLOCK_T, BLOCK_C), dtype=O.dtype.element_ty)
-        tl.store(O + t.to(tl.int64)[:, None] * sot + c[None, :], z, mask=tm[:, None] & (c < ROW)[None, :])
-
-
 # ----------------------------------------------------------------------------- host side
 
 _FORCE_BLOCK_M = int(os.environ.get("MC_ATTN_BLOCK_M", "0"))
@@ -402,144 +386,6 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, spli
             ps=(qpos.stride(0), qpos.stride(1)), stab=0, grid0=triton.cdiv(tq * g, bm), n1=b * hkv,
             max_kv=tk, page=0, fp8=False, split=split, bm=bm, warps=warps, stages=stages, d=d)
     return out, lse
-
-
-def paged_plan(t_all: int, hq: int, hkv: int, nseq: int, max_query_len: int, max_seq_len: int,
-               device: torch.device, split: bool | None = None, block_m: int = 0):
-    """``(BLOCK_M, num_warps, num_stages, grid0, split)`` of a :func:`paged_attention` call (shapes only)."""
-    g = hq // hkv
-    bm, warps, stages = _tile_for(max(1, min(int(max_query_len), t_all)) * g, block_m)
-    grid0 = (t_all * g) // bm + nseq
-    est = min(grid0, nseq * triton.cdiv(max(1, int(max_query_len)) * g, bm)) * hkv
-    nparts = triton.cdiv(max(int(max_seq_len), 1), PART_KEYS)
-    return bm, warps, stages, grid0, _use_split(split, est, nparts, device)
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
-                    max_query_len: int, max_seq_len: int, kv_scale: float | None = None,
-                    *, split: bool | None = None, block_m: int = 0) -> torch.Tensor:
-    """Causal GQA attention of varlen queries over a paged KV cache; writes and returns ``out``.
-
-    * ``q [T, Hq, D]`` bf16/fp16, last dim contiguous; ``out [T, Hq, D]`` (or ``[T, Hq * D]``) in q's
-      dtype, each token's ``Hq x D`` row contiguous (token stride free).
-      Tokens ``t >= query_start_loc[-1]`` (padding) get ``out[t] = 0``.
-    * ``k_cache, v_cache [num_blocks, page_size, Hkv, D]``: any strides with a contiguous last dim
-      (e.g. ``kv_cache[0]``, ``kv_cache[1]`` of one ``[2, num_blocks, page_size, Hkv, D]`` tensor);
-      ``page_size`` in :data:`PAGE_SIZES`; dtype = q's, or ``torch.float8_e4m3fn`` with ``kv_scale``.
-    * ``block_table [num_seqs, max_pages]`` int32 (row stride free, last dim contiguous),
-      ``query_start_loc [num_seqs + 1]`` int32, ``seq_lens [num_seqs]`` int32 (cached + new tokens),
-      all contiguous on q's device.  Query ``i`` of sequence ``s`` sits at absolute position
-      ``seq_lens[s] - q_len_s + i`` and sees keys ``0 .. position``.
-    * ``max_query_len`` / ``max_seq_len``: Python ints, hints of the largest ``q_len_s`` /
-      ``seq_lens[s]`` (e.g. the batch's values, or the engine's max_num_batched_tokens /
-      max_model_len for a captured graph); they pick the tile size, the path and the split grid,
-      never a bit, and a sequence exceeding them is still computed completely (same bits).
-
-    No host synchronisation: grids come from tensor shapes and the two ints, so the call can be
-    captured in a CUDA graph (the split path allocates its float32 workspace with ``torch.empty``
-    inside the call, which capture supports).  ``split`` forces the path (``None``: by shapes)."""
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_attention: expected q [T,Hq,D], caches [blocks,page,Hkv,D]; got "
-                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    t_all, hq, d = q.shape
-    page, hkv = k_cache.shape[1], k_cache.shape[2]
-    if page not in PAGE_SIZES:
-        raise ValueError(f"paged_attention: page_size {page} not supported (supported: {PAGE_SIZES})")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"paged_attention: q must be bf16/fp16, got {q.dtype}")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if fp8:
-        if kv_scale is None:
-            raise ValueError("paged_attention: a float8_e4m3fn KV cache needs kv_scale")
-    elif k_cache.dtype != q.dtype:
-        raise TypeError(f"paged_attention: cache dtype {k_cache.dtype} must be q's ({q.dtype}) or float8_e4m3fn")
-    if v_cache.dtype != k_cache.dtype or k_cache.shape[3] != d or hq % hkv:
-        raise ValueError("paged_attention: k/v caches must share dtype and head dim with q; Hq % Hkv == 0")
-    if out.dim() == 2 and out.shape == (t_all, hq * d) and out.stride(-1) == 1:
-        out3 = out.view(t_all, hq, d)
-    else:
-        out3 = out
-    if out3.shape != q.shape or out3.dtype != q.dtype or out3.stride(-1) != 1:
-        raise ValueError("paged_attention: out must be [T, Hq, D] (or [T, Hq*D]) in q's dtype, last dim contiguous")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
-        raise ValueError("paged_attention: q, caches and block_table need a contiguous last dim")
-    if hq * d > 0 and out3.stride(1) != d:
-        raise ValueError("paged_attention: out rows [Hq, D] must be contiguous")
-    nseq = seq_lens.shape[0]
-    if t_all == 0:
-        return out
-    if nseq > 0:
-        bm, warps, stages, grid0, split = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
-                                                     split=split, block_m=block_m)
-        _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
-                klen=seq_lens, out=out3, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
-                nseq=nseq, tq=t_all, tk=0, hq=hq, hkv=hkv,
-                qs=(0, q.stride(0), q.stride(1)), ks=(0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
-                vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
-                os_=(0, out3.stride(0), out3.stride(1)), ps=(0, 0), stab=block_table.stride(0),
-                grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split,
-                bm=bm, warps=warps, stages=stages, d=d)
-    bt = 16
-    _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
-                                                  ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
-    return out
-
-
-# ----------------------------------------------------------------------------- KV-cache write
-
-
-@triton.jit
-def _write_kv_kernel(KEY, VAL, KC, VC, SLOT, kv_scale, HKV,
-                     skt, skh, svt, svh, kcp, kct, kch, vcp, vct, vch,
-                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PAGE: tl.constexpr, FP8: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(SLOT + t).to(tl.int64)
-    if slot < 0:
-        return
-    page = slot // PAGE
-    off = slot % PAGE
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    msk = (h < HKV)[:, None] & (d < D)[None, :]
-    t64 = t.to(tl.int64)
-    k = tl.load(KEY + t64 * skt + h[:, None] * skh + d[None, :], mask=msk, other=0.0)
-    v = tl.load(VAL + t64 * svt + h[:, None] * svh + d[None, :], mask=msk, other=0.0)
-    if FP8:
-        k = tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), kv_scale), -448.0), 448.0)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), kv_scale), -448.0), 448.0)
-    tl.store(KC + page * kcp + off * kct + h[:, None] * kch + d[None, :], k.to(KC.dtype.element_ty), mask=msk)
-    tl.store(VC + page * vcp + off * vct + h[:, None] * vch + d[None, :], v.to(VC.dtype.element_ty), mask=msk)
-
-
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, kv_scale: float | None = None) -> None:
-    """Store ``key, value [T, Hkv, D]`` (last dim contiguous) at ``slot_mapping [N]`` int64 (``N <= T``).
-
-    Token ``i < N`` goes to page ``slot // page_size``, offset ``slot % page_size`` of
-    ``k_cache, v_cache [num_blocks, page_size, Hkv, D]`` (any strides, contiguous last dim);
-    ``slot < 0`` is skipped.  Same dtype: an exact copy (cast to the cache dtype); a
-    ``float8_e4m3fn`` cache stores :func:`megatron_consistent.kernels.fp8.kv_quantize` of the values
-    with ``kv_scale`` (required).  No host synchronisation (CUDA-graph capturable)."""
-    n = slot_mapping.shape[0]
-    if n == 0:
-        return
-    page, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    if page not in PAGE_SIZES:
-        raise ValueError(f"write_kv_cache: page_size {page} not supported (supported: {PAGE_SIZES})")
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    if fp8 and kv_scale is None:
-        raise ValueError("write_kv_cache: a float8_e4m3fn KV cache needs kv_scale")
-    if key.shape[0] < n or key.shape[1:] != (hkv, d) or value.shape != key.shape:
-        raise ValueError(f"write_kv_cache: key/value {tuple(key.shape)} do not match the cache {tuple(k_cache.shape)} / {n} slots")
-    if key.stride(-1) != 1 or value.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("write_kv_cache: key, value and caches need a contiguous last dim")
-    _write_kv_kernel[(n,)](
-        key, value, k_cache, v_cache, slot_mapping, float(kv_scale) if fp8 else 1.0, hkv,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        D=d, BLOCK_H=next_pow2(hkv), BLOCK_D=next_pow2(d), PAGE=page, FP8=fp8, num_warps=4)
 
 
 @register("attention", "cuda")
