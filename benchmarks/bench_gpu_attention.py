@@ -31,8 +31,8 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megatron_consistent.kernels.triton import attention as tattn  # noqa: E402
-from megatron_consistent.kernels.triton import paged_attention as tpa  # noqa: E402
+from megatron_consistent.kernels.triton import attention as tattn
+from megatron_consistent.kernels.triton import paged_attention as tpa
 
 DEV = torch.device("cuda")
 HQ, HKV, D = 32, 8, 128
@@ -68,7 +68,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(n, dtype=torch.uint8, device=DEV)
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=50)
-    del src, dst
     return 2 * n / (ms * 1e-3)
 
 
@@ -118,7 +117,6 @@ def decode_case(b, ctx, bw, rows):
               torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)) for _ in range(min(copies, 4))]
     sq = [x.view(b, HQ, 1, D) for x in qs]
     r["sdpa_ms"] = _try(lambda: bench([lambda i=i: _sdpa(sq[i], *dense[i], False, True) for i in range(len(dense))]))
-    del dense
     if _FA:
         fo = [torch.empty_like(x) for x in qs]
         r["fa3_ms"] = _try(lambda: bench([lambda i=i: flash_attn_varlen_func(
@@ -133,7 +131,6 @@ def decode_case(b, ctx, bw, rows):
     print(f"decode B={b:3d} ctx={ctx:6d}  floor {r['hbm_floor_ms']:.4f}  ours {r['ours_ms']:.4f} ({r['ours_path']}; "
           f"other {r['ours_other_path_ms']:.4f})  sdpa {r['sdpa_ms']:.4f}  fa3 {r['fa3_ms']:.4f} ms   "
           f"ours/floor {r['ratio_vs_floor']:.2f}  x sdpa {r['ratio_vs_sdpa']:.2f}  x fa3 {r['ratio_vs_fa3']:.2f}", flush=True)
-    del kv
 
 
 def prefill_case(t, hkv, rows):
@@ -182,7 +179,6 @@ def prefill_case(t, hkv, rows):
           f"{r['ours_paged_tflops']:6.1f}  sdpa {r['sdpa_tflops']:6.1f}  fa3 {r['fa3_tflops']:6.1f}   "
           f"dense x sdpa {r['ratio_dense_vs_sdpa']:.2f}  dense x fa3 {r['ratio_dense_vs_fa3']:.2f}  "
           f"paged x fa3 {r['ratio_paged_vs_fa3']:.2f}", flush=True)
-    del kv
 
 
 def main():

@@ -27,7 +27,7 @@ try:
     import triton  # noqa: F401
 
     _HAVE_TRITON = True
-except Exception:  # pragma: no cover
+except ImportError:  # pragma: no cover
     _HAVE_TRITON = False
 
 if torch.cuda.is_available() and _HAVE_TRITON and not _INTERPRET:

@@ -6,8 +6,19 @@ GPU results are deterministic and batch-invariant on the GPU; they are not
 bit-equal to the CPU contract (see each module's docstring and docs/benchmarks.md).
 """
 
-from . import attention, attention_bwd, fp8_linear, linear, log_softmax, moe, paged_attention, rms_norm, rope, silu_and_mul  # noqa: F401  (registration)
-from . import ssm_torch  # noqa: F401  (registration: Mamba-2 ops as deterministic torch code on the GPU)
+from . import (  # noqa: F401  (registration)
+    attention,
+    attention_bwd,
+    fp8_linear,
+    linear,
+    log_softmax,
+    moe,
+    paged_attention,
+    rms_norm,
+    rope,
+    silu_and_mul,
+    ssm_torch,
+)
 from .attention import KV_BLOCK_GPU, PART_KEYS, attention_fwd
 from .linear import CONFIG_TABLE, config_for, gemm
 

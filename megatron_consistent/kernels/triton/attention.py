@@ -282,7 +282,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         n_ws = 0
         if MODE == 2:
             n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)
-            for p in range(0, n_ws):
+            for p in range(n_ws):
                 w = (wb + p) * BLOCK_M
                 m_p = tl.load(WS_M + w + r)
                 l_p = tl.load(WS_L + w + r)
@@ -343,8 +343,9 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     else:
         ws_m = ws_l = ws_acc = out
         grid = (grid0, n1)
-    common = dict(G=g, D=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=KV_BLOCK_GPU, PART_BLOCKS=part_blocks,
-                  PAGE=page, FP8=fp8, STORE_LSE=lse is not None, NUM_STAGES=stages, num_warps=warps, num_stages=stages)
+    common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
+              "PAGE": page, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
+              "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
     args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
             nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *os_, *ps, stab)
