@@ -79,6 +79,7 @@ def patch_sampler() -> None:
     Sampler._megatron_consistent = True
 
 
+_V2_WARMUP_PREFIX = "_warmup_"  # vLLM's kernel warm-up requests (v1/worker/gpu/warmup.py) exercise every sampling feature
 _V2_LOGPROBS: contextvars.ContextVar = contextvars.ContextVar("megatron_consistent_v2_logprobs", default=None)
 
 
@@ -100,7 +101,8 @@ def patch_v2_sampler() -> None:
 
     Raw mode: ``log_softmax(logits)``; processed mode: ``log_softmax(logits, temperature)`` per row (greedy
     rows: 1), computed before vLLM's sampling steps change the logits in place, then gathered by vLLM's own
-    ``compute_topk_scores`` (as values, ``logits_mode=True``).  Sampling is left to vLLM."""
+    ``compute_topk_scores`` (as values, ``logits_mode=True``).  Sampling is left to vLLM, and so is vLLM's
+    start-up warm-up batch (requests ``_warmup_*``, which use every sampling feature on dummy tokens)."""
     from vllm.v1.worker.gpu.sample import sampler as v2
 
     if getattr(v2.Sampler, "_megatron_consistent", False):
@@ -108,7 +110,8 @@ def patch_v2_sampler() -> None:
     original_call, original_scores = v2.Sampler.__call__, v2.compute_topk_scores
 
     def __call__(self, logits, input_batch):
-        if not self.returns_logprobs(input_batch.idx_mapping_np):
+        warmup = any(str(r).startswith(_V2_WARMUP_PREFIX) for r in input_batch.req_ids)
+        if warmup or not self.returns_logprobs(input_batch.idx_mapping_np):
             return original_call(self, logits, input_batch)
         if self.logprobs_mode == "processed_logprobs":
             used = _v2_unsupported_processing(self, input_batch)
