@@ -4,7 +4,7 @@
 
 What it does (single process, world size 1, NCCL):
 
-1. builds the consistent Megatron ``GPTModel`` (:func:`build_consistent_gpt_model`, Triton kernels on CUDA),
+1. builds the consistent Megatron ``GPTModel`` (:func:`build_consistent_model`, Triton kernels on CUDA),
 2. wraps it in Megatron's ``DistributedDataParallel`` (``use_distributed_optimizer=True``,
    ``grad_reduce_in_fp32=True``) and ``get_megatron_optimizer`` (Adam, bf16 params,
    float32 main params = the distributed optimizer),
@@ -100,7 +100,7 @@ def run(args) -> dict:
 
     from megatron_consistent.config import SUPPORTED_DTYPES
     from megatron_consistent.conversion import hf_state_dict
-    from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
+    from megatron_consistent.layers import build_consistent_model, compute_token_logprobs
     from megatron_consistent.verify.reference import reference_logprobs_f64
 
     import megatron.core
@@ -110,7 +110,7 @@ def run(args) -> dict:
     dtype = SUPPORTED_DTYPES[args.dtype]
     _init_distributed(args.seed)
     hf_config = args.hf_config or str(Path(__file__).resolve().parents[1] / "megatron_consistent" / "configs" / "models" / "tiny-llama")
-    model = build_consistent_gpt_model(hf_config, seed=args.seed, dtype=dtype)
+    model = build_consistent_model(hf_config, seed=args.seed, dtype=dtype)
     arch = model.arch_config
     model.cuda()
     weights0 = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -136,7 +136,7 @@ def run(args) -> dict:
     w64 = {k: v.double().requires_grad_(True) for k, v in hf_state_dict(model, arch).items()}
     ref_loss = -reference_logprobs_f64(w64, arch, ids).mean()
     ref_loss.backward()
-    twin = build_consistent_gpt_model(hf_config, seed=0, dtype=torch.float32).cpu()
+    twin = build_consistent_model(hf_config, seed=0, dtype=torch.float32).cpu()
     with torch.no_grad():
         for n, p in twin.named_parameters():
             p.copy_(main_grads[n])

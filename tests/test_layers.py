@@ -49,20 +49,20 @@ def bf16_models():
 
 # ------------------------------------------------------------------------------------------------ kernel-only model
 def _kernel_only_moe(w: dict[str, torch.Tensor], arch: ArchConfig, p: str, h: torch.Tensor) -> torch.Tensor:
-    from megatron_consistent.conversion.moe import expert_proj_names, moe_hf_prefix
+    from megatron_consistent.architectures import hf_names
     from megatron_consistent.kernels import moe as kmoe
 
-    q = p + moe_hf_prefix(arch) + "."
-    gate, up, down = expert_proj_names(arch)
+    names, m = hf_names(arch), f"decoder.layers.{int(p.split('.')[2])}.mlp."
     E = arch.num_experts
-    fc1 = torch.stack([torch.cat([w[q + f"experts.{e}.{gate}.weight"], w[q + f"experts.{e}.{up}.weight"]]) for e in range(E)])
-    fc2 = torch.stack([w[q + f"experts.{e}.{down}.weight"] for e in range(E)])
+    gate_up, down = names[m + "experts.linear_fc1.weight"], names[m + "experts.linear_fc2.weight"]
+    fc1 = torch.stack([torch.cat([w[gate_up[2 * e]], w[gate_up[2 * e + 1]]]) for e in range(E)])
+    fc2 = torch.stack([w[down[e]] for e in range(E)])
     shared = None
     if arch.shared_expert_intermediate_size:
-        shared = (torch.cat([w[q + "shared_expert.gate_proj.weight"], w[q + "shared_expert.up_proj.weight"]]),
-                  w[q + "shared_expert.down_proj.weight"], w[q + "shared_expert_gate.weight"])
+        shared = (torch.cat([w[n] for n in names[m + "shared_experts.linear_fc1.weight"]]),
+                  w[names[m + "shared_experts.linear_fc2.weight"][0]], w[names[m + "shared_experts.gate_weight"][0]])
     x = h.reshape(-1, h.shape[-1])
-    wts, experts = kmoe.route(x, w[q + "gate.weight"], arch.num_experts_per_tok, norm_topk_prob=arch.norm_topk_prob)
+    wts, experts = kmoe.route(x, w[names[m + "router.weight"][0]], arch.num_experts_per_tok, norm_topk_prob=arch.norm_topk_prob)
     return kmoe.moe_experts(x, experts, wts, fc1, fc2, shared).reshape(h.shape)
 
 

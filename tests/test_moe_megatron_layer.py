@@ -215,29 +215,28 @@ LAYER_GRAD_REL_TOL = 1e-4
 
 
 def _hf_layer_weights(arch, layer, i):
-    """The MoE layer's parameters under their HF names (conversion/moe.py naming), float64 leaves."""
-    from megatron_consistent.conversion.moe import expert_proj_names, moe_hf_prefix
+    """The MoE layer's parameters under their HF names (the MoE family's weight table), float64 leaves."""
+    from megatron_consistent.architectures import hf_names
 
-    p = f"model.layers.{i}.{moe_hf_prefix(arch)}."
-    gate, up, down = expert_proj_names(arch)
+    names, m = hf_names(arch), f"decoder.layers.{i}.mlp."
     inter = arch.moe_intermediate_size
     fc1, fc2 = layer.experts.linear_fc1.weight.detach(), layer.experts.linear_fc2.weight.detach()
-    w = {p + "gate.weight": layer.router.weight.detach()}
+    gate_up, down = names[m + "experts.linear_fc1.weight"], names[m + "experts.linear_fc2.weight"]
+    w = {names[m + "router.weight"][0]: layer.router.weight.detach()}
     for e in range(arch.num_experts):
-        w[p + f"experts.{e}.{gate}.weight"], w[p + f"experts.{e}.{up}.weight"] = fc1[e, :inter], fc1[e, inter:]
-        w[p + f"experts.{e}.{down}.weight"] = fc2[e]
+        w[gate_up[2 * e]], w[gate_up[2 * e + 1]] = fc1[e, :inter], fc1[e, inter:]
+        w[down[e]] = fc2[e]
     if layer.shared_experts is not None:
         se, n = layer.shared_experts, arch.shared_expert_intermediate_size
-        w[p + "shared_expert.gate_proj.weight"] = se.linear_fc1.weight.detach()[:n]
-        w[p + "shared_expert.up_proj.weight"] = se.linear_fc1.weight.detach()[n:]
-        w[p + "shared_expert.down_proj.weight"] = se.linear_fc2.weight.detach()
-        w[p + "shared_expert_gate.weight"] = se.gate_weight.detach()
-    return {k: v.double().requires_grad_(True) for k, v in w.items()}, p
+        (s_gate, s_up), (s_down,) = names[m + "shared_experts.linear_fc1.weight"], names[m + "shared_experts.linear_fc2.weight"]
+        w[s_gate], w[s_up] = se.linear_fc1.weight.detach()[:n], se.linear_fc1.weight.detach()[n:]
+        w[s_down] = se.linear_fc2.weight.detach()
+        w[names[m + "shared_experts.gate_weight"][0]] = se.gate_weight.detach()
+    return {k: v.double().requires_grad_(True) for k, v in w.items()}, names, m
 
 
 @pytest.mark.parametrize("name", ["tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"])
 def test_megatron_moelayer_gradients_vs_float64_moe_reference(name):
-    from megatron_consistent.conversion.moe import expert_proj_names
     from megatron_consistent.verify.moe_reference import moe_mlp_f64
 
     model = build_consistent_gpt_model(builtin_model_dir(name), seed=3, dtype=torch.float32, moe_impl="megatron")
@@ -249,22 +248,23 @@ def test_megatron_moelayer_gradients_vs_float64_moe_reference(name):
     out, bias = layer(x)
     assert bias is None and out.dtype == torch.float32
     (out * upstream).sum().backward()
-    w64, prefix = _hf_layer_weights(arch, layer, i)
+    w64, names, m = _hf_layer_weights(arch, layer, i)
+    router = names[m + "router.weight"][0]
     x64 = x.detach().double().requires_grad_(True)
-    ref = moe_mlp_f64(w64, arch, f"model.layers.{i}.", x64)
+    ref = moe_mlp_f64(w64, arch, i, x64)
     (ref * upstream.double()).sum().backward()
     assert (out.double() - ref).norm() / ref.norm() <= LAYER_GRAD_REL_TOL  # also: the same experts were chosen
-    ours = {"x": x.grad, prefix + "gate.weight": layer.router.weight.grad}
-    theirs = {"x": x64.grad, prefix + "gate.weight": w64[prefix + "gate.weight"].grad}
-    _, _, down = expert_proj_names(arch)
+    ours = {"x": x.grad, router: layer.router.weight.grad}
+    theirs = {"x": x64.grad, router: w64[router].grad}
+    down = names[m + "experts.linear_fc2.weight"]
     routed = torch.unique(layer.router.last_routes).tolist()
     for e in routed:
-        theirs[f"fc2.{e}"], ours[f"fc2.{e}"] = w64[prefix + f"experts.{e}.{down}.weight"].grad, layer.experts.linear_fc2.weight.grad[e]
+        theirs[f"fc2.{e}"], ours[f"fc2.{e}"] = w64[down[e]].grad, layer.experts.linear_fc2.weight.grad[e]
     unrouted = sorted(set(range(arch.num_experts)) - set(routed))
     assert all(not layer.experts.linear_fc1.weight.grad[e].any() for e in unrouted)
     if layer.shared_experts is not None:
-        ours["shared_gate"], theirs["shared_gate"] = layer.shared_experts.gate_weight.grad, w64[prefix + "shared_expert_gate.weight"].grad
-        ours["shared_down"], theirs["shared_down"] = layer.shared_experts.linear_fc2.weight.grad, w64[prefix + "shared_expert.down_proj.weight"].grad
+        ours["shared_gate"], theirs["shared_gate"] = layer.shared_experts.gate_weight.grad, w64[names[m + "shared_experts.gate_weight"][0]].grad
+        ours["shared_down"], theirs["shared_down"] = layer.shared_experts.linear_fc2.weight.grad, w64[names[m + "shared_experts.linear_fc2.weight"][0]].grad
     errs = {k: ((ours[k].double() - theirs[k]).norm() / theirs[k].norm()).item() for k in ours}
     print(f"{name}: max relative gradient error {max(errs.values()):.2e} ({max(errs, key=errs.get)}) over {len(errs)} tensors")
     for k, err in errs.items():
@@ -277,14 +277,14 @@ def test_megatron_path_model_gradients_vs_float64_reference(monkeypatch):
     from megatron_consistent.verify.reference import GRAD_REL_TOL, LOSS_REL_TOL, gradient_check
 
     built = []
-    build = layers.build_consistent_gpt_model
+    build = layers.build_consistent_model
 
     def megatron_build(*a, **k):
         m = build(*a, **{**k, "moe_impl": "megatron"})
         built.append(m.moe_impl)
         return m
 
-    monkeypatch.setattr(layers, "build_consistent_gpt_model", megatron_build)
+    monkeypatch.setattr(layers, "build_consistent_model", megatron_build)
     r = gradient_check(builtin_model_dir("tiny-mixtral-top2"), batch=2, seq=12)
     print(f"tiny-mixtral-top2 model: max relative gradient error {r['max_rel_err']:.2e} ({r['worst']})")
     assert built and set(built) == {"megatron"}

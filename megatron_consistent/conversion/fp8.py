@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..architectures import router_hf_modules
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, quantize
 from ..kernels.nvfp4 import nvfp4_quantize, pack_e2m1
@@ -54,20 +55,6 @@ def check_fp8_arch(arch: ArchConfig) -> None:
         raise UnsupportedConfigError(f"fp8 quantization: hybrid Mamba architectures ({arch.architecture}) are not supported")
     if arch.is_moe and not arch.mlp_gated:
         raise UnsupportedConfigError(f"fp8 quantization: non-gated (relu2) MoE experts ({arch.architecture}) are not supported")
-
-
-def unquantized_hf_modules(arch: ArchConfig) -> list[str]:
-    """HF module names kept in the model dtype inside the decoder: MoE routers (``gate``) and ``shared_expert_gate``."""
-    from .moe import moe_hf_prefix
-
-    out = []
-    for i in range(arch.num_layers):
-        if arch.layer_is_moe(i):
-            p = f"model.layers.{i}.{moe_hf_prefix(arch)}."
-            out.append(p + "gate")
-            if arch.shared_expert_intermediate_size:
-                out.append(p + "shared_expert_gate")
-    return out
 
 
 def is_quantized(megatron_name: str) -> bool:
@@ -145,7 +132,7 @@ def export_hf_fp8(model, arch: ArchConfig, out_dir, fmt: QuantFormat = E4M3_WEIG
         hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(fmt.block), "activation_scheme": "dynamic",
                                      "fmt": "e4m3"}
         if arch.is_moe:  # routers stay in the model dtype (as in the published block-FP8 MoE checkpoints)
-            hf["quantization_config"]["modules_to_not_convert"] = unquantized_hf_modules(arch)
+            hf["quantization_config"]["modules_to_not_convert"] = router_hf_modules(arch)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     return out

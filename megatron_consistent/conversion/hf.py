@@ -1,29 +1,11 @@
 """Megatron (consistent or stock GPTModel, TP=1) <-> HF safetensors checkpoints, bitwise.
 
-Layout (HF Llama/Qwen2/Qwen3/Mistral names):
-
-==============================================  ============================================
-Megatron                                        HF
-==============================================  ============================================
-embedding.word_embeddings.weight                model.embed_tokens.weight
-decoder.layers.i.input_layernorm.weight         model.layers.i.input_layernorm.weight
-decoder.layers.i.self_attention.linear_qkv.*    model.layers.i.self_attn.{q,k,v}_proj.*  (split, below)
-decoder.layers.i.self_attention.q_layernorm     model.layers.i.self_attn.q_norm.weight    (Qwen3)
-decoder.layers.i.self_attention.k_layernorm     model.layers.i.self_attn.k_norm.weight    (Qwen3)
-decoder.layers.i.self_attention.linear_proj     model.layers.i.self_attn.o_proj.weight
-decoder.layers.i.pre_mlp_layernorm.weight       model.layers.i.post_attention_layernorm.weight
-decoder.layers.i.mlp.linear_fc1.weight          model.layers.i.mlp.{gate,up}_proj.weight  (gate = first half)
-decoder.layers.i.mlp.linear_fc2.weight          model.layers.i.mlp.down_proj.weight
-decoder.final_layernorm.weight                  model.norm.weight
-output_layer.weight                             lm_head.weight  (absent when embeddings are tied)
-==============================================  ============================================
-
-``linear_qkv`` rows are grouped per query group: for each of the ``ng`` KV
-groups, its ``np/ng`` query heads, then its key head, then its value head
+The names, shapes and splits come from the architecture family's weight table
+(:mod:`megatron_consistent.architectures`: dense, MoE, hybrid ``backbone.*``); the split of each
+entry is its ``layout`` (``copy``, ``qkv``, ``fc1`` = gate|up, ``experts_fc1`` / ``experts_fc2`` =
+per-expert stacks, :mod:`.moe`).  ``linear_qkv`` rows are grouped per query group: for each of
+the ``ng`` KV groups, its ``np/ng`` query heads, then its key head, then its value head
 (``head_dim`` rows each); the q/k/v biases (Qwen2) follow the same order.
-
-Hybrid Mamba-2 / Nemotron-H models (``arch.is_hybrid``) use the ``backbone.*``
-layout of :mod:`.hybrid` through the same functions.
 
 Only slicing, concatenation and copies are involved — no arithmetic — so
 export -> import is bitwise.  Files are safetensors only (no pickle).
@@ -42,9 +24,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..architectures import weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
-from .hybrid import hybrid_param_shapes, hybrid_plan
-from .moe import MOE_KINDS, moe_hf_shapes, moe_join, moe_plan, moe_split
+from .moe import MOE_KINDS, moe_hf_shapes, moe_join, moe_split
 
 __all__ = ["CheckpointMismatchError", "export_hf", "hf_state_dict", "import_hf", "megatron_to_hf_names"]
 
@@ -59,30 +41,8 @@ class CheckpointMismatchError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- name/shape plan
 def _plan(arch: ArchConfig) -> list[tuple[str, list[str], str]]:
-    """Entries ``(megatron_name, [hf_names], kind)`` with kind in {copy, qkv, fc1} (hybrids: conversion/hybrid.py)."""
-    if arch.is_hybrid:
-        return hybrid_plan(arch)
-    plan = [("embedding.word_embeddings.weight", ["model.embed_tokens.weight"], "copy")]
-    for i in range(arch.num_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        plan.append((m + "input_layernorm.weight", [h + "input_layernorm.weight"], "copy"))
-        plan.append((m + "self_attention.linear_qkv.weight", [h + f"self_attn.{p}_proj.weight" for p in "qkv"], "qkv"))
-        if arch.qkv_bias:
-            plan.append((m + "self_attention.linear_qkv.bias", [h + f"self_attn.{p}_proj.bias" for p in "qkv"], "qkv"))
-        if arch.qk_norm:
-            plan.append((m + "self_attention.q_layernorm.weight", [h + "self_attn.q_norm.weight"], "copy"))
-            plan.append((m + "self_attention.k_layernorm.weight", [h + "self_attn.k_norm.weight"], "copy"))
-        plan.append((m + "self_attention.linear_proj.weight", [h + "self_attn.o_proj.weight"], "copy"))
-        plan.append((m + "pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], "copy"))
-        if arch.layer_is_moe(i):  # router + stacked experts (+ shared expert): conversion/moe.py
-            plan.extend(moe_plan(arch, m, h))
-            continue
-        plan.append((m + "mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"], "fc1"))
-        plan.append((m + "mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], "copy"))
-    plan.append(("decoder.final_layernorm.weight", ["model.norm.weight"], "copy"))
-    if not arch.tie_word_embeddings:
-        plan.append(("output_layer.weight", ["lm_head.weight"], "copy"))
-    return plan
+    """Entries ``(megatron_name, [hf_names], layout)`` of ``arch``'s weight table (:mod:`..architectures`)."""
+    return [(w.megatron, list(w.hf), w.layout) for w in weight_entries(arch)]
 
 
 def megatron_to_hf_names(arch: ArchConfig) -> dict[str, list[str]]:
@@ -146,20 +106,7 @@ def _model_params(model, arch: ArchConfig) -> dict[str, torch.nn.Parameter]:
         problems.append(f"model lacks parameters {missing}")
     if extra:
         problems.append(f"model has parameters the {arch.architecture} layout does not map: {extra}")
-    if arch.is_hybrid:
-        want = hybrid_param_shapes(arch)
-    else:
-        ng, g, hd = _qkv_sizes(arch)
-        want = {
-            "embedding.word_embeddings.weight": (arch.vocab_size, arch.hidden_size),
-            "output_layer.weight": (arch.vocab_size, arch.hidden_size),
-            "decoder.final_layernorm.weight": (arch.hidden_size,),
-        }
-        for i in range(arch.num_layers):
-            m = f"decoder.layers.{i}."
-            want[m + "self_attention.linear_qkv.weight"] = (ng * (g + 2) * hd, arch.hidden_size)
-            want[m + "self_attention.linear_qkv.bias"] = (ng * (g + 2) * hd,)
-            want[m + "mlp.linear_fc1.weight"] = (2 * arch.intermediate_size, arch.hidden_size)
+    want = {w.megatron: w.shape for w in weight_entries(arch)}
     for name, shape in want.items():
         if name in params and tuple(params[name].shape) != shape:
             problems.append(f"model parameter {name} has shape {tuple(params[name].shape)}, {arch.architecture} config implies {shape}")

@@ -2,7 +2,7 @@
 
 Nothing here imports vLLM or the vLLM plugin.  Entry points:
 :class:`ConsistentSpecProvider`, :func:`get_consistent_gpt_layer_spec`,
-:func:`build_consistent_gpt_model` (hybrid Mamba-2 configs dispatch to
+:func:`build_consistent_model` (alias ``build_consistent_gpt_model``; hybrid Mamba-2 configs dispatch to
 :func:`build_consistent_hybrid_model`; MoE layers: Megatron's ``MoELayer`` with the consistent
 submodules, :func:`megatron_moe_layer_spec`), :func:`compute_token_logprobs` and the stock
 baseline :func:`build_stock_gpt_model` / :func:`compute_stock_token_logprobs`.
@@ -17,6 +17,7 @@ from .moe_megatron import ConsistentExperts, ConsistentSharedExperts, megatron_m
 from .model import (
     as_arch_config,
     build_consistent_gpt_model,
+    build_consistent_model,
     build_stock_gpt_model,
     compute_stock_token_logprobs,
     compute_token_logprobs,
@@ -30,7 +31,7 @@ from .spec import ConsistentSpecProvider, get_consistent_gpt_block_spec, get_con
 __all__ = [
     "ConsistentColumnParallelLinear", "ConsistentCoreAttention", "ConsistentOutputLayer", "ConsistentRMSNorm",
     "ConsistentRowParallelLinear", "ConsistentSiluAndMul", "ConsistentSpecProvider", "apply_cpu_shims", "as_arch_config",
-    "build_consistent_gpt_model", "build_consistent_hybrid_model", "build_stock_gpt_model", "check_parallel_sizes", "compute_stock_token_logprobs",
+    "build_consistent_gpt_model", "build_consistent_model", "build_consistent_hybrid_model", "build_stock_gpt_model", "check_parallel_sizes", "compute_stock_token_logprobs",
     "compute_token_logprobs", "consistent_bias_dropout_add", "consistent_core_attention", "get_consistent_gpt_block_spec",
     "get_consistent_gpt_layer_spec", "get_consistent_hybrid_stack_spec", "init_cpu_process_group", "make_transformer_config",
     "ConsistentExperts", "ConsistentSharedExperts", "megatron_moe_layer_spec",

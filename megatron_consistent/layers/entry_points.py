@@ -38,7 +38,7 @@ keys, float32 logits).  Modules of any other model are never touched.
 
 Refused by name at build time: LayerNorm, MoE, MLA, MTP, learned absolute
 position embeddings, partial or interleaved RoPE, biases other than q/k/v,
-non-SwiGLU MLPs, TP/PP/CP/SP > 1 (as for :func:`.model.build_consistent_gpt_model`).
+non-SwiGLU MLPs, TP/PP/CP/SP > 1 (as for :func:`.model.build_consistent_model`).
 """
 
 from __future__ import annotations

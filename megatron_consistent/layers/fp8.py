@@ -1,7 +1,7 @@
 """FP8 forward for the consistent Megatron linears (issue #9); the trainer keeps its bf16 masters.
 
 :func:`enable_fp8` binds an :class:`FP8Binding` to every decoder linear of a
-model from :func:`build_consistent_gpt_model` (``linear_qkv``, ``linear_proj``,
+model from :func:`build_consistent_model` (``linear_qkv``, ``linear_proj``,
 ``linear_fc1``, ``linear_fc2``; not the LM head).  On every forward the bound
 linear quantizes its bf16 master weight exactly as the block-FP8 export does
 (:func:`megatron_consistent.conversion.fp8.quantized_parts`: split into the HF

@@ -38,7 +38,7 @@ packing never changes a row.  Parameters are all in the model dtype
 compute in float32.
 
 Model builder: :func:`build_consistent_hybrid_model` (also reached through
-:func:`.model.build_consistent_gpt_model`, which dispatches on ``arch.is_hybrid``);
+:func:`.model.build_consistent_model`, which dispatches on ``arch.is_hybrid``);
 the class is Megatron's ``HybridModel`` when it exists (0.19) else ``MambaModel``
 (0.16), with ``position_embedding_type='none'``.  Refused by name: TP/PP/CP/SP > 1,
 inference contexts (KV / SSM cache inside Megatron), ``residual_in_fp32``.
@@ -385,7 +385,7 @@ def _hybrid_model_kwargs(cls, arch: ArchConfig, config, spec) -> dict:
 def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, **parallel):
     """A Megatron Mamba/Hybrid model of a NemotronH / Mamba2 config on CPU, every op a consistent kernel.
 
-    Same conventions as :func:`.model.build_consistent_gpt_model` (seeded init with
+    Same conventions as :func:`.model.build_consistent_model` (seeded init with
     the global RNG restored, CPU init, exact vocabulary, ``consistent_kind`` and
     ``arch_config`` attributes, float32 logits): ``compute_token_logprobs`` works on it.
     """
@@ -394,7 +394,7 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
 
     arch, dtype = _prepare(hf_config, dtype, parallel)
     if not arch.is_hybrid:
-        raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture; use build_consistent_gpt_model")
+        raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture; use build_consistent_model")
     config = make_hybrid_transformer_config(arch, dtype)
     cls = _hybrid_model_class()
     spec = get_consistent_hybrid_stack_spec(arch)

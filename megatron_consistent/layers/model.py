@@ -1,6 +1,6 @@
 """Build Megatron-Core GPT models from an HF config: the consistent model and the stock baseline.
 
-* :func:`build_consistent_gpt_model` — every numerics-bearing op is a
+* :func:`build_consistent_model` — every numerics-bearing op is a
   :mod:`megatron_consistent.kernels` call (spec from :mod:`.spec`, LM head
   from :mod:`.output`); ``position_embedding_type='none'`` (RoPE runs inside
   the core attention).  Its per-token log-probs
@@ -35,6 +35,7 @@ from .spec import get_consistent_gpt_block_spec
 __all__ = [
     "as_arch_config",
     "build_consistent_gpt_model",
+    "build_consistent_model",
     "build_stock_gpt_model",
     "compute_token_logprobs",
     "compute_stock_token_logprobs",
@@ -151,9 +152,10 @@ def _new_gpt_model(GPTModel, arch: ArchConfig, config, spec, **extra):
     return GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
 
 
-def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, moe_impl: str | None = None,
-                               moe_token_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, **parallel):
-    """A Megatron ``GPTModel`` on CPU whose every op follows the kernels' numerics contract.
+def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, moe_impl: str | None = None,
+                           moe_token_dispatcher: str = "allgather", moe_aux_loss_coeff: float = 0.0, **parallel):
+    """A Megatron model on CPU whose every op follows the kernels' numerics contract: a ``GPTModel`` for dense and MoE
+    configs, Megatron's ``MambaModel`` / ``HybridModel`` for the hybrids.
 
     ``hf_config``: HF config dict, :class:`ArchConfig`, or path.  ``dtype``
     defaults to the config's.  ``parallel`` may name
@@ -198,6 +200,9 @@ def build_consistent_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype |
     model.arch_config = arch
     model.moe_impl = moe_impl
     return model
+
+
+build_consistent_gpt_model = build_consistent_model  # the earlier name, kept for callers
 
 
 def _stock_rope_kwargs(arch: ArchConfig, GPTModel) -> tuple[dict, dict | None]:
@@ -274,7 +279,7 @@ def compute_token_logprobs(model, input_ids: torch.Tensor, temperature: float = 
     Differentiable.  Refuses the stock model (use :func:`compute_stock_token_logprobs`).
     """
     if getattr(model, "consistent_kind", None) != CONSISTENT:
-        raise ValueError("compute_token_logprobs needs a model from build_consistent_gpt_model; use compute_stock_token_logprobs for the stock baseline")
+        raise ValueError("compute_token_logprobs needs a model from build_consistent_model; use compute_stock_token_logprobs for the stock baseline")
     logits = model(input_ids, _positions(input_ids), None)  # [b, s, V] float32
     return kernels.gather_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
 

@@ -56,7 +56,7 @@ no latent MoE, no expert bias / input jitter / sinkhorn; each refused by name
 parallelism would put a token's slots on different ranks, whose partial
 results Megatron sums with a reduce-scatter / all-to-all — not our combine.
 
-Aux loss: with ``moe_aux_loss_coeff`` > 0 (``build_consistent_gpt_model(...,
+Aux loss: with ``moe_aux_loss_coeff`` > 0 (``build_consistent_model(...,
 moe_aux_loss_coeff=...)``), training mode and autograd on, Megatron's own
 machinery attaches the load-balancing loss to ``probs`` through
 ``MoEAuxLossAutoScaler`` (identity forward); its token counts use our routing
@@ -451,7 +451,7 @@ DEFAULT_MOE_IMPL = "megatron"
 
 
 def megatron_moe_setup(arch, moe_impl: str | None, dispatcher: str = "allgather", aux_loss_coeff: float = 0.0):
-    """``(impl, TransformerConfig kwargs)`` for :func:`.model.build_consistent_gpt_model`.
+    """``(impl, TransformerConfig kwargs)`` for :func:`.model.build_consistent_model`.
 
     ``impl``: ``"megatron"`` (Megatron-Core's MoELayer + this module's submodules) or ``"module"``
     (:class:`.moe.ConsistentMoELayer`); ``None`` picks :data:`DEFAULT_MOE_IMPL` where the architecture is

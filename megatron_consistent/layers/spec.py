@@ -83,7 +83,7 @@ def get_consistent_gpt_layer_spec(qk_layernorm: bool = False, *, rope: RopeConfi
     q/k/v biases (Qwen2) come from ``TransformerConfig.add_qkv_bias`` and are
     added inside the qkv linear kernel.  The model using this spec must be
     built with ``position_embedding_type='none'`` and
-    ``use_te_activation_func=True`` (see :func:`.model.build_consistent_gpt_model`).
+    ``use_te_activation_func=True`` (see :func:`.model.build_consistent_model`).
     """
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ArchConfig
+from ..architectures import hf_tensor_specs
 
 __all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "hf_tensor_specs", "pack_update", "validate_update", "tensor_views",
            "iter_buckets"]
@@ -50,51 +50,6 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 class WeightSyncError(RuntimeError):
     """A weight update the engine refused (the message lists every problem) or an in-place guarantee broken."""
-
-
-def hf_tensor_specs(arch: ArchConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """HF tensor name -> (shape, dtype name) of a checkpoint of ``arch`` (what a full update must contain)."""
-    if arch.is_hybrid:
-        return _hybrid_specs(arch)
-    a, dt = arch, arch.dtype
-    q, kv, h, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.hidden_size, a.intermediate_size
-    specs = {"model.embed_tokens.weight": ((a.vocab_size, h), dt), "model.norm.weight": ((h,), dt)}
-    if not a.tie_word_embeddings:
-        specs["lm_head.weight"] = ((a.vocab_size, h), dt)
-    for n in range(a.num_layers):
-        p = f"model.layers.{n}."
-        specs[p + "input_layernorm.weight"] = ((h,), dt)
-        specs[p + "post_attention_layernorm.weight"] = ((h,), dt)
-        for name, rows in (("q", q), ("k", kv), ("v", kv)):
-            specs[p + f"self_attn.{name}_proj.weight"] = ((rows, h), dt)
-            if a.qkv_bias:
-                specs[p + f"self_attn.{name}_proj.bias"] = ((rows,), dt)
-        if a.qk_norm:
-            specs[p + "self_attn.q_norm.weight"] = ((a.head_dim,), dt)
-            specs[p + "self_attn.k_norm.weight"] = ((a.head_dim,), dt)
-        specs[p + "self_attn.o_proj.weight"] = ((h, q), dt)
-        specs[p + "mlp.gate_proj.weight"] = ((i, h), dt)
-        specs[p + "mlp.up_proj.weight"] = ((i, h), dt)
-        specs[p + "mlp.down_proj.weight"] = ((h, i), dt)
-    return specs
-
-
-def _hybrid_specs(arch: ArchConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """:func:`hf_tensor_specs` of a Mamba-2 / Nemotron-H ``arch``: the names of :mod:`..conversion.hybrid` (the router's
-    ``e_score_correction_bias`` is float32, everything else ``arch.dtype``)."""
-    from ..conversion.hybrid import hybrid_param_shapes, hybrid_plan
-
-    shapes, specs = hybrid_param_shapes(arch), {}
-    for mname, hf_names, kind in hybrid_plan(arch):
-        shape, dt = shapes[mname], "float32" if mname.endswith("router.expert_bias") else arch.dtype
-        if kind == "qkv":
-            rows = (arch.num_heads * arch.head_dim,) + (arch.num_kv_heads * arch.head_dim,) * 2
-            specs.update({n: ((r, shape[1]), dt) for n, r in zip(hf_names, rows)})
-        elif kind == "experts_fc2":  # [E, out, in] stack -> one [out, in] tensor per expert
-            specs.update({n: (tuple(shape[1:]), dt) for n in hf_names})
-        else:
-            specs[hf_names[0]] = (tuple(shape), dt)
-    return specs
 
 
 def _shm_dir() -> str:

@@ -81,14 +81,14 @@ class RLSession:
         """Build the trainer (seeded; or from ``init_hf_dir``; or restored from the checkpoint ``restore_dir`` with its
         optimizer state), export it (or use the HF folder ``engine_dir``), start the engine from it, open the channel."""
         from ..conversion import export_hf, import_hf
-        from ..layers import build_consistent_gpt_model, build_stock_gpt_model
+        from ..layers import build_consistent_model, build_stock_gpt_model
         from ..training import make_optimizer
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.arch, self.mode, self.temperature = arch, mode, temperature
         self.work_dir = Path(work_dir)
-        build = build_consistent_gpt_model if mode == "consistent" else build_stock_gpt_model
+        build = build_consistent_model if mode == "consistent" else build_stock_gpt_model
         self.model = build(arch, seed=seed)
         if init_hf_dir is not None:
             import_hf(self.model, arch, init_hf_dir)

@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .. import kernels
+from ..architectures import hf_names
 from ..config import ArchConfig, UnsupportedConfigError, load_hf_config
 from .capture import CaptureRequest, load_engine_capture, op_order, run_capture_engine, stack_rows
 from .metrics import format_table
@@ -173,37 +174,43 @@ def compare_captures(engine: dict[str, dict[int, torch.Tensor]], megatron: dict[
 
 # ------------------------------------------------------------------------------------------------ op replay specs
 def _layer_inputs(op: str, arch: ArchConfig) -> tuple[list[str], list[str]]:
-    """(input op names, HF weight names) of one op."""
+    """(input op names, HF weight names) of one op (weight names from the family's weight table)."""
+    names = hf_names(arch)
     last = f"layer{arch.num_layers - 1}.residual_mlp"
+    embedding = list(names["embedding.word_embeddings.weight"])
     if op == "embed":
-        return [], ["model.embed_tokens.weight"]
+        return [], embedding
     if op == "final_norm":
-        return [last], ["model.norm.weight"]
+        return [last], list(names["decoder.final_layernorm.weight"])
     if op == "logits":
-        return ["final_norm"], ["model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"]
+        return ["final_norm"], embedding if arch.tie_word_embeddings else list(names["output_layer.weight"])
     if op == "logprobs":
         return ["logits"], []
     layer, name = op.split(".")
     i = int(layer[5:])
     prev = "embed" if i == 0 else f"layer{i - 1}.residual_mlp"
-    w, p = f"model.layers.{i}.", f"layer{i}."
-    qkv_w = [w + f"self_attn.{x}_proj.weight" for x in "qkv"] + ([w + f"self_attn.{x}_proj.bias" for x in "qkv"] if arch.qkv_bias else [])
+    m, p = f"decoder.layers.{i}.", f"layer{i}."
+
+    def w(megatron: str) -> list[str]:  # empty where the layer has no such parameter (no q/k norm; an MoE MLP)
+        return list(names.get(m + megatron, ()))
+
+    qkv_w = w("self_attention.linear_qkv.weight") + w("self_attention.linear_qkv.bias")
     q_in = p + ("q_norm" if arch.qk_norm else "qkv")
     k_in = p + ("k_norm" if arch.qk_norm else "qkv")
     table = {
-        "input_norm": ([prev], [w + "input_layernorm.weight"]),
+        "input_norm": ([prev], w("input_layernorm.weight")),
         "qkv": ([p + "input_norm"], qkv_w),
-        "q_norm": ([p + "qkv"], [w + "self_attn.q_norm.weight"]),
-        "k_norm": ([p + "qkv"], [w + "self_attn.k_norm.weight"]),
+        "q_norm": ([p + "qkv"], w("self_attention.q_layernorm.weight")),
+        "k_norm": ([p + "qkv"], w("self_attention.k_layernorm.weight")),
         "rope_q": ([q_in], []),
         "rope_k": ([k_in], []),
         "attention": ([p + "rope_q", p + "rope_k", p + "qkv"], []),
-        "o_proj": ([p + "attention"], [w + "self_attn.o_proj.weight"]),
+        "o_proj": ([p + "attention"], w("self_attention.linear_proj.weight")),
         "residual_attn": ([p + "o_proj", prev], []),
-        "post_norm": ([p + "residual_attn"], [w + "post_attention_layernorm.weight"]),
-        "gate_up": ([p + "post_norm"], [w + "mlp.gate_proj.weight", w + "mlp.up_proj.weight"]),
+        "post_norm": ([p + "residual_attn"], w("pre_mlp_layernorm.weight")),
+        "gate_up": ([p + "post_norm"], w("mlp.linear_fc1.weight")),
         "act": ([p + "gate_up"], []),
-        "down": ([p + "act"], [w + "mlp.down_proj.weight"]),
+        "down": ([p + "act"], w("mlp.linear_fc2.weight")),
         "residual_mlp": ([p + "down", p + "residual_attn"], []),
     }
     return table[name]
@@ -321,11 +328,11 @@ def _refuse_hybrid(arch: ArchConfig) -> None:
 def build_megatron(model_dir: str | Path, seed: int = 0):
     """The consistent Megatron model with the HF weights of ``model_dir``; returns (model, arch)."""
     from ..conversion import import_hf
-    from ..layers import build_consistent_gpt_model
+    from ..layers import build_consistent_model
 
     arch = ArchConfig.from_hf(load_hf_config(model_dir))
     _refuse_hybrid(arch)
-    model = build_consistent_gpt_model(arch, seed=seed)
+    model = build_consistent_model(arch, seed=seed)
     import_hf(model, arch, model_dir)
     return model, arch
 

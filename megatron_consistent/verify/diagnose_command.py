@@ -55,12 +55,12 @@ def run(args) -> int:
         if not model_dir:
             from ..config import ArchConfig, load_hf_config
             from ..conversion import export_hf
-            from ..layers import build_consistent_gpt_model
+            from ..layers import build_consistent_model
             from ..config import builtin_model_dir
 
             arch = ArchConfig.from_hf(load_hf_config(args.hf_config or builtin_model_dir()))
             model_dir = str(Path(args.out_dir) / "model")
-            export_hf(build_consistent_gpt_model(arch, seed=args.seed), arch, model_dir)
+            export_hf(build_consistent_model(arch, seed=args.seed), arch, model_dir)
     kw = {k: settings[k] for k in ("max_num_batched_tokens", "block_size", "max_model_len") if k in settings}
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens

@@ -208,12 +208,12 @@ def _model(ctx):
     if "model" not in ctx.cache:
         from ..config import ArchConfig, load_hf_config
         from ..conversion import export_hf
-        from ..layers import build_consistent_gpt_model
+        from ..layers import build_consistent_model
         from ..config import builtin_model_dir
 
         arch = ArchConfig.from_hf(load_hf_config(ctx.cfg.hf_config or builtin_model_dir()))
         d = ctx.out / "model"
-        export_hf(build_consistent_gpt_model(arch, seed=ctx.cfg.seed), arch, d)
+        export_hf(build_consistent_model(arch, seed=ctx.cfg.seed), arch, d)
         ctx.cache["model"] = (arch, str(d))
     return ctx.cache["model"]
 

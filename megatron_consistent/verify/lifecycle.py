@@ -211,7 +211,7 @@ def _scenario_checkpoint_restore(cfg: LifecycleConfig) -> dict:
     from ..checkpoint import load_checkpoint, save_checkpoint
     from ..config import ArchConfig
     from ..conversion import CheckpointMismatchError
-    from ..layers import build_consistent_gpt_model, compute_token_logprobs
+    from ..layers import build_consistent_model, compute_token_logprobs
     from ..sync.session import RLSession
     from ..training import ModTask, make_optimizer
 
@@ -219,7 +219,7 @@ def _scenario_checkpoint_restore(cfg: LifecycleConfig) -> dict:
     work = Path(cfg.out_dir) / "checkpoint_restore"
     fails = []
     # 1. a trainer that has taken optimizer steps (maximise the log-prob of seeded token sequences)
-    model = build_consistent_gpt_model(arch, seed=cfg.seed)
+    model = build_consistent_model(arch, seed=cfg.seed)
     opt = make_optimizer(model, cfg.lr)
     g = torch.Generator().manual_seed(cfg.seed + 7)
     for _ in range(max(cfg.steps, 1)):
@@ -242,7 +242,7 @@ def _scenario_checkpoint_restore(cfg: LifecycleConfig) -> dict:
         return all(torch.equal(saved[n], p) for n, p in m.named_parameters())
 
     # 2. fresh Megatron models, restored from the dist checkpoint and (below, in the session) from safetensors
-    fresh = build_consistent_gpt_model(arch, seed=cfg.seed + 1)
+    fresh = build_consistent_model(arch, seed=cfg.seed + 1)
     fresh_opt = make_optimizer(fresh, cfg.lr)
     load_checkpoint(ckpt, fresh, fresh_opt, source="dist")
     dist_ok = same_weights(fresh) and all(torch.equal(saved_opt[k], v) for k, v in fresh_opt.state_dict().items())
@@ -250,7 +250,7 @@ def _scenario_checkpoint_restore(cfg: LifecycleConfig) -> dict:
         fails.append("dist_checkpointing restore is not bitwise")
     # 3. a checkpoint of another architecture: refused, nothing applied
     other_cfg = dict(arch.to_hf(), hidden_size=arch.hidden_size * 2, intermediate_size=arch.intermediate_size * 2)
-    other = build_consistent_gpt_model(ArchConfig.from_hf(other_cfg), seed=cfg.seed)
+    other = build_consistent_model(ArchConfig.from_hf(other_cfg), seed=cfg.seed)
     before = [p.detach().clone() for p in other.parameters()]
     wrong_arch = {}
     for source in ("hf", "dist"):

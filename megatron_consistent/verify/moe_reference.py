@@ -11,15 +11,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..architectures import hf_names
 
-def moe_mlp_f64(w: dict[str, torch.Tensor], arch, layer_prefix: str, h: torch.Tensor) -> torch.Tensor:
-    """MoE MLP output of ``h [..., H]`` (float64) for the layer whose HF prefix is ``layer_prefix`` (``model.layers.i.``)."""
-    from ..conversion.moe import expert_proj_names, moe_hf_prefix
 
-    p = f"{layer_prefix}{moe_hf_prefix(arch)}."
-    gate, up, down = expert_proj_names(arch)
+def moe_mlp_f64(w: dict[str, torch.Tensor], arch, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """MoE MLP output of ``h [..., H]`` (float64) for MoE layer ``layer`` of ``arch``, weights ``w`` by HF name."""
+    names = hf_names(arch)
+    m = f"decoder.layers.{layer}.mlp."
+    fc1, fc2 = names[m + "experts.linear_fc1.weight"], names[m + "experts.linear_fc2.weight"]
     x = h.reshape(-1, h.shape[-1])
-    probs = torch.softmax(x @ w[p + "gate.weight"].T, dim=-1)
+    probs = torch.softmax(x @ w[names[m + "router.weight"][0]].T, dim=-1)
     top_w, top_e = torch.topk(probs, arch.num_experts_per_tok, dim=-1)
     if arch.norm_topk_prob:
         top_w = top_w / top_w.sum(-1, keepdim=True)
@@ -29,12 +30,12 @@ def moe_mlp_f64(w: dict[str, torch.Tensor], arch, layer_prefix: str, h: torch.Te
         if rows.numel() == 0:
             continue
         xe = x[rows]
-        ye = (F.silu(xe @ w[p + f"experts.{e}.{gate}.weight"].T) * (xe @ w[p + f"experts.{e}.{up}.weight"].T)) @ w[p + f"experts.{e}.{down}.weight"].T
+        ye = (F.silu(xe @ w[fc1[2 * e]].T) * (xe @ w[fc1[2 * e + 1]].T)) @ w[fc2[e]].T
         out = out.index_add(0, rows, ye * top_w[rows, slot, None])
     if arch.shared_expert_intermediate_size:
-        s = p + "shared_expert."
-        ys = (F.silu(x @ w[s + "gate_proj.weight"].T) * (x @ w[s + "up_proj.weight"].T)) @ w[s + "down_proj.weight"].T
-        out = out + torch.sigmoid(x @ w[p + "shared_expert_gate.weight"].T) * ys
+        (s_gate, s_up), (s_down,) = names[m + "shared_experts.linear_fc1.weight"], names[m + "shared_experts.linear_fc2.weight"]
+        ys = (F.silu(x @ w[s_gate].T) * (x @ w[s_up].T)) @ w[s_down].T
+        out = out + torch.sigmoid(x @ w[names[m + "shared_experts.gate_weight"][0]].T) * ys
     return out.reshape(h.shape)
 
 

@@ -3,7 +3,9 @@
 :func:`reference_logprobs_f64` is plain torch in float64 (no package kernels):
 embedding, RMSNorm, q/k/v (+bias), [q/k RMSNorm], NeoX RoPE (llama3 scaling),
 causal softmax attention with GQA, SwiGLU, final norm, log-softmax.  It reads
-HF-named weights, so it is independent of the Megatron layout as well.
+HF-named weights (q, k, v and gate, up as separate tensors; names from the weight
+table of :mod:`megatron_consistent.architectures`), so it is independent of the
+Megatron layout as well.
 
 :func:`gradient_check` differentiates the consistent Megatron model (float32)
 and the reference (float64) on the same tokens and returns the relative
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from ..architectures import hf_names
 
 # Relative Frobenius error of each float32 gradient tensor vs float64.  float32 has unit roundoff u = 6e-8; the
 # forward and backward chain ~20 ops over 2 layers, each a float32 reduction of length <= 512 (tree / blocked sums,
@@ -51,9 +55,8 @@ def reference_logprobs_f64(w: dict[str, torch.Tensor], arch, ids: torch.Tensor) 
     def norm(x, weight):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + arch.rms_norm_eps) * weight
 
-    def lin(x, name, bias=False):
-        y = x @ w[name + ".weight"].T
-        return y + w[name + ".bias"] if bias else y
+    def lin(x, name):
+        return x @ w[name].T
 
     ang = torch.arange(s, dtype=torch.float64)[:, None] * inv_freq_f64(arch)[None, :]
     cos, sin = torch.cat([ang.cos()] * 2, -1)[None, :, None], torch.cat([ang.sin()] * 2, -1)[None, :, None]
@@ -62,31 +65,35 @@ def reference_logprobs_f64(w: dict[str, torch.Tensor], arch, ids: torch.Tensor) 
         x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
-    x = w["model.embed_tokens.weight"][ids]
+    names = hf_names(arch)  # Megatron name -> HF names (the family's weight table); only the HF tensors are read
+    x = w[names["embedding.word_embeddings.weight"][0]][ids]
     causal = torch.ones(s, s, dtype=torch.bool).triu(1)
     for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        h = norm(x, w[p + "input_layernorm.weight"])
-        q = lin(h, p + "self_attn.q_proj", arch.qkv_bias).reshape(b, s, nh, hd)
-        k = lin(h, p + "self_attn.k_proj", arch.qkv_bias).reshape(b, s, nkv, hd)
-        v = lin(h, p + "self_attn.v_proj", arch.qkv_bias).reshape(b, s, nkv, hd)
+        m = f"decoder.layers.{i}."
+        h = norm(x, w[names[m + "input_layernorm.weight"][0]])
+        qkv = [lin(h, n) for n in names[m + "self_attention.linear_qkv.weight"]]
+        if arch.qkv_bias:
+            qkv = [y + w[n] for y, n in zip(qkv, names[m + "self_attention.linear_qkv.bias"])]
+        q, k, v = qkv[0].reshape(b, s, nh, hd), qkv[1].reshape(b, s, nkv, hd), qkv[2].reshape(b, s, nkv, hd)
         if arch.qk_norm:
-            q, k = norm(q, w[p + "self_attn.q_norm.weight"]), norm(k, w[p + "self_attn.k_norm.weight"])
+            q = norm(q, w[names[m + "self_attention.q_layernorm.weight"][0]])
+            k = norm(k, w[names[m + "self_attention.k_layernorm.weight"][0]])
         q, k = rope(q), rope(k)
         k, v = (t.repeat_interleave(nh // nkv, dim=2) for t in (k, v))
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * hd**-0.5
         probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
         o = torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, nh * hd)
-        x = x + lin(o, p + "self_attn.o_proj")
-        h = norm(x, w[p + "post_attention_layernorm.weight"])
-        if getattr(arch, "num_experts", 0) and arch.layer_is_moe(i):  # MoE block: verify/moe_reference.py
+        x = x + lin(o, names[m + "self_attention.linear_proj.weight"][0])
+        h = norm(x, w[names[m + "pre_mlp_layernorm.weight"][0]])
+        if arch.layer_is_moe(i):  # MoE block: verify/moe_reference.py
             from .moe_reference import moe_mlp_f64
 
-            x = x + moe_mlp_f64(w, arch, p, h)
+            x = x + moe_mlp_f64(w, arch, i, h)
             continue
-        x = x + lin(torch.nn.functional.silu(lin(h, p + "mlp.gate_proj")) * lin(h, p + "mlp.up_proj"), p + "mlp.down_proj")
-    h = norm(x, w["model.norm.weight"])
-    head = w["model.embed_tokens.weight"] if arch.tie_word_embeddings else w["lm_head.weight"]
+        (gate, up), (down,) = names[m + "mlp.linear_fc1.weight"], names[m + "mlp.linear_fc2.weight"]
+        x = x + lin(torch.nn.functional.silu(lin(h, gate)) * lin(h, up), down)
+    h = norm(x, w[names["decoder.final_layernorm.weight"][0]])
+    head = w[names["output_layer.weight" if "output_layer.weight" in names else "embedding.word_embeddings.weight"][0]]
     lp = torch.log_softmax(h @ head.T, dim=-1)
     return lp[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
 
@@ -100,9 +107,9 @@ def gradient_check(hf_config, *, seed: int = 11, batch: int = 2, seq: int = 40, 
     Returns ``{"loss", "ref_loss", "loss_rel_err", "rel_errors": {hf_name: err}, "max_rel_err", "worst"}``.
     """
     from ..conversion import export_hf
-    from ..layers import build_consistent_gpt_model, compute_token_logprobs
+    from ..layers import build_consistent_model, compute_token_logprobs
 
-    model = build_consistent_gpt_model(hf_config, seed=seed, dtype=dtype)
+    model = build_consistent_model(hf_config, seed=seed, dtype=dtype)
     arch = model.arch_config
     ids = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(data_seed))
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,7 +117,7 @@ def gradient_check(hf_config, *, seed: int = 11, batch: int = 2, seq: int = 40, 
         model.to(device)
         loss = -compute_token_logprobs(model, ids.to(device)).mean()
         loss.backward()
-        twin = build_consistent_gpt_model(hf_config, seed=0, dtype=torch.float32)  # gradients in HF layout via export
+        twin = build_consistent_model(hf_config, seed=0, dtype=torch.float32)  # gradients in HF layout via export
         grads = dict(model.named_parameters())
         with torch.no_grad():
             for n, p in twin.named_parameters():

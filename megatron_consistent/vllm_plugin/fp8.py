@@ -39,12 +39,12 @@ from .moe import ConsistentMoEDecoderLayer
 
 __all__ = ["FP8DecoderLayer", "quantization_of"]
 
-# fused op -> (fused parameter, [(HF short name, HF tensor suffix)])
+# fused op -> (fused parameter, its HF tensors' short names: the stems of the block-scale parameters, in row order)
 _FUSED = {
-    "qkv": ("qkv_proj", [("q_proj", "self_attn.q_proj"), ("k_proj", "self_attn.k_proj"), ("v_proj", "self_attn.v_proj")]),
-    "o_proj": ("o_proj", [("o_proj", "self_attn.o_proj")]),
-    "gate_up": ("gate_up_proj", [("gate_proj", "mlp.gate_proj"), ("up_proj", "mlp.up_proj")]),
-    "down": ("down_proj", [("down_proj", "mlp.down_proj")]),
+    "qkv": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("o_proj", ("o_proj",)),
+    "gate_up": ("gate_up_proj", ("gate_proj", "up_proj")),
+    "down": ("down_proj", ("down_proj",)),
 }
 
 
@@ -67,6 +67,7 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
     br, bc = layer.w_fmt.block
     nv = layer.nvfp4 = layer.w_fmt.name == "e2m1"  # NVFP4: codes packed two per byte, E4M3 block scales + float32 global
     layer._rows = {}
+    layer._scale_stems = {_FUSED[op][0]: _FUSED[op][1] for op in ops}
     sizes = {"q_proj": layer.q_size, "k_proj": layer.kv_size, "v_proj": layer.kv_size, "o_proj": arch.hidden_size,
              "gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size, "down_proj": arch.hidden_size}
     for op in ops:
@@ -77,14 +78,14 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
             raise UnsupportedConfigError(f"nvfp4: {pname} has an odd input size {k} (two E2M1 codes per byte)")
         shape = (n_all, k // 2) if nv else old.shape
         setattr(layer, pname, nn.Parameter(torch.zeros(shape, dtype=layer.w_fmt.storage_dtype), requires_grad=False))
-        for short, _ in parts:
+        for short in parts:
             n = sizes[short]
             if nv:
                 setattr(layer, f"{short}_scale", nn.Parameter(torch.ones(n, -(-k // bc), dtype=torch.float8_e4m3fn), requires_grad=False))
                 setattr(layer, f"{short}_scale_2", nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False))
                 continue
             setattr(layer, f"{short}_scale", nn.Parameter(torch.ones(-(-n // br), -(-k // bc), dtype=torch.float32), requires_grad=False))
-        layer._rows[op] = [sizes[s] for s, _ in parts]
+        layer._rows[op] = [sizes[s] for s in parts]
         layer.lin[op] = _make_linear(layer, op)
 
 
@@ -93,22 +94,33 @@ def _make_linear(layer, op: str):
 
     def run(x, w_q, b=None):
         if layer.nvfp4:
-            rows = torch.cat([nvfp4_effective_scales(getattr(layer, f"{s}_scale"), getattr(layer, f"{s}_scale_2")) for s, _ in parts])
+            rows = torch.cat([nvfp4_effective_scales(getattr(layer, f"{s}_scale"), getattr(layer, f"{s}_scale_2")) for s in parts])
             return fp8_linear(x, unpack_e2m1(w_q), rows, b, w_fmt=layer.w_fmt, a_fmt=layer.a_fmt)
-        rows = torch.cat([weight_row_scales(getattr(layer, f"{s}_scale"), n, layer.w_fmt) for (s, _), n in zip(parts, layer._rows[op])])
+        rows = torch.cat([weight_row_scales(getattr(layer, f"{s}_scale"), n, layer.w_fmt) for s, n in zip(parts, layer._rows[op])])
         return fp8_linear(x, w_q, rows, b, w_fmt=layer.w_fmt, a_fmt=layer.a_fmt)
 
     return run
 
 
-def _fused_scale_targets(layer, ops, p: str) -> dict[str, torch.Tensor]:
-    if layer.nvfp4:  # ModelOpt names: weight_scale (E4M3 per 16) and weight_scale_2 (float32 global)
-        return {p + f"{suffix}.weight_scale{k}": getattr(layer, f"{short}_scale{k}") for op in ops for short, suffix in _FUSED[op][1]
-                for k in ("", "_2")}
-    return {p + f"{suffix}.weight_scale_inv": getattr(layer, f"{short}_scale") for op in ops for short, suffix in _FUSED[op][1]}
+class _BlockScales:
+    """``block_scales``: the HF scale tensors of a quantized weight entry -> this layer's scale parameters."""
+
+    def block_scales(self, entry, held: str) -> dict[str, torch.Tensor]:
+        """HF scale names of ``entry`` (a weight-table entry held in this layer's parameter ``held``) -> views of the
+        scale parameters: ``<HF weight>_scale_inv`` (block-FP8), ``<HF weight>_scale`` / ``_scale_2`` (NVFP4, ModelOpt
+        names); empty for a parameter that is not quantized."""
+        if held in ("experts_fc1", "experts_fc2"):  # per-expert views of the stacked scales, in the entry's HF order
+            E = self.arch.num_experts
+            scales = ([t for e in range(E) for t in (self.experts_gate_scale[e], self.experts_up_scale[e])] if held == "experts_fc1"
+                      else [self.experts_down_scale[e] for e in range(E)])
+            return {n + "_scale_inv": t for n, t in zip(entry.hf, scales)}
+        stems = self._scale_stems.get(held, ())
+        if self.nvfp4:
+            return {n + f"_scale{k}": getattr(self, f"{s}_scale{k}") for n, s in zip(entry.hf, stems) for k in ("", "_2")}
+        return {n + "_scale_inv": getattr(self, f"{s}_scale") for n, s in zip(entry.hf, stems)}
 
 
-class FP8DecoderLayer(ConsistentDecoderLayer):
+class FP8DecoderLayer(_BlockScales, ConsistentDecoderLayer):
     """Dense decoder layer whose four linears are block-FP8 (E4M3 values + per-HF-tensor block scales)."""
 
     OPS = ("qkv", "o_proj", "gate_up", "down")
@@ -117,12 +129,8 @@ class FP8DecoderLayer(ConsistentDecoderLayer):
         super().__init__(arch, cache_config, prefix)
         _quantize_fused(self, self.OPS, arch, formats)
 
-    def scale_targets(self, p: str) -> dict[str, torch.Tensor]:
-        """HF ``weight_scale_inv`` names of this layer (prefix ``p``) -> its block-scale parameters."""
-        return _fused_scale_targets(self, self.OPS, p)
 
-
-class FP8MoEDecoderLayer(ConsistentMoEDecoderLayer):
+class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
     """MoE decoder layer in block-FP8: q/k/v/o as :class:`FP8DecoderLayer`; every expert's gate / up / down (and the
     shared expert's) E4M3 with its own block scales; the router and ``shared_expert_gate`` in the model dtype.
 
@@ -153,6 +161,7 @@ class FP8MoEDecoderLayer(ConsistentMoEDecoderLayer):
             self.shared_gate_scale, self.shared_up_scale = scale(n=s, k=H), scale(n=s, k=H)
             self.shared_down_scale = scale(n=H, k=s)
             self.shared = (self.shared_fc1, self.shared_fc2, self.shared_gate)
+            self._scale_stems.update(shared_fc1=("shared_gate", "shared_up"), shared_fc2=("shared_down",))
 
     def _fc1_rows(self, gate_scale, up_scale, n):
         return torch.cat([weight_row_scales(gate_scale, n, self.w_fmt), weight_row_scales(up_scale, n, self.w_fmt)])
@@ -175,22 +184,6 @@ class FP8MoEDecoderLayer(ConsistentMoEDecoderLayer):
             shared = (FP8Weights(self.shared_fc1, self._fc1_rows(self.shared_gate_scale, self.shared_up_scale, s)),
                       FP8Weights(self.shared_fc2, weight_row_scales(self.shared_down_scale, H, self.w_fmt)), self.shared_gate)
         return z, experts, fp8_moe_experts(x, experts, w, fc1, fc2, shared, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
-
-    def scale_targets(self, p: str) -> dict[str, torch.Tensor]:
-        """HF ``weight_scale_inv`` names of this layer (prefix ``p``) -> its block-scale parameters (views per expert)."""
-        from ..conversion.moe import expert_proj_names, moe_hf_prefix
-
-        out = _fused_scale_targets(self, self.OPS, p)
-        q = f"{p}{moe_hf_prefix(self.arch)}."
-        gate, up, down = expert_proj_names(self.arch)
-        for e in range(self.arch.num_experts):
-            out[q + f"experts.{e}.{gate}.weight_scale_inv"] = self.experts_gate_scale[e]
-            out[q + f"experts.{e}.{up}.weight_scale_inv"] = self.experts_up_scale[e]
-            out[q + f"experts.{e}.{down}.weight_scale_inv"] = self.experts_down_scale[e]
-        if self.shared is not None:
-            for name in ("gate", "up", "down"):
-                out[q + f"shared_expert.{name}_proj.weight_scale_inv"] = getattr(self, f"shared_{name}_scale")
-        return out
 
 
 def layer_factory(arch: ArchConfig, formats):

@@ -26,6 +26,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, IsHybrid
 
+from ..architectures import canonical_hf_name, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_norm
 from ..kernels import moe as kmoe
@@ -53,11 +54,6 @@ class AttentionMixer(nn.Module):
         q, k, v = linear(x, self.qkv_proj).split([self.q, self.kv, self.kv], dim=-1)
         return linear(self.attn(q.contiguous(), k.contiguous(), v.contiguous()), self.o_proj)
 
-    def hf_targets(self, p):
-        q, kv = self.q, self.kv
-        return {p + "q_proj.weight": self.qkv_proj[:q], p + "k_proj.weight": self.qkv_proj[q:q + kv],
-                p + "v_proj.weight": self.qkv_proj[q + kv:], p + "o_proj.weight": self.o_proj}
-
 
 class MLPMixer(nn.Module):
     """Nemotron-H non-gated MLP: ``down(relu2(up(x)))``."""
@@ -70,9 +66,6 @@ class MLPMixer(nn.Module):
 
     def forward(self, x):
         return linear(relu_squared(linear(x, self.up_proj)), self.down_proj)
-
-    def hf_targets(self, p):
-        return {p + "up_proj.weight": self.up_proj, p + "down_proj.weight": self.down_proj}
 
 
 class MoEMixer(nn.Module):
@@ -101,16 +94,6 @@ class MoEMixer(nn.Module):
             plugin_moe.RECORDER(self.idx, positions, experts)
         shared = None if self.shared_up is None else (self.shared_up, self.shared_down, None)
         return kmoe.moe_experts(x, experts, w, self.experts_up, self.experts_down, shared, "relu2")
-
-    def hf_targets(self, p):
-        out = {p + "gate.weight": self.gate, p + "gate.e_score_correction_bias": self.score_bias}
-        for e in range(self.arch.num_experts):
-            out[p + f"experts.{e}.up_proj.weight"] = self.experts_up[e]
-            out[p + f"experts.{e}.down_proj.weight"] = self.experts_down[e]
-        if self.shared_up is not None:
-            out[p + "shared_experts.up_proj.weight"] = self.shared_up
-            out[p + "shared_experts.down_proj.weight"] = self.shared_down
-        return out
 
 
 class HybridLayer(nn.Module):
@@ -197,35 +180,16 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return compute_logits(hidden_states, self.lm_head)
 
-    def hf_targets(self) -> dict[str, torch.Tensor]:
-        out = {"backbone.embeddings.weight": self.embed_tokens, "backbone.norm_f.weight": self.norm}
-        if not self.arch.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head
-        for i, layer in enumerate(self.layers):
-            p = f"backbone.layers.{i}."
-            out[p + "norm.weight"] = layer.norm
-            out.update(layer.mixer.hf_targets(p + "mixer."))
-        return out
-
     def hf_wire_dtypes(self) -> dict[str, str]:
         """HF name -> the dtype a checkpoint / weight update carries, for the targets held wider than that: the Mamba
         mixers' float32 small parameters (``A_log``, ``D``, ``dt_bias``, conv, gated norm) arrive in the model dtype
         and the copy widens them exactly."""
-        out = {}
-        for i, layer in enumerate(self.layers):
-            if layer.kind == "mamba":
-                targets = layer.mixer.hf_targets(f"backbone.layers.{i}.mixer.")
-                out.update({n: self.arch.dtype for n, t in targets.items() if t.dtype != self.arch.torch_dtype})
-        return out
+        targets = self.hf_targets()
+        return {n: e.dtype for e in weight_entries(self.arch) for n in e.hf if str(targets[n].dtype) != f"torch.{e.dtype}"}
 
     def load_weights(self, weights):
-        def renamed():
-            for name, t in weights:
-                if name.startswith("model."):
-                    name = "backbone." + name[len("model."):]
-                yield name.replace("backbone.embed_tokens.", "backbone.embeddings."), t
-
-        return super().load_weights(renamed())
+        """:meth:`ConsistentForCausalLM.load_weights` accepting the ``model.*`` / ``embed_tokens`` aliases of the HF names."""
+        return super().load_weights((canonical_hf_name(name), t) for name, t in weights)
 
 
 class ConsistentNemotronHForCausalLM(_ConsistentHybridBase, HasInnerState, IsHybrid):

@@ -88,14 +88,6 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.MAMBA2  # reuse vLLM's Mamba-2 metadata (state slots, query locations, seq lens)
 
-    def hf_targets(self, p: str) -> dict[str, torch.Tensor]:
-        """HF names (prefix ``p`` = ``...layers.<i>.mixer.``) -> views of this mixer's storage."""
-        out = {p + "in_proj.weight": self.in_proj, p + "conv1d.weight": self.conv_weight, p + "A_log": self.A_log, p + "D": self.D,
-               p + "dt_bias": self.dt_bias, p + "norm.weight": self.norm_weight, p + "out_proj.weight": self.out_proj}
-        if self.conv_bias is not None:
-            out[p + "conv1d.bias"] = self.conv_bias
-        return out
-
     # --- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from vllm.forward_context import get_forward_context

@@ -33,6 +33,7 @@ from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 
+from ..architectures import engine_views, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import add_residual, compute_logits, inference_ops, rope_cache
 from .compat import attention_backend_class, compiled_by_vllm
@@ -90,12 +91,6 @@ class ConsistentDecoderLayer(nn.Module):
         gu = self.lin["gate_up"](x, self.gate_up_proj)
         act = inference_ops.silu_and_mul(gu)
         return gu, act, self.lin["down"](act, self.down_proj)
-
-    def mlp_targets(self, p: str) -> dict[str, torch.Tensor]:
-        """HF MLP tensor names of this layer (prefix ``p``) -> views of its storage."""
-        n = self.arch.intermediate_size
-        return {p + "mlp.gate_proj.weight": self.gate_up_proj[:n], p + "mlp.up_proj.weight": self.gate_up_proj[n:],
-                p + "mlp.down_proj.weight": self.down_proj}
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """One layer; ``rope``: the float32 (cos, sin) table rows at each token's position."""
@@ -237,27 +232,15 @@ class ConsistentForCausalLM(nn.Module):
 
     # --- weights in HF layout -------------------------------------------------------------
     def hf_targets(self) -> dict[str, torch.Tensor]:
-        """HF tensor name -> the view of this model's storage it is copied into."""
-        a = self.arch
-        out = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm}
-        if not a.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = layer.input_layernorm
-            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
-            for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
-                out[p + f"self_attn.{name}_proj.weight"] = layer.qkv_proj[lo:hi]
-                if layer.qkv_bias is not None:
-                    out[p + f"self_attn.{name}_proj.bias"] = layer.qkv_bias[lo:hi]
-            if a.qk_norm:
-                out[p + "self_attn.q_norm.weight"] = layer.q_norm
-                out[p + "self_attn.k_norm.weight"] = layer.k_norm
-            out[p + "self_attn.o_proj.weight"] = layer.o_proj
-            out.update(layer.mlp_targets(p))  # dense SwiGLU, or router + experts (vllm_plugin/moe.py)
-            if hasattr(layer, "scale_targets"):  # block-FP8: <name>.weight_scale_inv (vllm_plugin/fp8.py)
-                out.update(layer.scale_targets(p))
+        """HF tensor name -> the view of this model's storage it is copied into (the family's weight table,
+        :mod:`megatron_consistent.architectures`; block-FP8 / NVFP4 scales: the layer's ``block_scales``, vllm_plugin/fp8.py)."""
+        out = {}
+        for entry in weight_entries(self.arch):
+            out.update(zip(entry.hf, engine_views(entry, self.get_parameter(entry.engine))))
+            module, _, held = entry.engine.rpartition(".")
+            block_scales = getattr(self.get_submodule(module), "block_scales", None)
+            if block_scales is not None:
+                out.update(block_scales(entry, held))
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -7,9 +7,9 @@ The MLP of an MoE layer is, op for op, the Megatron-side
     w, experts = route_logits(z, k, softmax, norm_topk_prob)   (stable top-k: lowest index wins ties)
     out = moe_experts(x, experts, w, W_fc1[E,2I,H], W_fc2[E,H,I], shared)   (slot-order float32 combine, one rounding)
 
-Parameters are held in the Megatron stacked layout (see
-:mod:`megatron_consistent.conversion.moe`); :meth:`ConsistentMoEDecoderLayer.mlp_targets`
-maps the HF per-expert tensor names to views of them for ``load_weights``.
+Parameters are held in the Megatron stacked layout; the MoE family's weight table
+(:mod:`megatron_consistent.architectures.moe`) maps the HF per-expert tensor names to views of
+them for ``load_weights``.
 
 Route recording (off by default): with ``MEGATRON_CONSISTENT_ROUTES=<folder>``
 in the engine's environment every model forward that vLLM scheduled writes
@@ -115,27 +115,6 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
         if RECORDER is not None:
             RECORDER(self.idx, self._positions, experts)
         return z, experts, kmoe.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, self.shared)
-
-    def mlp_targets(self, p: str) -> dict[str, torch.Tensor]:
-        """HF tensor name -> view of this layer's MoE storage (names of :mod:`..conversion.moe`)."""
-        from ..conversion.moe import expert_proj_names, moe_hf_prefix
-
-        a = self.arch
-        q = f"{p}{moe_hf_prefix(a)}."
-        gate, up, down = expert_proj_names(a)
-        inter = a.moe_intermediate_size
-        out = {q + "gate.weight": self.router}
-        for e in range(a.num_experts):
-            out[q + f"experts.{e}.{gate}.weight"] = self.experts_fc1[e, :inter]
-            out[q + f"experts.{e}.{up}.weight"] = self.experts_fc1[e, inter:]
-            out[q + f"experts.{e}.{down}.weight"] = self.experts_fc2[e]
-        if self.shared is not None:
-            s = a.shared_expert_intermediate_size
-            out[q + "shared_expert.gate_proj.weight"] = self.shared_fc1[:s]
-            out[q + "shared_expert.up_proj.weight"] = self.shared_fc1[s:]
-            out[q + "shared_expert.down_proj.weight"] = self.shared_fc2
-            out[q + "shared_expert_gate.weight"] = self.shared_gate
-        return out
 
 
 def decoder_layer_class(arch, idx: int):
