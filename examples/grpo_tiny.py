@@ -9,7 +9,7 @@ the consistent spec) and ``baseline`` (stock vLLM + Megatron's stock local
 spec); ``both`` runs each in its own fresh process (the plugin switch is
 process-wide).  Per mode: one engine for the whole run; each step samples
 ``--group`` answers for each of ``--prompts`` prompts, scores them
-(:class:`megatron_consistent.training.ModTask`), recomputes the sampled
+(:class:`megatron_consistent.rl.toy_task.ModTask`), recomputes the sampled
 tokens' log-probs with the trainer at the same weight version, records the
 mismatch, takes one clipped-GRPO AdamW step and pushes the new weights into
 the engine through shared memory (:mod:`megatron_consistent.sync`).
@@ -67,8 +67,8 @@ def run_mode(args, mode: str) -> list[dict]:
     from tqdm import tqdm
 
     from megatron_consistent.config import ArchConfig
-    from megatron_consistent.sync.session import RLSession
-    from megatron_consistent.training import TINY_RL_HF_CONFIG, ModTask
+    from megatron_consistent.rl.session import RLSession
+    from megatron_consistent.rl import TINY_RL_HF_CONFIG, ModTask
 
     torch.manual_seed(args.seed)
     out = Path(args.out)

@@ -1,4 +1,4 @@
-"""A small optimizer interface and GRPO helpers for the RL lifecycle on CPU.
+"""The trainer's small optimizer interface (the RL loop of :mod:`megatron_consistent.rl` uses it).
 
 :func:`make_optimizer` is the CPU stand-in for Megatron's CUDA-only
 ``get_megatron_optimizer``: AdamW over **float32 main (master) copies** of the
@@ -6,20 +6,16 @@ model's (bf16/fp16/fp32) parameters, as Megatron's mixed-precision optimizer
 does.  ``step()`` takes the gradients of the model parameters to float32,
 updates the main copies and writes them back into the model parameters **in
 place** (``param.data.copy_``), so the model's parameter storage never moves —
-the property the in-place weight sync relies on.
-
-GRPO helpers: :func:`group_advantages` (reward minus the group mean, over the
-group std) and :func:`grpo_loss` (the clipped importance-ratio surrogate of
-PPO/GRPO, with the *rollout* log-probs as the behaviour policy).  With
-bitwise-consistent log-probs and one update per step the ratio is exactly 1
-before the update.
+the property the in-place weight sync relies on.  It is what the RL session uses
+on every device; Megatron's own optimizer steps the consistent model on the GPU
+in ``examples/megatron_optimizer_step_gpu.py``.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["MainParamAdamW", "ModTask", "TINY_RL_HF_CONFIG", "make_optimizer", "group_advantages", "grpo_loss"]
+__all__ = ["MainParamAdamW", "make_optimizer"]
 
 
 class MainParamAdamW:
@@ -114,62 +110,5 @@ class MainParamAdamW:
 
 
 def make_optimizer(model, lr: float, **kwargs) -> MainParamAdamW:
-    """The CPU optimizer for a Megatron ``GPTModel`` (stand-in for ``get_megatron_optimizer``): see :class:`MainParamAdamW`."""
+    """The optimizer for a Megatron model (stand-in for ``get_megatron_optimizer``): see :class:`MainParamAdamW`."""
     return MainParamAdamW(model.named_parameters(), lr, **kwargs)
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: rewards ``[n]`` in consecutive groups of ``group_size``; (r - mean) / (std + eps) per group."""
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size}")
-    r = rewards.double().reshape(-1, group_size)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return adv.reshape(-1).to(torch.float32)
-
-
-def grpo_loss(logp: torch.Tensor, rollout_logp: torch.Tensor, advantages: torch.Tensor, clip: float = 0.2) -> tuple[torch.Tensor, dict]:
-    """Clipped GRPO surrogate over response tokens.
-
-    ``logp`` ``[n, t]`` (differentiable trainer log-probs), ``rollout_logp``
-    ``[n, t]`` (behaviour policy, from the engine), ``advantages`` ``[n]``.
-    Returns ``(loss, stats)``; ``stats['ratio_max_dev']`` is ``max |ratio - 1|``
-    (0 exactly when trainer and engine agree bit for bit).
-    """
-    ratio = torch.exp(logp - rollout_logp)
-    a = advantages[:, None]
-    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
-    loss = -surrogate.mean()
-    with torch.no_grad():
-        stats = {"ratio_max_dev": (ratio - 1).abs().max().item(), "loss": loss.item()}
-    return loss, stats
-
-
-# ---------------------------------------------------------------------------------------------- the tiny RL task
-#: A Llama-shaped model small enough to learn the task below in a few CPU steps (vocab 64).
-TINY_RL_HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-    "hidden_act": "silu", "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "max_position_embeddings": 256,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False,
-}
-
-
-class ModTask:
-    """Verifiable toy task: answer with tokens congruent to the prompt's last token modulo ``k``.
-
-    Prompts come from a fixed pool of ``pool`` random prompts (ids 3..vocab-1,
-    length ``prompt_len``); the reward of a response is the fraction of its
-    tokens ``t`` with ``t % k == prompt[-1] % k`` (a uniform policy scores 1/k).
-    """
-
-    def __init__(self, vocab_size: int, *, k: int = 4, pool: int = 8, prompt_len: int = 8, seed: int = 0):
-        self.k = k
-        self.g = torch.Generator().manual_seed(seed)
-        self.pool = torch.randint(3, vocab_size, (pool, prompt_len), generator=self.g).tolist()
-
-    def prompts(self, n: int) -> list[list[int]]:
-        """``n`` prompts drawn from the pool (seeded stream)."""
-        return [self.pool[i] for i in torch.randint(0, len(self.pool), (n,), generator=self.g).tolist()]
-
-    def reward(self, prompt: list[int], response: list[int]) -> float:
-        return sum(t % self.k == prompt[-1] % self.k for t in response) / max(len(response), 1)

@@ -6,7 +6,7 @@ relu^2 MLP — so the push covers every hybrid tensor family: ``in_proj``,
 ``conv1d``, ``dt_bias``, ``A_log``, ``D``, the gated norm, q/k/v, experts, the
 float32 ``e_score_correction_bias``) and ``tiny-mamba2`` (attention-free,
 ``IsAttentionFree`` engine path, tied embeddings).  Each engine runs in a child process
-(:class:`megatron_consistent.sync.session.RLSession`, multiprocess engine core,
+(:class:`megatron_consistent.rl.session.RLSession`, multiprocess engine core,
 chunked prefill forced with ``max_num_batched_tokens=16``):
 
 1. rollout == Megatron recompute (``torch.equal``), engine weights hash equal;
@@ -84,7 +84,7 @@ def main(req_path, res_path):
     from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
     from megatron_consistent.conversion import hf_state_dict
     from megatron_consistent.sync.protocol import WeightSyncError, hf_tensor_specs
-    from megatron_consistent.sync.session import RLSession
+    from megatron_consistent.rl.session import RLSession
 
     req = json.loads(open(req_path).read())
     arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir(req["model"])))

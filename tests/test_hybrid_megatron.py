@@ -385,12 +385,12 @@ def test_entry_point_spec_builds_consistent_model():
     from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
     from megatron_consistent.layers.hybrid import _hybrid_model_class, make_hybrid_transformer_config
-    from megatron_consistent.layers.model import _prepare
+    from megatron_consistent.layers.builder import prepare_build
     from megatron_consistent.layers.output import ConsistentOutputLayer
 
     spec = import_module(("megatron_consistent.layers.entry_points", "consistent_hybrid_stack_spec"))  # args.spec, split
     assert isinstance(spec, ModuleSpec) and spec.module is lh.ConsistentHybridStack
-    arch, dtype = _prepare(builtin_model_dir("tiny-nemotronh"), None, {})
+    arch, dtype = prepare_build(builtin_model_dir("tiny-nemotronh"), None, {})
     config = make_hybrid_transformer_config(arch, dtype)  # what Megatron-LM's args would give: mamba_* sizes, relu2 MLP
     cls = _hybrid_model_class()
     kwargs = lh._hybrid_model_kwargs(cls, arch, config, spec)
@@ -412,11 +412,11 @@ def test_entry_point_moe_layers_read_the_transformer_config():
 
     from megatron.core.transformer.spec_utils import import_module
 
-    from megatron_consistent.layers.model import _prepare, make_transformer_config
+    from megatron_consistent.layers.builder import make_transformer_config, prepare_build
     from megatron_consistent.layers.moe import ConsistentMoELayer
 
     spec = import_module(("megatron_consistent.layers.entry_points", "consistent_hybrid_stack_spec"))
-    arch, dtype = _prepare(builtin_model_dir("tiny-nemotronh-moe"), None, {})
+    arch, dtype = prepare_build(builtin_model_dir("tiny-nemotronh-moe"), None, {})
     moe_args = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, moe_router_score_function="sigmoid",
                     moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=128, moe_router_num_groups=2,
                     moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5)

@@ -11,7 +11,8 @@ from megatron_consistent.checkpoint import audit_dist_metadata, load_checkpoint,
 from megatron_consistent.config import ArchConfig
 from megatron_consistent.conversion import CheckpointMismatchError
 from megatron_consistent.layers import build_consistent_gpt_model, build_stock_gpt_model, compute_token_logprobs
-from megatron_consistent.training import TINY_RL_HF_CONFIG, group_advantages, grpo_loss, make_optimizer
+from megatron_consistent.rl import TINY_RL_HF_CONFIG, group_advantages, grpo_loss
+from megatron_consistent.training import make_optimizer
 
 ARCH = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
 

@@ -9,7 +9,7 @@ import torch
 
 from megatron_consistent.config import ArchConfig
 from megatron_consistent.sync.protocol import WeightSyncError, hf_tensor_specs, pack_update, tensor_views, validate_update
-from megatron_consistent.training import TINY_RL_HF_CONFIG
+from megatron_consistent.rl import TINY_RL_HF_CONFIG
 
 ARCH = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
 

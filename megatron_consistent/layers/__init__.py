@@ -9,19 +9,18 @@ baseline :func:`build_stock_gpt_model` / :func:`compute_stock_token_logprobs`.
 """
 
 from .attention import ConsistentCoreAttention, consistent_core_attention
+from .builder import as_arch_config, make_transformer_config
 from .cpu_shims import apply_cpu_shims
 from .hybrid import build_consistent_hybrid_model, get_consistent_hybrid_stack_spec
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear
 from .mlp import ConsistentSiluAndMul, consistent_bias_dropout_add
 from .moe_megatron import ConsistentExperts, ConsistentSharedExperts, megatron_moe_layer_spec
 from .model import (
-    as_arch_config,
     build_consistent_gpt_model,
     build_consistent_model,
     build_stock_gpt_model,
     compute_stock_token_logprobs,
     compute_token_logprobs,
-    make_transformer_config,
 )
 from .norm import ConsistentRMSNorm
 from .output import ConsistentOutputLayer

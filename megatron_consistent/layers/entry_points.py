@@ -28,13 +28,7 @@ consumer expects (see ``docs/integration.md`` for the exact config lines):
 
 Every path puts every numerics-bearing op on the consistent kernels, including
 the two modules a layer spec cannot name: the block's final norm and
-``GPTModel.output_layer``.  The first time a consistent layer is built, a torch
-module-registration hook is installed (once per process) which, for a
-``TransformerBlock`` whose layers are consistent layers, swaps the stock
-``final_layernorm`` for :class:`ConsistentRMSNorm` and, for a model whose
-``decoder`` is such a block, wraps the stock ``output_layer`` in
-:class:`ConsistentOutputLayer` (same weight ``Parameter``, same state-dict
-keys, float32 logits).  Modules of any other model are never touched.
+``GPTModel.output_layer`` (swapped by the module-registration hook of :mod:`.head_swap`).
 
 Refused by name at build time: LayerNorm, MoE, MLA, MTP, learned absolute
 position embeddings, partial or interleaved RoPE, biases other than q/k/v,
@@ -58,11 +52,11 @@ from ..config import UnsupportedConfigError
 from ..kernels import RopeConfig
 from ..kernels.rotary import rope_scaling_items
 from .attention import ConsistentCoreAttention
-from .hybrid import ConsistentHybridStack, get_consistent_hybrid_stack_spec
+from .head_swap import install_head_swap_hook
+from .hybrid import get_consistent_hybrid_stack_spec
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear
 from .mlp import ConsistentSiluAndMul, consistent_bias_dropout_add
 from .norm import ConsistentRMSNorm
-from .output import ConsistentOutputLayer
 
 __all__ = [
     "ConsistentSelfAttention",
@@ -212,47 +206,15 @@ class ConsistentTransformerLayer(TransformerLayer):
     flag is needed on the framework side.
     """
 
-    megatron_consistent = True
+    megatron_consistent = True  # read by the head-swap hook (layers/head_swap.py)
 
     def __init__(self, config, *args, **kwargs):
         _check_config(config)
-        _install_registration_hook()
+        install_head_swap_hook()
         if not getattr(config, "use_te_activation_func", False):
             config = copy.copy(config)
             config.use_te_activation_func = True
         super().__init__(config, *args, **kwargs)
-
-
-# --- final norm and LM head: a module-registration hook --------------------------------------------------------------
-_HOOK = {"handle": None}
-
-
-def _is_consistent_block(block) -> bool:
-    layers = getattr(block, "_modules", {}).get("layers") if block is not None else None
-    return layers is not None and len(layers) > 0 and all(isinstance(layer, ConsistentTransformerLayer) for layer in layers)
-
-
-def _swap_final_norm_and_head(parent, name: str, child):
-    if child is None:
-        return None
-    if name == "final_layernorm" and not isinstance(child, ConsistentRMSNorm) and _is_consistent_block(parent):
-        cfg = parent.config
-        return ConsistentRMSNorm(config=cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon)
-    decoder = parent._modules.get("decoder")
-    if name == "output_layer" and isinstance(decoder, ConsistentHybridStack) and parent._modules.get("rotary_pos_emb") is not None:
-        raise UnsupportedConfigError("rotary position embeddings in a hybrid model (position_embedding_type='rope'): Nemotron-H "
-                                     "attention has none; build it with position_embedding_type='none'")
-    if name == "output_layer" and not isinstance(child, ConsistentOutputLayer) and (
-            _is_consistent_block(decoder) or isinstance(decoder, ConsistentHybridStack)):
-        return ConsistentOutputLayer.from_megatron(child)
-    return None
-
-
-def _install_registration_hook() -> None:
-    if _HOOK["handle"] is None:
-        from torch.nn.modules.module import register_module_module_registration_hook
-
-        _HOOK["handle"] = register_module_module_registration_hook(_swap_final_norm_and_head)
 
 
 # --- the specs -------------------------------------------------------------------------------------------------------

@@ -56,10 +56,13 @@ from torch import nn
 from .. import kernels
 from ..config import ArchConfig, SSMConfig, UnsupportedConfigError
 from .attention import ConsistentCoreAttention, _check_attention_features
+from .builder import CONSISTENT, make_transformer_config, prepare_build, seeded_build
+from .head_swap import install_head_swap_hook
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear, sharded_state_dict_tp1
 from .mlp import consistent_bias_dropout_add
 from .moe import _mark
 from .norm import ConsistentRMSNorm
+from .output import ConsistentOutputLayer
 from .parallel import check_parallel_config
 
 __all__ = [
@@ -232,6 +235,8 @@ _Stack, _StackSubmodules = _stack_classes()
 class ConsistentHybridStack(_Stack):
     """Megatron's Mamba/Hybrid stack with the consistent final RMSNorm in place of its hard-coded ``TENorm``."""
 
+    megatron_consistent_hybrid_stack = True  # read by the head-swap hook (layers/head_swap.py)
+
     def __init__(self, config, submodules, *args, **kwargs):
         if kwargs.get("residual_in_fp32"):
             raise UnsupportedConfigError("unsupported feature: residual_in_fp32=True (the residual stream stays in the model dtype)")
@@ -240,9 +245,7 @@ class ConsistentHybridStack(_Stack):
         self.post_layer_norm = post_layer_norm
         if self.post_process and post_layer_norm:
             self.final_norm = ConsistentRMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
-        from .entry_points import _install_registration_hook
-
-        _install_registration_hook()  # a model whose decoder is this stack gets the consistent LM head (entry-point builds)
+        install_head_swap_hook()  # a model whose decoder is this stack gets the consistent LM head (entry-point builds)
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, rotary_pos_emb=None, **kwargs):
         if rotary_pos_emb is not None:
@@ -345,8 +348,6 @@ def get_consistent_hybrid_stack_spec(arch: ArchConfig | None = None):
 # ---------------------------------------------------------------------------------------------- the model
 def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype):
     """``TransformerConfig`` of a hybrid ``arch``: non-gated relu2 MLP, Mamba sizes, no attention placeholders needed."""
-    from .model import make_transformer_config
-
     heads = arch.num_heads or 1  # pure Mamba-2: no attention layer is built; Megatron still wants > 0 heads
     if not arch.num_heads:
         arch = dataclasses.replace(arch, num_heads=heads, num_kv_heads=1, head_dim=arch.hidden_size)
@@ -389,10 +390,7 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
     the global RNG restored, CPU init, exact vocabulary, ``consistent_kind`` and
     ``arch_config`` attributes, float32 logits): ``compute_token_logprobs`` works on it.
     """
-    from .model import CONSISTENT, _prepare, _seeded_build
-    from .output import ConsistentOutputLayer
-
-    arch, dtype = _prepare(hf_config, dtype, parallel)
+    arch, dtype = prepare_build(hf_config, dtype, parallel)
     if not arch.is_hybrid:
         raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture; use build_consistent_model")
     config = make_hybrid_transformer_config(arch, dtype)
@@ -405,7 +403,7 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
             model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
         return model
 
-    model = _seeded_build(seed, build)
+    model = seeded_build(seed, build)
     model.consistent_kind = CONSISTENT
     model.arch_config = arch
     return model

@@ -14,98 +14,30 @@
 
 Both use ``use_cpu_initialization=True``, dropout 0, init std 0.02, and a
 seeded RNG (the global RNG is restored afterwards), so the same seed gives the
-same weights in both models.  The vocabulary is kept exact (no padding).
+same weights in both models (shared with the hybrid builder: :mod:`.builder`).  The vocabulary is kept exact
+(no padding).
 """
 
 from __future__ import annotations
 
 import inspect
-import os
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .. import kernels
-from ..config import ArchConfig, UnsupportedConfigError, load_hf_config
+from ..config import ArchConfig, UnsupportedConfigError
+from .builder import CONSISTENT, STOCK, as_arch_config, filter_kwargs, make_transformer_config, prepare_build, seeded_build
+from .hybrid import build_consistent_hybrid_model
 from .output import ConsistentOutputLayer
-from .parallel import check_parallel_sizes, init_cpu_process_group
 from .spec import get_consistent_gpt_block_spec
 
 __all__ = [
-    "as_arch_config",
     "build_consistent_gpt_model",
     "build_consistent_model",
     "build_stock_gpt_model",
     "compute_token_logprobs",
     "compute_stock_token_logprobs",
-    "make_transformer_config",
 ]
-
-CONSISTENT, STOCK = "consistent", "stock"
-
-
-def as_arch_config(hf_config) -> ArchConfig:
-    """An :class:`ArchConfig` from an ArchConfig, an HF config dict, or a path (folder with config.json, or the file)."""
-    if isinstance(hf_config, ArchConfig):
-        return hf_config
-    if isinstance(hf_config, (str, os.PathLike, Path)):
-        hf_config = load_hf_config(hf_config)
-    if not isinstance(hf_config, dict):
-        raise TypeError(f"expected an HF config dict, an ArchConfig or a path, got {type(hf_config).__name__}")
-    return ArchConfig.from_hf(hf_config)
-
-
-def _filter_kwargs(fn, kwargs: dict) -> dict:
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-def make_transformer_config(arch: ArchConfig, dtype: torch.dtype, *, consistent: bool, **parallel):
-    """The Megatron ``TransformerConfig`` for ``arch`` (TP/PP/CP = 1, no dropout, no fusions, CPU init)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise UnsupportedConfigError(f"unsupported dtype {dtype}")
-    kwargs = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        use_te_activation_func=consistent,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.02,
-        use_cpu_initialization=True,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=1,
-        sequence_parallel=False,
-    )
-    kwargs.update(parallel)
-    return TransformerConfig(**_filter_kwargs(TransformerConfig, kwargs))
-
 
 def _gpt_model_class():
     try:
@@ -113,24 +45,6 @@ def _gpt_model_class():
     except ImportError as e:  # pragma: no cover - a future release without GPTModel
         raise UnsupportedConfigError(f"this megatron-core has no GPTModel ({e}); use the layer spec with its model class") from None
     return GPTModel
-
-
-def _prepare(hf_config, dtype, parallel: dict) -> tuple[ArchConfig, torch.dtype]:
-    arch = as_arch_config(hf_config)  # validates: UnsupportedConfigError before anything is built
-    check_parallel_sizes(
-        parallel.get("tensor_model_parallel_size", 1),
-        parallel.get("pipeline_model_parallel_size", 1),
-        parallel.get("context_parallel_size", 1),
-        parallel.get("sequence_parallel", False),
-    )
-    init_cpu_process_group()
-    return arch, dtype or arch.torch_dtype
-
-
-def _seeded_build(seed: int, build):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
 
 
 def _new_gpt_model(GPTModel, arch: ArchConfig, config, spec, **extra):
@@ -149,7 +63,7 @@ def _new_gpt_model(GPTModel, arch: ArchConfig, config, spec, **extra):
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         **extra,
     )
-    return GPTModel(**_filter_kwargs(GPTModel.__init__, kwargs))
+    return GPTModel(**filter_kwargs(GPTModel.__init__, kwargs))
 
 
 def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None = None, moe_impl: str | None = None,
@@ -174,10 +88,8 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     if arch.is_hybrid:
         if moe_impl not in (None, "module"):
             raise UnsupportedConfigError(f"moe_impl={moe_impl!r} is not supported for the hybrid {arch.architecture} (module only)")
-        from .hybrid import build_consistent_hybrid_model
-
         return build_consistent_hybrid_model(arch, seed=seed, dtype=dtype, **parallel)
-    arch, dtype = _prepare(arch, dtype, parallel)
+    arch, dtype = prepare_build(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
     config = make_transformer_config(arch, dtype, consistent=True, **moe_kwargs)
     GPTModel = _gpt_model_class()
@@ -195,7 +107,7 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
         model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
         return model
 
-    model = _seeded_build(seed, build)
+    model = seeded_build(seed, build)
     model.consistent_kind = CONSISTENT
     model.arch_config = arch
     model.moe_impl = moe_impl
@@ -239,7 +151,7 @@ def build_stock_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None
     """
     from .cpu_shims import apply_cpu_shims
 
-    arch, dtype = _prepare(hf_config, dtype, parallel)
+    arch, dtype = prepare_build(hf_config, dtype, parallel)
     if arch.is_hybrid:
         raise UnsupportedConfigError(f"no stock Megatron baseline is built for the hybrid architecture {arch.architecture}")
     apply_cpu_shims()
@@ -248,13 +160,13 @@ def build_stock_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None
     config = make_transformer_config(arch, dtype, consistent=False)
     GPTModel = _gpt_model_class()
     rope_kwargs, scaling = _stock_rope_kwargs(arch, GPTModel)
-    spec = get_gpt_layer_local_spec(**_filter_kwargs(get_gpt_layer_local_spec, {"qk_layernorm": arch.qk_norm, "normalization": "RMSNorm"}))
+    spec = get_gpt_layer_local_spec(**filter_kwargs(get_gpt_layer_local_spec, {"qk_layernorm": arch.qk_norm, "normalization": "RMSNorm"}))
     if arch.is_moe:  # MoE layers: plain-torch MoE block (layers/moe.py StockMoELayer), same parameter names
         from .moe import stock_moe_block_spec
 
         spec = stock_moe_block_spec(spec, arch)
 
-    model = _seeded_build(seed, lambda: _new_gpt_model(GPTModel, arch, config, spec, **rope_kwargs))
+    model = seeded_build(seed, lambda: _new_gpt_model(GPTModel, arch, config, spec, **rope_kwargs))
     # Megatron's stock RMSNorm (WrappedTorchNorm -> torch.nn.RMSNorm) creates float32 weights even in a bf16
     # model; training wraps the model in Float16Module, which casts everything to the model dtype. Do the same.
     model.to(dtype=dtype)

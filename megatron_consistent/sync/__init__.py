@@ -3,9 +3,9 @@
 * :mod:`.protocol` — wire format: raw bytes in ``/dev/shm`` + a JSON schema; whole-update validation.
 * :mod:`.worker` — :class:`~.worker.WeightSyncExtension`, the vLLM ``worker_extension_cls`` receiving updates.
 * :mod:`.channel` — :class:`~.channel.WeightSyncChannel`, the trainer side (``push_model``, versions, pointers).
-* :mod:`.session` — :class:`~.session.RLSession`, trainer + live engine + channel, one GRPO step at a time.
 
-Import of this package does not import vLLM; :mod:`.worker` and :mod:`.session` do when used.
+Transport only: the GRPO session that uses it is :mod:`megatron_consistent.rl`.  Import of this package does not
+import vLLM; :mod:`.worker` does when used.
 """
 
 from .channel import WORKER_EXTENSION, SyncReport, WeightSyncChannel

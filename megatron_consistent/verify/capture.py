@@ -2,9 +2,9 @@
 
 Engine side (runs in vLLM's worker process):
 
-* :class:`EngineCapture` is installed by the plugin model
-  (``vllm_plugin/model.py``) when ``MEGATRON_CONSISTENT_CAPTURE=<folder>`` is in
-  the worker's environment.  Every model forward (a prefill chunk or a decode
+* :class:`EngineCapture` is the plugin's op probe (:mod:`megatron_consistent.vllm_plugin.probe`):
+  :func:`run_capture_engine` names :func:`engine_capture_from_env` in ``MEGATRON_CONSISTENT_PROBE`` and
+  the folder in ``MEGATRON_CONSISTENT_CAPTURE``, and the plugin model installs it in the worker.  Every model forward (a prefill chunk or a decode
   step) becomes one file ``step<NNNNN>.safetensors`` holding each op's output
   rows (names as in :data:`OP_ORDER`), the rows' absolute positions
   (``__positions``) and token ids (``__input_ids``); every ``compute_logits``
@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .rollout import run_module
+from ..vllm_plugin.probe import FAULT_ENV, PROBE_ENV
+from .rollout import RolloutRequest, engine, run_module, sample
 
-CAPTURE_ENV = "MEGATRON_CONSISTENT_CAPTURE"  # same names as vllm_plugin.model (which this module must not import)
-FAULT_ENV = "MEGATRON_CONSISTENT_FAULT"
+CAPTURE_ENV = "MEGATRON_CONSISTENT_CAPTURE"  # the folder engine_capture_from_env records into
 MODULE = "megatron_consistent.verify.capture"  # not __name__: this file also runs as __main__
 LAYER_OPS = ("input_norm", "qkv", "q_norm", "k_norm", "rope_q", "rope_k", "attention", "o_proj", "residual_attn",
              "post_norm", "gate_up", "act", "down", "residual_mlp")
@@ -211,26 +211,31 @@ class CaptureRequest:
     engine_kwargs: dict = field(default_factory=dict)
 
 
-def _engine_main(req: CaptureRequest) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def engine_capture_from_env() -> EngineCapture:
+    """The probe factory named in the engine's environment: an :class:`EngineCapture` recording into :data:`CAPTURE_ENV`."""
+    return EngineCapture(os.environ[CAPTURE_ENV])
 
-    llm = LLM(model=req.model_dir, skip_tokenizer_init=True, dtype=req.dtype, seed=req.seed, gpu_memory_utilization=0.3,
-              max_num_batched_tokens=req.max_num_batched_tokens, max_model_len=req.max_model_len, block_size=req.block_size,
-              enable_prefix_caching=False, logprobs_mode="raw_logprobs", enforce_eager=True,
-              logits_processors=[FORCE_TOKENS_PROCESSOR], **req.engine_kwargs)
+
+def _engine_main(req: CaptureRequest) -> dict:
+    from vllm import SamplingParams
+
+    llm = engine(RolloutRequest(model_dir=req.model_dir, prompts=[req.prompt], consistent=True, dtype=req.dtype, seed=req.seed,
+                                logprobs_mode="raw", max_num_batched_tokens=req.max_num_batched_tokens, block_size=req.block_size,
+                                max_model_len=req.max_model_len, enable_prefix_caching=False,
+                                engine_kwargs={"logits_processors": [FORCE_TOKENS_PROCESSOR], **req.engine_kwargs}))
     for f in Path(req.capture_dir).glob("step*.safetensors"):  # anything recorded while the engine started
         f.unlink()
     params = SamplingParams(temperature=0.0, max_tokens=len(req.response), logprobs=0, ignore_eos=True,
                             extra_args={"force_tokens": list(req.response)})
-    out = llm.generate([TokensPrompt(prompt_token_ids=req.prompt)], params, use_tqdm=False)[0].outputs[0]
-    return {"tokens": list(out.token_ids), "logprobs": [step[t].logprob for step, t in zip(out.logprobs, out.token_ids)]}
+    (tokens,), (logprobs,) = sample(llm, [req.prompt], params)
+    return {"tokens": tokens, "logprobs": logprobs}
 
 
 def run_capture_engine(req: CaptureRequest, work_dir: Path, name: str = "capture") -> dict:
     """Replay ``req.prompt`` + forced ``req.response`` in a consistent engine with captures written to ``req.capture_dir``."""
     Path(req.capture_dir).mkdir(parents=True, exist_ok=True)
-    env = {"MEGATRON_CONSISTENT_VLLM": "1", CAPTURE_ENV: str(Path(req.capture_dir).resolve()), FAULT_ENV: req.fault}
+    env = {"MEGATRON_CONSISTENT_VLLM": "1", PROBE_ENV: f"{MODULE}:engine_capture_from_env", CAPTURE_ENV: str(Path(req.capture_dir).resolve()),
+           FAULT_ENV: req.fault}
     return run_module(MODULE, asdict(req), work_dir, name, env)
 
 

@@ -258,12 +258,14 @@ def _jobs(arch, cfg: GatesConfig, small: bool) -> list[dict]:
 
 def _engine_main(req: dict) -> dict:
     """Run the jobs of one engine request in order (one LLM)."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=req["model_dir"], skip_tokenizer_init=True, dtype=req["dtype"], seed=req["seed"], gpu_memory_utilization=0.3,
-              max_num_batched_tokens=req["max_num_batched_tokens"], max_model_len=req["max_model_len"], block_size=32,
-              enable_prefix_caching=True, logprobs_mode="raw_logprobs", enforce_eager=True)
+    from .rollout import RolloutRequest, engine, token_logprobs
+
+    llm = engine(RolloutRequest(model_dir=req["model_dir"], prompts=[], consistent=True, dtype=req["dtype"], seed=req["seed"],
+                                logprobs_mode="raw", max_num_batched_tokens=req["max_num_batched_tokens"], block_size=32,
+                                max_model_len=req["max_model_len"], enable_prefix_caching=True))
     results = {}
     for job in req["jobs"]:
         prompts = [list(p) for p in job["prompts"]]
@@ -282,9 +284,9 @@ def _engine_main(req: dict) -> dict:
         for p, o in zip(prompts, outs):
             c = o.outputs[0]
             res["tokens"].append(list(c.token_ids))
-            res["logprobs"].append([s[t].logprob for s, t in zip(c.logprobs, c.token_ids)])
+            res["logprobs"].append(token_logprobs(c.logprobs, c.token_ids))
             plp = o.prompt_logprobs
-            res["prompt_logprobs"].append(None if plp is None else [None if d is None else d[t].logprob for d, t in zip(plp, p)])
+            res["prompt_logprobs"].append(None if plp is None else token_logprobs(plp, p))
             res["num_cached_tokens"].append(int(o.num_cached_tokens or 0))
         results[job["name"]] = res
     return results

@@ -65,7 +65,9 @@ def eager(req: RolloutRequest) -> bool:
 
 
 def engine(req: RolloutRequest):
-    """A vLLM ``LLM`` configured from the request (call inside the rollout process)."""
+    """A vLLM ``LLM`` configured from the request: the one place an engine is built (rollouts, gates, captures,
+    the RL session; ``engine_kwargs`` adds what a caller needs, e.g. a worker extension).  The caller's process
+    environment decides stock or consistent (``MEGATRON_CONSISTENT_VLLM``, inherited by vLLM's workers)."""
     from vllm import LLM
 
     extra = {}
@@ -95,20 +97,30 @@ def engine(req: RolloutRequest):
     return llm
 
 
+def token_logprobs(logprobs, token_ids) -> list[float | None]:
+    """The log-prob of each of ``token_ids`` from vLLM's per-position ``{token id: Logprob}`` dicts (a completion's
+    ``logprobs`` or a request's ``prompt_logprobs``; a ``None`` position, the first prompt token, stays ``None``)."""
+    return [None if d is None else d[t].logprob for d, t in zip(logprobs, token_ids)]
+
+
+def sample(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[list[float]]]:
+    """``llm.generate`` over token prompts (``params``: one ``SamplingParams`` or one per prompt); the sampled tokens
+    and their log-probs, one list per prompt."""
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    completions = [o.outputs[0] for o in outs]
+    return [list(c.token_ids) for c in completions], [token_logprobs(c.logprobs, c.token_ids) for c in completions]
+
+
 def generate(llm, req: RolloutRequest) -> dict:
     """Sample every prompt; returns tokens, their log-probs and the generation rate."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens, logprobs=0, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req.prompts], params, use_tqdm=False)
+    tokens, logprobs = sample(llm, req.prompts, params)
     seconds = time.perf_counter() - t0
-    tokens, logprobs = [], []
-    for o in outs:
-        c = o.outputs[0]
-        tokens.append(list(c.token_ids))
-        logprobs.append([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
     n = sum(len(t) for t in tokens)
     return {"tokens": tokens, "logprobs": logprobs, "gen_tokens": n, "seconds": seconds, "gen_tokens_per_s": n / seconds}
 

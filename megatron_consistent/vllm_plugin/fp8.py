@@ -34,7 +34,7 @@ from ..conversion.fp8 import QUANT_KEY, check_fp8_arch, formats_from_entry
 from ..kernels import moe as kmoe
 from ..kernels.fp8 import FP8Weights, fp8_linear, fp8_moe_experts, weight_row_scales
 from ..kernels.nvfp4 import nvfp4_effective_scales, unpack_e2m1
-from .model import ConsistentDecoderLayer
+from .decoder_layer import ConsistentDecoderLayer
 from .moe import ConsistentMoEDecoderLayer
 
 __all__ = ["FP8DecoderLayer", "quantization_of"]

@@ -33,7 +33,8 @@ from ..kernels import moe as kmoe
 from . import moe as plugin_moe
 from .compat import attention_backend_class
 from .mamba import ConsistentMambaMixer, state_dtypes, state_shapes
-from .model import ConsistentForCausalLM, _param, check_engine_config
+from .decoder_layer import _param
+from .model import ConsistentForCausalLM, check_engine_config
 
 logger = init_logger("vllm.plugins.megatron_consistent.hybrid")
 

@@ -1,25 +1,15 @@
-"""vLLM model class for the dense decoders of :mod:`megatron_consistent.config`.
+"""vLLM model class for the dense and MoE decoders of :mod:`megatron_consistent.config`.
 
 The op sequence is the one the Megatron-Core layers of
 :mod:`megatron_consistent.layers` run, op for op, with the same kernels:
 
     h = embed(ids)
-    per layer:  x = rms_norm(h); qkv = linear(x, W_qkv, b_qkv)
-                [q, k = rms_norm(q), rms_norm(k) per head — Qwen3]; q, k = rope(q, k)
-                h = add_residual(linear(attention(q, k, v), W_o), h)
-                h = add_residual(linear(silu_and_mul(linear(rms_norm(h), W_gate_up)), W_down), h)
+    per layer:  h = decoder layer (:mod:`.decoder_layer`; MoE layers: :mod:`.moe`; block-FP8 / NVFP4: :mod:`.fp8`)
     logits = compute_logits(rms_norm(h), W_lm_head)         (float32)
 
-The linear's output columns are independent of each other, so fusing q/k/v
-(and gate/up) rows in a different order than Megatron does changes no bit.
-
-Diagnostics (off by default, one ``is None`` test per op when off):
-``MEGATRON_CONSISTENT_CAPTURE=<folder>`` in the worker's environment installs
-:class:`megatron_consistent.verify.capture.EngineCapture` as :data:`CAPTURE`,
-which records every op's output (see ``verify/diagnose.py``);
-``MEGATRON_CONSISTENT_FAULT=layer<i>.<op>`` (op: qkv, o_proj, gate_up, down)
-replaces that one linear by a split-K matmul (partials rounded) — a deliberate
-non-contract op for testing the diagnosis.
+Weights: the family's weight table (:mod:`megatron_consistent.architectures`) gives every HF
+tensor's view of this model's storage (:meth:`ConsistentForCausalLM.hf_targets`).
+Diagnostics (off by default, one ``is None`` test per op when off): the op probe of :mod:`.probe`.
 """
 
 from __future__ import annotations
@@ -31,101 +21,16 @@ import torch
 from torch import nn
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
-from vllm.model_executor.layers.attention import Attention
 
 from ..architectures import engine_views, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
-from ..kernels import add_residual, compute_logits, inference_ops, rope_cache
-from .compat import attention_backend_class, compiled_by_vllm
+from ..kernels import compute_logits, inference_ops, rope_cache
+from . import probe
+from .compat import compiled_by_vllm
+from .decoder_layer import _param
+from .moe import decoder_layer_class
 
 logger = init_logger("vllm.plugins.megatron_consistent.model")
-
-CAPTURE_ENV, FAULT_ENV = "MEGATRON_CONSISTENT_CAPTURE", "MEGATRON_CONSISTENT_FAULT"
-CAPTURE = None  # callable (op name, tensor) plus begin/end/logits; installed only when CAPTURE_ENV is set
-
-
-def _fault_linear(x, w, b=None):
-    """Deliberately outside the contract: split-K matmul, each half's partial sum rounded to the model dtype."""
-    k = x.shape[-1] // 2
-    y = (x[..., :k].float() @ w[:, :k].float().t()).to(x.dtype) + (x[..., k:].float() @ w[:, k:].float().t()).to(x.dtype)
-    return y if b is None else (y.float() + b.float()).to(x.dtype)
-
-
-def _linears(idx: int) -> dict:
-    fault = os.environ.get(FAULT_ENV, "")
-    if fault:
-        logger.warning("megatron-consistent: %s=%s — injected fault active", FAULT_ENV, fault)
-    return {op: _fault_linear if fault == f"layer{idx}.{op}" else inference_ops.linear
-            for op in ("qkv", "o_proj", "gate_up", "down")}
-
-
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
-
-
-class ConsistentDecoderLayer(nn.Module):
-    """One pre-norm decoder layer; parameters in vLLM's fused layout (qkv, gate_up)."""
-
-    def __init__(self, arch: ArchConfig, cache_config, prefix: str):
-        super().__init__()
-        a, dt = arch, arch.torch_dtype
-        self.arch = arch
-        self.idx = int(prefix.rsplit(".", 1)[-1])
-        self.lin = _linears(self.idx)
-        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        self.input_layernorm = _param(a.hidden_size, dtype=dt)
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, a.hidden_size, dtype=dt)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dt) if a.qkv_bias else None
-        self.q_norm = _param(a.head_dim, dtype=dt) if a.qk_norm else None
-        self.k_norm = _param(a.head_dim, dtype=dt) if a.qk_norm else None
-        self.o_proj = _param(a.hidden_size, self.q_size, dtype=dt)
-        self.post_attention_layernorm = _param(a.hidden_size, dtype=dt)
-        self.gate_up_proj = _param(2 * a.intermediate_size, a.hidden_size, dtype=dt)
-        self.down_proj = _param(a.hidden_size, a.intermediate_size, dtype=dt)
-        self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads,
-                              cache_config=cache_config, prefix=f"{prefix}.self_attn.attn",
-                              attn_backend=attention_backend_class())
-
-    def mlp_forward(self, x: torch.Tensor):
-        """(gate_up, act, down) of the dense SwiGLU MLP; the MoE layer (vllm_plugin/moe.py) overrides it."""
-        gu = self.lin["gate_up"](x, self.gate_up_proj)
-        act = inference_ops.silu_and_mul(gu)
-        return gu, act, self.lin["down"](act, self.down_proj)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """One layer; ``rope``: the float32 (cos, sin) table rows at each token's position."""
-        a, lin, cap, i = self.arch, self.lin, CAPTURE, self.idx
-        t = h.shape[0]
-        x = inference_ops.rms_norm(h, self.input_layernorm, a.rms_norm_eps)
-        qkv = lin["qkv"](x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, a.num_heads, a.head_dim)
-        k = k.reshape(t, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:
-            q = inference_ops.rms_norm(q, self.q_norm, a.rms_norm_eps)
-            k = inference_ops.rms_norm(k, self.k_norm, a.rms_norm_eps)
-            if cap is not None:
-                cap(f"layer{i}.q_norm", q), cap(f"layer{i}.k_norm", k)
-        q = inference_ops.rope(q, *rope, a.rope.style)
-        k = inference_ops.rope(k, *rope, a.rope.style)
-        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
-        ho = add_residual(o_proj := lin["o_proj"](o, self.o_proj), h)
-        x2 = inference_ops.rms_norm(ho, self.post_attention_layernorm, a.rms_norm_eps)
-        gu, act, m = self.mlp_forward(x2)
-        out = add_residual(m, ho)
-        if cap is not None:
-            for name, val in (("input_norm", x), ("qkv", qkv), ("rope_q", q), ("rope_k", k), ("attention", o), ("o_proj", o_proj),
-                              ("residual_attn", ho), ("post_norm", x2), ("gate_up", gu), ("act", act), ("down", m), ("residual_mlp", out)):
-                cap(f"layer{i}.{name}", val)
-        return out
-
-
-def _layer_class(arch: ArchConfig, i: int) -> type:
-    if arch.layer_is_moe(i):
-        from .moe import ConsistentMoEDecoderLayer
-
-        return ConsistentMoEDecoderLayer
-    return ConsistentDecoderLayer
 
 
 def eager_only_reason(arch: ArchConfig, hf_config: dict) -> str:
@@ -138,8 +43,8 @@ def eager_only_reason(arch: ArchConfig, hf_config: dict) -> str:
         return "MoE layers (routing and grouped experts synchronise with the host)"
     if quantization_of(hf_config):
         return "FP8 / NVFP4 weights"
-    if os.environ.get(CAPTURE_ENV) or os.environ.get(FAULT_ENV):
-        return f"{CAPTURE_ENV} / {FAULT_ENV} diagnostics"
+    if os.environ.get(probe.PROBE_ENV) or os.environ.get(probe.FAULT_ENV):
+        return f"{probe.PROBE_ENV} / {probe.FAULT_ENV} diagnostics"
     return ""
 
 
@@ -192,17 +97,13 @@ class ConsistentForCausalLM(nn.Module):
         fp8_layer = layer_factory(arch, self.fp8_formats) if self.fp8_formats else None
         self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         self.layers = nn.ModuleList(
-            (fp8_layer or _layer_class(arch, i))(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
+            (fp8_layer or decoder_layer_class(arch, i))(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dt)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         cos, sin = rope_cache(arch.rope, torch.device(vllm_config.device_config.device))  # the trainer's float32 tables
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if os.environ.get(CAPTURE_ENV):
-            global CAPTURE
-            from ..verify.capture import EngineCapture
-
-            CAPTURE = EngineCapture(os.environ[CAPTURE_ENV])
+        probe.install_from_env()
         logger.info("megatron-consistent: %s runs on the consistent kernels (bitwise-matching the Megatron trainer)",
                     arch.architecture)
 
@@ -211,7 +112,7 @@ class ConsistentForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        cap = CAPTURE
+        cap = probe.PROBE
         if cap is not None:
             cap.begin(input_ids, positions)
             cap("embed", h)
@@ -226,8 +127,8 @@ class ConsistentForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = compute_logits(hidden_states, self.lm_head)
-        if CAPTURE is not None:
-            CAPTURE.logits(hidden_states, logits)
+        if probe.PROBE is not None:
+            probe.PROBE.logits(hidden_states, logits)
         return logits
 
     # --- weights in HF layout -------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 
 from ..kernels import moe as kmoe
 from .compat import install_batch_hook
-from .model import ConsistentDecoderLayer, _param
+from .decoder_layer import ConsistentDecoderLayer, _param
 
 ROUTES_ENV = "MEGATRON_CONSISTENT_ROUTES"
 _BATCH: dict = {"rows": None}  # set by the wrapped _prepare_inputs: [(request index, num tokens)]

@@ -5,11 +5,12 @@
 * the trainer: a Megatron ``GPTModel`` (consistent spec in ``consistent``
   mode, Megatron's stock local spec in ``baseline`` mode) and its optimizer
   (:func:`megatron_consistent.training.make_optimizer`);
-* the engine: one vLLM ``LLM`` (default multiprocess engine core) started once
-  from an HF export of the trainer's weights, with the worker extension of
-  :mod:`.worker`; the consistent plugin is on in ``consistent`` mode and off in
+* the engine: one vLLM ``LLM`` (default multiprocess engine core, built by
+  :func:`megatron_consistent.verify.rollout.engine`) started once from an HF export
+  of the trainer's weights, with the worker extension of
+  :mod:`megatron_consistent.sync.worker`; the consistent plugin is on in ``consistent`` mode and off in
   ``baseline`` mode (stock vLLM);
-* a :class:`~.channel.WeightSyncChannel` pushing the weights after every
+* a :class:`~megatron_consistent.sync.channel.WeightSyncChannel` pushing the weights after every
   optimizer step (weight version +1 each time).
 
 :meth:`RLSession.grpo_step` is one GRPO iteration with one update: sample ->
@@ -28,9 +29,12 @@ from pathlib import Path
 import torch
 
 from ..config import ArchConfig
+from ..sync.channel import WORKER_EXTENSION, WeightSyncChannel
 from ..verify.metrics import is_zero_mismatch, mismatch_metrics
+from ..verify.rollout import RolloutRequest, engine
+from ..verify.rollout import sample as sample_tokens
 from ..vllm_plugin import ENV_VAR
-from .channel import WORKER_EXTENSION, WeightSyncChannel
+from .grpo import group_advantages, grpo_loss
 
 __all__ = ["MODES", "RLSession", "start_engine", "sample"]
 
@@ -46,12 +50,10 @@ def start_engine(model_dir, arch: ArchConfig, *, consistent: bool, seed: int = 0
     os.environ[ENV_VAR] = want
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _ENGINES.append(want)
-    from vllm import LLM
-
-    return LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=arch.dtype, seed=seed, gpu_memory_utilization=0.3,
-               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, block_size=block_size,
-               enable_prefix_caching=enable_prefix_caching, logprobs_mode="processed_logprobs", enforce_eager=True,
-               worker_extension_cls=WORKER_EXTENSION, **kwargs)
+    return engine(RolloutRequest(model_dir=str(model_dir), prompts=[], consistent=consistent, dtype=arch.dtype, seed=seed,
+                                 logprobs_mode="processed", max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+                                 engine_kwargs={"worker_extension_cls": WORKER_EXTENSION, **kwargs}))
 
 
 _ENGINES: list[str] = []  # plugin switch of the engines started by this process
@@ -60,16 +62,8 @@ _ENGINES: list[str] = []  # plugin switch of the engines started by this process
 def sample(llm, prompts: list[list[int]], max_tokens: int, temperature: float = 1.0) -> tuple[list[list[int]], list[list[float]]]:
     """Sampled tokens and their (processed) log-probs, one list per prompt."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    tokens, logprobs = [], []
-    for o in outs:
-        c = o.outputs[0]
-        tokens.append(list(c.token_ids))
-        logprobs.append([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
-    return tokens, logprobs
+    return sample_tokens(llm, prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens, logprobs=0, ignore_eos=True))
 
 
 class RLSession:
@@ -176,8 +170,6 @@ class RLSession:
         the sampled tokens before the update, trainer and engine at the same
         weight version.
         """
-        from ..training import group_advantages, grpo_loss
-
         batch = [p for p in prompts for _ in range(group_size)]
         version = self.channel.version
         t0 = time.perf_counter()
