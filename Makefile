@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .setup-done
 
-.PHONY: setup check check-all check-hybrid test bench clean
+.PHONY: setup check check-all check-hybrid test test-fast lint bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -11,9 +11,10 @@ setup: $(STAMP)
 # different torch and fail to import beside torch 2.13.0+cpu ("operator
 # torchvision::nms does not exist"), breaking `import vllm`/transformers. Neither
 # vLLM's CPU path nor this package needs them, so they are removed.
-# The stamp is only trusted while vLLM and Megatron-Core still import.
+# The stamp is only trusted while vLLM and Megatron-Core still import and ruff (test extra) runs.
 $(STAMP): setup.cfg pyproject.toml
-	@if [ -f $(STAMP) ] && $(PYTHON) -c "import vllm, megatron.core, megatron_consistent" >/dev/null 2>&1; then \
+	@if [ -f $(STAMP) ] && $(PYTHON) -c "import vllm, megatron.core, megatron_consistent" >/dev/null 2>&1 \
+			&& $(PYTHON) -m ruff --version >/dev/null 2>&1; then \
 		echo "setup: already done"; touch $(STAMP); \
 	else \
 		$(PYTHON) -m pip install -e '.[cpu,test]' && \
@@ -44,8 +45,19 @@ check-hybrid: setup
 test: setup
 	$(PYTHON) -m pytest -q tests
 
+# The quick lane: no vLLM engine, no GPU, nothing marked slow (markers: setup.cfg).
+test-fast: setup
+	$(PYTHON) -m pytest -q tests -m "not engine and not slow and not gpu"
+
+lint: setup
+	$(PYTHON) -m ruff check .
+
+# CPU: decode-step cost of the consistent SSD replay (docs/hybrid.md).  GPU kernels: bench-gpu (needs CUDA).
 bench: setup
-	$(PYTHON) benchmarks/bench_cpu.py
+	$(PYTHON) benchmarks/bench_ssd_replay.py
+
+bench-gpu: setup
+	$(PYTHON) benchmarks/bench_gpu.py
 
 clean:
 	rm -rf $(STAMP) runs .pytest_cache .hypothesis

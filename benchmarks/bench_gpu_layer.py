@@ -19,7 +19,7 @@ import torch
 
 from megatron_consistent.config import ArchConfig
 from megatron_consistent.layers import (
-    build_consistent_gpt_model,
+    build_consistent_model,
     build_stock_gpt_model,
     compute_stock_token_logprobs,
     compute_token_logprobs,
@@ -69,7 +69,7 @@ def main() -> None:
 
     model_parallel_cuda_manual_seed(0)  # stock attention forks the CUDA RNG tracker even at dropout 0
     for name, build, logprobs in (("stock local spec", build_stock_gpt_model, compute_stock_token_logprobs),
-                                  ("consistent spec", build_consistent_gpt_model, compute_token_logprobs)):
+                                  ("consistent spec", build_consistent_model, compute_token_logprobs)):
         model = build(arch, seed=0).cuda()
 
         def forward():
@@ -82,7 +82,7 @@ def main() -> None:
 
         rows.append({"path": name, "forward_tok_s": tokens / timed(forward, args.iters),
                      "fwd_bwd_tok_s": tokens / timed(train_step, args.iters)})
-        del model
+        model = forward = train_step = None  # free the model before the next one is built
         torch.cuda.empty_cache()
     rows.append({"path": "ratio (consistent / stock)", "forward_tok_s": rows[1]["forward_tok_s"] / rows[0]["forward_tok_s"],
                  "fwd_bwd_tok_s": rows[1]["fwd_bwd_tok_s"] / rows[0]["fwd_bwd_tok_s"]})

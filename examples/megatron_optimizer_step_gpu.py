@@ -174,7 +174,8 @@ def run(args) -> dict:
     if ptr_moved:
         fails.append(f"parameter storage moved: {ptr_moved[:8]}")
     return {
-        "status": "fail" if fails else "pass", "detail": "; ".join(fails) or "main_grad matches the float64 reference; one distributed-optimizer step applied",
+        "status": "fail" if fails else "pass",
+        "detail": "; ".join(fails) or "main_grad matches the float64 reference; one distributed-optimizer step applied",
         "megatron_core": getattr(megatron.core, "__version__", "?"), "torch": torch.__version__, "device": torch.cuda.get_device_name(),
         "model": arch.architecture, "dtype": args.dtype, "optimizer": type(optimizer).__name__,
         "optimizer_config": type(opt_cfg).__name__, "use_distributed_optimizer": True,

@@ -36,6 +36,7 @@ def _run(setup, name, fault=""):
     return run_diagnose(cfg, model=model)
 
 
+@pytest.mark.engine
 def test_injected_fault_is_named_exactly(setup):
     report = _run(setup, "fault", fault="layer1.o_proj")
     first = report["first_divergence"]
@@ -51,6 +52,7 @@ def test_injected_fault_is_named_exactly(setup):
     assert "FIRST DIVERGENCE: layer1.o_proj" in render(report)
 
 
+@pytest.mark.engine
 def test_no_fault_no_divergence(setup):
     report = _run(setup, "clean")
     assert report["first_divergence"] is None

@@ -174,6 +174,7 @@ def test_fp8_trainer_logprobs_batch_invariant_and_trainable(fp8_model):
 
 
 # ------------------------------------------------------------------------------------------- end to end (real vLLM engine)
+@pytest.mark.engine
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mistral-gqa"])
 def test_check_fp8_zero_mismatch(tmp_path, name):
     cfg = load_check_config(hf_config=str(builtin_model_dir(name)), quantization="fp8", mode="consistent", num_prompts=6, max_tokens=12,
@@ -197,6 +198,7 @@ def test_kv_round_trip_is_exact_in_bf16():
     assert torch.equal(kv_quantize(kv_round_trip(x)).view(torch.uint8), q.view(torch.uint8))  # e4m3 values are exact in bf16
 
 
+@pytest.mark.engine
 def test_check_fp8_kv_cache_zero_mismatch(tmp_path):
     """bf16 weights, E4M3 KV cache in the engine; the trainer round-trips its K/V the same way."""
     cfg = load_check_config(hf_config=str(builtin_model_dir("tiny-mistral-gqa")), kv_cache_dtype="fp8", mode="consistent", num_prompts=6,

@@ -193,6 +193,7 @@ def test_fp8_moe_ste_gradients_match_float64_reference():
 
 
 # ------------------------------------------------------------------------------------------- end to end (real vLLM engine)
+@pytest.mark.engine
 def test_check_fp8_moe_weights_and_kv_zero_mismatch(tmp_path):
     """One engine: Qwen3-MoE with block-FP8 attention + experts and the E4M3 KV cache, chunked prefill, prefix caching."""
     cfg = load_check_config(hf_config=str(builtin_model_dir("tiny-qwen3moe-top1")), quantization="fp8", kv_cache_dtype="fp8",

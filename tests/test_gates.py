@@ -67,6 +67,7 @@ def test_cli_refuses_unknown_gate_id(tmp_path, capsys):
     assert "C42" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_real_cheap_gates(tmp_path):
     """C0 (versions recorded) and C1 (kernel sweep, bitwise) for real; C9 skips without CUDA; the rest not selected."""
     report = run_all(GatesConfig(out_dir=str(tmp_path), only=["C0", "C1", "C9"]))

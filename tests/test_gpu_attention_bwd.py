@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton attention backward)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton attention backward)")]
 
 from megatron_consistent.kernels import attention
 from megatron_consistent.kernels.dispatch import implementation

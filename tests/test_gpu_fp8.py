@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton FP8 linear of issue #9)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton FP8 linear of issue #9)")]
 
 if torch.cuda.is_available():
     from megatron_consistent.kernels.triton import fp8_linear as tf8

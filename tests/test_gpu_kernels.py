@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels of issue #6)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels of issue #6)")]
 
 if torch.cuda.is_available():
-    import megatron_consistent.kernels.triton as mct
     from megatron_consistent.kernels.triton import attention as tattn
     from megatron_consistent.kernels.triton import linear as tlin
 

@@ -14,7 +14,7 @@ from megatron_consistent.layers import build_consistent_gpt_model, compute_token
 from megatron_consistent.config import builtin_model_dir
 from megatron_consistent.verify.reference import gradient_check
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU path runs the Triton kernels")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the GPU path runs the Triton kernels")]
 
 # The GPU attention kernel takes bf16/fp16, so the model runs in bf16: every op rounds its output to bf16
 # (unit roundoff 2^-9 = 2e-3), ~20 such roundings per layer forward and backward over 2 layers give an expected

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton MoE of issue #7)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton MoE of issue #7)")]
 
 if torch.cuda.is_available():
     from megatron_consistent.kernels.triton import moe as tmoe

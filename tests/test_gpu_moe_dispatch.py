@@ -18,9 +18,9 @@ from megatron_consistent.layers import build_consistent_gpt_model
 from megatron_consistent.layers.model import _positions
 from megatron_consistent.layers.moe import collect_routes
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: Megatron's all-to-all token dispatcher creates a torch.cuda.Stream "
-                                       "(the CPU suite tests the all-gather dispatcher: tests/test_moe_megatron_layer.py)")
+                                       "(the CPU suite tests the all-gather dispatcher: tests/test_moe_megatron_layer.py)")]
 
 CONFIGS = ["tiny-qwen3moe-top1", "tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"]
 

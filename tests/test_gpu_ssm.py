@@ -1,7 +1,7 @@
 """GPU (CUDA) Mamba-2 / Nemotron-H ops: decode / chunked-prefill / batch invariance on the GPU, agreement with the
 CPU and float64 references, and the tiny hybrid model on CUDA.
 
-The CUDA registrations (kernels/triton/ssm_torch.py) run the CPU contract code on GPU tensors, so every invariance
+The CUDA registrations (kernels/cuda_torch_ops.py) run the CPU contract code on GPU tensors, so every invariance
 below is ``torch.equal`` on GPU outputs; GPU vs CPU and GPU vs float64 are compared with stated tolerances.
 Skipped without CUDA.  Inputs are drawn on the CPU (seeded generators) and copied to the GPU.
 """
@@ -22,8 +22,8 @@ from megatron_consistent.verify.ssm_reference import (
     ssd_recurrence_f64,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs a CUDA GPU: the CUDA registrations of the Mamba-2 ops (kernels/triton/ssm_torch.py)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU: the CUDA registrations of the Mamba-2 ops (kernels/cuda_torch_ops.py)")]
 
 CPU, DEV = torch.device("cpu"), torch.device("cuda")
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
@@ -85,9 +85,9 @@ def _tok(v, a, b, tail):
 
 def test_cuda_ops_are_registered():
     from megatron_consistent.kernels.dispatch import implementation
-    from megatron_consistent.kernels.triton import ssm_torch
+    from megatron_consistent.kernels import cuda_torch_ops
 
-    for op, fn in ssm_torch.OPS.items():
+    for op, fn in cuda_torch_ops.OPS.items():
         assert implementation(op, DEV) is fn
 
 

@@ -163,6 +163,7 @@ LIVE = {  # model: (refused tensors, tensor families the optimizer step must hav
 }
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("model", list(LIVE))
 def test_live_hybrid_engine_refit_in_place(tmp_path, model):
     bad, families = LIVE[model]

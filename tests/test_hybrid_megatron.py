@@ -55,7 +55,8 @@ def test_config_round_trip(name):
 def test_config_fields():
     a = ArchConfig.from_hf(hf_cfg("tiny-nemotronh-moe"))
     assert a.layer_types == ("mamba", "moe", "attention", "mamba", "mlp", "moe") and a.moe_layers == (1, 5)
-    assert (a.hidden_act, a.use_rope, a.moe_scoring, a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor) == ("relu2", False, "sigmoid", 2, 1, 2.5)
+    assert (a.hidden_act, a.use_rope, a.moe_scoring, a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor) == (
+        "relu2", False, "sigmoid", 2, 1, 2.5)
     s = a.ssm
     assert (s.num_heads, s.head_dim, s.state_size, s.n_groups, s.conv_kernel, s.chunk_size) == (8, 16, 16, 2, 4, 16)
     assert (s.d_inner, s.conv_dim, s.in_proj_size, s.group_size) == (128, 192, 328, 64)

@@ -292,6 +292,7 @@ print("PROBE" + json.dumps({"off": off, "on": where(), "load_weights": lw}))
 """
 
 
+@pytest.mark.slow
 def test_vllm_untouched_without_env_var_and_mapped_with_it(tmp_path):
     env = dict(os.environ)
     env.pop("MEGATRON_CONSISTENT_VLLM", None)
@@ -333,6 +334,7 @@ def _engine_main(req_path: str, res_path: str) -> int:
     return 0
 
 
+@pytest.mark.engine
 def test_refit_stream_updates_live_engine_in_place(tmp_path):
     from safetensors.torch import load_file
 

@@ -196,7 +196,8 @@ def ref_token_logprobs(hidden, lm_head, tokens, temperature):
 # --------------------------------------------------------------------------- linear
 
 
-@given(seed=seeds, m=st.integers(1, 12), k=st.integers(1, 200), n=st.integers(1, 24), dtype=grad_dtypes, with_bias=st.booleans(), fp32_out=st.booleans())
+@given(seed=seeds, m=st.integers(1, 12), k=st.integers(1, 200), n=st.integers(1, 24), dtype=grad_dtypes, with_bias=st.booleans(),
+       fp32_out=st.booleans())
 def test_linear_gradient_vs_fp64_reference(seed, m, k, n, dtype, with_bias, fp32_out):
     gen = _gen(seed)
     inputs = [_randn(gen, 2, m, k, dtype=dtype), _randn(gen, n, k, dtype=dtype, scale=k**-0.5)]
@@ -217,7 +218,8 @@ def test_linear_backward_gradcheck():
 # --------------------------------------------------------------------------- rms_norm
 
 
-@given(seed=seeds, rows=st.integers(1, 10), hidden=st.integers(2, 200), dtype=grad_dtypes, eps=st.sampled_from([1e-6, 1e-5]), with_residual=st.booleans())
+@given(seed=seeds, rows=st.integers(1, 10), hidden=st.integers(2, 200), dtype=grad_dtypes, eps=st.sampled_from([1e-6, 1e-5]),
+       with_residual=st.booleans())
 def test_rms_norm_gradient_vs_fp64_reference(seed, rows, hidden, dtype, eps, with_residual):
     gen = _gen(seed)
     x, w = _randn(gen, rows, hidden, dtype=dtype, scale=3.0), _randn(gen, hidden, dtype=dtype)

@@ -218,7 +218,7 @@ def test_spec_provider_protocol():
     assert provider.fuse_layernorm_and_linear() is False
     assert provider.activation_func().__name__ == "ConsistentSiluAndMul"
     assert provider.core_attention().rope == arch.rope
-    with pytest.raises(UnsupportedConfigError, match="MoE"):
+    with pytest.raises(UnsupportedConfigError, match="megatron_moe_layer_spec"):  # where the consistent MoE layer comes from
         provider.grouped_mlp_modules(False, False)
     spec = get_consistent_gpt_layer_spec(qk_layernorm=True, rope=arch.rope)
     assert spec.submodules.self_attention.submodules.q_layernorm is not None

@@ -111,6 +111,7 @@ def test_grpo_helpers():
     assert torch.equal(lp.grad, torch.tensor([[-0.5, -0.5]]))
 
 
+@pytest.mark.engine
 def test_live_restore_first_rollout_bitwise(tmp_path):
     """Save -> reload into fresh Megatron models and a fresh multiprocess engine -> first rollout bitwise equal."""
     from megatron_consistent.verify.lifecycle import check_checkpoint_restore

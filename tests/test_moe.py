@@ -108,6 +108,7 @@ def _tie_routers(model):
     return model
 
 
+@pytest.mark.engine
 def test_end_to_end_zero_mismatch_with_forced_router_ties(tmp_path, monkeypatch):
     import megatron_consistent.layers as layers
     from megatron_consistent.config import builtin_model_dir

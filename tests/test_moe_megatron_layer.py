@@ -264,7 +264,8 @@ def test_megatron_moelayer_gradients_vs_float64_moe_reference(name):
     assert all(not layer.experts.linear_fc1.weight.grad[e].any() for e in unrouted)
     if layer.shared_experts is not None:
         ours["shared_gate"], theirs["shared_gate"] = layer.shared_experts.gate_weight.grad, w64[names[m + "shared_experts.gate_weight"][0]].grad
-        ours["shared_down"], theirs["shared_down"] = layer.shared_experts.linear_fc2.weight.grad, w64[names[m + "shared_experts.linear_fc2.weight"][0]].grad
+        shared_down = names[m + "shared_experts.linear_fc2.weight"][0]
+        ours["shared_down"], theirs["shared_down"] = layer.shared_experts.linear_fc2.weight.grad, w64[shared_down].grad
     errs = {k: ((ours[k].double() - theirs[k]).norm() / theirs[k].norm()).item() for k in ours}
     print(f"{name}: max relative gradient error {max(errs.values()):.2e} ({max(errs, key=errs.get)}) over {len(errs)} tensors")
     for k, err in errs.items():

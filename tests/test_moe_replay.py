@@ -72,6 +72,7 @@ def test_replay_routes_prefix_lookup():
     assert replay.missing == 0 and replay.from_prefix == 2  # position 3 of request 0 is its last token: not counted
 
 
+@pytest.mark.engine
 def test_end_to_end_replay_is_not_enough(tmp_path):
     from megatron_consistent.verify.check import load_check_config, run_check
 

@@ -197,6 +197,7 @@ def test_nvfp4_export_is_the_trainer_forward(tmp_path):
     assert model.decoder.layers[0].mlp.linear_fc1.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.engine
 def test_check_nvfp4_zero_mismatch(tmp_path):
     cfg = load_check_config(hf_config=str(builtin_model_dir("tiny-llama")), quantization="nvfp4", mode="consistent", num_prompts=6,
                             max_tokens=12, max_num_batched_tokens=32, out_dir=str(tmp_path), max_prompt_len=60, shared_prefix_len=40,

@@ -664,3 +664,13 @@ def test_bad_input_is_refused_by_name():
         causal_conv1d(torch.zeros(3, 4), torch.zeros(4, 2), None, None, "gelu")
     with pytest.raises(ValueError, match="group_size 3 does not divide 8"):
         gated_rms_norm(torch.zeros(2, 8), torch.zeros(2, 8), torch.ones(8), 3, 1e-5)
+
+
+def test_cuda_backend_registers_the_ssm_torch_ops():
+    """kernels/cuda_torch_ops.py is part of the lazily imported CUDA backend and registers the CPU contract code for cuda."""
+    from megatron_consistent.kernels import cuda_torch_ops
+    from megatron_consistent.kernels.dispatch import _IMPLEMENTATIONS, LAZY_BACKENDS
+
+    assert cuda_torch_ops.__name__ in LAZY_BACKENDS["cuda"]
+    for op, fn in cuda_torch_ops.OPS.items():
+        assert _IMPLEMENTATIONS[(op, "cuda")] is fn

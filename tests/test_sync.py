@@ -97,6 +97,7 @@ def test_update_is_plain_json():
         os.unlink(u["path"])
 
 
+@pytest.mark.engine
 def test_live_engine_inplace_updates_and_rejections(tmp_path):
     """>= 3 GRPO steps through a multiprocess vLLM engine: bitwise rollouts, fixed storage, refused bad pushes."""
     from megatron_consistent.verify.lifecycle import check_weight_update

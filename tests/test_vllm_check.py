@@ -24,6 +24,7 @@ def _cfg(tmp_path, **kw):
     return load_check_config(**base)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize(
     "model, temperature, logprobs_mode",
     [
@@ -43,6 +44,7 @@ def test_consistent_engine_matches_megatron_recompute(tmp_path, model, temperatu
     assert report["zero_mismatch"]
 
 
+@pytest.mark.engine
 def test_cli_both_modes_reports_baseline_mismatch(tmp_path):
     """The stock pair (vLLM + Megatron local spec) is not bitwise equal; ours is; JSON has the documented keys."""
     out = tmp_path / "r.json"

@@ -197,6 +197,7 @@ def nemotronh(tmp_path_factory):
     return arch, model, out
 
 
+@pytest.mark.engine
 def test_engine_batch_alone_chunked_prefill_decode_equal_megatron(nemotronh):
     from megatron_consistent.verify.check import recompute
 
@@ -218,6 +219,7 @@ def test_engine_batch_alone_chunked_prefill_decode_equal_megatron(nemotronh):
     assert torch.equal(torch.tensor(res["alone"]["logprobs"]), torch.tensor(res["batch"][0]["logprobs"]))
 
 
+@pytest.mark.engine
 def test_engine_refuses_prefix_caching_by_name(nemotronh):
     _, _, out = nemotronh
     rc, _, log = _engine(out, "prefix", {"model": str(out / "model"), "prompts": [[5, 6, 7]], "max_tokens": 2, "prefix_caching": True})

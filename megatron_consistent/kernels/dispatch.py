@@ -1,8 +1,9 @@
 """The one dispatch point: (op name, device type) -> forward implementation.
 
 CPU implementations are plain torch code living next to each op; CUDA
-implementations are Triton kernels registered by ``kernels.triton`` when it is
-imported (lazily, on the first CUDA tensor).  A missing implementation is an
+implementations are registered by the modules of :data:`LAZY_BACKENDS` when they
+are imported (lazily, on the first CUDA tensor): the Triton kernels of
+``kernels.triton`` and the deterministic torch code of ``kernels.cuda_torch_ops``.  A missing implementation is an
 error naming the op and device — never a silent fall-back to a non-invariant
 path.
 """
@@ -15,7 +16,7 @@ from typing import Callable
 import torch
 
 _IMPLEMENTATIONS: dict[tuple[str, str], Callable] = {}
-_LAZY_BACKENDS = {"cuda": "megatron_consistent.kernels.triton"}
+LAZY_BACKENDS = {"cuda": ("megatron_consistent.kernels.triton", "megatron_consistent.kernels.cuda_torch_ops")}
 
 
 class NoConsistentKernelError(RuntimeError):
@@ -35,8 +36,9 @@ def register(op: str, device_type: str) -> Callable[[Callable], Callable]:
 def implementation(op: str, device: torch.device) -> Callable:
     """The registered forward of ``op`` for ``device``."""
     key = (op, device.type)
-    if key not in _IMPLEMENTATIONS and device.type in _LAZY_BACKENDS:
-        importlib.import_module(_LAZY_BACKENDS[device.type])
+    if key not in _IMPLEMENTATIONS and device.type in LAZY_BACKENDS:
+        for module in LAZY_BACKENDS[device.type]:
+            importlib.import_module(module)
     try:
         return _IMPLEMENTATIONS[key]
     except KeyError:

@@ -28,10 +28,12 @@ from .parallel import check_parallel_sizes, init_cpu_process_group
 from .spec import ConsistentSpecProvider, get_consistent_gpt_block_spec, get_consistent_gpt_layer_spec
 
 __all__ = [
-    "ConsistentColumnParallelLinear", "ConsistentCoreAttention", "ConsistentOutputLayer", "ConsistentRMSNorm",
-    "ConsistentRowParallelLinear", "ConsistentSiluAndMul", "ConsistentSpecProvider", "apply_cpu_shims", "as_arch_config",
-    "build_consistent_gpt_model", "build_consistent_model", "build_consistent_hybrid_model", "build_stock_gpt_model", "check_parallel_sizes", "compute_stock_token_logprobs",
-    "compute_token_logprobs", "consistent_bias_dropout_add", "consistent_core_attention", "get_consistent_gpt_block_spec",
-    "get_consistent_gpt_layer_spec", "get_consistent_hybrid_stack_spec", "init_cpu_process_group", "make_transformer_config",
-    "ConsistentExperts", "ConsistentSharedExperts", "megatron_moe_layer_spec",
+    "apply_cpu_shims", "as_arch_config", "build_consistent_gpt_model", "build_consistent_hybrid_model",
+    "build_consistent_model", "build_stock_gpt_model", "check_parallel_sizes", "compute_stock_token_logprobs",
+    "compute_token_logprobs", "consistent_bias_dropout_add", "consistent_core_attention",
+    "ConsistentColumnParallelLinear", "ConsistentCoreAttention", "ConsistentExperts", "ConsistentOutputLayer",
+    "ConsistentRMSNorm", "ConsistentRowParallelLinear", "ConsistentSharedExperts", "ConsistentSiluAndMul",
+    "ConsistentSpecProvider", "get_consistent_gpt_block_spec", "get_consistent_gpt_layer_spec",
+    "get_consistent_hybrid_stack_spec", "init_cpu_process_group", "make_transformer_config",
+    "megatron_moe_layer_spec",
 ]

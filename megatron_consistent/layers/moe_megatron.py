@@ -85,7 +85,7 @@ from ..kernels import moe as kmoe
 from .moe import _Container, _init, _mark
 
 __all__ = [
-    "ConsistentExperts", "ConsistentSharedExperts", "ConsistentTopKRouter", "DISPATCHERS", "RoutingContext",
+    "ConsistentExperts", "ConsistentSharedExperts", "ConsistentTopKRouter", "DISPATCHERS", "RoutingContext",  # noqa: F822 (module __getattr__)
     "check_megatron_moe_arch", "consistent_moe_bias_dropout_add", "megatron_moe_config_kwargs", "megatron_moe_layer_spec",
 ]
 

@@ -32,7 +32,8 @@ __all__ = ["ConsistentSpecProvider", "get_consistent_gpt_layer_spec", "get_consi
 
 
 class ConsistentSpecProvider:
-    """BackendSpecProvider for the consistent kernels (TP=1, dense, RMSNorm, SwiGLU, causal RoPE attention).
+    """BackendSpecProvider for the consistent kernels (TP=1, RMSNorm, SwiGLU, causal RoPE attention; MoE layers:
+    :func:`.moe_megatron.megatron_moe_layer_spec`, see :meth:`grouped_mlp_modules`).
 
     ``rope`` binds the RoPE table the core attention applies; without it the
     core attention class refuses to build (there is no safe default theta).
@@ -66,8 +67,14 @@ class ConsistentSpecProvider:
     def core_attention(self) -> type:
         return consistent_core_attention(self.rope) if self.rope is not None else ConsistentCoreAttention
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool = False, moe_use_legacy_grouped_gemm: bool = False, **unused) -> Tuple[type, Optional[object]]:
-        raise UnsupportedConfigError("MoE (grouped MLP experts) is not supported by the consistent layers")
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool = False, moe_use_legacy_grouped_gemm: bool = False,
+                            **unused) -> Tuple[type, Optional[object]]:
+        """MoE is supported, but not through this slot: the consistent experts (``moe_megatron.ConsistentExperts``)
+        combine what the consistent router decided for the same forward, so they come with it in one layer spec."""
+        raise UnsupportedConfigError(
+            "the consistent MoE layer is Megatron's MoELayer with the consistent router, experts and shared experts, which "
+            "share one routing context: build its spec with megatron_consistent.layers.megatron_moe_layer_spec (experts "
+            "from a backend provider alone would run behind Megatron's stock router)")
 
     def activation_func(self) -> type:
         return ConsistentSiluAndMul

@@ -199,7 +199,8 @@ def gate_kernels(ctx) -> tuple[str, str]:
     n, failures = kernel_sweep(ctx.cfg.seed)
     if failures:
         return "fail", f"{len(failures)} of {n} comparisons differ; first: {failures[0]}"
-    return "pass", f"{n} comparisons (linear, logits, rms_norm(+residual), silu_and_mul, log_softmax, rope, attention; bf16+fp32; 1 thread) all bitwise equal"
+    return "pass", (f"{n} comparisons (linear, logits, rms_norm(+residual), silu_and_mul, log_softmax, rope, attention; "
+                    "bf16+fp32; 1 thread) all bitwise equal")
 
 
 # ------------------------------------------------------------------------------------------------ engines for C2-C4
@@ -274,7 +275,8 @@ def _engine_main(req: dict) -> dict:
         if job.get("reset"):
             llm.reset_prefix_cache()
         each = job.get("max_tokens_each") or [job["max_tokens"]] * len(prompts)
-        params = [SamplingParams(temperature=0.0 if job.get("greedy") else 1.0, seed=None if job["seeds"] is None else job["seeds"][i], max_tokens=each[i],
+        params = [SamplingParams(temperature=0.0 if job.get("greedy") else 1.0, seed=None if job["seeds"] is None else job["seeds"][i],
+                                 max_tokens=each[i],
                                  logprobs=0, ignore_eos=True, prompt_logprobs=0 if job.get("prompt_logprobs") else None)
                   for i in range(len(prompts))]
         t0 = time.perf_counter()

@@ -17,7 +17,6 @@ from . import (  # noqa: F401  (registration)
     rms_norm,
     rope,
     silu_and_mul,
-    ssm_torch,
 )
 from .attention import KV_BLOCK_GPU, PART_KEYS, attention_fwd
 from .linear import CONFIG_TABLE, config_for, gemm

@@ -1,9 +1,11 @@
 """CUDA registrations of the Mamba-2 / Nemotron-H ops: the CPU contract code run on GPU tensors (no Triton).
 
+Part of the CUDA backend (:data:`.dispatch.LAZY_BACKENDS`, imported on the first CUDA tensor beside :mod:`.triton`).
+
 ``mamba_dt``, ``ssd_scan`` (hence ``ssd_continue``), ``causal_conv1d``, ``gated_rms_norm`` and
 ``relu_squared`` are registered for ``"cuda"`` with the very functions registered for ``"cpu"``:
 their forwards use only elementwise torch ops, fixed-shape slicing / gathers, the float64
-:mod:`..numerics` ``exp`` / ``log`` and fixed-length :func:`..numerics.tree_sum` trees — no
+:mod:`.numerics` ``exp`` / ``log`` and fixed-length :func:`.numerics.tree_sum` trees — no
 matmul / einsum, no cumsum, no scatter / index_add, no reduction over a length that varies.
 Index and mask tensors are created on the data's device.
 
@@ -19,11 +21,11 @@ them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float
 
 from __future__ import annotations
 
-from ..causal_conv1d import _causal_conv1d_cpu
-from ..dispatch import register
-from ..gated_rms_norm import _gated_rms_norm_cpu
-from ..relu_squared import _relu_squared_cpu
-from ..ssd import _mamba_dt_cpu, _ssd_cpu
+from .causal_conv1d import _causal_conv1d_cpu
+from .dispatch import register
+from .gated_rms_norm import _gated_rms_norm_cpu
+from .relu_squared import _relu_squared_cpu
+from .ssd import _mamba_dt_cpu, _ssd_cpu
 
 OPS = {
     "mamba_dt": _mamba_dt_cpu,
