@@ -16,6 +16,8 @@ import pytest
 import torch
 
 pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.engine,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU vLLM engine)"),
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None or torch.version.cuda is None,
                        reason="needs vLLM's CUDA build (see ../shared/gpu-vllm/README.md)"),

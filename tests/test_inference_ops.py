@@ -66,6 +66,7 @@ def test_a_different_forward_is_caught():
     assert not torch.equal(plain, inference_ops.linear(x, w))
 
 
+@pytest.mark.slow
 def test_ops_compile_without_graph_breaks():
     """Dynamo treats each op as one opaque node: a layer-like function compiles with fullgraph=True."""
     cfg = RopeConfig(rotary_dim=16, max_positions=64)

@@ -52,7 +52,7 @@ def start_engine(model_dir, arch: ArchConfig, *, consistent: bool, seed: int = 0
     _ENGINES.append(want)
     return engine(RolloutRequest(model_dir=str(model_dir), prompts=[], consistent=consistent, dtype=arch.dtype, seed=seed,
                                  logprobs_mode="processed", max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+                                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, enforce_eager=True,
                                  engine_kwargs={"worker_extension_cls": WORKER_EXTENSION, **kwargs}))
 
 

@@ -221,7 +221,7 @@ def _engine_main(req: CaptureRequest) -> dict:
 
     llm = engine(RolloutRequest(model_dir=req.model_dir, prompts=[req.prompt], consistent=True, dtype=req.dtype, seed=req.seed,
                                 logprobs_mode="raw", max_num_batched_tokens=req.max_num_batched_tokens, block_size=req.block_size,
-                                max_model_len=req.max_model_len, enable_prefix_caching=False,
+                                max_model_len=req.max_model_len, enable_prefix_caching=False, enforce_eager=True,
                                 engine_kwargs={"logits_processors": [FORCE_TOKENS_PROCESSOR], **req.engine_kwargs}))
     for f in Path(req.capture_dir).glob("step*.safetensors"):  # anything recorded while the engine started
         f.unlink()

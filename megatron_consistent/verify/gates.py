@@ -266,7 +266,7 @@ def _engine_main(req: dict) -> dict:
 
     llm = engine(RolloutRequest(model_dir=req["model_dir"], prompts=[], consistent=True, dtype=req["dtype"], seed=req["seed"],
                                 logprobs_mode="raw", max_num_batched_tokens=req["max_num_batched_tokens"], block_size=32,
-                                max_model_len=req["max_model_len"], enable_prefix_caching=True))
+                                max_model_len=req["max_model_len"], enable_prefix_caching=True, enforce_eager=True))
     results = {}
     for job in req["jobs"]:
         prompts = [list(p) for p in job["prompts"]]
