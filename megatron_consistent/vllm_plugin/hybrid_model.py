@@ -32,8 +32,8 @@ from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_no
 from ..kernels import moe as kmoe
 from . import moe as plugin_moe
 from .compat import attention_backend_class
-from .mamba import ConsistentMambaMixer, state_dtypes, state_shapes
 from .decoder_layer import _param
+from .mamba import ConsistentMambaMixer, state_dtypes, state_shapes
 from .model import ConsistentForCausalLM, check_engine_config
 
 logger = init_logger("vllm.plugins.megatron_consistent.hybrid")
