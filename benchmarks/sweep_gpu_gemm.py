@@ -298,7 +298,8 @@ def odd_shape_bits(args, log):
             except Exception as e:  # noqa: BLE001
                 res.append({"N": n, "K": k, "name": cname, "error": f"{type(e).__name__}: {str(e)[:200]}",
                             "bit_identical": False})
-            log(f"  odd {n}x{k} {cname:30s} bits {'SAME' if res[-1]['bit_identical'] else 'DIFF ' + str(res[-1].get('bits_bad_ms', res[-1].get('error')))}")
+            bits = "SAME" if res[-1]["bit_identical"] else "DIFF " + str(res[-1].get("bits_bad_ms", res[-1].get("error")))
+            log(f"  odd {n}x{k} {cname:30s} bits {bits}")
     return res
 
 

@@ -37,8 +37,8 @@ elif _INTERPRET and _HAVE_TRITON:
 else:
     DEV = None
 
-pytestmark = pytest.mark.skipif(
-    DEV is None, reason="needs a CUDA GPU, or TRITON_INTERPRET=1 with triton importable (Triton interpreter on CPU)")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    DEV is None, reason="needs a CUDA GPU, or TRITON_INTERPRET=1 with triton importable (Triton interpreter on CPU)")]
 
 if DEV is not None:
     from megatron_consistent.kernels.fp8 import KV_SCALE, kv_dequantize, kv_quantize

@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
 triton = pytest.importorskip("triton")
 
 from megatron_consistent.kernels import fp8

@@ -58,7 +58,8 @@ def _cfg(bm, bn, bk, split_steps, warps, stages, group=8, swap=False, spill=Fals
     """BM x BN output tile (BM rows of x, BN rows of w), BLOCK_K, split.  ``swap``: swap-AB (the MMA computes the
     ``[BN, BM]`` tile of ``y.T = w @ x.T``, so the weight rows fill the MMA's M side; for skinny M).  ``spill``:
     serial splits write each split's partial to a per-program float32 slot in global memory (L2) and sum them
-    there in split order, instead of holding a second register accumulator (lets 128x256 tiles use a split).  ``path``: "" (auto) / "serial" / "parallel".  None of
+    there in split order, instead of holding a second register accumulator (lets 128x256 tiles use a split).
+    ``path``: "" (auto) / "serial" / "parallel".  None of
     the three changes the arithmetic of an element; ``BK`` and ``SPLIT_STEPS`` are the numerics."""
     cfg = {"BM": bm, "BN": bn, "BK": bk, "SPLIT_STEPS": split_steps, "W": warps, "S": stages, "G": group}
     if swap:
