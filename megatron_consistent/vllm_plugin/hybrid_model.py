@@ -155,6 +155,8 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         nn.Module.__init__(self)
+        # the dense parent's __init__ (vLLM's compile wrapper) is skipped: hybrids run eager (model.eager_only_reason)
+        self.do_not_compile = True
         arch = self._arch(vllm_config)
         if not arch.is_hybrid:
             raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture")
