@@ -68,6 +68,17 @@ class CheckConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def validate(self) -> None:
+        """Every setting, before any work (one-line ``ValueError`` naming the flag)."""
+        from .inputs import integer, positive_float
+
+        for name in ("num_prompts", "max_tokens", "max_num_batched_tokens", "min_prompt_len", "max_prompt_len", "prefix_groups",
+                     "block_size", "max_model_len", "recompute_batch"):
+            integer("--" + name.replace("_", "-"), getattr(self, name))
+        integer("--seed", self.seed, 0)
+        integer("--shared-prefix-len", self.shared_prefix_len, 0)
+        positive_float("--temperature", self.temperature)
+        if self.min_prompt_len > self.max_prompt_len:
+            raise ValueError(f"min_prompt_len {self.min_prompt_len} > max_prompt_len {self.max_prompt_len}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
         if self.logprobs_mode not in ("processed", "raw"):
@@ -93,11 +104,18 @@ class CheckConfig:
 
 def load_check_config(yaml_path: str | None = None, **overrides) -> CheckConfig:
     """Defaults <- YAML file <- keyword overrides (None values ignored)."""
-    cfg = OmegaConf.structured(CheckConfig)
-    if yaml_path:
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(yaml_path))
-    cfg = OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if v is not None})
-    out = OmegaConf.to_object(cfg)
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = OmegaConf.structured(CheckConfig)
+        if yaml_path:
+            from .inputs import input_file
+
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(input_file("--config", yaml_path)))
+        cfg = OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if v is not None})
+        out = OmegaConf.to_object(cfg)
+    except (OmegaConfBaseException, TypeError) as e:  # unknown key, wrong type, not YAML: one line
+        raise ValueError(f"check settings: {str(e).splitlines()[0]}") from None
     out.validate()
     return out
 
@@ -161,13 +179,15 @@ def routing_replay(trainer, arch, prompts, roll, engine_routes, temperature, cfg
             "replayed_from_prefix": replay.from_prefix, "unrouted_positions": replay.missing}
 
 
-def run_check(cfg: CheckConfig) -> dict:
-    """Run the check; returns the JSON-able report."""
+def run_check(cfg: CheckConfig, report: dict | None = None) -> dict:
+    """Run the check; returns the JSON-able report (``report``: filled in place as stages finish, so a caller keeps
+    what was measured when a later stage raises)."""
     from ..conversion import export_hf, import_hf
     from ..layers import build_consistent_gpt_model, build_stock_gpt_model
 
     hf_path = cfg.hf_config or str(builtin_model_dir())
     arch = ArchConfig.from_hf(load_hf_config(hf_path))  # refuses unsupported configs before any work
+    report = {} if report is None else report
     out = Path(cfg.out_dir)
     model_dir = out / "model"
     device = torch.device(cfg.resolved_device())
@@ -189,7 +209,7 @@ def run_check(cfg: CheckConfig) -> dict:
         enable_fp8_kv(model)
     prompts = make_prompts(cfg, arch.vocab_size)
     temperature = cfg.temperature if cfg.logprobs_mode == "processed" else 1.0
-    report = {"settings": {**asdict(cfg), "hf_config": hf_path, "arch": arch.as_dict()}}
+    report["settings"] = {**asdict(cfg), "hf_config": hf_path, "arch": arch.as_dict()}
     if arch.is_hybrid:
         report["settings"]["prefix_caching"] = "off: hybrid Mamba model (the consistent plugin refuses enable_prefix_caching for it)"
         report["settings"]["baseline_trainer"] = "HF transformers torch path (Megatron's stock Mamba mixer needs mamba_ssm)"

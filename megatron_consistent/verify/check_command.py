@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
          "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization"]
@@ -29,13 +30,34 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
 
 
-def run(args) -> int:
-    from .check import load_check_config, render, run_check, write_report
+def validate(args):
+    """Every input, before any work: settings, the model config, the output folder and the JSON path."""
+    from .check import load_check_config
+    from .inputs import hf_arch, output_dir, output_file
 
     cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
-    report = run_check(cfg)
+    if cfg.hf_config:
+        hf_arch(cfg.hf_config)
+    output_dir("--out-dir", cfg.out_dir)
+    path = output_file("--json", cfg.json or os.path.join(cfg.out_dir, "check.json"))
+    return cfg, path
+
+
+def run(args) -> int:
+    from .check import render, run_check, write_report
+    from .inputs import one_line
+
+    cfg, path = validate(args)  # bad input: ValueError / OSError -> exit 2, nothing started
+    report: dict = {}
+    try:
+        run_check(cfg, report)
+    except Exception as e:  # noqa: BLE001 - a later stage failed: the report keeps what was measured, plus the error
+        report["error"] = f"{type(e).__name__}: {one_line(e)}"
+        report["zero_mismatch"] = False
+        write_report(report, path)
+        print(f"megatron-consistent check: failed: {report['error']}\nreport: {path}", file=sys.stderr)
+        return 1
     print(render(report))
-    path = cfg.json or os.path.join(cfg.out_dir, "check.json")
     write_report(report, path)
     print(f"report: {path}")
     return 1 if "consistent" in report and not report["zero_mismatch"] else 0
