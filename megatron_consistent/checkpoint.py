@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .config import ArchConfig
 from .conversion import CheckpointMismatchError, export_hf, import_hf
@@ -147,7 +148,8 @@ def _load_dist_staged(model, dist_dir: Path) -> dict[str, torch.Tensor]:
         request[k] = v
     try:
         return dist_checkpointing.load(request, str(dist_dir))
-    except Exception as e:  # noqa: BLE001 - shape/key mismatches surface as various megatron errors
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - mismatches surface as various megatron / torch errors
+        # (torch's CheckpointException derives from BaseException: it escaped `except Exception`)
         raise CheckpointMismatchError(f"cannot load {dist_dir} into this model (nothing was loaded): {type(e).__name__}: {e}") from None
 
 

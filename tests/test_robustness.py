@@ -120,3 +120,122 @@ def test_config_not_json_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UnsupportedConfigError, match="not a JSON file"):
         load_hf_config(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- 4: every command validates first
+@pytest.fixture
+def no_engines(monkeypatch):
+    """Any subprocess (every engine runs in one) fails the test: validation must come first."""
+    import subprocess
+
+    def refuse(*a, **k):
+        raise AssertionError(f"a process was started before validation finished: {a[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def _bad_llama(tmp_path):
+    hf = _builtin("tiny-llama")
+    hf["num_attention_heads"] = 0
+    return str(_write_cfg(tmp_path / "badcfg", hf))
+
+
+def _cases(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = ["--out-dir", str(tmp_path / "out")]
+    return {
+        "check": [
+            (["--temperature", "-1"], "--temperature must be a finite number > 0"),
+            (["--temperature", "nan"], "--temperature must be a finite number > 0"),
+            (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+            (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+            (["--max-tokens", "-5"], "--max-tokens must be >= 1"),
+            (["--seed", "-1"], "--seed must be >= 0"),
+            (["--json", str(blocker / "r.json")], "--json .* cannot be written"),
+            (["--json", str(tmp_path)], "--json .* is a directory"),
+            (["--out-dir", str(blocker / "sub")], "--out-dir .* is not a writable folder"),
+            (["--hf-config", str(tmp_path / "nowhere")], "no HF config"),
+            (["--hf-config", _bad_llama(tmp_path)], "field num_attention_heads must be > 0"),
+            (["--config", str(tmp_path / "none.yaml")], "--config .*: no such file"),
+        ],
+        "gates": [
+            (["--hf-config", _bad_llama(tmp_path)], "field num_attention_heads must be > 0"),
+            (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+            (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+            (["--json", str(tmp_path)], "--json .* is a directory"),
+            (["--only", "C99"], "unknown gate ids"),
+        ],
+        "diagnose": [
+            (["--prompt", "1,2", "--response", "3", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+            (["--prompt", "1,a", "--response", "3"], "--prompt: token ids must be integers >= 0"),
+            (["--prompt", "1,2", "--response", "99999"], "outside the vocabulary"),
+            (["--prompt", "1,2"], "give --check-dir"),
+            (["--check-dir", str(tmp_path), "--request-index", "-1"], "--request-index must be >= 0"),
+            (["--prompt", "1", "--response", "2", "--model-dir", str(tmp_path / "nomodel")], "no such file"),
+            (["--prompt", "1", "--response", "2", "--json", str(blocker / "x.json")], "cannot be written"),
+        ],
+    }, out
+
+
+@pytest.mark.parametrize("command", ["check", "gates", "diagnose"])
+def test_cli_bad_input_exits_2_with_one_line_before_any_engine(tmp_path, capsys, no_engines, command):
+    from megatron_consistent.cli import main
+
+    cases, out = _cases(tmp_path)
+    for argv, message in cases[command]:
+        rc = main([command, *out, *argv])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2, (argv, rc, err)
+        assert len(err.splitlines()) == 1 and err.startswith(f"megatron-consistent {command}: error:"), (argv, err)
+        import re
+
+        assert re.search(message, err), (argv, err)
+        assert not list((tmp_path / "out").glob("*.json")), argv
+
+
+def test_check_report_written_when_a_later_stage_fails(tmp_path, monkeypatch, capsys):
+    """The engine stage raises: the JSON report is still written (settings + error), exit 1."""
+    import json
+
+    from megatron_consistent.cli import main
+    from megatron_consistent.verify import check
+
+    def boom(*a, **k):
+        raise RuntimeError("engine exploded")
+
+    monkeypatch.setattr(check, "run_in_subprocess", boom)
+    path = tmp_path / "r.json"
+    rc = main(["check", "--mode", "consistent", "--num-prompts", "2", "--max-tokens", "2", "--out-dir", str(tmp_path),
+               "--json", str(path)])
+    assert rc == 1
+    report = json.loads(path.read_text())
+    assert report["error"] == "RuntimeError: engine exploded" and report["settings"]["num_prompts"] == 2
+    assert report["zero_mismatch"] is False
+
+
+def test_checkpoint_exception_does_not_escape(tmp_path, monkeypatch):
+    """torch's CheckpointException derives from BaseException: a gate raising it is a failing gate, a dist restore turns it
+    into CheckpointMismatchError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_consistent.verify.gates import Gate, run_gates
+
+    def raises(ctx):
+        raise CheckpointException("load failed", {})
+
+    gate = Gate("C8", "checkpoint restore", raises)
+    results = run_gates([gate], ctx=None)
+    assert results[0]["status"] == "fail" and "CheckpointException" in results[0]["detail"]
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_consistent import checkpoint
+    from megatron_consistent.conversion import CheckpointMismatchError
+    from megatron_consistent.layers import build_consistent_gpt_model
+    from megatron_consistent.training import TINY_RL_HF_CONFIG
+
+    monkeypatch.setattr(checkpoint, "audit_dist_metadata", lambda d: None)
+    monkeypatch.setattr(dist_checkpointing, "load", lambda *a, **k: raises(None))
+    with pytest.raises(CheckpointMismatchError, match="CheckpointException"):
+        checkpoint._load_dist_staged(build_consistent_gpt_model(TINY_RL_HF_CONFIG, seed=0), tmp_path)

@@ -45,13 +45,13 @@ def validate(args):
 
 def run(args) -> int:
     from .check import render, run_check, write_report
-    from .inputs import one_line
+    from .inputs import FAILURES, one_line
 
     cfg, path = validate(args)  # bad input: ValueError / OSError -> exit 2, nothing started
     report: dict = {}
     try:
         run_check(cfg, report)
-    except Exception as e:  # noqa: BLE001 - a later stage failed: the report keeps what was measured, plus the error
+    except FAILURES as e:  # noqa: BLE001 - a later stage failed: the report keeps what was measured, plus the error
         report["error"] = f"{type(e).__name__}: {one_line(e)}"
         report["zero_mismatch"] = False
         write_report(report, path)

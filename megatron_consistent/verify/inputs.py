@@ -7,6 +7,12 @@ import math
 import os
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
+#: What a stage may raise: every ``Exception`` plus torch's ``CheckpointException``, which derives from ``BaseException``
+#: and so escapes ``except Exception`` (a dist-checkpoint load that fails).
+FAILURES = (Exception, CheckpointException)
+
 
 def integer(name: str, value, minimum: int = 1) -> int:
     """``value`` must be an int >= ``minimum``."""
