@@ -239,3 +239,153 @@ def test_checkpoint_exception_does_not_escape(tmp_path, monkeypatch):
     monkeypatch.setattr(dist_checkpointing, "load", lambda *a, **k: raises(None))
     with pytest.raises(CheckpointMismatchError, match="CheckpointException"):
         checkpoint._load_dist_staged(build_consistent_gpt_model(TINY_RL_HF_CONFIG, seed=0), tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- 5: restore / import all or nothing
+def _tiny_model(seed=0):
+    from megatron_consistent.layers import build_consistent_gpt_model
+    from megatron_consistent.training import TINY_RL_HF_CONFIG
+
+    return build_consistent_gpt_model(TINY_RL_HF_CONFIG, seed=seed)
+
+
+def _snapshot(model, opt=None):
+    snap = {n: p.detach().clone() for n, p in model.named_parameters()}
+    if opt is not None:
+        snap.update({f"opt.{k}": v.clone() for k, v in opt.state_dict().items()})
+    return snap
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A checkpoint (HF weights + optimizer after one AdamW step) and a fresh model/optimizer to restore into."""
+    from megatron_consistent.checkpoint import save_checkpoint
+    from megatron_consistent.training import make_optimizer
+
+    model = _tiny_model(0)
+    opt = make_optimizer(model, lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    assert opt.step()
+    ckpt = save_checkpoint(tmp_path / "ckpt", model, opt, dist=False)
+    dst = _tiny_model(1)
+    dst_opt = make_optimizer(dst, lr=1e-2)
+    return ckpt, dst, dst_opt
+
+
+def _edit_optimizer(ckpt, fn):
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(ckpt / "optimizer.safetensors"))
+    fn(sd)
+    save_file(sd, str(ckpt / "optimizer.safetensors"))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda sd: sd.pop("adam_step.0"), r"partial Adam state for parameter 0 .*lacks \['adam_step'\]"),
+    (lambda sd: sd.update({"main.x": torch.zeros(1)}), r"unknown optimizer state key 'main.x'"),
+    (lambda sd: sd.update({"bogus": torch.zeros(1)}), r"unknown optimizer state key 'bogus'"),
+    (lambda sd: sd.update({"exp_avg.999": torch.zeros(1)}), r"exp_avg.999 for a parameter this model lacks"),
+    (lambda sd: sd.update({"adam_step.1": torch.zeros(2)}), r"adam_step.1 .*expected \(1,\) float32"),
+    (lambda sd: sd["exp_avg_sq.2"].view(-1).__setitem__(0, float("nan")), r"exp_avg_sq.2 .*non-finite"),
+    (lambda sd: sd.pop("step"), r"lacks 'step'"),
+])
+def test_restore_validates_optimizer_before_copying_anything(saved, edit, message):
+    """Was: the weights were copied, then the optimizer load raised (e.g. adam_step.N missing): half restored."""
+    from megatron_consistent.checkpoint import load_checkpoint
+    from megatron_consistent.conversion import CheckpointMismatchError
+
+    ckpt, dst, dst_opt = saved
+    _edit_optimizer(ckpt, edit)
+    before = _snapshot(dst, dst_opt)
+    with pytest.raises(CheckpointMismatchError, match=message):
+        load_checkpoint(ckpt, dst, dst_opt)
+    assert _same(before, _snapshot(dst, dst_opt))
+
+
+def test_restore_nonfinite_weights_refused_and_opt_out(saved):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_consistent.checkpoint import load_checkpoint
+    from megatron_consistent.conversion import CheckpointMismatchError
+
+    ckpt, dst, dst_opt = saved
+    f = ckpt / "hf" / "model.safetensors"
+    sd = load_file(str(f))
+    sd["model.norm.weight"][3] = float("inf")
+    save_file(sd, str(f), metadata={"format": "pt"})
+    before = _snapshot(dst, dst_opt)
+    with pytest.raises(CheckpointMismatchError, match=r"non-finite .*model.norm.weight"):
+        load_checkpoint(ckpt, dst, dst_opt)
+    assert _same(before, _snapshot(dst, dst_opt))
+    load_checkpoint(ckpt, dst, dst_opt, allow_nonfinite=True)  # the explicit opt-out
+    assert torch.isinf(dst.decoder.final_layernorm.weight).any()
+
+
+def _shard(src_dir, dst_dir, edit=None):
+    """Split an export into two shards + index (``edit(shards, weight_map)`` may break it)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst_dir.mkdir(parents=True)
+    shutil.copy(src_dir / "config.json", dst_dir / "config.json")
+    sd = load_file(str(src_dir / "model.safetensors"))
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": {n: sd[n] for n in names[::2]},
+              "model-00002-of-00002.safetensors": {n: sd[n] for n in names[1::2]}}
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    if edit:
+        edit(shards, weight_map)
+    for f, part in shards.items():
+        save_file(part, str(dst_dir / f), metadata={"format": "pt"})
+    (dst_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst_dir
+
+
+def _dup(shards, wm):
+    first = next(iter(shards["model-00001-of-00002.safetensors"]))
+    shards["model-00002-of-00002.safetensors"][first] = shards["model-00001-of-00002.safetensors"][first].clone() + 1
+
+
+def _escape(shards, wm):
+    name = next(iter(wm))
+    wm[name] = "../model-00001-of-00002.safetensors"
+
+
+def _unindexed(shards, wm):
+    wm.pop(sorted(wm)[0])
+
+
+def _wrong_shard(shards, wm):
+    name = next(iter(shards["model-00001-of-00002.safetensors"]))
+    wm[name] = "model-00002-of-00002.safetensors"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (None, None),
+    (_dup, "is in two shards"),
+    (_escape, "leaves the checkpoint folder"),
+    (_unindexed, "in shards but not in the index"),
+    (_wrong_shard, "index names the wrong shard"),
+])
+def test_sharded_checkpoint_verified_against_index(tmp_path, edit, message):
+    from megatron_consistent.conversion import CheckpointMismatchError, export_hf, import_hf
+
+    src = _tiny_model(0)
+    export_hf(src, src.arch_config, tmp_path / "single")
+    d = _shard(tmp_path / "single", tmp_path / "sharded", edit)
+    dst = _tiny_model(1)
+    before = _snapshot(dst)
+    if message is None:
+        import_hf(dst, dst.arch_config, d)
+        assert _same(_snapshot(src), _snapshot(dst))
+    else:
+        with pytest.raises(CheckpointMismatchError, match=message):
+            import_hf(dst, dst.arch_config, d)
+        assert _same(before, _snapshot(dst))
