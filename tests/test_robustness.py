@@ -29,19 +29,27 @@ def test_dummy_run_attention_writes_zeros(monkeypatch):
     assert torch.equal(res, torch.zeros_like(res))
 
 
-def test_moe_engine_starts_with_poisoned_attention_output(tmp_path, monkeypatch):
-    """Every attention forward in the engine NaN-fills its output buffer first (stand-in for unwritten memory): a MoE engine
-    must still come up (the dummy run's output reaches the router) and stay bitwise equal to the trainer."""
-    from megatron_consistent.verify.check import load_check_config, run_check
+def test_moe_engine_starts_with_poisoned_attention_output(tmp_path):
+    """Every attention forward in the engine NaN-fills its output buffer first (stand-in for unwritten memory); the
+    engine start runs vLLM's warm-up profile forward (attn_metadata None), whose output reaches the MoE router: the
+    engine must come up and sample finite log-probs.  Before the fix it died with 'router scores contain NaN'."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_consistent.config import ArchConfig, load_hf_config
+    from megatron_consistent.conversion import export_hf
+    from megatron_consistent.layers import build_consistent_gpt_model
     from megatron_consistent.vllm_plugin.attention import POISON_ENV
 
-    monkeypatch.setenv(POISON_ENV, "1")
-    cfg = load_check_config(hf_config=str(builtin_model_dir("tiny-qwen3moe-top1")), num_prompts=4, max_tokens=8,
-                            max_num_batched_tokens=32, out_dir=str(tmp_path), max_prompt_len=40, shared_prefix_len=20,
-                            prefix_groups=2, mode="consistent")
-    report = run_check(cfg)
-    assert "tokens" in report["consistent"], report["consistent"]
-    assert report["zero_mismatch"]
+    arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir("tiny-qwen3moe-top1")))
+    export_hf(build_consistent_gpt_model(arch, seed=0), arch, tmp_path / "model")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1", **{POISON_ENV: "1"})
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "_warmup_engine.py"), str(tmp_path / "model")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    log = run.stdout + run.stderr
+    assert "Warming up model" in log, log[-3000:]  # the profile forward did run
+    assert "ENGINE-OK True 8" in run.stdout, log[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------- 2: configs as transformers writes them
@@ -389,3 +397,205 @@ def test_sharded_checkpoint_verified_against_index(tmp_path, edit, message):
         with pytest.raises(CheckpointMismatchError, match=message):
             import_hf(dst, dst.arch_config, d)
         assert _same(before, _snapshot(dst))
+
+
+# ---------------------------------------------------------------------------------------------- 6: sync never hangs, never orphans
+class _FakeProc:
+    def __init__(self, alive=True):
+        self.alive, self.name, self.pid, self.exitcode = alive, "EngineCore_DP0", 4242, None if alive else -9
+
+    def is_alive(self):
+        return self.alive
+
+
+class _FakeLLM:
+    """collective_rpc answers the channel's start-up RPCs, then blocks (a hung engine) when told to."""
+
+    def __init__(self):
+        import threading
+        from types import SimpleNamespace
+
+        self.block = threading.Event()
+        self.proc = _FakeProc()
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(
+            engine_manager=SimpleNamespace(processes=[self.proc]), engine_dead=False)), has_unfinished_requests=lambda: False)
+
+    def collective_rpc(self, method, args=()):
+        if self.block.is_set():
+            import time
+
+            time.sleep(3600)
+        return [{"mc_sync_model_kind": "consistent", "mc_sync_version": 0}.get(method, 0)]
+
+
+def test_sync_rpc_timeout_and_dead_engine_raise_named_errors():
+    import time
+
+    from megatron_consistent.sync import WeightSyncChannel, WeightSyncError
+
+    llm = _FakeLLM()
+    ch = WeightSyncChannel(llm, rpc_timeout=0.5, watch_parent=False)
+    llm.block.set()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"mc_sync_version: the engine did not answer within 0.5 s"):
+        ch.engine_version()
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(WeightSyncError, match="channel unusable"):
+        ch.engine_version()  # a late reply could still land: the channel stays closed
+
+    llm = _FakeLLM()
+    ch = WeightSyncChannel(llm, rpc_timeout=3600, watch_parent=False)
+    llm.block.set()
+    import threading
+
+    threading.Timer(0.5, lambda: setattr(llm.proc, "alive", False)).start()  # the engine dies while we wait
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"engine process EngineCore_DP0 \(pid 4242\) exited"):
+        ch.engine_version()
+    assert time.monotonic() - t0 < 5
+
+
+def test_live_sync_guards_and_no_orphans(tmp_path):
+    """A trainer process with a live multiprocess engine: in-flight push refused (unless drained), NaN refused by name on
+    both sides, then (a) the worker is killed: the next push raises a named WeightSyncError quickly; (b) the trainer is
+    killed: the engine processes exit (they were orphans holding memory and /dev/shm)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from megatron_consistent.conversion import export_hf
+
+    model = _tiny_model(0)
+    export_hf(model, model.arch_config, tmp_path / "model")
+    script = str(Path(__file__).parent / "_sync_trainer.py")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1")
+
+    def alive(pid):
+        from megatron_consistent.sync.worker import _start_time
+
+        return _start_time(pid) is not None
+
+    # (a) the worker dies
+    run = subprocess.run([sys.executable, script, str(tmp_path / "model"), "kill"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, run.stdout[-2000:] + run.stderr[-4000:]
+    r = json.loads(line[0][7:])
+    assert r["push_inflight"].startswith("WeightSyncError: push refused: the engine has requests in flight"), r
+    assert r["version_after_inflight"] == 0 and r["push_inflight_drained"] == "ok"
+    assert "non-finite values (NaN/Inf) in ['model.norm.weight']" in r["push_nan"], r
+    assert not r["engine_nan_reply"]["ok"] and "model.norm.weight" in r["engine_nan_reply"]["problems"][0]
+    assert r["version_after_nan"] == 1 and r["push_ok"] == "ok" and r["version_final"] == 2
+    assert r["push_after_kill"].startswith("WeightSyncError: mc_sync_apply"), r
+    assert "exited with code" in r["push_after_kill"] or "engine core dead" in r["push_after_kill"], r  # the cause, named
+    assert r["rpc_after_kill"].startswith("WeightSyncError: weight-sync channel unusable"), r  # never waits again
+    assert r["push_after_kill_seconds"] < 60 and r["rpc_after_kill_seconds"] < 1, r
+
+    # (b) the trainer dies
+    proc = subprocess.Popen([sys.executable, script, str(tmp_path / "model"), "orphan"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while not line.startswith("RESULT "):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "trainer exited early"
+        r = json.loads(line[7:])
+        pids = r["worker_pids"] + r["engine_pids"]
+        assert all(alive(p) for p in pids)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.5)
+    left = [p for p in pids if alive(p)]
+    for p in left:  # clean up before failing
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"engine processes {left} outlived the trainer"
+
+
+# ---------------------------------------------------------------------------------------------- 1: check --checkpoint
+ALL_MODELS = sorted(p.name for p in builtin_model_dir().parent.iterdir() if (p / "config.json").is_file())
+
+
+def _hf_ckpt(name, out, tokenizer=True):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _hf_checkpoints import write_checkpoint
+
+    return write_checkpoint(name, out, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_transformers_written_checkpoint_loads(tmp_path, name):
+    """save_pretrained of transformers' own model class for every supported architecture: config and weights load."""
+    from megatron_consistent.config import ArchConfig, load_hf_config
+    from megatron_consistent.conversion import import_hf
+    from megatron_consistent.layers import build_consistent_gpt_model
+
+    d = _hf_ckpt(name, tmp_path / name, tokenizer=False)
+    arch = ArchConfig.from_hf(load_hf_config(d))
+    assert arch == ArchConfig.from_hf(load_hf_config(builtin_model_dir(name)))
+    import_hf(build_consistent_gpt_model(arch, seed=0), arch, d)
+
+
+def test_check_checkpoint_bad_input_exits_2(tmp_path, capsys, no_engines):
+    from safetensors.torch import load_file, save_file
+
+    from megatron_consistent.cli import main
+
+    ck = _hf_ckpt("tiny-llama", tmp_path / "ck")
+    bare = _hf_ckpt("tiny-llama", tmp_path / "bare", tokenizer=False)
+    broken = _hf_ckpt("tiny-llama", tmp_path / "broken", tokenizer=False)
+    sd = load_file(str(broken / "model.safetensors"))
+    sd["model.norm.weight"] = sd["model.norm.weight"][:-1].clone()
+    save_file(sd, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "text.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "big.jsonl").write_text('{"token_ids": [1, 2, 99999]}\n')
+    (tmp_path / "junk.jsonl").write_text('{"prompt": "x"}\n')
+    out = ["--out-dir", str(tmp_path / "out"), "--mode", "consistent"]
+    capsys.readouterr()  # save_pretrained's progress bars
+    cases = [
+        (["--checkpoint", str(tmp_path / "nowhere")], "no such folder"),
+        (["--checkpoint", str(ck), "--hf-config", str(builtin_model_dir())], "not with --hf-config"),
+        (["--prompts", str(tmp_path / "text.jsonl")], "--prompts needs --checkpoint"),
+        (["--checkpoint", str(ck), "--prompts", str(tmp_path / "junk.jsonl")], 'line 1: expected {"text"'),
+        (["--checkpoint", str(ck), "--prompts", str(tmp_path / "none.jsonl")], "no such file"),
+        (["--checkpoint", str(bare), "--prompts", str(tmp_path / "text.jsonl")], "has no tokenizer"),
+        (["--checkpoint", str(ck), "--prompts", str(tmp_path / "big.jsonl")], "outside the model's vocabulary"),
+        (["--checkpoint", str(broken)], "wrong shape for model.norm.weight"),
+    ]
+    import re
+
+    for argv, message in cases:
+        rc = main(["check", *out, *argv])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and re.search(message, err), (argv, rc, err)
+
+
+@pytest.mark.parametrize("name, prompts", [("tiny-llama", "file"), ("tiny-qwen3moe-top1", "chat")])
+def test_check_checkpoint_zero_mismatch_on_text(tmp_path, name, prompts):
+    """A transformers-written checkpoint with a tokenizer: text prompts (a JSONL file, or the built-in chat prompts through
+    the chat template); trainer and engine on those weights, every token bitwise equal."""
+    import json
+
+    from megatron_consistent.cli import main
+
+    ck = _hf_ckpt(name, tmp_path / "ck")
+    argv = ["check", "--checkpoint", str(ck), "--mode", "consistent", "--num-prompts", "6", "--max-tokens", "8",
+            "--max-num-batched-tokens", "32", "--out-dir", str(tmp_path / "out"), "--json", str(tmp_path / "r.json")]
+    if prompts == "file":
+        (tmp_path / "p.jsonl").write_text('{"text": "What is the capital of France?"}\n{"text": "Why is the sky blue?"}\n'
+                                          '{"token_ids": [5, 6, 7, 8, 9]}\n')
+        argv += ["--prompts", str(tmp_path / "p.jsonl")]
+    assert main(argv) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["zero_mismatch"] and r["consistent"]["exact_fraction"] == 1.0 and r["consistent"]["max_abs"] == 0.0
+    n = 3 if prompts == "file" else 6
+    assert r["consistent"]["tokens"] == n * 8 and r["settings"]["num_prompts"] == n
+    assert ("file" if prompts == "file" else "chat template") in r["settings"]["prompt_source"]

@@ -308,7 +308,9 @@ def import_hf(model, arch: ArchConfig, in_dir, *, allow_nonfinite: bool = False)
         (shape, dtype), (_, fshape, fdtype) = expected[name], meta[name]
         if fshape != shape:
             problems.append(f"wrong shape for {name}: file {fshape}, model expects {shape}")
-        if fdtype != dtype:
+        if fdtype != dtype and not (dtype == torch.float32 and fdtype in (torch.bfloat16, torch.float16)):
+            # (a 16-bit tensor into a float32 parameter widens exactly, as vLLM's load does: e.g. a router's
+            # e_score_correction_bias that transformers saved in the model dtype)
             problems.append(f"wrong dtype for {name}: file {fdtype}, model expects {dtype}")
     if problems:
         raise CheckpointMismatchError(f"cannot import {in_dir} (nothing was loaded):\n  " + "\n  ".join(problems))

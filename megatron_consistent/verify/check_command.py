@@ -6,7 +6,8 @@ import os
 import sys
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
-         "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization"]
+         "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
+         "checkpoint", "prompts"]
 
 
 def add_arguments(p) -> None:
@@ -28,6 +29,10 @@ def add_arguments(p) -> None:
                    help="auto (default): engines and trainer on the GPU when one is visible (adds the stock VLLM_BATCH_INVARIANT=1 row)")
     p.add_argument("--block-size", dest="block_size", type=int, help="KV cache block size (CPU: multiple of 32; CUDA: 16/32/64/128)")
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
+    p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
+                   "trainer and engines run on its weights")
+    p.add_argument("--prompts", help='with --checkpoint: JSONL, one {"text": ...} or {"token_ids": [...]} per line '
+                   "(default: built-in chat prompts through the tokenizer's chat template; token ids without a tokenizer)")
 
 
 def validate(args):
@@ -38,6 +43,18 @@ def validate(args):
     cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
     if cfg.hf_config:
         hf_arch(cfg.hf_config)
+    if cfg.checkpoint:  # the folder, its config and its index here; every tensor and the prompts before any engine starts
+        from pathlib import Path
+
+        from ..conversion.hf import _checkpoint_files
+        from .user_prompts import read_prompt_file
+
+        if not Path(cfg.checkpoint).is_dir():
+            raise FileNotFoundError(f"--checkpoint {cfg.checkpoint!r}: no such folder")
+        hf_arch(cfg.checkpoint)
+        _checkpoint_files(Path(cfg.checkpoint))
+        if cfg.prompts:
+            read_prompt_file(cfg.prompts)
     output_dir("--out-dir", cfg.out_dir)
     path = output_file("--json", cfg.json or os.path.join(cfg.out_dir, "check.json"))
     return cfg, path
@@ -52,6 +69,9 @@ def run(args) -> int:
     try:
         run_check(cfg, report)
     except FAILURES as e:  # noqa: BLE001 - a later stage failed: the report keeps what was measured, plus the error
+        if report.get("stage") == "prepare" and isinstance(e, (ValueError, OSError)):
+            raise  # bad input found while preparing (a checkpoint's tensors, the prompts): no engine started, exit 2
+        report.pop("stage", None)
         report["error"] = f"{type(e).__name__}: {one_line(e)}"
         report["zero_mismatch"] = False
         write_report(report, path)
