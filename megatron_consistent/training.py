@@ -88,6 +88,7 @@ class MainParamAdamW:
         elif tuple(step.shape) != (1,) or step.dtype != torch.int64 or int(step.item()) < 0:
             problems.append(f"step: expected one int64 >= 0, got {tuple(step.shape)} {step.dtype}")
         by_index: dict[int, set[str]] = {}
+        extra = []
         for k in sd:
             if k == "step":
                 continue
@@ -95,9 +96,11 @@ class MainParamAdamW:
             if kind not in ("main", "exp_avg", "exp_avg_sq", "adam_step") or not idx.isdecimal():
                 problems.append(f"unknown optimizer state key {k!r} (expected step, main.<i>, exp_avg.<i>, exp_avg_sq.<i>, adam_step.<i>)")
             elif int(idx) >= n:
-                problems.append(f"optimizer state has {k} for a parameter this model lacks (it has {n})")
+                extra.append(k)
             else:
                 by_index.setdefault(int(idx), set()).add(kind)
+        if extra:
+            problems.append(f"optimizer state has entries for parameters this model lacks (it has {n}): {sorted(extra)[:6]}")
         adam = {"exp_avg", "exp_avg_sq", "adam_step"}
         for i, m in enumerate(self.main):
             kinds, name = by_index.get(i, set()), self.param_names[i]

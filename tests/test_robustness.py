@@ -297,7 +297,7 @@ def _edit_optimizer(ckpt, fn):
     (lambda sd: sd.pop("adam_step.0"), r"partial Adam state for parameter 0 .*lacks \['adam_step'\]"),
     (lambda sd: sd.update({"main.x": torch.zeros(1)}), r"unknown optimizer state key 'main.x'"),
     (lambda sd: sd.update({"bogus": torch.zeros(1)}), r"unknown optimizer state key 'bogus'"),
-    (lambda sd: sd.update({"exp_avg.999": torch.zeros(1)}), r"exp_avg.999 for a parameter this model lacks"),
+    (lambda sd: sd.update({"exp_avg.999": torch.zeros(1)}), r"entries for parameters this model lacks \(it has \d+\): \['exp_avg.999'\]"),
     (lambda sd: sd.update({"adam_step.1": torch.zeros(2)}), r"adam_step.1 .*expected \(1,\) float32"),
     (lambda sd: sd["exp_avg_sq.2"].view(-1).__setitem__(0, float("nan")), r"exp_avg_sq.2 .*non-finite"),
     (lambda sd: sd.pop("step"), r"lacks 'step'"),
