@@ -19,6 +19,7 @@ COMMANDS = {
     "check": ("megatron_consistent.verify.check_command", "rollout (vLLM) vs recompute (Megatron) log-probs: zero mismatch end to end"),
     "diagnose": ("megatron_consistent.verify.diagnose_command", "first divergent layer/op and token between vLLM and Megatron for one request"),
     "gates": ("megatron_consistent.verify.gates_command", "release gates C0-C10 in order, stopping at the first failure"),
+    "soak": ("megatron_consistent.verify.soak", "randomized request stream (preemption, aborts, n=1/2) vs trainer recompute"),
 }
 
 

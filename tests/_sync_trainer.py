@@ -13,7 +13,6 @@ import time
 
 if __name__ == "__main__":
     model_dir, mode = sys.argv[1], sys.argv[2]
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -29,6 +29,7 @@ def test_dummy_run_attention_writes_zeros(monkeypatch):
     assert torch.equal(res, torch.zeros_like(res))
 
 
+@pytest.mark.engine
 def test_moe_engine_starts_with_poisoned_attention_output(tmp_path):
     """Every attention forward in the engine NaN-fills its output buffer first (stand-in for unwritten memory); the
     engine start runs vLLM's warm-up profile forward (attn_metadata None), whose output reaches the MoE router: the
@@ -455,6 +456,7 @@ def test_sync_rpc_timeout_and_dead_engine_raise_named_errors():
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.engine
 def test_live_sync_guards_and_no_orphans(tmp_path):
     """A trainer process with a live multiprocess engine: in-flight push refused (unless drained), NaN refused by name on
     both sides, then (a) the worker is killed: the next push raises a named WeightSyncError quickly; (b) the trainer is
@@ -578,6 +580,7 @@ def test_check_checkpoint_bad_input_exits_2(tmp_path, capsys, no_engines):
         assert rc == 2 and len(err.splitlines()) == 1 and re.search(message, err), (argv, rc, err)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name, prompts", [("tiny-llama", "file"), ("tiny-qwen3moe-top1", "chat")])
 def test_check_checkpoint_zero_mismatch_on_text(tmp_path, name, prompts):
     """A transformers-written checkpoint with a tokenizer: text prompts (a JSONL file, or the built-in chat prompts through
@@ -599,3 +602,30 @@ def test_check_checkpoint_zero_mismatch_on_text(tmp_path, name, prompts):
     n = 3 if prompts == "file" else 6
     assert r["consistent"]["tokens"] == n * 8 and r["settings"]["num_prompts"] == n
     assert ("file" if prompts == "file" else "chat template") in r["settings"]["prompt_source"]
+
+
+# ---------------------------------------------------------------------------------------------- 7: soak (reduced)
+@pytest.mark.engine
+@pytest.mark.slow
+def test_soak_reduced(tmp_path):
+    """The soak's stream, short: preemptions and aborts happen, n=2 requests too, and every finished sample is bitwise
+    equal to the trainer's recompute (make soak runs 1500 requests on a dense and a MoE model)."""
+    from megatron_consistent.verify.soak import SoakConfig, run_soak
+
+    cfg = SoakConfig(models=["tiny-llama"], requests=60, out_dir=str(tmp_path))
+    cfg.validate()
+    r = run_soak(cfg)["models"][0]
+    assert r["requests"] == 60 and r["samples"] > 0 and r["n2_requests"] > 0
+    assert r["preemptions"] > 0 and r["aborts"] > 0, r
+    assert r["mismatched_tokens"] == 0 and r["mismatched_samples"] == 0, r
+
+
+def test_soak_bad_input_exits_2(tmp_path, capsys, no_engines):
+    from megatron_consistent.cli import main
+
+    for argv, message in [(["--requests", "0"], "--requests must be >= 1"), (["--kv-blocks", "2"], "cannot hold one sequence"),
+                          (["--abort-probability", "1.5"], "--abort-probability must be in"),
+                          (["--models", "tiny-mamba2"], "hybrid models refuse prefix caching")]:
+        rc = main(["soak", "--out-dir", str(tmp_path), *argv])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1 and message in err, (argv, err)
