@@ -61,3 +61,10 @@ bench-gpu: setup
 
 clean:
 	rm -rf $(STAMP) runs .pytest_cache .hypothesis
+
+# Issue #16: randomized request stream (>= 1500 requests per model: preemption via a small KV cache, aborts, n in {1,2},
+# two temperatures, shared prefixes) on tiny-llama and tiny-qwen3moe-top1, every finished sample recomputed by the
+# trainer; zero mismatches required (docs/robustness.md).
+.PHONY: soak
+soak: setup
+	$(PYTHON) -m megatron_consistent.cli soak --requests 1500 --json runs/soak.json

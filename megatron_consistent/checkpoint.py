@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .config import ArchConfig
 from .conversion import CheckpointMismatchError, export_hf, import_hf
@@ -147,13 +148,19 @@ def _load_dist_staged(model, dist_dir: Path) -> dict[str, torch.Tensor]:
         request[k] = v
     try:
         return dist_checkpointing.load(request, str(dist_dir))
-    except Exception as e:  # noqa: BLE001 - shape/key mismatches surface as various megatron errors
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - mismatches surface as various megatron / torch errors
+        # (torch's CheckpointException derives from BaseException: it escaped `except Exception`)
         raise CheckpointMismatchError(f"cannot load {dist_dir} into this model (nothing was loaded): {type(e).__name__}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------- load
-def load_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None = None, source: str = "hf") -> dict:
-    """Restore ``model`` (and ``optimizer``) from ``ckpt_dir``, all or nothing; returns the manifest."""
+def load_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None = None, source: str = "hf",
+                    allow_nonfinite: bool = False) -> dict:
+    """Restore ``model`` (and ``optimizer``) from ``ckpt_dir``, all or nothing; returns the manifest.
+
+    Order: manifest and architecture, the optimizer state in full (keys, shapes, dtypes, finiteness), the model weights
+    in full (``import_hf`` / the staged dist load, finiteness) — only then is anything copied, the weights first, the
+    optimizer (which can no longer fail) second.  Non-finite values are refused by name unless ``allow_nonfinite``."""
     if source not in ("hf", "dist"):
         raise ValueError(f"source must be 'hf' or 'dist', got {source!r}")
     arch = model_arch(model, arch)
@@ -169,26 +176,35 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None 
         if "optimizer" not in manifest["files"]:
             problems.append("checkpoint holds no optimizer state")
         elif not problems:
-            opt_sd = load_file(str(ckpt / manifest["files"]["optimizer"]))
-            problems += optimizer.check_state_dict(opt_sd)
+            try:
+                opt_sd = load_file(str(ckpt / manifest["files"]["optimizer"]))
+            except Exception as e:  # noqa: BLE001 - missing / corrupt file: named, nothing loaded
+                problems.append(f"cannot read the optimizer state: {type(e).__name__}: {e}")
+            else:
+                problems += optimizer.check_state_dict(opt_sd, allow_nonfinite=allow_nonfinite)
     if source == "dist" and "megatron" not in manifest["files"]:
         problems.append("checkpoint holds no Megatron dist checkpoint")
     if problems:
         raise CheckpointMismatchError(f"cannot restore {ckpt} into this model (nothing was loaded):\n  " + "\n  ".join(problems))
 
     if source == "hf":
-        import_hf(model, arch, ckpt / manifest["files"]["hf"])  # validates everything, then copies in place
+        import_hf(model, arch, ckpt / manifest["files"]["hf"], allow_nonfinite=allow_nonfinite)  # validates all, then copies
     else:
+        from .conversion.hf import nonfinite_names
+
         staged = _load_dist_staged(model, ckpt / manifest["files"]["megatron"])
         params = dict(model.named_parameters())
         missing = sorted(n for n in params if n not in staged)
         if missing:
             raise CheckpointMismatchError(f"dist checkpoint lacks parameters {missing} (nothing was loaded)")
+        bad = [] if allow_nonfinite else nonfinite_names((n, staged[n]) for n in params)
+        if bad:
+            raise CheckpointMismatchError(f"dist checkpoint has non-finite values (NaN/Inf) in {bad[:8]} (nothing was loaded)")
         with torch.no_grad():
             for n, p in params.items():
                 p.data.copy_(staged[n])
     if opt_sd is not None:
-        optimizer.load_state_dict(opt_sd)
+        optimizer.load_state_dict(opt_sd, allow_nonfinite=allow_nonfinite)  # validated above: cannot fail half way
     return manifest
 
 

@@ -1,8 +1,11 @@
 """Command line ``megatron-consistent``: one subcommand per module in ``COMMANDS``.
 
 Each command module provides ``add_arguments(parser)`` and ``run(args) -> int``.
-Bad input (``ValueError``, ``FileNotFoundError``) is reported as one line on
-stderr with exit code 2, before any work.
+Each ``run`` validates all of its input first (numbers, paths, the JSON output
+path, configs: :mod:`megatron_consistent.verify.inputs`); bad input
+(``ValueError``, ``OSError``) is reported as one line on stderr with exit code 2,
+before any engine starts.  A failure after that point is recorded in the JSON
+report (``"error"``), which is written anyway, and exits 1.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ COMMANDS = {
     "check": ("megatron_consistent.verify.check_command", "rollout (vLLM) vs recompute (Megatron) log-probs: zero mismatch end to end"),
     "diagnose": ("megatron_consistent.verify.diagnose_command", "first divergent layer/op and token between vLLM and Megatron for one request"),
     "gates": ("megatron_consistent.verify.gates_command", "release gates C0-C10 in order, stopping at the first failure"),
+    "soak": ("megatron_consistent.verify.soak", "randomized request stream (preemption, aborts, n=1/2) vs trainer recompute"),
 }
 
 
@@ -32,10 +36,12 @@ def main(argv: list[str] | None = None) -> int:
             module = importlib.import_module(path)
             module.add_arguments(p)
     args = parser.parse_args(argv)
+    from .verify.inputs import one_line
+
     try:
         return module.run(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"megatron-consistent {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input, found before any work (each command validates first)
+        print(f"megatron-consistent {args.command}: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -175,6 +175,9 @@ class ArchConfig:
         if scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
         theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        _require(arch, hf, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+                 optional=("num_key_value_heads", "head_dim", "max_position_embeddings"))
+        _require_float(hf, ("rms_norm_eps",), theta=theta)
         heads = hf["num_attention_heads"]
         dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", "")
         if dtype not in SUPPORTED_DTYPES:
@@ -256,6 +259,33 @@ class ArchConfig:
             ssm["time_step_limit"] = tuple(float(x) for x in ssm["time_step_limit"])
             d["ssm"] = SSMConfig(**ssm)
         return cls(**d)
+
+
+def _require(arch: str, hf: dict, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """One-line structured errors instead of ``KeyError`` / ``ZeroDivisionError``: ``fields`` must be present and every
+    present size (``fields`` + ``optional``; None = unset) an integer > 0."""
+    for key in fields:
+        if hf.get(key) is None:
+            raise UnsupportedConfigError(f"{arch} config: missing field {key}")
+    for key in (*fields, *optional):
+        v = hf.get(key)
+        if v is None or key == "intermediate_size" and isinstance(v, list):
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+            raise UnsupportedConfigError(f"{arch} config: field {key} must be an integer, got {v!r}")
+        if v <= 0:
+            raise UnsupportedConfigError(f"{arch} config: field {key} must be > 0, got {v!r}")
+
+
+def _require_float(hf: dict, fields: tuple[str, ...], **values) -> None:
+    """Present float fields (and ``values``) must be finite numbers > 0."""
+    import math
+
+    for key, v in [(k, hf.get(k)) for k in fields] + list(values.items()):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise UnsupportedConfigError(f"config field {key} must be a finite number > 0, got {v!r}")
 
 
 _MOE_REFUSED = ("n_group", "topk_group", "topk_method", "scoring_func", "e_score_correction_bias", "routed_scaling_factor",
@@ -385,9 +415,14 @@ def _hybrid_from_hf(cls, arch: str, hf: dict) -> ArchConfig:
     dtype = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", "")
     if dtype not in SUPPORTED_DTYPES:
         raise UnsupportedConfigError(f"unsupported dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
-    if hf.get("residual_in_fp32", arch == "Mamba2ForCausalLM"):  # HF Mamba2 defaults to True
-        raise UnsupportedConfigError(f"unsupported {arch} feature: residual_in_fp32=True (the residual stream stays in the model "
-                                     "dtype, as in vLLM; set residual_in_fp32=false)")
+    # residual_in_fp32 (HF Mamba2 default True): accepted and, as in vLLM, not applied.  vLLM's mamba2.py / nemotron_h.py never
+    # read it; their RMSNorm adds the residual and stores it in the model dtype.  Trainer and plugin do exactly that
+    # (docs/robustness.md), so a checkpoint that sets it runs as vLLM serves it.
+    _require(arch, hf, ("vocab_size", "hidden_size") + (("num_hidden_layers",) if arch == "Mamba2ForCausalLM" else ()),
+             optional=("num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "intermediate_size",
+                       "num_heads", "state_size", "expand", "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups",
+                       "mamba_n_groups", "chunk_size", "mamba_chunk_size", "conv_kernel", "mamba_d_conv"))
+    _require_float(hf, ("layer_norm_epsilon",))
     hidden, eps = int(hf["hidden_size"]), float(hf.get("layer_norm_epsilon", 1e-5))
     common = dict(architecture=arch, vocab_size=int(hf["vocab_size"]), hidden_size=hidden, rms_norm_eps=eps,
                   rope_theta=10000.0, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, use_rope=False)
@@ -470,10 +505,39 @@ def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
 
 
 def load_hf_config(path: str | Path) -> dict:
-    """An HF config dict from a folder holding ``config.json`` or from the file itself."""
+    """An HF config dict from a folder holding ``config.json`` or from the file itself, read as vLLM reads it.
+
+    The file goes through transformers' ``AutoConfig`` (so every encoding transformers writes, e.g.
+    ``{"__float__": "Infinity"}``, is understood, and defaults are those vLLM sees); the result is its ``to_dict()``.
+    Fields the file itself must carry (sizes) are checked on the file: a missing one is named
+    (:class:`UnsupportedConfigError`), never a ``KeyError``.  A file without ``model_type`` is read with the model type of
+    its (supported) architecture.
+    """
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
         raise FileNotFoundError(f"no HF config at {path} (expected a folder with config.json, or the file)")
-    return json.loads(p.read_text())
+    try:
+        raw = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UnsupportedConfigError(f"{p}: not a JSON file ({e})") from None
+    if not isinstance(raw, dict):
+        raise UnsupportedConfigError(f"{p}: expected a JSON object, got {type(raw).__name__}")
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedConfigError(f"{p}: unsupported architecture {archs[0] if isinstance(archs, list) and archs else None!r}; "
+                                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    from transformers import AutoConfig, PretrainedConfig
+
+    decoded = PretrainedConfig._decode_special_floats(raw)
+    # the file's own fields first: AutoConfig would fill a default (e.g. hidden_size 4096) for a missing size
+    ArchConfig.from_hf(decoded)
+    try:
+        if "model_type" in decoded:
+            cfg = AutoConfig.from_pretrained(str(p.parent) if p.name == "config.json" else str(p))
+        else:
+            cfg = AutoConfig.for_model(_MODEL_TYPES[archs[0]], **decoded)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UnsupportedConfigError(f"{p}: transformers cannot read this config ({type(e).__name__}: {e})") from None
+    return cfg.to_dict()

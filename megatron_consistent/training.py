@@ -69,29 +69,55 @@ class MainParamAdamW:
                 out[f"adam_step.{i}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).clone()
         return out
 
-    def check_state_dict(self, sd: dict[str, torch.Tensor]) -> list[str]:
-        """Problems that would prevent :meth:`load_state_dict` (empty list when it fits)."""
+    def check_state_dict(self, sd: dict[str, torch.Tensor], *, allow_nonfinite: bool = False) -> list[str]:
+        """Every problem that would prevent :meth:`load_state_dict` (empty list when it fits entirely).
+
+        Keys must be ``step`` or ``main.<i>`` / ``exp_avg.<i>`` / ``exp_avg_sq.<i>`` / ``adam_step.<i>`` with ``i`` a
+        parameter index; ``main.<i>`` for every parameter; the three Adam entries of a parameter all present or all
+        absent; shapes and dtypes exact; values finite unless ``allow_nonfinite``.
+        """
         problems = []
-        if "step" not in sd:
+        n = len(self.main)
+        step = sd.get("step")
+        if step is None:
             problems.append("optimizer state lacks 'step'")
-        for i, m in enumerate(self.main):
-            t = sd.get(f"main.{i}")
-            if t is None:
-                problems.append(f"optimizer state lacks main.{i} ({self.param_names[i]})")
-            elif tuple(t.shape) != tuple(m.shape) or t.dtype != torch.float32:
-                problems.append(f"main.{i} ({self.param_names[i]}): {tuple(t.shape)} {t.dtype}, expected {tuple(m.shape)} float32")
-            for k in (f"exp_avg.{i}", f"exp_avg_sq.{i}"):
-                if k in sd and tuple(sd[k].shape) != tuple(m.shape):
-                    problems.append(f"{k}: shape {tuple(sd[k].shape)}, expected {tuple(m.shape)}")
-        extra = [k for k in sd if k != "step" and int(k.rsplit(".", 1)[1]) >= len(self.main)]
+        elif tuple(step.shape) != (1,) or step.dtype != torch.int64 or int(step.item()) < 0:
+            problems.append(f"step: expected one int64 >= 0, got {tuple(step.shape)} {step.dtype}")
+        by_index: dict[int, set[str]] = {}
+        extra = []
+        for k in sd:
+            if k == "step":
+                continue
+            kind, _, idx = k.rpartition(".")
+            if kind not in ("main", "exp_avg", "exp_avg_sq", "adam_step") or not idx.isdecimal():
+                problems.append(f"unknown optimizer state key {k!r} (expected step, main.<i>, exp_avg.<i>, exp_avg_sq.<i>, adam_step.<i>)")
+            elif int(idx) >= n:
+                extra.append(k)
+            else:
+                by_index.setdefault(int(idx), set()).add(kind)
         if extra:
-            problems.append(f"optimizer state has entries for parameters this model lacks: {extra[:6]}")
+            problems.append(f"optimizer state has entries for parameters this model lacks (it has {n}): {sorted(extra)[:6]}")
+        adam = {"exp_avg", "exp_avg_sq", "adam_step"}
+        for i, m in enumerate(self.main):
+            kinds, name = by_index.get(i, set()), self.param_names[i]
+            if "main" not in kinds:
+                problems.append(f"optimizer state lacks main.{i} ({name})")
+            if kinds & adam and not adam <= kinds:
+                problems.append(f"partial Adam state for parameter {i} ({name}): has {sorted(kinds & adam)}, lacks {sorted(adam - kinds)}")
+            for kind in sorted(kinds):
+                t = sd[f"{kind}.{i}"]
+                shape = (1,) if kind == "adam_step" else tuple(m.shape)
+                if tuple(t.shape) != shape or t.dtype != torch.float32:
+                    problems.append(f"{kind}.{i} ({name}): {tuple(t.shape)} {t.dtype}, expected {shape} float32")
+                elif not allow_nonfinite and not bool(torch.isfinite(t).all()):
+                    problems.append(f"{kind}.{i} ({name}): non-finite values (NaN/Inf)")
         return problems
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, torch.Tensor], *, copy_to_model: bool = False) -> None:
-        """Restore main params and moments (all or nothing); ``copy_to_model`` also writes main -> params."""
-        problems = self.check_state_dict(sd)
+    def load_state_dict(self, sd: dict[str, torch.Tensor], *, copy_to_model: bool = False, allow_nonfinite: bool = False) -> None:
+        """Restore main params and moments (all or nothing: :meth:`check_state_dict` first); ``copy_to_model`` also writes
+        main -> params."""
+        problems = self.check_state_dict(sd, allow_nonfinite=allow_nonfinite)
         if problems:
             raise ValueError("optimizer state does not fit:\n  " + "\n  ".join(problems))
         self.steps = int(sd["step"].item())

@@ -149,25 +149,48 @@ def export_hf(model, arch: ArchConfig, out_dir) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- import
-def _checkpoint_files(in_dir: Path) -> list[Path]:
+def _checkpoint_files(in_dir: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of an HF folder, and the index's ``weight_map`` when it is sharded (``None``: one file).
+
+    The index is checked on its own here: a JSON object with a ``weight_map`` of ``{tensor: shard file}``, every shard
+    a file inside the folder (no absolute paths, no ``..`` leaving it).  That every tensor lies in exactly one shard, the
+    one the index names, is checked against the shards' headers by :func:`import_hf`.
+    """
     single = in_dir / "model.safetensors"
     index = in_dir / "model.safetensors.index.json"
     if single.is_file():
-        return [single]
+        return [single], None
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [in_dir / s for s in shards]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise CheckpointMismatchError(f"{index}: not a JSON object with a weight_map ({e})") from None
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise CheckpointMismatchError(f"{index}: weight_map must be a non-empty {{tensor name: shard file}} object")
+        root, problems = in_dir.resolve(), []
+        for shard in sorted(set(weight_map.values())):
+            path = (in_dir / shard).resolve()
+            if Path(shard).is_absolute() or not path.is_relative_to(root):
+                problems.append(f"shard path {shard!r} leaves the checkpoint folder")
+            elif not path.is_file():
+                problems.append(f"shard {shard!r} named by the index does not exist")
+        if problems:
+            raise CheckpointMismatchError(f"cannot import {in_dir} (nothing was loaded):\n  " + "\n  ".join(problems))
+        return [in_dir / s for s in sorted(set(weight_map.values()))], weight_map
     if any(in_dir.glob("*.bin")) or any(in_dir.glob("*.pt")):
         raise CheckpointMismatchError(f"{in_dir}: only safetensors checkpoints are read (found pickle-based *.bin/*.pt)")
     raise FileNotFoundError(f"{in_dir}: no model.safetensors or model.safetensors.index.json")
 
 
 def _arch_differences(arch: ArchConfig, in_dir: Path) -> list[str]:
+    from ..config import load_hf_config
+
     cfg_path = in_dir / "config.json"
     if not cfg_path.is_file():
         return []
     try:
-        found = ArchConfig.from_hf(json.loads(cfg_path.read_text()))
+        found = ArchConfig.from_hf(load_hf_config(cfg_path))  # as vLLM reads it (transformers' encodings understood)
     except UnsupportedConfigError as e:
         return [f"config.json: {e}"]
     a, b = replace(arch, dtype="float32"), replace(found, dtype="float32")
@@ -175,24 +198,47 @@ def _arch_differences(arch: ArchConfig, in_dir: Path) -> list[str]:
     return [f"config.json {k}={v!r}, expected {expected[k]!r}" for k, v in b.as_dict().items() if expected[k] != v]
 
 
-def import_hf(model, arch: ArchConfig, in_dir) -> None:
+def nonfinite_names(tensors) -> list[str]:
+    """Names of the floating-point tensors in ``(name, tensor)`` pairs holding a NaN or an infinity."""
+    return [n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def import_hf(model, arch: ArchConfig, in_dir, *, allow_nonfinite: bool = False) -> None:
     """Load an HF safetensors checkpoint into the Megatron ``model`` in place, all or nothing.
 
     Every problem (config mismatch, missing / extra tensors, wrong shape or
-    dtype) is collected first and raised as one :class:`CheckpointMismatchError`;
-    in that case no parameter is touched.
+    dtype; a sharded checkpoint whose index does not name every tensor exactly
+    once, in the shard that holds it, or names a shard outside the folder) is
+    collected first and raised as one :class:`CheckpointMismatchError`; in that
+    case no parameter is touched.  Tensors holding NaN / infinity are refused by
+    name (after reading, before any copy) unless ``allow_nonfinite``.
     """
     in_dir = Path(in_dir)
     params = _model_params(model, arch)
-    files = _checkpoint_files(in_dir)
+    files, weight_map = _checkpoint_files(in_dir)
     problems = _arch_differences(arch, in_dir)
     meta: dict[str, tuple[Path, tuple[int, ...], torch.dtype | str]] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                dt = sl.get_dtype()
-                meta[k] = (f, tuple(sl.get_shape()), _DTYPE_NAMES.get(dt, dt))
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    sl = sf.get_slice(k)
+                    dt = sl.get_dtype()
+                    if k in meta:
+                        problems.append(f"tensor {k} is in two shards: {meta[k][0].name} and {f.name}")
+                    meta[k] = (f, tuple(sl.get_shape()), _DTYPE_NAMES.get(dt, dt))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for a corrupt header
+            raise CheckpointMismatchError(f"cannot read {f} (nothing was loaded): {type(e).__name__}: {e}") from None
+    if weight_map is not None:
+        unindexed = sorted(meta.keys() - weight_map.keys())
+        absent = sorted(weight_map.keys() - meta.keys())
+        misplaced = sorted(k for k in weight_map.keys() & meta.keys() if (in_dir / weight_map[k]).resolve() != meta[k][0].resolve())
+        if unindexed:
+            problems.append(f"tensors in shards but not in the index: {unindexed[:8]}")
+        if absent:
+            problems.append(f"index names tensors no shard holds: {absent[:8]}")
+        if misplaced:
+            problems.append(f"index names the wrong shard for: {misplaced[:8]}")
     plan = _plan(arch)
     expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for mname, hf_names, kind in plan:
@@ -209,17 +255,23 @@ def import_hf(model, arch: ArchConfig, in_dir) -> None:
         (shape, dtype), (_, fshape, fdtype) = expected[name], meta[name]
         if fshape != shape:
             problems.append(f"wrong shape for {name}: file {fshape}, model expects {shape}")
-        if fdtype != dtype:
+        if fdtype != dtype and not (dtype == torch.float32 and fdtype in (torch.bfloat16, torch.float16)):
+            # (a 16-bit tensor into a float32 parameter widens exactly, as vLLM's load does: e.g. a router's
+            # e_score_correction_bias that transformers saved in the model dtype)
             problems.append(f"wrong dtype for {name}: file {fdtype}, model expects {dtype}")
     if problems:
         raise CheckpointMismatchError(f"cannot import {in_dir} (nothing was loaded):\n  " + "\n  ".join(problems))
 
-    # Everything fits: read, assemble, then copy in place.
+    # Everything fits: read, refuse non-finite values, assemble, then copy in place.
     loaded: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():
                 loaded[k] = sf.get_tensor(k)
+    bad = [] if allow_nonfinite else nonfinite_names(loaded.items())
+    if bad:
+        raise CheckpointMismatchError(f"cannot import {in_dir} (nothing was loaded): non-finite values (NaN/Inf) in {bad[:8]} "
+                                      "(allow_nonfinite=True accepts them)")
     staged = [(params[m], _join(arch, kind, [loaded[n] for n in hf_names])) for m, hf_names, kind in plan]
     with torch.no_grad():
         for p, t in staged:

@@ -26,6 +26,11 @@ leaves the version unchanged; the engine keeps serving the previous weights.
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import os
+import signal
+import threading
 import time
 
 import torch
@@ -89,6 +94,36 @@ class WeightSyncExtension:
         """``consistent`` or ``stock`` (the model class the engine runs)."""
         return "consistent" if hasattr(self._mc_model(), "hf_targets") else "stock"
 
+    def mc_sync_watch_parent(self, pid: int, interval: float = 0.5) -> int:
+        """Exit this engine when process ``pid`` (the trainer) dies; returns the pid of this process.
+
+        A daemon thread polls ``/proc/<pid>`` (a zombie or a reused pid counts as dead: the start time is compared).
+        On its death the thread removes the trainer's leftover ``/dev/shm/mc-sync-<pid>-*`` files, kills the engine
+        core process when this worker is its child (multiprocess executor) and exits this process."""
+        pid = int(pid)
+        if getattr(self, "_mc_watched_pid", None) == pid:
+            return os.getpid()
+        start = _start_time(pid)
+        if start is None:
+            raise RuntimeError(f"trainer process {pid} is not running")
+        engine_pid = os.getppid() if os.getppid() != pid else None  # our parent is the engine core, not the trainer
+        engine_start = _start_time(engine_pid) if engine_pid else None
+
+        def watch():
+            while _start_time(pid) == start:
+                time.sleep(interval)
+            for f in glob.glob(os.path.join("/dev/shm", f"mc-sync-{pid}-*.bin")):
+                with contextlib.suppress(OSError):
+                    os.unlink(f)
+            if engine_pid and _start_time(engine_pid) == engine_start:
+                with contextlib.suppress(OSError):
+                    os.kill(engine_pid, signal.SIGTERM)  # vLLM shuts down cleanly on SIGTERM
+            os._exit(1)
+
+        threading.Thread(target=watch, name="mc-sync-parent-watch", daemon=True).start()
+        self._mc_watched_pid = pid
+        return os.getpid()
+
     def mc_sync_apply(self, update: dict) -> dict:
         """Validate, then copy an update into the model; returns a report dict (``ok`` False = refused, nothing applied)."""
         t0 = time.perf_counter()
@@ -99,6 +134,13 @@ class WeightSyncExtension:
         if problems:
             return {"ok": False, "version": version, "problems": problems}
         views = tensor_views(update)
+        if not update.get("allow_nonfinite", False):
+            from ..conversion.hf import nonfinite_names
+
+            bad = nonfinite_names(views.items())
+            if bad:
+                return {"ok": False, "version": version,
+                        "problems": [f"non-finite values (NaN/Inf) in {bad[:8]} (the sender may set allow_nonfinite)"]}
         before = self.mc_sync_pointers()
         with torch.no_grad():
             if targets is not None:
@@ -121,3 +163,15 @@ class WeightSyncExtension:
         report["version"] = self._mc_weight_version
         report["seconds"] = time.perf_counter() - t0
         return report
+
+
+def _start_time(pid: int | None) -> int | None:
+    """The start time (clock ticks since boot) of a live, non-zombie process ``pid``; ``None`` when it is gone."""
+    if not pid:
+        return None
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, starttime field 22
+    return None if fields[0] in ("Z", "X") else int(fields[19])

@@ -66,8 +66,23 @@ class CheckConfig:
         if self.device != "auto":
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
+    checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
+    prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
 
     def validate(self) -> None:
+        """Every setting, before any work (one-line ``ValueError`` naming the flag)."""
+        from .inputs import integer, positive_float
+
+        for name in ("num_prompts", "max_tokens", "max_num_batched_tokens", "min_prompt_len", "max_prompt_len", "prefix_groups",
+                     "block_size", "max_model_len", "recompute_batch"):
+            integer("--" + name.replace("_", "-"), getattr(self, name))
+        integer("--seed", self.seed, 0)
+        integer("--shared-prefix-len", self.shared_prefix_len, 0)
+        positive_float("--temperature", self.temperature)
+        if not 0 < positive_float("--gpu-memory-utilization", self.gpu_memory_utilization) <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.min_prompt_len > self.max_prompt_len:
+            raise ValueError(f"min_prompt_len {self.min_prompt_len} > max_prompt_len {self.max_prompt_len}")
         if self.mode not in MODES:
             raise ValueError(f"--mode must be one of {MODES}, got {self.mode!r}")
         if self.logprobs_mode not in ("processed", "raw"):
@@ -89,15 +104,26 @@ class CheckConfig:
                 raise ValueError(f"block_size must be one of {GPU_BLOCK_SIZES} on CUDA, got {self.block_size}")
         elif self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32 (vLLM CPU), got {self.block_size}")
+        if self.checkpoint and (self.hf_config or self.quantization):
+            raise ValueError("--checkpoint takes the model from the folder: not with --hf-config / --quantization")
+        if self.prompts and not self.checkpoint:
+            raise ValueError("--prompts needs --checkpoint")
 
 
 def load_check_config(yaml_path: str | None = None, **overrides) -> CheckConfig:
     """Defaults <- YAML file <- keyword overrides (None values ignored)."""
-    cfg = OmegaConf.structured(CheckConfig)
-    if yaml_path:
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(yaml_path))
-    cfg = OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if v is not None})
-    out = OmegaConf.to_object(cfg)
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = OmegaConf.structured(CheckConfig)
+        if yaml_path:
+            from .inputs import input_file
+
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(input_file("--config", yaml_path)))
+        cfg = OmegaConf.merge(cfg, {k: v for k, v in overrides.items() if v is not None})
+        out = OmegaConf.to_object(cfg)
+    except (OmegaConfBaseException, TypeError) as e:  # unknown key, wrong type, not YAML: one line
+        raise ValueError(f"check settings: {str(e).splitlines()[0]}") from None
     out.validate()
     return out
 
@@ -161,18 +187,29 @@ def routing_replay(trainer, arch, prompts, roll, engine_routes, temperature, cfg
             "replayed_from_prefix": replay.from_prefix, "unrouted_positions": replay.missing}
 
 
-def run_check(cfg: CheckConfig) -> dict:
-    """Run the check; returns the JSON-able report."""
+def run_check(cfg: CheckConfig, report: dict | None = None) -> dict:
+    """Run the check; returns the JSON-able report (``report``: filled in place as stages finish, so a caller keeps
+    what was measured when a later stage raises)."""
     from ..conversion import export_hf, import_hf
     from ..layers import build_consistent_gpt_model, build_stock_gpt_model
 
-    hf_path = cfg.hf_config or str(builtin_model_dir())
+    hf_path = cfg.checkpoint or cfg.hf_config or str(builtin_model_dir())
     arch = ArchConfig.from_hf(load_hf_config(hf_path))  # refuses unsupported configs before any work
+    report = {} if report is None else report
+    report["stage"] = "prepare"  # until the first engine starts: failures here are bad input (exit 2 in the CLI)
     out = Path(cfg.out_dir)
     model_dir = out / "model"
     device = torch.device(cfg.resolved_device())
     model = build_consistent_gpt_model(arch, seed=cfg.seed)
-    if cfg.quantization:  # trainer: FP8 / NVFP4 forward on the bf16 masters; engines: the quantized export of them
+    prompt_source = "seeded token-id prompts"
+    if cfg.checkpoint:  # the user's weights: validated completely (import_hf) and the prompts too, before any engine
+        from .user_prompts import checkpoint_prompts
+
+        model_dir = Path(cfg.checkpoint)
+        import_hf(model, arch, model_dir)
+        prompts, prompt_source = checkpoint_prompts(model_dir, cfg.prompts, arch.vocab_size, cfg.num_prompts, cfg.max_tokens,
+                                                    cfg.max_model_len, lambda: make_prompts(cfg, arch.vocab_size))
+    elif cfg.quantization:  # trainer: FP8 / NVFP4 forward on the bf16 masters; engines: the quantized export of them
         from ..conversion.fp8 import export_hf_fp8
         from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
         from ..layers.fp8 import enable_fp8
@@ -187,9 +224,11 @@ def run_check(cfg: CheckConfig) -> dict:
         from ..layers.fp8 import enable_fp8_kv
 
         enable_fp8_kv(model)
-    prompts = make_prompts(cfg, arch.vocab_size)
+    if not cfg.checkpoint:
+        prompts = make_prompts(cfg, arch.vocab_size)
     temperature = cfg.temperature if cfg.logprobs_mode == "processed" else 1.0
-    report = {"settings": {**asdict(cfg), "hf_config": hf_path, "arch": arch.as_dict()}}
+    report["settings"] = {**asdict(cfg), "hf_config": hf_path, "arch": arch.as_dict(), "prompt_source": prompt_source,
+                          "num_prompts": len(prompts)}
     if arch.is_hybrid:
         report["settings"]["prefix_caching"] = "off: hybrid Mamba model (the consistent plugin refuses enable_prefix_caching for it)"
         report["settings"]["baseline_trainer"] = "HF transformers torch path (Megatron's stock Mamba mixer needs mamba_ssm)"
@@ -198,6 +237,7 @@ def run_check(cfg: CheckConfig) -> dict:
     modes = ["consistent", "baseline"] if cfg.mode == "both" else [cfg.mode]
     if device.type == "cuda" and cfg.mode in ("both", "baseline"):
         modes.append(BATCH_INVARIANT_ROW)
+    report["stage"] = "engines"
     for mode in tqdm(modes, desc="check"):
         req = RolloutRequest(
             model_dir=str(model_dir), prompts=prompts, consistent=mode == "consistent", dtype=arch.dtype,
@@ -283,6 +323,7 @@ def run_check(cfg: CheckConfig) -> dict:
     if "gen_tokens_per_s" in c and "gen_tokens_per_s" in bi:
         report["batch_invariant_throughput_ratio"] = c["gen_tokens_per_s"] / bi["gen_tokens_per_s"]
     report["zero_mismatch"] = bool(c) and "tokens" in c and is_zero_mismatch(c)
+    report.pop("stage", None)
     return report
 
 

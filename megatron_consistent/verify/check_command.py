@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
-         "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization"]
+         "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
+         "checkpoint", "prompts"]
 
 
 def add_arguments(p) -> None:
@@ -27,15 +29,55 @@ def add_arguments(p) -> None:
                    help="auto (default): engines and trainer on the GPU when one is visible (adds the stock VLLM_BATCH_INVARIANT=1 row)")
     p.add_argument("--block-size", dest="block_size", type=int, help="KV cache block size (CPU: multiple of 32; CUDA: 16/32/64/128)")
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
+    p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
+                   "trainer and engines run on its weights")
+    p.add_argument("--prompts", help='with --checkpoint: JSONL, one {"text": ...} or {"token_ids": [...]} per line '
+                   "(default: built-in chat prompts through the tokenizer's chat template; token ids without a tokenizer)")
+
+
+def validate(args):
+    """Every input, before any work: settings, the model config, the output folder and the JSON path."""
+    from .check import load_check_config
+    from .inputs import hf_arch, output_dir, output_file
+
+    cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
+    if cfg.hf_config:
+        hf_arch(cfg.hf_config)
+    if cfg.checkpoint:  # the folder, its config and its index here; every tensor and the prompts before any engine starts
+        from pathlib import Path
+
+        from ..conversion.hf import _checkpoint_files
+        from .user_prompts import read_prompt_file
+
+        if not Path(cfg.checkpoint).is_dir():
+            raise FileNotFoundError(f"--checkpoint {cfg.checkpoint!r}: no such folder")
+        hf_arch(cfg.checkpoint)
+        _checkpoint_files(Path(cfg.checkpoint))
+        if cfg.prompts:
+            read_prompt_file(cfg.prompts)
+    output_dir("--out-dir", cfg.out_dir)
+    path = output_file("--json", cfg.json or os.path.join(cfg.out_dir, "check.json"))
+    return cfg, path
 
 
 def run(args) -> int:
-    from .check import load_check_config, render, run_check, write_report
+    from .check import render, run_check, write_report
+    from .inputs import FAILURES, one_line
 
-    cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
-    report = run_check(cfg)
+    cfg, path = validate(args)  # bad input: ValueError / OSError -> exit 2, nothing started
+    report: dict = {}
+    try:
+        run_check(cfg, report)
+    except FAILURES as e:  # noqa: BLE001 - a later stage failed: the report keeps what was measured, plus the error
+        if report.get("stage") == "prepare" and isinstance(e, (ValueError, OSError)):
+            raise  # bad input found while preparing (a checkpoint's tensors, the prompts): no engine started, exit 2
+        report.pop("stage", None)
+        report["error"] = f"{type(e).__name__}: {one_line(e)}"
+        report["zero_mismatch"] = False
+        write_report(report, path)
+        print(f"megatron-consistent check: failed: {report['error']}\nreport: {path}", file=sys.stderr)
+        return 1
     print(render(report))
-    path = cfg.json or os.path.join(cfg.out_dir, "check.json")
     write_report(report, path)
     print(f"report: {path}")
     return 1 if "consistent" in report and not report["zero_mismatch"] else 0

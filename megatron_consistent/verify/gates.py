@@ -67,6 +67,8 @@ class Context:
 
 def run_gates(gates: list[Gate], ctx, only: list[str] | None = None) -> list[dict]:
     """Run ``gates`` in order; stop at the first ``fail``; later gates are ``skip`` ("not run")."""
+    from .inputs import FAILURES
+
     results, failed = [], None
     for g in gates:
         rec = {"id": g.id, "name": g.name}
@@ -78,7 +80,7 @@ def run_gates(gates: list[Gate], ctx, only: list[str] | None = None) -> list[dic
             t0 = time.perf_counter()
             try:
                 status, detail = g.fn(ctx)
-            except Exception as e:  # a crashing gate is a failing gate
+            except FAILURES as e:  # a crashing gate is a failing gate (incl. torch's BaseException CheckpointException)
                 status, detail = "fail", f"{type(e).__name__}: {e}"
                 traceback.print_exc(file=sys.stderr)
             if status not in STATUSES:

@@ -12,6 +12,8 @@ trainer uses, with each query's absolute position.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -23,6 +25,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ..config import UnsupportedConfigError
 from ..kernels import attention, gather_kv, write_kv
+
+POISON_ENV = "MEGATRON_CONSISTENT_POISON_ATTN_OUTPUT"
 
 
 class ConsistentAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -65,6 +69,9 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         self.fp8_kv = kv_cache_dtype != "auto"  # E4M3 cache, fixed scale kernels.fp8.KV_SCALE (issue #9)
+        # Testing only: fill the output buffer with NaN before every forward, as uninitialised memory may hold;
+        # a test proves that no such value survives (the dummy run writes zeros, every real row is written).
+        self.poison_output = os.environ.get(POISON_ENV, "0") == "1"
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.fp8_kv:
@@ -76,8 +83,12 @@ class ConsistentAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
                 output_block_scale=None):
-        if attn_metadata is None:  # profiling / warm-up run
-            return output
+        if self.poison_output:  # testing (MEGATRON_CONSISTENT_POISON_ATTN_OUTPUT=1): stand-in for unwritten memory
+            output.fill_(float("nan"))
+        if attn_metadata is None:  # profiling / dummy run: no K/V, but the output must never be unwritten memory
+            return output.zero_()
+        # Rows past the scheduled tokens (padding) are not computed: zeros, never unwritten memory.
+        output[attn_metadata.num_actual_tokens :] = 0
         starts = attn_metadata.query_start_loc.to(torch.int64)
         q_lens = starts[1:] - starts[:-1]
         seq_lens = attn_metadata.seq_lens.to(torch.int64)
