@@ -19,7 +19,7 @@ if __name__ == "__main__":
     from megatron_consistent.conversion import hf_state_dict
     from megatron_consistent.layers import build_consistent_gpt_model
     from megatron_consistent.sync import WORKER_EXTENSION, WeightSyncChannel, WeightSyncError, pack_update
-    from megatron_consistent.training import TINY_RL_HF_CONFIG
+    from megatron_consistent.rl import TINY_RL_HF_CONFIG
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.3,
               max_model_len=256, block_size=32, max_num_batched_tokens=64, enforce_eager=True,

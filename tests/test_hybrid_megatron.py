@@ -67,7 +67,6 @@ def test_config_fields():
 
 
 REFUSED = [
-    ("tiny-nemotronh", {"residual_in_fp32": True}, "residual_in_fp32"),
     ("tiny-nemotronh", {"mamba_proj_bias": True}, "mamba_proj_bias"),
     ("tiny-nemotronh", {"use_bias": True}, "use_bias"),
     ("tiny-nemotronh", {"mlp_bias": True}, "mlp_bias"),
@@ -86,7 +85,6 @@ REFUSED = [
     ("tiny-nemotronh-moe", {"n_shared_experts": 2}, "n_shared_experts"),
     ("tiny-nemotronh-moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
     ("tiny-nemotronh-moe", {"n_group": 3}, "n_group"),
-    ("tiny-mamba2", {"residual_in_fp32": None}, "residual_in_fp32"),  # key absent: HF Mamba2 defaults to True
     ("tiny-mamba2", {"use_bias": True}, "use_bias"),
     ("tiny-mamba2", {"expand": 3}, "expand"),
     ("tiny-mamba2", {"hidden_act": "gelu"}, "hidden_act"),

@@ -242,7 +242,7 @@ def test_checkpoint_exception_does_not_escape(tmp_path, monkeypatch):
     from megatron_consistent import checkpoint
     from megatron_consistent.conversion import CheckpointMismatchError
     from megatron_consistent.layers import build_consistent_gpt_model
-    from megatron_consistent.training import TINY_RL_HF_CONFIG
+    from megatron_consistent.rl import TINY_RL_HF_CONFIG
 
     monkeypatch.setattr(checkpoint, "audit_dist_metadata", lambda d: None)
     monkeypatch.setattr(dist_checkpointing, "load", lambda *a, **k: raises(None))
@@ -253,7 +253,7 @@ def test_checkpoint_exception_does_not_escape(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------- 5: restore / import all or nothing
 def _tiny_model(seed=0):
     from megatron_consistent.layers import build_consistent_gpt_model
-    from megatron_consistent.training import TINY_RL_HF_CONFIG
+    from megatron_consistent.rl import TINY_RL_HF_CONFIG
 
     return build_consistent_gpt_model(TINY_RL_HF_CONFIG, seed=seed)
 

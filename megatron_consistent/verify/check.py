@@ -187,9 +187,10 @@ def routing_replay(trainer, arch, prompts, roll, engine_routes, temperature, cfg
             "replayed_from_prefix": replay.from_prefix, "unrouted_positions": replay.missing}
 
 
-def run_check(cfg: CheckConfig, report: dict | None = None) -> dict:
+def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) -> dict:
     """Run the check; returns the JSON-able report (``report``: filled in place as stages finish, so a caller keeps
-    what was measured when a later stage raises)."""
+    what was measured when a later stage raises; ``before_engine()``: called before each engine starts, when the
+    rows measured so far are in ``report`` — the CLI writes the JSON then, so a run killed mid-way keeps them)."""
     from ..conversion import export_hf, import_hf
     from ..layers import build_consistent_gpt_model, build_stock_gpt_model
 
@@ -239,6 +240,8 @@ def run_check(cfg: CheckConfig, report: dict | None = None) -> dict:
         modes.append(BATCH_INVARIANT_ROW)
     report["stage"] = "engines"
     for mode in tqdm(modes, desc="check"):
+        if before_engine is not None:
+            before_engine()
         req = RolloutRequest(
             model_dir=str(model_dir), prompts=prompts, consistent=mode == "consistent", dtype=arch.dtype,
             temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,

@@ -67,7 +67,7 @@ def run(args) -> int:
     cfg, path = validate(args)  # bad input: ValueError / OSError -> exit 2, nothing started
     report: dict = {}
     try:
-        run_check(cfg, report)
+        run_check(cfg, report, before_engine=lambda: write_report(report, path))
     except FAILURES as e:  # noqa: BLE001 - a later stage failed: the report keeps what was measured, plus the error
         if report.get("stage") == "prepare" and isinstance(e, (ValueError, OSError)):
             raise  # bad input found while preparing (a checkpoint's tensors, the prompts): no engine started, exit 2
