@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from _bits import bits_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernels of issue #6)")]
 
@@ -24,14 +25,6 @@ CPU = torch.device("cpu")
 DEV = torch.device("cuda")
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype in (torch.bfloat16, torch.float16):
-        return torch.equal(a.view(torch.int16), b.view(torch.int16))
-    if a.dtype == torch.float32:
-        return torch.equal(a.view(torch.int32), b.view(torch.int32))
-    return torch.equal(a, b)
 
 
 # --------------------------------------------------------------------------------------- GEMM
@@ -49,12 +42,12 @@ def test_gemm_batch_invariant(n, k, out_dtype):
     full = linear(x, w, b, out_dtype=out_dtype)  # serial (many tiles) path
     for sl in [slice(0, 1), slice(5, 6), slice(0, 16), slice(3, 67), slice(100, 356), slice(1000, 2048)]:
         part = linear(x[sl], w, b, out_dtype=out_dtype)
-        assert _bits_equal(part, full[sl]), f"rows {sl} differ from the full batch"
+        assert bits_equal(part, full[sl]), f"rows {sl} differ from the full batch"
     # reordering rows permutes results exactly
     perm = torch.randperm(2048, device=DEV)[:300]
-    assert _bits_equal(linear(x[perm], w, b, out_dtype=out_dtype), full[perm])
+    assert bits_equal(linear(x[perm], w, b, out_dtype=out_dtype), full[perm])
     # repeated runs
-    assert _bits_equal(linear(x, w, b, out_dtype=out_dtype), full)
+    assert bits_equal(linear(x, w, b, out_dtype=out_dtype), full)
     ref = x.float() @ w.float().T + b.float()
     err = (full.float() - ref).abs().max().item()
     tol = 1e-3 if out_dtype == torch.float32 else 4e-2 * ref.abs().max().item()
@@ -72,7 +65,7 @@ def test_gemm_output_past_int32_offsets():
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     full = linear(x, w, out_dtype=torch.float32)
     for sl in [slice(m - 3, m), slice(m // 2, m // 2 + 2), slice(0, 2)]:
-        assert _bits_equal(linear(x[sl], w, out_dtype=torch.float32), full[sl]), f"rows {sl}"
+        assert bits_equal(linear(x[sl], w, out_dtype=torch.float32), full[sl]), f"rows {sl}"
     del full
 
 
@@ -90,7 +83,7 @@ def test_gemm_schedules_and_loads_bitwise_equal(n, k, m):
                 continue
             outs.append(tlin.gemm(x, w, None, torch.float32, path=path, use_tma=tma))
     for o in outs[1:]:
-        assert _bits_equal(o, outs[0])
+        assert bits_equal(o, outs[0])
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (28672, 4096)])
@@ -102,22 +95,22 @@ def test_gemm_tiles_by_m_bitwise_equal_across_classes(n, k):
     x = torch.randn(1024, k, device=DEV, dtype=torch.bfloat16)
     full = tlin.gemm(x, w, None, torch.float32, tiles_by_m=True)  # large-M class
     for m in (1, 16, 64, 200, 256):
-        assert _bits_equal(tlin.gemm(x[:m], w, None, torch.float32, tiles_by_m=True), full[:m]), m
+        assert bits_equal(tlin.gemm(x[:m], w, None, torch.float32, tiles_by_m=True), full[:m]), m
     for _, bm, bn, wp, st in classes:
         cfg = tlin._cfg(bm, bn, bk, sps, wp, st)
-        assert _bits_equal(tlin.gemm(x[:300], w, None, torch.float32, cfg=cfg), full[:300]), (bm, bn)
-        assert _bits_equal(tlin.gemm(x[:300], w, None, torch.float32, cfg=cfg, use_tma=False), full[:300]), (bm, bn)
+        assert bits_equal(tlin.gemm(x[:300], w, None, torch.float32, cfg=cfg), full[:300]), (bm, bn)
+        assert bits_equal(tlin.gemm(x[:300], w, None, torch.float32, cfg=cfg, use_tma=False), full[:300]), (bm, bn)
 
 
 def _rows_identical_across_m(run, x, ms=(1, 7, 16, 64, 300, 2048)):
     """``run(rows) -> y``: the first m rows for every m in ``ms``, a row alone in the middle and a permutation give
     the bits of the full batch (``x`` has >= 2048 rows).  Returns the failing cases (empty = invariant)."""
     full = run(x)
-    bad = [m for m in ms if not _bits_equal(run(x[:m]), full[:m])]
-    if not _bits_equal(run(x[1000:1001]), full[1000:1001]):
+    bad = [m for m in ms if not bits_equal(run(x[:m]), full[:m])]
+    if not bits_equal(run(x[1000:1001]), full[1000:1001]):
         bad.append("row1000")
     perm = torch.randperm(x.shape[0], device=x.device, generator=torch.Generator(device=x.device).manual_seed(0))[:300]
-    if not _bits_equal(run(x[perm]), full[perm]):
+    if not bits_equal(run(x[perm]), full[perm]):
         bad.append("perm")
     return bad
 
@@ -158,10 +151,10 @@ def test_gemm_new_paths_row_alone_equals_batch(name, n, k):
     ref = x[:300].float() @ w.float().T + b.float()
     assert (y - ref).abs().max().item() <= 1e-3 * max(1.0, k / 1024)
     # pointer loads and the other split schedule: same bits
-    assert _bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg=cfg, use_tma=False), y)
+    assert bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg=cfg, use_tma=False), y)
     if cfg["SPLIT_STEPS"] < tlin._NOSPLIT:
         for path in ("serial", "parallel"):
-            assert _bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg={**cfg, "PATH": path}), y), path
+            assert bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg={**cfg, "PATH": path}), y), path
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 300)])
@@ -174,7 +167,7 @@ def test_gemm_spill_equals_register_splits(n, k):
         ref = tlin.gemm(x, w, None, torch.float32, cfg=_path_cfg(k, 128, 128, splits=splits, path="serial", warps=8))
         for bm, bn, wp in ((128, 128, 8), (64, 128, 4), (128, 256, 8)):
             cfg = _path_cfg(k, bm, bn, splits=splits, spill=True, path="serial", warps=wp, stages=3)
-            assert _bits_equal(tlin.gemm(x, w, None, torch.float32, cfg=cfg), ref), (splits, bm, bn)
+            assert bits_equal(tlin.gemm(x, w, None, torch.float32, cfg=cfg), ref), (splits, bm, bn)
 
 
 def test_gemm_m_dependent_split_is_caught():
@@ -215,7 +208,7 @@ def test_gemm_m_class_table_rows_identical_across_classes(key):
     full = tlin.gemm(x, w, b, torch.float32)
     for max_m, _ in entry["classes"]:
         cfg = tlin.m_class_config(entry, max_m)
-        assert _bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg=cfg), full[:300]), (key, max_m, cfg)
+        assert bits_equal(tlin.gemm(x[:300], w, b, torch.float32, cfg=cfg), full[:300]), (key, max_m, cfg)
 
 
 def test_gemm_vs_cpu_contract():
@@ -253,8 +246,8 @@ def test_attention_tile_size_invariant(hq, hkv):
     ref_o, ref_l = _attn(q, k, v, pos, klen, block_m=128)
     for bm in (16, 64):
         o, lse = _attn(q, k, v, pos, klen, block_m=bm)
-        assert _bits_equal(o, ref_o), f"BLOCK_M={bm} output differs"
-        assert _bits_equal(lse, ref_l), f"BLOCK_M={bm} lse differs"
+        assert bits_equal(o, ref_o), f"BLOCK_M={bm} output differs"
+        assert bits_equal(lse, ref_l), f"BLOCK_M={bm} lse differs"
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
@@ -266,26 +259,26 @@ def test_attention_prefill_chunked_decode_bitwise(hq, hkv):
     full_o, full_l = _attn(q, k, v, pos, klen)
     # repeated run
     o2, l2 = _attn(q, k, v, pos, klen)
-    assert _bits_equal(o2, full_o) and _bits_equal(l2, full_l)
+    assert bits_equal(o2, full_o) and bits_equal(l2, full_l)
     # chunked prefill: keys up to the chunk end, cache longer than needed (k_lengths mask the rest)
     for bounds in ([0, 100, 237, 300], [0, 1, 64, 65, 299, 300], [0, 150, 300]):
         for c0, c1 in zip(bounds[:-1], bounds[1:]):
             o, lse = _attn(q[:, c0:c1], k, v, pos[:, c0:c1], torch.full((b,), c1, device=DEV))
-            assert _bits_equal(o, full_o[:, c0:c1]), f"chunk {c0}:{c1}"
-            assert _bits_equal(lse, full_l[:, :, c0:c1]), f"chunk {c0}:{c1} lse"
+            assert bits_equal(o, full_o[:, c0:c1]), f"chunk {c0}:{c1}"
+            assert bits_equal(lse, full_l[:, :, c0:c1]), f"chunk {c0}:{c1} lse"
             # same chunk with the cache cut exactly at the chunk end
             o, lse = _attn(q[:, c0:c1], k[:, :c1], v[:, :c1], pos[:, c0:c1], torch.full((b,), c1, device=DEV))
-            assert _bits_equal(o, full_o[:, c0:c1])
+            assert bits_equal(o, full_o[:, c0:c1])
     # decode steps (one query, batch of requests with different lengths)
     for tpos in (0, 63, 64, 65, 128, 199, 299):
         o, lse = _attn(q[:, tpos:tpos + 1], k, v, pos[:, tpos:tpos + 1], torch.full((b,), tpos + 1, device=DEV))
-        assert _bits_equal(o, full_o[:, tpos:tpos + 1]), f"decode at {tpos}"
-        assert _bits_equal(lse, full_l[:, :, tpos:tpos + 1])
+        assert bits_equal(o, full_o[:, tpos:tpos + 1]), f"decode at {tpos}"
+        assert bits_equal(lse, full_l[:, :, tpos:tpos + 1])
     # a mixed decode batch: request 0 at position 50, request 1 at position 280, vs each alone
     qd = torch.stack([q[0, 50], q[1, 280]])[:, None]
     pd = torch.tensor([[50], [280]], device=DEV)
     o, _ = _attn(qd, k, v, pd, pd[:, 0] + 1)
-    assert _bits_equal(o[0, 0], full_o[0, 50]) and _bits_equal(o[1, 0], full_o[1, 280])
+    assert bits_equal(o[0, 0], full_o[0, 50]) and bits_equal(o[1, 0], full_o[1, 280])
 
 
 def test_attention_batch_and_padding_invariant():
@@ -299,7 +292,7 @@ def test_attention_batch_and_padding_invariant():
     o, lse = _attn(q, k, v, pos, klen)
     for i, n in enumerate(lens):
         oi, li = _attn(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], pos[i:i + 1, :n], klen[i:i + 1])
-        assert _bits_equal(oi[0], o[i, :n]) and _bits_equal(li[0], lse[i, :, :n])
+        assert bits_equal(oi[0], o[i, :n]) and bits_equal(li[0], lse[i, :, :n])
         assert torch.all(o[i, n:] == 0) and torch.all(torch.isinf(lse[i, :, n:]))
 
 
@@ -316,16 +309,16 @@ def test_attention_partitions_split_and_row_alone_bitwise(hq, hkv):
     for split in (False, True):
         for bm in (16, 64, 128):
             o, lse = tattn.attention_fwd(q, k, v, pos, klen, d ** -0.5, block_m=bm, split=split)
-            assert _bits_equal(o, full_o) and _bits_equal(lse, full_l), f"split={split} BLOCK_M={bm}"
+            assert bits_equal(o, full_o) and bits_equal(lse, full_l), f"split={split} BLOCK_M={bm}"
     assert tattn.PART_KEYS == 512
     for p in (63, 64, 511, 512, 513, 1023, 1024, 1025, 2047, 2048, 2099):
         for split in (False, True):
             o, lse = tattn.attention_fwd(q[:1, p:p + 1], k[:1, :p + 1], v[:1, :p + 1], pos[:1, p:p + 1],
                                          torch.tensor([p + 1], device=DEV), d ** -0.5, split=split)
-            assert _bits_equal(o[0, 0], full_o[0, p]) and _bits_equal(lse[0, :, 0], full_l[0, :, p]), f"decode {p}"
+            assert bits_equal(o[0, 0], full_o[0, p]) and bits_equal(lse[0, :, 0], full_l[0, :, p]), f"decode {p}"
     # a chunk straddling two partitions, cache cut at the chunk end
     o, _ = _attn(q[:, 500:1030], k[:, :1030], v[:, :1030], pos[:, 500:1030], torch.full((b,), 1030, device=DEV))
-    assert _bits_equal(o[0], full_o[0, 500:1030])
+    assert bits_equal(o[0], full_o[0, 500:1030])
 
 
 def test_attention_vs_cpu_contract():
@@ -350,7 +343,7 @@ def test_rms_norm_invariant_and_vs_cpu():
     y, r = implementation("rms_norm", DEV)(h, w, 1e-6)
     for sl in (slice(0, 1), slice(7, 8), slice(100, 400)):
         ys, rs = implementation("rms_norm", DEV)(h[sl], w, 1e-6)
-        assert _bits_equal(ys, y[sl]) and _bits_equal(rs, r[sl])
+        assert bits_equal(ys, y[sl]) and bits_equal(rs, r[sl])
     yc, rc = implementation("rms_norm", CPU)(h[:16].cpu(), w.cpu(), 1e-6)
     assert (yc.float() - y[:16].float().cpu()).abs().max().item() <= 0.05
     assert ((rc - r[:16].cpu()).abs() / rc).max().item() <= 1e-5
@@ -358,14 +351,14 @@ def test_rms_norm_invariant_and_vs_cpu():
     x = torch.randn_like(h)
     out, res = rms_norm(x, w, 1e-6, residual=h)
     out1, res1 = rms_norm(x[3:4], w, 1e-6, residual=h[3:4])
-    assert _bits_equal(out1, out[3:4]) and _bits_equal(res1, res[3:4])
+    assert bits_equal(out1, out[3:4]) and bits_equal(res1, res[3:4])
 
 
 def test_silu_and_mul_invariant_and_vs_cpu():
     torch.manual_seed(7)
     x = torch.randn(300, 2 * 14336, device=DEV, dtype=torch.bfloat16) * 3
     y = silu_and_mul(x)
-    assert _bits_equal(silu_and_mul(x[17:18]), y[17:18])
+    assert bits_equal(silu_and_mul(x[17:18]), y[17:18])
     yc = silu_and_mul(x[:8].cpu())
     assert (yc.float() - y[:8].float().cpu()).abs().max().item() <= 0.02 * y[:8].float().abs().max().item()
 
@@ -378,7 +371,7 @@ def test_rope_invariant_and_vs_cpu(style):
     pos = torch.randint(0, 4096, (2, 300), device=DEV)
     y = apply_rope(x, pos, cfg)
     y1 = apply_rope(x[1:2, 100:101], pos[1:2, 100:101], cfg)
-    assert _bits_equal(y1, y[1:2, 100:101])
+    assert bits_equal(y1, y[1:2, 100:101])
     yc = apply_rope(x.cpu(), pos.cpu(), cfg)
     assert (yc.float() - y.float().cpu()).abs().max().item() <= 0.05
     assert torch.equal(y[..., 64:], x[..., 64:])
@@ -389,8 +382,8 @@ def test_log_softmax_invariant_and_vs_cpu():
     z = torch.randn(9, 128256, device=DEV) * 4
     z[3, :1000] = -math.inf
     lp = log_softmax(z)
-    assert _bits_equal(log_softmax(z[3:4]), lp[3:4])
-    assert _bits_equal(log_softmax(z[5:9]), lp[5:9])
+    assert bits_equal(log_softmax(z[3:4]), lp[3:4])
+    assert bits_equal(log_softmax(z[5:9]), lp[5:9])
     lc = log_softmax(z[:4].cpu())
     fin = torch.isfinite(lc)
     assert torch.equal(fin, torch.isfinite(lp[:4].cpu()))
@@ -407,4 +400,4 @@ def test_logits_logprobs_end_to_end_batch_invariant():
     tok = torch.randint(0, 32000, (64,), device=DEV)
     lp = token_logprobs(hidden, head, tok)
     for i in (0, 31, 63):
-        assert _bits_equal(token_logprobs(hidden[i:i + 1], head, tok[i:i + 1]), lp[i:i + 1])
+        assert bits_equal(token_logprobs(hidden[i:i + 1], head, tok[i:i + 1]), lp[i:i + 1])

@@ -19,6 +19,7 @@ import os
 
 import pytest
 import torch
+from _bits import bits_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,14 +53,6 @@ PART = 512
 EXAMPLES = 25 if ON_GPU else 4
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype in (torch.bfloat16, torch.float16):
-        return torch.equal(a.view(torch.int16), b.view(torch.int16))
-    if a.dtype == torch.float32:
-        return torch.equal(a.view(torch.int32), b.view(torch.int32))
-    return torch.equal(a, b)
 
 
 def _e4m3_exact(x):
@@ -138,7 +131,7 @@ class Batch:
 
 def _check_against_dense(batch: Batch, out: torch.Tensor, split=None) -> list[int]:
     """Indices of the sequences whose paged rows differ from dense attention_fwd (empty = all equal)."""
-    return [s for s in range(len(batch.seqs)) if not _bits_equal(batch.rows(out, s), batch.dense(s, split))]
+    return [s for s in range(len(batch.seqs)) if not bits_equal(batch.rows(out, s), batch.dense(s, split))]
 
 
 # ------------------------------------------------------------------ dense attention_fwd: partition contract
@@ -158,13 +151,13 @@ def test_attention_fwd_split_equals_in_program_and_row_alone(dtype):
     klen = torch.tensor([T + 30, 1024], device=DEV)
     a, la = ta.attention_fwd(q[:, picks], k, v, pos, klen, D ** -0.5, split=False)
     b, lb = ta.attention_fwd(q[:, picks], k, v, pos, klen, D ** -0.5, split=True)
-    assert _bits_equal(a, b) and _bits_equal(la, lb), "split != in-program"
+    assert bits_equal(a, b) and bits_equal(la, lb), "split != in-program"
     for i, p in enumerate(picks.tolist()):
         L = min(p + 1, 1024)
         one, lone = ta.attention_fwd(q[1:, p:p + 1], k[1:, :L], v[1:, :L], pos[1:, i:i + 1],
                                      torch.tensor([L], device=DEV), D ** -0.5)
-        assert _bits_equal(one[0, 0], a[1, i]), f"position {p}: alone != in batch"
-        assert _bits_equal(lone[0, :, 0], la[1, :, i])
+        assert bits_equal(one[0, 0], a[1, i]), f"position {p}: alone != in batch"
+        assert bits_equal(lone[0, :, 0], la[1, :, i])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -177,13 +170,13 @@ def test_attention_fwd_prefill_chunk_decode_across_partitions(dtype):
     full, lfull = ta.attention_fwd(q, k, v, pos, torch.tensor([T], device=DEV), D ** -0.5)
     for a, b in [(0, 500), (500, 530), (530, 1030), (1030, T)]:
         ch, lch = ta.attention_fwd(q[:, a:b], k[:, :b], v[:, :b], pos[:, a:b], torch.tensor([b], device=DEV), D ** -0.5)
-        assert _bits_equal(ch, full[:, a:b]), f"chunk [{a},{b})"
-        assert _bits_equal(lch, lfull[:, :, a:b])
+        assert bits_equal(ch, full[:, a:b]), f"chunk [{a},{b})"
+        assert bits_equal(lch, lfull[:, :, a:b])
     for p in [511, 512, 1024, T - 1]:
         for split in (False, True):
             dec, _ = ta.attention_fwd(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], pos[:, p:p + 1],
                                       torch.tensor([p + 1], device=DEV), D ** -0.5, split=split)
-            assert _bits_equal(dec[0, 0], full[0, p]), f"decode at {p}, split={split}"
+            assert bits_equal(dec[0, 0], full[0, p]), f"decode at {p}, split={split}"
 
 
 # ------------------------------------------------------------------ paged == dense
@@ -211,7 +204,7 @@ def test_paged_equals_dense_random_batches(seqs, page, split, seed, pad):
     alone.q = [batch.q[s]]
     alone.q_all = batch.q[s]
     other = None if split is None else (not split)
-    assert _bits_equal(alone.paged(split=other), batch.rows(out, s)), "row alone != row in the batch"
+    assert bits_equal(alone.paged(split=other), batch.rows(out, s)), "row alone != row in the batch"
 
 
 _BOUNDARY_CASES = ([(p, s) for p in (16, 32, 64, 128) for s in (False, True)] if ON_GPU
@@ -227,10 +220,10 @@ def test_paged_boundaries_mixed_batch(page, split):
         batch = Batch(seqs, page, dtype, seed=page + split, pad_tokens=5)
         out = batch.paged(split=split, max_seq_len=4096)  # a loose bound (max_model_len) never changes bits
         assert _check_against_dense(batch, out) == []
-        assert _bits_equal(out, batch.paged(split=not split)), "split != in-program"
-        assert _bits_equal(out, batch.paged(split=split, block_m=128)), "tile size changed bits"
+        assert bits_equal(out, batch.paged(split=not split)), "split != in-program"
+        assert bits_equal(out, batch.paged(split=split, block_m=128)), "tile size changed bits"
         # max_seq_len / max_query_len are hints: below the real lengths the rows are still complete
-        assert _bits_equal(out, batch.paged(split=True, max_seq_len=513, max_query_len=1)), "short max_seq_len hint"
+        assert bits_equal(out, batch.paged(split=True, max_seq_len=513, max_query_len=1)), "short max_seq_len hint"
         assert bool((out[batch.t:] == 0).all())
 
 
@@ -251,7 +244,7 @@ def test_paged_padding_rows_and_empty_sequences_zero():
     batch.table = torch.cat([batch.table, batch.table[:2]])
     out = batch.paged(split=True, max_seq_len=512)
     for s in range(3):
-        assert _bits_equal(batch.rows(out, s), batch.dense(s))
+        assert bits_equal(batch.rows(out, s), batch.dense(s))
     assert not bool(out.isnan().any()), "every row of out must be written"
     assert bool((out[batch.t:] == 0).all())
     empty = Batch([(0, 1)], 16, DTYPES[0], seed=4, pad_tokens=6)
@@ -306,11 +299,11 @@ def test_batch_dependent_partition_is_caught(monkeypatch):
     batch = Batch([(600, 1), (0, 4), (1300, 1)], 16, dtype, seed=11)
     alone = Batch([(600, 1)], 16, dtype, seed=11, dense_kv=[batch.kv[0]])
     alone.q, alone.q_all = [batch.q[0]], batch.q[0]
-    caught = not _bits_equal(alone.paged(split=True), batch.rows(batch.paged(split=True), 0))
+    caught = not bits_equal(alone.paged(split=True), batch.rows(batch.paged(split=True), 0))
     caught_dense = _check_against_dense(batch, batch.paged(split=False)) != []
     assert caught and caught_dense, "a batch-dependent partition went unnoticed"
     monkeypatch.setattr(ta, "_TEST_BATCH_DEPENDENT_PARTITION", False)
-    assert _bits_equal(alone.paged(split=True), batch.rows(batch.paged(split=True), 0))
+    assert bits_equal(alone.paged(split=True), batch.rows(batch.paged(split=True), 0))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -342,5 +335,5 @@ def test_paged_cuda_graph_capture_and_replay(split):
         graph.replay()
         got = out.clone()
         step()
-        assert _bits_equal(got, out), f"replay != eager for {qsl}, {lens}"
+        assert bits_equal(got, out), f"replay != eager for {qsl}, {lens}"
         assert bool((out[qsl[-1]:] == 0).all()) and not bool(out.isnan().any())
