@@ -32,8 +32,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from ..config import UnsupportedConfigError
 from ..kernels.fp8 import KV_SCALE
 from ..kernels.triton.paged_attention import PAGE_SIZES, paged_attention, write_kv_cache
-
-BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member the plugin registers this backend over
+from .compat import CUDA_BACKEND_MEMBER
 
 
 @dataclass
@@ -130,7 +129,7 @@ class ConsistentCudaAttentionBackend(TritonAttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return BACKEND_NAME
+        return CUDA_BACKEND_MEMBER
 
     @staticmethod
     def get_impl_cls():
