@@ -19,10 +19,9 @@ interface, sampler, model runner) that change between releases.
 from __future__ import annotations
 
 TESTED_VLLM = {"cpu": ("0.32.0",), "cuda": ("0.26.0",)}
-CUDA_BACKEND_MEMBER = "CUSTOM"  # the AttentionBackendEnum member the CUDA backend is registered over (and names itself)
 _BACKENDS = {
     "cpu": ("CPU_ATTN", "megatron_consistent.vllm_plugin.attention.ConsistentAttentionBackend"),
-    "cuda": (CUDA_BACKEND_MEMBER, "megatron_consistent.vllm_plugin.cuda_attention.ConsistentCudaAttentionBackend"),
+    "cuda": ("CUSTOM", "megatron_consistent.vllm_plugin.cuda_attention.ConsistentCudaAttentionBackend"),
 }
 
 

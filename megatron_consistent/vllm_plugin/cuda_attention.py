@@ -32,7 +32,8 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from ..config import UnsupportedConfigError
 from ..kernels.fp8 import KV_SCALE
 from ..kernels.triton.paged_attention import PAGE_SIZES, paged_attention, write_kv_cache
-from .compat import CUDA_BACKEND_MEMBER
+
+BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member the plugin registers this backend over
 
 
 @dataclass
@@ -129,7 +130,7 @@ class ConsistentCudaAttentionBackend(TritonAttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return CUDA_BACKEND_MEMBER
+        return BACKEND_NAME
 
     @staticmethod
     def get_impl_cls():
