@@ -16,6 +16,11 @@ There is no backward: these are for rollout engines only.
 Ops (``torch.ops.megatron_consistent.<name>``):
 
 * ``linear(x, weight, bias)``: ``x [..., K]`` -> ``[..., N]`` in ``x.dtype``;
+* ``row_parallel_linear(x, weight, bias)``: the K-segment tree of
+  :func:`..linear.row_parallel_linear` on one rank, in ``x.dtype``;
+* ``linear_segment_tree(x, weight, segments)``: a rank's float32 subtree over
+  ``segments`` K segments (``adjacent_tree_sum`` of ``linear_segments``), to
+  be all-gathered and reduced by the top of the tree under tensor parallelism;
 * ``rms_norm(x, weight, eps)``: RMSNorm over the last dim (no residual);
 * ``rope(x, cos, sin, style)``: ``x [T, heads, head_dim]`` rotated by the
   float32 tables already gathered at each token's position, ``cos/sin [T, rot/2]``
@@ -28,6 +33,8 @@ from __future__ import annotations
 import torch
 
 from .dispatch import implementation
+from .linear import ROW_PARALLEL_SEGMENTS
+from .numerics import adjacent_tree_sum
 
 
 @torch.library.custom_op("megatron_consistent::linear", mutates_args=())
@@ -38,6 +45,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @linear.register_fake
 def _linear_fake(x, weight, bias=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("megatron_consistent::linear_segment_tree", mutates_args=())
+def linear_segment_tree(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    partials = implementation("linear_segments", x.device)(x.reshape(-1, x.shape[-1]), weight, segments)
+    return adjacent_tree_sum(partials, dim=0).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@linear_segment_tree.register_fake
+def _linear_segment_tree_fake(x, weight, segments):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("megatron_consistent::row_parallel_linear", mutates_args=())
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    total = linear_segment_tree(x, weight, ROW_PARALLEL_SEGMENTS)
+    if bias is not None:
+        total = total + bias.to(torch.float32)
+    return total.to(x.dtype)
+
+
+@row_parallel_linear.register_fake
+def _row_parallel_linear_fake(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -13,6 +13,24 @@ Numerics contract (CPU):
 A row's result therefore depends on that row and the weights only — never on
 how many rows share the call, their order, or the thread count.
 
+Row-parallel linears (``o_proj`` / ``linear_proj``, ``down`` / ``linear_fc2``)
+use :func:`row_parallel_linear`, whose K reduction is a fixed tree that any
+tensor-parallel degree can split without changing a bit:
+
+* K is cut into ``ROW_PARALLEL_SEGMENTS`` (S = 8, the largest TP degree
+  supported) equal contiguous segments (K must be divisible by S);
+* each segment is the linear above over its K slice, kept in float32
+  (:func:`linear_segments`; no bias, no rounding);
+* the S float32 partials are summed by :func:`numerics.adjacent_tree_sum`
+  (``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))``), the bias (float32)
+  is added, then one rounding to ``out_dtype``.
+
+At TP = t (t divides S) rank r holds K columns ``[r K/t, (r+1) K/t)``, i.e.
+segments ``r S/t ... (r+1) S/t - 1``: it computes their subtree
+(:func:`linear_segments` then ``adjacent_tree_sum``), the t float32 subtree
+values are all-gathered in rank order and reduced by ``adjacent_tree_sum`` —
+the top of the same tree.  TP = 1, 2, 4, 8 give identical bits.
+
 Backward: deterministic matmuls for a given shape — float32 on CPU; on CUDA
 with bf16/fp16 inputs, tensor-core matmuls in the input dtype (float32
 accumulation, one rounding), as Megatron's own backward does.  The backward is
@@ -25,9 +43,10 @@ import torch
 from torch import nn
 
 from .dispatch import implementation, register
-from .numerics import ceil_to, tree_sum
+from .numerics import adjacent_tree_sum, ceil_to, tree_sum
 
 K_BLOCK = 64
+ROW_PARALLEL_SEGMENTS = 8
 _CHUNK_ELEMENTS = 1 << 20  # rows per call are processed in chunks of about this many products
 
 
@@ -55,6 +74,13 @@ def _linear_cpu(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             acc = acc + bf
         out[r0 : r0 + rows] = acc.to(out_dtype)
     return out
+
+
+@register("linear_segments", "cpu")
+def _linear_segments_cpu(x2d: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    seg = weight.shape[1] // segments
+    return torch.stack([_linear_cpu(x2d[:, s * seg:(s + 1) * seg], weight[:, s * seg:(s + 1) * seg], None, torch.float32)
+                        for s in range(segments)])
 
 
 class LinearFunction(torch.autograd.Function):
@@ -90,6 +116,57 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features, weight expects {weight.shape[-1]}")
     return LinearFunction.apply(x, weight, bias, out_dtype or x.dtype)
+
+
+class LinearSegmentsFunction(torch.autograd.Function):
+    """Autograd wrapper of the per-segment float32 partials; backward: each segment's matmuls (as LinearFunction)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, segments):
+        ctx.save_for_backward(x, weight)
+        ctx.segments = segments
+        y = implementation("linear_segments", x.device)(x.reshape(-1, x.shape[-1]), weight, segments)
+        return y.reshape(segments, *x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        s_count, seg = ctx.segments, weight.shape[1] // ctx.segments
+        low = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+        compute = x.dtype if low else torch.float32
+        g = grad_out.reshape(s_count, -1, grad_out.shape[-1]).to(compute)
+        x2d = x.reshape(-1, x.shape[-1]).to(compute)
+        w = weight.to(compute)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.cat([g[s] @ w[:, s * seg:(s + 1) * seg] for s in range(s_count)], dim=1).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.cat([g[s].t() @ x2d[:, s * seg:(s + 1) * seg] for s in range(s_count)], dim=1).to(weight.dtype)
+        return grad_x, grad_w, None
+
+
+def check_segments(k: int, segments: int) -> None:
+    """Refuse a K that the row-parallel contract cannot cut into ``segments`` equal segments."""
+    if segments < 1 or segments & (segments - 1) or k % segments:
+        raise ValueError(f"row-parallel linear: K={k} cannot be cut into {segments} equal segments "
+                         f"(the contract needs K divisible by {ROW_PARALLEL_SEGMENTS} and a power-of-two segment count)")
+
+
+def linear_segments(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    """float32 partials ``[segments, ..., N]``: segment ``s`` is ``linear`` over K slice ``s`` of ``segments`` equal slices."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear_segments: input has {x.shape[-1]} features, weight expects {weight.shape[-1]}")
+    check_segments(weight.shape[-1], segments)
+    return LinearSegmentsFunction.apply(x, weight, segments)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole K-segment tree on one rank (TP = 1): ``round(adjacent_tree_sum(segments) + bias)``."""
+    total = adjacent_tree_sum(linear_segments(x, weight, ROW_PARALLEL_SEGMENTS), dim=0)
+    if bias is not None:
+        total = total + bias.to(torch.float32)
+    return total.to(out_dtype or x.dtype)
 
 
 class Linear(nn.Module):

@@ -17,6 +17,11 @@ Contract:
 * ``tree_sum``: the reduced axis is zero-padded to the next power of two and
   summed by a fixed pairwise tree (element ``i`` pairs with ``i + n/2``).
   The tree depends on the axis length only.
+* ``adjacent_tree_sum``: a power-of-two axis summed by the pairwise tree of
+  neighbours (``2i`` pairs with ``2i + 1``, level by level), so every aligned
+  contiguous run of ``2^j`` elements is one subtree: a sum split across ranks
+  by contiguous shards, each rank reducing its own subtree, then the ranks'
+  values reduced by the same rule, gives the bits of the whole tree.
 """
 
 from __future__ import annotations
@@ -97,6 +102,17 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         width //= 2
         x = x[..., :width] + x[..., width:]
     return x[..., 0]
+
+
+def adjacent_tree_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sum over ``dim`` (a power-of-two length) by the tree of neighbours: ``((x0 + x1) + (x2 + x3)) + ...``."""
+    x = x.movedim(dim, 0)
+    n = x.shape[0]
+    if n & (n - 1) or n == 0:
+        raise ValueError(f"adjacent_tree_sum needs a power-of-two length, got {n}")
+    while x.shape[0] > 1:
+        x = x[0::2] + x[1::2]
+    return x[0]
 
 
 def ceil_to(n: int, block: int) -> int:

@@ -1,8 +1,10 @@
 """Column/row "parallel" linears for Megatron's TransformerLayer spec, at TP=1, calling :func:`kernels.linear`.
 
-Numerics contract: the forward is exactly ``kernels.linear(x, weight, bias)``
-(batch-invariant blocked float32 accumulation, bias added in float32 before
-the single rounding to the input dtype).  Because every output feature is an
+Numerics contract: the column-parallel forward is exactly ``kernels.linear(x,
+weight, bias)`` (batch-invariant blocked float32 accumulation, bias added in
+float32 before the single rounding to the input dtype); the row-parallel
+forward is ``kernels.row_parallel_linear`` (the K reduction as a fixed tree of
+8 K segments, the shape any tensor-parallel degree can split).  Because every output feature is an
 independent dot product, the fused ``linear_qkv`` / ``linear_fc1`` weights
 give bitwise the same values as the separate q/k/v or gate/up projections of
 the HF layout.  Backward: the kernel's float32 matmuls; gradients land in
@@ -64,6 +66,7 @@ def sharded_state_dict_tp1(module: nn.Module, prefix: str, sharded_offsets, meta
 
 class _ConsistentLinearBase(nn.Module):
     _partition_dim = 0
+    _row_parallel = False
 
     def __init__(
         self,
@@ -122,9 +125,10 @@ class _ConsistentLinearBase(nn.Module):
         fp8 = getattr(self, "fp8", None)  # layers/fp8.py enable_fp8: block-FP8 forward on the bf16 master, STE backward
         if fp8 is not None:
             return (fp8(x, self.weight, None), self.bias) if self.skip_bias_add else (fp8(x, self.weight, self.bias), None)
+        fn = kernels.row_parallel_linear if self._row_parallel else kernels.linear
         if self.skip_bias_add:
-            return kernels.linear(x, self.weight), self.bias
-        return kernels.linear(x, self.weight, self.bias), None
+            return fn(x, self.weight), self.bias
+        return fn(x, self.weight, self.bias), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         axis = {"weight": 0, "bias": 0} if self._partition_dim == 0 else {"weight": 1}
@@ -147,3 +151,4 @@ class ConsistentRowParallelLinear(_ConsistentLinearBase):
     """``linear_proj`` / ``linear_fc2`` at TP=1 (``input_is_parallel`` is moot with one rank)."""
 
     _partition_dim = 1
+    _row_parallel = True

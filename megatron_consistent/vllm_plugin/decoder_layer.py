@@ -2,8 +2,8 @@
 
     x = rms_norm(h); qkv = linear(x, W_qkv, b_qkv)
     [q, k = rms_norm(q), rms_norm(k) per head — Qwen3]; q, k = rope(q, k)
-    h = add_residual(linear(attention(q, k, v), W_o), h)
-    h = add_residual(linear(silu_and_mul(linear(rms_norm(h), W_gate_up)), W_down), h)
+    h = add_residual(row_parallel_linear(attention(q, k, v), W_o), h)
+    h = add_residual(row_parallel_linear(silu_and_mul(linear(rms_norm(h), W_gate_up)), W_down), h)
 
 Parameters in vLLM's fused layout (qkv, gate_up); the linear's output columns are independent of each
 other, so fusing q/k/v (and gate/up) rows in a different order than Megatron does changes no bit.
@@ -39,8 +39,9 @@ def _linears(idx: int) -> dict:
     fault = os.environ.get(probe.FAULT_ENV, "")
     if fault:
         logger.warning("megatron-consistent: %s=%s — injected fault active", probe.FAULT_ENV, fault)
-    return {op: _fault_linear if fault == f"layer{idx}.{op}" else inference_ops.linear
-            for op in ("qkv", "o_proj", "gate_up", "down")}
+    contract = {"qkv": inference_ops.linear, "o_proj": inference_ops.row_parallel_linear,
+                "gate_up": inference_ops.linear, "down": inference_ops.row_parallel_linear}
+    return {op: _fault_linear if fault == f"layer{idx}.{op}" else fn for op, fn in contract.items()}
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:

@@ -5,8 +5,8 @@ Op for op the Megatron hybrid stack of :mod:`megatron_consistent.layers.hybrid`:
     h = embed(ids)
     per layer:  h = add_residual(mixer(rms_norm(h, W_norm)), h)      mixer by the layer's kind:
         mamba      :class:`.mamba.ConsistentMambaMixer` (state cached by vLLM, chunk replay)
-        attention  q|k|v = linear(x, W_qkv); linear(attention(q, k, v), W_o)   (NO rotary embedding)
-        mlp        linear(relu_squared(linear(x, W_up)), W_down)
+        attention  q|k|v = linear(x, W_qkv); row_parallel_linear(attention(q, k, v), W_o)   (NO rotary embedding)
+        mlp        row_parallel_linear(relu_squared(linear(x, W_up)), W_down)
         moe        sigmoid router + selection bias, non-gated relu2 experts + shared expert (kernels.moe)
     logits = compute_logits(rms_norm(h, W_norm_f), W_lm_head)          (float32)
 
@@ -28,7 +28,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 
 from ..architectures import canonical_hf_name, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
-from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_norm
+from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_norm, row_parallel_linear
 from ..kernels import moe as kmoe
 from . import moe as plugin_moe
 from .compat import attention_backend_class
@@ -53,7 +53,7 @@ class AttentionMixer(nn.Module):
 
     def forward(self, x):
         q, k, v = linear(x, self.qkv_proj).split([self.q, self.kv, self.kv], dim=-1)
-        return linear(self.attn(q.contiguous(), k.contiguous(), v.contiguous()), self.o_proj)
+        return row_parallel_linear(self.attn(q.contiguous(), k.contiguous(), v.contiguous()), self.o_proj)
 
 
 class MLPMixer(nn.Module):
@@ -66,7 +66,7 @@ class MLPMixer(nn.Module):
         self.down_proj = _param(arch.hidden_size, arch.intermediate_size, dtype=dt)
 
     def forward(self, x):
-        return linear(relu_squared(linear(x, self.up_proj)), self.down_proj)
+        return row_parallel_linear(relu_squared(linear(x, self.up_proj)), self.down_proj)
 
 
 class MoEMixer(nn.Module):

@@ -422,3 +422,10 @@ def gemm(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out
 @register("linear", "cuda")
 def _linear_cuda(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     return gemm(x2d, weight, bias, out_dtype)
+
+
+@register("linear_segments", "cuda")
+def _linear_segments_cuda(x2d: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    seg = weight.shape[1] // segments
+    return torch.stack([gemm(x2d[:, s * seg:(s + 1) * seg].contiguous(), weight[:, s * seg:(s + 1) * seg].contiguous(), None,
+                             torch.float32) for s in range(segments)])
