@@ -6,6 +6,11 @@ torch.compile + CUDA-graph mode, and samples ``max_tokens`` new tokens per
 prompt with log-probs (``logprobs=0``, processed mode, as an RL rollout asks).
 Generation is repeated until at least ``--min-seconds`` of it were timed; the
 first (warm-up) pass is not timed.  Ratios consistent / stock come from one run.
+With ``--profile``, each engine then runs one more, untimed generation (the first
+``--profile-prompts`` prompts x ``--profile-tokens`` tokens) under vLLM's torch
+profiler (kernels inside CUDA graphs included) and the report gives its GPU
+kernel time by category (GEMM, attention, norm, ...) and the top kernels, so
+the gap to stock is attributed to kernels, not guessed.
 
     python benchmarks/bench_rollout_gpu.py --shapes a b c --out benchmarks/results/rollout_gpu.json
 
@@ -17,8 +22,10 @@ tokens x 512; b = 8B Llama (hidden 4096, 32 layers, GQA 32/8, vocab 128256), 256
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,6 +43,16 @@ SHAPES = {
                         intermediate_size=8192, vocab_size=32000),
           "prompts": 8, "min_len": 16384, "max_len": 16384, "max_tokens": 512},
 }
+KERNEL_CATEGORIES = (  # first match wins; names of our Triton kernels and of vLLM's / cuBLAS's CUDA kernels
+    ("attention", r"attn|flash|fmha|paged|attention"),
+    ("kv_write", r"reshape_and_cache|write_kv|kv_cache|cache_kernel"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|splitk|segment|_mm_|wgmma"),
+    ("norm", r"rms|norm"),
+    ("rope", r"rope|rotary"),
+    ("activation", r"silu|act_and_mul|gelu|swiglu"),
+    ("sampling_logprobs", r"softmax|logprob|sampl|topk|top_k|argmax|gumbel|exponential|log_"),
+    ("elementwise_copy", r"elementwise|copy|fill|cat|index|gather|scatter|reduce|add"),
+)
 ENGINES = {"consistent": {"MEGATRON_CONSISTENT_VLLM": "1"},
            "stock": {"MEGATRON_CONSISTENT_VLLM": "0"},
            "stock_batch_invariant": {"MEGATRON_CONSISTENT_VLLM": "0", "VLLM_BATCH_INVARIANT": "1"}}
@@ -64,9 +81,13 @@ def worker(request: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
+    extra = {}
+    if request.get("profile_dir"):
+        extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": request["profile_dir"],
+                                    "torch_profiler_with_stack": False}
     llm = LLM(model=request["model_dir"], skip_tokenizer_init=True, dtype="bfloat16", seed=0, load_format="dummy",
               gpu_memory_utilization=request["gpu_memory_utilization"], max_model_len=request["max_model_len"],
-              max_num_seqs=request["max_num_seqs"], enable_prefix_caching=False, logprobs_mode="processed_logprobs")
+              max_num_seqs=request["max_num_seqs"], enable_prefix_caching=False, logprobs_mode="processed_logprobs", **extra)
     startup = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = SamplingParams(temperature=1.0, max_tokens=request["max_tokens"], logprobs=0, ignore_eos=True, seed=0)
@@ -78,8 +99,38 @@ def worker(request: dict) -> dict:
         seconds += time.perf_counter() - t
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         passes += 1
-    return {"gen_tokens": tokens, "seconds": seconds, "passes": passes, "gen_tokens_per_s": tokens / seconds,
-            "startup_s": startup}
+    out = {"gen_tokens": tokens, "seconds": seconds, "passes": passes, "gen_tokens_per_s": tokens / seconds,
+           "startup_s": startup}
+    if request.get("profile_dir"):
+        short = SamplingParams(temperature=1.0, max_tokens=request["profile_tokens"], logprobs=0, ignore_eos=True, seed=0)
+        llm.start_profile()
+        t = time.perf_counter()
+        llm.generate(prompts[: request["profile_prompts"]], short, use_tqdm=False)
+        out["profile_wall_s"] = time.perf_counter() - t
+        llm.stop_profile()
+        out["profile"] = kernel_profile(Path(request["profile_dir"]))
+    return out
+
+
+def kernel_profile(folder: Path, top: int = 12) -> dict:
+    """GPU kernel time (ms) by category and the top kernels, from the chrome traces vLLM's torch profiler wrote."""
+    by_name: dict[str, float] = {}
+    traces = sorted(folder.rglob("*.json*"))
+    for trace in traces:
+        opener = gzip.open if trace.suffix == ".gz" else open
+        with opener(trace, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        for e in events:
+            if e.get("cat") == "kernel" and "dur" in e:
+                by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"] / 1000.0
+    cats: dict[str, float] = {}
+    for name, ms in by_name.items():
+        cat = next((c for c, rx in KERNEL_CATEGORIES if re.search(rx, name, re.IGNORECASE)), "other")
+        cats[cat] = cats.get(cat, 0.0) + ms
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"traces": [t.name for t in traces], "kernel_ms_total": sum(by_name.values()),
+            "kernel_ms_by_category": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": [[n[:120], ms] for n, ms in ranked]}
 
 
 def run_engine(name: str, request: dict, work: Path) -> dict:
@@ -97,6 +148,24 @@ def run_engine(name: str, request: dict, work: Path) -> dict:
     return out
 
 
+def print_profiles(report: dict, engines: list[str]) -> None:
+    """Kernel ms by category per engine, and consistent minus stock: the kernels that cost the most."""
+    for key, row in report["shapes"].items():
+        profs = {n: row[n]["profile"] for n in engines if "profile" in row.get(n, {})}
+        if not profs:
+            continue
+        cats = sorted({c for p in profs.values() for c in p["kernel_ms_by_category"]})
+        print(f"\n[{key}] GPU kernel ms in the profiled generation")
+        both = {"consistent", "stock"} <= set(profs)
+        print(f"{'category':20}" + "".join(f"{n:>24}" for n in profs) + (f"{'consistent - stock':>20}" if both else ""))
+        for c in cats + ["TOTAL"]:
+            vals = {n: (p["kernel_ms_total"] if c == "TOTAL" else p["kernel_ms_by_category"].get(c, 0.0)) for n, p in profs.items()}
+            diff = f"{vals['consistent'] - vals['stock']:20.1f}" if both else ""
+            print(f"{c:20}" + "".join(f"{v:24.1f}" for v in vals.values()) + diff)
+        for n, p in profs.items():
+            print(f"  top kernels, {n}: " + "; ".join(f"{name[:60]} {ms:.1f}" for name, ms in p["top_kernels_ms"][:6]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["a", "b", "c"], choices=sorted(SHAPES))
@@ -104,6 +173,9 @@ def main() -> int:
     ap.add_argument("--min-seconds", type=float, default=20.0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--out", default="benchmarks/results/rollout_gpu.json")
+    ap.add_argument("--profile", action="store_true", help="after timing, profile one short generation per engine")
+    ap.add_argument("--profile-prompts", type=int, default=64)
+    ap.add_argument("--profile-tokens", type=int, default=128)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -121,9 +193,12 @@ def main() -> int:
             request = {"model_dir": str(model_dir), "prompts": prompts_for(shape, shape["model"]["vocab_size"]),
                        "max_tokens": shape["max_tokens"], "min_seconds": args.min_seconds,
                        "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": max_len,
-                       "max_num_seqs": min(512, shape["prompts"])}
+                       "max_num_seqs": min(512, shape["prompts"]), "profile_tokens": args.profile_tokens,
+                       "profile_prompts": args.profile_prompts}
             row = {"shape": {k: v for k, v in shape.items() if k != "model"} | shape["model"]}
             for name in args.engines:
+                if args.profile:
+                    request["profile_dir"] = str(Path(tmp) / f"profile-{key}-{name}")
                 row[name] = run_engine(name, request, Path(tmp))
                 print(f"[{key}] {name}: {json.dumps(row[name])[:300]}", flush=True)
             for other in ("stock", "stock_batch_invariant"):
@@ -143,6 +218,8 @@ def main() -> int:
         for other in ("stock", "stock_batch_invariant"):
             if f"consistent_over_{other}" in row:
                 print(f"{key:6} consistent / {other}: {row[f'consistent_over_{other}']:.3f}")
+    if args.profile:
+        print_profiles(report, args.engines)
     print(f"results: {args.out}")
     return 0
 

@@ -47,7 +47,7 @@ class TrainerRoutes:
         stacked = torch.stack([routes[i] for i in sorted(routes)])  # [L, S*B, k]
         stacked = stacked.reshape(stacked.shape[0], -1, b, stacked.shape[-1])  # [L, S, B, k]
         for j, n in enumerate(lengths):
-            self.by_request[first + j] = stacked[:, :n, j].transpose(0, 1).clone()  # [n, L, k]
+            self.by_request[first + j] = stacked[:, :n, j].transpose(0, 1).cpu().clone()  # [n, L, k], on the CPU as the engine's
 
 
 def routing_agreement(engine: dict[tuple[int, int], torch.Tensor], trainer: TrainerRoutes, as_sets: bool = False) -> dict:
