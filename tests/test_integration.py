@@ -404,3 +404,21 @@ def test_refit_stream_updates_live_engine_in_place(tmp_path):
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "engine":
     sys.exit(_engine_main(sys.argv[2], sys.argv[3]))
+
+
+def test_first_divergence_finds_each_requests_first_differing_token():
+    """One flipped low bit per chosen token: the first index per request is reported, equal bits report nothing."""
+    from megatron_consistent.verify.metrics import first_divergence
+
+    lengths, prompts = [4, 6, 3, 5], [7, 2, 9, 4]
+    train = torch.randn(sum(lengths))
+    roll = train.clone()
+    flips = {1: 3, 3: 0}  # request -> response index
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    for req, idx in flips.items():
+        roll[starts[req] + idx] = torch.nextafter(roll[starts[req] + idx], torch.tensor(float("inf")))
+        roll[starts[req] + lengths[req] - 1] += 1.0  # a later difference does not move the first one
+    fd = first_divergence(train, roll, lengths, prompts)
+    assert fd["requests_differing"] == 2 and fd["first_index_min"] == 0 and fd["first_at_prefill_token"] == 1
+    assert [(e["request"], e["first_index"], e["prompt_len"]) for e in fd["examples"]] == [(3, 0, 4), (1, 3, 2)]
+    assert first_divergence(train, train.clone(), lengths, prompts) == {"requests_differing": 0}

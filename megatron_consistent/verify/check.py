@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ..config import ArchConfig, builtin_model_dir, load_hf_config
-from .metrics import format_table, is_zero_mismatch, mismatch_metrics
+from .metrics import first_divergence, format_table, is_zero_mismatch, mismatch_metrics
 from .rollout import RolloutRequest, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
@@ -312,6 +312,9 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
                              route_sink=sink)
         rollout_lp = torch.tensor([x for lps in roll["logprobs"] for x in lps], dtype=torch.float32)
         report[mode] = {**mismatch_metrics(train_lp, rollout_lp), "gen_tokens_per_s": roll["gen_tokens_per_s"]}
+        if mode == "consistent" and not is_zero_mismatch(report[mode]):
+            report[mode]["first_divergence"] = first_divergence(train_lp, rollout_lp, [len(t) for t in roll["tokens"]],
+                                                                [len(p) for p in prompts])
         if sink is not None:
             from .routing import load_engine_routes, routing_agreement
 
@@ -351,6 +354,11 @@ def render(report: dict) -> str:
         text += f"\nthroughput ratio (consistent / stock vLLM with VLLM_BATCH_INVARIANT=1): {report['batch_invariant_throughput_ratio']:.3f}"
     if "consistent" in report and "tokens" in report["consistent"]:
         text += "\nconsistent: " + ("ZERO MISMATCH (every token bitwise equal)" if report["zero_mismatch"] else "MISMATCH")
+        fd = report["consistent"].get("first_divergence")
+        if fd and fd.get("requests_differing"):
+            text += (f" — {fd['requests_differing']}/{fd['requests']} requests differ; first differing response token: "
+                     f"earliest {fd['first_index_min']}, median {fd['first_index_median']}, "
+                     f"{fd['first_at_prefill_token']} at the prefill's token (index 0)")
     return text
 
 

@@ -38,6 +38,25 @@ def mismatch_metrics(train_logp: torch.Tensor, rollout_logp: torch.Tensor) -> di
     }
 
 
+def first_divergence(train_logp: torch.Tensor, rollout_logp: torch.Tensor, lengths: list[int], prompt_lengths: list[int]) -> dict:
+    """Where each request's log-probs first differ in bits (response token index; the position in the sequence is
+    ``prompt length + index``): how many requests differ, and the earliest / median first index — to tell a
+    prefill fault (index 0) from a decode fault (later) before any per-op diagnosis."""
+    t, r = train_logp.to(torch.float32).view(torch.int32), rollout_logp.to(torch.float32).view(torch.int32)
+    firsts, start = [], 0
+    for i, n in enumerate(lengths):
+        bad = (t[start:start + n] != r[start:start + n]).nonzero()
+        if bad.numel():
+            firsts.append((int(bad[0, 0]), i, prompt_lengths[i]))
+        start += n
+    if not firsts:
+        return {"requests_differing": 0}
+    idx = sorted(f[0] for f in firsts)
+    return {"requests_differing": len(firsts), "requests": len(lengths), "first_index_min": idx[0],
+            "first_index_median": idx[len(idx) // 2], "first_at_prefill_token": sum(1 for f in firsts if f[0] == 0),
+            "examples": [{"request": i, "prompt_len": pl, "first_index": f} for f, i, pl in sorted(firsts)[:8]]}
+
+
 def is_zero_mismatch(m: dict) -> bool:
     """True when every token's log-prob matched bit for bit."""
     return m["exact_fraction"] == 1.0 and m["max_abs"] == 0.0
