@@ -42,7 +42,7 @@ def _arch(chunk: int = 4) -> ArchConfig:
     return ArchConfig.from_hf(hf)
 
 
-def _mixer(arch: ArchConfig, slots: int, seed: int = 0):
+def _mixer(arch: ArchConfig, slots: int, seed: int = 0, device: str = "cpu"):
     from megatron_consistent.vllm_plugin.mamba import ConsistentMambaMixer
 
     cfg = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={}))
@@ -54,7 +54,8 @@ def _mixer(arch: ArchConfig, slots: int, seed: int = 0):
             if name == "dt_bias":
                 v = v - 2.0
             p.copy_(v.to(torch.bfloat16).to(p.dtype))  # bf16-representable, like an exported checkpoint
-    m.kv_cache = tuple(torch.full((slots, *shape), float("nan"), dtype=dt)  # unwritten slots hold garbage
+    m.to(device)
+    m.kv_cache = tuple(torch.full((slots, *shape), float("nan"), dtype=dt, device=device)  # unwritten slots hold garbage
                        for shape, dt in zip(m.get_state_shape(), m.get_state_dtype()))
     return m
 
@@ -66,7 +67,7 @@ def _forward(monkeypatch, mixer, meta, x):
     return mixer(x)
 
 
-def _meta(batch):
+def _meta(batch, device="cpu"):
     """vLLM Mamba-2 metadata for ``batch`` = [(slot, computed, new)], decodes (new == 1, computed > 0) first."""
     dec = [b for b in batch if b[2] == 1 and b[1] > 0]
     pre = [b for b in batch if not (b[2] == 1 and b[1] > 0)]
@@ -75,10 +76,10 @@ def _meta(batch):
         qsl.append(qsl[-1] + b[2])
     return dec + pre, SimpleNamespace(
         num_decodes=len(dec), num_prefills=len(pre), num_decode_tokens=len(dec), num_prefill_tokens=qsl[-1],
-        seq_lens=torch.tensor([c + n for _, c, n in dec + pre], dtype=torch.int32),
-        state_indices_tensor_d=torch.tensor([[s] for s, _, _ in dec], dtype=torch.int32).reshape(-1, 1),
-        state_indices_tensor_p=torch.tensor([s for s, _, _ in pre], dtype=torch.int32),
-        query_start_loc_p=torch.tensor(qsl, dtype=torch.int32))
+        seq_lens=torch.tensor([c + n for _, c, n in dec + pre], dtype=torch.int32, device=device),
+        state_indices_tensor_d=torch.tensor([[s] for s, _, _ in dec], dtype=torch.int32, device=device).reshape(-1, 1),
+        state_indices_tensor_p=torch.tensor([s for s, _, _ in pre], dtype=torch.int32, device=device),
+        query_start_loc_p=torch.tensor(qsl, dtype=torch.int32, device=device))
 
 
 @st.composite
@@ -103,7 +104,7 @@ def _run_schedule(monkeypatch, mixer, hidden, steps, slots):
     out = [torch.full_like(h, float("nan")) for h in hidden]
     for step in steps:
         batch = [(slots[i], c, k) for i, c, k in step]
-        ordered, meta = _meta(batch)
+        ordered, meta = _meta(batch, hidden[0].device)
         who = {(slots[i], c): i for i, c, _ in step}
         x = torch.cat([hidden[who[(s, c)]][c:c + k] for s, c, k in ordered])
         y = _forward(monkeypatch, mixer, meta, x)
@@ -114,20 +115,22 @@ def _run_schedule(monkeypatch, mixer, hidden, steps, slots):
     return out
 
 
-@settings(max_examples=15, suppress_health_check=[HealthCheck.large_base_example])
-@given(_schedules(), st.integers(0, 2**16))
-def test_mixer_any_schedule_equals_whole_sequence(sched, seed):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the mixer on the GPU kernels needs a CUDA device"))])
+@settings(max_examples=15, suppress_health_check=[HealthCheck.large_base_example], deadline=None)
+@given(sched=_schedules(), seed=st.integers(0, 2**16))
+def test_mixer_any_schedule_equals_whole_sequence(device, sched, seed):
     """Chunked prefill pieces, decode steps and batch mates never change a row: bitwise the one-pass forward."""
     with pytest.MonkeyPatch.context() as mp:
-        _check_schedule(mp, sched, seed)
+        _check_schedule(mp, sched, seed, device)
 
 
-def _check_schedule(monkeypatch, sched, seed):
+def _check_schedule(monkeypatch, sched, seed, device="cpu"):
     lengths, steps, slots = sched
     arch = _arch()
-    mixer = _mixer(arch, slots=len(lengths) + 2, seed=seed)
+    mixer = _mixer(arch, slots=len(lengths) + 2, seed=seed, device=device)
     g = torch.Generator().manual_seed(seed + 1)
-    hidden = [torch.randn(L, arch.hidden_size, generator=g).to(torch.bfloat16) for L in lengths]
+    hidden = [torch.randn(L, arch.hidden_size, generator=g).to(torch.bfloat16).to(device) for L in lengths]
     whole = [_forward(monkeypatch, mixer, None, h) for h in hidden]
     got = _run_schedule(monkeypatch, mixer, hidden, steps, slots)
     for w, o in zip(whole, got):
