@@ -167,6 +167,8 @@ def _cases(tmp_path):
             (["--hf-config", str(tmp_path / "nowhere")], "no HF config"),
             (["--hf-config", _bad_llama(tmp_path)], "field num_attention_heads must be > 0"),
             (["--config", str(tmp_path / "none.yaml")], "--config .*: no such file"),
+            (["--engine-args", "[1]"], "--engine-args must be a JSON object"),
+            (["--engine-args", "{async_scheduling: false}"], "--engine-args must be a JSON object"),
         ],
         "gates": [
             (["--hf-config", _bad_llama(tmp_path)], "field num_attention_heads must be > 0"),

@@ -68,6 +68,19 @@ class CheckConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
+    engine_args: str = ""  # JSON object of extra vLLM engine arguments for every engine, e.g. '{"async_scheduling": false}'
+
+    def engine_arg_dict(self) -> dict:
+        """``engine_args`` parsed (one-line ``ValueError`` when it is not a JSON object)."""
+        if not self.engine_args:
+            return {}
+        try:
+            value = json.loads(self.engine_args)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--engine-args must be a JSON object, e.g. '{{\"async_scheduling\": false}}': {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--engine-args must be a JSON object, got {type(value).__name__}")
+        return value
 
     def validate(self) -> None:
         """Every setting, before any work (one-line ``ValueError`` naming the flag)."""
@@ -108,6 +121,7 @@ class CheckConfig:
             raise ValueError("--checkpoint takes the model from the folder: not with --hf-config / --quantization")
         if self.prompts and not self.checkpoint:
             raise ValueError("--prompts needs --checkpoint")
+        self.engine_arg_dict()
 
 
 def load_check_config(yaml_path: str | None = None, **overrides) -> CheckConfig:
@@ -261,6 +275,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
             req.engine_kwargs = {**req.engine_kwargs, "quantization": STOCK_FP8_QUANTIZATION}
         if cfg.kv_cache_dtype != "auto":
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
+        req.engine_kwargs = {**req.engine_kwargs, **cfg.engine_arg_dict()}
         routes_dir = None
         # MoE routes: the consistent plugin records them; the stock CPU engine through a capture hook (verify/stock_routes.py;
         # not on CUDA, where the stock engine replays CUDA graphs)

@@ -7,7 +7,7 @@ import sys
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
          "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
-         "checkpoint", "prompts"]
+         "checkpoint", "prompts", "engine_args"]
 
 
 def add_arguments(p) -> None:
@@ -31,6 +31,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
     p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
                    "trainer and engines run on its weights")
+    p.add_argument("--engine-args", dest="engine_args",
+                   help='JSON object of extra vLLM engine arguments for every engine, e.g. \'{"async_scheduling": false}\'')
     p.add_argument("--prompts", help='with --checkpoint: JSONL, one {"text": ...} or {"token_ids": [...]} per line '
                    "(default: built-in chat prompts through the tokenizer's chat template; token ids without a tokenizer)")
 
