@@ -23,6 +23,9 @@ forced by the config keys ``TREE_PATH`` / ``TREE_REG`` of a table entry, or by `
   per-program float32 slot (L2) and the slot is reduced in tree order, a few tile rows at a time, at the end;
 * *parallel* (few tiles): one program per (tile, group) writes its group value to a workspace; the last program of a
   tile (atomic counter, shared with :mod:`.linear`) reduces the workspace in tree order;
+* *flat* (serial, one chain per segment): one software-pipelined loop over all the tile's K steps; at a segment's
+  end its value (``REG`` 2: the pair's) goes to the slot and the accumulator restarts from 0 -- the loads do not
+  drain at segment boundaries;
 * *partials* (``linear_segments``): one program per (tile, segment) writes the segment's float32 partial to
   ``out[s]`` (no reduction; one launch instead of one GEMM per segment).
 """
@@ -154,7 +157,11 @@ def _subtree(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_b
 
 @triton.jit
 def _ld(ptr, offs, mask):
-    return tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # .cg: other SMs may have written it
+    if mask is None:
+        v = tl.load(ptr + offs)
+    else:
+        v = tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # .cg: other SMs may have written it
+    return v
 
 
 @triton.jit
@@ -179,9 +186,9 @@ def _slot_tree(base, offs, mask, STRIDE: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def _tree_slot_epilogue(slot, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
                         BM: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        SWAP: tl.constexpr, CH: tl.constexpr):
+                        SWAP: tl.constexpr, CH: tl.constexpr, MASKED: tl.constexpr):
     """Tree of the ``G`` group values in ``slot`` (``[G, tile]`` float32), bias, one rounding; ``CH`` tile rows at a
-    time (few registers)."""
+    time (few registers).  ``MASKED``: only rows < M were written (another program's workspace: read through L2)."""
     if SWAP:
         R0: tl.constexpr = BN
         R1: tl.constexpr = BM
@@ -190,7 +197,9 @@ def _tree_slot_epilogue(slot, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
         R1: tl.constexpr = BN
     offs = _tile_offsets(CH, R1)
     for c in tl.static_range(R0 // CH):
-        if SWAP:
+        if not MASKED:
+            mask = None
+        elif SWAP:
             mask = (off_m + tl.arange(0, R1)[None, :] < M) & (tl.arange(0, CH)[:, None] < CH)
         else:
             mask = (off_m + c * CH + tl.arange(0, CH)[:, None] < M) & (tl.arange(0, R1)[None, :] < R1)
@@ -209,7 +218,7 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                          MODE: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
                          NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, CH: tl.constexpr):
     """MODE 0: serial (one program per tile), 1: parallel (one per (tile, group)), 2: partials (one per
-    (tile, segment), ``out [SEGMENTS, M, N]`` float32)."""
+    (tile, segment), ``out [SEGMENTS, M, N]`` float32), 3: flat serial (one pipelined K loop per tile)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -252,8 +261,57 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if done == G - 1:
                 _tree_slot_epilogue(ws_tile, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
-                                    BM, BN, G, HAS_BIAS, SWAP, CH)
+                                    BM, BN, G, HAS_BIAS, SWAP, CH, True)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    elif MODE == 3:
+        # flat: one pipelined loop over all SEGMENTS * k_steps steps of a tile (SPLITS == 1, REG 1 or 2), so loads
+        # stream across segment boundaries; at a segment's last step its chain (REG 2: with the previous one) goes
+        # to this program's slot and the accumulator restarts from 0
+        scratch = ws_ptr + pid.to(tl.int64) * (G * BM * BN)
+        k_steps = tl.cdiv(K_SEG, BK)
+        rk = tl.arange(0, BK)
+        for tile in tl.range(pid, num_tiles, num_progs):
+            pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+            off_m = pid_m * BM
+            off_n = pid_n * BN
+            if not USE_TMA:
+                rm = off_m + tl.arange(0, BM)
+                rn = off_n + tl.arange(0, BN)
+            if SWAP:
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+            prev = tl.zeros_like(acc)
+            for i in tl.range(0, SEGMENTS * k_steps, num_stages=NUM_STAGES):
+                seg = i // k_steps
+                ki = i - seg * k_steps
+                k = ki * BK
+                if USE_TMA:
+                    a = a_src.load([off_m, seg * K_SEG + k])
+                    b = b_src.load([off_n, seg * K_SEG + k])
+                else:
+                    kk = k + rk
+                    a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + (seg * K_SEG + kk)[None, :],
+                                mask=(rm[:, None] < M) & (kk[None, :] < K_SEG), other=0.0)
+                    b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + (seg * K_SEG + kk)[None, :],
+                                mask=(rn[:, None] < N) & (kk[None, :] < K_SEG), other=0.0)
+                if SWAP:
+                    acc = tl.dot(b, a.T, acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+                if ki == k_steps - 1:
+                    if REG == 1:
+                        tl.store(scratch + seg * (BM * BN) + offs, acc)
+                    else:
+                        if seg % 2 == 0:
+                            prev = acc
+                        else:
+                            tl.store(scratch + (seg // 2) * (BM * BN) + offs, prev + acc)
+                    acc = tl.zeros_like(acc)
+            tl.debug_barrier()
+            _tree_slot_epilogue(scratch, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
+                                BM, BN, G, HAS_BIAS, SWAP, CH, False)
+            tl.debug_barrier()  # the slot is rewritten by this program's next tile
     else:
         scratch = ws_ptr + pid.to(tl.int64) * (G * BM * BN)  # G > 1 only: this program's slot
         for tile in tl.range(pid, num_tiles, num_progs):
@@ -268,17 +326,13 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                 else:
                     _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
             else:
-                if SWAP:
-                    pmask = (off_m + tl.arange(0, BM)[None, :]) < M
-                else:
-                    pmask = (off_m + tl.arange(0, BM)[:, None]) < M
                 for g in tl.range(0, G):
                     val = _subtree(a_src, b_src, off_m, off_n, g * REG, M, N, K_SEG, stride_am, stride_bn,
                                    BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, REG)
-                    tl.store(scratch + g * (BM * BN) + offs, val, mask=pmask)
+                    tl.store(scratch + g * (BM * BN) + offs, val)  # whole tile: the slot is this program's
                 tl.debug_barrier()
                 _tree_slot_epilogue(scratch, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
-                                    BM, BN, G, HAS_BIAS, SWAP, CH)
+                                    BM, BN, G, HAS_BIAS, SWAP, CH, False)
                 tl.debug_barrier()  # the slot is rewritten by this program's next tile
 
 
@@ -311,7 +365,9 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
     num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     path = path or _FORCE_TREE_PATH or cfg.get("TREE_PATH") or (
         "parallel" if segments > 1 and num_tiles * 3 <= sms else "serial")
-    if path not in ("serial", "parallel"):
+    if path == "flat" and (splits > 1 or segments == 1):
+        path = "serial"  # flat needs one chain per segment and more than one segment
+    if path not in ("serial", "parallel", "flat"):
         raise ValueError(f"row-parallel GEMM: unknown path {path!r}")
     reg = reg_segments or cfg.get("TREE_REG")
     if reg is None:
@@ -322,7 +378,7 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
             reg = segments
             while reg > 1 and (reg.bit_length() + (splits > 1)) * per_acc > REG_BUDGET:
                 reg //= 2
-    reg = min(int(reg), segments)
+    reg = min(int(reg), segments, 2 if path == "flat" else segments)
     if reg not in SEGMENT_COUNTS:
         raise ValueError(f"row-parallel GEMM: REG={reg} must be one of {SEGMENT_COUNTS}")
     if segments // reg == 1:
@@ -378,6 +434,9 @@ def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bi
     ws = out  # unused unless a slot / workspace is needed
     if partials:
         mode, units = 2, num_tiles * segments
+    elif p["path"] == "flat":
+        mode, units = 3, num_tiles
+        ws = torch.empty(min(sms, units) * groups * bm * bn, dtype=torch.float32, device=dev)
     elif p["path"] == "parallel":
         mode, units = 1, num_tiles * groups
         ws = torch.empty(num_tiles * groups * bm * bn, dtype=torch.float32, device=dev)
