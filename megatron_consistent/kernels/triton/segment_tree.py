@@ -44,7 +44,8 @@ from .linear import _INTERPRETER_SMS, _counters, _epilogue, _epilogue_t, _tile_o
 
 SEGMENT_COUNTS = (1, 2, 4, 8)
 REG_BUDGET = 128  # float32 accumulator registers per thread a tree group may keep live (the rest spills to L2)
-_FORCE_TREE_PATH = os.environ.get("MC_TREE_PATH", "")  # "", "serial", "parallel" (scheduling only)
+_FORCE_TREE_PATH = os.environ.get("MC_TREE_PATH", "")  # "", "serial", "parallel", "flat": every call (scheduling only)
+_SERIAL_PATH = os.environ.get("MC_TREE_SERIAL", "serial")  # the many-tiles schedule: "serial" or "flat"
 
 
 @triton.jit
@@ -363,16 +364,20 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
     splits = triton.cdiv(k_steps, split_steps)
     bm, bn = cfg["BM"], cfg["BN"]
     num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    # few tiles (serial would leave SMs idle): one program per (tile, group); else one per tile, "serial" or "flat"
     path = path or _FORCE_TREE_PATH or cfg.get("TREE_PATH") or (
-        "parallel" if segments > 1 and num_tiles * 3 <= sms else "serial")
+        "parallel" if segments > 1 and num_tiles * 2 <= sms else _SERIAL_PATH)
     if path == "flat" and (splits > 1 or segments == 1):
         path = "serial"  # flat needs one chain per segment and more than one segment
     if path not in ("serial", "parallel", "flat"):
         raise ValueError(f"row-parallel GEMM: unknown path {path!r}")
     reg = reg_segments or cfg.get("TREE_REG")
     if reg is None:
-        if path == "parallel":
-            reg = 1
+        if path == "parallel":  # the fewest groups that give every SM a unit
+            groups = 1
+            while groups < segments and num_tiles * groups < sms:
+                groups *= 2
+            reg = segments // groups
         else:
             per_acc = max(1, bm * bn // (32 * cfg["W"]))
             reg = segments
