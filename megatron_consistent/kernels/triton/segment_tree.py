@@ -456,7 +456,7 @@ def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bi
         m, n, k_seg, x2d.stride(0), weight.stride(0), n if partials else out.stride(0), grid,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["G"], SPLIT_STEPS=p["split_steps"] if p["splits"] > 1 else 0,
         SPLITS=p["splits"],
-        SEGMENTS=segments, REG=reg, MODE=mode, USE_TMA=use_tma, HAS_BIAS=bias is not None and not partials,
+        SEGMENTS=segments, REG=1 if partials else reg, MODE=mode, USE_TMA=use_tma, HAS_BIAS=bias is not None and not partials,
         NUM_STAGES=cfg["S"], PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", SWAP=swap,
         CH=min(32, bn if swap else bm), num_warps=cfg["W"], num_stages=cfg["S"],
     )
