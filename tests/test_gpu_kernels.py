@@ -16,9 +16,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 if torch.cuda.is_available():
     from megatron_consistent.kernels.triton import attention as tattn
     from megatron_consistent.kernels.triton import linear as tlin
+    from megatron_consistent.kernels.triton import segment_tree as tst
 
 from megatron_consistent.kernels import attention, linear, log_softmax, rms_norm, silu_and_mul
 from megatron_consistent.kernels.dispatch import implementation
+from megatron_consistent.kernels.numerics import adjacent_tree_sum
 from megatron_consistent.kernels.rotary import RopeConfig, apply_rope
 
 CPU = torch.device("cpu")
@@ -220,6 +222,98 @@ def test_gemm_vs_cpu_contract():
     gpu = linear(x.to(DEV), w.to(DEV), b.to(DEV), out_dtype=torch.float32).cpu()
     scale = (x.float().abs() @ w.float().abs().T).max().item()
     assert (cpu - gpu).abs().max().item() <= 1e-5 * scale + 1e-6
+
+
+# --------------------------------------------------------------------------------------- row-parallel tree (#18)
+
+# (N, K): Llama-3-8B o_proj / down, Llama-3.2-1B o_proj / down, an odd N with 2 splits inside a segment, tiny K (K = 64: 8-column segments, zero-
+# padded inside the segment; pointer loads) and a K whose segment is not a multiple of BLOCK_K (200 / 8 = 25)
+SEG_SHAPES = [(4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192), (1000, 8192), (96, 64), (136, 200)]
+SEG_SCHEDULES = [("serial", None), ("serial", 1), ("serial", 2), ("parallel", 1), ("parallel", 2), ("flat", 1),
+                 ("flat", 2)]
+
+
+def _left_fold(parts):
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def _seg_operands(n, k, rows=2048, seed=11):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    b = torch.randn(n, generator=g).to(DEV, torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(DEV, torch.bfloat16)
+    return x, w, b
+
+
+@pytest.mark.parametrize("n,k", SEG_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("segments", [1, 2, 4, 8])
+def test_segment_tree_equals_naive_loop(n, k, segments):
+    """One launch = the per-segment GEMM loop (one ``gemm`` per K segment, float32) + adjacent_tree_sum, bit for bit,
+    on every schedule and at M = 1 .. 1024 (each M class); the rank holds K * segments / 8 columns (TP = 8 / segments);
+    partials mode (the CUDA ``linear_segments``) = the stacked loop."""
+    kl = k * segments // 8
+    x, w, _ = _seg_operands(n, k, rows=1024)
+    x, w = x[:, :kl].contiguous(), w[:, :kl].contiguous()
+    for m in (1, 16, 64, 300, 1024):
+        naive = tst.linear_segments_naive(x[:m], w, segments)
+        ref = adjacent_tree_sum(naive, dim=0)
+        assert bits_equal(tst.segment_tree_gemm(x[:m], w, segments, partials=True), naive), m
+        assert bits_equal(implementation("linear_segments", DEV)(x[:m], w, segments), naive), m
+        for path, reg in SEG_SCHEDULES if m == 300 and segments in (2, 8) else [(None, None)]:
+            y = tst.segment_tree_gemm(x[:m], w, segments, path=path, reg_segments=reg)
+            assert bits_equal(y, ref), (m, path, reg)
+        if m == 300:
+            assert bits_equal(tst.segment_tree_gemm(x[:m], w, segments, use_tma=False), ref), "pointer loads"
+            if segments == 8:  # the merge order matters: a left fold of the same partials is caught
+                assert not bits_equal(_left_fold(list(naive)), ref)
+            err = (ref.double() - x[:m].double() @ w.double().T).abs().max().item()
+            assert err <= 1e-3 * max(1.0, kl / 1024), err
+
+
+@pytest.mark.parametrize("n,k", SEG_SHAPES[:4] + SEG_SHAPES[-2:], ids=lambda v: str(v))
+def test_segment_tree_batch_invariant_and_fused(n, k):
+    """A row alone = the row in the batch (first m rows, row 1000 alone, a permutation) for the float32 subtree and
+    the fused bf16 output; fused ``round(tree + bias)`` = the unfused torch path; the registered ops and the
+    trainer's ``kernels.row_parallel_linear`` give the same bits."""
+    from megatron_consistent.kernels import inference_ops
+    from megatron_consistent.kernels import row_parallel_linear as trainer_row_parallel
+
+    x, w, b = _seg_operands(n, k)
+    for od, bias in ((torch.float32, None), (torch.bfloat16, b), (torch.float32, b)):
+        bad = _rows_identical_across_m(lambda xx: tst.segment_tree_gemm(xx, w, 8, bias, od), x,
+                                       ms=(1, 2, 7, 16, 17, 63, 64, 65, 255, 256, 300, 1024, 2048))
+        assert not bad, (od, bias is not None, bad)
+    tree = adjacent_tree_sum(tst.linear_segments_naive(x[:300], w, 8), dim=0)
+    assert bits_equal(tst.segment_tree_gemm(x[:300], w, 8), tree)
+    unfused = (tree + b.to(torch.float32)).to(torch.bfloat16)
+    for path in ("serial", "parallel", "flat"):
+        assert bits_equal(tst.segment_tree_gemm(x[:300], w, 8, b, torch.bfloat16, path=path), unfused), path
+    assert bits_equal(torch.ops.megatron_consistent.row_parallel_linear(x[:300], w, b), unfused)
+    assert bits_equal(inference_ops.linear_segment_tree(x[:300], w, 8), tree)
+    with torch.no_grad():
+        assert bits_equal(trainer_row_parallel(x[:300], w, b), unfused)
+
+
+@pytest.mark.parametrize("n,k", SEG_SHAPES, ids=lambda v: str(v))
+def test_segment_tree_tensor_parallel_split_equals_tp1(n, k):
+    """TP = t: each rank's one-launch subtree over its K slice (8 / t segments), the t float32 values reduced by
+    adjacent_tree_sum = the TP = 1 tree (and + bias, rounded = the TP = 1 fused output); a left fold is caught."""
+    x, w, b = _seg_operands(n, k, rows=300)
+    for m in (1, 64, 300):
+        tp1 = tst.segment_tree_gemm(x[:m], w, 8)
+        tp1_fused = tst.segment_tree_gemm(x[:m], w, 8, b, torch.bfloat16)
+        for t in (1, 2, 4, 8):
+            kl = k // t
+            ranks = [tst.segment_tree_gemm(x[:m, r * kl:(r + 1) * kl].contiguous(), w[:, r * kl:(r + 1) * kl].contiguous(),
+                                           8 // t) for r in range(t)]
+            top = adjacent_tree_sum(torch.stack(ranks), dim=0)
+            assert bits_equal(top, tp1), (m, t)
+            assert bits_equal((top + b.to(torch.float32)).to(torch.bfloat16), tp1_fused), (m, t)
+            if t == 8 and m == 300:
+                assert not bits_equal(_left_fold(ranks), tp1)
 
 
 # --------------------------------------------------------------------------------------- attention

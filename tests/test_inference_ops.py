@@ -34,6 +34,34 @@ def test_linear_equals_training_path(m, k, n, bias, dt, seed):
 
 
 @settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 40), j=st.integers(1, 24), n=st.integers(1, 70), bias=st.booleans(), dt=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_row_parallel_equals_training_path(m, j, n, bias, dt, seed):
+    """The fused ``row_parallel_linear`` op = the trainer's ``row_parallel_linear`` (segment partials, torch tree,
+    bias, rounding); ``linear_segment_tree`` = ``adjacent_tree_sum(linear_segments)`` for every segment count, and
+    the TP = t split of the segments reduced by the top of the tree = TP 1."""
+    from megatron_consistent.kernels import linear_segments, row_parallel_linear
+    from megatron_consistent.kernels.numerics import adjacent_tree_sum
+
+    k = 8 * j
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dt).to(_device())
+    w = torch.randn(n, k, generator=g).to(dt).to(_device())
+    b = torch.randn(n, generator=g).to(dt).to(_device()) if bias else None
+    with torch.no_grad():
+        assert torch.equal(inference_ops.row_parallel_linear(x, w, b), row_parallel_linear(x, w, b))
+        assert torch.equal(inference_ops.row_parallel_linear(x[None], w, b)[0], row_parallel_linear(x, w, b))
+        tp1 = inference_ops.linear_segment_tree(x, w, 8)
+        for segments in (1, 2, 4, 8):
+            assert torch.equal(inference_ops.linear_segment_tree(x, w, segments),
+                               adjacent_tree_sum(linear_segments(x, w, segments), dim=0))
+            t, kl = 8 // segments, k * segments // 8
+            ranks = [inference_ops.linear_segment_tree(x[:, r * kl:(r + 1) * kl].contiguous(),
+                                                       w[:, r * kl:(r + 1) * kl].contiguous(), segments) for r in range(t)]
+            assert torch.equal(adjacent_tree_sum(torch.stack(ranks), dim=0), tp1)
+
+
+@settings(max_examples=12, deadline=None)
 @given(t=st.integers(1, 33), h=st.integers(1, 200), heads=st.integers(1, 4), dt=st.sampled_from(DTYPES),
        seed=st.integers(0, 2**16))
 def test_rms_norm_and_silu_equal_training_path(t, h, heads, dt, seed):

@@ -3,7 +3,9 @@
 Runs only with ``TRITON_INTERPRET=1`` and Triton importable (e.g. ``PYTHONPATH=.:/tmp/tritonsite``); the
 interpreter evaluates ``tl.dot`` with numpy, so this proves the index / mask / split-order logic of every path
 (swap-AB, split-parallel, spilled splits, one weight scale per tile) -- not the GPU's bits, which
-tests/test_gpu_kernels.py and tests/test_gpu_fp8.py check on the device.
+tests/test_gpu_kernels.py and tests/test_gpu_fp8.py check on the device.  The row-parallel K-segment tree (issue #18)
+is checked the same way: one launch = the per-segment GEMM loop + ``adjacent_tree_sum`` on every schedule, a TP split
+of the segments = TP 1, the merge order matters.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import torch
 pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
 triton = pytest.importorskip("triton")
+import triton.language as tl
 
 from megatron_consistent.kernels import fp8
+from megatron_consistent.kernels.numerics import adjacent_tree_sum
 from megatron_consistent.kernels.triton import fp8_linear as tf8
 from megatron_consistent.kernels.triton import linear as tlin
+from megatron_consistent.kernels.triton import segment_tree as tst
 
 NOSPLIT = tlin._NOSPLIT
 c = tlin._cfg
@@ -78,3 +83,129 @@ def test_fp8_scalar_weight_scale_in_interpreter():
             for m in (1, 7, 40):
                 y = tf8.fp8_gemm(xq[:m], xs[:m], wq, rows, None, torch.float32, cfg=cfg, path=path, w_block_rows=128)
                 assert torch.equal(y, ref[:m]), (cfg, path, m)
+
+
+# ------------------------------------------------------------------ row-parallel K-segment tree (issue #18)
+
+# (name, cfg): BLOCK_K 16; "split": SPLIT_STEPS 1 -> a segment of 2+ steps has 2+ splits (their partials summed in
+# split order inside the segment)
+SEG_CFGS = [
+    ("plain", c(16, 16, 16, NOSPLIT, 4, 2)),
+    ("swap", c(16, 32, 16, NOSPLIT, 4, 2, swap=True)),
+    ("split", c(16, 16, 16, 1, 4, 2)),
+]
+# (path, reg_segments): every schedule of the kernel
+SEG_SCHEDULES = [("serial", None), ("serial", 1), ("serial", 2), ("parallel", 1), ("parallel", 2), ("flat", 1),
+                 ("flat", 2)]
+
+
+def _left_fold(parts):
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+@triton.jit
+def _cast_kernel(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n).to(dst.dtype.element_ty), mask=offs < n)
+
+
+def _backend_round(y32, dtype):
+    """float32 -> dtype rounded the way this backend's kernels round (the interpreter truncates to bf16; the GPU
+    rounds to nearest even, as torch does)."""
+    out = torch.empty(y32.shape, dtype=dtype)
+    _cast_kernel[(1,)](y32.contiguous().view(-1), out.view(-1), y32.numel(), BLOCK=triton.next_power_of_2(y32.numel()))
+    return out
+
+
+@pytest.mark.parametrize("name,cfg", SEG_CFGS, ids=[s[0] for s in SEG_CFGS])
+@pytest.mark.parametrize("segments,k", [(1, 40), (2, 72), (4, 64), (8, 64), (8, 200)])
+def test_segment_tree_equals_naive_loop(name, cfg, segments, k):
+    """One launch = the per-segment GEMM loop + adjacent_tree_sum, bit for bit, on every schedule; K_seg not a
+    multiple of BLOCK_K (K = 64 over 8 segments: 8 columns, zero-padded inside the segment); a row alone = the row
+    in the batch; the partials mode = the stacked loop."""
+    torch.manual_seed(10 + segments)
+    n = 40
+    w = torch.randn(n, k) * 0.1
+    x = torch.randn(21, k)
+    naive = tst.linear_segments_naive(x, w, segments, cfg=cfg)
+    ref = adjacent_tree_sum(naive, dim=0)
+    assert (ref.double() - x.double() @ w.double().T).abs().max().item() < 1e-4
+    assert torch.equal(tst.segment_tree_gemm(x, w, segments, partials=True, cfg=cfg), naive)
+    for path, reg in SEG_SCHEDULES:
+        full = tst.segment_tree_gemm(x, w, segments, cfg=cfg, path=path, reg_segments=reg)
+        assert torch.equal(full, ref), (name, path, reg)
+    for m in (1, 6):
+        for path, reg in (("serial", None), ("parallel", 1), ("flat", 1)):
+            rows = tst.segment_tree_gemm(x[m:2 * m], w, segments, cfg=cfg, path=path, reg_segments=reg)
+            assert torch.equal(rows, ref[m:2 * m]), (name, path, reg, m)
+    if segments == 8:  # the merge order is checked: a left fold of the same partials gives other bits
+        assert not torch.equal(_left_fold(list(naive)), ref)
+
+
+def test_segment_tree_fused_bias_and_rounding_equal_unfused():
+    """TP = 1 fused output ``round(tree + bias)`` = the unfused float32 tree, plus bias, rounded (fp32 and bf16)."""
+    torch.manual_seed(20)
+    n, k = 48, 128
+    w = torch.randn(n, k) * 0.1
+    b = torch.randn(n)
+    x = torch.randn(19, k)
+    cfg = SEG_CFGS[0][1]
+    tree = tst.segment_tree_gemm(x, w, 8, cfg=cfg)
+    assert torch.equal(tree, adjacent_tree_sum(tst.linear_segments_naive(x, w, 8, cfg=cfg), dim=0))
+    for path, reg in (("serial", None), ("parallel", 1), ("flat", 2)):
+        y32 = tst.segment_tree_gemm(x, w, 8, b, torch.float32, cfg=cfg, path=path, reg_segments=reg)
+        assert torch.equal(y32, tree + b), path
+        y16 = tst.segment_tree_gemm(x, w, 8, b, torch.bfloat16, cfg=cfg, path=path, reg_segments=reg)
+        assert torch.equal(y16.view(torch.int16), _backend_round(tree + b, torch.bfloat16).view(torch.int16)), path
+
+
+@pytest.mark.parametrize("k", [64, 256])
+def test_segment_tree_tensor_parallel_split_equals_tp1(k):
+    """TP = t: rank r holds K columns [r K/t, (r+1) K/t) = segments r 8/t ..; its subtree (one launch, 8/t segments),
+    the t float32 values reduced by adjacent_tree_sum = the TP = 1 tree, bit for bit, for t = 1, 2, 4, 8 -- and a
+    left fold of the rank values (the wrong merge) is caught."""
+    torch.manual_seed(30)
+    n = 40
+    w = torch.randn(n, k) * 0.1
+    b = torch.randn(n)
+    x = torch.randn(17, k)
+    cfg = SEG_CFGS[0][1]
+    tp1 = tst.segment_tree_gemm(x, w, 8, cfg=cfg)
+    tp1_fused = tst.segment_tree_gemm(x, w, 8, b, torch.float32, cfg=cfg)
+    for t in (1, 2, 4, 8):
+        kl = k // t
+        ranks = [tst.segment_tree_gemm(x[:, r * kl:(r + 1) * kl], w[:, r * kl:(r + 1) * kl], 8 // t, cfg=cfg)
+                 for r in range(t)]
+        top = adjacent_tree_sum(torch.stack(ranks), dim=0)
+        assert torch.equal(top, tp1), t
+        assert torch.equal(top + b, tp1_fused), t
+        if t == 8:
+            assert not torch.equal(_left_fold(ranks), tp1)
+
+
+def test_segment_tree_m_class_table_rows_identical():
+    """With an M-class entry for the segment shape (N, K / 8) -- a different tile per M class, BLOCK_K and split fixed
+    -- each call picks the class of its M (as the naive per-segment GEMMs do) and a row's bits do not depend on M."""
+    torch.manual_seed(40)
+    n, k = 40, 256
+    entry = {"BK": 16, "SPLIT_STEPS": NOSPLIT,
+             "classes": [(1, {"BM": 16, "BN": 32, "W": 4, "S": 2, "SWAP": True}),
+                         (8, {"BM": 16, "BN": 16, "W": 4, "S": 2}),
+                         (None, {"BM": 32, "BN": 16, "W": 4, "S": 2})]}
+    key = (n, k // 8, torch.float32)
+    saved = dict(tlin.M_CLASS_TABLE)
+    tlin.M_CLASS_TABLE[key] = entry
+    try:
+        w = torch.randn(n, k) * 0.1
+        x = torch.randn(20, k)
+        full = tst.segment_tree_gemm(x, w, 8)
+        assert tst.plan(20, n, k, 8, torch.float32)["cfg"]["BM"] == 32
+        assert torch.equal(full, adjacent_tree_sum(tst.linear_segments_naive(x, w, 8), dim=0))
+        for sl in (slice(3, 4), slice(0, 8), slice(5, 12)):
+            assert torch.equal(tst.segment_tree_gemm(x[sl], w, 8), full[sl]), sl
+    finally:
+        tlin.M_CLASS_TABLE.clear()
+        tlin.M_CLASS_TABLE.update(saved)

@@ -21,6 +21,8 @@ Ops (``torch.ops.megatron_consistent.<name>``):
 * ``linear_segment_tree(x, weight, segments)``: a rank's float32 subtree over
   ``segments`` K segments (``adjacent_tree_sum`` of ``linear_segments``), to
   be all-gathered and reduced by the top of the tree under tensor parallelism;
+  both run the registered ``linear_segment_tree`` forward (one Triton launch on
+  CUDA, the tree and the bias fused; bit-equal to the unfused definition);
 * ``rms_norm(x, weight, eps)``: RMSNorm over the last dim (no residual);
 * ``rope(x, cos, sin, style)``: ``x [T, heads, head_dim]`` rotated by the
   float32 tables already gathered at each token's position, ``cos/sin [T, rot/2]``
@@ -34,7 +36,6 @@ import torch
 
 from .dispatch import implementation
 from .linear import ROW_PARALLEL_SEGMENTS
-from .numerics import adjacent_tree_sum
 
 
 @torch.library.custom_op("megatron_consistent::linear", mutates_args=())
@@ -50,8 +51,9 @@ def _linear_fake(x, weight, bias=None):
 
 @torch.library.custom_op("megatron_consistent::linear_segment_tree", mutates_args=())
 def linear_segment_tree(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
-    partials = implementation("linear_segments", x.device)(x.reshape(-1, x.shape[-1]), weight, segments)
-    return adjacent_tree_sum(partials, dim=0).reshape(*x.shape[:-1], weight.shape[0])
+    tree = implementation("linear_segment_tree", x.device)(x.reshape(-1, x.shape[-1]), weight, segments, None,
+                                                           torch.float32)
+    return tree.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @linear_segment_tree.register_fake
@@ -61,10 +63,9 @@ def _linear_segment_tree_fake(x, weight, segments):
 
 @torch.library.custom_op("megatron_consistent::row_parallel_linear", mutates_args=())
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    total = linear_segment_tree(x, weight, ROW_PARALLEL_SEGMENTS)
-    if bias is not None:
-        total = total + bias.to(torch.float32)
-    return total.to(x.dtype)
+    y = implementation("linear_segment_tree", x.device)(x.reshape(-1, x.shape[-1]), weight, ROW_PARALLEL_SEGMENTS,
+                                                        bias, x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @row_parallel_linear.register_fake

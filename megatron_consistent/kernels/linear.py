@@ -83,6 +83,17 @@ def _linear_segments_cpu(x2d: torch.Tensor, weight: torch.Tensor, segments: int)
                         for s in range(segments)])
 
 
+@register("linear_segment_tree", "cpu")
+def _linear_segment_tree_cpu(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bias: torch.Tensor | None,
+                             out_dtype: torch.dtype) -> torch.Tensor:
+    """A rank's K-segment subtree, fused: ``round(adjacent_tree_sum(linear_segments) + bias)`` in ``out_dtype``
+    (float32 and no bias: the float32 subtree).  CUDA registers a one-launch kernel with the same definition."""
+    total = adjacent_tree_sum(_linear_segments_cpu(x2d, weight, segments), dim=0)
+    if bias is not None:
+        total = total + bias.to(torch.float32)
+    return total.to(out_dtype)
+
+
 class LinearFunction(torch.autograd.Function):
     """Autograd wrapper: consistent forward, float32-matmul backward."""
 

@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (registration)
     paged_attention,
     rms_norm,
     rope,
+    segment_tree,
     silu_and_mul,
 )
 from .attention import KV_BLOCK_GPU, PART_KEYS, attention_fwd

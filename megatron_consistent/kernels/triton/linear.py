@@ -82,6 +82,12 @@ CONFIG_TABLE: dict[tuple[int, int, torch.dtype], dict] = {
     (28672, 4096, _BF16): _cfg(128, 256, 64, _NOSPLIT, 8, 3),  # 224 N tiles: no split needed
     (14336, 4096, _BF16): _cfg(128, 256, 64, _NOSPLIT, 8, 3),
     (4096, 14336, _BF16): _cfg(128, 128, 64, 56, 8, 4),  # 4 splits of 3584
+    # row-parallel K segments (issue #18): the segment's own (N, K / 8) config; the 8 segments already give the
+    # parallelism a split would, so no split inside a segment (Llama-3-8B o_proj / down, Llama-3.2-1B o_proj / down)
+    (4096, 512, _BF16): _cfg(128, 128, 64, _NOSPLIT, 8, 4),
+    (4096, 1792, _BF16): _cfg(128, 128, 64, _NOSPLIT, 8, 4),
+    (2048, 256, _BF16): _cfg(128, 128, 64, _NOSPLIT, 8, 4),
+    (2048, 1024, _BF16): _cfg(128, 128, 64, _NOSPLIT, 8, 4),
 }
 
 # Opt-in table (MC_GEMM_TILES_BY_M=1): the numerics (BLOCK_K, split) are still fixed per
@@ -424,8 +430,3 @@ def _linear_cuda(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return gemm(x2d, weight, bias, out_dtype)
 
 
-@register("linear_segments", "cuda")
-def _linear_segments_cuda(x2d: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
-    seg = weight.shape[1] // segments
-    return torch.stack([gemm(x2d[:, s * seg:(s + 1) * seg].contiguous(), weight[:, s * seg:(s + 1) * seg].contiguous(), None,
-                             torch.float32) for s in range(segments)])
