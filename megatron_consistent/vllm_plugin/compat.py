@@ -110,3 +110,17 @@ def compiled_by_vllm(dynamic_arg_dims: dict[str, int], enable_if):
     from vllm.compilation.decorators import support_torch_compile
 
     return support_torch_compile(dynamic_arg_dims=dynamic_arg_dims, enable_if=enable_if)
+
+
+def tensor_parallel_rank_size() -> tuple[int, int]:
+    """(rank, size) of this process in vLLM's tensor-parallel group (same API in both tested versions)."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def tensor_parallel_all_gather(x, dim: int):
+    """vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op: capturable in CUDA graphs)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(x, dim)
