@@ -47,7 +47,8 @@ def launch(model_dir: str, out_dir: str, tp: int, fault: str = "", update: str =
         cmd = [sys.executable, __file__, "--rank", str(r), str(port), model_dir, out_dir, str(tp)]
         cmd += ["--fault", fault] if fault else []
         cmd += ["--update", update] if update else []
-        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1",
+                   VLLM_DIST_IDENT=f"mc-tp-{port}")  # vLLM's CPU communicator names its shared-memory group by it
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     codes = []
     for p, log in procs:
