@@ -85,13 +85,17 @@ def test_row_parallel_tree_split_is_exact_and_naive_split_is_not():
     ("tiny-llama", 3, False, "TP must divide 8"),
     ("tiny-nemotronh", 2, False, "hybrid Mamba-2"),
     ("tiny-mamba2", 2, False, "hybrid Mamba-2"),
-    ("tiny-qwen3moe-top1", 2, False, "MoE models run at TP=1"),
     ("tiny-llama", 2, True, "FP8 / NVFP4"),
     ("tiny-qwen2-mqa", 2, False, "KV heads (1) not divisible by 2"),
 ])
 def test_unsupported_tp_refused_by_name(name, tp, quantized, words):
     reason = tp_refusal(_arch(name), tp, quantized)
     assert words in reason and (str(tp) in reason)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe-top1", "tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"])
+def test_moe_tp2_accepted_with_replicated_experts(name):
+    assert tp_refusal(_arch(name), 2) == ""
 
 
 def test_check_refuses_tp_flags_before_any_work(tmp_path, capsys):
@@ -184,6 +188,18 @@ def test_gloo_sharded_sync_in_place_and_bad_push_refused_whole(gloo_runs):
     synced, direct = gloo_runs["synced"]["out"], gloo_runs["tp1_pushed"]["out"]
     for k in direct:  # the pushed weights at TP=2 = the same weights loaded at TP=1 (the bad push changed nothing)
         assert torch.equal(synced[k], direct[k]), k
+
+
+@pytest.mark.slow
+def test_gloo_moe_tp2_equals_tp1(tmp_path):
+    """Qwen3-MoE (layer 0 dense, layer 1 MoE): attention sharded, the MoE block replicated — the bits of TP=1."""
+    d = _model_dir(tmp_path, "tiny-qwen3moe-top1", 0)
+    one, two = _ranks(d, tmp_path / "a", 1), _ranks(d, tmp_path / "b", 2)
+    for k in one["out"]:
+        assert torch.equal(one["out"][k], two["out"][k]), k
+    held1, held2 = one["ranks"][0]["held"], two["ranks"][0]["held"]
+    assert held2["layers.1.experts_fc1"] == held1["layers.1.experts_fc1"]  # replicated
+    assert held2["layers.1.o_proj"][1] == held1["layers.1.o_proj"][1] // 2  # sharded
 
 
 # ------------------------------------------------------------------------------------------------ real vLLM engine

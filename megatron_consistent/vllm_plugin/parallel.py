@@ -16,9 +16,14 @@ Placement comes from the weight table's ``shard`` rule (:func:`..architectures.t
   to V — the full-vocabulary logits of TP = 1, on every rank, for the unchanged log-prob contract;
 * ``replicated``: norms (and Qwen3 q/k norms), whole on every rank.
 
+MoE layers (Qwen3-MoE, Qwen2-MoE, Mixtral): attention as above; the MoE block (router, experts, shared
+expert) is **replicated** on every rank (the layer class names the parameters it keeps whole,
+``tp_replicated``; :func:`placed_entries` overrides their table rule) and computed whole from the
+replicated input — the TP = 1 computation, on every rank.
+
 Every collective is vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op:
 ``torch.compile`` and CUDA-graph capture see one node).  Refused by name at TP > 1, before any
-weight is read: TP not dividing 8, hybrid Mamba-2 models, MoE models, FP8 / NVFP4 checkpoints,
+weight is read: TP not dividing 8, hybrid Mamba-2 models, FP8 / NVFP4 checkpoints,
 head / KV-head / MLP sizes that TP does not divide.
 
 This module imports vLLM only inside functions (``verify`` calls :func:`tp_refusal` before any engine starts).
@@ -46,15 +51,15 @@ def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
     name = f"{arch.architecture} at tensor_parallel_size={tp}"
     if arch.is_hybrid:
         return f"{name}: hybrid Mamba-2 models run at TP=1 only in megatron-consistent"
-    if arch.is_moe:
-        return f"{name}: MoE models run at TP=1 only in megatron-consistent (engine TP covers dense models)"
     if quantized:
         return f"{name}: FP8 / NVFP4 checkpoints run at TP=1 only in megatron-consistent"
+    dense_mlp = any(not arch.layer_is_moe(i) for i in range(arch.num_layers))
     for what, n in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
-                    ("MLP intermediate size", arch.intermediate_size)):
+                    ("MLP intermediate size", arch.intermediate_size if dense_mlp else tp)):
         if n % tp:
             return f"{name}: {what} ({n}) not divisible by {tp}"
-    for what, k in (("o_proj K (heads x head_dim)", arch.num_heads * arch.head_dim), ("down K", arch.intermediate_size)):
+    for what, k in (("o_proj K (heads x head_dim)", arch.num_heads * arch.head_dim),
+                    ("down K", arch.intermediate_size if dense_mlp else ROW_PARALLEL_SEGMENTS)):
         if k % ROW_PARALLEL_SEGMENTS:
             return f"{name}: {what} = {k} cannot be cut into {ROW_PARALLEL_SEGMENTS} row-parallel segments"
     try:
@@ -71,6 +76,19 @@ def check_tp(arch: ArchConfig, tp: int, quantized: bool = False) -> None:
     reason = tp_refusal(arch, tp, quantized)
     if reason:
         raise UnsupportedConfigError(reason)
+
+
+def placed_entries(model) -> list:
+    """The weight table of ``model.arch`` with each entry's TP rule as the engine places it: the table's ``shard``,
+    except ``replicated`` for the parameters the holding module lists in its ``tp_replicated`` (MoE blocks)."""
+    from dataclasses import replace
+
+    out = []
+    for entry in weight_entries(model.arch):
+        module, _, held = entry.engine.rpartition(".")
+        keep_whole = held in getattr(model.get_submodule(module), "tp_replicated", ())
+        out.append(replace(entry, shard="replicated") if keep_whole and entry.shard != "replicated" else entry)
+    return out
 
 
 def tp_rank_size() -> tuple[int, int]:
