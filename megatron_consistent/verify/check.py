@@ -134,12 +134,14 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             "trainer": {"tensor_parallel_size": cfg.trainer_tp}}
 
 
-def trainer_logprobs(cfg: CheckConfig, model, prompts, responses, temperature: float) -> torch.Tensor:
-    """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp``.
+def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, responses, temperature: float) -> torch.Tensor:
+    """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp`` (1-D float32, response by
+    response, in prompt order — what :func:`recompute` returns).
 
-    TP=1: :func:`recompute` in this process.  TP>1 plugs in here: the trainer-TP helper (spawns ``trainer_tp`` gloo
-    ranks over the same HF folder and returns the concatenated float32 token log-probs, response by response)
-    replaces the ``raise`` below; :func:`check_layouts` stops refusing ``trainer_tp > 1`` at the same time."""
+    TP=1: :func:`recompute` of ``model`` in this process.  TP>1 plugs in here: the trainer-TP helper spawns
+    ``cfg.trainer_tp`` gloo ranks that build the consistent Megatron model from the HF folder ``model_dir`` (the
+    weights the engine serves; FP8 exports: the bf16 masters) and return the same 1-D tensor; it replaces the
+    ``raise`` below, and :func:`check_layouts` stops refusing ``trainer_tp > 1`` at the same time."""
     if cfg.trainer_tp != 1:
         raise ValueError(TRAINER_TP_UNAVAILABLE.format(tp=cfg.trainer_tp))
     return recompute(model, prompts, responses, temperature, cfg.recompute_batch, stock=False)
@@ -346,7 +348,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
 
             sink = TrainerRoutes()
         if mode == "consistent" and sink is None:
-            train_lp = trainer_logprobs(cfg, trainer, prompts, roll["tokens"], temperature)
+            train_lp = trainer_logprobs(cfg, trainer, model_dir, prompts, roll["tokens"], temperature)
         else:
             train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode != "consistent",
                                  route_sink=sink)
