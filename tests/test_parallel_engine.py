@@ -111,6 +111,22 @@ def test_check_refuses_tp_flags_before_any_work(tmp_path, capsys):
     assert not (out / "model").exists()  # nothing was built
 
 
+def test_cpu_tp_binding_splits_the_allowed_cpus(monkeypatch):
+    import os
+
+    from megatron_consistent.verify import rollout
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert rollout.cpu_tp_binding(1) == {}
+    assert rollout.cpu_tp_binding(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0,2|1,3"}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert rollout.cpu_tp_binding(4) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "5|6")
+    assert rollout.cpu_tp_binding(2) == {}
+
+
 # ------------------------------------------------------------------------------------------------ gloo ranks
 def _model_dir(tmp: Path, name: str, seed: int) -> Path:
     from safetensors.torch import save_file
