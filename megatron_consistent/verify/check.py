@@ -66,7 +66,7 @@ class CheckConfig:
         if self.device != "auto":
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
-    engine_tp: int = 1  # vLLM tensor_parallel_size of the engines (dense models; vllm_plugin/parallel.py)
+    engine_tp: int = 1  # vLLM tensor_parallel_size of the engines (dense and MoE models; vllm_plugin/parallel.py)
     trainer_tp: int = 1  # tensor-parallel size of the Megatron recompute (>1: see trainer_logprobs)
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
@@ -128,10 +128,13 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
         raise ValueError(f"--engine-tp {cfg.engine_tp}: {reason}")
     if cfg.trainer_tp != 1:
         raise ValueError(TRAINER_TP_UNAVAILABLE.format(tp=cfg.trainer_tp))
-    return {"engine": {"tensor_parallel_size": cfg.engine_tp,
-                       "row_parallel": "K subtrees all-gathered in rank order, adjacent tree" if cfg.engine_tp > 1 else "one rank",
-                       "vocab": "embedding / lm head vocab-parallel, gathered" if cfg.engine_tp > 1 else "one rank"},
-            "trainer": {"tensor_parallel_size": cfg.trainer_tp}}
+    engine = {"tensor_parallel_size": cfg.engine_tp}
+    if cfg.engine_tp > 1:
+        engine.update(column="q|k|v, gate|up: heads / MLP columns split", row="o_proj, down: K subtrees all-gathered in rank "
+                      "order, adjacent tree", vocab="embedding / lm head vocab-parallel, all-gathered")
+        if arch.is_moe:
+            engine["moe"] = "MoE block replicated on every rank"
+    return {"engine": engine, "trainer": {"tensor_parallel_size": cfg.trainer_tp}}
 
 
 def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, responses, temperature: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", dest="block_size", type=int, help="KV cache block size (CPU: multiple of 32; CUDA: 16/32/64/128)")
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
     p.add_argument("--engine-tp", dest="engine_tp", type=int,
-                   help="vLLM tensor_parallel_size of both engines (dense models; 1, 2, 4 or 8; default 1)")
+                   help="vLLM tensor_parallel_size of the engines (dense and MoE models; 1, 2, 4 or 8; default 1)")
     p.add_argument("--trainer-tp", dest="trainer_tp", type=int,
                    help="tensor-parallel size of the Megatron recompute (default 1; >1: not available in this build)")
     p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
