@@ -93,6 +93,9 @@ class ConsistentForCausalLM(nn.Module):
         check_engine_config(arch, vllm_config)
         self.arch = arch
         self.tp_rank, self.tp_size = tp_rank_size()
+        if self.tp_size != vllm_config.parallel_config.tensor_parallel_size:
+            raise UnsupportedConfigError(f"tensor_parallel_size={vllm_config.parallel_config.tensor_parallel_size} but vLLM's "
+                                         f"tensor-parallel group has {self.tp_size} ranks (model built outside its engine?)")
         # refit bookkeeping (load_weights): HF targets ever loaded; a dummy-started engine gets its weights from refits
         self._loaded_targets: set[str] = set()
         self._dummy_start = str(getattr(vllm_config.load_config, "load_format", "")).lower().endswith("dummy")
