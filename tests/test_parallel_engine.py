@@ -247,3 +247,28 @@ def test_check_engine_tp2_zero_mismatch(tmp_path):
                                          max_prompt_len=60, mode="consistent", engine_tp=2))
     assert report["settings"]["layouts"]["engine"]["tensor_parallel_size"] == 2
     assert report["consistent"]["tokens"] == 8 * 12 and report["zero_mismatch"]
+
+
+@pytest.mark.engine
+def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(tmp_path):
+    """A TP=2 engine started on weights A, pushed weights B in place (each rank its part), refused a push that does not
+    fit, then samples the tokens and log-probs a TP=1 engine started on B samples."""
+    import os
+    from dataclasses import asdict
+
+    from megatron_consistent.verify.rollout import RolloutRequest, cpu_tp_binding
+
+    a, b = _model_dir(tmp_path, "tiny-llama", 0), _model_dir(tmp_path, "tiny-llama", 1)
+    prompts = [[5 + i, 6, 7, 8] + list(range(10 + i, 40 + 3 * i)) for i in range(6)]
+    req = RolloutRequest(model_dir=str(a), prompts=prompts, consistent=True, dtype="bfloat16", max_tokens=12,
+                         max_num_batched_tokens=32, max_model_len=256, tensor_parallel_size=2)
+    (tmp_path / "req.json").write_text(json.dumps(asdict(req)))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1", **cpu_tp_binding(2))
+    subprocess.run([sys.executable, str(HERE / "_tp_sync_engine.py"), str(tmp_path / "req.json"), str(b),
+                    str(tmp_path / "res.json")], env=env, check=True)
+    synced = json.loads((tmp_path / "res.json").read_text())
+    assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
+    assert "wrong shape for model.layers.0.mlp.down_proj.weight" in synced["refused"]
+    direct = _engine_logprobs(b, 1, tmp_path / "e")
+    assert synced["tokens"] == direct["tokens"]
+    assert torch.equal(torch.tensor([x for r in synced["logprobs"] for x in r]), torch.tensor([x for r in direct["logprobs"] for x in r]))
