@@ -57,7 +57,7 @@ def _compiled(vllm_config: VllmConfig) -> bool:
 
 def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     """Refuse by name an engine whose dtype differs from the checkpoint's, PP > 1, or a TP the plugin cannot run
-    (:func:`.parallel.tp_refusal`: dense models at TP dividing 8; hybrid, MoE and FP8 / NVFP4 at TP=1 only)."""
+    (:func:`.parallel.tp_refusal`: dense and MoE models at TP dividing 8; hybrid and FP8 / NVFP4 at TP=1 only)."""
     from .fp8 import quantization_of
 
     mc = vllm_config.model_config
