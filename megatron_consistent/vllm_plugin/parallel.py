@@ -1,4 +1,4 @@
-"""Tensor parallelism of the plugin's dense model (issue #18): the same bits at TP = 1, 2, 4, 8.
+"""Tensor parallelism of the plugin's dense and MoE models (issue #18): the same bits at TP = 1, 2, 4, 8.
 
 Placement comes from the weight table's ``shard`` rule (:func:`..architectures.tp_part`):
 
