@@ -134,7 +134,7 @@ def rank_main(rank: int, port: int, model_dir: str, out_dir: str, tp: int, fault
             reply["pointers_same"] = before == after
             report.setdefault("sync", []).append(reply)
     arch = model.arch
-    ids = torch.tensor(PROMPT)
+    ids = torch.tensor(PROMPT) % arch.vocab_size
     positions = torch.arange(len(PROMPT))
     holder = [positions]
     for layer in model.layers:

@@ -218,6 +218,17 @@ def test_gloo_moe_tp2_equals_tp1(tmp_path):
     assert held2["layers.1.o_proj"][1] == held1["layers.1.o_proj"][1] // 2  # sharded
 
 
+@pytest.mark.slow
+def test_gloo_tp4_equals_tp1_odd_vocab(tmp_path):
+    """TP=4 (four subtrees gathered, the top two levels of the tree; V = 509 in parts of 128, the last padded)."""
+    d = _model_dir(tmp_path, "tiny-llama3-rope-oddvocab", 0)
+    one, four = _ranks(d, tmp_path / "a", 1), _ranks(d, tmp_path / "b", 4)
+    for k in one["out"]:
+        assert torch.equal(one["out"][k], four["out"][k]), k
+    assert all(torch.equal(o["logits"], four["out"]["logits"]) for o in four["others"])
+    assert four["ranks"][3]["held"]["embed_tokens"][0] == 128
+
+
 # ------------------------------------------------------------------------------------------------ real vLLM engine
 def _engine_logprobs(model_dir: Path, tp: int, work: Path) -> dict:
     from megatron_consistent.verify.rollout import RolloutRequest, run_in_subprocess
