@@ -17,6 +17,18 @@ model class) as the HF tensors in table order: concatenated along the rows (``qk
 ``fc1``; q | k | v not grouped), per expert along the rows of the expert's slice
 (``experts_fc1``), one index per expert (``experts_fc2``), or as is (``copy``).
 :func:`engine_views` gives those views; the plugin copies checkpoints and refits into them.
+
+Tensor parallelism (``shard``, read by the vLLM plugin at TP = t > 1; :func:`tp_part`): each HF
+tensor of an entry is cut on its own, so the plugin's rank holds, in table order, the same
+concatenation of its parts —
+
+==============  ==================================================================================
+``replicated``  every rank holds the whole tensor
+``column``      rows (dim 0; output features) cut into t equal contiguous parts: rank r the r-th
+``row``         the last dim (input features, K) cut into t equal contiguous parts: rank r the r-th
+``vocab``       rows cut into parts of ``ceil(V / t)``; the last rank's part may be short (its
+                storage is padded with zero rows that no HF tensor names)
+==============  ==================================================================================
 """
 
 from __future__ import annotations
@@ -25,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYOUTS", "SHARD_RULES", "WeightEntry", "engine_views"]
+__all__ = ["LAYOUTS", "SHARD_RULES", "WeightEntry", "engine_views", "tp_held_shape", "tp_part"]
 
 LAYOUTS = ("copy", "qkv", "fc1", "experts_fc1", "experts_fc2")
 SHARD_RULES = ("replicated", "column", "row", "vocab")
@@ -42,20 +54,69 @@ class WeightEntry:
     dtype: str                            # dtype name of the HF tensors (a checkpoint's, a weight update's)
     layout: str                           # one of LAYOUTS
     engine: str                           # attribute path of the vLLM plugin parameter holding the HF tensors
-    shard: str = "replicated"             # tensor-parallel rule (SHARD_RULES); TP=1 everywhere today, not read yet
+    shard: str = "replicated"             # tensor-parallel rule (SHARD_RULES), see tp_part
 
     def __post_init__(self):
         if self.layout not in LAYOUTS or self.shard not in SHARD_RULES or len(self.hf) != len(self.hf_shapes):
             raise ValueError(f"malformed weight entry {self}")
 
 
-def engine_views(entry: WeightEntry, held: torch.Tensor) -> list[torch.Tensor]:
-    """Views of the plugin's parameter ``held``, one per HF tensor of ``entry`` (same order)."""
+def tp_part(entry: WeightEntry, index: int, rank: int = 0, size: int = 1) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)``: the part of HF tensor ``entry.hf[index]`` that tensor-parallel rank ``rank`` of ``size``
+    holds (``None``: all of it).  A shape the rule cannot cut into ``size`` equal parts raises ``ValueError`` naming it."""
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor-parallel rank {rank} outside 0..{size - 1}")
+    if size == 1 or entry.shard == "replicated":
+        return None
+    shape = entry.hf_shapes[index]
+    dim = len(shape) - 1 if entry.shard == "row" else 0
+    n = shape[dim]
+    if entry.shard == "vocab":
+        part = -(-n // size)
+        return dim, min(rank * part, n), min((rank + 1) * part, n)
+    if n % size:
+        raise ValueError(f"{entry.hf[index]}: dim {dim} of {tuple(shape)} cannot be cut into {size} equal "
+                         f"{entry.shard}-parallel parts")
+    part = n // size
+    return dim, rank * part, (rank + 1) * part
+
+
+def _local_shape(entry: WeightEntry, index: int, size: int) -> tuple[int, ...]:
+    """Shape of the storage a rank keeps for HF tensor ``index`` (a vocab part: padded to ``ceil(V / size)`` rows)."""
+    shape = list(entry.hf_shapes[index])
+    cut = tp_part(entry, index, 0, size)
+    if cut is not None:
+        shape[cut[0]] = cut[2] - cut[1]
+    return tuple(shape)
+
+
+def tp_held_shape(entry: WeightEntry, size: int = 1) -> tuple[int, ...]:
+    """Shape of the plugin parameter holding ``entry`` on one of ``size`` tensor-parallel ranks (``size`` 1: whole)."""
+    local = [_local_shape(entry, i, size) for i in range(len(entry.hf))]
     if entry.layout == "copy":
-        return [held]
+        return local[0]
     if entry.layout in ("qkv", "fc1"):
-        return list(held.split([s[0] for s in entry.hf_shapes], dim=0))
+        return (sum(s[0] for s in local), *local[0][1:])
     if entry.layout == "experts_fc1":
-        inter = entry.hf_shapes[0][0]
-        return [part for e in range(held.shape[0]) for part in held[e].split(inter, dim=0)]
-    return [held[e] for e in range(held.shape[0])]
+        return (len(local) // 2, 2 * local[0][0], *local[0][1:])
+    return (len(local), *local[0])
+
+
+def engine_views(entry: WeightEntry, held: torch.Tensor, rank: int = 0, size: int = 1) -> list[torch.Tensor]:
+    """Views of the plugin's parameter ``held``, one per HF tensor of ``entry`` (same order): at tensor-parallel
+    rank ``rank`` of ``size``, each view holds that rank's part (:func:`tp_part`) of the HF tensor."""
+    if size > 1 and tuple(held.shape) != tp_held_shape(entry, size):
+        raise ValueError(f"{entry.engine}: held shape {tuple(held.shape)} != {tp_held_shape(entry, size)} "
+                         f"(the weight table's {entry.shard}-parallel part at TP={size})")
+    if entry.layout == "copy":
+        views = [held]
+    elif entry.layout in ("qkv", "fc1"):
+        views = list(held.split([_local_shape(entry, i, size)[0] for i in range(len(entry.hf))], dim=0))
+    elif entry.layout == "experts_fc1":
+        inter = _local_shape(entry, 0, size)[0]
+        views = [part for e in range(held.shape[0]) for part in held[e].split(inter, dim=0)]
+    else:
+        views = [held[e] for e in range(held.shape[0])]
+    if entry.shard == "vocab":  # the last rank's padding rows are no HF tensor's
+        views = [v[: cut[2] - cut[1]] if (cut := tp_part(entry, i, rank, size)) else v for i, v in enumerate(views)]
+    return views

@@ -178,7 +178,7 @@ class WeightSyncChannel:
         t2 = time.perf_counter()
         bad = [r for r in replies if not r.get("ok")]
         if bad:
-            problems = [p for r in bad for p in r.get("problems", [])]
+            problems = list(dict.fromkeys(p for r in bad for p in r.get("problems", [])))  # TP ranks refuse alike: once each
             raise WeightSyncError(f"engine refused weight update v{version} (nothing applied; engine stays at "
                                   f"v{bad[0].get('version')}):\n  " + "\n  ".join(problems))
         self._reset_prefix_cache()

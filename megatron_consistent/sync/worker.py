@@ -9,7 +9,10 @@ Arguments and results are plain JSON-like values (see :mod:`.protocol`).
 * Consistent engine (``MEGATRON_CONSISTENT_VLLM=1``): the model is
   :class:`~megatron_consistent.vllm_plugin.model.ConsistentForCausalLM`; each
   HF tensor is ``copy_``-ed into the view ``hf_targets()`` gives for it, i.e.
-  into the engine's existing parameter storage (a target the model holds wider
+  into the engine's existing parameter storage — at tensor-parallel size t > 1
+  every rank validates the whole update against the whole HF shapes and copies
+  its part (the weight table's ``shard`` rule, ``model.hf_parts()``), so a
+  push that does not fit is refused by every rank alike (a target the model holds wider
   than the checkpoint, ``hf_wire_dtypes()`` — the hybrid Mamba mixers' float32
   small parameters — is validated against the checkpoint dtype and widened
   exactly by the copy).  Every parameter's
@@ -56,7 +59,9 @@ class WeightSyncExtension:
         """(expected specs, in-place targets or None for the stock model)."""
         if hasattr(model, "hf_targets"):
             targets, wire = model.hf_targets(), self._mc_wire_dtypes(model)
-            specs = {n: (tuple(t.shape), wire.get(n, str(t.dtype).replace("torch.", ""))) for n, t in targets.items()}
+            # an update carries whole HF tensors; at TP > 1 each rank keeps its part (model.hf_local)
+            full = model.hf_full_shapes() if hasattr(model, "hf_full_shapes") else {n: tuple(t.shape) for n, t in targets.items()}
+            specs = {n: (full[n], wire.get(n, str(t.dtype).replace("torch.", ""))) for n, t in targets.items()}
             return specs, targets
         return hf_tensor_specs(self._mc_arch()), None
 
@@ -144,8 +149,9 @@ class WeightSyncExtension:
         before = self.mc_sync_pointers()
         with torch.no_grad():
             if targets is not None:
-                for name, src in views.items():
-                    targets[name].copy_(src)
+                parts = model.hf_parts() if hasattr(model, "hf_parts") else None
+                for name, src in views.items():  # TP > 1: this rank's part of the whole tensor (weight table shard rule)
+                    targets[name].copy_(src if parts is None else model.hf_local(name, src, parts))
             else:
                 from vllm.config import set_current_vllm_config
 

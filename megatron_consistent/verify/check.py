@@ -66,6 +66,8 @@ class CheckConfig:
         if self.device != "auto":
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
+    engine_tp: int = 1  # vLLM tensor_parallel_size of the engines (dense and MoE models; vllm_plugin/parallel.py)
+    trainer_tp: int = 1  # tensor-parallel size of the Megatron recompute (>1: see trainer_logprobs)
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
     engine_args: str = ""  # JSON object of extra vLLM engine arguments for every engine, e.g. '{"async_scheduling": false}'
@@ -90,6 +92,8 @@ class CheckConfig:
                      "block_size", "max_model_len", "recompute_batch"):
             integer("--" + name.replace("_", "-"), getattr(self, name))
         integer("--seed", self.seed, 0)
+        integer("--engine-tp", self.engine_tp)
+        integer("--trainer-tp", self.trainer_tp)
         integer("--shared-prefix-len", self.shared_prefix_len, 0)
         positive_float("--temperature", self.temperature)
         if not 0 < positive_float("--gpu-memory-utilization", self.gpu_memory_utilization) <= 1:
@@ -122,6 +126,42 @@ class CheckConfig:
         if self.prompts and not self.checkpoint:
             raise ValueError("--prompts needs --checkpoint")
         self.engine_arg_dict()
+
+
+TRAINER_TP_UNAVAILABLE = ("--trainer-tp {tp}: trainer tensor parallelism is not available in this build "
+                          "(the Megatron recompute runs at TP=1; pass --trainer-tp 1)")
+
+
+def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
+    """Refuse, before any work, an engine / trainer tensor-parallel layout this build cannot run (one-line
+    ``ValueError`` naming the flag); returns the layouts the report states."""
+    from ..vllm_plugin.parallel import tp_refusal
+
+    reason = tp_refusal(arch, cfg.engine_tp, bool(cfg.quantization))
+    if reason:
+        raise ValueError(f"--engine-tp {cfg.engine_tp}: {reason}")
+    if cfg.trainer_tp != 1:
+        raise ValueError(TRAINER_TP_UNAVAILABLE.format(tp=cfg.trainer_tp))
+    engine = {"tensor_parallel_size": cfg.engine_tp}
+    if cfg.engine_tp > 1:
+        engine.update(column="q|k|v, gate|up: heads / MLP columns split", row="o_proj, down: K subtrees all-gathered in rank "
+                      "order, adjacent tree", vocab="embedding / lm head vocab-parallel, all-gathered")
+        if arch.is_moe:
+            engine["moe"] = "MoE block replicated on every rank"
+    return {"engine": engine, "trainer": {"tensor_parallel_size": cfg.trainer_tp}}
+
+
+def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, responses, temperature: float) -> torch.Tensor:
+    """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp`` (1-D float32, response by
+    response, in prompt order — what :func:`recompute` returns).
+
+    TP=1: :func:`recompute` of ``model`` in this process.  TP>1 plugs in here: the trainer-TP helper spawns
+    ``cfg.trainer_tp`` gloo ranks that build the consistent Megatron model from the HF folder ``model_dir`` (the
+    weights the engine serves; FP8 exports: the bf16 masters) and return the same 1-D tensor; it replaces the
+    ``raise`` below, and :func:`check_layouts` stops refusing ``trainer_tp > 1`` at the same time."""
+    if cfg.trainer_tp != 1:
+        raise ValueError(TRAINER_TP_UNAVAILABLE.format(tp=cfg.trainer_tp))
+    return recompute(model, prompts, responses, temperature, cfg.recompute_batch, stock=False)
 
 
 def load_check_config(yaml_path: str | None = None, **overrides) -> CheckConfig:
@@ -210,6 +250,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
 
     hf_path = cfg.checkpoint or cfg.hf_config or str(builtin_model_dir())
     arch = ArchConfig.from_hf(load_hf_config(hf_path))  # refuses unsupported configs before any work
+    layouts = check_layouts(cfg, arch)  # engine / trainer TP refused by name before any work
     report = {} if report is None else report
     report["stage"] = "prepare"  # until the first engine starts: failures here are bad input (exit 2 in the CLI)
     out = Path(cfg.out_dir)
@@ -248,6 +289,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
         report["settings"]["prefix_caching"] = "off: hybrid Mamba model (the consistent plugin refuses enable_prefix_caching for it)"
         report["settings"]["baseline_trainer"] = "HF transformers torch path (Megatron's stock Mamba mixer needs mamba_ssm)"
     report["settings"]["device"] = device.type
+    report["settings"]["layouts"] = layouts
     model.to(device)
     modes = ["consistent", "baseline"] if cfg.mode == "both" else [cfg.mode]
     if device.type == "cuda" and cfg.mode in ("both", "baseline"):
@@ -261,7 +303,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
             temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed, logprobs_mode=cfg.logprobs_mode,
             max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, max_model_len=cfg.max_model_len,
             enable_prefix_caching=not arch.is_hybrid, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            batch_invariant=mode == BATCH_INVARIANT_ROW)
+            batch_invariant=mode == BATCH_INVARIANT_ROW, tensor_parallel_size=cfg.engine_tp)
         if mode == BATCH_INVARIANT_ROW and (cfg.quantization or cfg.kv_cache_dtype != "auto" or arch.is_hybrid):
             report[mode] = {"unavailable": "the batch-invariant row is run for bf16 dense / MoE models only"}
             continue
@@ -323,8 +365,11 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
             from .routing import TrainerRoutes
 
             sink = TrainerRoutes()
-        train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode != "consistent",
-                             route_sink=sink)
+        if mode == "consistent" and sink is None:
+            train_lp = trainer_logprobs(cfg, trainer, model_dir, prompts, roll["tokens"], temperature)
+        else:
+            train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode != "consistent",
+                                 route_sink=sink)
         rollout_lp = torch.tensor([x for lps in roll["logprobs"] for x in lps], dtype=torch.float32)
         report[mode] = {**mismatch_metrics(train_lp, rollout_lp), "gen_tokens_per_s": roll["gen_tokens_per_s"]}
         if mode == "consistent" and not is_zero_mismatch(report[mode]):
@@ -361,7 +406,7 @@ def render(report: dict) -> str:
     s = report["settings"]
     title = (f"megatron-consistent check  model={s['arch']['architecture']} ({Path(s['hf_config']).name})  prompts={s['num_prompts']} "
              f"max_tokens={s['max_tokens']} temperature={s['temperature']} logprobs={s['logprobs_mode']} "
-             f"max_num_batched_tokens={s['max_num_batched_tokens']}")
+             f"max_num_batched_tokens={s['max_num_batched_tokens']}  engine TP={s.get('engine_tp', 1)} trainer TP={s.get('trainer_tp', 1)}")
     text = "\n".join([format_table(rows, METRIC_COLUMNS, title), *unavailable])
     if "throughput_ratio" in report:
         text += f"\nthroughput ratio (consistent / stock vLLM, same run): {report['throughput_ratio']:.3f}"

@@ -7,7 +7,7 @@ import sys
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
          "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
-         "checkpoint", "prompts", "engine_args"]
+         "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp"]
 
 
 def add_arguments(p) -> None:
@@ -29,6 +29,10 @@ def add_arguments(p) -> None:
                    help="auto (default): engines and trainer on the GPU when one is visible (adds the stock VLLM_BATCH_INVARIANT=1 row)")
     p.add_argument("--block-size", dest="block_size", type=int, help="KV cache block size (CPU: multiple of 32; CUDA: 16/32/64/128)")
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
+    p.add_argument("--engine-tp", dest="engine_tp", type=int,
+                   help="vLLM tensor_parallel_size of the engines (dense and MoE models; 1, 2, 4 or 8; default 1)")
+    p.add_argument("--trainer-tp", dest="trainer_tp", type=int,
+                   help="tensor-parallel size of the Megatron recompute (default 1; >1: not available in this build)")
     p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
                    "trainer and engines run on its weights")
     p.add_argument("--engine-args", dest="engine_args",
@@ -43,8 +47,11 @@ def validate(args):
     from .inputs import hf_arch, output_dir, output_file
 
     cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
-    if cfg.hf_config:
-        hf_arch(cfg.hf_config)
+    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp > 1:
+        from ..config import builtin_model_dir
+        from .check import check_layouts
+
+        check_layouts(cfg, hf_arch(cfg.checkpoint or cfg.hf_config or builtin_model_dir()))  # TP refusals, by name
     if cfg.checkpoint:  # the folder, its config and its index here; every tensor and the prompts before any engine starts
         from pathlib import Path
 

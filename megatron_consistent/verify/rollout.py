@@ -41,6 +41,7 @@ class RolloutRequest:
     gpu_memory_utilization: float = 0.3
     enforce_eager: bool | None = None  # None: eager on CPU and for the models the plugin runs eager on CUDA, else compiled + CUDA graphs
     batch_invariant: bool = False  # stock engine with vLLM's own VLLM_BATCH_INVARIANT=1 mode (CUDA)
+    tensor_parallel_size: int = 1  # vLLM TP (multiprocess executor when > 1)
     engine_kwargs: dict = field(default_factory=dict)
     routes_dir: str = ""  # MoE: the consistent engine writes its routes here (vllm_plugin/moe.py)
     stock_routes_dir: str = ""  # MoE, stock engine: capture its routes here (verify/stock_routes.py; no plugin)
@@ -71,6 +72,8 @@ def engine(req: RolloutRequest):
     from vllm import LLM
 
     extra = {}
+    if req.tensor_parallel_size > 1:
+        extra.update(tensor_parallel_size=req.tensor_parallel_size, distributed_executor_backend="mp")
     if req.stock_routes_dir:
         from .stock_routes import EXTENSION
 
@@ -137,6 +140,19 @@ def _failure_reason(log_text: str) -> str:
     return (errors[-1] if errors else log_text[-400:]).strip()
 
 
+def cpu_tp_binding(tp: int) -> dict:
+    """vLLM CPU binds each TP worker's threads to its own NUMA node and refuses TP > the number of nodes; on a machine
+    with fewer nodes the allowed CPUs are split among the ranks instead (``VLLM_CPU_OMP_THREADS_BIND``, ranks
+    separated by ``|``).  Nothing when TP is 1, CUDA is visible, or the variable is already set."""
+    import torch
+
+    if tp <= 1 or torch.cuda.is_available() or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    groups = [cpus[r::tp] or [cpus[r % len(cpus)]] for r in range(tp)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+
+
 def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict) -> dict:
     """``python -m module REQUEST.json RESULT.json`` in a fresh process (``HF_HUB_OFFLINE=1`` + ``env`` added to
     this environment); the result dict with ``plugin_active`` and ``log``, or ``{"error", "log"}`` with the log's tail."""
@@ -164,6 +180,7 @@ def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
         env["VLLM_BATCH_INVARIANT"] = "1"
     if req.routes_dir:
         env["MEGATRON_CONSISTENT_ROUTES"] = req.routes_dir
+    env.update(cpu_tp_binding(req.tensor_parallel_size))
     return run_module(__name__, asdict(req), work_dir, name, env)
 
 

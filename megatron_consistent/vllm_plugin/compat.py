@@ -110,3 +110,21 @@ def compiled_by_vllm(dynamic_arg_dims: dict[str, int], enable_if):
     from vllm.compilation.decorators import support_torch_compile
 
     return support_torch_compile(dynamic_arg_dims=dynamic_arg_dims, enable_if=enable_if)
+
+
+def tensor_parallel_rank_size() -> tuple[int, int]:
+    """(rank, size) of this process in vLLM's tensor-parallel group (same API in both tested versions); (0, 1) when
+    vLLM's model-parallel groups are not initialised (a model built outside an engine)."""
+    from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                                                 model_parallel_is_initialized)
+
+    if not model_parallel_is_initialized():
+        return 0, 1
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def tensor_parallel_all_gather(x, dim: int):
+    """vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op: capturable in CUDA graphs)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(x, dim)

@@ -24,6 +24,7 @@ from ..config import ArchConfig
 from ..kernels import add_residual, inference_ops
 from . import probe
 from .compat import attention_backend_class
+from .parallel import row_parallel_for, tp_rank_size
 
 logger = init_logger("vllm.plugins.megatron_consistent.model")
 
@@ -35,12 +36,12 @@ def _fault_linear(x, w, b=None):
     return y if b is None else (y.float() + b.float()).to(x.dtype)
 
 
-def _linears(idx: int) -> dict:
+def _linears(idx: int, tp_size: int = 1) -> dict:
     fault = os.environ.get(probe.FAULT_ENV, "")
     if fault:
         logger.warning("megatron-consistent: %s=%s — injected fault active", probe.FAULT_ENV, fault)
-    contract = {"qkv": inference_ops.linear, "o_proj": inference_ops.row_parallel_linear,
-                "gate_up": inference_ops.linear, "down": inference_ops.row_parallel_linear}
+    row = row_parallel_for(tp_size)  # TP > 1: this rank's K shard, subtrees all-gathered (vllm_plugin/parallel.py)
+    contract = {"qkv": inference_ops.linear, "o_proj": row, "gate_up": inference_ops.linear, "down": row}
     return {op: _fault_linear if fault == f"layer{idx}.{op}" else fn for op, fn in contract.items()}
 
 
@@ -49,15 +50,21 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class ConsistentDecoderLayer(nn.Module):
-    """One pre-norm decoder layer; parameters in vLLM's fused layout (qkv, gate_up)."""
+    """One pre-norm decoder layer; parameters in vLLM's fused layout (qkv, gate_up).
+
+    At tensor-parallel size t the layer holds this rank's heads / KV heads / MLP columns (column-parallel q|k|v and
+    gate|up) and the matching K shards of o_proj and down (row-parallel); the model checks these shapes against the
+    weight table's shard rules (``hf_targets``)."""
 
     def __init__(self, arch: ArchConfig, cache_config, prefix: str):
         super().__init__()
         a, dt = arch, arch.torch_dtype
         self.arch = arch
         self.idx = int(prefix.rsplit(".", 1)[-1])
-        self.lin = _linears(self.idx)
-        self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        _, tp = tp_rank_size()
+        self.lin = _linears(self.idx, tp)
+        self.num_heads, self.num_kv_heads, inter = a.num_heads // tp, a.num_kv_heads // tp, a.intermediate_size // tp
+        self.q_size, self.kv_size = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
         self.input_layernorm = _param(a.hidden_size, dtype=dt)
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, a.hidden_size, dtype=dt)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dt) if a.qkv_bias else None
@@ -65,9 +72,9 @@ class ConsistentDecoderLayer(nn.Module):
         self.k_norm = _param(a.head_dim, dtype=dt) if a.qk_norm else None
         self.o_proj = _param(a.hidden_size, self.q_size, dtype=dt)
         self.post_attention_layernorm = _param(a.hidden_size, dtype=dt)
-        self.gate_up_proj = _param(2 * a.intermediate_size, a.hidden_size, dtype=dt)
-        self.down_proj = _param(a.hidden_size, a.intermediate_size, dtype=dt)
-        self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads,
+        self.gate_up_proj = _param(2 * inter, a.hidden_size, dtype=dt)
+        self.down_proj = _param(a.hidden_size, inter, dtype=dt)
+        self.attn = Attention(self.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=self.num_kv_heads,
                               cache_config=cache_config, prefix=f"{prefix}.self_attn.attn",
                               attn_backend=attention_backend_class())
 
@@ -84,8 +91,8 @@ class ConsistentDecoderLayer(nn.Module):
         x = inference_ops.rms_norm(h, self.input_layernorm, a.rms_norm_eps)
         qkv = lin["qkv"](x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, a.num_heads, a.head_dim)
-        k = k.reshape(t, a.num_kv_heads, a.head_dim)
+        q = q.reshape(t, self.num_heads, a.head_dim)
+        k = k.reshape(t, self.num_kv_heads, a.head_dim)
         if a.qk_norm:
             q = inference_ops.rms_norm(q, self.q_norm, a.rms_norm_eps)
             k = inference_ops.rms_norm(k, self.k_norm, a.rms_norm_eps)

@@ -160,8 +160,9 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
         arch = self._arch(vllm_config)
         if not arch.is_hybrid:
             raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture")
-        _check_engine(arch, vllm_config)
+        _check_engine(arch, vllm_config)  # TP > 1 refused by name (vllm_plugin/parallel.py)
         self.arch = arch
+        self.tp_rank, self.tp_size = 0, 1
         self._loaded_targets: set[str] = set()
         self._dummy_start = str(getattr(vllm_config.load_config, "load_format", "")).lower().endswith("dummy")
         self.fp8_formats = None

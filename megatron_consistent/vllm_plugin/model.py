@@ -22,13 +22,14 @@ from torch import nn
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
 
-from ..architectures import engine_views, weight_entries
+from ..architectures import engine_views, tp_part, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import compute_logits, inference_ops, rope_cache
 from . import probe
 from .compat import compiled_by_vllm
 from .decoder_layer import _param
 from .moe import decoder_layer_class
+from .parallel import check_tp, gather_vocab, placed_entries, tp_rank_size, vocab_parallel_embedding
 
 logger = init_logger("vllm.plugins.megatron_consistent.model")
 
@@ -55,15 +56,19 @@ def _compiled(vllm_config: VllmConfig) -> bool:
 
 
 def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
-    """Refuse by name an engine whose dtype differs from the checkpoint's, or TP / PP > 1."""
+    """Refuse by name an engine whose dtype differs from the checkpoint's, PP > 1, or a TP the plugin cannot run
+    (:func:`.parallel.tp_refusal`: dense and MoE models at TP dividing 8; hybrid and FP8 / NVFP4 at TP=1 only)."""
+    from .fp8 import quantization_of
+
     mc = vllm_config.model_config
     if mc.dtype != arch.torch_dtype:
         raise UnsupportedConfigError(
             f"engine dtype {mc.dtype} differs from the checkpoint's {arch.dtype}: pass dtype='{arch.dtype}' to vLLM")
     tp = vllm_config.parallel_config.tensor_parallel_size
     pp = vllm_config.parallel_config.pipeline_parallel_size
-    if tp != 1 or pp != 1:
-        raise UnsupportedConfigError(f"megatron-consistent supports TP=1, PP=1 only (got TP={tp}, PP={pp})")
+    if pp != 1:
+        raise UnsupportedConfigError(f"megatron-consistent supports PP=1 only (got PP={pp})")
+    check_tp(arch, tp, bool(quantization_of(mc.hf_config.to_dict())))
     if vllm_config.model_config.max_model_len > arch.rope.max_positions:
         raise UnsupportedConfigError(
             f"max_model_len {vllm_config.model_config.max_model_len} exceeds the rope table ({arch.rope.max_positions})")
@@ -87,6 +92,10 @@ class ConsistentForCausalLM(nn.Module):
         arch = ArchConfig.from_hf(mc.hf_config.to_dict())
         check_engine_config(arch, vllm_config)
         self.arch = arch
+        self.tp_rank, self.tp_size = tp_rank_size()
+        if self.tp_size != vllm_config.parallel_config.tensor_parallel_size:
+            raise UnsupportedConfigError(f"tensor_parallel_size={vllm_config.parallel_config.tensor_parallel_size} but vLLM's "
+                                         f"tensor-parallel group has {self.tp_size} ranks (model built outside its engine?)")
         # refit bookkeeping (load_weights): HF targets ever loaded; a dummy-started engine gets its weights from refits
         self._loaded_targets: set[str] = set()
         self._dummy_start = str(getattr(vllm_config.load_config, "load_format", "")).lower().endswith("dummy")
@@ -95,19 +104,24 @@ class ConsistentForCausalLM(nn.Module):
 
         self.fp8_formats = quantization_of(mc.hf_config.to_dict())
         fp8_layer = layer_factory(arch, self.fp8_formats) if self.fp8_formats else None
-        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        vocab_rows = -(-arch.vocab_size // self.tp_size)  # TP > 1: this rank's vocabulary part (weight table: "vocab")
+        self.embed_tokens = _param(vocab_rows, arch.hidden_size, dtype=dt)
         self.layers = nn.ModuleList(
             (fp8_layer or decoder_layer_class(arch, i))(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dt)
-        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(vocab_rows, arch.hidden_size, dtype=dt)
         cos, sin = rope_cache(arch.rope, torch.device(vllm_config.device_config.device))  # the trainer's float32 tables
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if self.tp_size > 1:
+            self.hf_targets()  # every held shape against the weight table's part at this TP (refused by name if not)
         probe.install_from_env()
-        logger.info("megatron-consistent: %s runs on the consistent kernels (bitwise-matching the Megatron trainer)",
-                    arch.architecture)
+        logger.info("megatron-consistent: %s runs on the consistent kernels (bitwise-matching the Megatron trainer), "
+                    "TP rank %d of %d", arch.architecture, self.tp_rank, self.tp_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            return vocab_parallel_embedding(input_ids, self.embed_tokens, self.tp_rank, self.tp_size)
         return self.embed_tokens[input_ids]
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
@@ -127,6 +141,8 @@ class ConsistentForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = compute_logits(hidden_states, self.lm_head)
+        if self.tp_size > 1:  # this rank's vocabulary columns -> the full float32 logits on every rank
+            logits = gather_vocab(logits, self.arch.vocab_size)
         if probe.PROBE is not None:
             probe.PROBE.logits(hidden_states, logits)
         return logits
@@ -136,18 +152,33 @@ class ConsistentForCausalLM(nn.Module):
         """HF tensor name -> the view of this model's storage it is copied into (the family's weight table,
         :mod:`megatron_consistent.architectures`; block-FP8 / NVFP4 scales: the layer's ``block_scales``, vllm_plugin/fp8.py)."""
         out = {}
-        for entry in weight_entries(self.arch):
-            out.update(zip(entry.hf, engine_views(entry, self.get_parameter(entry.engine))))
+        for entry in placed_entries(self):
+            out.update(zip(entry.hf, engine_views(entry, self.get_parameter(entry.engine), self.tp_rank, self.tp_size)))
             module, _, held = entry.engine.rpartition(".")
             block_scales = getattr(self.get_submodule(module), "block_scales", None)
             if block_scales is not None:
                 out.update(block_scales(entry, held))
         return out
 
+    def hf_parts(self) -> dict[str, tuple[int, int, int] | None]:
+        """HF tensor name -> ``(dim, start, stop)`` of the full HF tensor this TP rank holds (``None``: all of it)."""
+        return {n: tp_part(entry, i, self.tp_rank, self.tp_size)
+                for entry in placed_entries(self) for i, n in enumerate(entry.hf)}
+
+    def hf_full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> the shape of the whole HF tensor (what a checkpoint and a weight update carry)."""
+        return {n: tuple(s) for entry in weight_entries(self.arch) for n, s in zip(entry.hf, entry.hf_shapes)}
+
+    def hf_local(self, name: str, tensor: torch.Tensor, parts: dict | None = None) -> torch.Tensor:
+        """The part of the whole HF tensor ``name`` this TP rank keeps (the tensor itself at TP=1)."""
+        cut = (parts if parts is not None else self.hf_parts()).get(name)
+        return tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into this model's storage in place (no data pointer ever changes).
 
-        Accepts any order and any subset per call — the initial load, or a refit
+        At tensor-parallel size t > 1 every tensor arrives whole (checkpoint shape) and this rank copies its part
+        (weight table ``shard`` rule, :meth:`hf_parts`).  Accepts any order and any subset per call — the initial load, or a refit
         stream (per tensor or bucketed, NeMo-RL / verl style); a tensor of
         another dtype is cast by the copy.  Unknown names and shape mismatches
         are refused by name (tensors before the bad one are already copied).
@@ -158,6 +189,8 @@ class ConsistentForCausalLM(nn.Module):
         checks that set after the initial load).
         """
         targets = self.hf_targets()
+        sharded = self.tp_size > 1
+        parts, full = (self.hf_parts(), self.hf_full_shapes()) if sharded else ({}, {})
         seen = set()
         for name, tensor in weights:
             if name not in targets:
@@ -165,10 +198,11 @@ class ConsistentForCausalLM(nn.Module):
                     continue
                 raise UnsupportedConfigError(f"unexpected checkpoint tensor {name!r} (not a tensor of {self.arch.architecture})")
             dst = targets[name]
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise UnsupportedConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
+            whole = full[name] if sharded else tuple(dst.shape)
+            if whole != tuple(tensor.shape):
+                raise UnsupportedConfigError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {whole}")
             with torch.no_grad():
-                dst.copy_(tensor)
+                dst.copy_(self.hf_local(name, tensor, parts) if sharded else tensor)
             seen.add(name)
         first = not self._loaded_targets
         self._loaded_targets |= seen

@@ -32,6 +32,7 @@ import torch
 from ..kernels import moe as kmoe
 from .compat import install_batch_hook
 from .decoder_layer import ConsistentDecoderLayer, _param
+from .parallel import tp_rank_size
 
 ROUTES_ENV = "MEGATRON_CONSISTENT_ROUTES"
 _BATCH: dict = {"rows": None}  # set by the wrapped _prepare_inputs: [(request index, num tokens)]
@@ -84,7 +85,12 @@ def start_recorder(arch) -> None:
 
 
 class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
-    """The plugin's decoder layer with the MLP replaced by the MoE block (attention part inherited)."""
+    """The plugin's decoder layer with the MLP replaced by the MoE block (attention part inherited).
+
+    At TP > 1 the attention is sharded as in the dense layer; the MoE block's parameters (``tp_replicated``) are kept
+    whole on every rank and computed from the replicated input, as at TP = 1 (only rank 0 records routes)."""
+
+    tp_replicated = ("router", "experts_fc1", "experts_fc2", "shared_fc1", "shared_fc2", "shared_gate")
 
     def __init__(self, arch, cache_config, prefix: str):
         super().__init__(arch, cache_config, prefix)
@@ -101,7 +107,8 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
             self.shared_fc2 = _param(a.hidden_size, s, dtype=dt)
             self.shared_gate = _param(1, a.hidden_size, dtype=dt)
             self.shared = (self.shared_fc1, self.shared_fc2, self.shared_gate)
-        start_recorder(a)
+        if tp_rank_size()[0] == 0:  # one rank's routes (every rank computes the same ones)
+            start_recorder(a)
         self._positions = None
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, rope) -> torch.Tensor:

@@ -1,0 +1,136 @@
+"""Tensor parallelism of the plugin's dense and MoE models (issue #18): the same bits at TP = 1, 2, 4, 8.
+
+Placement comes from the weight table's ``shard`` rule (:func:`..architectures.tp_part`):
+
+* ``column`` (q|k|v, gate|up, their biases): each output feature whole on one rank — a rank's
+  attention heads and MLP columns are computed exactly as at TP = 1;
+* ``row`` (o_proj, down): rank r holds K columns ``[r K/t, (r+1) K/t)``, i.e. segments
+  ``r 8/t .. (r+1) 8/t - 1`` of the row-parallel contract (:mod:`..kernels.linear`): it computes
+  their float32 subtree (``inference_ops.linear_segment_tree(x, w, 8 // t)``), the t subtrees are
+  **all-gathered** in rank order (never all-reduced: a reduction's order is the communicator's)
+  and summed by ``adjacent_tree_sum`` — the top of the TP = 1 tree; bias in float32, one rounding;
+* ``vocab`` (embedding, lm head): rows in parts of ``ceil(V / t)``.  The embedding: each rank
+  looks up the ids it owns, the rows are all-gathered and each token takes its owner's row (a
+  copy: exact, signed zeros included).  The lm head: each rank computes its float32 logit
+  columns (every column is its own dot product), all-gathered along the vocabulary and trimmed
+  to V — the full-vocabulary logits of TP = 1, on every rank, for the unchanged log-prob contract;
+* ``replicated``: norms (and Qwen3 q/k norms), whole on every rank.
+
+MoE layers (Qwen3-MoE, Qwen2-MoE, Mixtral): attention as above; the MoE block (router, experts, shared
+expert) is **replicated** on every rank (the layer class names the parameters it keeps whole,
+``tp_replicated``; :func:`placed_entries` overrides their table rule) and computed whole from the
+replicated input — the TP = 1 computation, on every rank.
+
+Every collective is vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op:
+``torch.compile`` and CUDA-graph capture see one node).  Refused by name at TP > 1, before any
+weight is read: TP not dividing 8, hybrid Mamba-2 models, FP8 / NVFP4 checkpoints,
+head / KV-head / MLP sizes that TP does not divide.
+
+This module imports vLLM only inside functions (``verify`` calls :func:`tp_refusal` before any engine starts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..architectures import tp_part, weight_entries
+from ..config import ArchConfig, UnsupportedConfigError
+from ..kernels import ROW_PARALLEL_SEGMENTS, inference_ops
+from ..kernels.numerics import adjacent_tree_sum
+
+TP_SIZES = tuple(s for s in range(1, ROW_PARALLEL_SEGMENTS + 1) if ROW_PARALLEL_SEGMENTS % s == 0)
+
+
+def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
+    """Why the plugin cannot run ``arch`` at tensor-parallel size ``tp`` ('' when it can)."""
+    if tp == 1:
+        return ""
+    if tp not in TP_SIZES:
+        return (f"tensor_parallel_size={tp}: the row-parallel contract cuts K into {ROW_PARALLEL_SEGMENTS} segments, "
+                f"so TP must divide {ROW_PARALLEL_SEGMENTS} (one of {TP_SIZES})")
+    name = f"{arch.architecture} at tensor_parallel_size={tp}"
+    if arch.is_hybrid:
+        return f"{name}: hybrid Mamba-2 models run at TP=1 only in megatron-consistent"
+    if quantized:
+        return f"{name}: FP8 / NVFP4 checkpoints run at TP=1 only in megatron-consistent"
+    dense_mlp = any(not arch.layer_is_moe(i) for i in range(arch.num_layers))
+    for what, n in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
+                    ("MLP intermediate size", arch.intermediate_size if dense_mlp else tp)):
+        if n % tp:
+            return f"{name}: {what} ({n}) not divisible by {tp}"
+    for what, k in (("o_proj K (heads x head_dim)", arch.num_heads * arch.head_dim),
+                    ("down K", arch.intermediate_size if dense_mlp else ROW_PARALLEL_SEGMENTS)):
+        if k % ROW_PARALLEL_SEGMENTS:
+            return f"{name}: {what} = {k} cannot be cut into {ROW_PARALLEL_SEGMENTS} row-parallel segments"
+    try:
+        for entry in weight_entries(arch):
+            for i in range(len(entry.hf)):
+                tp_part(entry, i, 0, tp)
+    except ValueError as e:
+        return f"{name}: {e}"
+    return ""
+
+
+def check_tp(arch: ArchConfig, tp: int, quantized: bool = False) -> None:
+    """Raise :class:`UnsupportedConfigError` with :func:`tp_refusal`'s reason, if any."""
+    reason = tp_refusal(arch, tp, quantized)
+    if reason:
+        raise UnsupportedConfigError(reason)
+
+
+def placed_entries(model) -> list:
+    """The weight table of ``model.arch`` with each entry's TP rule as the engine places it: the table's ``shard``,
+    except ``replicated`` for the parameters the holding module lists in its ``tp_replicated`` (MoE blocks)."""
+    from dataclasses import replace
+
+    out = []
+    for entry in weight_entries(model.arch):
+        module, _, held = entry.engine.rpartition(".")
+        keep_whole = held in getattr(model.get_submodule(module), "tp_replicated", ())
+        out.append(replace(entry, shard="replicated") if keep_whole and entry.shard != "replicated" else entry)
+    return out
+
+
+def tp_rank_size() -> tuple[int, int]:
+    """(rank, size) of this process in vLLM's tensor-parallel group."""
+    from .compat import tensor_parallel_rank_size
+
+    return tensor_parallel_rank_size()
+
+
+def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    from .compat import tensor_parallel_all_gather
+
+    return tensor_parallel_all_gather(x, dim)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, size: int) -> torch.Tensor:
+    """This rank's K shard ``weight [N, K/size]`` of a row-parallel linear; the full result, on every rank, in x.dtype."""
+    partial = inference_ops.linear_segment_tree(x, weight, ROW_PARALLEL_SEGMENTS // size)  # float32 subtree
+    total = adjacent_tree_sum(_all_gather(partial.unsqueeze(0), 0), dim=0)  # [size, ..., N] in rank order -> tree top
+    if bias is not None:
+        total = total + bias.to(torch.float32)
+    return total.to(x.dtype)
+
+
+def row_parallel_for(size: int):
+    """The row-parallel linear ``f(x, w, b=None)`` of a layer at TP = ``size`` (TP = 1: the one-rank custom op)."""
+    if size == 1:
+        return inference_ops.row_parallel_linear
+    return lambda x, w, b=None: row_parallel_linear(x, w, b, size)
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, held: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rows of the embedding for ``ids`` when each rank holds ``held`` = vocabulary rows ``[rank p, (rank+1) p)``."""
+    part = held.shape[0]
+    local = ids - rank * part
+    mine = (local >= 0) & (local < part)
+    rows = held[torch.where(mine, local, torch.zeros_like(local))]  # [T, H]; rows of ids this rank does not own: unused
+    gathered = _all_gather(rows.unsqueeze(0), 0)  # [size, T, H]
+    owner = torch.div(ids, part, rounding_mode="floor")
+    return gathered[owner, torch.arange(ids.shape[0], device=ids.device)]
+
+
+def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocabulary logits from each rank's columns ``[..., ceil(V / t)]`` (rank order), padding columns dropped."""
+    return _all_gather(logits, -1)[..., :vocab_size]

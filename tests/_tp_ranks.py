@@ -1,0 +1,174 @@
+"""The plugin's dense model at tensor-parallel size t, driven directly under a t-rank gloo group (tests/test_parallel_engine.py).
+
+``python tests/_tp_ranks.py MODEL_DIR OUT_DIR TP [--fault allreduce] [--update UPDATE.json]``
+
+Spawns ``TP`` processes (plain subprocesses: argv in, safetensors / JSON out, no pickle).  Each rank
+initialises vLLM's distributed state (``init_distributed_environment`` + ``initialize_model_parallel``,
+backend gloo), builds :class:`ConsistentForCausalLM` with ``tensor_parallel_size=TP``, loads the
+whole-tensor checkpoint ``MODEL_DIR/model.safetensors`` through ``load_weights`` (each rank keeps its
+part), optionally applies a weight update through the sync worker's ``mc_sync_apply`` (the update is a
+JSON schema naming a shared-memory file, :mod:`megatron_consistent.sync.protocol`), then runs one
+prompt through embedding, every decoder layer and the lm head.  vLLM's paged attention needs an engine's
+forward context; each layer's ``attn`` is replaced by the consistent causal attention kernel over this
+rank's heads (heads are independent, so this is the same function at every TP).  Rank 0 writes
+``OUT_DIR/tp<TP>.safetensors`` (``embed``, ``layer<i>``, ``logits`` float32, ``logprobs``) and every
+rank ``OUT_DIR/tp<TP>.rank<r>.json`` (sync replies, its held shapes).
+
+``--fault allreduce``: o_proj and down computed the naive way — each rank's K shard through the
+one-rank linear rounded to bf16, then ``all_reduce`` of the rounded partials (what the contract forbids).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+PROMPT = [5, 17, 300, 42, 7, 511, 256, 3, 99, 128, 64, 1, 2, 450, 33, 77, 200, 301, 12, 8, 400, 9, 10, 11, 250, 499,
+          6, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(model_dir: str, out_dir: str, tp: int, fault: str = "", update: str = "", timeout: float = 600) -> list[str]:
+    """Run the ``tp`` ranks; returns each rank's log text (raises ``RuntimeError`` with the logs on failure)."""
+    port = _free_port()
+    procs, logs = [], []
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for r in range(tp):
+        log = open(Path(out_dir) / f"tp{tp}.rank{r}.log", "w")
+        cmd = [sys.executable, __file__, "--rank", str(r), str(port), model_dir, out_dir, str(tp)]
+        cmd += ["--fault", fault] if fault else []
+        cmd += ["--update", update] if update else []
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1",
+                   VLLM_DIST_IDENT=f"mc-tp-{port}")  # vLLM's CPU communicator names its shared-memory group by it
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    codes = []
+    for p, log in procs:
+        try:
+            codes.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+            codes.append(-9)
+        log.close()
+    logs = [(Path(out_dir) / f"tp{tp}.rank{r}.log").read_text() for r in range(tp)]
+    if any(codes):
+        raise RuntimeError(f"TP={tp} ranks exited with {codes}:\n" + "\n".join(t[-3000:] for t in logs))
+    return logs
+
+
+def _attention_stub(arch, positions_holder):
+    """A callable standing in for vLLM's ``Attention`` (one prompt, causal): the consistent attention kernel."""
+    import torch
+
+    from megatron_consistent.kernels import attention
+
+    def attn(q, k, v):
+        t = q.shape[0]
+        hd = arch.head_dim
+        qh, kh, vh = q.reshape(1, t, -1, hd), k.reshape(1, t, -1, hd), v.reshape(1, t, -1, hd)
+        pos = positions_holder[0].reshape(1, t)
+        out = attention(qh, kh, vh, pos, torch.tensor([t]), scale=arch.softmax_scale)
+        return out.reshape(t, -1)
+
+    return attn
+
+
+def _broken_row_parallel(x, w, b=None):
+    """Outside the contract: this rank's K shard rounded to bf16, then a plain all_reduce of the rounded partials."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    from megatron_consistent.kernels import inference_ops
+
+    return tensor_model_parallel_all_reduce(inference_ops.linear(x, w, b))
+
+
+class _Worker:
+    """Just enough of a vLLM worker for the sync extension's ``mc_sync_apply``."""
+
+    def __init__(self, model, vllm_config):
+        from types import SimpleNamespace
+
+        self.model_runner = SimpleNamespace(model=model)
+        self.vllm_config = vllm_config
+
+
+def rank_main(rank: int, port: int, model_dir: str, out_dir: str, tp: int, fault: str, update: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm.config import CompilationConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    from megatron_consistent import vllm_plugin
+    from megatron_consistent.kernels import log_softmax
+    from megatron_consistent.sync.worker import WeightSyncExtension
+
+    vllm_plugin.register()
+    torch.set_num_threads(1)
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256)
+    vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                    load_config=LoadConfig(load_format="dummy"), compilation_config=CompilationConfig(mode=0))
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=tp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     local_rank=rank, backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=tp, backend="gloo")
+        from megatron_consistent.vllm_plugin.model import ConsistentForCausalLM
+
+        model = ConsistentForCausalLM(vllm_config=vc)
+    model.load_weights(load_file(str(Path(model_dir) / "model.safetensors")).items())
+    report = {"rank": rank, "tp": model.tp_size, "held": {n: list(p.shape) for n, p in model.named_parameters()}}
+    if update:
+        worker = type("W", (_Worker, WeightSyncExtension), {})(model, vc)
+        for u in json.loads(Path(update).read_text()):
+            before = {n: p.data_ptr() for n, p in model.named_parameters()}
+            reply = worker.mc_sync_apply(u)
+            after = {n: p.data_ptr() for n, p in model.named_parameters()}
+            reply["pointers_same"] = before == after
+            report.setdefault("sync", []).append(reply)
+    arch = model.arch
+    ids = torch.tensor(PROMPT) % arch.vocab_size
+    positions = torch.arange(len(PROMPT))
+    holder = [positions]
+    for layer in model.layers:
+        del layer.attn  # the vLLM Attention module -> a plain callable
+        layer.attn = _attention_stub(arch, holder)
+        if fault == "allreduce":
+            layer.lin = {**layer.lin, "o_proj": _broken_row_parallel, "down": _broken_row_parallel}
+    out = {}
+    with torch.no_grad():
+        h = model.embed_input_ids(ids)
+        out["embed"] = h.clone()
+        rope = (model.rope_cos[positions], model.rope_sin[positions])
+        for i, layer in enumerate(model.layers):
+            h = layer(positions, h, rope)
+            out[f"layer{i}"] = h.clone()
+        from megatron_consistent.kernels import inference_ops
+
+        hn = inference_ops.rms_norm(h, model.norm, arch.rms_norm_eps)
+        logits = model.compute_logits(hn)
+        out["logits"] = logits.contiguous()
+        out["logprobs"] = log_softmax(logits).contiguous()
+    if rank == 0:
+        save_file(out, str(Path(out_dir) / f"tp{tp}.safetensors"))
+    else:  # every rank holds the same full logits
+        report["logits_equal_rank0"] = None
+        save_file({"logits": out["logits"]}, str(Path(out_dir) / f"tp{tp}.rank{rank}.safetensors"))
+    Path(out_dir, f"tp{tp}.rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    fault = a[a.index("--fault") + 1] if "--fault" in a else ""
+    upd = a[a.index("--update") + 1] if "--update" in a else ""
+    if a[0] == "--rank":
+        rank_main(int(a[1]), int(a[2]), a[3], a[4], int(a[5]), fault, upd)
+    else:
+        launch(a[0], a[1], int(a[2]), fault, upd)

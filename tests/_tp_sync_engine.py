@@ -1,0 +1,36 @@
+"""Engine process for tests/test_parallel_engine.py: ``python tests/_tp_sync_engine.py REQUEST.json PUSHED_DIR RESULT.json``.
+
+A consistent engine at the request's ``tensor_parallel_size`` started on the request's weights, then an in-place push
+of ``PUSHED_DIR/model.safetensors`` through :class:`WeightSyncChannel` (every rank keeps its part), a push that does
+not fit (refused whole), and a rollout.  Writes tokens, log-probs and the sync outcomes as JSON.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    from safetensors.torch import load_file
+
+    from megatron_consistent.sync import WORKER_EXTENSION, WeightSyncChannel, WeightSyncError
+    from megatron_consistent.verify.rollout import RolloutRequest, engine, generate
+
+    req = RolloutRequest(**json.loads(Path(sys.argv[1]).read_text()))
+    req.engine_kwargs = {"worker_extension_cls": WORKER_EXTENSION}
+    llm = engine(req)
+    channel = WeightSyncChannel(llm, watch_parent=False)
+    pushed = load_file(str(Path(sys.argv[2]) / "model.safetensors"))
+    before = channel.engine_pointers()
+    report = channel.push_tensors(pushed)
+    bad = dict(pushed)
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad[name] = bad[name][:, : bad[name].shape[1] // 2].contiguous()
+    try:
+        channel.push_tensors(bad)
+        refused = ""
+    except WeightSyncError as e:
+        refused = str(e)
+    result = generate(llm, req)
+    result.update(pushed_version=report.version, pointers_unchanged=report.pointers_unchanged and before == channel.engine_pointers(),
+                  refused=refused, version_after=channel.engine_version())
+    Path(sys.argv[3]).write_text(json.dumps(result))

