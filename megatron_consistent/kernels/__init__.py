@@ -22,7 +22,8 @@ from .ssd import mamba_dt, ssd_continue, ssd_scan, ssm_decay_rate
 __all__ = [
     "KV_BLOCK", "K_BLOCK", "Linear", "NoConsistentKernelError", "RMSNorm", "RopeConfig", "RotaryEmbedding",
     "SiluAndMul", "add_residual", "apply_rope", "attention", "causal_positions", "compute_logits", "gather_kv", "gather_logprobs",
-    "ROW_PARALLEL_SEGMENTS", "implementation", "inference_ops", "linear", "linear_segments", "row_parallel_linear", "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",
+    "ROW_PARALLEL_SEGMENTS", "implementation", "inference_ops", "linear", "linear_segments", "row_parallel_linear",
+    "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",
     "silu_and_mul", "sum_exp_subtree", "token_logprobs", "VOCAB_SEGMENTS", "write_kv",
     "CausalConv1d", "GatedRMSNorm", "ReluSquared", "causal_conv1d", "gated_rms_norm", "mamba_dt", "relu_squared",
     "ssd_continue", "ssd_scan", "ssm_decay_rate",

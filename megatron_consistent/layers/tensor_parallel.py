@@ -39,7 +39,7 @@ from .. import kernels
 from ..kernels.logprobs import VOCAB_SEGMENTS, scale_by_temperature, sum_exp_subtree
 from ..kernels.numerics import adjacent_tree_sum, log
 
-__all__ = ["copy_to_tp", "gather_tree", "row_parallel_forward", "shard_like", "tp_group", "tp_rank", "tp_size",
+__all__ = ["copy_to_tp", "gather_tree", "row_parallel_forward", "shard_like", "tp_group", "unshard_like", "tp_rank", "tp_size",
            "vocab_parallel_logprobs"]
 
 
@@ -187,3 +187,17 @@ def shard_like(full: torch.Tensor, param: torch.nn.Parameter, rank: int, size: i
     per_stride = param.shape[dim] // stride
     pieces = torch.split(full, per_stride, dim=dim)[rank::size]
     return torch.cat(pieces, dim=dim)
+
+
+def unshard_like(local: torch.Tensor, param: torch.nn.Parameter, group=None) -> torch.Tensor:
+    """The full (TP=1) tensor from every TP rank's ``local`` piece for ``param`` (all-gather): the inverse of
+    :func:`shard_like` (concatenation only, no arithmetic)."""
+    group = tp_group(group)
+    size = tp_size(group)
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    parts = [torch.empty_like(local.contiguous()) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    chunks = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([chunks[r][j] for j in range(stride) for r in range(size)], dim=dim)
