@@ -210,6 +210,16 @@ def _tp2_worker(rank: int, workdir: str) -> None:
         else:
             meta[key] = {"kind": type(sh).__name__}
 
+    # Megatron dist_checkpointing (torch_dist) save of the TP=2 shards; the test loads it at TP=1
+    from megatron.core import dist_checkpointing
+
+    from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
+
+    (work / "dist").mkdir(exist_ok=True)
+    dist.barrier()
+    with cuda_stubs_for_checkpoint():
+        dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
+
     # gradients (float32 model) of -mean(log-probs), gathered to full Megatron tensors
     model32 = build_parallel_model(work / "weights" / "config.json", work / "weights", tp=2, dtype=torch.float32)
     loss = -stage_logprobs(model32, ids).mean()
@@ -231,6 +241,7 @@ def _tp2_worker(rank: int, workdir: str) -> None:
         (work / "sharded.json").write_text(json.dumps(meta))
 
 
+@pytest.mark.slow
 def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
     """TP=2 in one gloo job of 2 ranks: logits torch.equal to TP=1; gradients vs float64 within GRAD_REL_TOL; the
     sharded_state_dict carries Megatron's TP offsets; an all-reduce of bf16 partials is caught (logits differ)."""
@@ -272,3 +283,13 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
     out_layer = meta["output_layer.weight"]
     assert out_layer["global_shape"] == [512, 128] and out_layer["local_shape"] == [256, 128]
     assert "decoder.layers.0.mlp.linear_fc1.weight" in meta  # Megatron's swiglu factory (gate shard | up shard)
+
+    # the TP=2 dist checkpoint loads into a TP=1 model as the full tensors (Megatron resharding), bit for bit
+    from megatron_consistent.checkpoint import _load_dist_staged
+    from megatron_consistent.layers import build_consistent_model
+    from megatron_consistent.layers.distributed import megatron_state_from_hf, read_hf_tensors
+
+    loaded = _load_dist_staged(build_consistent_model(LLAMA, seed=1), tmp_path / "dist")
+    want = megatron_state_from_hf(arch, read_hf_tensors(weights))
+    for name, tensor in want.items():
+        assert torch.equal(loaded[name], tensor), name
