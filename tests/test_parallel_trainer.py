@@ -127,8 +127,8 @@ def test_parallel_refusals_are_named():
         recompute_logprobs_parallel(LLAMA, {}, ids, tp=4)
     with pytest.raises(UnsupportedConfigError, match="tensor parallelism of size 3"):
         recompute_logprobs_parallel(LLAMA, {}, ids, tp=3)
-    with pytest.raises(UnsupportedConfigError, match=r"MoE \(Qwen3MoeForCausalLM\) with model parallelism"):
-        recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3moe-top1", {}, ids, tp=2)
+    with pytest.raises(UnsupportedConfigError, match="moe_impl='megatron' with TP/PP > 1 is not supported"):
+        build_consistent_model(MODELS_DIR / "tiny-qwen3moe-top1", tensor_model_parallel_size=2, moe_impl="megatron")
     with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with model parallelism"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-mamba2", {}, ids, pp=2)
     with pytest.raises(UnsupportedConfigError, match="sequence parallelism"):
@@ -185,6 +185,13 @@ def test_logits_and_logprobs_equal_across_tp_pp_llama(tmp_path):
 def test_logits_and_logprobs_equal_across_tp_pp_tp4(tmp_path):
     """tiny-llama with 4 KV heads: TP=4 x PP ∈ {1, 2} (8 ranks)."""
     _check_layouts(_mha_config(tmp_path), [(4, 1), (4, 2)], tmp_path)
+
+
+@pytest.mark.slow
+def test_logits_and_logprobs_equal_across_tp_pp_moe(tmp_path):
+    """tiny-qwen3moe-top1 (layer 0 dense, layer 1 MoE; experts replicated on the TP ranks, moe_impl='module') vs
+    the single-process model with Megatron's MoELayer (default impl)."""
+    _check_layouts(MODELS_DIR / "tiny-qwen3moe-top1", [(2, 1), (1, 2)], tmp_path)
 
 
 def _tp2_worker(rank: int, workdir: str) -> None:

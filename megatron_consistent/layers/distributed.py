@@ -202,8 +202,7 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     from .parallel import check_parallel_sizes
 
     arch = as_arch_config(hf_config)
-    check_parallel_sizes(tp, pp, feature=f"MoE ({arch.architecture})" if arch.is_moe else
-                         ("hybrid (Mamba) model" if arch.is_hybrid else None))
+    check_parallel_sizes(tp, pp, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
     check_tp_shapes(arch, tp, pp)
     ids = torch.as_tensor(input_ids, dtype=torch.int64)
     if ids.dim() != 2:

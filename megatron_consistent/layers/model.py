@@ -57,6 +57,15 @@ def _layers_in_stage(config, arch: ArchConfig) -> int:
     return get_num_layers_to_build(config)
 
 
+def _stage_layer_offset(config) -> int:
+    """Global index of this pipeline stage's first decoder layer (0 at PP = 1)."""
+    if getattr(config, "pipeline_model_parallel_size", 1) == 1:
+        return 0
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(config)
+
+
 def _new_gpt_model(GPTModel, arch: ArchConfig, config, spec, **extra):
     """``GPTModel`` for ``arch``: this pipeline stage (``pre_process`` / ``post_process`` from Megatron's
     ``parallel_state``), the rank's vocabulary shard (``parallel_output=True``), output (un)tied as in the config.
@@ -104,7 +113,15 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
         if moe_impl not in (None, "module"):
             raise UnsupportedConfigError(f"moe_impl={moe_impl!r} is not supported for the hybrid {arch.architecture} (module only)")
         return build_consistent_hybrid_model(arch, seed=seed, dtype=dtype, **parallel)
-    arch, dtype = prepare_build(arch, dtype, parallel, feature=f"MoE ({arch.architecture})" if arch.is_moe else None)
+    model_parallel = parallel.get("tensor_model_parallel_size", 1) != 1 or parallel.get("pipeline_model_parallel_size", 1) != 1
+    if arch.is_moe and model_parallel:
+        if moe_impl == "megatron":
+            raise UnsupportedConfigError(
+                "moe_impl='megatron' with TP/PP > 1 is not supported: Megatron's MoELayer refuses training at TP > 1 "
+                "without sequence parallelism (moe_layer.py), which the consistent layers do not implement; "
+                "use moe_impl='module' (experts replicated on every TP rank)")
+        moe_impl = "module"
+    arch, dtype = prepare_build(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
     sizes = {k: parallel[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size") if k in parallel}
     config = make_transformer_config(arch, dtype, consistent=True, **moe_kwargs, **sizes)
@@ -116,7 +133,9 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
         else:
             from .moe import moe_layer_spec
 
-        block_spec.layer_specs = [moe_layer_spec(s, arch) if arch.layer_is_moe(i) else s for i, s in enumerate(block_spec.layer_specs)]
+        offset = _stage_layer_offset(config)  # layer_is_moe takes the global layer index
+        block_spec.layer_specs = [moe_layer_spec(s, arch) if arch.layer_is_moe(offset + i) else s
+                                  for i, s in enumerate(block_spec.layer_specs)]
 
     def build():
         model = _new_gpt_model(GPTModel, arch, config, block_spec, position_embedding_type="none")

@@ -4,12 +4,14 @@ Supported: tensor parallelism TP ∈ {1, 2, 4, 8} (the row-parallel K tree and t
 vocabulary log-softmax tree have 8 segments, so t must divide 8; shapes must
 divide too — checked where the layer is built) and pipeline parallelism
 (stages pass activations unchanged, so any PP size is neutral; tested at 2),
-for the dense GPT layers.  See ``docs/parallel.md`` for the contract.
+for the GPT layers (dense, and MoE with ``moe_impl="module"``: experts replicated on
+every TP rank).  See ``docs/parallel.md`` for the contract.
 
 Refused by name (:class:`UnsupportedConfigError`): sequence parallelism,
 context parallelism, expert parallelism, TP other than 1/2/4/8, and — at
-TP > 1 or PP > 1 — MoE, hybrid (Mamba) models and FP8 (their modules call
-:func:`check_parallel_config` with ``tp_ok=False``).
+TP > 1 or PP > 1 — Megatron's MoELayer (``moe_impl="megatron"``), hybrid
+(Mamba) models and FP8 (their modules call :func:`check_parallel_config` with
+a ``feature`` name).
 
 Initialization: world size 1 uses gloo over an in-process ``HashStore`` (no
 TCP port, no file), so concurrent pytest processes never collide; a larger
