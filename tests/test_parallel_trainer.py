@@ -207,6 +207,8 @@ def _tp2_worker(rank: int, workdir: str) -> None:
     model = build_parallel_model(work / "weights" / "config.json", work / "weights", tp=2, dtype=torch.bfloat16)
     with torch.no_grad():
         out["logits"] = stage_forward(model, ids).contiguous()
+        # Megatron's VocabParallelEmbedding: lookup in the rank's vocabulary shard, zeros elsewhere, all-reduce SUM
+        out["embedding"] = model.embedding(input_ids=ids, position_ids=kernels.causal_positions(*ids.shape)).contiguous()
 
     # sharded_state_dict: Megatron's TP offsets (global shape = full shape, offset = rank * local rows/cols)
     meta = {}
@@ -264,6 +266,9 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
     assert full.shape[-1] == logits.shape[-1] // 2  # rank 0's vocabulary shard
     assert torch.equal(full, logits[..., : logits.shape[-1] // 2])
     assert not torch.equal(out["broken_logits"], full), "the broken all-reduce of bf16 partials was not caught"
+    # the vocab-parallel embedding's all-reduce adds one looked-up value and zeros: exact
+    table = load_file(str(weights / "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(out["embedding"], table[ids].transpose(0, 1))
 
     # gradients: Megatron layout -> HF names -> vs float64 reference
     from megatron_consistent.config import ArchConfig
