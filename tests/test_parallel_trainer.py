@@ -131,8 +131,8 @@ def test_parallel_refusals_are_named():
         build_consistent_model(MODELS_DIR / "tiny-qwen3moe-top1", tensor_model_parallel_size=2, moe_impl="megatron")
     with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with model parallelism"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-mamba2", {}, ids, pp=2)
-    with pytest.raises(UnsupportedConfigError, match="sequence parallelism"):
-        build_consistent_model(LLAMA, tensor_model_parallel_size=2, sequence_parallel=True)
+    with pytest.raises(UnsupportedConfigError, match="sequence parallelism without tensor parallelism"):
+        build_consistent_model(LLAMA, sequence_parallel=True)
     with pytest.raises(UnsupportedConfigError, match="context parallelism"):
         build_consistent_model(LLAMA, context_parallel_size=2)
     with pytest.raises(UnsupportedConfigError, match="expert parallelism"):
@@ -192,6 +192,66 @@ def test_logits_and_logprobs_equal_across_tp_pp_moe(tmp_path):
     """tiny-qwen3moe-top1 (layer 0 dense, layer 1 MoE; experts replicated on the TP ranks, moe_impl='module') vs
     the single-process model with Megatron's MoELayer (default impl)."""
     _check_layouts(MODELS_DIR / "tiny-qwen3moe-top1", [(2, 1), (1, 2)], tmp_path)
+
+
+def _gradient_errors(grads_file: Path, weights: Path, ids: torch.Tensor) -> dict[str, float]:
+    """Relative Frobenius error of every gradient (full Megatron tensors in ``grads_file``) vs the float64 reference."""
+    from megatron_consistent.config import ArchConfig
+    from megatron_consistent.conversion.hf import _plan, _split
+    from megatron_consistent.verify.reference import reference_logprobs_f64
+
+    arch = ArchConfig.from_hf(load_hf_config(weights))
+    grads = load_file(str(grads_file))
+    hf_grads = {}
+    for mname, hf_names, kind in _plan(arch):
+        for n, part in zip(hf_names, _split(arch, kind, grads[mname])):
+            hf_grads[n] = part
+    w64 = {k: v.double().requires_grad_(True) for k, v in load_file(str(weights / "model.safetensors")).items()}
+    (-reference_logprobs_f64(w64, arch, ids).mean()).backward()
+    return {k: ((hf_grads[k].double() - t.grad).norm() / t.grad.norm()).item() for k, t in w64.items()}
+
+
+def _sp_worker(rank: int, workdir: str) -> None:
+    """TP=2 with sequence parallelism: logits (gathered over the vocabulary) and float32 gradients."""
+    import torch.distributed as dist
+
+    from megatron_consistent.layers import tensor_parallel as tpar
+    from megatron_consistent.layers.distributed import build_parallel_model, gather_vocab, stage_forward, stage_logprobs
+
+    work = Path(workdir)
+    ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
+    cfg = work / "weights" / "config.json"
+    model = build_parallel_model(cfg, work / "weights", tp=2, dtype=torch.bfloat16, sequence_parallel=True)
+    with torch.no_grad():
+        logits = gather_vocab(stage_forward(model, ids)).contiguous()
+    model32 = build_parallel_model(cfg, work / "weights", tp=2, dtype=torch.float32, sequence_parallel=True)
+    (-stage_logprobs(model32, ids).mean()).backward()
+    for p in model32.parameters():  # what Megatron's finalize_model_grads does for sequence-parallel parameters
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=tpar.tp_group())
+    grads = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
+    if rank == 0:
+        save_file({"logits": logits}, str(work / "out.safetensors"))
+        save_file(grads, str(work / "grads.safetensors"))
+
+
+@pytest.mark.slow
+def test_sequence_parallel_tp2_bits_and_gradients(tmp_path):
+    """TP=2 + sequence parallelism: logits torch.equal to TP=1 (and TP=2 PP=2 + SP through the recompute helper);
+    gradients (norm weights all-reduced as Megatron's finalize_model_grads does) within GRAD_REL_TOL of float64."""
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel, spawn_ranks
+    from megatron_consistent.verify.reference import GRAD_REL_TOL
+
+    weights, ids, logits, lp = _reference(LLAMA, tmp_path)
+    save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
+    spawn_ranks(_sp_worker, 2, tmp_path)
+    assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["logits"], logits)
+    errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
+    print(f"TP=2 SP gradients: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
+    assert max(errs.values()) < GRAD_REL_TOL, errs
+    got_lp, got_logits = recompute_logprobs_parallel(LLAMA, weights, ids, tp=2, pp=2, sequence_parallel=True,
+                                                     return_logits=True, workdir=tmp_path / "tp2pp2sp")
+    assert torch.equal(got_logits, logits) and torch.equal(got_lp, lp)
 
 
 def _tp2_worker(rank: int, workdir: str) -> None:
@@ -254,9 +314,9 @@ def _tp2_worker(rank: int, workdir: str) -> None:
 def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
     """TP=2 in one gloo job of 2 ranks: logits torch.equal to TP=1; gradients vs float64 within GRAD_REL_TOL; the
     sharded_state_dict carries Megatron's TP offsets; an all-reduce of bf16 partials is caught (logits differ)."""
-    from megatron_consistent.conversion.hf import _plan, _split
+    from megatron_consistent.config import ArchConfig
     from megatron_consistent.layers.distributed import spawn_ranks
-    from megatron_consistent.verify.reference import GRAD_REL_TOL, reference_logprobs_f64
+    from megatron_consistent.verify.reference import GRAD_REL_TOL
 
     weights, ids, logits, _ = _reference(LLAMA, tmp_path)
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
@@ -270,18 +330,7 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
     table = load_file(str(weights / "model.safetensors"))["model.embed_tokens.weight"]
     assert torch.equal(out["embedding"], table[ids].transpose(0, 1))
 
-    # gradients: Megatron layout -> HF names -> vs float64 reference
-    from megatron_consistent.config import ArchConfig
-
-    arch = ArchConfig.from_hf(load_hf_config(LLAMA))
-    grads = load_file(str(tmp_path / "grads.safetensors"))
-    hf_grads = {}
-    for mname, hf_names, kind in _plan(arch):
-        for n, part in zip(hf_names, _split(arch, kind, grads[mname])):
-            hf_grads[n] = part
-    w64 = {k: v.double().requires_grad_(True) for k, v in load_file(str(weights / "model.safetensors")).items()}
-    (-reference_logprobs_f64(w64, arch, ids).mean()).backward()
-    errs = {k: ((hf_grads[k].double() - t.grad).norm() / t.grad.norm()).item() for k, t in w64.items()}
+    errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
     print(f"TP=2 gradients: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
     assert max(errs.values()) < GRAD_REL_TOL, errs
 
@@ -302,6 +351,6 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
     from megatron_consistent.layers.distributed import megatron_state_from_hf, read_hf_tensors
 
     loaded = _load_dist_staged(build_consistent_model(LLAMA, seed=1), tmp_path / "dist")
-    want = megatron_state_from_hf(arch, read_hf_tensors(weights))
+    want = megatron_state_from_hf(ArchConfig.from_hf(load_hf_config(LLAMA)), read_hf_tensors(weights))
     for name, tensor in want.items():
         assert torch.equal(loaded[name], tensor), name

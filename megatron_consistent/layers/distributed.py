@@ -88,13 +88,13 @@ def load_full_megatron_state(model, full: dict[str, torch.Tensor]) -> None:
 
 
 def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
-                         seed: int = 0):
+                         seed: int = 0, sequence_parallel: bool = False):
     """In a rank of a ``TP * PP`` gloo job: the consistent model of this rank (weights: HF checkpoint path or HF
     tensors dict; ``None`` keeps the seeded initialization)."""
     from .model import build_consistent_model
 
     model = build_consistent_model(hf_config, seed=seed, dtype=dtype, tensor_model_parallel_size=tp,
-                                   pipeline_model_parallel_size=pp)
+                                   pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel)
     if weights is not None:
         hf = weights if isinstance(weights, dict) else read_hf_tensors(weights)
         load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, hf))
@@ -108,8 +108,12 @@ def stage_forward(model, input_ids: torch.Tensor):
 
     b, s = input_ids.shape
     positions = kernels.causal_positions(b, s, device=input_ids.device)
+    t = tpar.tp_size()
+    if getattr(model, "sequence_parallel", False) and s % t:
+        raise ValueError(f"sequence parallelism: sequence length {s} is not divisible by TP={t}")
     if not model.pre_process:
-        h = torch.empty(s, b, model.config.hidden_size, dtype=model.config.params_dtype)
+        chunk = s // t if getattr(model, "sequence_parallel", False) else s
+        h = torch.empty(chunk, b, model.config.hidden_size, dtype=model.config.params_dtype)
         dist.recv(h, src=ps.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(h)
     out = model(input_ids, positions, None)
@@ -171,7 +175,8 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
 
     work = Path(workdir)
     job = json.loads((work / "job.json").read_text())
-    model = build_parallel_model(job["config"], job["weights"], tp=tp, pp=pp, dtype=_DTYPES[job["dtype"]] if job["dtype"] else None)
+    model = build_parallel_model(job["config"], job["weights"], tp=tp, pp=pp, dtype=_DTYPES[job["dtype"]] if job["dtype"] else None,
+                                 sequence_parallel=job["sequence_parallel"])
     model.eval()
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
     with torch.no_grad():
@@ -187,7 +192,7 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
 
 def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, tp: int = 1, pp: int = 1,
                                 dtype: torch.dtype | None = None, temperature: float = 1.0, return_logits: bool = False,
-                                workdir=None):
+                                sequence_parallel: bool = False, workdir=None):
     """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp`` (CPU, gloo).
 
     ``hf_config``: path to an HF config (folder with config.json, or the file) or an HF config dict.
@@ -195,18 +200,21 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     ``input_ids``: int ``[b, s]`` (or a list of equal-length token lists).
     Returns float32 ``[b, s-1]``: log p(ids[:, t+1] | ids[:, :t+1]) — bitwise the TP=1 / PP=1 values
     (and those of the vLLM plugin for the same weights); with ``return_logits=True`` also the full float32
-    logits ``[b, s, V]``.  Spawns ``tp * pp`` processes; ``workdir`` (default: a temporary folder) holds
+    logits ``[b, s, V]``.  ``sequence_parallel`` (TP > 1; s divisible by TP): Megatron's sequence parallelism,
+    same bits.  Spawns ``tp * pp`` processes; ``workdir`` (default: a temporary folder) holds
     the job files.  Unsupported layouts raise ``UnsupportedConfigError`` in the caller before any process starts.
     """
     from .builder import as_arch_config, check_tp_shapes
     from .parallel import check_parallel_sizes
 
     arch = as_arch_config(hf_config)
-    check_parallel_sizes(tp, pp, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
+    check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
     check_tp_shapes(arch, tp, pp)
     ids = torch.as_tensor(input_ids, dtype=torch.int64)
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got {tuple(ids.shape)}")
+    if sequence_parallel and ids.shape[1] % tp:
+        raise ValueError(f"sequence parallelism: sequence length {ids.shape[1]} is not divisible by TP={tp}")
     with tempfile.TemporaryDirectory() if workdir is None else _nullcontext(workdir) as wd:
         work = Path(wd)
         work.mkdir(parents=True, exist_ok=True)
@@ -222,7 +230,7 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
         save_file({"input_ids": ids.contiguous()}, str(work / "inputs.safetensors"))
         dname = {v: k for k, v in _DTYPES.items()}.get(dtype) if dtype is not None else None
         job = {"config": config_path, "weights": weights_path, "dtype": dname, "temperature": float(temperature),
-               "return_logits": bool(return_logits)}
+               "return_logits": bool(return_logits), "sequence_parallel": bool(sequence_parallel)}
         (work / "job.json").write_text(json.dumps(job))
         out_file = work / "out.safetensors"
         if out_file.exists():

@@ -25,8 +25,11 @@ row-parallel layer holds ``input_size / t`` columns and runs
 tree, float32 all-gather in rank order, top of the tree) — the bits of TP=1.
 Initialization follows Megatron's CPU recipe (float32 master of the full
 shape, then the rank's split), so a seeded build has the same full weights at
-every TP.  Sequence parallelism, ``gather_output`` / ``input_is_parallel=False``
-at TP > 1, expert linears and FP8 at TP > 1 are refused by name.
+every TP.  ``gather_output`` / ``input_is_parallel=False``
+at TP > 1, expert linears and FP8 at TP > 1 are refused by name.  Sequence
+parallelism: the column-parallel input is all-gathered along the sequence and
+the row-parallel output is the rank's sequence chunk of the same tree
+(:func:`.tensor_parallel.gather_tree_scatter_sequence`).
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ class _ConsistentLinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.skip_bias_add = skip_bias_add
         self.is_expert = False
-        self.sequence_parallel = False
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and t > 1
         self.tp_comm_buffer_name = tp_comm_buffer_name
         dtype = config.params_dtype
         local_out = output_size if self._row_parallel else output_size // t
@@ -152,7 +155,12 @@ class _ConsistentLinearBase(nn.Module):
             return (fp8(x, self.weight, None), self.bias) if self.skip_bias_add else (fp8(x, self.weight, self.bias), None)
         bias = None if self.skip_bias_add else self.bias
         if self._row_parallel:
-            y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group)
+            if self.sequence_parallel:  # keyword only when used: a patched row_parallel_forward may not take it
+                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group, sequence_parallel=True)
+            else:
+                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group)
+        elif self.sequence_parallel:
+            y = kernels.linear(tpar.gather_sequence(x, self.tp_group), self.weight, bias)
         else:
             y = kernels.linear(tpar.copy_to_tp(x, self.tp_group), self.weight, bias)
         return (y, self.bias) if self.skip_bias_add else (y, None)

@@ -30,7 +30,7 @@ from .builder import CONSISTENT, STOCK, as_arch_config, filter_kwargs, make_tran
 from .hybrid import build_consistent_hybrid_model
 from .output import ConsistentOutputLayer
 from .spec import get_consistent_gpt_block_spec
-from .tensor_parallel import vocab_parallel_logprobs
+from .tensor_parallel import sequence_parallel_embedding, vocab_parallel_logprobs
 
 __all__ = [
     "build_consistent_gpt_model",
@@ -96,10 +96,10 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     ``hf_config``: HF config dict, :class:`ArchConfig`, or path.  ``dtype``
     defaults to the config's.  ``parallel`` may name
     ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
-    ``context_parallel_size`` / ``sequence_parallel``: TP ∈ {1, 2, 4, 8} and any PP
-    are supported for dense configs (``torch.distributed`` initialized by the caller
-    with world size TP x PP; contract in ``docs/parallel.md``); CP, SP, EP, and TP/PP > 1
-    for MoE and hybrid configs are refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
+    ``context_parallel_size`` / ``sequence_parallel``: TP ∈ {1, 2, 4, 8}, any PP and
+    sequence parallelism (TP > 1) are supported for dense and MoE (experts replicated) configs (``torch.distributed`` initialized by the caller
+    with world size TP x PP; contract in ``docs/parallel.md``); CP, EP, and TP/PP > 1
+    for hybrid configs are refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
     ``None`` = :data:`.moe_megatron.DEFAULT_MOE_IMPL` where supported.  Hybrid Mamba-2 / Nemotron-H
@@ -118,14 +118,19 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
         if moe_impl == "megatron":
             raise UnsupportedConfigError(
                 "moe_impl='megatron' with TP/PP > 1 is not supported: Megatron's MoELayer refuses training at TP > 1 "
-                "without sequence parallelism (moe_layer.py), which the consistent layers do not implement; "
-                "use moe_impl='module' (experts replicated on every TP rank)")
+                "without sequence parallelism (moe_layer.py) and its TP dispatch was not verified against the consistent "
+                "combine; use moe_impl='module' (experts replicated on every TP rank)")
         moe_impl = "module"
     arch, dtype = prepare_build(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
-    sizes = {k: parallel[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size") if k in parallel}
+    sizes = {k: parallel[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel")
+             if k in parallel}
     config = make_transformer_config(arch, dtype, consistent=True, **moe_kwargs, **sizes)
     GPTModel = _gpt_model_class()
+    if config.sequence_parallel and not torch.cuda.is_available():
+        from .cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()  # the sequence-parallel block forks Megatron's CUDA RNG tracker (no RNG is drawn: dropout 0)
     block_spec = get_consistent_gpt_block_spec(_layers_in_stage(config, arch), arch.qk_norm, rope=arch.rope)
     if arch.is_moe:  # MoE layers: the mlp slot is Megatron's MoELayer (layers/moe_megatron.py) or our block (layers/moe.py)
         if moe_impl == "megatron":
@@ -141,10 +146,13 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
         model = _new_gpt_model(GPTModel, arch, config, block_spec, position_embedding_type="none")
         if model.post_process:
             model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
+        if model.pre_process and config.sequence_parallel:
+            sequence_parallel_embedding(model.embedding)
         return model
 
     model = seeded_build(seed, build)
     model.parallel_sizes = (sizes.get("tensor_model_parallel_size", 1), sizes.get("pipeline_model_parallel_size", 1))
+    model.sequence_parallel = bool(sizes.get("sequence_parallel", False))
     model.consistent_kind = CONSISTENT
     model.arch_config = arch
     model.moe_impl = moe_impl

@@ -39,7 +39,7 @@ class ConsistentOutputLayer(nn.Module):
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.tp_group = tpar.tp_group()
         self.tp_size = tpar.tp_size(self.tp_group)
-        self.sequence_parallel = False
+        self.sequence_parallel = False  # set by from_megatron from the stock layer (config.sequence_parallel)
         self.skip_bias_add = False
         if weight is not None:
             if tuple(weight.shape) != (vocab_size // self.tp_size, hidden_size):
@@ -64,7 +64,9 @@ class ConsistentOutputLayer(nn.Module):
         weight = getattr(stock, "weight", None)
         out = getattr(stock, "output_size", None) or (weight.shape[0] * tpar.tp_size() if weight is not None else None)
         hidden = getattr(stock, "input_size", None) or (weight.shape[1] if weight is not None else None)
-        return cls(hidden, out, weight)
+        layer = cls(hidden, out, weight)
+        layer.sequence_parallel = bool(getattr(stock, "sequence_parallel", False)) and layer.tp_size > 1
+        return layer
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
         if weight is None:
@@ -73,6 +75,8 @@ class ConsistentOutputLayer(nn.Module):
             raise ValueError("ConsistentOutputLayer: no weight (tied embeddings need weight= from the model)")
         if runtime_gather_output and self.tp_size > 1:
             raise UnsupportedConfigError("runtime_gather_output=True at TP > 1: the consistent log-probs work on vocabulary shards")
+        if self.sequence_parallel:  # [s/t, b, H] sequence chunks -> the whole sequence (concatenation)
+            return kernels.compute_logits(tpar.gather_sequence(hidden, self.tp_group), weight), None
         return kernels.compute_logits(tpar.copy_to_tp(hidden, self.tp_group), weight), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):

@@ -7,7 +7,9 @@ divide too — checked where the layer is built) and pipeline parallelism
 for the GPT layers (dense, and MoE with ``moe_impl="module"``: experts replicated on
 every TP rank).  See ``docs/parallel.md`` for the contract.
 
-Refused by name (:class:`UnsupportedConfigError`): sequence parallelism,
+Sequence parallelism (TP > 1) is supported by the same layers.
+
+Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1,
 context parallelism, expert parallelism, TP other than 1/2/4/8, and — at
 TP > 1 or PP > 1 — Megatron's MoELayer (``moe_impl="megatron"``), hybrid
 (Mamba) models and FP8 (their modules call :func:`check_parallel_config` with
@@ -55,8 +57,8 @@ def check_parallel_sizes(
         refused.append(f"pipeline_model_parallel_size={pp}")
     if context_parallel_size != 1:
         refused.append(f"context parallelism (context_parallel_size={context_parallel_size})")
-    if sequence_parallel:
-        refused.append("sequence parallelism (sequence_parallel=True)")
+    if sequence_parallel and tp == 1:
+        refused.append("sequence parallelism without tensor parallelism (sequence_parallel=True needs TP > 1)")
     if expert_model_parallel_size != 1:
         refused.append(f"expert parallelism (expert_model_parallel_size={expert_model_parallel_size})")
     if refused:

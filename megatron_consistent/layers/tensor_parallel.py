@@ -16,6 +16,20 @@ Contract (``docs/parallel.md``):
   by ``adjacent_tree_sum``; bias in float32; one rounding.  Bits = TP=1.
   Backward: the gathered sum's gradient is the output gradient itself on every
   rank, so ``grad_x`` is the rank's local K slice (no communication).
+* **Sequence parallelism** (``sequence_parallel=True``, TP > 1): outside the
+  linears the activations are sequence shards ``[s/t, b, H]`` (norms, residual
+  adds: row-wise ops, unchanged bits).  A column-parallel input (and the LM head's)
+  is all-gathered along the sequence (:func:`gather_sequence`: concatenation, exact;
+  backward: all-reduce + own chunk = Megatron's reduce-scatter of ``grad_x``).  A
+  row-parallel output, Megatron's reduce-scatter, is
+  :func:`gather_tree_scatter_sequence`: the float32 subtrees of all ranks are
+  all-gathered in rank order, the top of the tree is computed over the whole
+  sequence and the rank keeps its chunk — the same bits as TP=1 (t times the
+  bytes of a reduce-scatter; the order of a reduce-scatter is not ours).  The
+  embedding's reduce-scatter adds one value and zeros: exact, as below; on CPU
+  Megatron's reduce-scatter allocates on CUDA, so :func:`sequence_parallel_embedding`
+  replaces it by the embedding's all-reduce (exact) and :func:`scatter_sequence`
+  (the rank's chunk: slicing).
 * **Vocab-parallel embedding** (Megatron's stock ``VocabParallelEmbedding``): a
   rank looks up the tokens of its vocabulary shard and writes zeros for the
   others; the all-reduce SUM then adds, per element, one looked-up value and
@@ -39,8 +53,9 @@ from .. import kernels
 from ..kernels.logprobs import VOCAB_SEGMENTS, scale_by_temperature, sum_exp_subtree
 from ..kernels.numerics import adjacent_tree_sum, log
 
-__all__ = ["copy_to_tp", "gather_tree", "row_parallel_forward", "shard_like", "tp_group", "unshard_like", "tp_rank", "tp_size",
-           "vocab_parallel_logprobs"]
+__all__ = ["copy_to_tp", "gather_sequence", "gather_tree", "gather_tree_scatter_sequence", "row_parallel_forward",
+           "scatter_sequence", "sequence_parallel_embedding", "shard_like", "tp_group", "tp_rank", "tp_size",
+           "unshard_like", "vocab_parallel_logprobs"]
 
 
 def tp_group(group=None):
@@ -117,15 +132,108 @@ def gather_tree(partial: torch.Tensor, group) -> torch.Tensor:
     return _GatherTree.apply(partial, group)
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather of the ranks' sequence chunks (dim 0) in rank order; backward: SUM of the ranks'
+    gradients, this rank's chunk (Megatron's reduce-scatter; gradients in any order)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.cat(list(_all_gather(x, group)), dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g.chunk(dist.get_world_size(ctx.group), dim=0)[dist.get_rank(ctx.group)].contiguous(), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Forward: this rank's sequence chunk (dim 0); backward: all-gather of the chunk gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.cat(list(_all_gather(g, ctx.group)), dim=0), None
+
+
+def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s, ...]`` -> this rank's chunk ``[s/t, ...]`` (slicing; backward all-gathers)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _ScatterSequence.apply(x, group)
+
+
+def sequence_parallel_embedding(embedding) -> None:
+    """Make Megatron's ``LanguageModelEmbedding`` (sequence parallel) all-reduce its vocabulary shards (exact: one
+    value plus zeros) and keep this rank's sequence chunk, in place of its reduce-scatter (CUDA-only on CPU jobs)."""
+    import types
+
+    if getattr(embedding, "add_position_embedding", False) or getattr(embedding, "tokentype_embeddings", None) is not None:
+        from ..config import UnsupportedConfigError
+
+        raise UnsupportedConfigError("sequence parallelism with learned position / token-type embeddings is not supported")
+    embedding.word_embeddings.reduce_scatter_embeddings = False
+    embedding.reduce_scatter_embeddings = False
+    group = tp_group()
+
+    def forward(self, input_ids, position_ids=None, tokentype_ids=None):
+        if tokentype_ids is not None:
+            from ..config import UnsupportedConfigError
+
+            raise UnsupportedConfigError("token-type ids are not supported by the consistent embedding")
+        emb = self.word_embeddings(input_ids).transpose(0, 1).contiguous()  # [s, b, H], all-reduced shards
+        if self.config.fp32_residual_connection:
+            emb = emb.float()
+        return scatter_sequence(emb, group)
+
+    embedding.forward = types.MethodType(forward, embedding)
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s/t, ...]`` sequence chunks -> ``[s, ...]`` (sequence parallelism: a column-parallel input)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherSequence.apply(x, group)
+
+
+class _GatherTreeScatterSequence(torch.autograd.Function):
+    """Forward: ``adjacent_tree_sum`` of the ranks' float32 subtrees ``[s, ...]`` (all-gathered in rank order), this
+    rank's sequence chunk.  Backward: the subtree feeds every chunk, so its gradient is the all-gathered chunk
+    gradients (concatenation)."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        ctx.group = group
+        total = adjacent_tree_sum(_all_gather(partial, group), dim=0)
+        return total.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.cat(list(_all_gather(g, ctx.group)), dim=0), None
+
+
+def gather_tree_scatter_sequence(partial: torch.Tensor, group) -> torch.Tensor:
+    """Sequence parallelism's reduce-scatter of a row-parallel output, as a gather + the tree's top + own chunk."""
+    if group is None or dist.get_world_size(group) == 1:
+        return partial
+    return _GatherTreeScatterSequence.apply(partial, group)
+
+
 def row_parallel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
-                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Row-parallel linear on this rank's K shard ``weight [N, K/t]`` (x: the matching K slice); bits of TP=1."""
+                         out_dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+    """Row-parallel linear on this rank's K shard ``weight [N, K/t]`` (x: the matching K slice); bits of TP=1.
+    ``sequence_parallel``: return this rank's sequence chunk (dim 0) of the result."""
     t = 1 if group is None else dist.get_world_size(group)
     if t == 1:
         return kernels.row_parallel_linear(x, weight, bias, out_dtype)
     segments = kernels.ROW_PARALLEL_SEGMENTS // t
     subtree = adjacent_tree_sum(kernels.linear_segments(x, weight, segments), dim=0)
-    total = gather_tree(subtree, group)
+    total = gather_tree_scatter_sequence(subtree, group) if sequence_parallel else gather_tree(subtree, group)
     if bias is not None:
         total = total + bias.to(torch.float32)
     return total.to(out_dtype or x.dtype)
