@@ -168,11 +168,12 @@ def _check_layouts(config, layouts, tmp_path):
     from megatron_consistent.layers.distributed import recompute_logprobs_parallel
 
     weights, ids, logits, lp = _reference(config, tmp_path)
-    for tp, pp in layouts:
-        got_lp, got_logits = recompute_logprobs_parallel(config, weights, ids, tp=tp, pp=pp, return_logits=True,
-                                                         workdir=tmp_path / f"tp{tp}pp{pp}")
-        assert torch.equal(got_logits, logits), f"logits differ at TP={tp} PP={pp}"
-        assert torch.equal(got_lp, lp), f"log-probs differ at TP={tp} PP={pp}"
+    for tp, pp, *sp in layouts:
+        sp = bool(sp and sp[0])
+        got_lp, got_logits = recompute_logprobs_parallel(config, weights, ids, tp=tp, pp=pp, sequence_parallel=sp,
+                                                         return_logits=True, workdir=tmp_path / f"tp{tp}pp{pp}sp{int(sp)}")
+        assert torch.equal(got_logits, logits), f"logits differ at TP={tp} PP={pp} SP={sp}"
+        assert torch.equal(got_lp, lp), f"log-probs differ at TP={tp} PP={pp} SP={sp}"
 
 
 @pytest.mark.slow
@@ -189,9 +190,9 @@ def test_logits_and_logprobs_equal_across_tp_pp_tp4(tmp_path):
 
 @pytest.mark.slow
 def test_logits_and_logprobs_equal_across_tp_pp_moe(tmp_path):
-    """tiny-qwen3moe-top1 (layer 0 dense, layer 1 MoE; experts replicated on the TP ranks, moe_impl='module') vs
-    the single-process model with Megatron's MoELayer (default impl)."""
-    _check_layouts(MODELS_DIR / "tiny-qwen3moe-top1", [(2, 1), (1, 2)], tmp_path)
+    """tiny-qwen3moe-top1 (layer 0 dense, layer 1 MoE; experts replicated on the TP ranks, moe_impl='module') at
+    TP=2, PP=2 and TP=2 + sequence parallelism vs the single-process model with Megatron's MoELayer (default impl)."""
+    _check_layouts(MODELS_DIR / "tiny-qwen3moe-top1", [(2, 1), (1, 2), (2, 1, True)], tmp_path)
 
 
 def _gradient_errors(grads_file: Path, weights: Path, ids: torch.Tensor) -> dict[str, float]:
