@@ -131,6 +131,9 @@ def test_parallel_refusals_are_named():
         build_consistent_model(MODELS_DIR / "tiny-qwen3moe-top1", tensor_model_parallel_size=2, moe_impl="megatron")
     with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with model parallelism"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-mamba2", {}, ids, pp=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(UnsupportedConfigError, match="tied word embeddings at PP > 1 without CUDA"):
+            recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3-qknorm-tied", {}, ids, pp=2)
     with pytest.raises(UnsupportedConfigError, match="sequence parallelism without tensor parallelism"):
         build_consistent_model(LLAMA, sequence_parallel=True)
     with pytest.raises(UnsupportedConfigError, match="context parallelism"):
@@ -186,6 +189,12 @@ def test_logits_and_logprobs_equal_across_tp_pp_llama(tmp_path):
 def test_logits_and_logprobs_equal_across_tp_pp_tp4(tmp_path):
     """tiny-llama with 4 KV heads: TP=4 x PP ∈ {1, 2} (8 ranks)."""
     _check_layouts(_mha_config(tmp_path), [(4, 1), (4, 2)], tmp_path)
+
+
+@pytest.mark.slow
+def test_logits_and_logprobs_equal_tp2_tied_qk_norm(tmp_path):
+    """tiny-qwen3-qknorm-tied (q/k RMSNorm per head, LM head = the embedding's vocabulary shard): TP=2, TP=2 + SP."""
+    _check_layouts(MODELS_DIR / "tiny-qwen3-qknorm-tied", [(2, 1), (2, 1, True)], tmp_path)
 
 
 @pytest.mark.slow

@@ -119,6 +119,9 @@ def check_tp_shapes(arch: ArchConfig, tp: int, pp: int) -> None:
         problems.append(f"vocab_size={arch.vocab_size} is not divisible by 8 (the vocab-parallel log-softmax has 8 segments)")
     if arch.num_layers % pp:
         problems.append(f"num_hidden_layers={arch.num_layers} is not divisible by PP={pp}")
+    if pp > 1 and arch.tie_word_embeddings and not torch.cuda.is_available():
+        problems.append("tied word embeddings at PP > 1 without CUDA (Megatron's setup_embeddings_and_output_layer "
+                        "synchronizes the first and last stage's copies on CUDA)")
     if problems:
         raise UnsupportedConfigError(f"TP={tp}, PP={pp} cannot split {arch.architecture}: " + "; ".join(problems))
 

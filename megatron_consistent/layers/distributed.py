@@ -76,6 +76,8 @@ def load_full_megatron_state(model, full: dict[str, torch.Tensor]) -> None:
     missing = []
     for name, p in model.named_parameters():
         g = _global_name(model, name)
+        if g == "output_layer.weight" and g not in full:  # tied embeddings: the last stage's copy (PP > 1)
+            g = "embedding.word_embeddings.weight"
         if g not in full:
             missing.append(g)
             continue
