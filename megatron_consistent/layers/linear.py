@@ -131,8 +131,9 @@ class _ConsistentLinearBase(nn.Module):
                 self.weight.copy_(tpar.shard_like(master.to(dtype), self.weight, rank, t))
         if bias:
             self.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype))
-            if self._row_parallel:  # replicated (added once, after the gather), as Megatron's RowParallelLinear
-                self.bias.sequence_parallel = False
+            if self._row_parallel:  # replicated (added once, after the gather), as Megatron's RowParallelLinear;
+                # under sequence parallelism each rank adds it to its chunk: partial gradient, all-reduced by Megatron
+                self.bias.sequence_parallel = self.sequence_parallel
             else:
                 _set_tp_attributes(self.bias, 0, stride)
         else:

@@ -33,9 +33,11 @@ Contract (``docs/parallel.md``):
 * **Vocab-parallel embedding** (Megatron's stock ``VocabParallelEmbedding``): a
   rank looks up the tokens of its vocabulary shard and writes zeros for the
   others; the all-reduce SUM then adds, per element, one looked-up value and
-  t-1 zeros.  ``x + 0 = x`` exactly in IEEE arithmetic (and any order of adding
-  zeros gives x), so the embedding is exact at any TP (a ``-0.0`` entry may come
-  back as ``+0.0``, which ``torch.equal`` treats as equal).
+  t-1 zeros.  ``x + 0 = x`` exactly in IEEE arithmetic for every x but -0.0 (and
+  any order of adding zeros gives x), so the embedding is exact at any TP; an
+  entry equal to -0.0 comes back as +0.0, a difference no later op sees (norms and
+  residual adds are row-wise; every linear's accumulator starts at +0.0, which
+  erases the sign of a zero), so logits and log-probs keep their bits.
 * **Vocab-parallel log-probs** (:func:`vocab_parallel_logprobs`): the LM head
   gives the rank's float32 logits shard; global max by all-reduce MAX (exact);
   the rank's subtree of the 8-segment sum-exp tree
