@@ -158,8 +158,8 @@ def test_config_and_architecture_problems(exported, tmp_path):
     hf = load_hf_config(MODELS_DIR / "tiny-llama")
     with pytest.raises(UnsupportedConfigError, match="unsupported architecture"):
         build_consistent_gpt_model({**hf, "architectures": ["FalconForCausalLM"]})
-    with pytest.raises(UnsupportedConfigError, match="tensor parallelism"):
-        build_consistent_gpt_model(hf, tensor_model_parallel_size=2)
+    with pytest.raises(UnsupportedConfigError, match="tensor parallelism of size 3"):
+        build_consistent_gpt_model(hf, tensor_model_parallel_size=3)
     # no pickle checkpoints
     pkl = tmp_path / "pickle"
     pkl.mkdir()

@@ -227,13 +227,15 @@ def test_spec_provider_protocol():
 
 def test_refusals_are_named():
     path = MODELS_DIR / "tiny-llama"
-    with pytest.raises(UnsupportedConfigError, match="tensor parallelism"):
+    with pytest.raises(UnsupportedConfigError, match="tensor parallelism of size 3"):
+        build_consistent_gpt_model(path, tensor_model_parallel_size=3)
+    with pytest.raises(UnsupportedConfigError, match="TP=2 x PP=1 needs"):
         build_consistent_gpt_model(path, tensor_model_parallel_size=2)
     with pytest.raises(UnsupportedConfigError, match="sequence parallelism"):
         build_consistent_gpt_model(path, sequence_parallel=True)
     with pytest.raises(UnsupportedConfigError, match="context parallelism"):
         build_consistent_gpt_model(path, context_parallel_size=2)
-    with pytest.raises(UnsupportedConfigError, match="pipeline parallelism"):
+    with pytest.raises(UnsupportedConfigError, match="TP=1 x PP=2 needs"):
         build_consistent_gpt_model(path, pipeline_model_parallel_size=2)
     hf = load_hf_config(path)
     with pytest.raises(UnsupportedConfigError, match="GPTNeoXForCausalLM"):

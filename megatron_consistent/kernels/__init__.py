@@ -11,7 +11,7 @@ from .causal_conv1d import CausalConv1d, causal_conv1d
 from .dispatch import NoConsistentKernelError, implementation, register
 from .gated_rms_norm import GatedRMSNorm, gated_rms_norm
 from .linear import K_BLOCK, ROW_PARALLEL_SEGMENTS, Linear, linear, linear_segments, row_parallel_linear
-from .logprobs import compute_logits, gather_logprobs, log_softmax, token_logprobs
+from .logprobs import VOCAB_SEGMENTS, compute_logits, gather_logprobs, log_softmax, sum_exp_subtree, token_logprobs
 from .paged_kv import gather_kv, write_kv
 from .relu_squared import ReluSquared, relu_squared
 from .rms_norm import RMSNorm, add_residual, rms_norm
@@ -24,7 +24,7 @@ __all__ = [
     "SiluAndMul", "add_residual", "apply_rope", "attention", "causal_positions", "compute_logits", "gather_kv", "gather_logprobs",
     "ROW_PARALLEL_SEGMENTS", "implementation", "inference_ops", "linear", "linear_segments", "row_parallel_linear",
     "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",
-    "silu_and_mul", "token_logprobs", "write_kv",
+    "silu_and_mul", "sum_exp_subtree", "token_logprobs", "VOCAB_SEGMENTS", "write_kv",
     "CausalConv1d", "GatedRMSNorm", "ReluSquared", "causal_conv1d", "gated_rms_norm", "mamba_dt", "relu_squared",
     "ssd_continue", "ssd_scan", "ssm_decay_rate",
 ]

@@ -41,7 +41,7 @@ def filter_kwargs(fn, kwargs: dict) -> dict:
 
 
 def make_transformer_config(arch: ArchConfig, dtype: torch.dtype, *, consistent: bool, **parallel):
-    """The Megatron ``TransformerConfig`` for ``arch`` (TP/PP/CP = 1, no dropout, no fusions, CPU init)."""
+    """The Megatron ``TransformerConfig`` for ``arch`` (no dropout, no fusions, CPU init; TP/PP/CP = 1 unless ``parallel``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -84,16 +84,46 @@ def make_transformer_config(arch: ArchConfig, dtype: torch.dtype, *, consistent:
     return TransformerConfig(**filter_kwargs(TransformerConfig, kwargs))
 
 
-def prepare_build(hf_config, dtype, parallel: dict) -> tuple[ArchConfig, torch.dtype]:
+PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
+                 "expert_model_parallel_size")
+
+
+def prepare_build(hf_config, dtype, parallel: dict, *, feature: str | None = None) -> tuple[ArchConfig, torch.dtype]:
+    """Validate the config and the parallel sizes (one named error before any work), then initialize the groups.
+
+    ``feature``: a model kind that supports no model parallelism (MoE, hybrid): TP / PP must be 1.
+    """
     arch = as_arch_config(hf_config)  # validates: UnsupportedConfigError before anything is built
-    check_parallel_sizes(
-        parallel.get("tensor_model_parallel_size", 1),
-        parallel.get("pipeline_model_parallel_size", 1),
-        parallel.get("context_parallel_size", 1),
-        parallel.get("sequence_parallel", False),
-    )
-    init_cpu_process_group()
+    unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
+    if unknown:
+        raise UnsupportedConfigError(f"unknown parallel settings {unknown} (known: {', '.join(PARALLEL_KEYS)})")
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    pp = parallel.get("pipeline_model_parallel_size", 1)
+    check_parallel_sizes(tp, pp, parallel.get("context_parallel_size", 1), parallel.get("sequence_parallel", False),
+                         parallel.get("expert_model_parallel_size", 1), feature=feature)
+    check_tp_shapes(arch, tp, pp)
+    init_cpu_process_group(tp, pp)
     return arch, dtype or arch.torch_dtype
+
+
+def check_tp_shapes(arch: ArchConfig, tp: int, pp: int) -> None:
+    """Refuse, by name, shapes a TP / PP layout cannot split (heads, KV groups, FFN, vocabulary, layers)."""
+    if tp == 1 and pp == 1:
+        return
+    problems = []
+    for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
+                    ("intermediate_size", arch.intermediate_size)):
+        if n % tp:
+            problems.append(f"{name}={n} is not divisible by TP={tp}")
+    if tp > 1 and arch.vocab_size % 8:
+        problems.append(f"vocab_size={arch.vocab_size} is not divisible by 8 (the vocab-parallel log-softmax has 8 segments)")
+    if arch.num_layers % pp:
+        problems.append(f"num_hidden_layers={arch.num_layers} is not divisible by PP={pp}")
+    if pp > 1 and arch.tie_word_embeddings and not torch.cuda.is_available():
+        problems.append("tied word embeddings at PP > 1 without CUDA (Megatron's setup_embeddings_and_output_layer "
+                        "synchronizes the first and last stage's copies on CUDA)")
+    if problems:
+        raise UnsupportedConfigError(f"TP={tp}, PP={pp} cannot split {arch.architecture}: " + "; ".join(problems))
 
 
 def seeded_build(seed: int, build):

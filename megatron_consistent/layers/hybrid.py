@@ -107,7 +107,7 @@ class ConsistentNoRopeCoreAttention(ConsistentCoreAttention):
     def __init__(self, *, config, layer_number: int = 1, attn_mask_type=None, attention_type: str = "self",
                  softmax_scale: float | None = None, **unused):
         nn.Module.__init__(self)
-        check_parallel_config(config)
+        check_parallel_config(config, feature="hybrid (Mamba) model")
         _check_attention_features(config, attention_type, attn_mask_type)
         self.layer_number = layer_number
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
@@ -144,7 +144,7 @@ class ConsistentMambaMixer(nn.Module):
     def __init__(self, config, d_model: int | None = None, layer_number: int | None = None, pg_collection=None,
                  pp_layer_offset: int = 0, *, ssm: SSMConfig | None = None, chunk_size: int = 128, **unused):
         super().__init__()
-        check_parallel_config(config)
+        check_parallel_config(config, feature="hybrid (Mamba) model")
         self.config = config
         self.ssm = s = ssm or ssm_config_from_transformer_config(config, chunk_size)
         d_model = d_model or config.hidden_size
@@ -390,7 +390,7 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
     the global RNG restored, CPU init, exact vocabulary, ``consistent_kind`` and
     ``arch_config`` attributes, float32 logits): ``compute_token_logprobs`` works on it.
     """
-    arch, dtype = prepare_build(hf_config, dtype, parallel)
+    arch, dtype = prepare_build(hf_config, dtype, parallel, feature="hybrid (Mamba) model")
     if not arch.is_hybrid:
         raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture; use build_consistent_model")
     config = make_hybrid_transformer_config(arch, dtype)

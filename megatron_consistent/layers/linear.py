@@ -1,4 +1,4 @@
-"""Column/row "parallel" linears for Megatron's TransformerLayer spec, at TP=1, calling :func:`kernels.linear`.
+"""Column/row parallel linears for Megatron's TransformerLayer spec (TP = 1, 2, 4, 8), calling :func:`kernels.linear`.
 
 Numerics contract: the column-parallel forward is exactly ``kernels.linear(x,
 weight, bias)`` (batch-invariant blocked float32 accumulation, bias added in
@@ -14,8 +14,22 @@ the HF layout.  Backward: the kernel's float32 matmuls; gradients land in
 Interface (Megatron's): ``forward(x [s, b, in]) -> (out [s, b, out], bias_or_None)``;
 with ``skip_bias_add=True`` the bias is returned instead of added.  Parameter
 names are ``weight`` ``[out, in]`` and ``bias`` ``[out]`` so state-dict keys match
-Megatron's ColumnParallelLinear / RowParallelLinear.  Tensor parallelism and
-sequence parallelism are refused by name.
+Megatron's ColumnParallelLinear / RowParallelLinear.
+
+Tensor parallelism (Megatron's sharding and parameter attributes; contract in
+:mod:`.tensor_parallel`): the column-parallel layer holds ``output_size / t``
+rows (``linear_fc1`` with stride 2: its gate shard then its up shard), runs
+``kernels.linear`` on them and all-reduces ``grad_x`` in backward; the
+row-parallel layer holds ``input_size / t`` columns and runs
+:func:`.tensor_parallel.row_parallel_forward` (rank subtree of the 8-segment K
+tree, float32 all-gather in rank order, top of the tree) — the bits of TP=1.
+Initialization follows Megatron's CPU recipe (float32 master of the full
+shape, then the rank's split), so a seeded build has the same full weights at
+every TP.  ``gather_output`` / ``input_is_parallel=False``
+at TP > 1, expert linears and FP8 at TP > 1 are refused by name.  Sequence
+parallelism: the column-parallel input is all-gathered along the sequence and
+the row-parallel output is the rank's sequence chunk of the same tree
+(:func:`.tensor_parallel.gather_tree_scatter_sequence`).
 """
 
 from __future__ import annotations
@@ -24,19 +38,12 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..kernels.linear import ROW_PARALLEL_SEGMENTS, check_segments
 from ..config import UnsupportedConfigError
 from .parallel import check_parallel_config
+from . import tensor_parallel as tpar
 
 __all__ = ["ConsistentColumnParallelLinear", "ConsistentRowParallelLinear", "sharded_state_dict_tp1"]
-
-
-def _tp_size(tp_group) -> int:
-    if tp_group is None:
-        return 1
-    try:
-        return tp_group.size()
-    except Exception:  # pragma: no cover - exotic group objects
-        return 1
 
 
 def _set_tp_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
@@ -82,12 +89,25 @@ class _ConsistentLinearBase(nn.Module):
         tp_comm_buffer_name: str | None = None,
         tp_group=None,
         skip_weight_param_allocation: bool = False,
+        gather_output: bool = False,
+        input_is_parallel: bool = True,
         **unused,
     ):
         super().__init__()
         check_parallel_config(config)
-        if _tp_size(tp_group) != 1:
-            raise UnsupportedConfigError(f"tensor parallelism (tp group of size {_tp_size(tp_group)}) is not supported by the consistent linear")
+        group = tpar.tp_group(tp_group)
+        t, rank = tpar.tp_size(group), tpar.tp_rank(group)
+        self.tp_group, self.tp_size, self.tp_rank = group, t, rank
+        if t > 1 and gather_output:
+            raise UnsupportedConfigError("gather_output=True at TP > 1 is not supported by the consistent column-parallel linear")
+        if t > 1 and self._row_parallel and not input_is_parallel:
+            raise UnsupportedConfigError("input_is_parallel=False at TP > 1 is not supported by the consistent row-parallel linear")
+        split = input_size if self._row_parallel else output_size
+        if split % (t * stride):
+            raise UnsupportedConfigError(f"{'input' if self._row_parallel else 'output'} size {split} is not divisible by TP={t}"
+                                         + (f" x stride {stride}" if stride > 1 else ""))
+        if self._row_parallel:
+            check_segments(input_size, ROW_PARALLEL_SEGMENTS)
         if is_expert:
             raise UnsupportedConfigError("expert (MoE) linears are not supported by the consistent layers")
         if skip_weight_param_allocation:
@@ -95,20 +115,27 @@ class _ConsistentLinearBase(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.skip_bias_add = skip_bias_add
         self.is_expert = False
-        self.sequence_parallel = False
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False)) and t > 1
         self.tp_comm_buffer_name = tp_comm_buffer_name
         dtype = config.params_dtype
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+        local_out = output_size if self._row_parallel else output_size // t
+        local_in = input_size // t if self._row_parallel else input_size
+        self.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=dtype))
+        _set_tp_attributes(self.weight, self._partition_dim, stride)
         if getattr(config, "perform_initialization", True) and init_method is not None:
-            # Same recipe (and RNG consumption) as Megatron's CPU initialization: float32 master, then cast.
+            # Same recipe (and RNG consumption) as Megatron's CPU initialization: float32 master of the full shape,
+            # cast, then this rank's split (tensor_parallel.shard_like, Megatron's _initialize_affine_weight_cpu split).
             master = torch.empty(output_size, input_size, dtype=torch.float32)
             init_method(master)
             with torch.no_grad():
-                self.weight.copy_(master.to(dtype))
-        _set_tp_attributes(self.weight, self._partition_dim, stride)
+                self.weight.copy_(tpar.shard_like(master.to(dtype), self.weight, rank, t))
         if bias:
-            self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype))
-            _set_tp_attributes(self.bias, 0, stride)
+            self.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype))
+            if self._row_parallel:  # replicated (added once, after the gather), as Megatron's RowParallelLinear;
+                # under sequence parallelism each rank adds it to its chunk: partial gradient, all-reduced by Megatron
+                self.bias.sequence_parallel = self.sequence_parallel
+            else:
+                _set_tp_attributes(self.bias, 0, stride)
         else:
             self.register_parameter("bias", None)
 
@@ -124,11 +151,20 @@ class _ConsistentLinearBase(nn.Module):
     def forward(self, x: torch.Tensor):
         fp8 = getattr(self, "fp8", None)  # layers/fp8.py enable_fp8: block-FP8 forward on the bf16 master, STE backward
         if fp8 is not None:
+            if self.tp_size > 1:
+                raise UnsupportedConfigError("FP8 linears at TP > 1 are not supported by the consistent layers")
             return (fp8(x, self.weight, None), self.bias) if self.skip_bias_add else (fp8(x, self.weight, self.bias), None)
-        fn = kernels.row_parallel_linear if self._row_parallel else kernels.linear
-        if self.skip_bias_add:
-            return fn(x, self.weight), self.bias
-        return fn(x, self.weight, self.bias), None
+        bias = None if self.skip_bias_add else self.bias
+        if self._row_parallel:
+            if self.sequence_parallel:  # keyword only when used: a patched row_parallel_forward may not take it
+                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group, sequence_parallel=True)
+            else:
+                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group)
+        elif self.sequence_parallel:
+            y = kernels.linear(tpar.gather_sequence(x, self.tp_group), self.weight, bias)
+        else:
+            y = kernels.linear(tpar.copy_to_tp(x, self.tp_group), self.weight, bias)
+        return (y, self.bias) if self.skip_bias_add else (y, None)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         axis = {"weight": 0, "bias": 0} if self._partition_dim == 0 else {"weight": 1}

@@ -30,6 +30,7 @@ from .builder import CONSISTENT, STOCK, as_arch_config, filter_kwargs, make_tran
 from .hybrid import build_consistent_hybrid_model
 from .output import ConsistentOutputLayer
 from .spec import get_consistent_gpt_block_spec
+from .tensor_parallel import sequence_parallel_embedding, vocab_parallel_logprobs
 
 __all__ = [
     "build_consistent_gpt_model",
@@ -47,18 +48,39 @@ def _gpt_model_class():
     return GPTModel
 
 
+def _layers_in_stage(config, arch: ArchConfig) -> int:
+    """Decoder layers this pipeline stage builds (all of them at PP = 1)."""
+    if getattr(config, "pipeline_model_parallel_size", 1) == 1:
+        return arch.num_layers
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    return get_num_layers_to_build(config)
+
+
+def _stage_layer_offset(config) -> int:
+    """Global index of this pipeline stage's first decoder layer (0 at PP = 1)."""
+    if getattr(config, "pipeline_model_parallel_size", 1) == 1:
+        return 0
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(config)
+
+
 def _new_gpt_model(GPTModel, arch: ArchConfig, config, spec, **extra):
-    """``GPTModel`` for ``arch``: single stage, full vocabulary, output (un)tied as in the config.
+    """``GPTModel`` for ``arch``: this pipeline stage (``pre_process`` / ``post_process`` from Megatron's
+    ``parallel_state``), the rank's vocabulary shard (``parallel_output=True``), output (un)tied as in the config.
 
     ``extra``: the position-embedding arguments (consistent: ``"none"``; stock: Megatron's RoPE).
     """
+    from megatron.core import parallel_state
+
     kwargs = dict(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         **extra,
@@ -74,8 +96,10 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     ``hf_config``: HF config dict, :class:`ArchConfig`, or path.  ``dtype``
     defaults to the config's.  ``parallel`` may name
     ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
-    ``context_parallel_size`` / ``sequence_parallel`` — anything but 1/False
-    is refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
+    ``context_parallel_size`` / ``sequence_parallel``: TP ∈ {1, 2, 4, 8}, any PP and
+    sequence parallelism (TP > 1) are supported for dense and MoE (experts replicated) configs (``torch.distributed`` initialized by the caller
+    with world size TP x PP; contract in ``docs/parallel.md``); CP, EP, and TP/PP > 1
+    for hybrid configs are refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
     ``None`` = :data:`.moe_megatron.DEFAULT_MOE_IMPL` where supported.  Hybrid Mamba-2 / Nemotron-H
@@ -89,25 +113,46 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
         if moe_impl not in (None, "module"):
             raise UnsupportedConfigError(f"moe_impl={moe_impl!r} is not supported for the hybrid {arch.architecture} (module only)")
         return build_consistent_hybrid_model(arch, seed=seed, dtype=dtype, **parallel)
+    model_parallel = parallel.get("tensor_model_parallel_size", 1) != 1 or parallel.get("pipeline_model_parallel_size", 1) != 1
+    if arch.is_moe and model_parallel:
+        if moe_impl == "megatron":
+            raise UnsupportedConfigError(
+                "moe_impl='megatron' with TP/PP > 1 is not supported: Megatron's MoELayer refuses training at TP > 1 "
+                "without sequence parallelism (moe_layer.py) and its TP dispatch was not verified against the consistent "
+                "combine; use moe_impl='module' (experts replicated on every TP rank)")
+        moe_impl = "module"
     arch, dtype = prepare_build(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
-    config = make_transformer_config(arch, dtype, consistent=True, **moe_kwargs)
+    sizes = {k: parallel[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel")
+             if k in parallel}
+    config = make_transformer_config(arch, dtype, consistent=True, **moe_kwargs, **sizes)
     GPTModel = _gpt_model_class()
-    block_spec = get_consistent_gpt_block_spec(arch.num_layers, arch.qk_norm, rope=arch.rope)
+    if config.sequence_parallel and not torch.cuda.is_available():
+        from .cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()  # the sequence-parallel block forks Megatron's CUDA RNG tracker (no RNG is drawn: dropout 0)
+    block_spec = get_consistent_gpt_block_spec(_layers_in_stage(config, arch), arch.qk_norm, rope=arch.rope)
     if arch.is_moe:  # MoE layers: the mlp slot is Megatron's MoELayer (layers/moe_megatron.py) or our block (layers/moe.py)
         if moe_impl == "megatron":
             from .moe_megatron import megatron_moe_layer_spec as moe_layer_spec
         else:
             from .moe import moe_layer_spec
 
-        block_spec.layer_specs = [moe_layer_spec(s, arch) if arch.layer_is_moe(i) else s for i, s in enumerate(block_spec.layer_specs)]
+        offset = _stage_layer_offset(config)  # layer_is_moe takes the global layer index
+        block_spec.layer_specs = [moe_layer_spec(s, arch) if arch.layer_is_moe(offset + i) else s
+                                  for i, s in enumerate(block_spec.layer_specs)]
 
     def build():
         model = _new_gpt_model(GPTModel, arch, config, block_spec, position_embedding_type="none")
-        model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
+        if model.post_process:
+            model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
+        if model.pre_process and config.sequence_parallel:
+            sequence_parallel_embedding(model.embedding)
         return model
 
     model = seeded_build(seed, build)
+    model.parallel_sizes = (sizes.get("tensor_model_parallel_size", 1), sizes.get("pipeline_model_parallel_size", 1))
+    model.sequence_parallel = bool(sizes.get("sequence_parallel", False))
     model.consistent_kind = CONSISTENT
     model.arch_config = arch
     model.moe_impl = moe_impl
@@ -192,8 +237,10 @@ def compute_token_logprobs(model, input_ids: torch.Tensor, temperature: float = 
     """
     if getattr(model, "consistent_kind", None) != CONSISTENT:
         raise ValueError("compute_token_logprobs needs a model from build_consistent_model; use compute_stock_token_logprobs for the stock baseline")
-    logits = model(input_ids, _positions(input_ids), None)  # [b, s, V] float32
-    return kernels.gather_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    if getattr(model, "parallel_sizes", (1, 1))[1] != 1:
+        raise ValueError("compute_token_logprobs runs a single-stage model; at PP > 1 use layers.distributed.stage_logprobs")
+    logits = model(input_ids, _positions(input_ids), None)  # [b, s, V/TP] float32 (this rank's vocabulary shard)
+    return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
 
 
 def compute_stock_token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

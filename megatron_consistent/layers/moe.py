@@ -10,7 +10,8 @@ float32 combine in slot order, one rounding), plus the optional shared expert
 with its sigmoid gate (Qwen2-MoE).
 
 Scope, honestly: this module runs all experts in-process (expert parallel
-size 1, TP 1).  Megatron's token dispatchers (all-gather / all-to-all) are
+size 1; at TP > 1 every TP rank holds and runs all experts — replicated, the
+TP = 1 bits — see docs/parallel.md).  Megatron's token dispatchers (all-gather / all-to-all) are
 not used, so no claim is made about them; at EP=1 there is nothing to
 dispatch, and every token's expert result is independent of which other
 tokens share the expert (row-invariant linear), which is what a dispatcher

@@ -32,12 +32,12 @@ class ConsistentRMSNorm(nn.Module):
             raise UnsupportedConfigError(f"unsupported normalization {normalization!r} (the consistent layers implement RMSNorm)")
         if getattr(config, "zero_centered_gamma", False):
             raise UnsupportedConfigError("unsupported feature: zero_centered_gamma")
-        if getattr(config, "sequence_parallel", False):
-            raise UnsupportedConfigError("sequence parallelism (sequence_parallel=True) is not supported")
         self.hidden_size = hidden_size
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        self.weight.sequence_parallel = False
+        # sequence parallelism: each TP rank sees its sequence chunk, so the weight's gradient is partial there;
+        # Megatron's finalize_model_grads all-reduces the parameters marked so over the TP group
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)

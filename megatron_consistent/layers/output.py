@@ -9,6 +9,13 @@ module owns no parameter; otherwise it owns ``weight [V, H]`` (state-dict key
 
 Interface (Megatron's): ``forward(hidden [s, b, H], weight=None,
 runtime_gather_output=None) -> (logits [s, b, V] float32, None)``.
+
+Tensor parallelism: the weight is the rank's vocabulary shard ``[V/t, H]``
+(Megatron's ColumnParallelLinear / VocabParallelEmbedding rows); the forward
+gives that shard's float32 logits (bits of the full logits' columns: each
+logit is its own dot product) and all-reduces ``grad_hidden`` in backward.
+``runtime_gather_output=True`` at TP > 1 is refused: the log-probs are
+computed on the shards (:func:`.tensor_parallel.vocab_parallel_logprobs`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from torch import nn
 
 from .. import kernels
 from ..config import UnsupportedConfigError
+from . import tensor_parallel as tpar
 from .linear import sharded_state_dict_tp1
 
 __all__ = ["ConsistentOutputLayer"]
@@ -29,11 +37,13 @@ class ConsistentOutputLayer(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, weight: nn.Parameter | None = None):
         super().__init__()
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
-        self.sequence_parallel = False
+        self.tp_group = tpar.tp_group()
+        self.tp_size = tpar.tp_size(self.tp_group)
+        self.sequence_parallel = False  # set by from_megatron from the stock layer (config.sequence_parallel)
         self.skip_bias_add = False
         if weight is not None:
-            if tuple(weight.shape) != (vocab_size, hidden_size):
-                raise ValueError(f"output weight has shape {tuple(weight.shape)}, expected {(vocab_size, hidden_size)}")
+            if tuple(weight.shape) != (vocab_size // self.tp_size, hidden_size):
+                raise ValueError(f"output weight has shape {tuple(weight.shape)}, expected {(vocab_size // self.tp_size, hidden_size)}")
             self.weight = weight
         else:
             self.register_parameter("weight", None)
@@ -52,16 +62,22 @@ class ConsistentOutputLayer(nn.Module):
         if getattr(stock, "bias", None) is not None:
             raise UnsupportedConfigError("unsupported feature: a bias on the output layer")
         weight = getattr(stock, "weight", None)
-        out = getattr(stock, "output_size", None) or (weight.shape[0] if weight is not None else None)
+        out = getattr(stock, "output_size", None) or (weight.shape[0] * tpar.tp_size() if weight is not None else None)
         hidden = getattr(stock, "input_size", None) or (weight.shape[1] if weight is not None else None)
-        return cls(hidden, out, weight)
+        layer = cls(hidden, out, weight)
+        layer.sequence_parallel = bool(getattr(stock, "sequence_parallel", False)) and layer.tp_size > 1
+        return layer
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
         if weight is None:
             weight = self.weight
         if weight is None:
             raise ValueError("ConsistentOutputLayer: no weight (tied embeddings need weight= from the model)")
-        return kernels.compute_logits(hidden, weight), None
+        if runtime_gather_output and self.tp_size > 1:
+            raise UnsupportedConfigError("runtime_gather_output=True at TP > 1: the consistent log-probs work on vocabulary shards")
+        if self.sequence_parallel:  # [s/t, b, H] sequence chunks -> the whole sequence (concatenation)
+            return kernels.compute_logits(tpar.gather_sequence(hidden, self.tp_group), weight), None
+        return kernels.compute_logits(tpar.copy_to_tp(hidden, self.tp_group), weight), None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         if self.weight is None:

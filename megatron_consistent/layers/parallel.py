@@ -1,15 +1,26 @@
-"""Megatron process groups for the consistent CPU path: one process, world size 1.
+"""Megatron process groups for the consistent CPU path, and the parallel sizes the consistent layers accept.
 
-The consistent layers implement tensor-parallel size 1 only.  Tensor
-parallelism (TP > 1), sequence parallelism, context parallelism and pipeline
-parallelism are refused by name (:class:`UnsupportedConfigError`) — a split
-GEMM or a split attention would change the reduction order and with it the
-bits.
+Supported: tensor parallelism TP ∈ {1, 2, 4, 8} (the row-parallel K tree and the
+vocabulary log-softmax tree have 8 segments, so t must divide 8; shapes must
+divide too — checked where the layer is built) and pipeline parallelism
+(stages pass activations unchanged, so any PP size is neutral; tested at 2),
+for the GPT layers (dense, and MoE with ``moe_impl="module"``: experts replicated on
+every TP rank).  See ``docs/parallel.md`` for the contract.
 
-Initialization uses gloo over an in-process ``HashStore`` (no TCP port, no
-file), so concurrent pytest processes never collide; it runs once per process
-and is a no-op when ``torch.distributed`` and Megatron's ``parallel_state`` are
-already initialized (e.g. by a launcher), provided the sizes are 1.
+Sequence parallelism (TP > 1) is supported by the same layers.
+
+Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1,
+context parallelism, expert parallelism, TP other than 1/2/4/8, and — at
+TP > 1 or PP > 1 — Megatron's MoELayer (``moe_impl="megatron"``), hybrid
+(Mamba) models and FP8 (their modules call :func:`check_parallel_config` with
+a ``feature`` name).
+
+Initialization: world size 1 uses gloo over an in-process ``HashStore`` (no
+TCP port, no file), so concurrent pytest processes never collide; a larger
+world must already be initialized by the caller (e.g.
+:func:`megatron_consistent.layers.tensor_parallel.recompute_logprobs_parallel`)
+with ``world_size == TP * PP``.  Megatron's ``parallel_state`` is initialized
+once with those sizes, and checked against them when already initialized.
 """
 
 from __future__ import annotations
@@ -19,7 +30,9 @@ import torch.distributed as dist
 
 from ..config import UnsupportedConfigError
 
-__all__ = ["check_parallel_sizes", "check_parallel_config", "init_cpu_process_group"]
+__all__ = ["SUPPORTED_TP_SIZES", "check_parallel_sizes", "check_parallel_config", "init_cpu_process_group"]
+
+SUPPORTED_TP_SIZES = (1, 2, 4, 8)
 
 
 def check_parallel_sizes(
@@ -28,24 +41,35 @@ def check_parallel_sizes(
     context_parallel_size: int = 1,
     sequence_parallel: bool = False,
     expert_model_parallel_size: int = 1,
+    *,
+    feature: str | None = None,
 ) -> None:
-    """Refuse every parallelism the consistent layers do not implement, naming it."""
+    """Refuse every parallelism the consistent layers do not implement, naming it.
+
+    ``feature``: a part that supports no model parallelism at all (e.g. ``"MoE"``, ``"hybrid (Mamba)"``,
+    ``"FP8"``): then TP and PP must be 1 too.
+    """
     refused = []
-    if tensor_model_parallel_size != 1:
-        refused.append(f"tensor parallelism (tensor_model_parallel_size={tensor_model_parallel_size})")
-    if pipeline_model_parallel_size != 1:
-        refused.append(f"pipeline parallelism (pipeline_model_parallel_size={pipeline_model_parallel_size})")
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp not in SUPPORTED_TP_SIZES:
+        refused.append(f"tensor parallelism of size {tp} (tensor_model_parallel_size must divide 8: 1, 2, 4 or 8)")
+    if pp < 1:
+        refused.append(f"pipeline_model_parallel_size={pp}")
     if context_parallel_size != 1:
         refused.append(f"context parallelism (context_parallel_size={context_parallel_size})")
-    if sequence_parallel:
-        refused.append("sequence parallelism (sequence_parallel=True)")
+    if sequence_parallel and tp == 1:
+        refused.append("sequence parallelism without tensor parallelism (sequence_parallel=True needs TP > 1)")
     if expert_model_parallel_size != 1:
         refused.append(f"expert parallelism (expert_model_parallel_size={expert_model_parallel_size})")
     if refused:
-        raise UnsupportedConfigError("the consistent Megatron layers support none of: " + "; ".join(refused) + " — only size 1")
+        raise UnsupportedConfigError("the consistent Megatron layers do not support: " + "; ".join(refused))
+    if feature is not None and (tp != 1 or pp != 1):
+        raise UnsupportedConfigError(
+            f"{feature} with model parallelism (tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}) "
+            "is not supported by the consistent layers — only TP = PP = 1 (dense GPT layers support TP/PP)")
 
 
-def check_parallel_config(config) -> None:
+def check_parallel_config(config, *, feature: str | None = None) -> None:
     """:func:`check_parallel_sizes` on a Megatron ``TransformerConfig`` / ``ModelParallelConfig``."""
     check_parallel_sizes(
         getattr(config, "tensor_model_parallel_size", 1),
@@ -53,6 +77,7 @@ def check_parallel_config(config) -> None:
         getattr(config, "context_parallel_size", 1),
         bool(getattr(config, "sequence_parallel", False)),
         getattr(config, "expert_model_parallel_size", 1),
+        feature=feature,
     )
 
 
@@ -61,25 +86,31 @@ def init_cpu_process_group(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
 ) -> None:
-    """Initialize ``torch.distributed`` (gloo, world size 1) and Megatron model parallel (all sizes 1), once."""
-    check_parallel_sizes(tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+    """Initialize ``torch.distributed`` (gloo; world size 1 unless the caller did) and Megatron model parallel, once."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    check_parallel_sizes(tp, pp, context_parallel_size)
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
+        if tp * pp != 1:
+            raise UnsupportedConfigError(
+                f"TP={tp} x PP={pp} needs torch.distributed initialized with world size {tp * pp} by the caller "
+                "(see layers.tensor_parallel.recompute_logprobs_parallel)")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != 1:
+    elif dist.get_world_size() != tp * pp:
         raise UnsupportedConfigError(
-            f"torch.distributed is initialized with world size {dist.get_world_size()}; the consistent CPU path needs world size 1"
-        )
+            f"torch.distributed is initialized with world size {dist.get_world_size()}; "
+            f"TP={tp} x PP={pp} needs world size {tp * pp} (data parallelism is not set up by the consistent layers)")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(tp, pp)
         if torch.cuda.is_available():  # Megatron's stock core attention forks the model-parallel CUDA RNG state on GPU
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(0)
     else:
-        check_parallel_sizes(
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_context_parallel_world_size(),
-        )
+        got = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+               parallel_state.get_context_parallel_world_size())
+        check_parallel_sizes(*got)
+        if got[:2] != (tp, pp):
+            raise UnsupportedConfigError(f"Megatron parallel_state is initialized with TP={got[0]}, PP={got[1]}; "
+                                         f"this model asks for TP={tp}, PP={pp}")

@@ -1,0 +1,253 @@
+"""Running the consistent model at a TP x PP layout on CPU (gloo), and recomputing token log-probs there.
+
+* :func:`spawn_ranks` — ``TP * PP`` processes (``torch.multiprocessing`` spawn), each with
+  ``torch.distributed`` (gloo, a ``FileStore`` in a work folder: no TCP port) and one thread;
+  nothing is pickled but the worker function's name and plain strings / ints — tensors travel
+  as safetensors files in the work folder or through ``torch.distributed``.
+* :func:`build_parallel_model` — in a rank: the consistent model at that layout, loaded from
+  an HF safetensors checkpoint (each rank takes its Megatron shard of the full tensors).
+* :func:`stage_forward` / :func:`stage_logprobs` — one pipeline stage: receives the previous
+  stage's activations (``dist.recv``), runs, sends its output on (``dist.send``); the
+  activations pass unchanged, so PP is bitwise neutral.
+* :func:`recompute_logprobs_parallel` — all of the above from the caller's process.
+
+Why not Megatron's ``get_forward_backward_func`` schedules: their point-to-point layer
+allocates its receive buffers with ``device=torch.cuda.current_device()`` and the schedules
+assume CUDA streams, so they do not run on a CPU-only gloo job; :func:`stage_forward` moves
+the same tensors with ``dist.send`` / ``dist.recv`` (no arithmetic on them either way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .. import kernels
+from ..config import ArchConfig
+from . import tensor_parallel as tpar
+
+__all__ = ["build_parallel_model", "gather_vocab", "load_full_megatron_state", "megatron_state_from_hf",
+           "recompute_logprobs_parallel", "spawn_ranks", "stage_forward", "stage_logprobs"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def read_hf_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors checkpoint folder (single file or sharded index) or one ``.safetensors`` file."""
+    from ..conversion.hf import _checkpoint_files
+
+    path = Path(path)
+    files = [path] if path.is_file() else _checkpoint_files(path)[0]
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def megatron_state_from_hf(arch: ArchConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full (TP=1, global layer numbering) Megatron tensors of HF tensors, by the weight table's joins."""
+    from ..conversion.hf import _join, _plan
+
+    return {m: _join(arch, kind, [hf[n] for n in names]) for m, names, kind in _plan(arch)}
+
+
+def _global_name(model, name: str) -> str:
+    """``decoder.layers.<local>.`` -> ``decoder.layers.<global>.`` (pipeline stages number their layers from 0)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "decoder" and parts[1] == "layers":
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+@torch.no_grad()
+def load_full_megatron_state(model, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's piece (TP shard, PP stage) of the full Megatron tensors into ``model``, in place."""
+    rank, size = tpar.tp_rank(), tpar.tp_size()
+    missing = []
+    for name, p in model.named_parameters():
+        g = _global_name(model, name)
+        if g == "output_layer.weight" and g not in full:  # tied embeddings: the last stage's copy (PP > 1)
+            g = "embedding.word_embeddings.weight"
+        if g not in full:
+            missing.append(g)
+            continue
+        piece = tpar.shard_like(full[g], p, rank, size)
+        if tuple(piece.shape) != tuple(p.shape):
+            raise ValueError(f"{g}: shard of shape {tuple(piece.shape)} for a parameter of shape {tuple(p.shape)}")
+        p.data.copy_(piece.to(p.dtype))
+    if missing:
+        raise ValueError(f"the weights lack {missing[:8]}")
+
+
+def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
+                         seed: int = 0, sequence_parallel: bool = False):
+    """In a rank of a ``TP * PP`` gloo job: the consistent model of this rank (weights: HF checkpoint path or HF
+    tensors dict; ``None`` keeps the seeded initialization)."""
+    from .model import build_consistent_model
+
+    model = build_consistent_model(hf_config, seed=seed, dtype=dtype, tensor_model_parallel_size=tp,
+                                   pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel)
+    if weights is not None:
+        hf = weights if isinstance(weights, dict) else read_hf_tensors(weights)
+        load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, hf))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- one stage
+def stage_forward(model, input_ids: torch.Tensor):
+    """This pipeline stage's forward: float32 logits shard ``[b, s, V/TP]`` on the last stage, ``None`` elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    b, s = input_ids.shape
+    positions = kernels.causal_positions(b, s, device=input_ids.device)
+    t = tpar.tp_size()
+    if getattr(model, "sequence_parallel", False) and s % t:
+        raise ValueError(f"sequence parallelism: sequence length {s} is not divisible by TP={t}")
+    if not model.pre_process:
+        chunk = s // t if getattr(model, "sequence_parallel", False) else s
+        h = torch.empty(chunk, b, model.config.hidden_size, dtype=model.config.params_dtype)
+        dist.recv(h, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(h)
+    out = model(input_ids, positions, None)
+    if not model.post_process:
+        dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    return out
+
+
+def stage_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0):
+    """float32 ``[b, s-1]`` token log-probs on the last stage (``None`` elsewhere), vocab-parallel at TP > 1."""
+    logits = stage_forward(model, input_ids)
+    if logits is None:
+        return None
+    return tpar.vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+
+
+def gather_vocab(shard: torch.Tensor) -> torch.Tensor:
+    """The full last axis from the TP ranks' contiguous shards (all-gather + concatenation: no arithmetic)."""
+    group = tpar.tp_group()
+    if tpar.tp_size(group) == 1:
+        return shard
+    parts = [torch.empty_like(shard.contiguous()) for _ in range(tpar.tp_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------- processes
+def _rank_main(rank: int, worker, workdir: str, world: int, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    store = dist.FileStore(str(Path(workdir) / "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        worker(rank, workdir, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(worker, world: int, workdir, *args) -> None:
+    """Run ``worker(rank, workdir, *args)`` in ``world`` spawned processes joined by gloo (FileStore in ``workdir``).
+
+    ``worker`` must be importable by name (module level); ``args``: plain values (str / int / float / bool).
+    """
+    import torch.multiprocessing as mp
+
+    for a in args:
+        if not isinstance(a, (str, int, float, bool, type(None))):
+            raise TypeError(f"spawn_ranks passes plain values only (tensors go through files), got {type(a).__name__}")
+    store = Path(workdir) / "store"
+    if store.exists():
+        store.unlink()
+    mp.start_processes(_rank_main, args=(worker, str(workdir), world, args), nprocs=world, join=True, start_method="spawn")
+
+
+def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    work = Path(workdir)
+    job = json.loads((work / "job.json").read_text())
+    model = build_parallel_model(job["config"], job["weights"], tp=tp, pp=pp, dtype=_DTYPES[job["dtype"]] if job["dtype"] else None,
+                                 sequence_parallel=job["sequence_parallel"])
+    model.eval()
+    ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
+    with torch.no_grad():
+        logits = stage_forward(model, ids)
+        if logits is not None:
+            lp = tpar.vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], job["temperature"])
+            out = {"logprobs": lp.contiguous()}
+            if job["return_logits"]:
+                out["logits"] = gather_vocab(logits).contiguous()
+            if ps.get_tensor_model_parallel_rank() == 0:
+                save_file(out, str(work / "out.safetensors"))
+
+
+def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, tp: int = 1, pp: int = 1,
+                                dtype: torch.dtype | None = None, temperature: float = 1.0, return_logits: bool = False,
+                                sequence_parallel: bool = False, workdir=None):
+    """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp`` (CPU, gloo).
+
+    ``hf_config``: path to an HF config (folder with config.json, or the file) or an HF config dict.
+    ``weights``: path to an HF safetensors checkpoint (folder or file) or a dict of HF-named tensors.
+    ``input_ids``: int ``[b, s]`` (or a list of equal-length token lists).
+    Returns float32 ``[b, s-1]``: log p(ids[:, t+1] | ids[:, :t+1]) — bitwise the TP=1 / PP=1 values
+    (and those of the vLLM plugin for the same weights); with ``return_logits=True`` also the full float32
+    logits ``[b, s, V]``.  ``sequence_parallel`` (TP > 1; s divisible by TP): Megatron's sequence parallelism,
+    same bits.  Spawns ``tp * pp`` processes; ``workdir`` (default: a temporary folder) holds
+    the job files.  Unsupported layouts raise ``UnsupportedConfigError`` in the caller before any process starts.
+    """
+    from .builder import as_arch_config, check_tp_shapes
+    from .parallel import check_parallel_sizes
+
+    arch = as_arch_config(hf_config)
+    check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
+    check_tp_shapes(arch, tp, pp)
+    ids = torch.as_tensor(input_ids, dtype=torch.int64)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got {tuple(ids.shape)}")
+    if sequence_parallel and ids.shape[1] % tp:
+        raise ValueError(f"sequence parallelism: sequence length {ids.shape[1]} is not divisible by TP={tp}")
+    with tempfile.TemporaryDirectory() if workdir is None else _nullcontext(workdir) as wd:
+        work = Path(wd)
+        work.mkdir(parents=True, exist_ok=True)
+        config = hf_config if isinstance(hf_config, dict) else None
+        config_path = str(Path(hf_config)) if config is None else str(work / "config.json")
+        if config is not None:
+            (work / "config.json").write_text(json.dumps(config))
+        if isinstance(weights, dict):
+            save_file({k: v.contiguous() for k, v in weights.items()}, str(work / "weights.safetensors"))
+            weights_path = str(work / "weights.safetensors")
+        else:
+            weights_path = str(Path(weights))
+        save_file({"input_ids": ids.contiguous()}, str(work / "inputs.safetensors"))
+        dname = {v: k for k, v in _DTYPES.items()}.get(dtype) if dtype is not None else None
+        job = {"config": config_path, "weights": weights_path, "dtype": dname, "temperature": float(temperature),
+               "return_logits": bool(return_logits), "sequence_parallel": bool(sequence_parallel)}
+        (work / "job.json").write_text(json.dumps(job))
+        out_file = work / "out.safetensors"
+        if out_file.exists():
+            out_file.unlink()
+        spawn_ranks(_recompute_worker, tp * pp, work, tp, pp)
+        out = load_file(str(out_file))
+    return (out["logprobs"], out["logits"]) if return_logits else out["logprobs"]
+
+
+class _nullcontext:
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,313 @@
+"""Tensor-parallel communication of the consistent layers (gloo or NCCL; CPU tested), in a fixed order.
+
+Contract (``docs/parallel.md``):
+
+* **Column-parallel** linear (``linear_qkv``, ``linear_fc1``; Megatron's
+  sharding: output rows split, ``linear_fc1`` as gate shard | up shard): each
+  output feature is one independent dot product, so the local forward is
+  :func:`kernels.linear` on the rank's rows — no communication.  Backward:
+  :func:`copy_to_tp` all-reduces ``grad_x`` (SUM, any order: gradients are held
+  to the float64-reference tolerance, not to bits).
+* **Row-parallel** linear (``linear_proj``, ``linear_fc2``; input columns split):
+  rank r holds K columns ``[r K/t, (r+1) K/t)`` = segments ``r 8/t ... (r+1) 8/t - 1``
+  of the :func:`kernels.row_parallel_linear` tree; it computes its float32
+  subtree, :func:`gather_tree` all-gathers the t subtree values **in rank order**
+  (``all_gather``, never ``all_reduce``, whose order is not ours) and reduces them
+  by ``adjacent_tree_sum``; bias in float32; one rounding.  Bits = TP=1.
+  Backward: the gathered sum's gradient is the output gradient itself on every
+  rank, so ``grad_x`` is the rank's local K slice (no communication).
+* **Sequence parallelism** (``sequence_parallel=True``, TP > 1): outside the
+  linears the activations are sequence shards ``[s/t, b, H]`` (norms, residual
+  adds: row-wise ops, unchanged bits).  A column-parallel input (and the LM head's)
+  is all-gathered along the sequence (:func:`gather_sequence`: concatenation, exact;
+  backward: all-reduce + own chunk = Megatron's reduce-scatter of ``grad_x``).  A
+  row-parallel output, Megatron's reduce-scatter, is
+  :func:`gather_tree_scatter_sequence`: the float32 subtrees of all ranks are
+  all-gathered in rank order, the top of the tree is computed over the whole
+  sequence and the rank keeps its chunk — the same bits as TP=1 (t times the
+  bytes of a reduce-scatter; the order of a reduce-scatter is not ours).  The
+  embedding's reduce-scatter adds one value and zeros: exact, as below; on CPU
+  Megatron's reduce-scatter allocates on CUDA, so :func:`sequence_parallel_embedding`
+  replaces it by the embedding's all-reduce (exact) and :func:`scatter_sequence`
+  (the rank's chunk: slicing).
+* **Vocab-parallel embedding** (Megatron's stock ``VocabParallelEmbedding``): a
+  rank looks up the tokens of its vocabulary shard and writes zeros for the
+  others; the all-reduce SUM then adds, per element, one looked-up value and
+  t-1 zeros.  ``x + 0 = x`` exactly in IEEE arithmetic for every x but -0.0 (and
+  any order of adding zeros gives x), so the embedding is exact at any TP; an
+  entry equal to -0.0 comes back as +0.0, a difference no later op sees (norms and
+  residual adds are row-wise; every linear's accumulator starts at +0.0, which
+  erases the sign of a zero), so logits and log-probs keep their bits.
+* **Vocab-parallel log-probs** (:func:`vocab_parallel_logprobs`): the LM head
+  gives the rank's float32 logits shard; global max by all-reduce MAX (exact);
+  the rank's subtree of the 8-segment sum-exp tree
+  (:func:`kernels.sum_exp_subtree`), float32 all-gather in rank order, top of the
+  tree; the target token's log-prob is all-gathered from the rank that owns it
+  (a selection, no arithmetic).  Bits = TP=1 (:func:`kernels.log_softmax`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels
+from ..kernels.logprobs import VOCAB_SEGMENTS, scale_by_temperature, sum_exp_subtree
+from ..kernels.numerics import adjacent_tree_sum, log
+
+__all__ = ["copy_to_tp", "gather_sequence", "gather_tree", "gather_tree_scatter_sequence", "row_parallel_forward",
+           "scatter_sequence", "sequence_parallel_embedding", "shard_like", "tp_group", "tp_rank", "tp_size",
+           "unshard_like", "vocab_parallel_logprobs"]
+
+
+def tp_group(group=None):
+    """``group`` or Megatron's tensor-model-parallel group (``None`` when Megatron is not initialized)."""
+    if group is not None:
+        return group
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def tp_size(group=None) -> int:
+    g = tp_group(group)
+    return 1 if g is None else dist.get_world_size(g)
+
+
+def tp_rank(group=None) -> int:
+    g = tp_group(group)
+    return 0 if g is None else dist.get_rank(g)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Forward identity; backward all-reduce SUM of the gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """The input of a column-parallel linear (identity forward, all-reduced ``grad_x`` backward)."""
+    if group is None or dist.get_world_size(group) == 1 or not torch.is_grad_enabled():
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """``[t, *x.shape]``: every rank's ``x`` in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.stack(parts)
+
+
+class _GatherTree(torch.autograd.Function):
+    """Forward: all-gather of the ranks' float32 subtree values in rank order, reduced by ``adjacent_tree_sum``.
+
+    Backward: the output is the sum of the ranks' values, so each rank's value gets the output gradient (the same
+    tensor on every rank, since every rank computes the same replicated output).
+    """
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        return adjacent_tree_sum(_all_gather(partial, group), dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def gather_tree(partial: torch.Tensor, group) -> torch.Tensor:
+    """Top of the tree: the t ranks' float32 ``partial`` values, in rank order, by ``adjacent_tree_sum``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return partial
+    return _GatherTree.apply(partial, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather of the ranks' sequence chunks (dim 0) in rank order; backward: SUM of the ranks'
+    gradients, this rank's chunk (Megatron's reduce-scatter; gradients in any order)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.cat(list(_all_gather(x, group)), dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g.chunk(dist.get_world_size(ctx.group), dim=0)[dist.get_rank(ctx.group)].contiguous(), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Forward: this rank's sequence chunk (dim 0); backward: all-gather of the chunk gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.cat(list(_all_gather(g, ctx.group)), dim=0), None
+
+
+def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s, ...]`` -> this rank's chunk ``[s/t, ...]`` (slicing; backward all-gathers)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _ScatterSequence.apply(x, group)
+
+
+def sequence_parallel_embedding(embedding) -> None:
+    """Make Megatron's ``LanguageModelEmbedding`` (sequence parallel) all-reduce its vocabulary shards (exact: one
+    value plus zeros) and keep this rank's sequence chunk, in place of its reduce-scatter (CUDA-only on CPU jobs)."""
+    import types
+
+    if getattr(embedding, "add_position_embedding", False) or getattr(embedding, "tokentype_embeddings", None) is not None:
+        from ..config import UnsupportedConfigError
+
+        raise UnsupportedConfigError("sequence parallelism with learned position / token-type embeddings is not supported")
+    embedding.word_embeddings.reduce_scatter_embeddings = False
+    embedding.reduce_scatter_embeddings = False
+    group = tp_group()
+
+    def forward(self, input_ids, position_ids=None, tokentype_ids=None):
+        if tokentype_ids is not None:
+            from ..config import UnsupportedConfigError
+
+            raise UnsupportedConfigError("token-type ids are not supported by the consistent embedding")
+        emb = self.word_embeddings(input_ids).transpose(0, 1).contiguous()  # [s, b, H], all-reduced shards
+        if self.config.fp32_residual_connection:
+            emb = emb.float()
+        return scatter_sequence(emb, group)
+
+    embedding.forward = types.MethodType(forward, embedding)
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """``[s/t, ...]`` sequence chunks -> ``[s, ...]`` (sequence parallelism: a column-parallel input)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherSequence.apply(x, group)
+
+
+class _GatherTreeScatterSequence(torch.autograd.Function):
+    """Forward: ``adjacent_tree_sum`` of the ranks' float32 subtrees ``[s, ...]`` (all-gathered in rank order), this
+    rank's sequence chunk.  Backward: the subtree feeds every chunk, so its gradient is the all-gathered chunk
+    gradients (concatenation)."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        ctx.group = group
+        total = adjacent_tree_sum(_all_gather(partial, group), dim=0)
+        return total.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.cat(list(_all_gather(g, ctx.group)), dim=0), None
+
+
+def gather_tree_scatter_sequence(partial: torch.Tensor, group) -> torch.Tensor:
+    """Sequence parallelism's reduce-scatter of a row-parallel output, as a gather + the tree's top + own chunk."""
+    if group is None or dist.get_world_size(group) == 1:
+        return partial
+    return _GatherTreeScatterSequence.apply(partial, group)
+
+
+def row_parallel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
+                         out_dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+    """Row-parallel linear on this rank's K shard ``weight [N, K/t]`` (x: the matching K slice); bits of TP=1.
+    ``sequence_parallel``: return this rank's sequence chunk (dim 0) of the result."""
+    t = 1 if group is None else dist.get_world_size(group)
+    if t == 1:
+        return kernels.row_parallel_linear(x, weight, bias, out_dtype)
+    segments = kernels.ROW_PARALLEL_SEGMENTS // t
+    subtree = adjacent_tree_sum(kernels.linear_segments(x, weight, segments), dim=0)
+    total = gather_tree_scatter_sequence(subtree, group) if sequence_parallel else gather_tree(subtree, group)
+    if bias is not None:
+        total = total + bias.to(torch.float32)
+    return total.to(out_dtype or x.dtype)
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, group):
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        z = scale_by_temperature(logits, temperature)
+        m = z.amax(-1, keepdim=True).contiguous()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # exact in any order
+        shifted = z - m
+        total = adjacent_tree_sum(_all_gather(sum_exp_subtree(shifted, VOCAB_SEGMENTS // t), group), dim=0)
+        lp = shifted - log(total)[..., None]
+        v_local = logits.shape[-1]
+        local = tokens - r * v_local
+        mine = (local >= 0) & (local < v_local)
+        idx = torch.where(mine, local, torch.zeros_like(local))
+        picked = torch.where(mine, lp.gather(-1, idx[..., None])[..., 0], torch.zeros_like(lp[..., 0]))
+        owner = torch.div(tokens, v_local, rounding_mode="floor")
+        gathered = _all_gather(picked, group)  # [t, ...]: select the owner's value, no arithmetic
+        out = gathered.gather(0, owner[None])[0]
+        ctx.save_for_backward(lp, idx, mine)
+        ctx.temperature = temperature if temperature > 0 else 1.0
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        lp, idx, mine = ctx.saved_tensors
+        dz = -torch.exp(lp) * grad[..., None]
+        dz.scatter_add_(-1, idx[..., None], torch.where(mine, grad, torch.zeros_like(grad))[..., None])
+        return dz / ctx.temperature, None, None, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, group=None) -> torch.Tensor:
+    """Token log-probs from this rank's float32 logits shard ``[..., V/t]`` (tokens: global ids); bits of
+    :func:`kernels.gather_logprobs` on the whole vocabulary.  Differentiable (the gradient of the local shard)."""
+    group = tp_group(group)
+    if group is None or dist.get_world_size(group) == 1:
+        return kernels.gather_logprobs(logits, tokens, temperature)
+    if logits.dtype != torch.float32:
+        raise ValueError(f"vocab_parallel_logprobs: logits must be float32, got {logits.dtype}")
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(f"vocab_parallel_logprobs: tokens {tuple(tokens.shape)} do not match logits {tuple(logits.shape[:-1])}")
+    return _VocabParallelLogprobs.apply(logits, tokens.to(torch.int64), float(temperature), group)
+
+
+def shard_like(full: torch.Tensor, param: torch.nn.Parameter, rank: int, size: int) -> torch.Tensor:
+    """This rank's piece of the full (TP=1) tensor ``full`` for ``param``, as Megatron splits it.
+
+    Reads Megatron's attributes: ``tensor_model_parallel``, ``partition_dim``, ``partition_stride`` (stride 2 =
+    ``linear_fc1`` of a GLU: each rank holds its gate shard then its up shard) — the split of Megatron's
+    ``_initialize_affine_weight_cpu``.
+    """
+    if size == 1 or not getattr(param, "tensor_model_parallel", False) or tuple(full.shape) == tuple(param.shape):
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    per_stride = param.shape[dim] // stride
+    pieces = torch.split(full, per_stride, dim=dim)[rank::size]
+    return torch.cat(pieces, dim=dim)
+
+
+def unshard_like(local: torch.Tensor, param: torch.nn.Parameter, group=None) -> torch.Tensor:
+    """The full (TP=1) tensor from every TP rank's ``local`` piece for ``param`` (all-gather): the inverse of
+    :func:`shard_like` (concatenation only, no arithmetic)."""
+    group = tp_group(group)
+    size = tp_size(group)
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    parts = [torch.empty_like(local.contiguous()) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    chunks = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([chunks[r][j] for j in range(stride) for r in range(size)], dim=dim)
