@@ -201,6 +201,8 @@ def main() -> int:
                     request["profile_dir"] = str(Path(tmp) / f"profile-{key}-{name}")
                 row[name] = run_engine(name, request, Path(tmp))
                 print(f"[{key}] {name}: {json.dumps(row[name])[:300]}", flush=True)
+                report["shapes"][key] = row
+                Path(args.out).write_text(json.dumps(report, indent=1))  # kept if a later engine is cut short
             for other in ("stock", "stock_batch_invariant"):
                 c, o = row.get("consistent", {}), row.get(other, {})
                 if "gen_tokens_per_s" in c and "gen_tokens_per_s" in o:

@@ -29,7 +29,7 @@ names), for hidden ``[s, b, H]`` taken to ``[b, s, H]``::
     A = ssm_decay_rate(A_log)                                  # -exp(float32(A_log)), own exp, float32
     y, _ = ssd_scan(x, dt, A, B, C, D, chunk_size)             # every sequence starts on a chunk boundary
     y = gated_rms_norm(y, z, norm.weight, d_inner // G, eps)
-    out = linear(y, out_proj.weight)
+    out = row_parallel_linear(y, out_proj.weight)         # the row-parallel K-segment tree (kernels/linear.py)
 
 Every sequence of a batch starts at position 0 (a chunk boundary); THD-packed
 input is split at ``cu_seqlens_q`` and every segment is scanned on its own, so

@@ -6,7 +6,7 @@ The op sequence is the one of ``docs/hybrid.md`` / the Megatron hybrid layer, op
     xBC, conv_state = causal_conv1d(xBC, W_conv, b_conv, conv_state, "silu")
     dt = mamba_dt(dt, dt_bias, *time_step_limit)               float32
     y, boundary, pending = ssd_continue(boundary, pending, x, dt, B, C, A=-exp(A_log), D, chunk_size)
-    out = linear(gated_rms_norm(y, z, W_norm, d_inner // n_groups, eps), W_out)
+    out = row_parallel_linear(gated_rms_norm(y, z, W_norm, d_inner // n_groups, eps), W_out)
 
 vLLM allocates and tracks this state per request (one slot per request: prefix
 caching is refused for hybrid models).  A slot holds, in this order:
@@ -35,7 +35,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import causal_conv1d, gated_rms_norm, linear, mamba_dt, ssd_continue, ssd_scan, ssm_decay_rate
+from ..kernels import causal_conv1d, gated_rms_norm, linear, mamba_dt, row_parallel_linear, ssd_continue, ssd_scan, ssm_decay_rate
 
 
 def state_shapes(ssm: SSMConfig) -> tuple[tuple[int, ...], ...]:
@@ -118,7 +118,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
                 rows = torch.tensor([r[0] for r in reqs], device=x.device)[:, None] + torch.arange(n, device=x.device)[None, :]
                 out = self._run(xbc[rows], dt[rows], ([r[1] for r in reqs], [r[2] for r in reqs]))
                 y[rows.reshape(-1)] = out.reshape(-1, s.d_inner)
-        return linear(gated_rms_norm(y, z, self.norm_weight, s.group_size, s.norm_eps), self.out_proj)
+        return row_parallel_linear(gated_rms_norm(y, z, self.norm_weight, s.group_size, s.norm_eps), self.out_proj)
 
     @staticmethod
     def _requests(meta) -> list[tuple[int, int, int, int]]:
