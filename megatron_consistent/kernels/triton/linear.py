@@ -159,8 +159,12 @@ def config_for(n: int, k: int, dtype: torch.dtype, m: int | None = None, tiles_b
 @triton.jit
 def _split_acc(a_src, b_src, off_m, off_n, k_step0, n_steps, M, N, K, stride_am, stride_bn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
-               NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr = False):
+               NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr = False, k_base=0):
     """float32 sum over ``n_steps`` BLOCK_K steps starting at step ``k_step0``, from 0, in K order.
+
+    ``k_base``: the K slice ``[k_base, k_base + K)`` of the operands is the reduction axis (a row-parallel segment,
+    ``segment_tree.py``); columns past ``K`` inside it are zeros (pointer loads; TMA only when ``K`` is a multiple
+    of ``BK``, so a box never reads the next slice).
 
     ``[BM, BN]`` (x rows, w rows); with ``SWAP`` the transposed tile ``[BN, BM]`` = ``w_tile @ x_tile.T`` — each
     element the same products summed in the same K order, only the operands' roles in the MMA swapped."""
@@ -175,13 +179,13 @@ def _split_acc(a_src, b_src, off_m, off_n, k_step0, n_steps, M, N, K, stride_am,
     for ki in tl.range(0, n_steps, num_stages=NUM_STAGES):
         k = (k_step0 + ki) * BK
         if USE_TMA:
-            a = a_src.load([off_m, k])
-            b = b_src.load([off_n, k])
+            a = a_src.load([off_m, k_base + k])
+            b = b_src.load([off_n, k_base + k])
         else:
             kk = k + rk
-            a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + kk[None, :],
+            a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + (k_base + kk)[None, :],
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + kk[None, :],
+            b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + (k_base + kk)[None, :],
                         mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         if SWAP:
             acc = tl.dot(b, a.T, acc, input_precision=PRECISION)
@@ -200,12 +204,12 @@ def _tile_offsets(R0: tl.constexpr, R1: tl.constexpr):
 def _serial_splits(a_src, b_src, off_m, off_n, k_steps, M, N, K, stride_am, stride_bn,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr,
                    SPLITS: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr,
-                   SWAP: tl.constexpr = False):
+                   SWAP: tl.constexpr = False, k_base=0):
     """One tile's float32 total, all splits in one program: the split partials summed in split order from 0
-    (one split: taken as is)."""
+    (one split: taken as is); ``k_base``: as :func:`_split_acc`."""
     if SPLITS == 1:
         total = _split_acc(a_src, b_src, off_m, off_n, 0, k_steps, M, N, K, stride_am, stride_bn,
-                           BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                           BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP, k_base)
     else:
         if SWAP:
             total = tl.zeros((BN, BM), dtype=tl.float32)
@@ -215,7 +219,7 @@ def _serial_splits(a_src, b_src, off_m, off_n, k_steps, M, N, K, stride_am, stri
             k0 = s * SPLIT_STEPS
             n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
             acc = _split_acc(a_src, b_src, off_m, off_n, k0, n_steps, M, N, K, stride_am, stride_bn,
-                             BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                             BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP, k_base)
             total = total + acc
     return total
 

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..dispatch import register
 from ._common import device_index, gemm_output, num_sms, tile_coords, tma_ok, tma_sources
-from .linear import _INTERPRETER_SMS, _counters, _epilogue, _epilogue_t, _tile_offsets, config_for, gemm
+from .linear import _INTERPRETER_SMS, _counters, _epilogue, _epilogue_t, _serial_splits, _tile_offsets, config_for, gemm
 
 SEGMENT_COUNTS = (1, 2, 4, 8)
 REG_BUDGET = 128  # float32 accumulator registers per thread a tree group may keep live (the rest spills to L2)
@@ -49,61 +49,13 @@ _SERIAL_PATH = os.environ.get("MC_TREE_SERIAL", "serial")  # the many-tiles sche
 
 
 @triton.jit
-def _seg_steps(a_src, b_src, off_m, off_n, k_base, k_step0, n_steps, M, N, K_SEG, stride_am, stride_bn,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
-               NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
-    """float32 chain of ``n_steps`` BLOCK_K steps from step ``k_step0`` of the segment starting at column ``k_base``
-    (from 0, in K order); columns past ``K_SEG`` inside the segment are zeros (pointer loads; TMA only when
-    ``K_SEG`` is a multiple of ``BK``).  Same products, same order as :func:`.linear._split_acc` on the slice."""
-    if SWAP:
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-    rk = tl.arange(0, BK)
-    if not USE_TMA:
-        rm = off_m + tl.arange(0, BM)
-        rn = off_n + tl.arange(0, BN)
-    for ki in tl.range(0, n_steps, num_stages=NUM_STAGES):
-        k = (k_step0 + ki) * BK
-        if USE_TMA:
-            a = a_src.load([off_m, k_base + k])
-            b = b_src.load([off_n, k_base + k])
-        else:
-            kk = k + rk
-            a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + (k_base + kk)[None, :],
-                        mask=(rm[:, None] < M) & (kk[None, :] < K_SEG), other=0.0)
-            b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + (k_base + kk)[None, :],
-                        mask=(rn[:, None] < N) & (kk[None, :] < K_SEG), other=0.0)
-        if SWAP:
-            acc = tl.dot(b, a.T, acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
 def _segment(a_src, b_src, off_m, off_n, seg, M, N, K_SEG, stride_am, stride_bn,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr,
              USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
-    """Segment ``seg``'s float32 partial: the GEMM's split arithmetic over its K slice (split partials in split order
-    from 0; one split taken as is)."""
-    k_base = seg * K_SEG
-    k_steps = tl.cdiv(K_SEG, BK)
-    if SPLITS == 1:
-        total = _seg_steps(a_src, b_src, off_m, off_n, k_base, 0, k_steps, M, N, K_SEG, stride_am, stride_bn,
-                           BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
-    else:
-        if SWAP:
-            total = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-        for s in tl.range(0, SPLITS):
-            k0 = s * SPLIT_STEPS
-            n_steps = tl.minimum(SPLIT_STEPS, k_steps - k0)
-            acc = _seg_steps(a_src, b_src, off_m, off_n, k_base, k0, n_steps, M, N, K_SEG, stride_am, stride_bn,
-                             BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
-            total = total + acc
-    return total
+    """Segment ``seg``'s float32 partial: the GEMM's split arithmetic (:func:`.linear._serial_splits`) over its
+    K slice ``[seg K_SEG, (seg + 1) K_SEG)`` (split partials in split order from 0; one split taken as is)."""
+    return _serial_splits(a_src, b_src, off_m, off_n, tl.cdiv(K_SEG, BK), M, N, K_SEG, stride_am, stride_bn,
+                          BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, seg * K_SEG)
 
 
 @triton.jit
