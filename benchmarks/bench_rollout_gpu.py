@@ -87,7 +87,8 @@ def worker(request: dict) -> dict:
                                     "torch_profiler_with_stack": False}
     llm = LLM(model=request["model_dir"], skip_tokenizer_init=True, dtype="bfloat16", seed=0, load_format="dummy",
               gpu_memory_utilization=request["gpu_memory_utilization"], max_model_len=request["max_model_len"],
-              max_num_seqs=request["max_num_seqs"], enable_prefix_caching=False, logprobs_mode="processed_logprobs", **extra)
+              max_num_seqs=request["max_num_seqs"], enable_prefix_caching=False, logprobs_mode="processed_logprobs",
+              tensor_parallel_size=request["tensor_parallel_size"], **extra)
     startup = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = SamplingParams(temperature=1.0, max_tokens=request["max_tokens"], logprobs=0, ignore_eos=True, seed=0)
@@ -173,6 +174,7 @@ def main() -> int:
     ap.add_argument("--min-seconds", type=float, default=20.0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--out", default="benchmarks/results/rollout_gpu.json")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="engine TP (the plugin's K-segment tree needs TP | 8)")
     ap.add_argument("--profile", action="store_true", help="after timing, profile one short generation per engine")
     ap.add_argument("--profile-prompts", type=int, default=64)
     ap.add_argument("--profile-tokens", type=int, default=128)
@@ -194,7 +196,7 @@ def main() -> int:
                        "max_tokens": shape["max_tokens"], "min_seconds": args.min_seconds,
                        "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": max_len,
                        "max_num_seqs": min(512, shape["prompts"]), "profile_tokens": args.profile_tokens,
-                       "profile_prompts": args.profile_prompts}
+                       "profile_prompts": args.profile_prompts, "tensor_parallel_size": args.tensor_parallel_size}
             row = {"shape": {k: v for k, v in shape.items() if k != "model"} | shape["model"]}
             for name in args.engines:
                 if args.profile:
