@@ -104,7 +104,15 @@ def test_check_refuses_tp_flags_before_any_work(tmp_path, capsys):
     out = tmp_path / "o"
     for flags, words in ((["--engine-tp", "2", "--hf-config", str(builtin_model_dir("tiny-nemotronh"))], "hybrid Mamba-2"),
                          (["--engine-tp", "3"], "TP must divide 8"),
-                         (["--trainer-tp", "2"], "not available in this build")):
+                         (["--trainer-tp", "4"], "--trainer-tp 4: TP=4, PP=1 cannot split LlamaForCausalLM: num_key_value_heads=2"),
+                         (["--trainer-tp", "3"], "--trainer-tp 3: the consistent Megatron layers do not support: tensor parallelism"),
+                         (["--trainer-tp", "2", "--hf-config", str(builtin_model_dir("tiny-nemotronh"))], "--trainer-tp 2: hybrid (Mamba)"),
+                         (["--trainer-tp", "2", "--quantization", "fp8"], "--trainer-tp 2: --quantization fp8 with trainer model"),
+                         (["--trainer-tp", "2", "--kv-cache-dtype", "fp8"], "--trainer-tp 2: --kv-cache-dtype fp8 with trainer"),
+                         (["--trainer-tp", "2", "--hf-config", str(builtin_model_dir("tiny-llama3-rope-oddvocab"))],
+                          "vocab_size=509 is not divisible by 8"),
+                         (["--trainer-tp", "2", "--trainer-pp", "2", "--hf-config", str(builtin_model_dir("tiny-qwen3-qknorm-tied"))],
+                          "--trainer-tp 2 --trainer-pp 2: TP=2, PP=2 cannot split Qwen3ForCausalLM: tied word embeddings")):
         assert cli_main(["check", "--out-dir", str(out), *flags]) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err

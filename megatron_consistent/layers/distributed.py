@@ -181,20 +181,35 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
                                  sequence_parallel=job["sequence_parallel"])
     model.eval()
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
+    batch = job.get("batch") or ids.shape[0]
+    lps, logits_parts, routes = [], [], {}
     with torch.no_grad():
-        logits = stage_forward(model, ids)
-        if logits is not None:
-            lp = tpar.vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], job["temperature"])
-            out = {"logprobs": lp.contiguous()}
-            if job["return_logits"]:
-                out["logits"] = gather_vocab(logits).contiguous()
-            if ps.get_tensor_model_parallel_rank() == 0:
-                save_file(out, str(work / "out.safetensors"))
+        for c, b0 in enumerate(range(0, ids.shape[0], batch)):  # row chunks: each row's bits do not depend on the others
+            chunk = ids[b0 : b0 + batch]
+            logits = stage_forward(model, chunk)
+            if job.get("return_routes"):  # MoE: this stage's routes of the chunk, global layer numbers ([s*b, k], [s, b] order)
+                from .moe import collect_routes
+
+                for i, r in collect_routes(model).items():
+                    routes[f"c{c}.l{model.decoder.layers[i].layer_number - 1}"] = r.contiguous()
+            if logits is not None:
+                lps.append(tpar.vocab_parallel_logprobs(logits[:, :-1], chunk[:, 1:], job["temperature"]))
+                if job["return_logits"]:
+                    logits_parts.append(gather_vocab(logits))
+    first_tp = ps.get_tensor_model_parallel_rank() == 0
+    if routes and first_tp:
+        save_file(routes, str(work / f"routes.stage{ps.get_pipeline_model_parallel_rank()}.safetensors"))
+    if lps and first_tp:
+        out = {"logprobs": torch.cat(lps).contiguous()}
+        if logits_parts:
+            out["logits"] = torch.cat(logits_parts).contiguous()
+        save_file(out, str(work / "out.safetensors"))
 
 
 def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, tp: int = 1, pp: int = 1,
                                 dtype: torch.dtype | None = None, temperature: float = 1.0, return_logits: bool = False,
-                                sequence_parallel: bool = False, workdir=None):
+                                sequence_parallel: bool = False, workdir=None, batch: int | None = None,
+                                return_routes: bool = False):
     """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp`` (CPU, gloo).
 
     ``hf_config``: path to an HF config (folder with config.json, or the file) or an HF config dict.
@@ -203,8 +218,11 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     Returns float32 ``[b, s-1]``: log p(ids[:, t+1] | ids[:, :t+1]) — bitwise the TP=1 / PP=1 values
     (and those of the vLLM plugin for the same weights); with ``return_logits=True`` also the full float32
     logits ``[b, s, V]``.  ``sequence_parallel`` (TP > 1; s divisible by TP): Megatron's sequence parallelism,
-    same bits.  Spawns ``tp * pp`` processes; ``workdir`` (default: a temporary folder) holds
-    the job files.  Unsupported layouts raise ``UnsupportedConfigError`` in the caller before any process starts.
+    same bits.  Spawns ``tp * pp`` processes (once, whatever the batch); ``workdir`` (default: a temporary folder) holds
+    the job files.  ``batch``: forward the rows in chunks of this many (bounds the logits' memory; the same bits).
+    ``return_routes`` (MoE): also ``{chunk: {layer: experts [s*b_chunk, k]}}`` (global 0-based layer numbers, each
+    chunk's routes in Megatron's ``[s, b]`` order, as ``layers.moe.collect_routes``) — appended to the return value.
+    Unsupported layouts raise ``UnsupportedConfigError`` in the caller before any process starts.
     """
     from .builder import as_arch_config, check_tp_shapes
     from .parallel import check_parallel_sizes
@@ -231,15 +249,26 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
             weights_path = str(Path(weights))
         save_file({"input_ids": ids.contiguous()}, str(work / "inputs.safetensors"))
         dname = {v: k for k, v in _DTYPES.items()}.get(dtype) if dtype is not None else None
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+            raise ValueError(f"batch must be a positive int, got {batch!r}")
         job = {"config": config_path, "weights": weights_path, "dtype": dname, "temperature": float(temperature),
-               "return_logits": bool(return_logits), "sequence_parallel": bool(sequence_parallel)}
+               "return_logits": bool(return_logits), "sequence_parallel": bool(sequence_parallel), "batch": batch,
+               "return_routes": bool(return_routes)}
         (work / "job.json").write_text(json.dumps(job))
         out_file = work / "out.safetensors"
-        if out_file.exists():
-            out_file.unlink()
+        for old in [out_file, *work.glob("routes.stage*.safetensors")]:
+            old.unlink(missing_ok=True)
         spawn_ranks(_recompute_worker, tp * pp, work, tp, pp)
         out = load_file(str(out_file))
-    return (out["logprobs"], out["logits"]) if return_logits else out["logprobs"]
+        routes: dict[int, dict[int, torch.Tensor]] = {}
+        for f in sorted(work.glob("routes.stage*.safetensors")):
+            for k, v in load_file(str(f)).items():
+                c, layer = k.split(".")
+                routes.setdefault(int(c[1:]), {})[int(layer[1:])] = v
+    result = (out["logprobs"], out["logits"]) if return_logits else (out["logprobs"],)
+    if return_routes:
+        result = (*result, routes)
+    return result if len(result) > 1 else result[0]
 
 
 class _nullcontext:

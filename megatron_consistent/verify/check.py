@@ -67,7 +67,8 @@ class CheckConfig:
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
     engine_tp: int = 1  # vLLM tensor_parallel_size of the engines (dense and MoE models; vllm_plugin/parallel.py)
-    trainer_tp: int = 1  # tensor-parallel size of the Megatron recompute (>1: see trainer_logprobs)
+    trainer_tp: int = 1  # tensor-parallel size of the consistent Megatron recompute (>1: gloo ranks, see trainer_logprobs)
+    trainer_pp: int = 1  # pipeline-parallel size of the consistent Megatron recompute (>1: gloo ranks, see trainer_logprobs)
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
     engine_args: str = ""  # JSON object of extra vLLM engine arguments for every engine, e.g. '{"async_scheduling": false}'
@@ -94,6 +95,7 @@ class CheckConfig:
         integer("--seed", self.seed, 0)
         integer("--engine-tp", self.engine_tp)
         integer("--trainer-tp", self.trainer_tp)
+        integer("--trainer-pp", self.trainer_pp)
         integer("--shared-prefix-len", self.shared_prefix_len, 0)
         positive_float("--temperature", self.temperature)
         if not 0 < positive_float("--gpu-memory-utilization", self.gpu_memory_utilization) <= 1:
@@ -128,40 +130,93 @@ class CheckConfig:
         self.engine_arg_dict()
 
 
-TRAINER_TP_UNAVAILABLE = ("--trainer-tp {tp}: trainer tensor parallelism is not available in this build "
-                          "(the Megatron recompute runs at TP=1; pass --trainer-tp 1)")
+def trainer_parallel(cfg: CheckConfig) -> bool:
+    """Whether the consistent recompute runs in ``trainer_tp * trainer_pp`` gloo ranks (else in this process)."""
+    return cfg.trainer_tp * cfg.trainer_pp > 1
+
+
+def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
+    """Why the trainer layout ``--trainer-tp`` / ``--trainer-pp`` cannot run here ("" when it can)."""
+    from ..config import UnsupportedConfigError
+    from ..layers.builder import check_tp_shapes
+    from ..layers.parallel import check_parallel_sizes
+
+    tp, pp = cfg.trainer_tp, cfg.trainer_pp
+    try:  # the helper's own refusals (layers/distributed.py recompute_logprobs_parallel)
+        check_parallel_sizes(tp, pp, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
+        check_tp_shapes(arch, tp, pp)
+    except UnsupportedConfigError as e:
+        return str(e)
+    if tp * pp == 1:
+        return ""
+    if cfg.quantization:
+        return (f"--quantization {cfg.quantization} with trainer model parallelism: the FP8 / NVFP4 trainer forward "
+                "(layers.fp8.enable_fp8) runs at TP = PP = 1 only")
+    if cfg.kv_cache_dtype != "auto":
+        return (f"--kv-cache-dtype {cfg.kv_cache_dtype} with trainer model parallelism: the trainer's FP8 KV round trip "
+                "(layers.fp8.enable_fp8_kv) is not applied in the parallel recompute's ranks")
+    if cfg.resolved_device() != "cpu":
+        return (f"--device {cfg.resolved_device()} with trainer model parallelism: the parallel recompute runs CPU gloo ranks "
+                "(on a GPU the CUDA trainer would not be the one compared)")
+    return ""
 
 
 def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     """Refuse, before any work, an engine / trainer tensor-parallel layout this build cannot run (one-line
     ``ValueError`` naming the flag); returns the layouts the report states."""
+    from ..config import UnsupportedConfigError
     from ..vllm_plugin.parallel import tp_refusal
 
     reason = tp_refusal(arch, cfg.engine_tp, bool(cfg.quantization))
     if reason:
         raise ValueError(f"--engine-tp {cfg.engine_tp}: {reason}")
-    if cfg.trainer_tp != 1:
-        raise ValueError(TRAINER_TP_UNAVAILABLE.format(tp=cfg.trainer_tp))
+    reason = trainer_refusal(cfg, arch)
+    if reason:
+        flags = f"--trainer-tp {cfg.trainer_tp}" + (f" --trainer-pp {cfg.trainer_pp}" if cfg.trainer_pp != 1 else "")
+        raise UnsupportedConfigError(f"{flags}: {reason}")
     engine = {"tensor_parallel_size": cfg.engine_tp}
     if cfg.engine_tp > 1:
         engine.update(column="q|k|v, gate|up: heads / MLP columns split", row="o_proj, down: K subtrees all-gathered in rank "
                       "order, adjacent tree", vocab="embedding / lm head vocab-parallel, all-gathered")
         if arch.is_moe:
             engine["moe"] = "MoE block replicated on every rank"
-    return {"engine": engine, "trainer": {"tensor_parallel_size": cfg.trainer_tp}}
+    trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
+    if trainer_parallel(cfg):
+        trainer.update(ranks=f"{cfg.trainer_tp * cfg.trainer_pp} gloo processes (layers.recompute_logprobs_parallel) on the "
+                       "HF folder the engines serve", applies_to="the consistent row (the stock baseline trainer runs at TP = PP = 1)")
+        if cfg.trainer_tp > 1:
+            trainer.update(column="linear_qkv, linear_fc1: heads / MLP columns split", row="linear_proj, linear_fc2: fp32 "
+                           "subtrees all-gathered in rank order, top of the tree", vocab="embedding / output layer vocab-parallel, "
+                           "vocab-segmented log-softmax")
+        if arch.is_moe:
+            trainer["moe"] = "ConsistentMoELayer replicated on every rank"
+    return {"engine": engine, "trainer": trainer}
 
 
-def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, responses, temperature: float) -> torch.Tensor:
-    """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp`` (1-D float32, response by
-    response, in prompt order — what :func:`recompute` returns).
+def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, responses, temperature: float, route_sink=None) -> torch.Tensor:
+    """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp`` x ``cfg.trainer_pp`` (1-D float32,
+    response by response, in prompt order — what :func:`recompute` returns).
 
-    TP=1: :func:`recompute` of ``model`` in this process.  TP>1 plugs in here: the trainer-TP helper spawns
-    ``cfg.trainer_tp`` gloo ranks that build the consistent Megatron model from the HF folder ``model_dir`` (the
-    weights the engine serves; FP8 exports: the bf16 masters) and return the same 1-D tensor; it replaces the
-    ``raise`` below, and :func:`check_layouts` stops refusing ``trainer_tp > 1`` at the same time."""
-    if cfg.trainer_tp != 1:
-        raise ValueError(TRAINER_TP_UNAVAILABLE.format(tp=cfg.trainer_tp))
-    return recompute(model, prompts, responses, temperature, cfg.recompute_batch, stock=False)
+    TP = PP = 1: :func:`recompute` of ``model`` in this process.  Otherwise one call of
+    :func:`~megatron_consistent.layers.recompute_logprobs_parallel` (one spawn of ``tp * pp`` gloo ranks for all the
+    sequences, forwarded in row chunks of ``cfg.recompute_batch``) that builds the consistent Megatron model from the HF
+    folder ``model_dir`` (the weights the engines serve).  Sequences are right-padded to the longest (causal: never
+    seen).  ``route_sink`` (MoE): called as :func:`recompute` calls it, with the ranks' routes."""
+    if not trainer_parallel(cfg):
+        return recompute(model, prompts, responses, temperature, cfg.recompute_batch, stock=False, route_sink=route_sink)
+    from ..layers import recompute_logprobs_parallel
+
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64)
+    lp, routes = recompute_logprobs_parallel(str(model_dir), str(model_dir), ids, tp=cfg.trainer_tp, pp=cfg.trainer_pp,
+                                             temperature=temperature, workdir=Path(cfg.out_dir) / "trainer_ranks",
+                                             batch=cfg.recompute_batch, return_routes=True)
+    if route_sink is not None:
+        for c, layers in sorted(routes.items()):
+            b0 = c * cfg.recompute_batch
+            route_sink(b0, [len(s) for s in seqs[b0 : b0 + cfg.recompute_batch]], layers)
+    return torch.cat([lp[i, len(p) - 1 : len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))])
 
 
 def load_check_config(yaml_path: str | None = None, **overrides) -> CheckConfig:
@@ -365,8 +420,8 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
             from .routing import TrainerRoutes
 
             sink = TrainerRoutes()
-        if mode == "consistent" and sink is None:
-            train_lp = trainer_logprobs(cfg, trainer, model_dir, prompts, roll["tokens"], temperature)
+        if mode == "consistent":
+            train_lp = trainer_logprobs(cfg, trainer, model_dir, prompts, roll["tokens"], temperature, route_sink=sink)
         else:
             train_lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=mode != "consistent",
                                  route_sink=sink)
@@ -406,7 +461,8 @@ def render(report: dict) -> str:
     s = report["settings"]
     title = (f"megatron-consistent check  model={s['arch']['architecture']} ({Path(s['hf_config']).name})  prompts={s['num_prompts']} "
              f"max_tokens={s['max_tokens']} temperature={s['temperature']} logprobs={s['logprobs_mode']} "
-             f"max_num_batched_tokens={s['max_num_batched_tokens']}  engine TP={s.get('engine_tp', 1)} trainer TP={s.get('trainer_tp', 1)}")
+             f"max_num_batched_tokens={s['max_num_batched_tokens']}  engine TP={s.get('engine_tp', 1)} trainer TP={s.get('trainer_tp', 1)}"
+             + (f" PP={s['trainer_pp']}" if s.get("trainer_pp", 1) != 1 else ""))
     text = "\n".join([format_table(rows, METRIC_COLUMNS, title), *unavailable])
     if "throughput_ratio" in report:
         text += f"\nthroughput ratio (consistent / stock vLLM, same run): {report['throughput_ratio']:.3f}"

@@ -7,7 +7,7 @@ import sys
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
          "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
-         "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp"]
+         "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp", "trainer_pp"]
 
 
 def add_arguments(p) -> None:
@@ -32,7 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--engine-tp", dest="engine_tp", type=int,
                    help="vLLM tensor_parallel_size of the engines (dense and MoE models; 1, 2, 4 or 8; default 1)")
     p.add_argument("--trainer-tp", dest="trainer_tp", type=int,
-                   help="tensor-parallel size of the Megatron recompute (default 1; >1: not available in this build)")
+                   help="tensor-parallel size of the consistent Megatron recompute (1, 2, 4 or 8; default 1; >1: CPU gloo ranks)")
+    p.add_argument("--trainer-pp", dest="trainer_pp", type=int,
+                   help="pipeline-parallel size of the consistent Megatron recompute (default 1; >1: CPU gloo ranks)")
     p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
                    "trainer and engines run on its weights")
     p.add_argument("--engine-args", dest="engine_args",
@@ -47,7 +49,7 @@ def validate(args):
     from .inputs import hf_arch, output_dir, output_file
 
     cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
-    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp > 1:
+    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp > 1 or cfg.trainer_pp > 1:
         from ..config import builtin_model_dir
         from .check import check_layouts
 

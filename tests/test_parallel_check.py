@@ -1,0 +1,86 @@
+"""``check --trainer-tp T --engine-tp E`` (issue #18): the consistent recompute in T gloo ranks vs a vLLM engine at TP = E.
+
+Zero means zero: ``torch.equal`` / ``exact_fraction`` 1.0.
+
+* fast: the report's layouts; the trainer layouts refused by name (the CLI cases are in
+  ``tests/test_parallel_engine.py::test_check_refuses_tp_flags_before_any_work``).
+* slow: :func:`verify.check.trainer_logprobs` at TP = 2 (one spawn, row chunks of ``recompute_batch``) gives the
+  in-process TP = 1 log-probs and, for MoE, the same routes.
+* engine: ``run_check`` at (T, E) = (2, 1) and (2, 2) on tiny-llama, zero mismatch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_consistent.config import ArchConfig, UnsupportedConfigError, builtin_model_dir, load_hf_config
+from megatron_consistent.verify.check import check_layouts, load_check_config
+
+
+def _arch(name: str) -> ArchConfig:
+    return ArchConfig.from_hf(load_hf_config(str(builtin_model_dir(name))))
+
+
+def test_layouts_state_the_trainer_layout(tmp_path):
+    cfg = load_check_config(trainer_tp=2, engine_tp=2, device="cpu", out_dir=str(tmp_path))
+    lay = check_layouts(cfg, _arch("tiny-qwen3moe-top1"))
+    assert lay["trainer"]["tensor_parallel_size"] == 2 and lay["trainer"]["pipeline_model_parallel_size"] == 1
+    assert "gloo" in lay["trainer"]["ranks"] and "replicated" in lay["trainer"]["moe"]
+    assert lay["engine"]["tensor_parallel_size"] == 2
+    assert check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path)), _arch("tiny-llama"))["trainer"] == {
+        "tensor_parallel_size": 1, "pipeline_model_parallel_size": 1}
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"trainer_tp": 4}, "--trainer-tp 4: TP=4, PP=1 cannot split LlamaForCausalLM: num_key_value_heads=2"),
+    ({"trainer_tp": 2, "quantization": "fp8"}, "--trainer-tp 2: --quantization fp8"),
+    ({"trainer_tp": 2, "kv_cache_dtype": "fp8"}, "--trainer-tp 2: --kv-cache-dtype fp8"),
+    ({"trainer_tp": 1, "trainer_pp": 3}, "--trainer-tp 1 --trainer-pp 3: TP=1, PP=3 cannot split"),
+])
+def test_trainer_layout_refused_by_name(tmp_path, overrides, words):
+    with pytest.raises(UnsupportedConfigError, match=words.replace("+", r"\+")):
+        check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), **overrides), _arch("tiny-llama"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3moe-top1"])
+def test_trainer_logprobs_tp2_equals_tp1(tmp_path, name):
+    from megatron_consistent.conversion import export_hf
+    from megatron_consistent.layers import build_consistent_gpt_model
+    from megatron_consistent.verify.check import trainer_logprobs
+    from megatron_consistent.verify.routing import TrainerRoutes
+
+    arch = _arch(name)
+    model = build_consistent_gpt_model(arch, seed=3)
+    export_hf(model, arch, tmp_path / "model")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 12)]
+    responses = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 11, 4, 9)]
+    one_cfg = load_check_config(device="cpu", out_dir=str(tmp_path), recompute_batch=2)
+    two_cfg = load_check_config(device="cpu", out_dir=str(tmp_path), recompute_batch=2, trainer_tp=2)
+    one_routes, two_routes = TrainerRoutes(), TrainerRoutes()
+    one = trainer_logprobs(one_cfg, model, tmp_path / "model", prompts, responses, 0.7, route_sink=one_routes)
+    two = trainer_logprobs(two_cfg, None, tmp_path / "model", prompts, responses, 0.7, route_sink=two_routes)
+    assert one.dtype == two.dtype == torch.float32 and one.shape == (sum(map(len, responses)),)
+    assert torch.equal(one, two)
+    assert one_routes.by_request.keys() == two_routes.by_request.keys()
+    assert bool(one_routes.by_request) == arch.is_moe
+    for r, routes in one_routes.by_request.items():
+        assert torch.equal(routes, two_routes.by_request[r]), r
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("trainer_tp, engine_tp", [(2, 1), (2, 2)])
+def test_check_trainer_tp_zero_mismatch(tmp_path: Path, trainer_tp, engine_tp):
+    from megatron_consistent.verify.check import run_check
+
+    report = run_check(load_check_config(num_prompts=8, max_tokens=12, max_num_batched_tokens=32, out_dir=str(tmp_path),
+                                         max_prompt_len=40, shared_prefix_len=20, mode="consistent", device="cpu",
+                                         engine_tp=engine_tp, trainer_tp=trainer_tp))
+    layouts = report["settings"]["layouts"]
+    assert layouts["trainer"]["tensor_parallel_size"] == trainer_tp and layouts["engine"]["tensor_parallel_size"] == engine_tp
+    assert report["consistent"]["tokens"] == 8 * 12 and report["consistent"]["exact_fraction"] == 1.0
+    assert report["zero_mismatch"]
