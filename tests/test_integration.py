@@ -268,6 +268,7 @@ from torch import nn
 from megatron_consistent.vllm_plugin.model import ConsistentForCausalLM
 class Fake(nn.Module):
     load_weights = ConsistentForCausalLM.load_weights
+    tp_size = 1  # one rank: whole tensors
     def __init__(self, dummy):
         super().__init__()
         self.arch = type("A", (), {"tie_word_embeddings": False, "architecture": "LlamaForCausalLM"})()
