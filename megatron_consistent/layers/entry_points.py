@@ -32,7 +32,8 @@ the two modules a layer spec cannot name: the block's final norm and
 
 Refused by name at build time: LayerNorm, MoE, MLA, MTP, learned absolute
 position embeddings, partial or interleaved RoPE, biases other than q/k/v,
-non-SwiGLU MLPs, TP/PP/CP/SP > 1 (as for :func:`.model.build_consistent_model`).
+non-SwiGLU MLPs, TP/PP/CP/SP > 1 (the entry-point specs are TP = PP = 1; :func:`.model.build_consistent_model`
+takes TP / PP / SP, ``docs/parallel.md``).
 """
 
 from __future__ import annotations
