@@ -10,7 +10,8 @@ For Llama-3-8B o_proj (N x K = 4096 x 4096) and down (4096 x 14336), Llama-3.2-1
 * ``naive``: the row-parallel contract as it was: one ``gemm`` per K segment (float32 out), ``torch.stack``, the torch
   ``adjacent_tree_sum``, the rounding;
 * ``tree``: ``segment_tree.segment_tree_gemm(x, w, 8, None, bf16)`` -- one launch, the schedule the planner picks;
-* variants (unless ``--no-variants``): the same kernel with each schedule forced (serial, parallel, flat; REG 1 / 2),
+* variants (unless ``--no-variants``): the same kernel with each schedule forced (serial, parallel, flat; REG 1 / 2;
+  some with another tile shape: BM, BN, warps, stages -- BK and the split stay the segment's),
   to choose the per-M-class default (``TREE_PATH`` / ``TREE_REG`` in a table entry).  Schedules do not change bits.
 
 Timing: CUDA-graph replay (``triton.testing.do_bench_cudagraph``, median), weights cycled through enough copies
@@ -44,8 +45,12 @@ QUICK_SHAPES = ["8B o_proj 4096x4096", "8B down 4096x14336"]
 QUICK_MS = [1, 64, 1024, 4096]
 SEGMENTS = 8
 # forced schedules (path, REG); "parallel" only where the tiles are few enough to matter
+# (path, REG[, tile]): a tile overrides the segment config's BM / BN / warps / stages (never BK or the split: the numerics)
 VARIANTS = {"serial r1": ("serial", 1), "serial r2": ("serial", 2), "flat r1": ("flat", 1), "flat r2": ("flat", 2),
-            "parallel r1": ("parallel", 1), "parallel r2": ("parallel", 2)}
+            "parallel r1": ("parallel", 1), "parallel r2": ("parallel", 2),
+            "flat r1 128x256 w8 s3": ("flat", 1, (128, 256, 8, 3)), "flat r1 256x128 w8 s3": ("flat", 1, (256, 128, 8, 3)),
+            "flat r2 128x128 w8 s3": ("flat", 2, (128, 128, 8, 3)), "flat r2 128x128 w8 s5": ("flat", 2, (128, 128, 8, 5)),
+            "flat r2 64x256 w8 s4": ("flat", 2, (64, 256, 8, 4)), "serial r1 128x256 w8 s3": ("serial", 1, (128, 256, 8, 3))}
 PARALLEL_MAX_M = 256
 DEV = torch.device("cuda")  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful times)
 
@@ -68,9 +73,14 @@ def _fns(x, w, variants):
         "naive": lambda xx, ww: adjacent_tree_sum(tst.linear_segments_naive(xx, ww, SEGMENTS), dim=0).to(torch.bfloat16),
         "tree": lambda xx, ww: tst.segment_tree_gemm(xx, ww, SEGMENTS, None, torch.bfloat16),
     }
-    for name, (path, reg) in variants.items():
-        fns[name] = (lambda p, r: lambda xx, ww: tst.segment_tree_gemm(xx, ww, SEGMENTS, None, torch.bfloat16,
-                                                                       path=p, reg_segments=r))(path, reg)
+    for name, (path, reg, *tile) in variants.items():
+        cfg = None
+        if tile:
+            bm, bn, warps, stages = tile[0]
+            cfg = {**tst.segment_config(w.shape[0], w.shape[1], SEGMENTS, w.dtype, x.shape[0]),
+                   "BM": bm, "BN": bn, "W": warps, "S": stages}
+        fns[name] = (lambda p, r, c: lambda xx, ww: tst.segment_tree_gemm(xx, ww, SEGMENTS, None, torch.bfloat16, cfg=c,
+                                                                          path=p, reg_segments=r))(path, reg, cfg)
     return fns
 
 
