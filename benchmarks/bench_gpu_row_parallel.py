@@ -48,9 +48,9 @@ SEGMENTS = 8
 # (path, REG[, tile]): a tile overrides the segment config's BM / BN / warps / stages (never BK or the split: the numerics)
 VARIANTS = {"serial r1": ("serial", 1), "serial r2": ("serial", 2), "flat r1": ("flat", 1), "flat r2": ("flat", 2),
             "parallel r1": ("parallel", 1), "parallel r2": ("parallel", 2),
-            "flat r1 128x256 w8 s3": ("flat", 1, (128, 256, 8, 3)), "flat r1 256x128 w8 s3": ("flat", 1, (256, 128, 8, 3)),
+            "flat r1 128x256 w8 s2": ("flat", 1, (128, 256, 8, 2)), "flat r1 256x128 w8 s2": ("flat", 1, (256, 128, 8, 2)),
             "flat r2 128x128 w8 s3": ("flat", 2, (128, 128, 8, 3)), "flat r2 128x128 w8 s5": ("flat", 2, (128, 128, 8, 5)),
-            "flat r2 64x256 w8 s4": ("flat", 2, (64, 256, 8, 4)), "serial r1 128x256 w8 s3": ("serial", 1, (128, 256, 8, 3))}
+            "flat r2 64x256 w8 s4": ("flat", 2, (64, 256, 8, 4)), "serial r1 128x256 w8 s2": ("serial", 1, (128, 256, 8, 2))}
 PARALLEL_MAX_M = 256
 DEV = torch.device("cuda")  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful times)
 
@@ -147,8 +147,14 @@ def run(shapes, ms, variants, rep):
             x = xs[:m]
             fns = _fns(x, ws[0], _variants_for(m, variants))
             times = {}
-            for name, fn in fns.items():
-                times[name] = bench(lambda f=fn: [f(x, w) for w in ws], rep) / len(ws)
+            for name, fn in list(fns.items()):
+                try:
+                    times[name] = bench(lambda f=fn: [f(x, w) for w in ws], rep) / len(ws)
+                except Exception as e:  # noqa: BLE001 -- a forced variant that does not fit this GPU (resources)
+                    if name not in VARIANTS:
+                        raise
+                    print(f"  {shape} M={m} {name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
+                    del fns[name]
             tree = fns["tree"](x, ws[0])
             # the contract in float32 (one launch = loop + adjacent_tree_sum), then the bf16 outputs (the interpreter of
             # --cpu-smoke truncates to bf16 where torch rounds: bf16 compared on the GPU only)
