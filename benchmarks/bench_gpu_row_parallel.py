@@ -45,12 +45,14 @@ QUICK_SHAPES = ["8B o_proj 4096x4096", "8B down 4096x14336"]
 QUICK_MS = [1, 64, 1024, 4096]
 SEGMENTS = 8
 # forced schedules (path, REG); "parallel" only where the tiles are few enough to matter
-# (path, REG[, tile]): a tile overrides the segment config's BM / BN / warps / stages (never BK or the split: the numerics)
+# (path, REG[, tile[, lanes]]): a tile overrides the segment config's BM / BN / warps / stages (never BK or the split: the numerics)
 VARIANTS = {"serial r1": ("serial", 1), "serial r2": ("serial", 2), "flat r1": ("flat", 1), "flat r2": ("flat", 2),
             "parallel r1": ("parallel", 1), "parallel r2": ("parallel", 2),
             "flat r1 128x256 w8 s2": ("flat", 1, (128, 256, 8, 2)), "flat r1 256x128 w8 s2": ("flat", 1, (256, 128, 8, 2)),
             "flat r2 128x128 w8 s3": ("flat", 2, (128, 128, 8, 3)), "flat r2 128x128 w8 s5": ("flat", 2, (128, 128, 8, 5)),
-            "flat r2 64x256 w8 s4": ("flat", 2, (64, 256, 8, 4)), "serial r1 128x256 w8 s2": ("serial", 1, (128, 256, 8, 2))}
+            "flat r2 64x256 w8 s4": ("flat", 2, (64, 256, 8, 4)), "serial r1 128x256 w8 s2": ("serial", 1, (128, 256, 8, 2)),
+            "serial r2 lanes2": ("serial", 2, None, 2), "serial r4 lanes2": ("serial", 4, None, 2),
+            "serial r2 lanes2 s3": ("serial", 2, (128, 128, 8, 3), 2), "parallel r2 lanes2": ("parallel", 2, None, 2)}
 PARALLEL_MAX_M = 256
 DEV = torch.device("cuda")  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful times)
 
@@ -73,14 +75,15 @@ def _fns(x, w, variants):
         "naive": lambda xx, ww: adjacent_tree_sum(tst.linear_segments_naive(xx, ww, SEGMENTS), dim=0).to(torch.bfloat16),
         "tree": lambda xx, ww: tst.segment_tree_gemm(xx, ww, SEGMENTS, None, torch.bfloat16),
     }
-    for name, (path, reg, *tile) in variants.items():
+    for name, (path, reg, *extra) in variants.items():
+        tile, lanes = (extra + [None, None])[:2]
         cfg = None
         if tile:
-            bm, bn, warps, stages = tile[0]
+            bm, bn, warps, stages = tile
             cfg = {**tst.segment_config(w.shape[0], w.shape[1], SEGMENTS, w.dtype, x.shape[0]),
                    "BM": bm, "BN": bn, "W": warps, "S": stages}
-        fns[name] = (lambda p, r, c: lambda xx, ww: tst.segment_tree_gemm(xx, ww, SEGMENTS, None, torch.bfloat16, cfg=c,
-                                                                          path=p, reg_segments=r))(path, reg, cfg)
+        fns[name] = (lambda p, r, c, ln: lambda xx, ww: tst.segment_tree_gemm(
+            xx, ww, SEGMENTS, None, torch.bfloat16, cfg=c, path=p, reg_segments=r, lanes=ln))(path, reg, cfg, lanes)
     return fns
 
 

@@ -229,8 +229,8 @@ def test_gemm_vs_cpu_contract():
 # (N, K): Llama-3-8B o_proj / down, Llama-3.2-1B o_proj / down, an odd N with 2 splits inside a segment, tiny K (K = 64: 8-column segments, zero-
 # padded inside the segment; pointer loads) and a K whose segment is not a multiple of BLOCK_K (200 / 8 = 25)
 SEG_SHAPES = [(4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192), (1000, 8192), (96, 64), (136, 200)]
-SEG_SCHEDULES = [("serial", None), ("serial", 1), ("serial", 2), ("parallel", 1), ("parallel", 2), ("flat", 1),
-                 ("flat", 2)]
+SEG_SCHEDULES = [("serial", None, 1), ("serial", 1, 1), ("serial", 2, 1), ("parallel", 1, 1), ("parallel", 2, 1),
+                 ("flat", 1, 1), ("flat", 2, 1), ("serial", 2, 2), ("serial", 4, 2), ("parallel", 2, 2)]
 
 
 def _left_fold(parts):
@@ -262,9 +262,9 @@ def test_segment_tree_equals_naive_loop(n, k, segments):
         ref = adjacent_tree_sum(naive, dim=0)
         assert bits_equal(tst.segment_tree_gemm(x[:m], w, segments, partials=True), naive), m
         assert bits_equal(implementation("linear_segments", DEV)(x[:m], w, segments), naive), m
-        for path, reg in SEG_SCHEDULES if m == 300 and segments in (2, 8) else [(None, None)]:
-            y = tst.segment_tree_gemm(x[:m], w, segments, path=path, reg_segments=reg)
-            assert bits_equal(y, ref), (m, path, reg)
+        for path, reg, lanes in SEG_SCHEDULES if m == 300 and segments in (2, 8) else [(None, None, None)]:
+            y = tst.segment_tree_gemm(x[:m], w, segments, path=path, reg_segments=reg, lanes=lanes)
+            assert bits_equal(y, ref), (m, path, reg, lanes)
         if m == 300:
             assert bits_equal(tst.segment_tree_gemm(x[:m], w, segments, use_tma=False), ref), "pointer loads"
             if segments == 8:  # the merge order matters: a left fold of the same partials is caught

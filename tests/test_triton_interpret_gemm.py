@@ -94,9 +94,9 @@ SEG_CFGS = [
     ("swap", c(16, 32, 16, NOSPLIT, 4, 2, swap=True)),
     ("split", c(16, 16, 16, 1, 4, 2)),
 ]
-# (path, reg_segments): every schedule of the kernel
-SEG_SCHEDULES = [("serial", None), ("serial", 1), ("serial", 2), ("parallel", 1), ("parallel", 2), ("flat", 1),
-                 ("flat", 2)]
+# (path, reg_segments, lanes): every schedule of the kernel
+SEG_SCHEDULES = [("serial", None, 1), ("serial", 1, 1), ("serial", 2, 1), ("parallel", 1, 1), ("parallel", 2, 1),
+                 ("flat", 1, 1), ("flat", 2, 1), ("serial", 2, 2), ("serial", 4, 2), ("parallel", 2, 2)]
 
 
 def _left_fold(parts):
@@ -134,13 +134,13 @@ def test_segment_tree_equals_naive_loop(name, cfg, segments, k):
     ref = adjacent_tree_sum(naive, dim=0)
     assert (ref.double() - x.double() @ w.double().T).abs().max().item() < 1e-4
     assert torch.equal(tst.segment_tree_gemm(x, w, segments, partials=True, cfg=cfg), naive)
-    for path, reg in SEG_SCHEDULES:
-        full = tst.segment_tree_gemm(x, w, segments, cfg=cfg, path=path, reg_segments=reg)
-        assert torch.equal(full, ref), (name, path, reg)
+    for path, reg, lanes in SEG_SCHEDULES:
+        full = tst.segment_tree_gemm(x, w, segments, cfg=cfg, path=path, reg_segments=reg, lanes=lanes)
+        assert torch.equal(full, ref), (name, path, reg, lanes)
     for m in (1, 6):
-        for path, reg in (("serial", None), ("parallel", 1), ("flat", 1)):
-            rows = tst.segment_tree_gemm(x[m:2 * m], w, segments, cfg=cfg, path=path, reg_segments=reg)
-            assert torch.equal(rows, ref[m:2 * m]), (name, path, reg, m)
+        for path, reg, lanes in (("serial", None, 1), ("parallel", 1, 1), ("flat", 1, 1), ("serial", 2, 2)):
+            rows = tst.segment_tree_gemm(x[m:2 * m], w, segments, cfg=cfg, path=path, reg_segments=reg, lanes=lanes)
+            assert torch.equal(rows, ref[m:2 * m]), (name, path, reg, lanes, m)
     if segments == 8:  # the merge order is checked: a left fold of the same partials gives other bits
         assert not torch.equal(_left_fold(list(naive)), ref)
 

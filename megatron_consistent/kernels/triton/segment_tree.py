@@ -26,6 +26,8 @@ forced by the config keys ``TREE_PATH`` / ``TREE_REG`` of a table entry, or by `
 * *flat* (serial, one chain per segment): one software-pipelined loop over all the tile's K steps; at a segment's
   end its value (``REG`` 2: the pair's) goes to the slot and the accumulator restarts from 0 -- the loads do not
   drain at segment boundaries;
+* *lanes* (``LANES`` 2, serial or parallel, no split inside a segment): the two segments of a pair run their chains in
+  one K loop with two accumulators, so a pair fills the software pipeline once instead of twice;
 * *partials* (``linear_segments``): one program per (tile, segment) writes the segment's float32 partial to
   ``out[s]`` (no reduction; one launch instead of one GEMM per segment).
 """
@@ -46,6 +48,7 @@ SEGMENT_COUNTS = (1, 2, 4, 8)
 REG_BUDGET = 128  # float32 accumulator registers per thread a tree group may keep live (the rest spills to L2)
 _FORCE_TREE_PATH = os.environ.get("MC_TREE_PATH", "")  # "", "serial", "parallel", "flat": every call (scheduling only)
 _SERIAL_PATH = os.environ.get("MC_TREE_SERIAL", "serial")  # the many-tiles schedule: "serial" or "flat"
+_FORCE_LANES = int(os.environ.get("MC_TREE_LANES", "0"))  # 1 or 2: every call (scheduling only); 0: the planner's
 
 
 @triton.jit
@@ -59,26 +62,76 @@ def _segment(a_src, b_src, off_m, off_n, seg, M, N, K_SEG, stride_am, stride_bn,
 
 
 @triton.jit
+def _pair_lanes(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
+                NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
+    """``s[first] + s[first + 1]`` with both segments' chains in ONE K loop (two accumulators, each from 0 in its own
+    K order: the bits of :func:`_segment` twice), so a pair costs one pipeline fill instead of two.  No split."""
+    if SWAP:
+        acc0 = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc0 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc1 = tl.zeros_like(acc0)
+    rk = tl.arange(0, BK)
+    if not USE_TMA:
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+    k0 = first * K_SEG
+    k1 = k0 + K_SEG
+    for ki in tl.range(0, tl.cdiv(K_SEG, BK), num_stages=NUM_STAGES):
+        k = ki * BK
+        if USE_TMA:
+            a0 = a_src.load([off_m, k0 + k])
+            b0 = b_src.load([off_n, k0 + k])
+            a1 = a_src.load([off_m, k1 + k])
+            b1 = b_src.load([off_n, k1 + k])
+        else:
+            kk = k + rk
+            am = (rm[:, None] < M) & (kk[None, :] < K_SEG)
+            bm = (rn[:, None] < N) & (kk[None, :] < K_SEG)
+            a_row = a_src + rm[:, None].to(tl.int64) * stride_am
+            b_row = b_src + rn[:, None].to(tl.int64) * stride_bn
+            a0 = tl.load(a_row + (k0 + kk)[None, :], mask=am, other=0.0)
+            b0 = tl.load(b_row + (k0 + kk)[None, :], mask=bm, other=0.0)
+            a1 = tl.load(a_row + (k1 + kk)[None, :], mask=am, other=0.0)
+            b1 = tl.load(b_row + (k1 + kk)[None, :], mask=bm, other=0.0)
+        if SWAP:
+            acc0 = tl.dot(b0, a0.T, acc0, input_precision=PRECISION)
+            acc1 = tl.dot(b1, a1.T, acc1, input_precision=PRECISION)
+        else:
+            acc0 = tl.dot(a0, b0.T, acc0, input_precision=PRECISION)
+            acc1 = tl.dot(a1, b1.T, acc1, input_precision=PRECISION)
+    return acc0 + acc1
+
+
+@triton.jit
 def _pair(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr,
-          USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
-    """``s[first] + s[first + 1]``."""
-    left = _segment(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
-                    BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
-    right = _segment(a_src, b_src, off_m, off_n, first + 1, M, N, K_SEG, stride_am, stride_bn,
-                     BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
-    return left + right
+          USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+          LANES: tl.constexpr):
+    """``s[first] + s[first + 1]`` (``LANES`` 2: both chains in one loop, :func:`_pair_lanes`)."""
+    if LANES == 2:
+        t = _pair_lanes(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
+                        BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+    else:
+        left = _segment(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
+                        BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+        right = _segment(a_src, b_src, off_m, off_n, first + 1, M, N, K_SEG, stride_am, stride_bn,
+                         BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+        t = left + right
+    return t
 
 
 @triton.jit
 def _quad(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr,
-          USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
+          USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+          LANES: tl.constexpr):
     """``(s[first] + s[first + 1]) + (s[first + 2] + s[first + 3])``."""
     left = _pair(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
-                 BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                 BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
     right = _pair(a_src, b_src, off_m, off_n, first + 2, M, N, K_SEG, stride_am, stride_bn,
-                  BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                  BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
     return left + right
 
 
@@ -86,7 +139,7 @@ def _quad(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
 def _subtree(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr,
              USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
-             REG: tl.constexpr):
+             REG: tl.constexpr, LANES: tl.constexpr):
     """Adjacent tree over segments ``first .. first + REG - 1`` in registers, left subtree first (the live partials
     are a binary-counter stack: at most log2(REG) finished subtrees plus the running accumulator)."""
     if REG == 1:
@@ -94,16 +147,16 @@ def _subtree(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_b
                      BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
     elif REG == 2:
         t = _pair(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
-                  BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                  BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
     elif REG == 4:
         t = _quad(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
-                  BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                  BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
     else:
         tl.static_assert(REG == 8, "REG must be 1, 2, 4 or 8")
         left = _quad(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
-                     BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                     BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
         right = _quad(a_src, b_src, off_m, off_n, first + 4, M, N, K_SEG, stride_am, stride_bn,
-                      BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+                      BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
         t = left + right
     return t
 
@@ -169,7 +222,8 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                          SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr, SEGMENTS: tl.constexpr, REG: tl.constexpr,
                          MODE: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, CH: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, CH: tl.constexpr,
+                         LANES: tl.constexpr):
     """MODE 0: serial (one program per tile), 1: parallel (one per (tile, group)), 2: partials (one per
     (tile, segment), ``out [SEGMENTS, M, N]`` float32), 3: flat serial (one pipelined K loop per tile)."""
     pid = tl.program_id(0)
@@ -203,7 +257,7 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             off_m = pid_m * BM
             off_n = pid_n * BN
             val = _subtree(a_src, b_src, off_m, off_n, g * REG, M, N, K_SEG, stride_am, stride_bn,
-                           BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, REG)
+                           BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, REG, LANES)
             ws_tile = ws_ptr + tile.to(tl.int64) * (G * BM * BN)
             if SWAP:
                 pmask = (off_m + tl.arange(0, BM)[None, :]) < M
@@ -273,7 +327,7 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             off_n = pid_n * BN
             if G == 1:
                 total = _subtree(a_src, b_src, off_m, off_n, 0, M, N, K_SEG, stride_am, stride_bn,
-                                 BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, REG)
+                                 BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, REG, LANES)
                 if SWAP:
                     _epilogue_t(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
                 else:
@@ -281,7 +335,7 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
             else:
                 for g in tl.range(0, G):
                     val = _subtree(a_src, b_src, off_m, off_n, g * REG, M, N, K_SEG, stride_am, stride_bn,
-                                   BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, REG)
+                                   BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, REG, LANES)
                     tl.store(scratch + g * (BM * BN) + offs, val)  # whole tile: the slot is this program's
                 tl.debug_barrier()
                 _tree_slot_epilogue(scratch, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
@@ -305,9 +359,9 @@ def segment_config(n: int, k_local: int, segments: int, dtype: torch.dtype, m: i
 
 
 def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: dict | None = None,
-         path: str | None = None, reg_segments: int | None = None, sms: int = 132) -> dict:
-    """Schedule of one call (no effect on the bits): the tile config, ``path`` and ``REG`` (segments per register
-    group)."""
+         path: str | None = None, reg_segments: int | None = None, sms: int = 132, lanes: int | None = None) -> dict:
+    """Schedule of one call (no effect on the bits): the tile config, ``path``, ``REG`` (segments per register
+    group) and ``LANES`` (segment chains per K loop)."""
     k_seg = k_local // segments
     cfg = dict(cfg or segment_config(n, k_local, segments, dtype, m))
     bk = cfg["BK"]
@@ -340,14 +394,19 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
         raise ValueError(f"row-parallel GEMM: REG={reg} must be one of {SEGMENT_COUNTS}")
     if segments // reg == 1:
         path = "serial"
-    return {"cfg": cfg, "path": path, "REG": reg, "k_seg": k_seg, "split_steps": split_steps, "splits": splits,
+    lanes = int(lanes or _FORCE_LANES or cfg.get("TREE_LANES", 1))
+    if lanes not in (1, 2):
+        raise ValueError(f"row-parallel GEMM: LANES={lanes} must be 1 or 2")
+    if splits > 1 or reg < 2 or path == "flat":
+        lanes = 1  # two chains per loop need whole-segment chains (no split) inside a pair
+    return {"cfg": cfg, "path": path, "REG": reg, "LANES": lanes, "k_seg": k_seg, "split_steps": split_steps, "splits": splits,
             "num_tiles": num_tiles}
 
 
 def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
                       out_dtype: torch.dtype = torch.float32, *, partials: bool = False, cfg: dict | None = None,
                       path: str | None = None, reg_segments: int | None = None,
-                      use_tma: bool | None = None) -> torch.Tensor:
+                      use_tma: bool | None = None, lanes: int | None = None) -> torch.Tensor:
     """``x2d [M, K_local] @ weight[N, K_local].T`` as ``segments`` K segments reduced by the adjacent tree, one
     launch.  ``partials``: the float32 segment partials ``[segments, M, N]`` instead (``linear_segments``).
     Otherwise ``round(tree + bias)`` in ``out_dtype`` (float32 and no bias: the rank's float32 subtree)."""
@@ -377,7 +436,7 @@ def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bi
             return out
     on_gpu = dev.type == "cuda"
     sms = num_sms(device_index(x2d)) if on_gpu else _INTERPRETER_SMS
-    p = plan(m, n, k, segments, weight.dtype, cfg, path, reg_segments, sms)
+    p = plan(m, n, k, segments, weight.dtype, cfg, path, reg_segments, sms, lanes)
     cfg, reg, k_seg = p["cfg"], p["REG"], p["k_seg"]
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     swap = bool(cfg.get("SWAP", False))
@@ -410,7 +469,7 @@ def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bi
         SPLITS=p["splits"],
         SEGMENTS=segments, REG=1 if partials else reg, MODE=mode, USE_TMA=use_tma, HAS_BIAS=bias is not None and not partials,
         NUM_STAGES=cfg["S"], PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", SWAP=swap,
-        CH=min(32, bn if swap else bm), num_warps=cfg["W"], num_stages=cfg["S"],
+        CH=min(32, bn if swap else bm), LANES=1 if partials else p["LANES"], num_warps=cfg["W"], num_stages=cfg["S"],
     )
     return out
 
