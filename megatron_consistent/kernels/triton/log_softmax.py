@@ -7,7 +7,8 @@ exact in any order).
 
 GPU numerics contract (one row; ``z`` and ``m`` float32):
 
-* ``e = exp2((z - m) * log2(e))`` (``tl.math.exp2``; the subtraction before the scale, so no FMA can form);
+* ``e = exp2((z - m) * log2(e))`` (``tl.math.exp2``: ``ex2.approx.ftz.f32`` on sm_90; the subtraction comes
+  before the scale and the product feeds ``ex2``, so no FMA can form);
 * ``sum_exp_subtree(z, m, S)``: the row's n entries are cut into ``S`` equal contiguous segments of
   ``c = ceil(n / S)`` entries (entries beyond n, and a segment wholly beyond n, contribute ``+0``: the ``-inf``
   padding of the CPU contract).  One program per (row, segment) reduces its segment in a fixed order that depends
@@ -16,7 +17,8 @@ GPU numerics contract (one row; ``z`` and ``m`` float32):
   :func:`numerics.tree_sum` (lane i with lane ``i + n/2``, level by level -- a reshape to ``[2, n/2]`` and a sum of
   two, so neither the thread layout nor ``num_warps`` enters the bits).  The S segment values are combined by
   ``numerics.adjacent_tree_sum`` (``((s0 + s1) + (s2 + s3)) + ...``, IEEE float32 adds);
-* ``log_softmax_normalise(z, m, s) = (z - m) - log(s)`` elementwise (``tl.log`` of the row's ``s``).
+* ``log_softmax_normalise(z, m, s) = (z - m) - log(s)`` elementwise: two IEEE subtractions; ``log`` is ``tl.log``
+  (libdevice ``__nv_logf``, whose last operation is an explicitly rounded ``fma.rn``, so nothing contracts with it).
 
 With the vocabulary cut into ``VOCAB_SEGMENTS`` = 8 segments, a tensor-parallel shard of ``V / t`` entries holds
 the aligned segments ``r 8/t ... (r+1) 8/t - 1`` with the same ``c = V / 8``, so its ``sum_exp_subtree(.., 8/t)``
