@@ -69,8 +69,10 @@ def record_launches(calls):
     return [json.loads(k) for k in seen]
 
 
-def compile_sm90(sig, const, warps, stages):
-    k = triton.compile(ASTSource(st._segment_tree_kernel, sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+def compile_sm90(sig, const, warps, stages, kernel=st._segment_tree_kernel, attrs=None):
+    """``(registers, stack bytes, shared memory bytes)`` of ``kernel`` compiled for sm_90a (signature, constexprs,
+    optional argument attributes such as ``{(i,): [["tt.divisibility", 16]]}``)."""
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

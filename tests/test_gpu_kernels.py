@@ -484,6 +484,36 @@ def test_log_softmax_invariant_and_vs_cpu():
     assert (lc[fin] - lp[:4].cpu()[fin]).abs().max().item() <= 1e-4
 
 
+def test_log_softmax_vocab_parallel_tree():
+    """The 8-segment vocabulary tree on the GPU at Llama-3's V = 128256 (issue #18): TP = 1, 2, 4, 8 (per-shard
+    subtree, top of the tree over the gathered float32 values) give the TP = 1 bits of ``s`` and of the log-probs,
+    with -inf entries and a wholly -inf segment; V not divisible by 8 is the -inf padding; broken variants (an
+    all-reduce-order top, a shard summed as one segment, another in-segment order) change ``s``."""
+    from _vocab_parallel import left_to_right, same, tp1, vocab_parallel
+
+    from megatron_consistent.kernels.triton import log_softmax as tls
+
+    torch.manual_seed(11)
+    z = torch.randn(9, 128256, device=DEV) * 4
+    z[2, :20000] = -math.inf  # segment 0 and part of segment 1: a segment sum of +0
+    z[4, 1::3] = -math.inf
+    full = tp1(z)
+    for t in (1, 2, 4, 8):
+        assert same(vocab_parallel(z, t), full), f"TP={t}"
+        assert same(vocab_parallel(z[4:7], t), (full[0][4:7], full[1][4:7])), f"TP={t}, rows 4:7"
+    for broken in (vocab_parallel(z, 8, top=left_to_right), vocab_parallel(z, 2, shard_segments=1)):
+        assert not torch.equal(broken[0], full[0])
+    old = tls.MAX_BLOCK
+    try:
+        tls.MAX_BLOCK = 1024  # 16 sequential blocks per 16032-entry segment instead of 4
+        assert not torch.equal(tp1(z)[0], full[0])
+    finally:
+        tls.MAX_BLOCK = old
+    v = 128256 - 3
+    pad = torch.cat([z[:, :v], torch.full((9, 3), -math.inf, device=DEV)], dim=-1)
+    assert bits_equal(log_softmax(z[:, :v]), log_softmax(pad)[:, :v])
+
+
 def test_logits_logprobs_end_to_end_batch_invariant():
     """lm head (float32 logits) -> log-softmax: a token's logprob is the same alone or in a batch."""
     from megatron_consistent.kernels import token_logprobs

@@ -28,10 +28,12 @@ subtree values are all-gathered in rank order and reduced by
 ``adjacent_tree_sum`` — the top of the same tree, so TP = 1, 2, 4, 8 give
 identical bits (``layers/tensor_parallel.py`` does the communication).
 
-The CUDA implementation (``kernels/triton/log_softmax.py``, registered as
-``log_softmax`` for ``cuda``) must follow the same segment structure: per
-row, 8 contiguous segments each summed by the ``i + n/2`` pairwise tree, then
-the tree of neighbours over the 8 segment sums.
+Both engines and both layouts compose the same two dispatched ops,
+``sum_exp_subtree`` and ``log_softmax_normalise`` (:func:`log_softmax` is
+their TP = 1 composition); on ``cuda`` they are the Triton kernels of
+``kernels/triton/log_softmax.py`` — the same segment structure with the GPU's
+exp / log and its own fixed in-segment order (its docstring), bits invariant
+to TP, batch and row position but not equal to the CPU bits.
 
 Backward: ``dz = g * (onehot - softmax(z))``, ``dlogits = dz / temperature``.
 """
@@ -61,19 +63,29 @@ def segment_sums(e: torch.Tensor, segments: int) -> torch.Tensor:
     return tree_sum(e.reshape(*e.shape[:-1], segments, c), dim=-1).movedim(-1, 0)
 
 
-def sum_exp_subtree(shifted: torch.Tensor, segments: int) -> torch.Tensor:
-    """A vocabulary shard's float32 subtree: ``adjacent_tree_sum`` of the ``segments`` segment sums of ``exp(shifted)``.
+@register("sum_exp_subtree", "cpu")
+def _sum_exp_subtree_cpu(z: torch.Tensor, m: torch.Tensor, segments: int) -> torch.Tensor:
+    return adjacent_tree_sum(segment_sums(exp(z - m), segments), dim=0)
 
-    ``shifted`` = ``z - m`` over the shard (``m`` the global max).  With ``segments = VOCAB_SEGMENTS`` over the
-    whole vocabulary it is the full ``s`` of the contract.
+
+@register("log_softmax_normalise", "cpu")
+def _log_softmax_normalise_cpu(z: torch.Tensor, m: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    return (z - m) - log(total)[..., None]
+
+
+def sum_exp_subtree(z: torch.Tensor, m: torch.Tensor, segments: int) -> torch.Tensor:
+    """A vocabulary shard's float32 subtree ``[...]``: ``adjacent_tree_sum`` of the ``segments`` segment sums of
+    ``exp(z - m)``.
+
+    ``z``: the shard's float32 ``[..., n]``; ``m``: the global max ``[..., 1]``.  With ``segments = VOCAB_SEGMENTS``
+    over the whole vocabulary it is the full ``s`` of the contract.
     """
-    return adjacent_tree_sum(segment_sums(exp(shifted), segments), dim=0)
+    return implementation("sum_exp_subtree", z.device)(z, m, segments)
 
 
-@register("log_softmax", "cpu")
-def _log_softmax_cpu(z: torch.Tensor) -> torch.Tensor:
-    shifted = z - z.amax(-1, keepdim=True)
-    return shifted - log(sum_exp_subtree(shifted, VOCAB_SEGMENTS))[..., None]
+def log_softmax_normalise(z: torch.Tensor, m: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """float32 ``(z - m) - log(total)``: ``m`` the global max ``[..., 1]``, ``total`` the whole tree's ``s`` ``[...]``."""
+    return implementation("log_softmax_normalise", z.device)(z, m, total)
 
 
 def scale_by_temperature(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -89,7 +101,8 @@ def scale_by_temperature(logits: torch.Tensor, temperature: float | torch.Tensor
 def log_softmax(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """float32 log-softmax over the last axis of ``logits / temperature`` (no autograd)."""
     z = scale_by_temperature(logits, temperature)
-    return implementation("log_softmax", z.device)(z)
+    m = z.amax(-1, keepdim=True)
+    return log_softmax_normalise(z, m, sum_exp_subtree(z, m, VOCAB_SEGMENTS))
 
 
 class LogprobsFunction(torch.autograd.Function):

@@ -42,8 +42,10 @@ Contract (``docs/parallel.md``):
   gives the rank's float32 logits shard; global max by all-reduce MAX (exact);
   the rank's subtree of the 8-segment sum-exp tree
   (:func:`kernels.sum_exp_subtree`), float32 all-gather in rank order, top of the
-  tree; the target token's log-prob is all-gathered from the rank that owns it
-  (a selection, no arithmetic).  Bits = TP=1 (:func:`kernels.log_softmax`).
+  tree, ``kernels.logprobs.log_softmax_normalise`` -- the dispatched ops that
+  :func:`kernels.log_softmax` composes at TP = 1, on CPU and on CUDA; the target
+  token's log-prob is all-gathered from the rank that owns it (a selection, no
+  arithmetic).  Bits = TP=1 (:func:`kernels.log_softmax`).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
-from ..kernels.logprobs import VOCAB_SEGMENTS, scale_by_temperature, sum_exp_subtree
-from ..kernels.numerics import adjacent_tree_sum, log
+from ..kernels.logprobs import VOCAB_SEGMENTS, log_softmax_normalise, scale_by_temperature, sum_exp_subtree
+from ..kernels.numerics import adjacent_tree_sum
 
 __all__ = ["copy_to_tp", "gather_sequence", "gather_tree", "gather_tree_scatter_sequence", "row_parallel_forward",
            "scatter_sequence", "sequence_parallel_embedding", "shard_like", "tp_group", "tp_rank", "tp_size",
@@ -248,9 +250,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         z = scale_by_temperature(logits, temperature)
         m = z.amax(-1, keepdim=True).contiguous()
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # exact in any order
-        shifted = z - m
-        total = adjacent_tree_sum(_all_gather(sum_exp_subtree(shifted, VOCAB_SEGMENTS // t), group), dim=0)
-        lp = shifted - log(total)[..., None]
+        total = adjacent_tree_sum(_all_gather(sum_exp_subtree(z, m, VOCAB_SEGMENTS // t), group), dim=0)
+        lp = log_softmax_normalise(z, m, total)
         v_local = logits.shape[-1]
         local = tokens - r * v_local
         mine = (local >= 0) & (local < v_local)
