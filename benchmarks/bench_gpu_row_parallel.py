@@ -211,6 +211,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results", "row_parallel.json"))
     ap.add_argument("--quick", action="store_true", help="two shapes, four M, no forced variants (< 90 s)")
     ap.add_argument("--no-variants", action="store_true", help="only the planner's schedule")
+    ap.add_argument("--variants", default="", help="comma-separated forced variants to run (default: all of VARIANTS)")
     ap.add_argument("--rep", type=int, default=20, help="ms of CUDA-graph replays per timing")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
@@ -226,6 +227,14 @@ def main():
     shapes = QUICK_SHAPES if args.quick else list(SHAPES)
     ms = QUICK_MS if args.quick else MS
     variants = not (args.quick or args.no_variants)
+    if args.variants:
+        keep = [v.strip() for v in args.variants.split(",")]
+        unknown = [v for v in keep if v not in VARIANTS]
+        if unknown:
+            ap.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+        for v in list(VARIANTS):
+            if v not in keep:
+                del VARIANTS[v]
     names = ["gemm", "naive", "tree"] + (list(VARIANTS) if variants else [])
     jobs = [(*SHAPES[s], ms, variants, nm) for s in shapes for nm in names]
     errors = [] if args.cpu_smoke else precompile(jobs, max(1, min(args.workers, len(jobs))))
