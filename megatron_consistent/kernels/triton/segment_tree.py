@@ -46,6 +46,8 @@ from .linear import _INTERPRETER_SMS, _counters, _epilogue, _epilogue_t, _serial
 
 SEGMENT_COUNTS = (1, 2, 4, 8)
 REG_BUDGET = 128  # float32 accumulator registers per thread a tree group may keep live (the rest spills to L2)
+SMEM_BUDGET = 200 * 1024  # operand bytes the pipeline stages may hold (H100 / H200: 227 KB per block, less scratch)
+LANES_MAX_STEPS = 8  # the planner's default LANES is 2 up to this many BLOCK_K steps per segment
 _FORCE_TREE_PATH = os.environ.get("MC_TREE_PATH", "")  # "", "serial", "parallel", "flat": every call (scheduling only)
 _SERIAL_PATH = os.environ.get("MC_TREE_SERIAL", "serial")  # the many-tiles schedule: "serial" or "flat"
 _FORCE_LANES = int(os.environ.get("MC_TREE_LANES", "0"))  # 1 or 2: every call (scheduling only); 0: the planner's
@@ -394,11 +396,15 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
         raise ValueError(f"row-parallel GEMM: REG={reg} must be one of {SEGMENT_COUNTS}")
     if segments // reg == 1:
         path = "serial"
-    lanes = int(lanes or _FORCE_LANES or cfg.get("TREE_LANES", 1))
+    # two lanes pay off where a segment is a short loop (H200: +5-12 % at K_seg <= 512, neutral at longer ones)
+    lanes = int(lanes or _FORCE_LANES or cfg.get("TREE_LANES", 2 if path == "serial" and k_steps <= LANES_MAX_STEPS else 1))
     if lanes not in (1, 2):
         raise ValueError(f"row-parallel GEMM: LANES={lanes} must be 1 or 2")
     if splits > 1 or reg < 2 or path == "flat":
         lanes = 1  # two chains per loop need whole-segment chains (no split) inside a pair
+    if lanes == 2:  # each pipeline stage holds both segments' operand tiles: fewer stages fit in shared memory
+        stage_bytes = 2 * (cfg["BM"] + cfg["BN"]) * bk * torch.tensor([], dtype=dtype).element_size()
+        cfg["S"] = max(2, min(cfg["S"], SMEM_BUDGET // stage_bytes))
     return {"cfg": cfg, "path": path, "REG": reg, "LANES": lanes, "k_seg": k_seg, "split_steps": split_steps, "splits": splits,
             "num_tiles": num_tiles}
 
