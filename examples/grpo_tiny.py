@@ -3,6 +3,7 @@
     python examples/grpo_tiny.py                       # both modes, default settings, runs/grpo
     python examples/grpo_tiny.py --mode consistent --steps 15 --out runs/grpo
     python examples/grpo_tiny.py --restore runs/grpo   # continue from the checkpoints a previous run saved
+    python examples/grpo_tiny.py --device cuda --mode consistent --out runs/grpo_cuda   # engine + trainer on one GPU
 
 Modes: ``consistent`` (vLLM with the megatron-consistent plugin + Megatron with
 the consistent spec) and ``baseline`` (stock vLLM + Megatron's stock local
@@ -13,6 +14,13 @@ process-wide).  Per mode: one engine for the whole run; each step samples
 tokens' log-probs with the trainer at the same weight version, records the
 mismatch, takes one clipped-GRPO AdamW step and pushes the new weights into
 the engine through shared memory (:mod:`megatron_consistent.sync`).
+
+``--device cuda`` puts the engine (vLLM CUDA, ``gpu_memory_utilization`` 0.3, compiled + CUDA graphs for
+the dense model) and the trainer on the same GPU; the trainer steps with Megatron-Core's own optimizer
+(``get_megatron_optimizer``, distributed optimizer, over Megatron ``DistributedDataParallel`` in a
+one-rank NCCL group) and its checkpoint holds the model and the optimizer in ``dist_checkpointing``
+(``--restore`` loads both from there).  ``--device cpu`` (default) uses the CPU stand-in optimizer
+(:mod:`megatron_consistent.training` says why Megatron's cannot run on CPU).
 
 Writes ``OUT/metrics.json`` (one record per step and mode), ``OUT/metrics.csv``,
 ``OUT/curves.png`` and per mode ``OUT/<mode>/checkpoint`` (model, optimizer,
@@ -31,7 +39,7 @@ import time
 from pathlib import Path
 
 MODES = ("consistent", "baseline")
-CSV_COLUMNS = ["mode", "step", "version", "reward", "max_abs", "mean_abs", "std", "k3", "exact_fraction", "bitwise_equal",
+CSV_COLUMNS = ["mode", "device", "step", "version", "reward", "max_abs", "mean_abs", "std", "k3", "exact_fraction", "bitwise_equal",
                "sync_bytes", "sync_seconds", "sync_gbytes_per_s", "pointers_unchanged", "trainer_pointers_unchanged",
                "sample_seconds", "train_seconds", "step_seconds"]
 
@@ -41,12 +49,14 @@ def parse_args(argv=None):
     ap.add_argument("--mode", choices=("consistent", "baseline", "both"), default="both")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--out", default="runs/grpo")
-    ap.add_argument("--restore", default=None, help="folder of a previous run (its <mode>/checkpoint) or a checkpoint folder")
+    ap.add_argument("--restore", default=None, help="folder of a previous run (its <mode>/checkpoint or checkpoint) or a checkpoint folder")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=8, help="GRPO group size (samples per prompt)")
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the trainer runs (cuda: with Megatron's distributed optimizer, beside the engine on one GPU)")
     return ap.parse_args(argv)
 
 
@@ -54,11 +64,10 @@ def _restore_dir(restore: str | None, mode: str) -> Path | None:
     if not restore:
         return None
     p = Path(restore)
-    if (p / mode / "checkpoint" / "manifest.json").is_file():
-        return p / mode / "checkpoint"
-    if (p / "manifest.json").is_file():
-        return p
-    raise SystemExit(f"--restore {restore}: no {mode}/checkpoint/manifest.json or manifest.json there")
+    for ckpt in (p / mode / "checkpoint", p / "checkpoint", p):  # a --mode both run, a one-mode run, a checkpoint
+        if (ckpt / "manifest.json").is_file():
+            return ckpt
+    raise SystemExit(f"--restore {restore}: no {mode}/checkpoint/manifest.json, checkpoint/manifest.json or manifest.json there")
 
 
 def run_mode(args, mode: str) -> list[dict]:
@@ -76,18 +85,22 @@ def run_mode(args, mode: str) -> list[dict]:
     arch = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
     restore = _restore_dir(args.restore, mode)
     t0 = time.perf_counter()
-    session = RLSession(arch, mode, out / "work", seed=args.seed, lr=args.lr, restore_dir=restore)
+    session = RLSession(arch, mode, out / "work", seed=args.seed, lr=args.lr, restore_dir=restore, device=args.device)
     start = session.start_step
+    restore_check = None
     task = ModTask(arch.vocab_size, seed=args.seed)
     for _ in range(start):  # keep the prompt stream where the restored run left it
         task.prompts(args.prompts)
     records = []
     bar = tqdm(range(start, start + args.steps), desc=f"grpo[{mode}]", unit="step")
     try:
+        if restore:  # the restored trainer against the weights it was saved with, and the engine started from it
+            restore_check = {"trainer_equals_saved": session.weights_match_hf(restore / session.manifest["files"]["hf"])["equal"],
+                             "engine_equals_trainer": session.weights_match_engine()["equal"] if mode == "consistent" else None}
         for step in bar:
             s0 = time.perf_counter()
             rec = session.grpo_step(task.prompts(args.prompts), args.group, args.max_tokens, task.reward)
-            rec.update(step=step, step_seconds=time.perf_counter() - s0, restored_from=str(restore) if restore else None,
+            rec.update(step=step, device=args.device, step_seconds=time.perf_counter() - s0, restored_from=str(restore) if restore else None,
                        first_after_restore=bool(restore) and step == start)
             records.append(rec)
             bar.set_postfix(reward=f"{rec['reward']:.3f}", k3=f"{rec['k3']:.2e}", inplace=rec["pointers_unchanged"])
@@ -99,8 +112,9 @@ def run_mode(args, mode: str) -> list[dict]:
         tmp.rename(ckpt)
     finally:
         session.close()
-    summary = {"mode": mode, "engine_start_seconds": session.engine_start_seconds, "seconds": time.perf_counter() - t0,
-               "checkpoint": str(ckpt), "restored_from": str(restore) if restore else None}
+    summary = {"mode": mode, "device": args.device, "optimizer": type(session.optimizer).__name__,
+               "engine_start_seconds": session.engine_start_seconds, "seconds": time.perf_counter() - t0,
+               "checkpoint": str(ckpt), "restored_from": str(restore) if restore else None, "restore_check": restore_check}
     (out / "metrics.json").write_text(json.dumps(records, indent=1))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return records
@@ -145,6 +159,14 @@ def plot(records: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            from megatron_consistent.training import MEGATRON_OPTIMIZER_NEEDS_CUDA
+
+            print(f"grpo_tiny: --device cuda: {MEGATRON_OPTIMIZER_NEEDS_CUDA}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     t0 = time.perf_counter()
     if args.mode != "both":
@@ -155,7 +177,7 @@ def main(argv=None) -> int:
         for mode in MODES:  # a fresh process per mode: the plugin switch is process-wide
             cmd = [sys.executable, __file__, "--mode", mode, "--out", str(out / mode), "--steps", str(args.steps),
                    "--lr", str(args.lr), "--prompts", str(args.prompts), "--group", str(args.group),
-                   "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
+                   "--max-tokens", str(args.max_tokens), "--seed", str(args.seed), "--device", args.device]
             if args.restore:
                 cmd += ["--restore", str(_restore_dir(args.restore, mode))]
             rc = subprocess.call(cmd)
@@ -165,11 +187,12 @@ def main(argv=None) -> int:
             records += json.loads((out / mode / "metrics.json").read_text())
         write_outputs(out, records)
     seconds = time.perf_counter() - t0
-    rows = [r for r in records]
-    print(f"\n{'mode':<11}{'step':>5}{'reward':>8}{'max_abs':>11}{'k3':>11}{'exact':>7}{'sync_B':>9}{'sync_ms':>9}{'inplace':>8}")
-    for r in rows:
-        print(f"{r['mode']:<11}{r['step']:>5}{r['reward']:>8.3f}{r['max_abs']:>11.3e}{r['k3']:>11.3e}{r['exact_fraction']:>7.3f}"
-              f"{r['sync_bytes']:>9}{1e3 * r['sync_seconds']:>9.1f}{str(r['pointers_unchanged']):>8}")
+    print(f"\n{'mode':<11}{'dev':>5}{'step':>5}{'reward':>8}{'max_abs':>11}{'k3':>11}{'exact':>7}{'sync_B':>9}{'sync_ms':>9}"
+          f"{'inplace':>8}{'tr_ptr':>7}{'restored':>9}")
+    for r in records:
+        print(f"{r['mode']:<11}{r['device']:>5}{r['step']:>5}{r['reward']:>8.3f}{r['max_abs']:>11.3e}{r['k3']:>11.3e}"
+              f"{r['exact_fraction']:>7.3f}{r['sync_bytes']:>9}{1e3 * r['sync_seconds']:>9.1f}{str(r['pointers_unchanged']):>8}"
+              f"{str(r['trainer_pointers_unchanged']):>7}{'first' if r['first_after_restore'] else '':>9}")
     print(f"wrote {out}/metrics.json, metrics.csv, curves.png in {seconds:.1f} s")
     return 0
 

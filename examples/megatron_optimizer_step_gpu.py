@@ -18,81 +18,19 @@ What it does (single process, world size 1, NCCL):
 
 The gradient tolerance (``--grad-tol``, default 3e-2) reflects bf16 activations (unit roundoff
 3.9e-3) through ~20 chained ops; a wrong mapping or a broken backward gives errors of order 1.
-API differences between megatron-core releases are handled by inspecting signatures
-(unknown keyword arguments are dropped; results of ``optimizer.step()`` may be a bool or a tuple).
+DDP, the optimizer and the one-rank NCCL group are the package's
+(:class:`megatron_consistent.training.MegatronOptimizer`, :func:`~megatron_consistent.training.init_single_rank`),
+where the API differences between megatron-core releases are handled.
 Exit code 0 iff ``status == "pass"``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
-
-
-def _kwargs_for(fn, kwargs: dict) -> dict:
-    """Keep the keyword arguments ``fn`` (a function or a class) accepts."""
-    target = fn
-    if dataclasses.is_dataclass(fn):
-        names = {f.name for f in dataclasses.fields(fn)}
-        return {k: v for k, v in kwargs.items() if k in names}
-    if inspect.isclass(fn):
-        target = fn.__init__
-    params = inspect.signature(target).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-def _init_distributed(seed: int) -> None:
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    if dist.get_world_size() != 1:
-        raise SystemExit("run this with one process (world size 1)")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(**_kwargs_for(parallel_state.initialize_model_parallel, {
-            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}))
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(seed)
-
-
-def _wrap_ddp(model):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    ddp_config = DistributedDataParallelConfig(**_kwargs_for(DistributedDataParallelConfig, {
-        "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": True,
-        "check_for_nan_in_grad": True, "bucket_size": None}))
-    return DistributedDataParallel(**_kwargs_for(DistributedDataParallel, {
-        "config": model.config, "ddp_config": ddp_config, "module": model}))
-
-
-def _optimizer(ddp_model, lr: float, dtype):
-    import torch
-    from megatron.core import optimizer as mopt
-
-    cfg_cls = getattr(mopt, "AdamOptimizerConfig", None) or mopt.OptimizerConfig
-    cfg = cfg_cls(**_kwargs_for(cfg_cls, {
-        "optimizer": "adam", "lr": lr, "min_lr": lr, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
-        "adam_eps": 1e-8, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype,
-        "use_distributed_optimizer": True, "clip_grad": 0.0, "loss_scale": None if dtype != torch.float16 else 1.0}))
-    return mopt.get_megatron_optimizer(**_kwargs_for(mopt.get_megatron_optimizer, {
-        "config": cfg, "model_chunks": [ddp_model]})), cfg
 
 
 def run(args) -> dict:
@@ -101,26 +39,28 @@ def run(args) -> dict:
     from megatron_consistent.config import SUPPORTED_DTYPES
     from megatron_consistent.conversion import hf_state_dict
     from megatron_consistent.layers import build_consistent_model, compute_token_logprobs
+    from megatron_consistent.training import MegatronOptimizer, init_single_rank
     from megatron_consistent.verify.reference import reference_logprobs_f64
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megatron.core
 
     if not torch.cuda.is_available():
         return {"status": "fail", "detail": "no CUDA device (this script is for the GPU machine)"}
     dtype = SUPPORTED_DTYPES[args.dtype]
-    _init_distributed(args.seed)
+    init_single_rank()
+    model_parallel_cuda_manual_seed(args.seed)
     hf_config = args.hf_config or str(Path(__file__).resolve().parents[1] / "megatron_consistent" / "configs" / "models" / "tiny-llama")
     model = build_consistent_model(hf_config, seed=args.seed, dtype=dtype)
     arch = model.arch_config
     model.cuda()
     weights0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ddp = _wrap_ddp(model)  # DDP moves every parameter into its contiguous buffer, once, here
+    mopt = MegatronOptimizer(model, args.lr)  # DDP moves every parameter into its contiguous buffer, once, here
+    ddp, optimizer, opt_cfg = mopt.ddp, mopt.optimizer, mopt.config
     ptrs0 = {n: p.data_ptr() for n, p in model.named_parameters()}  # from now on storage must stay put
-    optimizer, opt_cfg = _optimizer(ddp, args.lr, dtype)
 
     ids = torch.randint(0, arch.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(args.seed + 1))
-    ddp.zero_grad_buffer()
-    optimizer.zero_grad()
+    mopt.zero_grad()
     model.train()
     loss = -compute_token_logprobs(model, ids.cuda()).mean()
     loss.backward()

@@ -4,8 +4,11 @@ A checkpoint folder written by :func:`save_checkpoint`::
 
     manifest.json           format, architecture (ArchConfig), model kind, step, weight version, extra metrics
     hf/                     export_hf: config.json + model.safetensors (what a fresh vLLM engine loads)
-    optimizer.safetensors   the optimizer's float32 main params and Adam moments (safetensors, no pickle)
-    megatron/               Megatron-Core dist_checkpointing (torch_dist) of the model — for Megatron tooling
+    optimizer.safetensors   the CPU stand-in optimizer's float32 main params and Adam moments (safetensors, no pickle)
+    megatron/               Megatron-Core dist_checkpointing (torch_dist) of the model — and, for Megatron's own
+                            optimizer (training.MegatronOptimizer, GPU), of its state under the key ``optimizer``
+                            (``optimizer.sharded_state_dict(model_sharded_state_dict)``; then there is no
+                            optimizer.safetensors and ``files["optimizer"]`` is ``"megatron"``)
 
 :func:`load_checkpoint` checks the manifest's architecture against the model
 and the optimizer state against the optimizer **before** touching anything
@@ -16,7 +19,9 @@ the existing parameters in place.
 Sources (``source=``):
 
 * ``"hf"`` (default): safetensors only (``import_hf``) — no unpickling at all.
-* ``"dist"``: Megatron ``dist_checkpointing.load`` of ``megatron/``.  The
+* ``"dist"``: Megatron ``dist_checkpointing.load`` of ``megatron/`` (the only source of Megatron's
+  optimizer state: a :class:`~megatron_consistent.training.MegatronOptimizer` restores from it and
+  is refused with ``"hf"``).  The
   torch_dist format unpickles its ``.metadata`` file with ``pickle.load`` and
   reads ``common.pt`` with ``torch.load`` (weights_only by default in torch >= 2.6);
   byte items (Megatron ``ShardedObject``\\ s such as ``_extra_state``) would be
@@ -66,14 +71,28 @@ def _arch_json(arch: ArchConfig) -> dict:
     return json.loads(json.dumps(arch.as_dict()))
 
 
-def _save_dist(model, out: Path) -> None:
+def _is_megatron(optimizer) -> bool:
+    from .training import MegatronOptimizer
+
+    return isinstance(optimizer, MegatronOptimizer)
+
+
+def _sharded(model, optimizer, is_loading: bool = False) -> dict:
+    """The model's sharded state dict; with Megatron's optimizer, its sharded state under ``"optimizer"``."""
+    sharded = model.sharded_state_dict()
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(model.sharded_state_dict(), is_loading=is_loading)
+    return sharded
+
+
+def _save_dist(model, out: Path, optimizer=None) -> None:
     from megatron.core import dist_checkpointing
 
     from .layers.cpu_shims import cuda_stubs_for_checkpoint
 
     out.mkdir(parents=True, exist_ok=False)
     with cuda_stubs_for_checkpoint():
-        dist_checkpointing.save(model.sharded_state_dict(), str(out))
+        dist_checkpointing.save(_sharded(model, optimizer), str(out))
 
 
 def save_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None = None, step: int = 0, weight_version: int = 0,
@@ -84,14 +103,19 @@ def save_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None 
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"checkpoint folder {out} is not empty")
     out.mkdir(parents=True, exist_ok=True)
+    megatron_opt = _is_megatron(optimizer)
+    if megatron_opt and not dist:
+        raise ValueError("Megatron's optimizer state is saved only through dist_checkpointing: pass dist=True")
     files = {"hf": "hf"}
     export_hf(model, arch, out / "hf")
-    if optimizer is not None:
+    if optimizer is not None and not megatron_opt:
         save_file(optimizer.state_dict(), str(out / "optimizer.safetensors"), metadata={"format": FORMAT})
         files["optimizer"] = "optimizer.safetensors"
     if dist:
-        _save_dist(model, out / "megatron")
+        _save_dist(model, out / "megatron", optimizer if megatron_opt else None)
         files["megatron"] = "megatron"
+        if megatron_opt:
+            files["optimizer"] = "megatron"
     manifest = {"format": FORMAT, "arch": _arch_json(arch), "model_kind": getattr(model, "consistent_kind", "unknown"),
                 "step": int(step), "weight_version": int(weight_version), "files": files,
                 "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "extra": extra or {}}
@@ -132,20 +156,28 @@ def audit_dist_metadata(dist_dir) -> None:
     _AuditUnpickler(io.BytesIO(path.read_bytes())).load()
 
 
-def _load_dist_staged(model, dist_dir: Path) -> dict[str, torch.Tensor]:
-    """dist_checkpointing.load of the model's tensors into fresh buffers (the model is not touched)."""
-    from megatron.core import dist_checkpointing
+def _staged(tree):
+    """``tree`` (nested dicts / lists of a sharded state dict) without ``ShardedObject`` s — byte items are unpickled
+    with weights_only=False: never requested — and with every sharded tensor reading into a fresh buffer."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
+    if isinstance(tree, dict):
+        return {k: _staged(v) for k, v in tree.items() if not isinstance(v, ShardedObject)}
+    if isinstance(tree, list):
+        return [_staged(v) for v in tree if not isinstance(v, ShardedObject)]
+    if isinstance(tree, (ShardedTensor, ShardedTensorFactory)):
+        tree.data = torch.empty_like(tree.data)
+    return tree
+
+
+def _load_dist_staged(model, dist_dir: Path, optimizer=None) -> dict:
+    """dist_checkpointing.load of the model's tensors (and Megatron's optimizer state, under ``"optimizer"``) into
+    fresh buffers (the model is not touched; Megatron's optimizer initializes the Adam state it lacks, as its own
+    loading does)."""
+    from megatron.core import dist_checkpointing
+
     audit_dist_metadata(dist_dir)
-    sharded = model.sharded_state_dict()
-    request = {}
-    for k, v in sharded.items():
-        if isinstance(v, ShardedObject):
-            continue  # byte items are unpickled with weights_only=False: never requested
-        if isinstance(v, (ShardedTensor, ShardedTensorFactory)):
-            v.data = torch.empty_like(v.data)
-        request[k] = v
+    request = _staged(_sharded(model, optimizer, is_loading=True))
     try:
         return dist_checkpointing.load(request, str(dist_dir))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - mismatches surface as various megatron / torch errors
@@ -172,10 +204,17 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None 
         if want.get(k) != manifest["arch"].get(k):
             problems.append(f"architecture {k}: checkpoint {manifest['arch'].get(k)!r}, model {want.get(k)!r}")
     opt_sd = None
+    megatron_opt = _is_megatron(optimizer)
+    saved_opt = manifest["files"].get("optimizer")
     if optimizer is not None:
-        if "optimizer" not in manifest["files"]:
+        if saved_opt is None:
             problems.append("checkpoint holds no optimizer state")
-        elif not problems:
+        elif megatron_opt != (saved_opt == "megatron"):
+            problems.append(f"checkpoint's optimizer state is {'Megatron' if saved_opt == 'megatron' else 'the CPU stand-in'}'s "
+                            f"({saved_opt}), this optimizer is {type(optimizer).__name__}")
+        elif megatron_opt and source != "dist":
+            problems.append("Megatron's optimizer state is in the dist checkpoint: load with source='dist'")
+        elif not problems and not megatron_opt:
             try:
                 opt_sd = load_file(str(ckpt / manifest["files"]["optimizer"]))
             except Exception as e:  # noqa: BLE001 - missing / corrupt file: named, nothing loaded
@@ -192,7 +231,9 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None 
     else:
         from .conversion.hf import nonfinite_names
 
-        staged = _load_dist_staged(model, ckpt / manifest["files"]["megatron"])
+        staged = _load_dist_staged(model, ckpt / manifest["files"]["megatron"], optimizer if megatron_opt else None)
+        if megatron_opt:
+            opt_sd = staged.pop("optimizer")
         params = dict(model.named_parameters())
         missing = sorted(n for n in params if n not in staged)
         if missing:
@@ -203,7 +244,9 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None 
         with torch.no_grad():
             for n, p in params.items():
                 p.data.copy_(staged[n])
-    if opt_sd is not None:
+    if megatron_opt:
+        optimizer.load_state_dict(opt_sd)  # Megatron's own loading (its state read in full above)
+    elif opt_sd is not None:
         optimizer.load_state_dict(opt_sd, allow_nonfinite=allow_nonfinite)  # validated above: cannot fail half way
     return manifest
 

@@ -1,21 +1,31 @@
-"""The trainer's small optimizer interface (the RL loop of :mod:`megatron_consistent.rl` uses it).
+"""The trainer's optimizers, behind the small interface the RL loop of :mod:`megatron_consistent.rl` uses.
 
-:func:`make_optimizer` is the CPU stand-in for Megatron's CUDA-only
-``get_megatron_optimizer``: AdamW over **float32 main (master) copies** of the
-model's (bf16/fp16/fp32) parameters, as Megatron's mixed-precision optimizer
-does.  ``step()`` takes the gradients of the model parameters to float32,
-updates the main copies and writes them back into the model parameters **in
-place** (``param.data.copy_``), so the model's parameter storage never moves —
-the property the in-place weight sync relies on.  It is what the RL session uses
-on every device; Megatron's own optimizer steps the consistent model on the GPU
-in ``examples/megatron_optimizer_step_gpu.py``.
+* :class:`MegatronOptimizer` (GPU): Megatron-Core's own optimizer — the model wrapped in Megatron's
+  ``DistributedDataParallel`` (``use_distributed_optimizer=True``, float32 gradient buffers) and
+  ``get_megatron_optimizer`` (Adam, bf16 model params, float32 main params sharded by the distributed
+  optimizer) over a one-rank NCCL group (:func:`init_single_rank`).  Its state is checkpointed through
+  ``dist_checkpointing`` (``optimizer.sharded_state_dict(model_sharded_state_dict)``,
+  :mod:`megatron_consistent.checkpoint`).  Every megatron-core API difference this package meets here
+  (0.16.1 on CPU, 0.19.x on the GPU) is absorbed by ``layers.builder.filter_kwargs`` and the few
+  ``getattr`` s below.
+* :class:`MainParamAdamW` (:func:`make_optimizer`, CPU): the stand-in for it.  Megatron's optimizers cannot be
+  built without CUDA in either release: ``MixedPrecisionOptimizer.__init__`` allocates its loss-scale tensors
+  with ``device='cuda'`` (optimizer.py), the distributed optimizer accepts only parameters whose ``type()`` is
+  ``torch.cuda.*Tensor`` (distrib_optimizer.py) and the grad buffers are allocated on
+  ``torch.cuda.current_device()`` (param_and_grad_buffer.py).  The stand-in has the same structure: AdamW over
+  **float32 main (master) copies** of the model's parameters; ``step()`` writes them back into the model
+  parameters **in place** (``param.data.copy_``), so the model's parameter storage never moves — the property
+  the in-place weight sync relies on.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["MainParamAdamW", "make_optimizer"]
+__all__ = ["MEGATRON_OPTIMIZER_NEEDS_CUDA", "MainParamAdamW", "MegatronOptimizer", "init_single_rank", "make_optimizer"]
+
+MEGATRON_OPTIMIZER_NEEDS_CUDA = ("Megatron-Core's optimizer (get_megatron_optimizer) needs a CUDA device and this machine has none; "
+                                 "on CPU the trainer steps with the stand-in MainParamAdamW (--device cpu)")
 
 
 class MainParamAdamW:
@@ -138,3 +148,85 @@ class MainParamAdamW:
 def make_optimizer(model, lr: float, **kwargs) -> MainParamAdamW:
     """The optimizer for a Megatron model (stand-in for ``get_megatron_optimizer``): see :class:`MainParamAdamW`."""
     return MainParamAdamW(model.named_parameters(), lr, **kwargs)
+
+
+def init_single_rank() -> None:
+    """``torch.distributed`` with one rank on NCCL (in-process ``HashStore``: no port, no environment variables that a
+    vLLM engine started later would inherit) and Megatron's ``parallel_state``; call before building the model."""
+    import torch.distributed as dist
+
+    from .layers.parallel import init_cpu_process_group
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(MEGATRON_OPTIMIZER_NEEDS_CUDA)
+    if not dist.is_initialized():
+        torch.cuda.set_device(torch.cuda.current_device())
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_backend() != "nccl" or dist.get_world_size() != 1:
+        raise RuntimeError(f"torch.distributed is already initialized ({dist.get_backend()}, world size {dist.get_world_size()}); "
+                           "Megatron's optimizer here needs one NCCL rank: call init_single_rank() before building the model")
+    init_cpu_process_group()  # parallel_state (TP = PP = 1) and the model-parallel CUDA RNG tracker
+
+
+class MegatronOptimizer:
+    """Megatron-Core's ``DistributedDataParallel`` + ``get_megatron_optimizer`` (distributed optimizer) on one GPU.
+
+    Interface of :class:`MainParamAdamW` the loop uses: ``zero_grad()``, ``step() -> bool``; checkpoints go through
+    :meth:`sharded_state_dict` / :meth:`load_state_dict` (Megatron's, ``fully_sharded_model_space``).  Wrapping moves
+    every parameter into DDP's contiguous buffer, once, here; from then on the optimizer writes the updated bf16
+    values into that buffer in place, so record parameter pointers after construction.  The model is still called
+    directly (DDP's gradient hooks sit on the parameters).
+    """
+
+    SHARDING = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+
+    def __init__(self, model, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        import torch.distributed as dist
+        from megatron.core import optimizer as mopt
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from .layers.builder import filter_kwargs
+
+        param = next(model.parameters())
+        if not param.is_cuda:
+            raise ValueError("MegatronOptimizer: move the model to the GPU first (model.cuda())")
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            raise RuntimeError("MegatronOptimizer: call init_single_rank() before building the model (one NCCL rank)")
+        dtype = param.dtype
+        ddp_config = DistributedDataParallelConfig(**filter_kwargs(DistributedDataParallelConfig, {
+            "grad_reduce_in_fp32": True, "overlap_grad_reduce": False, "use_distributed_optimizer": True,
+            "check_for_nan_in_grad": True, "bucket_size": None}))
+        self.model = model
+        self.ddp = DistributedDataParallel(**filter_kwargs(DistributedDataParallel, {
+            "config": model.config, "ddp_config": ddp_config, "module": model}))
+        cfg_cls = getattr(mopt, "AdamOptimizerConfig", None) or mopt.OptimizerConfig
+        self.config = cfg_cls(**filter_kwargs(cfg_cls, {
+            "optimizer": "adam", "lr": lr, "min_lr": lr, "weight_decay": weight_decay, "adam_beta1": betas[0],
+            "adam_beta2": betas[1], "adam_eps": eps, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16,
+            "params_dtype": dtype, "use_distributed_optimizer": True, "clip_grad": 0.0,
+            "loss_scale": 1.0 if dtype == torch.float16 else None}))
+        self.optimizer = mopt.get_megatron_optimizer(**filter_kwargs(mopt.get_megatron_optimizer, {
+            "config": self.config, "model_chunks": [self.ddp]}))
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> bool:
+        """Reduce the gradients into the float32 buffers, one Adam step on the main params, bf16 copies into the model
+        parameters (in place); whether Megatron applied the update."""
+        self.ddp.finish_grad_sync()
+        ret = self.optimizer.step()  # (update_successful, grad_norm, num_zeros) in 0.16.1 and 0.19.x
+        return bool(ret[0] if isinstance(ret, tuple) else ret)
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
+        """Megatron's sharded optimizer state (main params, Adam moments: ShardedTensors keyed by the model's keys;
+        param groups: common state) for ``dist_checkpointing``."""
+        from .layers.builder import filter_kwargs
+
+        fn = self.optimizer.sharded_state_dict
+        return fn(model_sharded_state_dict, **filter_kwargs(fn, {"is_loading": is_loading, "metadata": self.SHARDING}))
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict` (``is_loading=True``)."""
+        self.optimizer.load_state_dict(state)

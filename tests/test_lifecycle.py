@@ -122,3 +122,43 @@ def test_live_restore_first_rollout_bitwise(tmp_path):
     assert r["first_step_exact_fraction"] == 1.0 and r["first_step_max_abs"] == 0.0
     assert r["first_step"]["bitwise_equal"] and r["first_step"]["pointers_unchanged"]
     assert all(v != "accepted" for v in r["wrong_arch"].values()) and r["wrong_arch_untouched"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_refused_without_cuda_before_any_work(tmp_path):
+    """``grpo_tiny.py --device cuda`` without CUDA: one line, exit 2, no output folder; the pieces refuse alike."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_consistent.training import MEGATRON_OPTIMIZER_NEEDS_CUDA, MegatronOptimizer, init_single_rank
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "grpo_tiny.py"
+    r = subprocess.run([sys.executable, str(script), "--device", "cuda", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [f"grpo_tiny: --device cuda: {MEGATRON_OPTIMIZER_NEEDS_CUDA}"]
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        init_single_rank()
+    with pytest.raises(ValueError, match="move the model to the GPU"):
+        MegatronOptimizer(build_consistent_gpt_model(ARCH, seed=0), 1e-2)
+
+
+def test_filter_kwargs_classes_and_dataclasses():
+    """The one place megatron-core signature differences are absorbed: functions, classes, dataclasses."""
+    import dataclasses
+
+    from megatron_consistent.layers.builder import filter_kwargs
+
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float = 0.0
+
+    class Opt:
+        def __init__(self, config, model_chunks):
+            pass
+
+    assert filter_kwargs(Cfg, {"lr": 1.0, "only_in_0_19": 2}) == {"lr": 1.0}
+    assert filter_kwargs(Opt, {"config": 1, "model_chunks": 2, "extra": 3}) == {"config": 1, "model_chunks": 2}
+    assert filter_kwargs(lambda a, **kw: None, {"a": 1, "b": 2}) == {"a": 1, "b": 2}

@@ -7,6 +7,7 @@ and a seeded RNG (the global RNG is restored afterwards), so the same seed gives
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from pathlib import Path
@@ -34,7 +35,12 @@ def as_arch_config(hf_config) -> ArchConfig:
 
 
 def filter_kwargs(fn, kwargs: dict) -> dict:
-    params = inspect.signature(fn).parameters
+    """The keyword arguments ``fn`` accepts (a function, a class, or a dataclass: its fields): megatron-core's
+    signatures differ between releases (0.16.1 on CPU, 0.19.x on the GPU), and unknown ones are dropped here."""
+    if dataclasses.is_dataclass(fn):
+        names = {f.name for f in dataclasses.fields(fn)}
+        return {k: v for k, v in kwargs.items() if k in names}
+    params = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in params}

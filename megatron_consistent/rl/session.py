@@ -3,15 +3,18 @@
 :class:`RLSession` owns
 
 * the trainer: a Megatron ``GPTModel`` (consistent spec in ``consistent``
-  mode, Megatron's stock local spec in ``baseline`` mode) and its optimizer
-  (:func:`megatron_consistent.training.make_optimizer`);
+  mode, Megatron's stock local spec in ``baseline`` mode) on ``device`` and its optimizer:
+  on ``"cuda"`` Megatron-Core's own (:class:`megatron_consistent.training.MegatronOptimizer`: DDP +
+  ``get_megatron_optimizer``, distributed optimizer, one NCCL rank; checkpoints and restores go through
+  ``dist_checkpointing``), on ``"cpu"`` the stand-in :func:`megatron_consistent.training.make_optimizer`;
 * the engine: one vLLM ``LLM`` (default multiprocess engine core, built by
   :func:`megatron_consistent.verify.rollout.engine`) started once from an HF export
   of the trainer's weights, with the worker extension of
   :mod:`megatron_consistent.sync.worker`; the consistent plugin is on in ``consistent`` mode and off in
   ``baseline`` mode (stock vLLM);
 * a :class:`~megatron_consistent.sync.channel.WeightSyncChannel` pushing the weights after every
-  optimizer step (weight version +1 each time).
+  optimizer step (weight version +1 each time); on a GPU the engine shares the trainer's GPU
+  (``gpu_memory_utilization`` 0.3) and runs compiled with CUDA graphs where the plugin allows it.
 
 :meth:`RLSession.grpo_step` is one GRPO iteration with one update: sample ->
 reward -> trainer log-probs of the sampled tokens (same weight version as the
@@ -36,14 +39,17 @@ from ..verify.rollout import sample as sample_tokens
 from ..vllm_plugin import ENV_VAR
 from .grpo import group_advantages, grpo_loss
 
-__all__ = ["MODES", "RLSession", "start_engine", "sample"]
+__all__ = ["DEVICES", "MODES", "RLSession", "start_engine", "sample"]
 
 MODES = ("consistent", "baseline")
+DEVICES = ("cpu", "cuda")
 
 
 def start_engine(model_dir, arch: ArchConfig, *, consistent: bool, seed: int = 0, max_num_batched_tokens: int = 256,
-                 max_model_len: int = 256, block_size: int = 32, enable_prefix_caching: bool = True, **kwargs):
-    """A live vLLM ``LLM`` on ``model_dir`` with the weight-sync worker extension (call under ``if __name__ == "__main__"``)."""
+                 max_model_len: int = 256, block_size: int = 32, enable_prefix_caching: bool = True,
+                 enforce_eager: bool | None = None, **kwargs):
+    """A live vLLM ``LLM`` on ``model_dir`` with the weight-sync worker extension (call under ``if __name__ == "__main__"``);
+    ``enforce_eager`` None: eager on CPU, compiled + CUDA graphs on CUDA where the plugin allows (``verify.rollout.eager``)."""
     want = "1" if consistent else "0"
     if _ENGINES and _ENGINES[0] != want:
         raise RuntimeError(f"this process already started an engine with {ENV_VAR}={_ENGINES[0]}; one mode per process")
@@ -52,7 +58,7 @@ def start_engine(model_dir, arch: ArchConfig, *, consistent: bool, seed: int = 0
     _ENGINES.append(want)
     return engine(RolloutRequest(model_dir=str(model_dir), prompts=[], consistent=consistent, dtype=arch.dtype, seed=seed,
                                  logprobs_mode="processed", max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, enforce_eager=True,
+                                 max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
                                  engine_kwargs={"worker_extension_cls": WORKER_EXTENSION, **kwargs}))
 
 
@@ -71,22 +77,33 @@ class RLSession:
 
     def __init__(self, arch: ArchConfig, mode: str, work_dir, *, seed: int = 0, lr: float = 1e-2, init_hf_dir=None,
                  restore_dir=None, restore_source: str = "hf", engine_dir=None, temperature: float = 1.0,
-                 engine_kwargs: dict | None = None):
-        """Build the trainer (seeded; or from ``init_hf_dir``; or restored from the checkpoint ``restore_dir`` with its
-        optimizer state), export it (or use the HF folder ``engine_dir``), start the engine from it, open the channel."""
+                 engine_kwargs: dict | None = None, device: str = "cpu"):
+        """Build the trainer on ``device`` (seeded; or from ``init_hf_dir``; or restored from the checkpoint
+        ``restore_dir`` with its optimizer state — on ``"cuda"`` always from its dist checkpoint), export it (or use the
+        HF folder ``engine_dir``), start the engine from it, open the channel."""
         from ..conversion import export_hf, import_hf
         from ..layers import build_consistent_model, build_stock_gpt_model
-        from ..training import make_optimizer
+        from ..training import MEGATRON_OPTIMIZER_NEEDS_CUDA, MegatronOptimizer, init_single_rank, make_optimizer
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.arch, self.mode, self.temperature = arch, mode, temperature
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device 'cuda': {MEGATRON_OPTIMIZER_NEEDS_CUDA}")
+        self.arch, self.mode, self.temperature, self.device = arch, mode, temperature, torch.device(device)
         self.work_dir = Path(work_dir)
+        if device == "cuda":
+            init_single_rank()  # before the build, which would otherwise start a gloo group
         build = build_consistent_model if mode == "consistent" else build_stock_gpt_model
         self.model = build(arch, seed=seed)
         if init_hf_dir is not None:
             import_hf(self.model, arch, init_hf_dir)
-        self.optimizer = make_optimizer(self.model, lr)
+        if device == "cuda":
+            self.optimizer = MegatronOptimizer(self.model.cuda(), lr)
+            restore_source = "dist"
+        else:
+            self.optimizer = make_optimizer(self.model, lr)
         self.manifest = None
         if restore_dir is not None:
             from ..checkpoint import load_checkpoint
@@ -119,13 +136,14 @@ class RLSession:
         return {n: p.data_ptr() for n, p in self.model.named_parameters()}
 
     def trainer_logprobs(self, prompts: list[list[int]], responses: list[list[int]], grad: bool = False) -> torch.Tensor:
-        """``[n, t]`` float32 trainer log-probs of each response token (train mode); equal-length responses."""
+        """``[n, t]`` float32 trainer log-probs of each response token (train mode, on the trainer's device);
+        equal-length responses."""
         from ..layers import compute_stock_token_logprobs, compute_token_logprobs
 
         fn = compute_token_logprobs if self.mode == "consistent" else compute_stock_token_logprobs
         seqs = [p + r for p, r in zip(prompts, responses)]
         width = max(len(s) for s in seqs)
-        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right padding: never seen (causal)
+        ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=self.device)  # right padding: never seen (causal)
         self.model.train()
         with torch.set_grad_enabled(grad):
             lp = fn(self.model, ids, self.temperature)
@@ -135,7 +153,7 @@ class RLSession:
     def check_rollout(self, prompts, max_tokens: int) -> dict:
         """Sample once and compare with the trainer (no update): the mismatch metrics at the current version."""
         tokens, lps = sample(self.llm, prompts, max_tokens, self.temperature)
-        train = self.trainer_logprobs(prompts, tokens).reshape(-1)
+        train = self.trainer_logprobs(prompts, tokens).reshape(-1).cpu()
         roll = torch.tensor([x for r in lps for x in r], dtype=torch.float32)
         m = mismatch_metrics(train, roll)
         return {**m, "zero_mismatch": is_zero_mismatch(m), "bitwise_equal": bool(torch.equal(train, roll)),
@@ -151,6 +169,17 @@ class RLSession:
                 for n, t in hf_state_dict(self.model, self.arch).items()}
         theirs = self.llm.collective_rpc("mc_sync_digests")[0]
         differ = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
+        return {"equal": not differ, "differ": differ[:16], "tensors": len(mine)}
+
+    def weights_match_hf(self, hf_dir) -> dict:
+        """Compare the trainer's HF tensors bitwise with an HF folder's ``model.safetensors`` (e.g. a checkpoint's ``hf/``,
+        written from the trainer when it was saved)."""
+        from safetensors.torch import load_file
+
+        from ..conversion import hf_state_dict
+
+        mine, saved = hf_state_dict(self.model, self.arch), load_file(str(Path(hf_dir) / "model.safetensors"))
+        differ = sorted(n for n in mine.keys() | saved.keys() if n not in mine or n not in saved or not torch.equal(mine[n], saved[n]))
         return {"equal": not differ, "differ": differ[:16], "tensors": len(mine)}
 
     def push(self) -> dict:
@@ -180,9 +209,10 @@ class RLSession:
         self.optimizer.zero_grad()
         logp = self.trainer_logprobs(batch, tokens, grad=True)
         rollout = torch.tensor(lps, dtype=torch.float32)
-        m = mismatch_metrics(logp.detach().reshape(-1), rollout.reshape(-1))
-        bitwise = bool(torch.equal(logp.detach(), rollout))
-        loss, stats = grpo_loss(logp, rollout, group_advantages(rewards, group_size), clip)
+        m = mismatch_metrics(logp.detach().reshape(-1).cpu(), rollout.reshape(-1))
+        bitwise = bool(torch.equal(logp.detach().cpu(), rollout))
+        rollout, advantages = rollout.to(self.device), group_advantages(rewards, group_size).to(self.device)
+        loss, stats = grpo_loss(logp, rollout, advantages, clip)
         loss.backward()
         stepped = self.optimizer.step()
         t_train = time.perf_counter() - t1

@@ -92,7 +92,7 @@ class WeightSyncExtension:
             return t.to(w) if torch.equal(t.to(w).to(t.dtype), t) else t
 
         wire_dtypes = self._mc_wire_dtypes(model)
-        return {n: hashlib.sha256(wire(n, t.detach()).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        return {n: hashlib.sha256(wire(n, t.detach()).contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
                 for n, t in model.hf_targets().items()}
 
     def mc_sync_model_kind(self) -> str:
@@ -152,6 +152,8 @@ class WeightSyncExtension:
                 parts = model.hf_parts() if hasattr(model, "hf_parts") else None
                 for name, src in views.items():  # TP > 1: this rank's part of the whole tensor (weight table shard rule)
                     targets[name].copy_(src if parts is None else model.hf_local(name, src, parts))
+                if any(t.is_cuda for t in targets.values()):  # GPU engine: the host->device copies from the mapped
+                    torch.cuda.synchronize()  # file have landed before it is unmapped and the version advances
             else:
                 from vllm.config import set_current_vllm_config
 
