@@ -48,6 +48,7 @@ SEGMENT_COUNTS = (1, 2, 4, 8)
 REG_BUDGET = 128  # float32 accumulator registers per thread a tree group may keep live (the rest spills to L2)
 SMEM_BUDGET = 200 * 1024  # operand bytes the pipeline stages may hold (H100 / H200: 227 KB per block, less scratch)
 LANES_MAX_STEPS = 8  # the planner's default LANES is 2 up to this many BLOCK_K steps per segment
+WAVE_FILL = 0.9  # parallel path: fewer, longer units unless the last wave of units would leave > 10 % of SMs idle
 _FORCE_TREE_PATH = os.environ.get("MC_TREE_PATH", "")  # "", "serial", "parallel", "flat": every call (scheduling only)
 _SERIAL_PATH = os.environ.get("MC_TREE_SERIAL", "serial")  # the many-tiles schedule: "serial" or "flat"
 _FORCE_LANES = int(os.environ.get("MC_TREE_LANES", "0"))  # 1 or 2: every call (scheduling only); 0: the planner's
@@ -360,6 +361,11 @@ def segment_config(n: int, k_local: int, segments: int, dtype: torch.dtype, m: i
     return config_for(n, k_local // segments, dtype, m)
 
 
+def _wave_fill(units: int, sms: int) -> float:
+    """Busy fraction of the SM slots over all waves of ``units`` one-program units."""
+    return units / (triton.cdiv(units, sms) * sms)
+
+
 def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: dict | None = None,
          path: str | None = None, reg_segments: int | None = None, sms: int = 132, lanes: int | None = None) -> dict:
     """Schedule of one call (no effect on the bits): the tile config, ``path``, ``REG`` (segments per register
@@ -381,16 +387,15 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
         raise ValueError(f"row-parallel GEMM: unknown path {path!r}")
     reg = reg_segments or cfg.get("TREE_REG")
     if reg is None:
-        if path == "parallel":  # the fewest groups that give every SM a unit
-            groups = 1
-            while groups < segments and num_tiles * groups < sms:
+        per_acc = max(1, bm * bn // (32 * cfg["W"]))
+        reg = segments  # the largest register group whose live partials fit the budget
+        while reg > 1 and (reg.bit_length() + (splits > 1)) * per_acc > REG_BUDGET:
+            reg //= 2
+        if path == "parallel":  # the fewest groups (longest units) whose units fill the SMs' last wave to >= 90 %
+            groups = segments // reg
+            while groups < segments and _wave_fill(num_tiles * groups, sms) < WAVE_FILL:
                 groups *= 2
             reg = segments // groups
-        else:
-            per_acc = max(1, bm * bn // (32 * cfg["W"]))
-            reg = segments
-            while reg > 1 and (reg.bit_length() + (splits > 1)) * per_acc > REG_BUDGET:
-                reg //= 2
     reg = min(int(reg), segments, 2 if path == "flat" else segments)
     if reg not in SEGMENT_COUNTS:
         raise ValueError(f"row-parallel GEMM: REG={reg} must be one of {SEGMENT_COUNTS}")
