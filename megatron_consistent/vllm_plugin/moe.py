@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import moe as kmoe
+from ..kernels import inference_ops
 from .compat import install_batch_hook
 from .decoder_layer import ConsistentDecoderLayer, _param
 from .parallel import tp_rank_size
@@ -112,16 +112,18 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
         self._positions = None
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, rope) -> torch.Tensor:
-        self._positions = positions
+        if RECORDER is not None:  # recording runs eager (model.eager_only_reason)
+            self._positions = positions
         return super().forward(positions, h, rope)
 
     def mlp_forward(self, x: torch.Tensor):
-        """(router logits, routed experts, MLP output) of ``x [T, H]``."""
-        z = kmoe.router_logits(x, self.router)
-        w, experts = kmoe.route_logits(z, self.arch.num_experts_per_tok, "softmax", norm_topk_prob=self.arch.norm_topk_prob)
+        """(router logits, routed experts, MLP output) of ``x [T, H]``: opaque custom ops with no host read."""
+        z = inference_ops.router_logits(x, self.router)
+        w, experts = inference_ops.moe_route(z, self.arch.num_experts_per_tok, "softmax", None, self.arch.norm_topk_prob, 1, 1, 1.0)
         if RECORDER is not None:
             RECORDER(self.idx, self._positions, experts)
-        return z, experts, kmoe.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, self.shared)
+        shared = self.shared or (None, None, None)
+        return z, experts, inference_ops.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, *shared, "swiglu")
 
 
 def decoder_layer_class(arch, idx: int):

@@ -147,6 +147,13 @@ class GroupedLinearFunction(torch.autograd.Function):
         return gx, gw, None
 
 
+def expert_counts(by_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs per expert ``[E]`` int64 from the ascending expert ids: the boundaries of each expert's run, found by
+    ``searchsorted`` (no host read, unlike ``bincount``, whose output length needs the largest id on the host)."""
+    bounds = torch.searchsorted(by_expert, torch.arange(num_experts + 1, device=by_expert.device, dtype=by_expert.dtype))
+    return bounds[1:] - bounds[:-1]
+
+
 @register("moe_expert_outputs", "cuda")
 def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                          activation: str = "swiglu") -> torch.Tensor:
@@ -155,8 +162,8 @@ def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up:
         raise ValueError(f"unsupported expert activation {activation!r}; supported: {', '.join(kmoe.EXPERT_ACTIVATIONS)}")
     t, k = experts.shape
     flat = experts.reshape(-1)
-    order = torch.sort(flat, stable=True).indices  # ascending expert, pair order within an expert
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0])
+    by_expert, order = torch.sort(flat, stable=True)  # ascending expert, pair order within an expert
+    counts = expert_counts(by_expert, w_gate_up.shape[0])
     h = GroupedLinearFunction.apply(hidden[order // k], w_gate_up, counts)
     a = silu_and_mul(h) if activation == "swiglu" else relu_squared(h)
     y = GroupedLinearFunction.apply(a, w_down, counts)
