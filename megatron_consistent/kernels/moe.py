@@ -13,7 +13,8 @@ Numerics contract (CPU), per token — nothing depends on the other tokens of th
 * **top-k**: experts ordered by descending key with a *stable* sort, so among
   exactly equal keys the **lowest expert index wins**; slot ``j`` holds the
   ``j``-th best expert.  (``torch.topk``'s tie behaviour is not documented and
-  is not used.)  NaN router scores are refused;
+  is not used.)  NaN router scores are refused (the trainer's route; a rollout
+  engine's :func:`select_experts` reads nothing on the host and does not refuse);
 * **weights** ``w_j = s[e_j]`` (unbiased scores); ``norm_topk_prob``:
   ``w_j = w_j / tree_sum(w)``; then ``* routed_scaling_factor`` when != 1;
   all float32;

@@ -7,6 +7,9 @@ The MLP of an MoE layer is, op for op, the Megatron-side
     w, experts = route_logits(z, k, softmax, norm_topk_prob)   (stable top-k: lowest index wins ties)
     out = moe_experts(x, experts, w, W_fc1[E,2I,H], W_fc2[E,H,I], shared)   (slot-order float32 combine, one rounding)
 
+each an opaque custom op of :mod:`..kernels.inference_ops` with no host read and no data-dependent shape, so vLLM
+compiles the MoE model and replays it as CUDA graphs like the dense one.
+
 Parameters are held in the Megatron stacked layout; the MoE family's weight table
 (:mod:`megatron_consistent.architectures.moe`) maps the HF per-expert tensor names to views of
 them for ``load_weights``.
@@ -19,7 +22,7 @@ in the engine's environment every model forward that vLLM scheduled writes
 model runner's batch order (``GPUModelRunner._prepare_inputs`` is wrapped to
 note ``input_batch.req_ids`` and the scheduled token counts; rows are laid out
 in that order; :func:`.compat.install_batch_hook` for both of vLLM's runners).  Forwards not prepared by the runner (profile / warm-up runs)
-are not recorded.
+are not recorded.  Recording is Python per forward: an engine that records runs eager (``model.eager_only_reason``).
 """
 
 from __future__ import annotations

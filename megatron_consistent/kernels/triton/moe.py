@@ -15,7 +15,8 @@ GPU numerics contract (same shape as the CPU contract of :mod:`megatron_consiste
   ``linear.config_for(N, K, dtype)``, same in-split tensor-core chain, split
   partials summed in split order, one rounding), so an expert's result for a
   token equals ``linear(x_token, W_e)`` alone — it cannot depend on which other
-  tokens share the expert (``tests/test_gpu_moe.py`` checks bitwise);
+  tokens share the expert (``tests/test_gpu_moe.py`` checks bitwise); the per-expert counts and the tile table
+  are computed on the device (no host read, fixed shapes: capturable in a CUDA graph);
   the activation between the two GEMMs is the registered CUDA ``silu_and_mul``
   (or ``relu_squared``), elementwise;
 * **combine** (``moe_combine``): one Triton kernel, compiled without fused
