@@ -4,6 +4,7 @@ Needs a CUDA device and vLLM's GPU build (``../shared/gpu-vllm/``); skipped othe
 
 * the consistent engine gives identical tokens and log-probs eager, compiled without CUDA graphs, and
   compiled with CUDA graphs (vLLM's default), for one mixed batch under chunked prefill and prefix caching;
+  the MoE and hybrid Mamba-2 engines give identical bits eager and compiled with CUDA graphs;
 * ``check`` on CUDA: the Megatron-Core trainer on the GPU recomputes every sampled token's log-prob with
   the same bits as the GPU engine (max_abs = k3 = 0, exact_fraction 1.0), while the stock rows do not.
 """
@@ -11,6 +12,7 @@ Needs a CUDA device and vLLM's GPU build (``../shared/gpu-vllm/``); skipped othe
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,24 +38,50 @@ def _export(name: str, folder):
     return arch
 
 
-def test_engine_bits_same_eager_compiled_and_graphs(tmp_path):
+def _engine_runs(tmp_path, name: str, modes: dict, **request) -> dict:
+    """One engine per mode (``{mode: (enforce_eager, extra engine kwargs)}``) over the same mixed batch: 24 prompts
+    of varied lengths, chunked prefill forced (64 tokens a step), 32 decode steps; ``{mode: rollout result}``."""
     from megatron_consistent.verify.check import CheckConfig, make_prompts
     from megatron_consistent.verify.rollout import RolloutRequest, run_in_subprocess
 
-    arch = _export("tiny-llama", tmp_path / "model")
+    arch = _export(name, tmp_path / "model")
     prompts = make_prompts(CheckConfig(num_prompts=24, seed=3), arch.vocab_size)
     runs = {}
-    for mode, eager, extra in (("eager", True, {}), ("compiled", False, {"compilation_config": {"cudagraph_mode": "NONE"}}),
-                               ("graphs", False, {})):
+    for mode, (eager, extra) in modes.items():
         req = RolloutRequest(model_dir=str(tmp_path / "model"), prompts=prompts, consistent=True, dtype=arch.dtype,
                              temperature=1.0, max_tokens=32, seed=3, max_num_batched_tokens=64, block_size=16,
-                             max_model_len=512, enforce_eager=eager, engine_kwargs={"max_num_seqs": 32, **extra})
+                             max_model_len=512, enforce_eager=eager, engine_kwargs={"max_num_seqs": 32, **extra}, **request)
         runs[mode] = run_in_subprocess(req, tmp_path / "engines", mode)
         assert "error" not in runs[mode], runs[mode]
         assert runs[mode]["plugin_active"]
-    for mode in ("compiled", "graphs"):
-        assert runs[mode]["tokens"] == runs["eager"]["tokens"], mode
-        assert runs[mode]["logprobs"] == runs["eager"]["logprobs"], mode  # float32 values, exact through JSON
+    return runs
+
+
+def _assert_same_bits(runs: dict, reference: str = "eager") -> None:
+    for mode in runs:
+        assert runs[mode]["tokens"] == runs[reference]["tokens"], mode
+        assert runs[mode]["logprobs"] == runs[reference]["logprobs"], mode  # float32 values, exact through JSON
+
+
+def test_engine_bits_same_eager_compiled_and_graphs(tmp_path):
+    runs = _engine_runs(tmp_path, "tiny-llama", {"eager": (True, {}),
+                                                 "compiled": (False, {"compilation_config": {"cudagraph_mode": "NONE"}}),
+                                                 "graphs": (False, {})})
+    _assert_same_bits(runs)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe-top1", "tiny-nemotronh"])
+def test_moe_and_hybrid_bits_same_eager_and_graphs(name, tmp_path):
+    """MoE (FULL decode graphs + piecewise) and hybrid Mamba-2 (PIECEWISE, the mixer core run eagerly between the
+    graphs) engines compiled with vLLM's default CUDA graphs give the eager engine's tokens and log-prob bits."""
+    hybrid = name == "tiny-nemotronh"
+    runs = _engine_runs(tmp_path, name, {"eager": (True, {}), "graphs": (False, {})}, enable_prefix_caching=not hybrid)
+    _assert_same_bits(runs)
+    graphs_log = Path(runs["graphs"]["log"]).read_text()
+    assert "Graph capturing finished" in graphs_log  # the graphs engine did capture
+    assert "Graph capturing finished" not in Path(runs["eager"]["log"]).read_text()
+    if hybrid:
+        assert "setting cudagraph_mode=PIECEWISE" in graphs_log  # the plugin's Mamba-2 backend: no full graphs
 
 
 @pytest.mark.parametrize("name", DENSE + ["tiny-qwen3moe-top1"])

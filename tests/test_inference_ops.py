@@ -113,3 +113,84 @@ def test_ops_compile_without_graph_breaks():
     pos = torch.arange(7)
     compiled = torch.compile(block, fullgraph=True, backend="eager", dynamic=True)
     assert torch.equal(compiled(h, pos), block(h, pos))
+
+
+@pytest.mark.parametrize("scoring, shared, activation", [("softmax", "gated", "swiglu"), ("sigmoid", "ungated", "relu2"),
+                                                         ("softmax", None, "swiglu")])
+def test_moe_ops_equal_training_path(scoring, shared, activation):
+    """Router logits, route (incl. selection bias and group limit) and the expert block: the trainer's bits."""
+    from megatron_consistent.kernels import moe as kmoe
+
+    g = torch.Generator().manual_seed(5)
+    dev, dt, E, H, inter, k = _device(), torch.bfloat16, 8, 32, 16, 2
+    x = torch.randn(13, H, generator=g).to(dt).to(dev)
+    router = (torch.randn(E, H, generator=g) * 0.2).to(dt).to(dev)
+    rows = 2 * inter if activation == "swiglu" else inter
+    up = (torch.randn(E, rows, H, generator=g) * 0.1).to(dt).to(dev)
+    down = (torch.randn(E, H, inter, generator=g) * 0.1).to(dt).to(dev)
+    s_up = (torch.randn(rows, H, generator=g) * 0.1).to(dt).to(dev) if shared else None
+    s_down = (torch.randn(H, inter, generator=g) * 0.1).to(dt).to(dev) if shared else None
+    s_gate = torch.randn(1, H, generator=g).to(dt).to(dev) if shared == "gated" else None
+    bias = torch.randn(E, generator=g).to(dev) if scoring == "sigmoid" else None
+    n_group, topk_group, scaling = (4, 2, 2.5) if scoring == "sigmoid" else (1, 1, 1.0)
+    with torch.no_grad():
+        z = inference_ops.router_logits(x, router)
+        assert torch.equal(z, kmoe.router_logits(x, router))
+        w, e = inference_ops.moe_route(z, k, scoring, bias, True, n_group, topk_group, scaling)
+        w2, e2 = kmoe.route_logits(z, k, scoring, bias, True, n_group, topk_group, scaling)
+        assert torch.equal(w, w2) and torch.equal(e, e2)
+        out = inference_ops.moe_experts(x, e, w, up, down, s_up, s_down, s_gate, activation)
+        ref = kmoe.moe_experts(x, e, w, up, down, None if shared is None else (s_up, s_down, s_gate), activation)
+        assert torch.equal(out, ref)
+
+
+def test_engine_route_has_no_nan_refusal():
+    """The trainer's route refuses NaN scores (a host read); the engine's op must not read the host: it routes a NaN
+    row to valid experts and leaves the other rows' bits alone."""
+    from megatron_consistent.kernels import moe as kmoe
+
+    z = torch.tensor([[0.5, float("nan"), 0.1, 0.2], [0.3, 0.1, 0.9, 0.2]], device=_device())
+    with pytest.raises(ValueError, match="NaN"):
+        kmoe.route_logits(z, 2)
+    w, e = inference_ops.moe_route(z, 2, "softmax", None, False, 1, 1, 1.0)
+    assert bool(((e >= 0) & (e < 4)).all())
+    w1, e1 = kmoe.route_logits(z[1:], 2)
+    assert torch.equal(w[1:], w1) and torch.equal(e[1:], e1)
+
+
+def test_mamba_elementwise_ops_equal_training_path():
+    import math
+
+    from megatron_consistent.kernels import gated_rms_norm, mamba_dt, relu_squared
+
+    g = torch.Generator().manual_seed(6)
+    dev = _device()
+    x = torch.randn(9, 32, generator=g).to(torch.bfloat16).to(dev)
+    z = torch.randn(9, 32, generator=g).to(torch.bfloat16).to(dev)
+    b = torch.randn(32, generator=g).to(dev)
+    with torch.no_grad():
+        assert torch.equal(inference_ops.relu_squared(x), relu_squared(x))
+        assert torch.equal(inference_ops.mamba_dt(x, b, 0.001, math.inf), mamba_dt(x, b, 0.001, math.inf))
+        assert torch.equal(inference_ops.gated_rms_norm(x, z, b, 8, 1e-5), gated_rms_norm(x, z, b, 8, 1e-5))
+
+
+@pytest.mark.slow
+def test_moe_and_mamba_ops_compile_without_graph_breaks():
+    """The MoE block and the Mamba layer's elementwise ops are opaque nodes too: fullgraph=True compiles them."""
+    g = torch.Generator().manual_seed(7)
+    E, H, inter = 4, 32, 8
+    router = (torch.randn(E, H, generator=g) * 0.2).to(torch.bfloat16)
+    up = (torch.randn(E, 2 * inter, H, generator=g) * 0.1).to(torch.bfloat16)
+    down = (torch.randn(E, H, inter, generator=g) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(H, generator=g)
+
+    def block(h):
+        w, e = inference_ops.moe_route(inference_ops.router_logits(h, router), 2, "softmax", None, True, 1, 1, 1.0)
+        m = inference_ops.moe_experts(h, e, w, up, down, None, None, None, "swiglu")
+        dt = inference_ops.mamba_dt(m, bias, 0.0, float("inf"))
+        return inference_ops.gated_rms_norm(inference_ops.relu_squared(m), h, bias, 8, 1e-5), dt
+
+    h = torch.randn(7, H, generator=g).to(torch.bfloat16)
+    got = torch.compile(block, fullgraph=True, backend="eager", dynamic=True)(h)
+    for a, b in zip(got, block(h)):
+        assert torch.equal(a, b)

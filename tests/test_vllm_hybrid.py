@@ -63,7 +63,8 @@ def _mixer(arch: ArchConfig, slots: int, seed: int = 0, device: str = "cpu"):
 def _forward(monkeypatch, mixer, meta, x):
     import vllm.forward_context as fc
 
-    monkeypatch.setattr(fc, "get_forward_context", lambda: SimpleNamespace(attn_metadata=None if meta is None else {mixer.prefix: meta}))
+    monkeypatch.setattr(fc, "get_forward_context", lambda: SimpleNamespace(
+        attn_metadata=None if meta is None else {mixer.prefix: meta}, no_compile_layers={mixer.prefix: mixer}))
     return mixer(x)
 
 
@@ -151,6 +152,68 @@ def test_mixer_without_pending_tokens_is_caught(monkeypatch):
     monkeypatch.setattr(mod, "ssd_continue", lambda b, p, *a: real(b, None, *a))
     broken = _run_schedule(monkeypatch, mixer, [h], steps, [1])[0]
     assert torch.equal(broken[:6], whole[:6]) and not torch.equal(broken[6:], whole[6:])
+
+
+# ---------------------------------------------------------------------------------------------- compile + CUDA graphs (host side)
+@pytest.mark.parametrize("plugin_backend", [True, False])
+def test_mixer_resolves_default_graphs_to_piecewise_with_the_mixer_split_off(plugin_backend):
+    """vLLM's default FULL_AND_PIECEWISE, resolved against the plugin's Mamba-2 backend, becomes PIECEWISE with the
+    mixer op among the splitting ops (vLLM's own Mamba-2 backend, the control, keeps full decode graphs)."""
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
+
+    from megatron_consistent.vllm_plugin.mamba import MIXER_OP, ConsistentMamba2Backend, run_mixer_between_graphs
+
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    cc.set_splitting_ops_for_v1("allgather_reducescatter")
+    run_mixer_between_graphs(cc)
+    run_mixer_between_graphs(cc)
+    assert cc.splitting_ops.count(MIXER_OP) == 1 and cc.splitting_ops_contain_attention()
+    builder = ConsistentMamba2Backend.get_builder_cls() if plugin_backend else Mamba2AttentionMetadataBuilder
+    mode = cc.resolve_cudagraph_mode_and_sizes(builder.get_cudagraph_support(None, None), "mamba")
+    assert mode == (CUDAGraphMode.PIECEWISE if plugin_backend else CUDAGraphMode.FULL_AND_PIECEWISE)
+    unsplit = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=[])
+    run_mixer_between_graphs(unsplit)
+    assert unsplit.splitting_ops == []  # one unsplit graph asked for: left alone (vLLM refuses full graphs itself)
+
+
+def test_mixer_is_one_splitting_node_of_the_compiled_layer(monkeypatch):
+    """Dynamo traces the whole mixer layer without a break; vLLM's splitter finds exactly one node to run eagerly
+    (the mixer core), and the compiled layer gives the eager bits."""
+    from vllm.compilation.partition_rules import should_split
+
+    from megatron_consistent.vllm_plugin.mamba import MIXER_OP
+
+    arch = _arch()
+    mixer = _mixer(arch, slots=3, seed=2)
+    h = torch.randn(11, arch.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    eager = _forward(monkeypatch, mixer, None, h)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(mixer, fullgraph=True, backend=backend)
+    assert torch.equal(_forward(monkeypatch, compiled, None, h), eager)
+    split = [n for n in graphs[0].graph.nodes if should_split(n, [MIXER_OP])]
+    assert len(graphs) == 1 and len(split) == 1
+
+
+def test_mixer_rows_of_no_request_are_zero(monkeypatch):
+    """A piecewise graph pads the batch: rows past the scheduled tokens must come out as zeros, whatever the
+    buffer held (the next graph reads them)."""
+    arch = _arch()
+    mixer = _mixer(arch, slots=3, seed=4)
+    g = torch.Generator().manual_seed(5)
+    s = arch.ssm
+    xbc = torch.randn(8, s.conv_dim, generator=g).to(torch.bfloat16)
+    dt = torch.rand(8, s.num_heads, generator=g)
+    _, meta = _meta([(1, 0, 3), (2, 0, 2)])  # 5 scheduled tokens of 8 rows
+    y = torch.full((8, s.d_inner), float("nan"), dtype=torch.bfloat16)
+    mixer.mix(xbc, dt, y, meta)
+    assert not torch.isnan(y[:5]).any() and torch.equal(y[5:], torch.zeros_like(y[5:]))
 
 
 # ---------------------------------------------------------------------------------------------- real engine

@@ -27,13 +27,24 @@ Ops (``torch.ops.megatron_consistent.<name>``):
 * ``rope(x, cos, sin, style)``: ``x [T, heads, head_dim]`` rotated by the
   float32 tables already gathered at each token's position, ``cos/sin [T, rot/2]``
   (``style``: ``kernels.rotary.ROPE_STYLES``);
-* ``silu_and_mul(x)``: ``silu(x[..., :I]) * x[..., I:]``.
+* ``silu_and_mul(x)``: ``silu(x[..., :I]) * x[..., I:]``;
+* ``relu_squared(x)``, ``mamba_dt(dt_raw, dt_bias, dt_min, dt_max)``, ``gated_rms_norm(y, z, weight, group_size,
+  eps)``: the Nemotron-H / Mamba-2 elementwise and norm ops (their CUDA forwards are torch code: wrapped so that
+  Inductor cannot fuse and re-round them);
+* ``router_logits(x, weight)``: float32 ``[T, E]`` by the linear's float32 accumulator;
+* ``moe_route(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)``: (weights float32, experts
+  int64) ``[T, k]`` by :func:`..moe.select_experts` — the registered ``moe_route`` forward without its NaN refusal,
+  which reads the host (a rollout engine's padded CUDA-graph rows may hold anything; a NaN in a real row shows in
+  its log-prob);
+* ``moe_experts(hidden, experts, weights, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, activation)``:
+  :func:`..moe.moe_experts` (grouped experts, shared expert, slot-order combine), ``[T, H]``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import moe as kmoe
 from .dispatch import implementation
 from .linear import ROW_PARALLEL_SEGMENTS
 
@@ -101,3 +112,67 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @silu_and_mul.register_fake
 def _silu_and_mul_fake(x):
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("megatron_consistent::relu_squared", mutates_args=())
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return implementation("relu_squared", x.device)(x)
+
+
+@relu_squared.register_fake
+def _relu_squared_fake(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("megatron_consistent::mamba_dt", mutates_args=())
+def mamba_dt(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
+    return implementation("mamba_dt", dt_raw.device)(dt_raw, dt_bias, dt_min, dt_max)
+
+
+@mamba_dt.register_fake
+def _mamba_dt_fake(dt_raw, dt_bias, dt_min, dt_max):
+    return torch.empty_like(dt_raw, dtype=torch.float32)
+
+
+@torch.library.custom_op("megatron_consistent::gated_rms_norm", mutates_args=())
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    return implementation("gated_rms_norm", y.device)(y, z, weight, group_size, eps)
+
+
+@gated_rms_norm.register_fake
+def _gated_rms_norm_fake(y, z, weight, group_size, eps):
+    return torch.empty_like(y)
+
+
+@torch.library.custom_op("megatron_consistent::router_logits", mutates_args=())
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return implementation("linear", x.device)(x.reshape(-1, x.shape[-1]), weight, None, torch.float32)
+
+
+@router_logits.register_fake
+def _router_logits_fake(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("megatron_consistent::moe_route", mutates_args=())
+def moe_route(z: torch.Tensor, top_k: int, scoring: str, bias: torch.Tensor | None, norm_topk_prob: bool, n_group: int,
+              topk_group: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return kmoe.select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)
+
+
+@moe_route.register_fake
+def _moe_route_fake(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling):
+    return z.new_empty(z.shape[0], top_k), z.new_empty(z.shape[0], top_k, dtype=torch.int64)
+
+
+@torch.library.custom_op("megatron_consistent::moe_experts", mutates_args=())
+def moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None,
+                shared_gate: torch.Tensor | None, activation: str) -> torch.Tensor:
+    shared = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)
+    return kmoe.moe_experts(hidden, experts, weights, w_gate_up, w_down, shared, activation)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(hidden, experts, weights, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, activation):
+    return torch.empty_like(hidden)

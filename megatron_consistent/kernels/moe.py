@@ -13,7 +13,8 @@ Numerics contract (CPU), per token — nothing depends on the other tokens of th
 * **top-k**: experts ordered by descending key with a *stable* sort, so among
   exactly equal keys the **lowest expert index wins**; slot ``j`` holds the
   ``j``-th best expert.  (``torch.topk``'s tie behaviour is not documented and
-  is not used.)  NaN router scores are refused;
+  is not used.)  NaN router scores are refused (the trainer's route; a rollout
+  engine's :func:`select_experts` reads nothing on the host and does not refuse);
 * **weights** ``w_j = s[e_j]`` (unbiased scores); ``norm_topk_prob``:
   ``w_j = w_j / tree_sum(w)``; then ``* routed_scaling_factor`` when != 1;
   all float32;
@@ -66,8 +67,6 @@ def _scores(z: torch.Tensor, scoring: str) -> torch.Tensor:
 
 def stable_topk(keys: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest keys per row, best first; exact ties: lowest index first."""
-    if torch.isnan(keys).any():
-        raise ValueError("router scores contain NaN")
     return torch.sort(keys, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
@@ -85,8 +84,18 @@ def _group_limit(keys: torch.Tensor, n_group: int, topk_group: int) -> torch.Ten
 
 @register("moe_route", "cpu")
 def _route_cpu(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling):
+    """:func:`select_experts`, refusing NaN router scores (a host read of the NaN test)."""
+    return select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling, refuse_nan=True)
+
+
+def select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling, refuse_nan: bool = False):
+    """(weights ``[T, k]`` float32, experts ``[T, k]`` int64) by the contract above.  ``refuse_nan=False``: device ops
+    only, no host read and no data-dependent shape, so a CUDA-graph replay runs it as captured; a NaN score then sorts
+    deterministically (PyTorch orders NaN above every number) and still yields valid expert indices."""
     s = _scores(z, scoring)
     keys = s if bias is None else s + bias.to(torch.float32)
+    if refuse_nan and torch.isnan(keys).any():
+        raise ValueError("router scores contain NaN")
     if n_group > 1:
         keys = _group_limit(keys, n_group, topk_group)
     experts = stable_topk(keys, top_k)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..config import ArchConfig, builtin_model_dir, load_hf_config
 from .metrics import first_divergence, format_table, is_zero_mismatch, mismatch_metrics
-from .rollout import RolloutRequest, run_in_subprocess
+from .rollout import RolloutRequest, eager, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
 DEVICES = ("auto", "cpu", "cuda")
@@ -374,10 +374,12 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         req.engine_kwargs = {**req.engine_kwargs, **cfg.engine_arg_dict()}
         routes_dir = None
-        # MoE routes: the consistent plugin records them; the stock CPU engine through a capture hook (verify/stock_routes.py;
+        # MoE routes: the consistent plugin records them where its engine runs eager (the recorder is Python per forward:
+        # not in an engine compiled with CUDA graphs); the stock CPU engine through a capture hook (verify/stock_routes.py;
         # not on CUDA, where the stock engine replays CUDA graphs)
+        consistent_capture = mode == "consistent" and eager(req)
         stock_capture = mode == "baseline" and not arch.is_hybrid and device.type == "cpu"
-        if arch.is_moe and (mode == "consistent" or stock_capture):
+        if arch.is_moe and (consistent_capture or stock_capture):
             import shutil
 
             routes_dir = out / "routes" / mode

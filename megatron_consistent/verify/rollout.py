@@ -57,6 +57,8 @@ def eager(req: RolloutRequest) -> bool:
         return True
     if not req.consistent:
         return False
+    if req.routes_dir:  # the route recorder's Python runs per forward (vllm_plugin/moe.py)
+        return True
     from ..config import ArchConfig, load_hf_config
     from ..vllm_plugin.model import eager_only_reason
 

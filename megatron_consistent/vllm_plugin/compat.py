@@ -6,9 +6,9 @@
   engines run eager (``enforce_eager=True``).
 * CUDA: ``vllm`` 0.26.0 — every attention layer of the plugin's models is
   built with :class:`.cuda_attention.ConsistentCudaAttentionBackend` (paged
-  Triton kernel), registered over the ``CUSTOM`` backend member; the dense
-  model is compiled by vLLM (``support_torch_compile``) and replayed as CUDA
-  graphs.  Dense models run on vLLM's V2 model runner, MoE and hybrid ones on
+  Triton kernel), registered over the ``CUSTOM`` backend member; dense, MoE
+  and hybrid models are compiled by vLLM (``support_torch_compile``) and
+  replayed as CUDA graphs (hybrids piecewise only, :mod:`.mamba`).  Dense models run on vLLM's V2 model runner, MoE and hybrid ones on
   the V1 runner: both samplers are patched.
 
 Any other vLLM version, or another platform, is refused by name with the

@@ -10,6 +10,9 @@ Op for op the Megatron hybrid stack of :mod:`megatron_consistent.layers.hybrid`:
         moe        sigmoid router + selection bias, non-gated relu2 experts + shared expert (kernels.moe)
     logits = compute_logits(rms_norm(h, W_norm_f), W_lm_head)          (float32)
 
+Compiled by vLLM on CUDA (every kernel an opaque op of :mod:`..kernels.inference_ops`), the Mamba mixer core
+a splitting op run eagerly between piecewise CUDA graphs (:mod:`.mamba` says why and how).
+
 Refused by name: prefix caching (vLLM's mamba "align" cache mode keeps the running
 state at block ends, not the chunk-boundary state + pending tokens this path
 replays), speculative decoding, ReplaySSM, TP/PP > 1.  Weights: HF names
@@ -28,13 +31,12 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 
 from ..architectures import canonical_hf_name, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
-from ..kernels import add_residual, compute_logits, linear, relu_squared, rms_norm, row_parallel_linear
-from ..kernels import moe as kmoe
+from ..kernels import add_residual, compute_logits, inference_ops
 from . import moe as plugin_moe
-from .compat import attention_backend_class
+from .compat import attention_backend_class, compiled_by_vllm
 from .decoder_layer import _param
-from .mamba import ConsistentMambaMixer, state_dtypes, state_shapes
-from .model import ConsistentForCausalLM, check_engine_config
+from .mamba import ConsistentMambaMixer, run_mixer_between_graphs, state_dtypes, state_shapes
+from .model import ConsistentForCausalLM, compile_enabled, check_engine_config
 
 logger = init_logger("vllm.plugins.megatron_consistent.hybrid")
 
@@ -52,8 +54,8 @@ class AttentionMixer(nn.Module):
                               prefix=f"{prefix}.attn", attn_backend=attention_backend_class())
 
     def forward(self, x):
-        q, k, v = linear(x, self.qkv_proj).split([self.q, self.kv, self.kv], dim=-1)
-        return row_parallel_linear(self.attn(q.contiguous(), k.contiguous(), v.contiguous()), self.o_proj)
+        q, k, v = inference_ops.linear(x, self.qkv_proj).split([self.q, self.kv, self.kv], dim=-1)
+        return inference_ops.row_parallel_linear(self.attn(q.contiguous(), k.contiguous(), v.contiguous()), self.o_proj)
 
 
 class MLPMixer(nn.Module):
@@ -66,12 +68,12 @@ class MLPMixer(nn.Module):
         self.down_proj = _param(arch.hidden_size, arch.intermediate_size, dtype=dt)
 
     def forward(self, x):
-        return row_parallel_linear(relu_squared(linear(x, self.up_proj)), self.down_proj)
+        return inference_ops.row_parallel_linear(inference_ops.relu_squared(inference_ops.linear(x, self.up_proj)), self.down_proj)
 
 
 class MoEMixer(nn.Module):
     """Nemotron-H MoE: float32 router logits, sigmoid + e_score_correction_bias selection (group limit, scaling),
-    non-gated relu2 experts and an ungated shared expert, combined once (:mod:`kernels.moe`)."""
+    non-gated relu2 experts and an ungated shared expert, combined once (:mod:`kernels.moe`, as opaque ops)."""
 
     def __init__(self, arch: ArchConfig, idx: int):
         super().__init__()
@@ -88,13 +90,13 @@ class MoEMixer(nn.Module):
 
     def forward(self, x, positions):
         a = self.arch
-        z = kmoe.router_logits(x, self.gate)
-        w, experts = kmoe.route_logits(z, a.num_experts_per_tok, a.moe_scoring, self.score_bias, a.norm_topk_prob, a.moe_n_group,
-                                       a.moe_topk_group, a.routed_scaling_factor)
+        z = inference_ops.router_logits(x, self.gate)
+        w, experts = inference_ops.moe_route(z, a.num_experts_per_tok, a.moe_scoring, self.score_bias, a.norm_topk_prob,
+                                             a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor)
         if plugin_moe.RECORDER is not None:
             plugin_moe.RECORDER(self.idx, positions, experts)
-        shared = None if self.shared_up is None else (self.shared_up, self.shared_down, None)
-        return kmoe.moe_experts(x, experts, w, self.experts_up, self.experts_down, shared, "relu2")
+        return inference_ops.moe_experts(x, experts, w, self.experts_up, self.experts_down, self.shared_up, self.shared_down, None,
+                                         "relu2")
 
 
 class HybridLayer(nn.Module):
@@ -116,7 +118,7 @@ class HybridLayer(nn.Module):
             raise UnsupportedConfigError(f"unsupported hybrid layer type {kind!r}")
 
     def forward(self, h, positions):
-        x = rms_norm(h, self.norm, self.arch.rms_norm_eps)
+        x = inference_ops.rms_norm(h, self.norm, self.arch.rms_norm_eps)
         return add_residual(self.mixer(x, positions) if self.kind == "moe" else self.mixer(x), h)
 
 
@@ -134,6 +136,7 @@ def _check_engine(arch: ArchConfig, vllm_config: VllmConfig) -> None:
         raise UnsupportedConfigError("megatron-consistent: use_replayssm is not supported (the plugin keeps its own chunk replay)")
 
 
+@compiled_by_vllm(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=compile_enabled)
 class _ConsistentHybridBase(ConsistentForCausalLM):
     """Shared body of the two hybrid model classes (weights / refit / logits inherited from the dense class)."""
 
@@ -154,13 +157,12 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
         raise UnsupportedConfigError("megatron-consistent: hybrid models do not support prefix caching (mamba_cache_mode='align')")
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        nn.Module.__init__(self)
-        # the dense parent's __init__ (vLLM's compile wrapper) is skipped: hybrids run eager (model.eager_only_reason)
-        self.do_not_compile = True
+        nn.Module.__init__(self)  # the dense parent's body is not run; this class's own compile wrapper follows it
         arch = self._arch(vllm_config)
         if not arch.is_hybrid:
             raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture")
         _check_engine(arch, vllm_config)  # TP > 1 refused by name (vllm_plugin/parallel.py)
+        run_mixer_between_graphs(vllm_config.compilation_config)
         self.arch = arch
         self.tp_rank, self.tp_size = 0, 1
         self._loaded_targets: set[str] = set()
@@ -179,7 +181,7 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             h = layer(h, positions)
-        return rms_norm(h, self.norm, self.arch.rms_norm_eps)
+        return inference_ops.rms_norm(h, self.norm, self.arch.rms_norm_eps)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return compute_logits(hidden_states, self.lm_head)

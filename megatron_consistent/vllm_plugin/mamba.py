@@ -3,9 +3,10 @@
 The op sequence is the one of ``docs/hybrid.md`` / the Megatron hybrid layer, op for op::
 
     zxbcdt = linear(x, W_in)                                   z | xBC | dt
-    xBC, conv_state = causal_conv1d(xBC, W_conv, b_conv, conv_state, "silu")
     dt = mamba_dt(dt, dt_bias, *time_step_limit)               float32
-    y, boundary, pending = ssd_continue(boundary, pending, x, dt, B, C, A=-exp(A_log), D, chunk_size)
+    y = mamba_mixer(xBC, dt)         the mixer core, per request, reading and writing vLLM's state cache:
+        xBC, conv_state = causal_conv1d(xBC, W_conv, b_conv, conv_state, "silu")
+        y, boundary, pending = ssd_continue(boundary, pending, x, dt, B, C, A=-exp(A_log), D, chunk_size)
     out = row_parallel_linear(gated_rms_norm(y, z, W_norm, d_inner // n_groups, eps), W_out)
 
 vLLM allocates and tracks this state per request (one slot per request: prefix
@@ -25,17 +26,81 @@ batch are replayed together in one zero-padded scan, :meth:`ConsistentMambaMixer
 ``num_computed_tokens`` comes from vLLM's metadata (``seq_lens - query_len``); a request
 with none computed starts from zeros.  Requests with the same (new tokens, pending) sizes
 are run as one batched call (the kernels are batch-invariant).
+
+torch.compile and CUDA graphs (vLLM 0.26 on CUDA).  The mixer core reads vLLM's metadata on the host (request
+sizes, state slots, pending counts) and groups requests by them: data-dependent Python that no CUDA graph can
+replay.  Making the decode step graph-safe instead would need every request's pending count on the device and a
+scan padded to the chunk length for every decode, ``L`` rows of work per token instead of ``p + 1`` — so the core
+stays host-driven and is fenced off the way vLLM fences its own ``mamba_mixer2``:
+
+* it is one opaque custom op, ``megatron_consistent::mamba_mixer`` (:data:`MIXER_OP`), writing ``y`` into a buffer
+  the compiled graph allocates (a piecewise graph reads it at its captured address), and
+  :func:`run_mixer_between_graphs` adds it to the compilation config's ``splitting_ops``: vLLM cuts the compiled
+  graph at it, captures the pieces between mixers as piecewise CUDA graphs and runs the op eagerly between them;
+* its attention backend (:class:`ConsistentMamba2Backend`, vLLM's Mamba-2 metadata unchanged) declares no
+  full-CUDA-graph support (``AttentionCGSupport.NEVER``), so vLLM resolves the default ``FULL_AND_PIECEWISE`` to
+  ``PIECEWISE`` for these models and never captures a mixer inside a full decode graph (a ``FULL`` mode asked
+  for explicitly is refused by vLLM itself).
+
+Everything else of the layer (in/out projections, ``mamba_dt``, the gated norm) is compiled and captured, each
+an opaque op of :mod:`..kernels.inference_ops`.  Rows the mixer does not compute (the padding of a piecewise
+graph's batch) are zeros.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend, Mamba2AttentionMetadataBuilder
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import causal_conv1d, gated_rms_norm, linear, mamba_dt, row_parallel_linear, ssd_continue, ssd_scan, ssm_decay_rate
+from ..kernels import causal_conv1d, inference_ops, ssd_continue, ssd_scan, ssm_decay_rate
+
+MIXER_OP = "megatron_consistent::mamba_mixer"
+
+
+class ConsistentMamba2MetadataBuilder(Mamba2AttentionMetadataBuilder):
+    """vLLM's Mamba-2 metadata, declaring no full-CUDA-graph support: the mixer core reads it on the host."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+
+class ConsistentMamba2Backend(Mamba2AttentionBackend):
+    """vLLM's Mamba-2 backend with :class:`ConsistentMamba2MetadataBuilder`."""
+
+    @staticmethod
+    def get_builder_cls() -> type[Mamba2AttentionMetadataBuilder]:
+        return ConsistentMamba2MetadataBuilder
+
+
+def run_mixer_between_graphs(compilation_config) -> None:
+    """Add :data:`MIXER_OP` to vLLM's ``splitting_ops`` (idempotent): the compiled graph is cut at every mixer, which
+    runs eagerly between piecewise CUDA graphs.  An empty list (the user asked for one unsplit graph) or ``None``
+    (no vLLM compilation) is left as it is: nothing is captured piecewise there, and vLLM refuses full graphs
+    for :class:`ConsistentMamba2Backend`."""
+    ops = compilation_config.splitting_ops
+    if ops and MIXER_OP not in ops:
+        ops.append(MIXER_OP)
+
+
+@torch.library.custom_op(MIXER_OP, mutates_args=("y",))
+def mamba_mixer(xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor, layer_name: str) -> None:
+    """The mixer core of layer ``layer_name`` (:meth:`ConsistentMambaMixer.mix`) on this step's metadata."""
+    from vllm.forward_context import get_forward_context
+
+    ctx = get_forward_context()
+    meta = ctx.attn_metadata
+    ctx.no_compile_layers[layer_name].mix(xbc, dt, y, meta.get(layer_name) if isinstance(meta, dict) else None)
+
+
+@mamba_mixer.register_fake
+def _mamba_mixer_fake(xbc, dt, y, layer_name):
+    return None
 
 
 def state_shapes(ssm: SSMConfig) -> tuple[tuple[int, ...], ...]:
@@ -88,37 +153,45 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         return MambaAttentionBackendEnum.MAMBA2  # reuse vLLM's Mamba-2 metadata (state slots, query locations, seq lens)
 
+    def get_attn_backend(self):
+        return ConsistentMamba2Backend
+
     # --- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from vllm.forward_context import get_forward_context
-
         s = self.ssm
-        zxbcdt = linear(x, self.in_proj)
+        zxbcdt = inference_ops.linear(x, self.in_proj)
         z, xbc, dt_raw = zxbcdt.split([s.d_inner, s.conv_dim, s.num_heads], dim=-1)
-        dt = mamba_dt(dt_raw, self.dt_bias, *s.time_step_limit)
-        meta = get_forward_context().attn_metadata
-        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
-        t = x.shape[0]
-        y = x.new_zeros(t, s.d_inner)
-        if meta is None:  # profile / warm-up run: one fresh sequence, no cache
-            y[:] = self._run(xbc[None], dt[None], None).reshape(t, s.d_inner)
-        else:
-            groups: dict[tuple[int, int], list] = {}
-            steps = []  # one-token requests (decodes): one batched replay
-            for first, n, slot, computed in self._requests(meta):
-                if n == 1:
-                    steps.append((first, slot, computed))
-                else:
-                    groups.setdefault((n, computed % s.chunk_size), []).append((first, slot, computed))
-            if steps:
-                rows = torch.tensor([r[0] for r in steps], device=x.device)
-                out = self._step(xbc[rows], dt[rows], [r[1] for r in steps], [r[2] for r in steps])
-                y[rows] = out.reshape(-1, s.d_inner)
-            for (n, _), reqs in groups.items():
-                rows = torch.tensor([r[0] for r in reqs], device=x.device)[:, None] + torch.arange(n, device=x.device)[None, :]
-                out = self._run(xbc[rows], dt[rows], ([r[1] for r in reqs], [r[2] for r in reqs]))
-                y[rows.reshape(-1)] = out.reshape(-1, s.d_inner)
-        return row_parallel_linear(gated_rms_norm(y, z, self.norm_weight, s.group_size, s.norm_eps), self.out_proj)
+        dt = inference_ops.mamba_dt(dt_raw, self.dt_bias, *s.time_step_limit)
+        y = torch.empty(x.shape[0], s.d_inner, dtype=x.dtype, device=x.device)
+        mamba_mixer(xbc, dt, y, self.prefix)
+        return inference_ops.row_parallel_linear(inference_ops.gated_rms_norm(y, z, self.norm_weight, s.group_size, s.norm_eps),
+                                                 self.out_proj)
+
+    def mix(self, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor, meta) -> None:
+        """Conv + SSD of every request of the step into ``y [T, d_inner]`` (rows of no request: zeros), reading and
+        writing the state cache; ``meta``: this layer's vLLM metadata, None in a profile / warm-up run (one fresh
+        sequence, no cache)."""
+        s = self.ssm
+        t = xbc.shape[0]
+        if meta is None:
+            y.copy_(self._run(xbc[None], dt[None], None).reshape(t, s.d_inner))
+            return
+        y.zero_()
+        groups: dict[tuple[int, int], list] = {}
+        steps = []  # one-token requests (decodes): one batched replay
+        for first, n, slot, computed in self._requests(meta):
+            if n == 1:
+                steps.append((first, slot, computed))
+            else:
+                groups.setdefault((n, computed % s.chunk_size), []).append((first, slot, computed))
+        if steps:
+            rows = torch.tensor([r[0] for r in steps], device=xbc.device)
+            out = self._step(xbc[rows], dt[rows], [r[1] for r in steps], [r[2] for r in steps])
+            y[rows] = out.reshape(-1, s.d_inner)
+        for (n, _), reqs in groups.items():
+            rows = torch.tensor([r[0] for r in reqs], device=xbc.device)[:, None] + torch.arange(n, device=xbc.device)[None, :]
+            out = self._run(xbc[rows], dt[rows], ([r[1] for r in reqs], [r[2] for r in reqs]))
+            y[rows.reshape(-1)] = out.reshape(-1, s.d_inner)
 
     @staticmethod
     def _requests(meta) -> list[tuple[int, int, int, int]]:

@@ -35,21 +35,24 @@ logger = init_logger("vllm.plugins.megatron_consistent.model")
 
 
 def eager_only_reason(arch: ArchConfig, hf_config: dict) -> str:
-    """Why this model runs eager on CUDA ('' when vLLM compiles it and replays CUDA graphs)."""
-    from .fp8 import quantization_of
+    """Why this model runs eager on CUDA ('' when vLLM compiles it and replays CUDA graphs).
 
-    if arch.is_hybrid:
-        return "Mamba-2 mixers (their state bookkeeping runs on the host)"
-    if arch.is_moe:
-        return "MoE layers (routing and grouped experts synchronise with the host)"
+    Dense and MoE models (router, route and grouped experts are opaque custom ops with no host read) compile with
+    vLLM's default CUDA graphs; hybrid Mamba-2 models compile too, their mixer core a splitting op run eagerly between
+    piecewise graphs (:mod:`.mamba`)."""
+    from .fp8 import quantization_of
+    from .moe import ROUTES_ENV
+
     if quantization_of(hf_config):
         return "FP8 / NVFP4 weights"
     if os.environ.get(probe.PROBE_ENV) or os.environ.get(probe.FAULT_ENV):
         return f"{probe.PROBE_ENV} / {probe.FAULT_ENV} diagnostics"
+    if arch.is_moe and os.environ.get(ROUTES_ENV):
+        return f"{ROUTES_ENV} route recording"
     return ""
 
 
-def _compiled(vllm_config: VllmConfig) -> bool:
+def compile_enabled(vllm_config: VllmConfig) -> bool:
     """``support_torch_compile``'s ``enable_if``: compile where :func:`eager_only_reason` finds nothing."""
     hf = vllm_config.model_config.hf_config.to_dict()
     return not eager_only_reason(ArchConfig.from_hf(hf), hf)
@@ -79,7 +82,7 @@ def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
             f"{arch.architecture} with {reason} runs eager on CUDA in megatron-consistent: start vLLM with enforce_eager=True")
 
 
-@compiled_by_vllm(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=_compiled)
+@compiled_by_vllm(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=compile_enabled)
 class ConsistentForCausalLM(nn.Module):
     """Out-of-tree vLLM model computing with megatron-consistent kernels.
 

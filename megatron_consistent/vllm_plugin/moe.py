@@ -7,6 +7,9 @@ The MLP of an MoE layer is, op for op, the Megatron-side
     w, experts = route_logits(z, k, softmax, norm_topk_prob)   (stable top-k: lowest index wins ties)
     out = moe_experts(x, experts, w, W_fc1[E,2I,H], W_fc2[E,H,I], shared)   (slot-order float32 combine, one rounding)
 
+each an opaque custom op of :mod:`..kernels.inference_ops` with no host read and no data-dependent shape, so vLLM
+compiles the MoE model and replays it as CUDA graphs like the dense one.
+
 Parameters are held in the Megatron stacked layout; the MoE family's weight table
 (:mod:`megatron_consistent.architectures.moe`) maps the HF per-expert tensor names to views of
 them for ``load_weights``.
@@ -19,7 +22,7 @@ in the engine's environment every model forward that vLLM scheduled writes
 model runner's batch order (``GPUModelRunner._prepare_inputs`` is wrapped to
 note ``input_batch.req_ids`` and the scheduled token counts; rows are laid out
 in that order; :func:`.compat.install_batch_hook` for both of vLLM's runners).  Forwards not prepared by the runner (profile / warm-up runs)
-are not recorded.
+are not recorded.  Recording is Python per forward: an engine that records runs eager (``model.eager_only_reason``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import moe as kmoe
+from ..kernels import inference_ops
 from .compat import install_batch_hook
 from .decoder_layer import ConsistentDecoderLayer, _param
 from .parallel import tp_rank_size
@@ -112,16 +115,18 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
         self._positions = None
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, rope) -> torch.Tensor:
-        self._positions = positions
+        if RECORDER is not None:  # recording runs eager (model.eager_only_reason)
+            self._positions = positions
         return super().forward(positions, h, rope)
 
     def mlp_forward(self, x: torch.Tensor):
-        """(router logits, routed experts, MLP output) of ``x [T, H]``."""
-        z = kmoe.router_logits(x, self.router)
-        w, experts = kmoe.route_logits(z, self.arch.num_experts_per_tok, "softmax", norm_topk_prob=self.arch.norm_topk_prob)
+        """(router logits, routed experts, MLP output) of ``x [T, H]``: opaque custom ops with no host read."""
+        z = inference_ops.router_logits(x, self.router)
+        w, experts = inference_ops.moe_route(z, self.arch.num_experts_per_tok, "softmax", None, self.arch.norm_topk_prob, 1, 1, 1.0)
         if RECORDER is not None:
             RECORDER(self.idx, self._positions, experts)
-        return z, experts, kmoe.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, self.shared)
+        shared = self.shared or (None, None, None)
+        return z, experts, inference_ops.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, *shared, "swiglu")
 
 
 def decoder_layer_class(arch, idx: int):

@@ -15,7 +15,8 @@ GPU numerics contract (same shape as the CPU contract of :mod:`megatron_consiste
   ``linear.config_for(N, K, dtype)``, same in-split tensor-core chain, split
   partials summed in split order, one rounding), so an expert's result for a
   token equals ``linear(x_token, W_e)`` alone — it cannot depend on which other
-  tokens share the expert (``tests/test_gpu_moe.py`` checks bitwise);
+  tokens share the expert (``tests/test_gpu_moe.py`` checks bitwise); the per-expert counts and the tile table
+  are computed on the device (no host read, fixed shapes: capturable in a CUDA graph);
   the activation between the two GEMMs is the registered CUDA ``silu_and_mul``
   (or ``relu_squared``), elementwise;
 * **combine** (``moe_combine``): one Triton kernel, compiled without fused
@@ -147,6 +148,13 @@ class GroupedLinearFunction(torch.autograd.Function):
         return gx, gw, None
 
 
+def expert_counts(by_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Pairs per expert ``[E]`` int64 from the ascending expert ids: the boundaries of each expert's run, found by
+    ``searchsorted`` (no host read, unlike ``bincount``, whose output length needs the largest id on the host)."""
+    bounds = torch.searchsorted(by_expert, torch.arange(num_experts + 1, device=by_expert.device, dtype=by_expert.dtype))
+    return bounds[1:] - bounds[:-1]
+
+
 @register("moe_expert_outputs", "cuda")
 def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                          activation: str = "swiglu") -> torch.Tensor:
@@ -155,8 +163,8 @@ def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up:
         raise ValueError(f"unsupported expert activation {activation!r}; supported: {', '.join(kmoe.EXPERT_ACTIVATIONS)}")
     t, k = experts.shape
     flat = experts.reshape(-1)
-    order = torch.sort(flat, stable=True).indices  # ascending expert, pair order within an expert
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0])
+    by_expert, order = torch.sort(flat, stable=True)  # ascending expert, pair order within an expert
+    counts = expert_counts(by_expert, w_gate_up.shape[0])
     h = GroupedLinearFunction.apply(hidden[order // k], w_gate_up, counts)
     a = silu_and_mul(h) if activation == "swiglu" else relu_squared(h)
     y = GroupedLinearFunction.apply(a, w_down, counts)
