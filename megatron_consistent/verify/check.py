@@ -388,6 +388,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
                 req.routes_dir = str(routes_dir.resolve())
             else:
                 req.stock_routes_dir = str(routes_dir.resolve())
+        report["settings"].setdefault("engine_modes", {})[mode] = "eager" if eager(req) else "compiled + CUDA graphs (vLLM default)"
         roll = run_in_subprocess(req, out / "engines", mode)
         if "error" in roll:
             report[mode] = {"unavailable": roll["error"], "log": roll["log"]}
