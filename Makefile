@@ -43,7 +43,7 @@ check-hybrid: setup
 	done
 
 test: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q tests --durations=30
 
 # The quick lane: no vLLM engine, no GPU, nothing marked slow (markers: setup.cfg).
 test-fast: setup
