@@ -6,7 +6,7 @@ The host code of ``kernels/triton/log_softmax.py`` runs on CPU tensors with the 
 the vocabularies of the tests and the benchmark (Llama-3's 128256 at TP = 1, 2, 4, 8: shard ``128256 / t`` in
 ``8 / t`` segments; 32000; 1001, not a multiple of 8) and a few row counts; each distinct launch (signature,
 16-byte divisibility of the pointers and integers as Triton's launcher specialises them, constexprs, warps) is
-compiled by :func:`offline_compile_segment_tree.compile_sm90`.  Says nothing about bits or speed.  Exit 1 on a
+compiled by :func:`offline_compile_segment_tree.compile_report`.  Says nothing about bits or speed.  Exit 1 on a
 compile error.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from offline_compile_segment_tree import SMEM_MAX, compile_sm90  # noqa: E402
+from offline_compile_segment_tree import compile_report  # noqa: E402
 
 from megatron_consistent.kernels.logprobs import VOCAB_SEGMENTS  # noqa: E402
 from megatron_consistent.kernels.triton import log_softmax as tls  # noqa: E402
@@ -67,22 +67,10 @@ def record_launches():
 
 
 def main():
-    launches = record_launches()
-    errors = flagged = 0
-    for name, sig, attrs, const, warps in launches:
-        desc = f"{name} {const} W{warps} aligned {sorted(int(i) for i in attrs)}"
-        try:
-            regs, stack, smem = compile_sm90(sig, const, warps, 1, kernel=getattr(tls, name),
-                                             attrs={(int(i),): v for i, v in attrs.items()})
-        except Exception as e:  # noqa: BLE001
-            errors += 1
-            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
-        flagged += bool(flag)
-        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d}  {desc}", flush=True)
-    print(f"{len(launches)} launches: {errors} compile errors, {flagged} with spills or too much shared memory")
-    sys.exit(1 if errors else 0)
+    jobs = [(f"{name} {const} W{warps} aligned {sorted(int(i) for i in attrs)}", (sig, const, warps, 1),
+             {"kernel": getattr(tls, name), "attrs": {(int(i),): v for i, v in attrs.items()}})
+            for name, sig, attrs, const, warps in record_launches()]
+    sys.exit(compile_report(jobs))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,24 @@ def compile_sm90(sig, const, warps, stages, kernel=st._segment_tree_kernel, attr
     return int(m.group(1)), int(m.group(2)), k.metadata.shared
 
 
+def compile_report(jobs) -> int:
+    """Compile every ``(description, compile_sm90 args, compile_sm90 kwargs)`` for sm_90a and print its registers,
+    spills and shared memory; returns the exit status (1 on any compile error)."""
+    errors = flagged = 0
+    for desc, args, kwargs in jobs:
+        try:
+            regs, stack, smem = compile_sm90(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            errors += 1
+            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
+        flagged += bool(flag)
+        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d}  {desc}", flush=True)
+    print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory")
+    return 1 if errors else 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="TMA shapes, M = 1 and 4096, bf16 out only")
@@ -105,23 +123,11 @@ def main():
                 calls.append(dict(x2d=x, weight=w, segments=segments, partials=True, use_tma=tma))
     launches = record_launches(calls)
     print(f"{len(launches)} distinct launches", flush=True)
-    errors = flagged = 0
-    for sig, const, warps, stages in launches:
-        desc = (f"MODE {const['MODE']} SEG {const['SEGMENTS']} REG {const['REG']} {const['BM']}x{const['BN']}x{const['BK']} "
-                f"SPLITS {const['SPLITS']} TMA {const['USE_TMA']} SWAP {const['SWAP']} W{warps} S{stages} "
-                f"out {sig['out_ptr']} bias {const['HAS_BIAS']}")
-        try:
-            regs, stack, smem = compile_sm90(sig, const, warps, stages)
-        except Exception as e:  # noqa: BLE001
-            errors += 1
-            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
-        flagged += bool(flag)
-        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d}  {desc}", flush=True)
-    print(f"{len(launches)} launches: {errors} compile errors, {flagged} with spills or too much shared memory")
-    sys.exit(1 if errors else 0)
-
+    jobs = [(f"MODE {const['MODE']} SEG {const['SEGMENTS']} REG {const['REG']} LANES {const['LANES']} "
+             f"{const['BM']}x{const['BN']}x{const['BK']} SPLITS {const['SPLITS']} TMA {const['USE_TMA']} "
+             f"SWAP {const['SWAP']} W{warps} S{stages} out {sig['out_ptr']} bias {const['HAS_BIAS']}",
+             (sig, const, warps, stages), {}) for sig, const, warps, stages in launches]
+    sys.exit(compile_report(jobs))
 
 if __name__ == "__main__":
     main()
