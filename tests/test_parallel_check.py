@@ -45,6 +45,37 @@ def test_trainer_layout_refused_by_name(tmp_path, overrides, words):
         check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), **overrides), _arch("tiny-llama"))
 
 
+@pytest.mark.parametrize("visible", [0, 1])
+@pytest.mark.parametrize("flags, words", [
+    (["--trainer-tp", "2"], "--trainer-tp 2: 2 ranks on CUDA need 2 CUDA devices (one NCCL rank per device), {} visible"),
+    (["--trainer-tp", "2", "--trainer-pp", "2"],
+     "--trainer-tp 2 --trainer-pp 2: 4 ranks on CUDA need 4 CUDA devices (one NCCL rank per device), {} visible"),
+    (["--engine-tp", "2"], "--engine-tp 2: 2 ranks on CUDA need 2 CUDA devices (one NCCL rank per device), {} visible"),
+])
+def test_check_device_cuda_refuses_too_few_gpus_before_any_work(tmp_path, capsys, monkeypatch, visible, flags, words):
+    """``check --device cuda`` with more trainer ranks (TP x PP, NCCL) or engine ranks than visible GPUs: one line naming
+    how many are needed and visible, exit 2, nothing built (the GPU count is stubbed: the same on any machine)."""
+    from megatron_consistent.cli import main as cli_main
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    out = tmp_path / "o"
+    assert cli_main(["check", "--device", "cuda", "--out-dir", str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    if visible == 0 and flags == ["--engine-tp", "2"]:  # no trainer ranks: the plain no-GPU refusal comes first
+        words = "--device cuda: no CUDA device is visible"
+    assert words.format(visible) in err and len(err.splitlines()) == 1, err
+    assert not out.exists() or not any(out.iterdir())  # nothing built, no engine started
+
+
+def test_layouts_name_nccl_ranks_on_cuda(tmp_path, monkeypatch):
+    """On CUDA the report states NCCL ranks (one GPU each); the stubbed count of 2 lets TP = 2 through."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lay = check_layouts(load_check_config(trainer_tp=2, engine_tp=2, device="cuda", out_dir=str(tmp_path)), _arch("tiny-llama"))
+    assert lay["trainer"]["ranks"].startswith("2 nccl processes (rank r on cuda:r)")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3moe-top1"])
 def test_trainer_logprobs_tp2_equals_tp1(tmp_path, name):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _parallel_layouts import check_layouts, reference
 from _vocab_parallel import vocab_parallel
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,6 +134,64 @@ def test_parallel_refusals_are_named():
         build_consistent_model(LLAMA, expert_model_parallel_size=2)
 
 
+def test_rank_backend_and_device_count_refusal(tmp_path, monkeypatch):
+    """CPU ranks are gloo, CUDA ranks NCCL; CUDA ranks need one visible device each, refused by name (with how many
+    are needed and visible) before any process starts or any file is written; an unknown device is refused."""
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel, spawn_ranks
+    from megatron_consistent.layers.parallel import check_rank_devices, rank_backend
+
+    assert (rank_backend("cpu"), rank_backend("cuda")) == ("gloo", "nccl")
+    with pytest.raises(ValueError, match="rank device must be 'cpu' .* or 'cuda' .*, got 'mps'"):
+        rank_backend("mps")
+    check_rank_devices("cpu", 8, visible=0)
+    check_rank_devices("cuda", 2, visible=2)
+    with pytest.raises(UnsupportedConfigError, match=r"^2 ranks on CUDA need 2 CUDA devices \(one NCCL rank per device\), 1 visible$"):
+        check_rank_devices("cuda", 2, visible=1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    with pytest.raises(UnsupportedConfigError, match="4 ranks on CUDA need 4 CUDA devices .*, 1 visible"):
+        recompute_logprobs_parallel(LLAMA, {}, ids, tp=2, pp=2, device="cuda", workdir=tmp_path / "job")
+    with pytest.raises(UnsupportedConfigError, match="2 ranks on CUDA need 2 CUDA devices"):
+        spawn_ranks(print, 2, tmp_path / "job", device="cuda")
+    with pytest.raises(ValueError, match="got 'tpu'"):
+        recompute_logprobs_parallel(LLAMA, {}, ids, tp=2, device="tpu", workdir=tmp_path / "job")
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("device, backend", [("cpu", "gloo"), ("cuda", "nccl")])
+def test_rank_main_selects_backend_device_and_multicast_off(tmp_path, monkeypatch, device, backend):
+    """What one spawned rank sets up (collectives stubbed, in this process): gloo and nothing else on the CPU; NCCL with
+    ``cuda:<rank>`` as the current and bound device and NVLink multicast off on CUDA."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_consistent.layers import distributed as ld
+
+    for name in ld.NVLINK_MULTICAST_OFF:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(backend=backend, **kw))
+    monkeypatch.setattr(dist, "barrier", lambda: seen.update(barrier=True))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: seen.update(destroyed=True))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(set_device=d))
+
+    def worker(rank, workdir, tag):
+        seen.update(worker=(rank, workdir, tag), env={k: os.environ.get(k) for k in ld.NVLINK_MULTICAST_OFF})
+
+    ld._rank_main(1, worker, str(tmp_path), 2, device, ("x",))
+    assert seen["backend"] == backend and (seen["rank"], seen["world_size"]) == (1, 2)
+    assert seen["worker"] == (1, str(tmp_path), "x") and seen["barrier"] and seen["destroyed"]
+    if device == "cuda":
+        assert seen["set_device"] == 1 and seen["device_id"] == torch.device("cuda", 1)
+        assert seen["env"] == ld.NVLINK_MULTICAST_OFF
+    else:
+        assert "set_device" not in seen and "device_id" not in seen
+        assert seen["env"] == dict.fromkeys(ld.NVLINK_MULTICAST_OFF)
+
+
 # ---------------------------------------------------------------------------------------------- model level
 def _mha_config(tmp_path: Path) -> Path:
     """tiny-llama with 4 KV heads (Megatron splits KV groups across TP ranks: TP=4 needs 4 of them)."""
@@ -143,56 +202,29 @@ def _mha_config(tmp_path: Path) -> Path:
     return out
 
 
-def _reference(config, tmp_path: Path, dtype=torch.bfloat16, batch=2, seq=12):
-    """The single-process (TP=1, PP=1) model: its weights as an HF checkpoint, tokens, logits, log-probs."""
-    from megatron_consistent.conversion import export_hf
-    from megatron_consistent.layers import build_consistent_model, compute_token_logprobs
-
-    model = build_consistent_model(config, seed=5, dtype=dtype)
-    arch = model.arch_config
-    export_hf(model, arch, tmp_path / "weights")
-    ids = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        logits = model(ids, kernels.causal_positions(batch, seq), None)
-        lp = compute_token_logprobs(model, ids)
-    return tmp_path / "weights", ids, logits, lp
-
-
-def _check_layouts(config, layouts, tmp_path):
-    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
-
-    weights, ids, logits, lp = _reference(config, tmp_path)
-    for tp, pp, *sp in layouts:
-        sp = bool(sp and sp[0])
-        got_lp, got_logits = recompute_logprobs_parallel(config, weights, ids, tp=tp, pp=pp, sequence_parallel=sp,
-                                                         return_logits=True, workdir=tmp_path / f"tp{tp}pp{pp}sp{int(sp)}")
-        assert torch.equal(got_logits, logits), f"logits differ at TP={tp} PP={pp} SP={sp}"
-        assert torch.equal(got_lp, lp), f"log-probs differ at TP={tp} PP={pp} SP={sp}"
-
-
 @pytest.mark.slow
 def test_logits_and_logprobs_equal_across_tp_pp_llama(tmp_path):
     """tiny-llama (2 KV heads): TP ∈ {1, 2} x PP ∈ {1, 2} (TP=1 PP=1 spawned too: the one-rank gloo job)."""
-    _check_layouts(LLAMA, [(1, 1), (2, 1), (1, 2), (2, 2)], tmp_path)
+    check_layouts(LLAMA, [(1, 1), (2, 1), (1, 2), (2, 2)], tmp_path)
 
 
 @pytest.mark.slow
 def test_logits_and_logprobs_equal_across_tp_pp_tp4(tmp_path):
     """tiny-llama with 4 KV heads: TP=4 x PP ∈ {1, 2} (8 ranks)."""
-    _check_layouts(_mha_config(tmp_path), [(4, 1), (4, 2)], tmp_path)
+    check_layouts(_mha_config(tmp_path), [(4, 1), (4, 2)], tmp_path)
 
 
 @pytest.mark.slow
 def test_logits_and_logprobs_equal_tp2_tied_qk_norm(tmp_path):
     """tiny-qwen3-qknorm-tied (q/k RMSNorm per head, LM head = the embedding's vocabulary shard): TP=2, TP=2 + SP."""
-    _check_layouts(MODELS_DIR / "tiny-qwen3-qknorm-tied", [(2, 1), (2, 1, True)], tmp_path)
+    check_layouts(MODELS_DIR / "tiny-qwen3-qknorm-tied", [(2, 1), (2, 1, True)], tmp_path)
 
 
 @pytest.mark.slow
 def test_logits_and_logprobs_equal_across_tp_pp_moe(tmp_path):
     """tiny-qwen3moe-top1 (layer 0 dense, layer 1 MoE; experts replicated on the TP ranks, moe_impl='module') at
     TP=2, PP=2 and TP=2 + sequence parallelism vs the single-process model with Megatron's MoELayer (default impl)."""
-    _check_layouts(MODELS_DIR / "tiny-qwen3moe-top1", [(2, 1), (1, 2), (2, 1, True)], tmp_path)
+    check_layouts(MODELS_DIR / "tiny-qwen3moe-top1", [(2, 1), (1, 2), (2, 1, True)], tmp_path)
 
 
 def _gradient_errors(grads_file: Path, weights: Path, ids: torch.Tensor) -> dict[str, float]:
@@ -243,7 +275,7 @@ def test_sequence_parallel_tp2_bits_and_gradients(tmp_path):
     from megatron_consistent.layers.distributed import recompute_logprobs_parallel, spawn_ranks
     from megatron_consistent.verify.reference import GRAD_REL_TOL
 
-    weights, ids, logits, lp = _reference(LLAMA, tmp_path)
+    weights, ids, logits, lp = reference(LLAMA, tmp_path)
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
     spawn_ranks(_sp_worker, 2, tmp_path)
     assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["logits"], logits)
@@ -319,7 +351,7 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
     from megatron_consistent.layers.distributed import spawn_ranks
     from megatron_consistent.verify.reference import GRAD_REL_TOL
 
-    weights, ids, logits, _ = _reference(LLAMA, tmp_path)
+    weights, ids, logits, _ = reference(LLAMA, tmp_path)
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
     spawn_ranks(_tp2_worker, 2, tmp_path)
     out = load_file(str(tmp_path / "out.safetensors"))

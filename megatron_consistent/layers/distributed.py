@@ -1,11 +1,15 @@
-"""Running the consistent model at a TP x PP layout on CPU (gloo), and recomputing token log-probs there.
+"""Running the consistent model at a TP x PP layout — CPU ranks (gloo) or GPU ranks (NCCL) — and recomputing
+token log-probs there.
 
 * :func:`spawn_ranks` — ``TP * PP`` processes (``torch.multiprocessing`` spawn), each with
-  ``torch.distributed`` (gloo, a ``FileStore`` in a work folder: no TCP port) and one thread;
-  nothing is pickled but the worker function's name and plain strings / ints — tensors travel
-  as safetensors files in the work folder or through ``torch.distributed``.
+  ``torch.distributed`` (a ``FileStore`` in a work folder: no TCP port) and one thread;
+  ``device="cpu"``: gloo; ``device="cuda"``: NCCL, rank r on ``cuda:r`` (NVLink multicast off:
+  :data:`NVLINK_MULTICAST_OFF`).  Nothing is pickled but the worker function's name and plain
+  strings / ints — tensors travel as safetensors files in the work folder or through
+  ``torch.distributed``.
 * :func:`build_parallel_model` — in a rank: the consistent model at that layout, loaded from
-  an HF safetensors checkpoint (each rank takes its Megatron shard of the full tensors).
+  an HF safetensors checkpoint (each rank takes its Megatron shard of the full tensors), on
+  the rank's device (:func:`rank_device`).
 * :func:`stage_forward` / :func:`stage_logprobs` — one pipeline stage: receives the previous
   stage's activations (``dist.recv``), runs, sends its output on (``dist.send``); the
   activations pass unchanged, so PP is bitwise neutral.
@@ -14,7 +18,12 @@
 Why not Megatron's ``get_forward_backward_func`` schedules: their point-to-point layer
 allocates its receive buffers with ``device=torch.cuda.current_device()`` and the schedules
 assume CUDA streams, so they do not run on a CPU-only gloo job; :func:`stage_forward` moves
-the same tensors with ``dist.send`` / ``dist.recv`` (no arithmetic on them either way).
+the same tensors with ``dist.send`` / ``dist.recv`` on either backend (no arithmetic on them
+either way).
+
+Every collective of the consistent layers (:mod:`.tensor_parallel`, :func:`gather_vocab`,
+Megatron's embedding all-reduce) takes tensors on the rank's device — CUDA tensors under NCCL —
+and no object collective is used; tensors reach the CPU only to be written to the job's files.
 """
 
 from __future__ import annotations
@@ -32,11 +41,15 @@ from safetensors.torch import load_file, save_file
 from .. import kernels
 from ..config import ArchConfig
 from . import tensor_parallel as tpar
+from .parallel import check_rank_devices, rank_backend
 
-__all__ = ["build_parallel_model", "gather_vocab", "load_full_megatron_state", "megatron_state_from_hf",
-           "recompute_logprobs_parallel", "spawn_ranks", "stage_forward", "stage_logprobs"]
+__all__ = ["NVLINK_MULTICAST_OFF", "build_parallel_model", "gather_vocab", "load_full_megatron_state", "megatron_state_from_hf",
+           "rank_device", "recompute_logprobs_parallel", "spawn_ranks", "stage_forward", "stage_logprobs"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# NVLink multicast stays off in NCCL ranks (as benchmarks/gpu_setup.sh sets for every GPU run): NCCL's NVLS
+# algorithms, torch symmetric memory and NVSHMEM would otherwise use it
+NVLINK_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -89,10 +102,19 @@ def load_full_megatron_state(model, full: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"the weights lack {missing[:8]}")
 
 
+def rank_device() -> torch.device:
+    """This rank's device: ``cuda:<current device>`` in an NCCL job (:func:`spawn_ranks` sets rank r on ``cuda:r``),
+    the CPU otherwise (gloo)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
                          seed: int = 0, sequence_parallel: bool = False):
-    """In a rank of a ``TP * PP`` gloo job: the consistent model of this rank (weights: HF checkpoint path or HF
-    tensors dict; ``None`` keeps the seeded initialization)."""
+    """In a rank of a ``TP * PP`` job: the consistent model of this rank (weights: HF checkpoint path or HF
+    tensors dict; ``None`` keeps the seeded initialization), built and loaded on the CPU, then moved to
+    :func:`rank_device` (a no-op in a gloo job)."""
     from .model import build_consistent_model
 
     model = build_consistent_model(hf_config, seed=seed, dtype=dtype, tensor_model_parallel_size=tp,
@@ -100,12 +122,13 @@ def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, d
     if weights is not None:
         hf = weights if isinstance(weights, dict) else read_hf_tensors(weights)
         load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, hf))
-    return model
+    return model.to(rank_device())
 
 
 # ---------------------------------------------------------------------------------------------- one stage
 def stage_forward(model, input_ids: torch.Tensor):
-    """This pipeline stage's forward: float32 logits shard ``[b, s, V/TP]`` on the last stage, ``None`` elsewhere."""
+    """This pipeline stage's forward: float32 logits shard ``[b, s, V/TP]`` on the last stage, ``None`` elsewhere.
+    ``input_ids`` on the model's device (the received activations land there too)."""
     from megatron.core import parallel_state as ps
 
     b, s = input_ids.shape
@@ -115,7 +138,7 @@ def stage_forward(model, input_ids: torch.Tensor):
         raise ValueError(f"sequence parallelism: sequence length {s} is not divisible by TP={t}")
     if not model.pre_process:
         chunk = s // t if getattr(model, "sequence_parallel", False) else s
-        h = torch.empty(chunk, b, model.config.hidden_size, dtype=model.config.params_dtype)
+        h = torch.empty(chunk, b, model.config.hidden_size, dtype=model.config.params_dtype, device=input_ids.device)
         dist.recv(h, src=ps.get_pipeline_model_parallel_prev_rank())
         model.set_input_tensor(h)
     out = model(input_ids, positions, None)
@@ -144,11 +167,16 @@ def gather_vocab(shard: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- processes
-def _rank_main(rank: int, worker, workdir: str, world: int, args: tuple) -> None:
+def _rank_main(rank: int, worker, workdir: str, world: int, device: str, args: tuple) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    bind = {}
+    if device == "cuda":  # NCCL: rank r owns cuda:r (bound at init: NCCL's communicators and barrier use it)
+        os.environ.update(NVLINK_MULTICAST_OFF)
+        torch.cuda.set_device(rank)
+        bind["device_id"] = torch.device("cuda", rank)
     store = dist.FileStore(str(Path(workdir) / "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dist.init_process_group(rank_backend(device), store=store, rank=rank, world_size=world, **bind)
     try:
         worker(rank, workdir, *args)
         dist.barrier()
@@ -156,20 +184,24 @@ def _rank_main(rank: int, worker, workdir: str, world: int, args: tuple) -> None
         dist.destroy_process_group()
 
 
-def spawn_ranks(worker, world: int, workdir, *args) -> None:
-    """Run ``worker(rank, workdir, *args)`` in ``world`` spawned processes joined by gloo (FileStore in ``workdir``).
+def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None:
+    """Run ``worker(rank, workdir, *args)`` in ``world`` spawned processes (FileStore in ``workdir``): gloo on the CPU
+    (``device="cpu"``), or NCCL with rank r on ``cuda:r`` (``device="cuda"``: ``world`` CUDA devices must be visible;
+    NVLink multicast off in every rank).
 
     ``worker`` must be importable by name (module level); ``args``: plain values (str / int / float / bool).
     """
     import torch.multiprocessing as mp
 
+    check_rank_devices(device, world)
     for a in args:
         if not isinstance(a, (str, int, float, bool, type(None))):
             raise TypeError(f"spawn_ranks passes plain values only (tensors go through files), got {type(a).__name__}")
     store = Path(workdir) / "store"
     if store.exists():
         store.unlink()
-    mp.start_processes(_rank_main, args=(worker, str(workdir), world, args), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_rank_main, args=(worker, str(workdir), world, device, args), nprocs=world, join=True,
+                       start_method="spawn")
 
 
 def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
@@ -180,7 +212,7 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
     model = build_parallel_model(job["config"], job["weights"], tp=tp, pp=pp, dtype=_DTYPES[job["dtype"]] if job["dtype"] else None,
                                  sequence_parallel=job["sequence_parallel"])
     model.eval()
-    ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
+    ids = load_file(str(work / "inputs.safetensors"))["input_ids"].to(rank_device())
     batch = job.get("batch") or ids.shape[0]
     lps, logits_parts, routes = [], [], {}
     with torch.no_grad():
@@ -191,7 +223,7 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
                 from .moe import collect_routes
 
                 for i, r in collect_routes(model).items():
-                    routes[f"c{c}.l{model.decoder.layers[i].layer_number - 1}"] = r.contiguous()
+                    routes[f"c{c}.l{model.decoder.layers[i].layer_number - 1}"] = r.cpu().contiguous()
             if logits is not None:
                 lps.append(tpar.vocab_parallel_logprobs(logits[:, :-1], chunk[:, 1:], job["temperature"]))
                 if job["return_logits"]:
@@ -200,17 +232,18 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
     if routes and first_tp:
         save_file(routes, str(work / f"routes.stage{ps.get_pipeline_model_parallel_rank()}.safetensors"))
     if lps and first_tp:
-        out = {"logprobs": torch.cat(lps).contiguous()}
+        out = {"logprobs": torch.cat(lps).cpu().contiguous()}
         if logits_parts:
-            out["logits"] = torch.cat(logits_parts).contiguous()
+            out["logits"] = torch.cat(logits_parts).cpu().contiguous()
         save_file(out, str(work / "out.safetensors"))
 
 
 def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, tp: int = 1, pp: int = 1,
                                 dtype: torch.dtype | None = None, temperature: float = 1.0, return_logits: bool = False,
                                 sequence_parallel: bool = False, workdir=None, batch: int | None = None,
-                                return_routes: bool = False):
-    """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp`` (CPU, gloo).
+                                return_routes: bool = False, device: str = "cpu"):
+    """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp``: ``tp * pp`` gloo
+    ranks on the CPU (``device="cpu"``) or NCCL ranks on ``tp * pp`` GPUs (``device="cuda"``, rank r on ``cuda:r``).
 
     ``hf_config``: path to an HF config (folder with config.json, or the file) or an HF config dict.
     ``weights``: path to an HF safetensors checkpoint (folder or file) or a dict of HF-named tensors.
@@ -222,7 +255,8 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     the job files.  ``batch``: forward the rows in chunks of this many (bounds the logits' memory; the same bits).
     ``return_routes`` (MoE): also ``{chunk: {layer: experts [s*b_chunk, k]}}`` (global 0-based layer numbers, each
     chunk's routes in Megatron's ``[s, b]`` order, as ``layers.moe.collect_routes``) — appended to the return value.
-    Unsupported layouts raise ``UnsupportedConfigError`` in the caller before any process starts.
+    Returned tensors are on the CPU.  Unsupported layouts, and ``device="cuda"`` with fewer than ``tp * pp`` visible
+    CUDA devices, raise ``UnsupportedConfigError`` in the caller before any process starts.
     """
     from .builder import as_arch_config, check_tp_shapes
     from .parallel import check_parallel_sizes
@@ -230,6 +264,7 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     arch = as_arch_config(hf_config)
     check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
     check_tp_shapes(arch, tp, pp)
+    check_rank_devices(device, tp * pp)
     ids = torch.as_tensor(input_ids, dtype=torch.int64)
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got {tuple(ids.shape)}")
@@ -258,7 +293,7 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
         out_file = work / "out.safetensors"
         for old in [out_file, *work.glob("routes.stage*.safetensors")]:
             old.unlink(missing_ok=True)
-        spawn_ranks(_recompute_worker, tp * pp, work, tp, pp)
+        spawn_ranks(_recompute_worker, tp * pp, work, tp, pp, device=device)
         out = load_file(str(out_file))
         routes: dict[int, dict[int, torch.Tensor]] = {}
         for f in sorted(work.glob("routes.stage*.safetensors")):

@@ -1,4 +1,4 @@
-"""Megatron process groups for the consistent CPU path, and the parallel sizes the consistent layers accept.
+"""Megatron process groups of the consistent layers, the parallel sizes they accept, and the ranks' backend.
 
 Supported: tensor parallelism TP ∈ {1, 2, 4, 8} (the row-parallel K tree and the
 vocabulary log-softmax tree have 8 segments, so t must divide 8; shapes must
@@ -21,6 +21,9 @@ world must already be initialized by the caller (e.g.
 :func:`megatron_consistent.layers.tensor_parallel.recompute_logprobs_parallel`)
 with ``world_size == TP * PP``.  Megatron's ``parallel_state`` is initialized
 once with those sizes, and checked against them when already initialized.
+
+Ranks (:func:`rank_backend`, :func:`check_rank_devices`): on the CPU gloo, on CUDA NCCL with one CUDA device
+per rank (rank r on ``cuda:r``).
 """
 
 from __future__ import annotations
@@ -30,9 +33,31 @@ import torch.distributed as dist
 
 from ..config import UnsupportedConfigError
 
-__all__ = ["SUPPORTED_TP_SIZES", "check_parallel_sizes", "check_parallel_config", "init_cpu_process_group"]
+__all__ = ["RANK_BACKENDS", "SUPPORTED_TP_SIZES", "check_parallel_config", "check_parallel_sizes", "check_rank_devices",
+           "init_cpu_process_group", "rank_backend"]
 
 SUPPORTED_TP_SIZES = (1, 2, 4, 8)
+RANK_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # the torch.distributed backend of a job's ranks, by their device
+
+
+def rank_backend(device: str) -> str:
+    """The ``torch.distributed`` backend of ranks on ``device``: ``"gloo"`` on ``"cpu"``, ``"nccl"`` on ``"cuda"``."""
+    if device not in RANK_BACKENDS:
+        raise ValueError(f"rank device must be 'cpu' (gloo ranks) or 'cuda' (NCCL ranks, one CUDA device each), got {device!r}")
+    return RANK_BACKENDS[device]
+
+
+def check_rank_devices(device: str, world: int, *, visible: int | None = None) -> None:
+    """Refuse, before any process starts, ``world`` ranks on ``device`` that cannot each have their own device:
+    on CUDA rank r runs on ``cuda:r``, so ``world`` CUDA devices must be visible (``visible``: default
+    ``torch.cuda.device_count()``)."""
+    rank_backend(device)
+    if device != "cuda":
+        return
+    visible = torch.cuda.device_count() if visible is None else visible
+    if visible < world:
+        raise UnsupportedConfigError(f"{world} ranks on CUDA need {world} CUDA devices (one NCCL rank per device), "
+                                     f"{visible} visible")
 
 
 def check_parallel_sizes(

@@ -1,4 +1,4 @@
-"""Tensor-parallel communication of the consistent layers (gloo or NCCL; CPU tested), in a fixed order.
+"""Tensor-parallel communication of the consistent layers (gloo ranks on CPU, NCCL ranks on GPUs), in a fixed order.
 
 Contract (``docs/parallel.md``):
 

@@ -67,8 +67,8 @@ class CheckConfig:
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
     engine_tp: int = 1  # vLLM tensor_parallel_size of the engines (dense and MoE models; vllm_plugin/parallel.py)
-    trainer_tp: int = 1  # tensor-parallel size of the consistent Megatron recompute (>1: gloo ranks, see trainer_logprobs)
-    trainer_pp: int = 1  # pipeline-parallel size of the consistent Megatron recompute (>1: gloo ranks, see trainer_logprobs)
+    trainer_tp: int = 1  # tensor-parallel size of the consistent Megatron recompute (>1: ranks, see trainer_logprobs)
+    trainer_pp: int = 1  # pipeline-parallel size of the consistent Megatron recompute (>1: ranks, see trainer_logprobs)
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
     engine_args: str = ""  # JSON object of extra vLLM engine arguments for every engine, e.g. '{"async_scheduling": false}'
@@ -116,8 +116,8 @@ class CheckConfig:
             raise ValueError(f"--quantization must be fp8 or nvfp4 (or empty), got {self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is visible")
+        if self.device == "cuda" and not torch.cuda.is_available() and not trainer_parallel(self):
+            raise ValueError("--device cuda: no CUDA device is visible")  # trainer ranks: check_layouts names the count
         if self.resolved_device() == "cuda":
             if self.block_size not in GPU_BLOCK_SIZES:
                 raise ValueError(f"block_size must be one of {GPU_BLOCK_SIZES} on CUDA, got {self.block_size}")
@@ -131,7 +131,8 @@ class CheckConfig:
 
 
 def trainer_parallel(cfg: CheckConfig) -> bool:
-    """Whether the consistent recompute runs in ``trainer_tp * trainer_pp`` gloo ranks (else in this process)."""
+    """Whether the consistent recompute runs in ``trainer_tp * trainer_pp`` ranks (else in this process): gloo on the
+    CPU, NCCL on CUDA (one device per rank)."""
     return cfg.trainer_tp * cfg.trainer_pp > 1
 
 
@@ -139,12 +140,13 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     """Why the trainer layout ``--trainer-tp`` / ``--trainer-pp`` cannot run here ("" when it can)."""
     from ..config import UnsupportedConfigError
     from ..layers.builder import check_tp_shapes
-    from ..layers.parallel import check_parallel_sizes
+    from ..layers.parallel import check_parallel_sizes, check_rank_devices
 
     tp, pp = cfg.trainer_tp, cfg.trainer_pp
     try:  # the helper's own refusals (layers/distributed.py recompute_logprobs_parallel)
         check_parallel_sizes(tp, pp, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
         check_tp_shapes(arch, tp, pp)
+        check_rank_devices(cfg.resolved_device(), tp * pp)
     except UnsupportedConfigError as e:
         return str(e)
     if tp * pp == 1:
@@ -155,9 +157,6 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     if cfg.kv_cache_dtype != "auto":
         return (f"--kv-cache-dtype {cfg.kv_cache_dtype} with trainer model parallelism: the trainer's FP8 KV round trip "
                 "(layers.fp8.enable_fp8_kv) is not applied in the parallel recompute's ranks")
-    if cfg.resolved_device() != "cpu":
-        return (f"--device {cfg.resolved_device()} with trainer model parallelism: the parallel recompute runs CPU gloo ranks "
-                "(on a GPU the CUDA trainer would not be the one compared)")
     return ""
 
 
@@ -165,11 +164,17 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     """Refuse, before any work, an engine / trainer tensor-parallel layout this build cannot run (one-line
     ``ValueError`` naming the flag); returns the layouts the report states."""
     from ..config import UnsupportedConfigError
+    from ..layers.parallel import check_rank_devices, rank_backend
     from ..vllm_plugin.parallel import tp_refusal
 
     reason = tp_refusal(arch, cfg.engine_tp, bool(cfg.quantization))
     if reason:
         raise ValueError(f"--engine-tp {cfg.engine_tp}: {reason}")
+    if cfg.engine_tp > 1:  # vLLM's tensor-parallel workers: one GPU each, like the trainer's ranks
+        try:
+            check_rank_devices(cfg.resolved_device(), cfg.engine_tp)
+        except UnsupportedConfigError as e:
+            raise ValueError(f"--engine-tp {cfg.engine_tp}: {e}") from None
     reason = trainer_refusal(cfg, arch)
     if reason:
         flags = f"--trainer-tp {cfg.trainer_tp}" + (f" --trainer-pp {cfg.trainer_pp}" if cfg.trainer_pp != 1 else "")
@@ -182,7 +187,9 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             engine["moe"] = "MoE block replicated on every rank"
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
     if trainer_parallel(cfg):
-        trainer.update(ranks=f"{cfg.trainer_tp * cfg.trainer_pp} gloo processes (layers.recompute_logprobs_parallel) on the "
+        device = cfg.resolved_device()
+        trainer.update(ranks=f"{cfg.trainer_tp * cfg.trainer_pp} {rank_backend(device)} processes"
+                       + (" (rank r on cuda:r)" if device == "cuda" else "") + " (layers.recompute_logprobs_parallel) on the "
                        "HF folder the engines serve", applies_to="the consistent row (the stock baseline trainer runs at TP = PP = 1)")
         if cfg.trainer_tp > 1:
             trainer.update(column="linear_qkv, linear_fc1: heads / MLP columns split", row="linear_proj, linear_fc2: fp32 "
@@ -198,8 +205,9 @@ def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, response
     response by response, in prompt order — what :func:`recompute` returns).
 
     TP = PP = 1: :func:`recompute` of ``model`` in this process.  Otherwise one call of
-    :func:`~megatron_consistent.layers.recompute_logprobs_parallel` (one spawn of ``tp * pp`` gloo ranks for all the
-    sequences, forwarded in row chunks of ``cfg.recompute_batch``) that builds the consistent Megatron model from the HF
+    :func:`~megatron_consistent.layers.recompute_logprobs_parallel` (one spawn of ``tp * pp`` ranks for all the
+    sequences, forwarded in row chunks of ``cfg.recompute_batch``; gloo on the CPU, NCCL on ``cfg``'s CUDA device,
+    one GPU per rank) that builds the consistent Megatron model from the HF
     folder ``model_dir`` (the weights the engines serve).  Sequences are right-padded to the longest (causal: never
     seen).  ``route_sink`` (MoE): called as :func:`recompute` calls it, with the ranks' routes."""
     if not trainer_parallel(cfg):
@@ -211,7 +219,7 @@ def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, response
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64)
     lp, routes = recompute_logprobs_parallel(str(model_dir), str(model_dir), ids, tp=cfg.trainer_tp, pp=cfg.trainer_pp,
                                              temperature=temperature, workdir=Path(cfg.out_dir) / "trainer_ranks",
-                                             batch=cfg.recompute_batch, return_routes=True)
+                                             batch=cfg.recompute_batch, return_routes=True, device=cfg.resolved_device())
     if route_sink is not None:
         for c, layers in sorted(routes.items()):
             b0 = c * cfg.recompute_batch
