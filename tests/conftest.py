@@ -30,6 +30,11 @@ settings.register_profile(
 settings.register_profile("thorough", parent=settings.get_profile("ci"), max_examples=300)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# vLLM CPU engines started by tests (in subprocesses, which inherit this): a 1 GiB KV cache, ample for the tiny models
+# (a soak's num_gpu_blocks_override still shrinks it).  Otherwise vLLM sizes it as gpu_memory_utilization (0.3) of
+# the machine's memory, several GiB that take ~15 s to allocate at every engine start.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
 
 @contextlib.contextmanager
 def _torch_threads(n: int):
