@@ -2,7 +2,8 @@
 
     python benchmarks/bench_gpu_attention.py --out /tmp/attn.json [--quick]
 
-* decode: B in {1, 4, 16, 64} x context in {4k, 8k, 32k}, GQA 32/8, D 128, bf16:
+* decode: B in {1, 4, 16, 64} x context in {4k, 8k, 32k}, and B = 8 at 16k (the long tail of the rollout
+  benchmark's shape (c)); GQA 32/8, D 128, bf16:
   ``paged_attention`` (page 16; its shape-chosen path, plus the other path forced) vs
   ``scaled_dot_product_attention`` (flash backend, dense K/V, ``enable_gqa``) vs vLLM's FA3
   ``flash_attn_varlen_func`` with ``block_table`` on the same paged cache (when ``vllm.vllm_flash_attn`` imports);
@@ -194,10 +195,11 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  "
           f"(PART_KEYS={tattn.PART_KEYS}, page {PAGE})", flush=True)
     rows = []
-    for b in ((1, 64) if args.quick else (1, 4, 16, 64)):
-        for ctx in ((4096, 32768) if args.quick else (4096, 8192, 32768)):
-            decode_case(b, ctx, bw, rows)
-            torch.cuda.empty_cache()
+    decode_cases = [(b, ctx) for b in ((1, 64) if args.quick else (1, 4, 16, 64))
+                    for ctx in ((4096, 32768) if args.quick else (4096, 8192, 32768))] + [(8, 16384)]
+    for b, ctx in decode_cases:
+        decode_case(b, ctx, bw, rows)
+        torch.cuda.empty_cache()
     for t in ((4096,) if args.quick else (4096, 16384)):
         for hkv in (8, 32):
             prefill_case(t, hkv, rows)
