@@ -136,6 +136,20 @@ def test_cpu_tp_binding_splits_the_allowed_cpus(monkeypatch):
     assert rollout.cpu_tp_binding(2) == {}
 
 
+def test_cpu_engine_in_process_for_one_cpu_rank_only(monkeypatch):
+    from megatron_consistent.verify import rollout
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rollout.cpu_engine_in_process(1) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert rollout.cpu_engine_in_process(2) == {}  # a worker process per rank
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert rollout.cpu_engine_in_process(1) == {}  # the user's setting wins
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert rollout.cpu_engine_in_process(1) == {}  # GPU: vLLM's default multiprocess engine core
+
+
 # ------------------------------------------------------------------------------------------------ gloo ranks
 def _model_dir(tmp: Path, name: str, seed: int) -> Path:
     from safetensors.torch import save_file

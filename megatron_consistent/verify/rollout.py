@@ -155,6 +155,19 @@ def cpu_tp_binding(tp: int) -> dict:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
 
 
+def cpu_engine_in_process(tp: int) -> dict:
+    """A CPU engine of one rank runs its engine core and worker inside the process :func:`run_in_subprocess` starts for
+    it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): that process exists for this one engine, so vLLM's two extra processes
+    only add start-up (their imports: ~30 s of an engine's ~75 s on 2 cores); the kernels, and so the bits, are the
+    same.  Nothing when TP > 1 (a worker per rank), CUDA is visible (vLLM's default: the engine core overlaps
+    scheduling with the GPU) or the variable is already set."""
+    import torch
+
+    if tp > 1 or torch.cuda.is_available() or "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict) -> dict:
     """``python -m module REQUEST.json RESULT.json`` in a fresh process (``HF_HUB_OFFLINE=1`` + ``env`` added to
     this environment); the result dict with ``plugin_active`` and ``log``, or ``{"error", "log"}`` with the log's tail."""
@@ -182,7 +195,7 @@ def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
         env["VLLM_BATCH_INVARIANT"] = "1"
     if req.routes_dir:
         env["MEGATRON_CONSISTENT_ROUTES"] = req.routes_dir
-    env.update(cpu_tp_binding(req.tensor_parallel_size))
+    env.update(cpu_tp_binding(req.tensor_parallel_size), **cpu_engine_in_process(req.tensor_parallel_size))
     return run_module(__name__, asdict(req), work_dir, name, env)
 
 

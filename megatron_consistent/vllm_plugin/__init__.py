@@ -38,7 +38,6 @@ def register() -> None:
         return
     import vllm
     from vllm import ModelRegistry
-    from vllm.logger import init_logger
     from vllm.platforms import current_platform
 
     from ..config import SUPPORTED_ARCHITECTURES
@@ -51,7 +50,22 @@ def register() -> None:
     install_attention_backend(device)
     patch_samplers(device)
     _state["registered"] = True
+    _state["device"] = device
+
+
+def announce() -> None:
+    """Log, once per process, that the plugin is active; the consistent model classes call it when vLLM builds them.
+    Not from :func:`register`: plugins load before vLLM configures logging in the engine's first process (with the
+    engine core in-process that would drop the line), and the process that builds the model is the one that counts."""
+    if _state.get("announced") or not _state["registered"]:
+        return
+    import vllm
+    from vllm.logger import init_logger
+
+    from ..config import SUPPORTED_ARCHITECTURES
+
+    _state["announced"] = True
     init_logger("vllm.plugins.megatron_consistent").info(
         "megatron-consistent plugin active (pid %d, %s, vllm %s): %s -> consistent model, attention -> consistent "
-        "attention, log-probs -> consistent log_softmax", os.getpid(), device, vllm.__version__,
+        "attention, log-probs -> consistent log_softmax", os.getpid(), _state["device"], vllm.__version__,
         ", ".join(SUPPORTED_ARCHITECTURES))

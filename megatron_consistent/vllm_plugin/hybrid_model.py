@@ -32,6 +32,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from ..architectures import canonical_hf_name, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import add_residual, compute_logits, inference_ops
+from . import announce
 from . import moe as plugin_moe
 from .compat import attention_backend_class, compiled_by_vllm
 from .decoder_layer import _param
@@ -174,6 +175,7 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
                                     for i, kind in enumerate(arch.layer_types))
         self.norm = _param(arch.hidden_size, dtype=dt)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        announce()
         logger.info("megatron-consistent: %s (%s) runs on the consistent kernels, Mamba state replayed from chunk boundaries",
                     arch.architecture, arch.hybrid_pattern)
 

@@ -25,7 +25,7 @@ from vllm.logger import init_logger
 from ..architectures import engine_views, tp_part, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import compute_logits, inference_ops, rope_cache
-from . import probe
+from . import announce, probe
 from .compat import compiled_by_vllm
 from .decoder_layer import _param
 from .moe import decoder_layer_class
@@ -119,6 +119,7 @@ class ConsistentForCausalLM(nn.Module):
         if self.tp_size > 1:
             self.hf_targets()  # every held shape against the weight table's part at this TP (refused by name if not)
         probe.install_from_env()
+        announce()
         logger.info("megatron-consistent: %s runs on the consistent kernels (bitwise-matching the Megatron trainer), "
                     "TP rank %d of %d", arch.architecture, self.tp_rank, self.tp_size)
 
