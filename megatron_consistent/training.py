@@ -172,11 +172,11 @@ class MegatronOptimizer:
     """Megatron-Core's ``DistributedDataParallel`` + ``get_megatron_optimizer`` (distributed optimizer) on one GPU.
 
     Interface of :class:`MainParamAdamW` the loop uses: ``zero_grad()``, ``step() -> bool``; checkpoints go through
-    :meth:`sharded_state_dict` / :meth:`load_state_dict` (Megatron's ``fully_reshardable`` format;
-    its ``fully_sharded_model_space`` is deprecated and fails to save in 0.19.2, "flattened_range is not supported").  Wrapping moves
-    every parameter into DDP's contiguous buffer, once, here; from then on the optimizer writes the updated bf16
-    values into that buffer in place, so record parameter pointers after construction.  The model is still called
-    directly (DDP's gradient hooks sit on the parameters).
+    :meth:`sharded_state_dict` / :meth:`load_state_dict` (Megatron's ``fully_reshardable`` format; its
+    ``fully_sharded_model_space`` is deprecated and fails to save in 0.19.2: "flattened_range is not supported").
+    Wrapping moves every parameter into DDP's contiguous buffer, once, here; from then on the optimizer writes the
+    updated bf16 values into that buffer in place, so record parameter pointers after construction.  The model is
+    still called directly (DDP's gradient hooks sit on the parameters).
     """
 
     SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
