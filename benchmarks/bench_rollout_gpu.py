@@ -13,6 +13,7 @@ kernel time by category (GEMM, attention, norm, ...) and the top kernels, so
 the gap to stock is attributed to kernels, not guessed.
 
     python benchmarks/bench_rollout_gpu.py --shapes a b c --out benchmarks/results/rollout_gpu.json
+    python benchmarks/bench_rollout_gpu.py --plot benchmarks/results/<run>.json   # the profile chart again (CPU)
 
 Shapes (issue #14): a = 1B Llama (hidden 2048, 16 layers, GQA 32/8, vocab 32000), 512 prompts of 64-1024
 tokens x 512; b = 8B Llama (hidden 4096, 32 layers, GQA 32/8, vocab 128256), 256 x 512; c = the long tail,
@@ -167,6 +168,38 @@ def print_profiles(report: dict, engines: list[str]) -> None:
             print(f"  top kernels, {n}: " + "; ".join(f"{name[:60]} {ms:.1f}" for name, ms in p["top_kernels_ms"][:6]))
 
 
+def plot_profiles(report: dict, png: Path) -> Path | None:
+    """Bar chart of the profiled GPU kernel ms by category, one panel per shape, one bar per engine."""
+    shapes = {k: {n: r["profile"] for n, r in row.items() if isinstance(r, dict) and "profile" in r}
+              for k, row in report["shapes"].items()}
+    shapes = {k: p for k, p in shapes.items() if p}
+    if not shapes:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
+    for ax, (key, profs) in zip(axes[0], shapes.items()):
+        cats = sorted({c for p in profs.values() for c in p["kernel_ms_by_category"]},
+                      key=lambda c: -max(p["kernel_ms_by_category"].get(c, 0.0) for p in profs.values()))
+        width = 0.8 / len(profs)
+        for i, (name, p) in enumerate(profs.items()):
+            ys = [j + i * width for j in range(len(cats))]
+            ax.barh(ys, [p["kernel_ms_by_category"].get(c, 0.0) for c in cats], height=width,
+                    label=f"{name} (total {p['kernel_ms_total']:.0f} ms)")
+        ax.set_yticks([j + 0.4 - width / 2 for j in range(len(cats))], cats)
+        ax.invert_yaxis()
+        ax.set_xlabel("GPU kernel ms in the profiled generation")
+        ax.set_title(f"shape ({key})")
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["a", "b", "c"], choices=sorted(SHAPES))
@@ -178,8 +211,13 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="after timing, profile one short generation per engine")
     ap.add_argument("--profile-prompts", type=int, default=64)
     ap.add_argument("--profile-tokens", type=int, default=128)
+    ap.add_argument("--plot", metavar="JSON", help="only draw the profile chart of an earlier run's JSON (PNG beside it)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.plot:
+        png = plot_profiles(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        print(f"chart: {png}" if png else f"{args.plot} holds no profile")
+        return 0 if png else 1
     if args.worker:
         result = worker(json.loads(Path(args.worker[0]).read_text()))
         Path(args.worker[1]).write_text(json.dumps(result))
@@ -224,6 +262,9 @@ def main() -> int:
                 print(f"{key:6} consistent / {other}: {row[f'consistent_over_{other}']:.3f}")
     if args.profile:
         print_profiles(report, args.engines)
+        png = plot_profiles(report, Path(args.out).with_suffix(".png"))
+        if png:
+            print(f"chart: {png}")
     print(f"results: {args.out}")
     return 0
 
