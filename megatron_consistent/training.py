@@ -168,6 +168,29 @@ def init_single_rank() -> None:
     init_cpu_process_group()  # parallel_state (TP = PP = 1) and the model-parallel CUDA RNG tracker
 
 
+def initial_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of a torch Adam / AdamW without state the state Adam creates on its first step (``step``
+    0, zero moments), so that the next step computes exactly what it would have from no state.
+
+    Megatron-Core 0.19's distributed optimizer reads ``step`` from every parameter's state when it builds the sharded
+    state dict to load into (``DistributedOptimizer.state_dict``, torch optimizers without Apex / TE); a freshly
+    built optimizer has none and fails ``assert len(steps) == 1``.  The loaded checkpoint then overwrites all of it.
+    Other optimizers (Apex / TE fused Adam keep ``step`` in the param groups) are left alone."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in optimizer.param_groups:
+        on_param = bool(group.get("capturable") or group.get("fused"))
+        for p in group["params"]:
+            if optimizer.state[p]:
+                continue
+            state = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_param else "cpu"),
+                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+
+
 class MegatronOptimizer:
     """Megatron-Core's ``DistributedDataParallel`` + ``get_megatron_optimizer`` (distributed optimizer) on one GPU.
 
@@ -225,9 +248,38 @@ class MegatronOptimizer:
         param groups: common state) for ``dist_checkpointing``."""
         from .layers.builder import filter_kwargs
 
+        if is_loading:
+            initial_adam_state(self._distributed().optimizer)
         fn = self.optimizer.sharded_state_dict
         return fn(model_sharded_state_dict, **filter_kwargs(fn, {"is_loading": is_loading, "metadata": self.SHARDING}))
 
+    def _distributed(self):
+        """The one ``DistributedOptimizer`` (0.19 wraps it in a ``ChainedOptimizer``)."""
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        if len(inner) != 1:
+            raise RuntimeError(f"MegatronOptimizer: expected one distributed optimizer, Megatron built {len(inner)}")
+        return inner[0]
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore from what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict` (``is_loading=True``)."""
-        self.optimizer.load_state_dict(state)
+        """Restore from what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict` (``is_loading=True``).
+
+        Megatron's own loading in its two parts, with two repairs for torch's Adam (no Apex / TE), where Megatron-Core
+        0.16.1 and 0.19.2 both fail: the common state first (param groups; Megatron gives every param's Adam state
+        one *shared* ``step`` tensor, which Adam would then advance once per param per step, so each param gets its
+        own copy); then the parameter state with ``step`` set aside, because Megatron copies every tensor of a
+        param's state from the checkpoint's, which holds no ``step`` (``KeyError: 'step'``)."""
+        state = dict(state)
+        param_state = state.pop("param_state")
+        sharding = state.pop("param_state_sharding_type")
+        if sharding != self.SHARDING["distrib_optim_sharding_type"]:
+            raise ValueError(f"MegatronOptimizer: optimizer state saved as {sharding!r}, "
+                             f"expected {self.SHARDING['distrib_optim_sharding_type']!r}")
+        dist_opt = self._distributed()
+        dist_opt.load_state_dict(state)
+        adam = dist_opt.optimizer
+        steps = {p: st.pop("step").clone() for p, st in adam.state.items() if "step" in st}
+        try:
+            dist_opt.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for p, step in steps.items():
+                adam.state[p]["step"] = step
