@@ -19,6 +19,11 @@ element's arithmetic:
   ``megatron_consistent/kernels/triton/gemm_tables.py`` to adopt it, then run tests/test_gpu_kernels.py
   (which re-checks every table entry across M classes bitwise).
 
+Row-parallel trees (``"... tree"`` shapes, issue #18): the same, with the whole 8-segment tree of
+``segment_tree.segment_tree_gemm`` as the timed and checked call (no split inside a segment), against cuBLAS over the
+whole K; the entry is keyed by the segment's (N, K / 8), the key the tree's ``segment_config`` looks up.  Entries
+of the installed table for shapes not swept are carried over into the written file.
+
 FP8 part (``fp8_gemm`` on pre-quantized operands vs cuBLAS block-scaled ``torch._scaled_mm``): tile candidates
 (with and without one weight scale per tile, ``SWS``), each checked bitwise against the current table's tile at
 1, 7, 300, 2048 rows, timed at M = 256, 1024, 4096; the fastest bit-identical tile per (N, K) goes to
@@ -49,7 +54,11 @@ sys.path.insert(0, HERE)
 
 NOSPLIT = 1 << 20
 SHAPES = {"4096x4096": (4096, 4096), "qkv 4096->6144": (6144, 4096), "gate/up 4096->28672": (28672, 4096),
-          "down 14336->4096": (4096, 14336)}
+          "down 14336->4096": (4096, 14336),
+          # the row-parallel K-segment tree (issue #18) of o_proj / down, 8 segments: swept as the whole tree, its
+          # entry keyed by the segment's (N, K / 8), which is what segment_tree.segment_config looks up
+          "8B o_proj tree": (4096, 4096, 8), "8B down tree": (4096, 14336, 8),
+          "1B o_proj tree": (2048, 2048, 8), "1B down tree": (2048, 8192, 8)}
 MS = [1, 16, 64, 256, 1024, 4096]
 BITS_MS = [1, 7, 16, 64, 300, 2048]
 SMALL, MID, LARGE = (1, 16, 64), (64, 256, 1024), (256, 1024, 4096)
@@ -65,11 +74,17 @@ def target(m: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- candidates
-def numerics_groups(n: int, k: int, quick: bool = False):
-    """(name, BK, SPLIT_STEPS): no split; a fixed 2-way split where N alone gives few tiles; also 4-way for long K."""
+def shape_dims(dims):
+    """(N, K, segments): K is the whole reduction; segments 1 = the plain GEMM."""
+    return (*dims, 1) if len(dims) == 2 else tuple(dims)
+
+
+def numerics_groups(n: int, k: int, quick: bool = False, segments: int = 1):
+    """(name, BK, SPLIT_STEPS): no split; a fixed 2-way split where N alone gives few tiles; also 4-way for long K.
+    A segment tree: no split (its 8 segments already give the parallelism a split would)."""
     steps = k // 64
     groups = [("bk64 nosplit", 64, NOSPLIT)]
-    if n <= 8192:
+    if n <= 8192 and segments == 1:
         groups.append(("bk64 split2", 64, max(1, steps // 2)))
         if k >= 8192 and not quick:
             groups.append(("bk64 split4", 64, max(1, steps // 4)))
@@ -121,18 +136,27 @@ def fp8_cfg(t):
     return tf8._fp8_cfg(*t)
 
 
+def matmul(x, w, bias, out_dtype, cfg, segments: int = 1):
+    """The kernel a shape is swept for: the GEMM (``segments`` 1) or the row-parallel segment tree."""
+    from megatron_consistent.kernels.triton import linear as tlin
+    from megatron_consistent.kernels.triton import segment_tree as ttree
+
+    if segments == 1:
+        return tlin.gemm(x, w, bias, out_dtype, cfg=cfg)
+    return ttree.segment_tree_gemm(x, w, segments, bias, out_dtype, cfg=cfg)
+
+
 # ---------------------------------------------------------------------------------------------- compile workers
 def _warm(jobs):
     """Compile (and run once) each job's kernels in this worker: fills the shared Triton cache."""
     import torch
 
     from megatron_consistent.kernels.triton import fp8_linear as tf8
-    from megatron_consistent.kernels.triton import linear as tlin
 
     dev = torch.device("cuda")
     errors = []
     cache = {}
-    for kind, n, k, cfg in jobs:
+    for kind, n, k, cfg, segments in jobs:
         try:
             if kind in ("bf16", "bf16b"):  # bf16b: the odd shapes, with bias, fp32 out
                 key = ("bf16", n, k)
@@ -144,7 +168,7 @@ def _warm(jobs):
                 w, x, b = cache[key]
                 for m in (1, 4096):
                     for od in ((torch.float32,) if kind == "bf16b" else (torch.bfloat16, torch.float32)):
-                        tlin.gemm(x[:m], w, b if kind == "bf16b" else None, od, cfg=cfg)
+                        matmul(x[:m], w, b if kind == "bf16b" else None, od, cfg, segments)
             else:
                 key = ("fp8", n, k)
                 if key not in cache:
@@ -217,40 +241,42 @@ def check_rows(run, ref, ms):
 
 
 def sweep_bf16(args, deadline, log):
-    from megatron_consistent.kernels.triton import linear as tlin
 
     dev = torch.device(DEV)
     results = []
-    for sname, (n, k) in SHAPES.items():
+    for sname, dims in SHAPES.items():
+        n, k, seg = shape_dims(dims)
         torch.manual_seed(0)
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(n_copies(n * k * 2))]
         xb = torch.randn(BITS_ROWS, k, device=dev, dtype=torch.bfloat16)
         xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in MS}
-        shape_res = {"shape": sname, "N": n, "K": k, "cublas_ms": {}, "default_ms": {}, "groups": []}
+        # K: the table key's (the segment's, for a tree); the reduction of the timed call is k
+        shape_res = {"shape": sname, "N": n, "K": k // seg, "segments": seg, "cublas_ms": {}, "default_ms": {},
+                     "groups": []}
         for m in MS:
             x = xs[m]
             shape_res["cublas_ms"][m] = bench(lambda x=x: [torch.nn.functional.linear(x, w) for w in ws], args.rep) / len(ws)
-            shape_res["default_ms"][m] = bench(lambda x=x: [tlin.gemm(x, w, None, torch.bfloat16) for w in ws],
+            shape_res["default_ms"][m] = bench(lambda x=x: [matmul(x, w, None, torch.bfloat16, None, seg) for w in ws],
                                                args.rep) / len(ws)
             log(f"{sname:22s} M={m:5d} cuBLAS {shape_res['cublas_ms'][m] * 1e3:8.1f} us   default table "
                 f"{shape_res['default_ms'][m] * 1e3:8.1f} us  ratio {shape_res['cublas_ms'][m] / shape_res['default_ms'][m]:.3f}")
-        for gname, bk, sps in numerics_groups(n, k, args.quick):
+        for gname, bk, sps in numerics_groups(n, k, args.quick, seg):
             splits = 1 if sps >= NOSPLIT else math.ceil(k // bk / sps)
             cands = tile_candidates(splits, args.quick)
             ref_cfg = make_cfg(bk, sps, cands[0][1])
-            ref = tlin.gemm(xb, ws[0], None, torch.float32, cfg=ref_cfg)
-            refb = tlin.gemm(xb, ws[0], None, torch.bfloat16, cfg=ref_cfg)
+            ref = matmul(xb, ws[0], None, torch.float32, ref_cfg, seg)
+            refb = matmul(xb, ws[0], None, torch.bfloat16, ref_cfg, seg)
             group = {"group": gname, "BK": bk, "SPLIT_STEPS": sps, "splits": splits, "reference": cands[0][0],
                      "candidates": []}
             for cname, tile, cms in cands:
                 cfg = make_cfg(bk, sps, tile)
                 rec = {"name": cname, "tile": tile, "cfg": cfg, "ms": {}}
                 try:
-                    rec["bits_bad_ms"] = check_rows(lambda sl: tlin.gemm(xb[sl], ws[0], None, torch.float32, cfg=cfg),
+                    rec["bits_bad_ms"] = check_rows(lambda sl: matmul(xb[sl], ws[0], None, torch.float32, cfg, seg),
                                                     ref, BITS_MS)
                     # bf16 output too (what the model sees), with the bf16 reference of the same numerics
                     rec["bits_bad_ms_bf16"] = check_rows(
-                        lambda sl: tlin.gemm(xb[sl], ws[0], None, torch.bfloat16, cfg=cfg), refb, (1, 16, 300))
+                        lambda sl: matmul(xb[sl], ws[0], None, torch.bfloat16, cfg, seg), refb, (1, 16, 300))
                     rec["bit_identical"] = not rec["bits_bad_ms"] and not rec["bits_bad_ms_bf16"]
                 except Exception as e:  # noqa: BLE001
                     rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -263,7 +289,7 @@ def sweep_bf16(args, deadline, log):
                         rec.setdefault("skipped_ms", []).append(m)
                         continue
                     x = xs[m]
-                    rec["ms"][m] = bench(lambda x=x, cfg=cfg: [tlin.gemm(x, w, None, torch.bfloat16, cfg=cfg)
+                    rec["ms"][m] = bench(lambda x=x, cfg=cfg: [matmul(x, w, None, torch.bfloat16, cfg, seg)
                                                                for w in ws], args.rep) / len(ws)
                 ratios = {m: shape_res["cublas_ms"][m] / t for m, t in rec["ms"].items()}
                 rec["ratio"] = ratios
@@ -351,7 +377,10 @@ def sweep_fp8(args, deadline, log):
 
     dev = torch.device(DEV)
     results = []
-    for sname, (n, k) in SHAPES.items():
+    for sname, dims in SHAPES.items():
+        n, k, seg = shape_dims(dims)
+        if seg > 1:
+            continue  # FP8 has no segment tree
         torch.manual_seed(0)
         wf = []
         for _ in range(n_copies(n * k)):
@@ -414,7 +443,8 @@ def recommend_fp8(results):
 
 
 # ---------------------------------------------------------------------------------------------- output
-def tables_source(bf16_recs, fp8_recs, meta):
+def tables_source(bf16_recs, fp8_recs, meta, kept_bf16=None, kept_fp8=None):
+    """``gemm_tables.py``: this run's recommendations, then the installed entries of shapes it did not sweep."""
     lines = ['"""M-class GEMM table (issue #15), written by benchmarks/sweep_gpu_gemm.py on ' + meta + '.',
              "",
              "Only configs that were bit-identical row for row (M = 1 .. 2048, float32 and bf16 out) to the other tiles",
@@ -427,11 +457,17 @@ def tables_source(bf16_recs, fp8_recs, meta):
         cls = ",\n                    ".join(f"({mm!r}, {t!r})" for mm, t in r["classes"])
         lines.append(f"    ({n}, {k}, torch.bfloat16): {{\"BK\": {r['BK']}, \"SPLIT_STEPS\": {r['SPLIT_STEPS']}, "
                      f"\"classes\": [\n                    {cls}]}},")
+    for key, entry in (kept_bf16 or {}).items():
+        lines.append("    # kept from the installed table (not swept in this run)")
+        lines.append(f"    ({key[0]}, {key[1]}, torch.{str(key[2]).replace('torch.', '')}): {entry!r},")
     lines += ["}", "", "FP8_TILE_OVERRIDES: dict = {"]
     for (n, k), r in fp8_recs.items():
         lines.append(f"    # {r['name']}: ratio vs _scaled_mm by M " +
                      ", ".join(f"{m}: {v:.2f}" for m, v in r["ratio"].items() if v))
         lines.append(f"    ({n}, {k}): {r['cfg']!r},")
+    for key, cfg in (kept_fp8 or {}).items():
+        lines.append("    # kept from the installed table (not swept in this run)")
+        lines.append(f"    {key!r}: {cfg!r},")
     lines += ["}", ""]
     return "\n".join(lines)
 
@@ -454,6 +490,7 @@ def main():
         DEV = "cpu"
         SHAPES.clear()
         SHAPES["smoke 192x256"] = (192, 256)
+        SHAPES["smoke tree 192x512"] = (192, 512, 8)
         ODD_SHAPES[:] = [(100, 80)]
         MS, BITS_MS, FP8_MS, FP8_BITS_MS, BITS_ROWS = [1, 16, 64, 256], [1, 7, 16, 64], [16, 64], [1, 7], 256
         SMALL, MID, LARGE = (1, 16), (16, 64, 256), (64, 256)
@@ -481,20 +518,22 @@ def main():
     if tlin.M_CLASS_TABLE:
         log("note: an M-class table is installed; the 'default' column is that table")
     jobs = []
-    for n, k in SHAPES.values():
-        for _, bk, sps in numerics_groups(n, k, args.quick):
+    for dims in SHAPES.values():
+        n, k, seg = shape_dims(dims)
+        for _, bk, sps in numerics_groups(n, k, args.quick, seg):
             splits = 1 if sps >= NOSPLIT else math.ceil(k // bk / sps)
             for _, tile, _ in tile_candidates(splits, args.quick):
-                jobs.append(("bf16", n, k, make_cfg(bk, sps, tile)))
-        for m in MS:  # the installed default (M-class table if any, else CONFIG_TABLE)
-            jobs.append(("bf16", n, k, tlin.config_for(n, k, torch.bfloat16, m)))
-        if not args.no_fp8:
+                jobs.append(("bf16", n, k, make_cfg(bk, sps, tile), seg))
+        if seg == 1:  # the installed default (M-class table if any, else CONFIG_TABLE); a tree compiles its own
+            for m in MS:
+                jobs.append(("bf16", n, k, tlin.config_for(n, k, torch.bfloat16, m), 1))
+        if not args.no_fp8 and seg == 1:
             for _, t in FP8_CANDS:
-                jobs.append(("fp8", n, k, fp8_cfg(t)))
+                jobs.append(("fp8", n, k, fp8_cfg(t), 1))
     if not args.no_odd:
         for n, k in ODD_SHAPES:
             for _, tile, _ in tile_candidates(1, args.quick):
-                jobs.append(("bf16b", n, k, make_cfg(64, NOSPLIT, tile)))
+                jobs.append(("bf16b", n, k, make_cfg(64, NOSPLIT, tile), 1))
     compile_errors = precompile(jobs, args.workers) if DEV == "cuda" else []
 
     meta = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu-smoke", "date": _dt.date.today().isoformat(), "torch": torch.__version__,
@@ -528,7 +567,12 @@ def main():
         out["fp8"] = sweep_fp8(args, deadline, log)
         fp8_recs = recommend_fp8(out["fp8"])
         out["fp8_recommended"] = {f"{n}x{k}": r for (n, k), r in fp8_recs.items()}
-    src = tables_source(bf16_recs, fp8_recs, f"{meta['gpu']} {meta['date']} (torch {meta['torch']}, triton {meta['triton']})")
+    from megatron_consistent.kernels.triton import gemm_tables
+
+    kept_bf16 = {key: e for key, e in tlin.M_CLASS_TABLE.items() if key[2] != torch.bfloat16 or key[:2] not in bf16_recs}
+    kept_fp8 = {key: c for key, c in gemm_tables.FP8_TILE_OVERRIDES.items() if key not in fp8_recs}
+    src = tables_source(bf16_recs, fp8_recs, f"{meta['gpu']} {meta['date']} (torch {meta['torch']}, triton {meta['triton']})",
+                        kept_bf16, kept_fp8)
     with open(tables_out, "w") as f:
         f.write(src)
     dump()
