@@ -1,4 +1,5 @@
-"""Trainer process for tests/test_gpu_lifecycle.py: ``python tests/_megatron_restore.py OUT_DIR`` (GPU, no engine).
+"""Trainer process for tests/test_gpu_lifecycle.py: ``python tests/_megatron_restore.py OUT_DIR`` (GPU, no engine);
+with ``--emulate-cuda-on-cpu`` the same on a CPU machine (``tests/_cuda_on_cpu.py``; tests/test_lifecycle.py).
 
 Megatron-Core's optimizer (``training.MegatronOptimizer``: DDP + ``get_megatron_optimizer``, distributed optimizer, one
 NCCL rank) steps a consistent model twice and saves model + optimizer through ``dist_checkpointing``; a fresh model
@@ -22,7 +23,12 @@ if __name__ == "__main__":
 
     out_dir = Path(sys.argv[1])
     arch = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
-    init_single_rank()
+    if "--emulate-cuda-on-cpu" in sys.argv:
+        from _cuda_on_cpu import emulate_cuda_on_cpu
+
+        emulate_cuda_on_cpu()
+    else:
+        init_single_rank()
     batches = torch.randint(3, arch.vocab_size, (3, 4, 12), generator=torch.Generator().manual_seed(7)).cuda()
 
     def trainer(seed):

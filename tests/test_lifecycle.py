@@ -12,7 +12,7 @@ from megatron_consistent.config import ArchConfig
 from megatron_consistent.conversion import CheckpointMismatchError
 from megatron_consistent.layers import build_consistent_gpt_model, build_stock_gpt_model, compute_token_logprobs
 from megatron_consistent.rl import TINY_RL_HF_CONFIG, group_advantages, grpo_loss
-from megatron_consistent.training import MegatronOptimizer, initial_adam_state, make_optimizer
+from megatron_consistent.training import initial_adam_state, make_optimizer
 
 ARCH = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
 
@@ -190,53 +190,3 @@ def test_initial_adam_state_is_what_the_first_step_creates(amsgrad):
     initial_adam_state(opt)  # stepped params keep their state
     assert torch.equal(opt.state[params[0]]["exp_avg"], moments) and float(opt.state[params[0]]["step"]) == 2
 
-
-class _MegatronLikeDistOptimizer:
-    """What Megatron-Core 0.16.1 / 0.19.2's DistributedOptimizer does to torch's Adam on a restore (read in their
-    sources): ``load_state_dict`` gives every param state ONE shared ``step`` tensor; the fully-reshardable parameter
-    load copies every tensor of a param's state from the checkpoint's, which has no ``step``."""
-
-    def __init__(self, adam):
-        self.optimizer = adam
-
-    def load_state_dict(self, state):
-        assert "param_state" not in state
-        shared = torch.tensor(float(state["optimizer"]["param_groups"][0]["step"]))
-        for st in self.optimizer.state.values():
-            st["step"] = shared
-
-    def load_parameter_state_from_fully_reshardable(self, param_state):
-        for p, st in self.optimizer.state.items():
-            for key in st:
-                st[key].copy_(param_state[id(p)][key])  # KeyError: 'step' while a step is in the state
-
-
-def test_megatron_optimizer_restore_repairs_adam_step():
-    """The restore gives each param its own ``step`` with the checkpoint's value and loads the moments, so the next
-    step equals the uninterrupted optimizer's bitwise; a deliberately kept shared step would not."""
-    torch.manual_seed(1)
-    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
-    ref = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    for _ in range(3):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        ref.step()
-    saved = {id(p): {k: v for k, v in ref.state[p].items() if k != "step"} for p in params}
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    adam = torch.optim.AdamW(twins, lr=1e-2, weight_decay=0.1)
-    initial_adam_state(adam)
-    opt = MegatronOptimizer.__new__(MegatronOptimizer)
-    opt.optimizer = _MegatronLikeDistOptimizer(adam)
-    param_state = {id(t): saved[id(p)] for t, p in zip(twins, params)}
-    opt.load_state_dict({"optimizer": {"param_groups": [{"step": 3.0}]}, "param_state": param_state,
-                         "param_state_sharding_type": MegatronOptimizer.SHARDING["distrib_optim_sharding_type"]})
-    steps = [adam.state[t]["step"] for t in twins]
-    assert [float(s) for s in steps] == [3.0, 3.0] and steps[0] is not steps[1]
-    grads = [torch.randn_like(p) for p in params]
-    for group, opt_ in ((params, ref), (twins, adam)):
-        for p, g in zip(group, grads):
-            p.grad = g.clone()
-        opt_.step()
-    assert all(torch.equal(a, b) for a, b in zip(params, twins))
-    with pytest.raises(ValueError, match="saved as 'dp_reshardable'"):
-        opt.load_state_dict({"optimizer": {}, "param_state": {}, "param_state_sharding_type": "dp_reshardable"})
