@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..vllm_plugin.probe import FAULT_ENV, PROBE_ENV
-from .rollout import RolloutRequest, engine, run_module, sample
+from .rollout import RolloutRequest, cpu_engine_in_process, engine, run_module, sample
 
 CAPTURE_ENV = "MEGATRON_CONSISTENT_CAPTURE"  # the folder engine_capture_from_env records into
 MODULE = "megatron_consistent.verify.capture"  # not __name__: this file also runs as __main__
@@ -235,7 +235,7 @@ def run_capture_engine(req: CaptureRequest, work_dir: Path, name: str = "capture
     """Replay ``req.prompt`` + forced ``req.response`` in a consistent engine with captures written to ``req.capture_dir``."""
     Path(req.capture_dir).mkdir(parents=True, exist_ok=True)
     env = {"MEGATRON_CONSISTENT_VLLM": "1", PROBE_ENV: f"{MODULE}:engine_capture_from_env", CAPTURE_ENV: str(Path(req.capture_dir).resolve()),
-           FAULT_ENV: req.fault}
+           FAULT_ENV: req.fault, **cpu_engine_in_process(1)}
     return run_module(MODULE, asdict(req), work_dir, name, env)
 
 

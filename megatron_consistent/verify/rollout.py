@@ -170,17 +170,25 @@ def cpu_engine_in_process(tp: int) -> dict:
 
 def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict) -> dict:
     """``python -m module REQUEST.json RESULT.json`` in a fresh process (``HF_HUB_OFFLINE=1`` + ``env`` added to
-    this environment); the result dict with ``plugin_active`` and ``log``, or ``{"error", "log"}`` with the log's tail."""
+    this environment; an engine that runs in that one process is forked from the warm launcher, ``launcher.py``);
+    the result dict with ``plugin_active`` and ``log``, or ``{"error", "log"}`` with the log's tail."""
+    import torch
+
     work_dir.mkdir(parents=True, exist_ok=True)
     req_path, res_path, log_path = work_dir / f"{name}.request.json", work_dir / f"{name}.result.json", work_dir / f"{name}.log"
     req_path.write_text(json.dumps(request))
     res_path.unlink(missing_ok=True)
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
-    with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", module, str(req_path), str(res_path)], env=full_env, stdout=log,
-                              stderr=subprocess.STDOUT)
+    if full_env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and not torch.cuda.is_available():
+        from .launcher import run_forked  # a CPU engine entirely in this one process: forked warm
+
+        returncode = run_forked(module, [str(req_path), str(res_path)], full_env, log_path)
+    else:
+        with open(log_path, "w") as log:
+            returncode = subprocess.run([sys.executable, "-m", module, str(req_path), str(res_path)], env=full_env,
+                                        stdout=log, stderr=subprocess.STDOUT).returncode
     text = log_path.read_text(errors="replace")
-    if proc.returncode != 0 or not res_path.exists():
+    if returncode != 0 or not res_path.exists():
         return {"error": _failure_reason(text), "log": str(log_path)}
     result = json.loads(res_path.read_text())
     result["plugin_active"] = "megatron-consistent plugin active" in text
