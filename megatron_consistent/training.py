@@ -172,8 +172,8 @@ def initial_adam_state(optimizer: torch.optim.Optimizer) -> None:
     """Give every parameter of a torch Adam / AdamW without state the state Adam creates on its first step (``step``
     0, zero moments), so that the next step computes exactly what it would have from no state.
 
-    Megatron-Core 0.19's distributed optimizer reads ``step`` from every parameter's state when it builds the sharded
-    state dict to load into (``DistributedOptimizer.state_dict``, torch optimizers without Apex / TE); a freshly
+    Megatron-Core's distributed optimizer (0.16.1 and 0.19.2) reads ``step`` from every parameter's state when it
+    builds the sharded state dict to load into (``DistributedOptimizer.state_dict``, torch optimizers without Apex / TE); a freshly
     built optimizer has none and fails ``assert len(steps) == 1``.  The loaded checkpoint then overwrites all of it.
     Other optimizers (Apex / TE fused Adam keep ``step`` in the param groups) are left alone."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
