@@ -241,7 +241,6 @@ def check_rows(run, ref, ms):
 
 
 def sweep_bf16(args, deadline, log):
-
     dev = torch.device(DEV)
     results = []
     for sname, dims in SHAPES.items():

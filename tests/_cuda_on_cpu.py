@@ -4,9 +4,9 @@ tensor Megatron asks to have on ``cuda`` on the CPU instead.
 
 What Megatron-Core (0.16.1) needs for that: ``device="cuda"`` in factory calls and ``.to("cuda")`` / ``.cuda()``
 land on the CPU; ``Tensor.type()`` answers ``torch.cuda.*Tensor`` (its type checks on wrapped parameters) and
-``Tensor.is_cuda`` is true; ``torch.cuda.current_device()`` answers ``"cpu"`` (DDP's buffers); ``torch.cuda.nccl.version()`` answers (the
-checkpoint logger of an "nccl" group asks). The arithmetic is the
-CPU's; what is under test is the optimizer's state handling (save, restore, next step), which is device-free.
+``Tensor.is_cuda`` is true; ``torch.cuda.current_device()`` answers ``"cpu"`` (DDP's buffers);
+``torch.cuda.nccl.version()`` answers (the checkpoint logger of an "nccl" group asks).  The arithmetic is the CPU's;
+what is under test is the optimizer's state handling (save, restore, next step), which is device-free.
 """
 
 from __future__ import annotations

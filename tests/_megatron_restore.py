@@ -1,5 +1,5 @@
 """Trainer process for tests/test_gpu_lifecycle.py: ``python tests/_megatron_restore.py OUT_DIR`` (GPU, no engine);
-with ``--emulate-cuda-on-cpu`` the same on a CPU machine (``tests/_cuda_on_cpu.py``; tests/test_lifecycle.py).
+with ``--emulate-cuda-on-cpu`` the same on a CPU machine (``tests/_cuda_on_cpu.py``; the emulated test in the same file).
 
 Megatron-Core's optimizer (``training.MegatronOptimizer``: DDP + ``get_megatron_optimizer``, distributed optimizer, one
 NCCL rank) steps a consistent model twice and saves model + optimizer through ``dist_checkpointing``; a fresh model

@@ -166,7 +166,7 @@ def test_filter_kwargs_classes_and_dataclasses():
 
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_initial_adam_state_is_what_the_first_step_creates(amsgrad):
-    """Megatron-Core 0.19 reads ``step`` of every param before a distributed-optimizer restore; the state given to
+    """Megatron-Core (0.16.1, 0.19.2) reads ``step`` of every param before a distributed-optimizer restore; the state given to
     a fresh optimizer for it must leave the next step bit-identical, and must not touch a param that has state."""
     torch.manual_seed(0)
     base = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
@@ -189,4 +189,3 @@ def test_initial_adam_state_is_what_the_first_step_creates(amsgrad):
     moments = opt.state[params[0]]["exp_avg"].clone()
     initial_adam_state(opt)  # stepped params keep their state
     assert torch.equal(opt.state[params[0]]["exp_avg"], moments) and float(opt.state[params[0]]["step"]) == 2
-
