@@ -1,6 +1,7 @@
 """GPU attention benchmark: the consistent Triton kernels vs SDPA (flash) and vLLM's FA3, one run.
 
     python benchmarks/bench_gpu_attention.py --out /tmp/attn.json [--quick]
+    python benchmarks/bench_gpu_attention.py --out /tmp/tiles.json --tiles   # launch shapes only
 
 * decode: B in {1, 4, 16, 64} x context in {4k, 8k, 32k}, and B = 8 at 16k (the long tail of the rollout
   benchmark's shape (c)); GQA 32/8, D 128, bf16:
@@ -15,6 +16,11 @@
 Every time is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``) cycling through enough
 input copies (separate pages / tensors) that the working set exceeds L2.  Writes JSON to ``--out``
 and prints a table; ratios are ``time(reference) / time(ours)`` (> 1: ours faster).
+
+``--tiles`` times the candidate launch shapes of ``attention.ATTN_TILES`` (query tile, warps, stages,
+warp-specialised key loop) on the prefill (dense and paged, T = 4k / 16k) and decode (B = 1 / 4 at 32k,
+B = 8 at 16k) cases against FA3, each checked bitwise against the default tile's output in the same run
+(a launch shape may only be adopted if it keeps every bit).
 """
 
 from __future__ import annotations
@@ -110,7 +116,7 @@ def decode_case(b, ctx, bw, rows):
     r = {"kind": "decode", "B": b, "ctx": ctx, "kv_bytes": kv_bytes}
     r["hbm_floor_ms"] = kv_bytes / bw * 1e3
     r["ours_ms"] = bench(ours())
-    est_split = tpa.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[4]
+    est_split = tpa.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[5]
     r["ours_path"] = "split" if est_split else "in-program"
     r["ours_other_path_ms"] = bench(ours(split=not est_split))
     # SDPA on dense copies of the same size
@@ -182,10 +188,110 @@ def prefill_case(t, hkv, rows):
           f"paged x fa3 {r['ratio_paged_vs_fa3']:.2f}", flush=True)
 
 
+# --tiles: launch shapes tried per query-tile class, (BLOCK_M, num_warps, num_stages, warp-specialised key loop)
+PREFILL_TILES = ([(128, 8, s, False) for s in (2, 3, 4)] + [(128, 4, s, False) for s in (2, 3)]
+                 + [(64, 4, s, False) for s in (2, 3, 4)] + [(128, 8, 3, True), (64, 4, 3, True)])
+DECODE_TILES = [(16, w, s, False) for w in (2, 4) for s in (2, 3, 4, 5)] + [(16, 4, 3, True)]
+
+
+def _with_tile(tile, fn):
+    """``fn(block_m)`` with ``attention.ATTN_TILES`` set to ``tile`` for its query-tile class."""
+    bm, warps, stages, ws = tile
+    saved = dict(tattn.ATTN_TILES)
+    tattn.ATTN_TILES[bm] = (warps, stages, ws)
+    try:
+        return fn(bm)
+    finally:
+        tattn.ATTN_TILES.clear()
+        tattn.ATTN_TILES.update(saved)
+
+
+def _tile_rows(case: dict, run, fa3_ms: float, flops: float | None, tiles, rows):
+    """Time ``run(block_m)`` (-> output tensors) under each tile; bits against the default tile's outputs."""
+    ref = [x.clone() for x in run(0)]
+    for tile in tiles:
+        bm = tile[0]
+        default = tuple(tile[1:]) == tuple(tattn.ATTN_TILES[bm])
+
+        def timed(bm):
+            same = all(torch.equal(a, b) for a, b in zip(run(bm), ref))
+            return same, bench([lambda: run(bm)])
+        try:
+            same, ms = _with_tile(tile, timed)
+        except Exception as e:  # noqa: BLE001 (a tile that does not compile or fit is a row, not a stop)
+            rows.append({**case, "tile": list(tile), "default": default, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            print(f"  {case['case']:28s} tile {tile}  failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        r = {**case, "tile": list(tile), "default": default, "ms": ms, "bits_equal_default": same, "fa3_ms": fa3_ms,
+             "ratio_vs_fa3": fa3_ms / ms}
+        if flops:
+            r["tflops"] = flops / ms * 1e-9
+        if "hbm_floor_ms" in case:
+            r["ratio_vs_floor"] = case["hbm_floor_ms"] / ms
+        rows.append(r)
+        print(f"  {case['case']:28s} tile {tile}{' (default)' if default else ''}  {ms:.4f} ms  "
+              f"x fa3 {r['ratio_vs_fa3']:.2f}  bits {'equal' if same else 'DIFFER'}", flush=True)
+
+
+def tile_sweep(bw, rows):
+    """Launch shapes of the attention kernel (numerics-neutral: checked bitwise against the default tile here)."""
+    scale = D ** -0.5
+    for t, hkv, paged in ((16384, 8, False), (16384, 8, True), (16384, 32, False), (4096, 8, False)):
+        q = torch.randn(1, t, HQ, D, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16)
+        pos = torch.arange(t, device=DEV)[None]
+        kl = torch.full((1,), t, device=DEV)
+        cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
+        fa3 = float("nan")
+        if _FA:
+            fa3 = _try(lambda: bench([lambda: flash_attn_varlen_func(
+                q=q[0], k=k[0], v=v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t, max_seqlen_k=t,
+                softmax_scale=scale, causal=True, fa_version=3)]))
+        if paged:  # the engine's prefill: the same K/V in a page-16 cache, pages shuffled
+            npg = triton.cdiv(t, PAGE)
+            kv = torch.zeros(2, npg, PAGE, hkv, D, device=DEV, dtype=torch.bfloat16)
+            tab = torch.randperm(npg, device=DEV).to(torch.int32).view(1, npg)
+            slots = (tab[0].to(torch.int64)[:, None] * PAGE + torch.arange(PAGE, device=DEV)).flatten()[:t]
+            tpa.write_kv_cache(k[0], v[0], kv[0], kv[1], slots)
+            seq = torch.tensor([t], device=DEV, dtype=torch.int32)
+            out = torch.empty_like(q[0])
+
+            def run(bm):
+                return [tpa.paged_attention(q[0], kv[0], kv[1], tab, cu, seq, scale, out, t, 32768, block_m=bm)]
+        else:
+            def run(bm):
+                return list(tattn.attention_fwd(q, k, v, pos, kl, scale, block_m=bm))
+        case = {"kind": "prefill", "case": f"prefill {'paged' if paged else 'dense'} T={t} {HQ}/{hkv}", "T": t,
+                "Hkv": hkv, "paged": paged}
+        _tile_rows(case, run, fa3, 2.0 * t * (t + 1) * HQ * D, PREFILL_TILES, rows)
+    for b, ctx in ((1, 32768), (4, 32768), (8, 16384)):
+        pages = triton.cdiv(ctx, PAGE)
+        kv = torch.randn(2, b * pages, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)
+        tab = torch.randperm(b * pages, device=DEV).to(torch.int32).view(b, pages)
+        q = torch.randn(b, HQ, D, device=DEV, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        qsl = torch.arange(b + 1, device=DEV, dtype=torch.int32)
+        seq = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
+        fa3 = float("nan")
+        if _FA:
+            fo = torch.empty_like(q)
+            fa3 = _try(lambda: bench([lambda: flash_attn_varlen_func(
+                q=q, k=kv[0], v=kv[1], out=fo, cu_seqlens_q=qsl, max_seqlen_q=1, seqused_k=seq, max_seqlen_k=ctx,
+                softmax_scale=scale, causal=True, block_table=tab, fa_version=3)]))
+
+        def run(bm):
+            return [tpa.paged_attention(q, kv[0], kv[1], tab, qsl, seq, scale, out, 1, 32768, block_m=bm)]
+        case = {"kind": "decode", "case": f"decode B={b} ctx={ctx}", "B": b, "ctx": ctx,
+                "hbm_floor_ms": 2 * b * ctx * HKV * D * 2 / bw * 1e3}
+        _tile_rows(case, run, fa3, None, DECODE_TILES, rows)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="a subset (smoke run)")
+    ap.add_argument("--tiles", action="store_true", help="only the launch-shape sweep (ATTN_TILES candidates)")
     args = ap.parse_args()
     t0 = time.time()
     torch.manual_seed(0)
@@ -195,6 +301,14 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  "
           f"(PART_KEYS={tattn.PART_KEYS}, page {PAGE})", flush=True)
     rows = []
+    if args.tiles:
+        tile_sweep(bw, rows)
+        res = {"device": torch.cuda.get_device_name(), "fa3": _FA, "attn_tiles": {str(k): v for k, v in
+               tattn.ATTN_TILES.items()}, "rows": rows, "wall_s": time.time() - t0}
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=float)
+        print(f"wrote {args.out}  ({res['wall_s']:.0f} s)")
+        return
     decode_cases = [(b, ctx) for b in ((1, 64) if args.quick else (1, 4, 16, 64))
                     for ctx in ((4096, 32768) if args.quick else (4096, 8192, 32768))] + [(8, 16384)]
     for b, ctx in decode_cases:

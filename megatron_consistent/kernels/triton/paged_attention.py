@@ -49,13 +49,14 @@ def _zero_rows_kernel(O, QSL, NSEQ, T, sot, ROW: tl.constexpr, BLOCK_T: tl.const
 
 def paged_plan(t_all: int, hq: int, hkv: int, nseq: int, max_query_len: int, max_seq_len: int,
                device: torch.device, split: bool | None = None, block_m: int = 0):
-    """``(BLOCK_M, num_warps, num_stages, grid0, split)`` of a :func:`paged_attention` call (shapes only)."""
+    """``(BLOCK_M, num_warps, num_stages, warp-specialised, grid0, split)`` of a :func:`paged_attention` call
+    (shapes only)."""
     g = hq // hkv
-    bm, warps, stages = _tile_for(max(1, min(int(max_query_len), t_all)) * g, block_m)
+    bm, warps, stages, ws = _tile_for(max(1, min(int(max_query_len), t_all)) * g, block_m)
     grid0 = (t_all * g) // bm + nseq
     est = min(grid0, nseq * triton.cdiv(max(1, int(max_query_len)) * g, bm)) * hkv
     nparts = triton.cdiv(max(int(max_seq_len), 1), PART_KEYS)
-    return bm, warps, stages, grid0, _use_split(split, est, nparts, device)
+    return bm, warps, stages, ws, grid0, _use_split(split, est, nparts, device)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -113,7 +114,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t_all == 0:
         return out
     if nseq > 0:
-        bm, warps, stages, grid0, split = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
+        bm, warps, stages, ws, grid0, split = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
                                                      split=split, block_m=block_m)
         _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
                 klen=seq_lens, out=out3, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
@@ -122,7 +123,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
                 os_=(0, out3.stride(0), out3.stride(1)), ps=(0, 0), stab=block_table.stride(0),
                 grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split,
-                bm=bm, warps=warps, stages=stages, d=d)
+                bm=bm, warps=warps, stages=stages, ws=ws, d=d)
     bt = 16
     _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
                                                   ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
