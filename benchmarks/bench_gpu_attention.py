@@ -189,9 +189,10 @@ def prefill_case(t, hkv, rows):
 
 
 # --tiles: launch shapes tried per query-tile class, (BLOCK_M, num_warps, num_stages, warp-specialised key loop)
-PREFILL_TILES = ([(128, 8, s, False) for s in (2, 3, 4)] + [(128, 4, s, False) for s in (2, 3)]
-                 + [(64, 4, s, False) for s in (2, 3, 4)] + [(128, 8, 3, True), (64, 4, 3, True)])
-DECODE_TILES = [(16, w, s, False) for w in (2, 4) for s in (2, 3, 4, 5)] + [(16, 4, 3, True)]
+PREFILL_TILES = [(128, 8, s, False) for s in (2, 3, 4)] + [(128, 4, 2, False), (64, 4, 2, False), (64, 4, 3, False),
+                                                            (128, 8, 3, True)]
+DECODE_TILES = [(16, w, s, False) for w in (2, 4) for s in (2, 3, 4)] + [(16, 4, 5, False), (16, 4, 3, True)]
+assert (128, *tattn.ATTN_TILES[128]) in PREFILL_TILES and (16, *tattn.ATTN_TILES[16]) in DECODE_TILES
 
 
 def _with_tile(tile, fn):
@@ -287,11 +288,49 @@ def tile_sweep(bw, rows):
         _tile_rows(case, run, fa3, None, DECODE_TILES, rows)
 
 
+def best_tiles(rows, min_gain: float = 0.02) -> dict[int, tuple]:
+    """Per query-tile class (16: decode, 128: prefill) the tile with the lowest geometric-mean time over that
+    class's cases, among tiles whose bits equal the default's in every case; kept only if ``min_gain`` faster."""
+    chosen = {}
+    for bm in (16, 128):
+        cases = {r["case"] for r in rows if r["tile"][0] == bm and r["default"]}
+        by_tile: dict[tuple, list] = {}
+        for r in rows:
+            if r["tile"][0] == bm and r["case"] in cases:
+                by_tile.setdefault(tuple(r["tile"]), []).append(r)
+        score = {t: sum(math.log(r["ms"]) for r in rs) / len(rs) for t, rs in by_tile.items()
+                 if len(rs) == len(cases) and all(r.get("bits_equal_default") for r in rs)}
+        default = next((t for t, rs in by_tile.items() if rs[0]["default"]), None)
+        if not score or default not in score:
+            continue
+        best = min(score, key=score.get)
+        if math.exp(score[default] - score[best]) >= 1 + min_gain:
+            chosen[bm] = best[1:]
+    return chosen
+
+
+def write_table(path: str, chosen: dict[int, tuple]) -> None:
+    """Rewrite the ``ATTN_TILES = {...}`` line of ``attention.py`` at ``path`` with the chosen classes."""
+    import re
+
+    tiles = dict(tattn.ATTN_TILES) | chosen
+    src = open(path).read()
+    line = "ATTN_TILES: dict[int, tuple[int, int, bool]] = {" + ", ".join(
+        f"{bm}: ({w}, {s}, {ws})" for bm, (w, s, ws) in sorted(tiles.items())) + "}"
+    new, n = re.subn(r"^ATTN_TILES: dict\[int, tuple\[int, int, bool\]\] = \{.*\}$", line, src, flags=re.M)
+    if n != 1:
+        raise SystemExit(f"{path}: no ATTN_TILES line to rewrite")
+    open(path, "w").write(new)
+    print(f"wrote {line} into {path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="a subset (smoke run)")
     ap.add_argument("--tiles", action="store_true", help="only the launch-shape sweep (ATTN_TILES candidates)")
+    ap.add_argument("--write-table", metavar="ATTENTION_PY", help="with --tiles: put the faster bit-equal tiles "
+                    "into this copy of kernels/triton/attention.py")
     args = ap.parse_args()
     t0 = time.time()
     torch.manual_seed(0)
@@ -303,11 +342,16 @@ def main():
     rows = []
     if args.tiles:
         tile_sweep(bw, rows)
+        chosen = best_tiles(rows)
         res = {"device": torch.cuda.get_device_name(), "fa3": _FA, "attn_tiles": {str(k): v for k, v in
-               tattn.ATTN_TILES.items()}, "rows": rows, "wall_s": time.time() - t0}
+               tattn.ATTN_TILES.items()}, "chosen": {str(k): v for k, v in chosen.items()}, "rows": rows,
+               "wall_s": time.time() - t0}
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=float)
+        print(f"chosen (>= 2 % faster, bits equal in every case of the class): {chosen or 'none'}")
         print(f"wrote {args.out}  ({res['wall_s']:.0f} s)")
+        if args.write_table and chosen:
+            write_table(args.write_table, chosen)
         return
     decode_cases = [(b, ctx) for b in ((1, 64) if args.quick else (1, 4, 16, 64))
                     for ctx in ((4096, 32768) if args.quick else (4096, 8192, 32768))] + [(8, 16384)]
