@@ -10,17 +10,17 @@
   ``flash_attn_varlen_func`` with ``block_table`` on the same paged cache (when ``vllm.vllm_flash_attn`` imports);
   with the HBM floor = K+V bytes / device copy bandwidth measured in this run;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
-  trainer) and ``paged_attention`` (page 16) vs SDPA (flash, causal) and FA3
+  trainer) and ``paged_attention`` (page 16, and page 64: one key block per page) vs SDPA (flash, causal) and FA3
   ``flash_attn_varlen_func``; TFLOP/s with causal FLOPs ``2 * T * (T + 1) * H * D``.
 
 Every time is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``) cycling through enough
 input copies (separate pages / tensors) that the working set exceeds L2.  Writes JSON to ``--out``
 and prints a table; ratios are ``time(reference) / time(ours)`` (> 1: ours faster).
 
-``--tiles`` times the candidate launch shapes of ``attention.ATTN_TILES`` (query tile, warps, stages,
-warp-specialised key loop) on the prefill (dense and paged, T = 4k / 16k) and decode (B = 1 / 4 at 32k,
-B = 8 at 16k) cases against FA3, each checked bitwise against the default tile's output in the same run
-(a launch shape may only be adopted if it keeps every bit).
+``--tiles`` times the candidate launch shapes of ``attention.ATTN_TILES`` (query tile, warps, stages, on
+the path each case takes) on the prefill (dense and paged, T = 4k / 16k) and decode (B = 1 / 4 at 32k,
+B = 8 at 16k: split; B = 64 at 8k: in-program) cases against FA3, each checked bitwise against the default
+tile's output in the same run (a launch shape may only be adopted if it keeps every bit).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def decode_case(b, ctx, bw, rows):
     r = {"kind": "decode", "B": b, "ctx": ctx, "kv_bytes": kv_bytes}
     r["hbm_floor_ms"] = kv_bytes / bw * 1e3
     r["ours_ms"] = bench(ours())
-    est_split = tpa.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[5]
+    est_split = tpa.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[2]
     r["ours_path"] = "split" if est_split else "in-program"
     r["ours_other_path_ms"] = bench(ours(split=not est_split))
     # SDPA on dense copies of the same size
@@ -152,19 +152,21 @@ def prefill_case(t, hkv, rows):
     flops = 2.0 * t * (t + 1) * HQ * D
     r = {"kind": "prefill", "T": t, "Hq": HQ, "Hkv": hkv}
     r["ours_dense_ms"] = bench([lambda i=i: tattn.attention_fwd(qs[i], ks[i], vs[i], pos, kl, scale) for i in range(copies)])
-    # paged: the same K/V in a page-16 cache (pages shuffled)
-    npg = triton.cdiv(t, PAGE)
-    kv = torch.zeros(2, copies * npg, PAGE, hkv, D, device=DEV, dtype=torch.bfloat16)
-    tab = torch.randperm(copies * npg, device=DEV).to(torch.int32).view(copies, 1, npg)
-    for i in range(copies):
-        slots = (tab[i, 0].to(torch.int64)[:, None] * PAGE + torch.arange(PAGE, device=DEV)).flatten()[:t]
-        tpa.write_kv_cache(ks[i][0], vs[i][0], kv[0], kv[1], slots)
+    # paged: the same K/V in a page-16 cache and in a page-64 cache (one key block per page), pages shuffled
     qsl = torch.tensor([0, t], device=DEV, dtype=torch.int32)
     seq = torch.tensor([t], device=DEV, dtype=torch.int32)
     pq = [x[0] for x in qs]
     outs = [torch.empty_like(x) for x in pq]
-    r["ours_paged_ms"] = bench([lambda i=i: tpa.paged_attention(pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i],
-                                                                  t, 32768) for i in range(copies)])
+    for page, key in ((PAGE, "ours_paged_ms"), (64, "ours_paged64_ms")):
+        npg = triton.cdiv(t, page)
+        kv = torch.zeros(2, copies * npg, page, hkv, D, device=DEV, dtype=torch.bfloat16)
+        tab = torch.randperm(copies * npg, device=DEV).to(torch.int32).view(copies, 1, npg)
+        for i in range(copies):
+            slots = (tab[i, 0].to(torch.int64)[:, None] * page + torch.arange(page, device=DEV)).flatten()[:t]
+            tpa.write_kv_cache(ks[i][0], vs[i][0], kv[0], kv[1], slots)
+        r[key] = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(pq[i], kv[0], kv[1], tab[i], qsl, seq, scale,
+                                                                          outs[i], t, 32768) for i in range(copies)])
+        del kv
     sq = [x.transpose(1, 2) for x in qs]
     sk = [x.transpose(1, 2) for x in ks]
     sv = [x.transpose(1, 2) for x in vs]
@@ -176,30 +178,31 @@ def prefill_case(t, hkv, rows):
             softmax_scale=scale, causal=True, fa_version=3) for i in range(copies)]))
     else:
         r["fa3_ms"] = float("nan")
-    for k in ("ours_dense", "ours_paged", "sdpa", "fa3"):
+    for k in ("ours_dense", "ours_paged", "ours_paged64", "sdpa", "fa3"):
         r[f"{k}_tflops"] = flops / r[f"{k}_ms"] * 1e-9
     r["ratio_dense_vs_sdpa"] = r["sdpa_ms"] / r["ours_dense_ms"]
     r["ratio_dense_vs_fa3"] = r["fa3_ms"] / r["ours_dense_ms"]
     r["ratio_paged_vs_fa3"] = r["fa3_ms"] / r["ours_paged_ms"]
     rows.append(r)
     print(f"prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d}  TFLOP/s: ours dense {r['ours_dense_tflops']:6.1f}  ours paged "
-          f"{r['ours_paged_tflops']:6.1f}  sdpa {r['sdpa_tflops']:6.1f}  fa3 {r['fa3_tflops']:6.1f}   "
+          f"{r['ours_paged_tflops']:6.1f} (page 64: {r['ours_paged64_tflops']:6.1f})  sdpa {r['sdpa_tflops']:6.1f}  "
+          f"fa3 {r['fa3_tflops']:6.1f}   "
           f"dense x sdpa {r['ratio_dense_vs_sdpa']:.2f}  dense x fa3 {r['ratio_dense_vs_fa3']:.2f}  "
           f"paged x fa3 {r['ratio_paged_vs_fa3']:.2f}", flush=True)
 
 
-# --tiles: launch shapes tried per query-tile class, (BLOCK_M, num_warps, num_stages, warp-specialised key loop)
-PREFILL_TILES = [(128, 8, s, False) for s in (2, 3, 4)] + [(128, 4, 2, False), (64, 4, 2, False), (64, 4, 3, False),
-                                                            (128, 8, 3, True)]
-DECODE_TILES = [(16, w, s, False) for w in (2, 4) for s in (2, 3, 4)] + [(16, 4, 5, False), (16, 4, 3, True)]
-assert (128, *tattn.ATTN_TILES[128]) in PREFILL_TILES and (16, *tattn.ATTN_TILES[16]) in DECODE_TILES
+# --tiles: launch shapes tried per query-tile class, (BLOCK_M, num_warps, num_stages), on the path each case takes
+PREFILL_TILES = [(128, 8, s) for s in (2, 3, 4)] + [(128, 4, 2), (64, 4, 2), (64, 4, 3)]
+DECODE_TILES = [(16, w, s) for w in (2, 4) for s in (2, 3, 4)] + [(16, 4, 5)]
+TILE_PREFILL_CASES = ((16384, 8, False), (16384, 8, True), (16384, 32, False), (4096, 8, False))  # (T, Hkv, paged)
+TILE_DECODE_CASES = ((1, 32768), (4, 32768), (8, 16384), (64, 8192))  # (B, context)
 
 
-def _with_tile(tile, fn):
-    """``fn(block_m)`` with ``attention.ATTN_TILES`` set to ``tile`` for its query-tile class."""
-    bm, warps, stages, ws = tile
+def _with_tile(tile, split: bool, fn):
+    """``fn(block_m)`` with ``attention.ATTN_TILES`` set to ``tile`` for its (query-tile class, path)."""
+    bm, warps, stages = tile
     saved = dict(tattn.ATTN_TILES)
-    tattn.ATTN_TILES[bm] = (warps, stages, ws)
+    tattn.ATTN_TILES[(bm, split)] = (warps, stages)
     try:
         return fn(bm)
     finally:
@@ -212,13 +215,13 @@ def _tile_rows(case: dict, run, fa3_ms: float, flops: float | None, tiles, rows)
     ref = [x.clone() for x in run(0)]
     for tile in tiles:
         bm = tile[0]
-        default = tuple(tile[1:]) == tuple(tattn.ATTN_TILES[bm])
+        default = tuple(tile[1:]) == tattn.ATTN_TILES[(bm, case["split"])]
 
         def timed(bm):
             same = all(torch.equal(a, b) for a, b in zip(run(bm), ref))
             return same, bench([lambda: run(bm)])
         try:
-            same, ms = _with_tile(tile, timed)
+            same, ms = _with_tile(tile, case["split"], timed)
         except Exception as e:  # noqa: BLE001 (a tile that does not compile or fit is a row, not a stop)
             rows.append({**case, "tile": list(tile), "default": default, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             print(f"  {case['case']:28s} tile {tile}  failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
@@ -237,7 +240,7 @@ def _tile_rows(case: dict, run, fa3_ms: float, flops: float | None, tiles, rows)
 def tile_sweep(bw, rows):
     """Launch shapes of the attention kernel (numerics-neutral: checked bitwise against the default tile here)."""
     scale = D ** -0.5
-    for t, hkv, paged in ((16384, 8, False), (16384, 8, True), (16384, 32, False), (4096, 8, False)):
+    for t, hkv, paged in TILE_PREFILL_CASES:
         q = torch.randn(1, t, HQ, D, device=DEV, dtype=torch.bfloat16)
         k = torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16)
         v = torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16)
@@ -264,9 +267,9 @@ def tile_sweep(bw, rows):
             def run(bm):
                 return list(tattn.attention_fwd(q, k, v, pos, kl, scale, block_m=bm))
         case = {"kind": "prefill", "case": f"prefill {'paged' if paged else 'dense'} T={t} {HQ}/{hkv}", "T": t,
-                "Hkv": hkv, "paged": paged}
+                "Hkv": hkv, "paged": paged, "split": False}
         _tile_rows(case, run, fa3, 2.0 * t * (t + 1) * HQ * D, PREFILL_TILES, rows)
-    for b, ctx in ((1, 32768), (4, 32768), (8, 16384)):
+    for b, ctx in TILE_DECODE_CASES:
         pages = triton.cdiv(ctx, PAGE)
         kv = torch.randn(2, b * pages, PAGE, HKV, D, device=DEV, dtype=torch.bfloat16)
         tab = torch.randperm(b * pages, device=DEV).to(torch.int32).view(b, pages)
@@ -283,20 +286,21 @@ def tile_sweep(bw, rows):
 
         def run(bm):
             return [tpa.paged_attention(q, kv[0], kv[1], tab, qsl, seq, scale, out, 1, 32768, block_m=bm)]
-        case = {"kind": "decode", "case": f"decode B={b} ctx={ctx}", "B": b, "ctx": ctx,
+        split = tpa.paged_plan(b, HQ, HKV, b, 1, 32768, DEV)[2]
+        case = {"kind": "decode", "case": f"decode B={b} ctx={ctx}", "B": b, "ctx": ctx, "split": split,
                 "hbm_floor_ms": 2 * b * ctx * HKV * D * 2 / bw * 1e3}
         _tile_rows(case, run, fa3, None, DECODE_TILES, rows)
 
 
-def best_tiles(rows, min_gain: float = 0.02) -> dict[int, tuple]:
-    """Per query-tile class (16: decode, 128: prefill) the tile with the lowest geometric-mean time over that
-    class's cases, among tiles whose bits equal the default's in every case; kept only if ``min_gain`` faster."""
+def best_tiles(rows, min_gain: float = 0.02) -> dict[tuple[int, bool], tuple[int, int]]:
+    """Per (query-tile class, path) the tile with the lowest geometric-mean time over that key's cases, among
+    tiles whose bits equal the default's in every case; kept only if ``min_gain`` faster than the default."""
     chosen = {}
-    for bm in (16, 128):
-        cases = {r["case"] for r in rows if r["tile"][0] == bm and r["default"]}
+    for key in {(r["tile"][0], r["split"]) for r in rows}:
+        cases = {r["case"] for r in rows if (r["tile"][0], r["split"]) == key and r["default"]}
         by_tile: dict[tuple, list] = {}
         for r in rows:
-            if r["tile"][0] == bm and r["case"] in cases:
+            if (r["tile"][0], r["split"]) == key and r["case"] in cases:
                 by_tile.setdefault(tuple(r["tile"]), []).append(r)
         score = {t: sum(math.log(r["ms"]) for r in rs) / len(rs) for t, rs in by_tile.items()
                  if len(rs) == len(cases) and all(r.get("bits_equal_default") for r in rs)}
@@ -305,23 +309,23 @@ def best_tiles(rows, min_gain: float = 0.02) -> dict[int, tuple]:
             continue
         best = min(score, key=score.get)
         if math.exp(score[default] - score[best]) >= 1 + min_gain:
-            chosen[bm] = best[1:]
+            chosen[key] = best[1:]
     return chosen
 
 
-def write_table(path: str, chosen: dict[int, tuple]) -> None:
-    """Rewrite the ``ATTN_TILES = {...}`` line of ``attention.py`` at ``path`` with the chosen classes."""
+def write_table(path: str, chosen: dict) -> None:
+    """Rewrite the ``ATTN_TILES`` assignment of ``attention.py`` at ``path`` with the chosen entries."""
     import re
 
     tiles = dict(tattn.ATTN_TILES) | chosen
     src = open(path).read()
-    line = "ATTN_TILES: dict[int, tuple[int, int, bool]] = {" + ", ".join(
-        f"{bm}: ({w}, {s}, {ws})" for bm, (w, s, ws) in sorted(tiles.items())) + "}"
-    new, n = re.subn(r"^ATTN_TILES: dict\[int, tuple\[int, int, bool\]\] = \{.*\}$", line, src, flags=re.M)
+    body = "".join(f"    ({bm}, {sp}): ({w}, {s}),\n" for (bm, sp), (w, s) in sorted(tiles.items()))
+    new, n = re.subn(r"^ATTN_TILES: (dict\[.*?\]) = \{.*?\n\}\n", lambda m: f"ATTN_TILES: {m.group(1)} = {{\n{body}}}\n",
+                     src, count=1, flags=re.M | re.S)
     if n != 1:
-        raise SystemExit(f"{path}: no ATTN_TILES line to rewrite")
+        raise SystemExit(f"{path}: no ATTN_TILES assignment to rewrite")
     open(path, "w").write(new)
-    print(f"wrote {line} into {path}")
+    print(f"wrote ATTN_TILES into {path}:\n{body}")
 
 
 def main():

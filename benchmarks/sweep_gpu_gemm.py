@@ -45,6 +45,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -442,30 +443,49 @@ def recommend_fp8(results):
 
 
 # ---------------------------------------------------------------------------------------------- output
-def tables_source(bf16_recs, fp8_recs, meta, kept_bf16=None, kept_fp8=None):
-    """``gemm_tables.py``: this run's recommendations, then the installed entries of shapes it did not sweep."""
+def installed_comments(path: Path) -> dict[str, str]:
+    """The measurement comment above each entry of a ``gemm_tables.py``, by the entry's key source."""
+    import re
+
+    src = path.read_text()
+    return {m.group(2): m.group(1) for m in re.finditer(r"^    # (.*)\n    (\([^)]*\)): ", src, flags=re.M)}
+
+
+def _classes_source(classes) -> str:
+    return ",\n                    ".join(f"({mm!r}, {t!r})" for mm, t in classes)
+
+
+def tables_source(bf16_recs, fp8_recs, meta, kept_bf16=None, kept_fp8=None, comments=None):
+    """``gemm_tables.py``: this run's recommendations, then the installed entries of shapes it did not sweep
+    (with ``comments``: the comment of the run that measured them, by key source)."""
+    comments = comments or {}
     lines = ['"""M-class GEMM table (issue #15), written by benchmarks/sweep_gpu_gemm.py on ' + meta + '.',
              "",
              "Only configs that were bit-identical row for row (M = 1 .. 2048, float32 and bf16 out) to the other tiles",
              "of the same numerics (BK, SPLIT_STEPS) in that run.  See linear.m_class_config / fp8_linear.FP8_TILE_TABLE.",
+             "Entries marked 'kept' were not swept in this run and come from the table it replaced.",
              '"""', "", "import torch", "", "GEMM_M_CLASS_TABLE: dict = {"]
+
+    def bf16_entry(key_src, bk, split_steps, classes):
+        lines.append(f"    {key_src}: {{\"BK\": {bk}, \"SPLIT_STEPS\": {split_steps}, "
+                     f"\"classes\": [\n                    {_classes_source(classes)}]}},")
+
     for (n, k), r in bf16_recs.items():
         lines.append(f"    # {r['group']}: ratio vs cuBLAS by M " +
                      ", ".join(f"{m}: {v:.2f}" for m, v in r["ratio_by_m"].items()) +
                      f" (targets met {r['targets_met']}/{len(MS)})")
-        cls = ",\n                    ".join(f"({mm!r}, {t!r})" for mm, t in r["classes"])
-        lines.append(f"    ({n}, {k}, torch.bfloat16): {{\"BK\": {r['BK']}, \"SPLIT_STEPS\": {r['SPLIT_STEPS']}, "
-                     f"\"classes\": [\n                    {cls}]}},")
+        bf16_entry(f"({n}, {k}, torch.bfloat16)", r["BK"], r["SPLIT_STEPS"], r["classes"])
     for key, entry in (kept_bf16 or {}).items():
-        lines.append("    # kept from the installed table (not swept in this run)")
-        lines.append(f"    ({key[0]}, {key[1]}, torch.{str(key[2]).replace('torch.', '')}): {entry!r},")
+        key_src = f"({key[0]}, {key[1]}, torch.{str(key[2]).replace('torch.', '')})"
+        lines.append(f"    # kept: {comments.get(key_src, 'not swept in this run')}")
+        bf16_entry(key_src, entry["BK"], entry["SPLIT_STEPS"], entry["classes"])
     lines += ["}", "", "FP8_TILE_OVERRIDES: dict = {"]
     for (n, k), r in fp8_recs.items():
         lines.append(f"    # {r['name']}: ratio vs _scaled_mm by M " +
                      ", ".join(f"{m}: {v:.2f}" for m, v in r["ratio"].items() if v))
         lines.append(f"    ({n}, {k}): {r['cfg']!r},")
     for key, cfg in (kept_fp8 or {}).items():
-        lines.append("    # kept from the installed table (not swept in this run)")
+        lines.append(f"    # kept: {comments.get(repr(key), 'not swept in this run')}")
         lines.append(f"    {key!r}: {cfg!r},")
     lines += ["}", ""]
     return "\n".join(lines)
@@ -571,7 +591,7 @@ def main():
     kept_bf16 = {key: e for key, e in tlin.M_CLASS_TABLE.items() if key[2] != torch.bfloat16 or key[:2] not in bf16_recs}
     kept_fp8 = {key: c for key, c in gemm_tables.FP8_TILE_OVERRIDES.items() if key not in fp8_recs}
     src = tables_source(bf16_recs, fp8_recs, f"{meta['gpu']} {meta['date']} (torch {meta['torch']}, triton {meta['triton']})",
-                        kept_bf16, kept_fp8)
+                        kept_bf16, kept_fp8, installed_comments(Path(gemm_tables.__file__)))
     with open(tables_out, "w") as f:
         f.write(src)
     dump()

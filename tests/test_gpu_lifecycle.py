@@ -9,7 +9,7 @@
   after the restore included), pointers unchanged on both sides, restored weights bitwise the saved ones.
 
 Each runs in its own process (the NCCL group and the vLLM plugin switch are process-wide).  The first also runs on
-any machine with CUDA emulated on the CPU (``tests/_cuda_on_cpu.py``).
+any machine without CUDA, with CUDA emulated on the CPU (``tests/_cuda_on_cpu.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def test_megatron_optimizer_dist_checkpoint(tmp_path):
     _megatron_restore(tmp_path)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a CUDA device is present: test_megatron_optimizer_dist_checkpoint runs on it for real")
 def test_megatron_optimizer_dist_checkpoint_cuda_emulated_on_cpu(tmp_path):
     """The same on any machine: Megatron-Core's distributed optimizer on the CPU under ``tests/_cuda_on_cpu.py``.
     It found (session 7, megatron-core 0.16.1) the two restore failures the H200 had shown with 0.19.2."""

@@ -129,7 +129,7 @@ def _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED:
 @triton.jit
 def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt, kv_scale, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-               PAGE: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr):
+               PAGE: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Fresh online softmax over the key blocks ``[p0, pe)`` of one partition -> ``(m, l, acc)``.
 
     Blocks below ``full`` are visible to every active row of the tile and skip the mask."""
@@ -141,12 +141,12 @@ def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt
     l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     u = tl.minimum(tl.maximum(full, p0), pe)
-    for start in tl.range(p0, u, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+    for start in tl.range(p0, u, BLOCK_N, num_stages=NUM_STAGES):
         kpos = start + offs_n
         k, v = _load_kv(q, kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
                         PAGE, FP8, False)
         m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, False)
-    for start in tl.range(u, pe, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+    for start in tl.range(u, pe, BLOCK_N, num_stages=NUM_STAGES):
         kpos = start + offs_n
         k, v = _load_kv(q, kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
                         PAGE, FP8, True)
@@ -236,8 +236,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
-                 MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 WARP_SPEC: tl.constexpr):
+                 MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
@@ -271,7 +270,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         p0 = p * PART
         m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                      skp, skt, svp, svt, kv_scale, qk_scale,
-                                     BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES, WARP_SPEC)
+                                     BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES)
         w = (wb + p) * BLOCK_M
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
@@ -292,7 +291,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         for p0 in range(n_ws * PART, hi, PART):
             m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                          skp, skt, svp, svt, kv_scale, qk_scale,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES, WARP_SPEC)
+                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES)
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
         out, lse = _finalize(m_i, l_i, acc, pos, qk_scale)
         tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
@@ -306,17 +305,24 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
 _FORCE_BLOCK_M = int(os.environ.get("MC_ATTN_BLOCK_M", "0"))
 _DEFAULT_SMS = 132
 
-# Launch shape of a query tile: BLOCK_M -> (num_warps, num_stages, warp-specialised key loop).
-# Numerics-neutral (a row's bits do not depend on it: tests/test_gpu_kernels.py and
-# tests/test_gpu_paged_attention.py check every tile bitwise); measured by
-# ``benchmarks/bench_gpu_attention.py --tiles`` on the H200.
-ATTN_TILES: dict[int, tuple[int, int, bool]] = {16: (4, 4, False), 64: (4, 3, False), 128: (8, 3, False)}
+
+# Launch shape of a query tile: (BLOCK_M, split path) -> (num_warps, num_stages).  Numerics-neutral (a row's
+# bits do not depend on it: tests/test_gpu_kernels.py and tests/test_gpu_paged_attention.py check tiles and paths
+# bitwise).  Measured by ``benchmarks/bench_gpu_attention.py --tiles`` on the H200 (docs/benchmarks.md): the
+# split decode path runs 2 warps / 2 stages (B = 1 at 32k: 0.074 -> 0.066 ms), the in-program path keeps 4 / 4.
+ATTN_TILES: dict[tuple[int, bool], tuple[int, int]] = {
+    (16, False): (4, 4),
+    (16, True): (2, 2),
+    (64, False): (4, 3),
+    (64, True): (4, 3),
+    (128, False): (8, 3),
+    (128, True): (8, 3),
+}
 
 
-def _tile_for(rows: int, forced: int = 0) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, num_warps, num_stages, warp-specialised) by the number of packed query rows."""
-    bm = forced or _FORCE_BLOCK_M or (16 if rows <= 16 else 64 if rows <= 64 else 128)
-    return (bm, *ATTN_TILES[bm])
+def _block_m_for(rows: int, forced: int = 0) -> int:
+    """BLOCK_M by the number of packed query rows (numerics-neutral)."""
+    return forced or _FORCE_BLOCK_M or (16 if rows <= 16 else 64 if rows <= 64 else 128)
 
 
 def _sms(dev: torch.device) -> int:
@@ -334,13 +340,14 @@ def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device
 
 
 def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, nseq, tq, tk, hq, hkv,
-            qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, warps, stages, ws, d):
+            qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, d):
     g = hq // hkv
     block_d = max(16, next_pow2(d))
     part_blocks = _part_blocks(max_kv)
     nparts = max(1, triton.cdiv(max(int(max_kv), 1), part_blocks * KV_BLOCK_GPU))
     qk_scale = float(scale) * _LOG2E
     use_split = _use_split(split, grid0 * n1, nparts, q.device)
+    warps, stages = ATTN_TILES[(bm, use_split)]
     if use_split:
         rows = grid0 * n1 * nparts * bm
         ws_m = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -351,7 +358,7 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
         ws_m = ws_l = ws_acc = out
         grid = (grid0, n1)
     common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
-              "PAGE": page, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages, "WARP_SPEC": ws,
+              "PAGE": page, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
               "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
     args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
@@ -386,13 +393,13 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, spli
         return out, lse
     qpos = q_positions.to(device=q.device, dtype=torch.int64)
     klen = k_lengths.to(device=q.device, dtype=torch.int64)
-    bm, warps, stages, ws = _tile_for(tq * g, block_m)
+    bm = _block_m_for(tq * g, block_m)
     _launch(q=q, k=k, v=v, tab=klen, qsl=klen, seq=klen, qpos=qpos, klen=klen, out=out, lse=lse, scale=scale,
             kv_scale=1.0, nseq=b, tq=tq, tk=tk, hq=hq, hkv=hkv,
             qs=(q.stride(0), q.stride(1), q.stride(2)), ks=(k.stride(0), 0, k.stride(1), k.stride(2)),
             vs=(v.stride(0), 0, v.stride(1), v.stride(2)), os_=(out.stride(0), out.stride(1), out.stride(2)),
             ps=(qpos.stride(0), qpos.stride(1)), stab=0, grid0=triton.cdiv(tq * g, bm), n1=b * hkv,
-            max_kv=tk, page=0, fp8=False, split=split, bm=bm, warps=warps, stages=stages, ws=ws, d=d)
+            max_kv=tk, page=0, fp8=False, split=split, bm=bm, d=d)
     return out, lse
 
 

@@ -1,0 +1,50 @@
+"""M-class GEMM table (issue #15), written by benchmarks/sweep_gpu_gemm.py on NVIDIA H200 2026-12-02 (torch 2.11.0+cu130, triton 3.6.0).
+
+Only configs that were bit-identical row for row (M = 1 .. 2048, float32 and bf16 out) to the other tiles
+of the same numerics (BK, SPLIT_STEPS) in that run.  See linear.m_class_config / fp8_linear.FP8_TILE_TABLE.
+"""
+
+import torch
+
+GEMM_M_CLASS_TABLE: dict = {
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.91, 16: 0.95, 64: 0.73, 256: 0.62, 1024: 0.50, 4096: 0.48 (targets met 1/6)
+    (4096, 512, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
+                    (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
+                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4})]},
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.96, 16: 0.95, 64: 0.96, 256: 0.73, 1024: 0.73, 4096: 0.72 (targets met 2/6)
+    (4096, 1792, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
+                    (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
+                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4})]},
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.88, 16: 0.79, 64: 0.63, 256: 0.47, 1024: 0.38, 4096: 0.36 (targets met 0/6)
+    (2048, 256, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
+                    (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
+                    (256, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
+                    (1024, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4})]},
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 1.12, 16: 1.04, 64: 0.90, 256: 0.73, 1024: 0.62, 4096: 0.62 (targets met 3/6)
+    (2048, 1024, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
+                    (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
+                    (64, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4})]},
+    # kept from the installed table (not swept in this run)
+    (4096, 4096, torch.bfloat16): {'BK': 64, 'SPLIT_STEPS': 1048576, 'classes': [(16, {'BM': 16, 'BN': 64, 'W': 4, 'S': 8, 'SWAP': True}), (64, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}), (256, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}), (None, {'BM': 128, 'BN': 256, 'W': 8, 'S': 3})]},
+    # kept from the installed table (not swept in this run)
+    (6144, 4096, torch.bfloat16): {'BK': 64, 'SPLIT_STEPS': 1048576, 'classes': [(16, {'BM': 16, 'BN': 64, 'W': 4, 'S': 8, 'SWAP': True}), (64, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}), (1024, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4}), (None, {'BM': 128, 'BN': 256, 'W': 8, 'S': 3})]},
+    # kept from the installed table (not swept in this run)
+    (28672, 4096, torch.bfloat16): {'BK': 64, 'SPLIT_STEPS': 1048576, 'classes': [(16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6, 'SWAP': True}), (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}), (None, {'BM': 128, 'BN': 256, 'W': 8, 'S': 3})]},
+    # kept from the installed table (not swept in this run)
+    (4096, 14336, torch.bfloat16): {'BK': 64, 'SPLIT_STEPS': 112, 'classes': [(16, {'BM': 16, 'BN': 64, 'W': 4, 'S': 8, 'SWAP': True, 'PATH': 'parallel'}), (64, {'BM': 32, 'BN': 128, 'W': 4, 'S': 6, 'SWAP': True, 'PATH': 'parallel'}), (256, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}), (None, {'BM': 128, 'BN': 256, 'W': 8, 'S': 3, 'SPILL': True})]},
+}
+
+FP8_TILE_OVERRIDES: dict = {
+    # kept from the installed table (not swept in this run)
+    (4096, 4096): {'BM': 64, 'BN': 128, 'BK': 128, 'W': 4, 'S': 4, 'G': 8, 'P': 2, 'SWS': True},
+    # kept from the installed table (not swept in this run)
+    (6144, 4096): {'BM': 64, 'BN': 128, 'BK': 128, 'W': 4, 'S': 4, 'G': 8, 'P': 2, 'SWS': True},
+    # kept from the installed table (not swept in this run)
+    (28672, 4096): {'BM': 64, 'BN': 128, 'BK': 128, 'W': 4, 'S': 4, 'G': 8, 'P': 2, 'SWS': True},
+    # kept from the installed table (not swept in this run)
+    (4096, 14336): {'BM': 128, 'BN': 128, 'BK': 128, 'W': 8, 'S': 4, 'G': 8, 'P': 1, 'SWS': True},
+}
