@@ -94,10 +94,10 @@ def _load_kv(q, kb, vb, pages, pidx, p0, start, kpos, kin, d, dm, skp, skt, svp,
         voff = kpos.to(tl.int64) * svt
     else:
         if PAGE >= BLOCK_N:  # a key block lies in one page
-            page = tl.sum(tl.where(pidx == start // PAGE - p0 // PAGE, pages, 0), 0)
+            page = tl.sum(tl.where(pidx == start // PAGE - p0 // PAGE, pages, 0), 0).to(tl.int64)
         else:
             rel = kpos // PAGE - p0 // PAGE
-            page = tl.sum(tl.where(rel[:, None] == pidx[None, :], pages[None, :], 0), 1)
+            page = tl.sum(tl.where(rel[:, None] == pidx[None, :], pages[None, :], 0), 1).to(tl.int64)
         koff = page * skp + (kpos % PAGE) * skt
         voff = page * svp + (kpos % PAGE) * svt
     if MASKED:
@@ -142,10 +142,10 @@ def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt
     dm = d < D
     pidx = tl.arange(0, PART_PAGES)
     if PAGE == 0:
-        pages = pidx.to(tl.int64)  # unused
+        pages = pidx  # unused
     else:
         first = p0 // PAGE
-        pages = tl.load(tab + first + pidx, mask=(first + pidx) * PAGE < kbound, other=0).to(tl.int64)
+        pages = tl.load(tab + first + pidx, mask=(first + pidx) * PAGE < kbound, other=0).to(tl.int32)
     ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32).to(q.dtype)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
