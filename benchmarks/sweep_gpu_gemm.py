@@ -448,7 +448,8 @@ def installed_comments(path: Path) -> dict[str, str]:
     import re
 
     src = path.read_text()
-    return {m.group(2): m.group(1) for m in re.finditer(r"^    # (.*)\n    (\([^)]*\)): ", src, flags=re.M)}
+    return {m.group(2): m.group(1).removeprefix("kept: ")
+            for m in re.finditer(r"^    # (.*)\n    (\([^)]*\)): ", src, flags=re.M)}
 
 
 def _classes_source(classes) -> str:
