@@ -283,9 +283,9 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                                      skp, skt, svp, svt, kv_scale, qk_scale,
                                      BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, PART_PAGES, FP8, NUM_STAGES)
         w = (wb + p) * BLOCK_M
-        tl.store(WS_M + w + r, m_p)
-        tl.store(WS_L + w + r, l_p)
-        tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
+        tl.store(WS_M + w + r, m_p, mask=rv)  # the tile's rows only (a decode tile: G of its BLOCK_M rows)
+        tl.store(WS_L + w + r, l_p, mask=rv)
+        tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p, mask=rv[:, None])
     else:
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -293,11 +293,12 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         n_ws = 0
         if MODE == 2:
             n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)
-            for p in range(n_ws):
+            # the loads of later partitions do not wait for earlier merges (pipelined); the merges stay in order
+            for p in tl.range(0, n_ws, num_stages=NUM_STAGES):
                 w = (wb + p) * BLOCK_M
-                m_p = tl.load(WS_M + w + r)
-                l_p = tl.load(WS_L + w + r)
-                acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :])
+                m_p = tl.load(WS_M + w + r, mask=rv, other=float("-inf"))
+                l_p = tl.load(WS_L + w + r, mask=rv, other=0.0)
+                acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], mask=rv[:, None], other=0.0)
                 m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
         for p0 in range(n_ws * PART, hi, PART):
             m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
