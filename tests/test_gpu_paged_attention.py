@@ -227,6 +227,20 @@ def test_paged_boundaries_mixed_batch(page, split):
         assert bool((out[batch.t:] == 0).all())
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_launch_shape_table_is_numerics_neutral(monkeypatch, split):
+    """Every (warps, stages) the tile table may hold gives the same bits on both paths (benchmarks/bench_gpu_attention.py
+    --tiles picks among them by speed only)."""
+    shapes = {16: [(2, 2), (4, 4), (4, 2)], 64: [(4, 2), (4, 3), (4, 4)], 128: [(8, 2), (8, 3), (4, 2)]}  # all compile
+    for seqs in ([(600, 1), (30, 1), (513, 1)], [(600, 1), (30, 9), (513, 1)], [(600, 1), (30, 9), (0, 70)]):
+        batch = Batch(seqs, 16, DTYPES[0], seed=11, pad_tokens=3)  # query tiles of 16, 64 and 128 rows
+        ref = batch.paged(split=split)
+        for i in range(3):
+            tiles = {key: shapes[key[0]][i] for key in ta.ATTN_TILES}
+            monkeypatch.setattr(ta, "ATTN_TILES", tiles)
+            assert bits_equal(ref, batch.paged(split=split)), f"{tiles} changed bits"
+
+
 def test_paged_fp8_kv_equals_dense_dequantized():
     for page, split in [(16, True), (64, False)]:
         batch = Batch([(600, 1), (30, 9), (0, 33), (513, 1)], page, DTYPES[0], seed=7, fp8=True, pad_tokens=2)
