@@ -92,8 +92,12 @@ def numerics_groups(n: int, k: int, quick: bool = False, segments: int = 1):
     return groups
 
 
-def tile_candidates(splits: int, quick: bool = False):
-    """(name, tile dict, Ms to time).  The first one is the group's bit reference."""
+TREE_SCHEDULE_KEYS = ("TREE_PATH", "TREE_REG", "TREE_LANES")  # segment_tree.plan reads them from a table class
+
+
+def tile_candidates(splits: int, quick: bool = False, tree: bool = False):
+    """(name, tile dict, Ms to time).  The first one is the group's bit reference.  A tree also tries schedules
+    (``TREE_*``: path, segments per register group, chains per K loop), which no more change its bits than a tile."""
     split = splits > 1
     par = {"PATH": "parallel"} if split else {}
     c = [("128x128 w8 s4", {"BM": 128, "BN": 128, "W": 8, "S": 4}, MID + LARGE[1:]),
@@ -109,14 +113,21 @@ def tile_candidates(splits: int, quick: bool = False):
          ("16x128 w4 s6 (mma.sync)", {"BM": 16, "BN": 128, "W": 4, "S": 6}, (1, 16))]
     if quick:
         c = c[:1] + [x for x in c if x[0].startswith(("128x256", "swap 16x64", "swap 64x128", "swap 16x32"))]
+    if tree:
+        big, mid = {"BM": 128, "BN": 128, "W": 8, "S": 4}, {"BM": 64, "BN": 128, "W": 4, "S": 6}
+        for tname, tile, ms in (("128x128 w8 s4", big, MID + LARGE[1:]), ("64x128 w4 s6", mid, MID)):
+            c += [(f"{tname} parallel r4", {**tile, "TREE_PATH": "parallel", "TREE_REG": 4}, ms),
+                  (f"{tname} parallel r2", {**tile, "TREE_PATH": "parallel", "TREE_REG": 2}, ms),
+                  (f"{tname} serial lanes1", {**tile, "TREE_PATH": "serial", "TREE_LANES": 1}, ms)]
     return c
 
 
 def make_cfg(bk: int, sps: int, tile: dict) -> dict:
     from megatron_consistent.kernels.triton import linear as tlin
 
-    return tlin._cfg(tile["BM"], tile["BN"], bk, sps, tile["W"], tile["S"], tile.get("G", 8),
-                     swap=tile.get("SWAP", False), spill=tile.get("SPILL", False), path=tile.get("PATH", ""))
+    cfg = tlin._cfg(tile["BM"], tile["BN"], bk, sps, tile["W"], tile["S"], tile.get("G", 8),
+                    swap=tile.get("SWAP", False), spill=tile.get("SPILL", False), path=tile.get("PATH", ""))
+    return cfg | {key: tile[key] for key in TREE_SCHEDULE_KEYS if key in tile}
 
 
 FP8_CANDS = [  # (name, (BM, BN, warps, stages, progs/SM, SWS))
@@ -262,7 +273,7 @@ def sweep_bf16(args, deadline, log):
                 f"{shape_res['default_ms'][m] * 1e3:8.1f} us  ratio {shape_res['cublas_ms'][m] / shape_res['default_ms'][m]:.3f}")
         for gname, bk, sps in numerics_groups(n, k, args.quick, seg):
             splits = 1 if sps >= NOSPLIT else math.ceil(k // bk / sps)
-            cands = tile_candidates(splits, args.quick)
+            cands = tile_candidates(splits, args.quick, tree=seg > 1)
             ref_cfg = make_cfg(bk, sps, cands[0][1])
             ref = matmul(xb, ws[0], None, torch.float32, ref_cfg, seg)
             refb = matmul(xb, ws[0], None, torch.bfloat16, ref_cfg, seg)
@@ -542,7 +553,7 @@ def main():
         n, k, seg = shape_dims(dims)
         for _, bk, sps in numerics_groups(n, k, args.quick, seg):
             splits = 1 if sps >= NOSPLIT else math.ceil(k // bk / sps)
-            for _, tile, _ in tile_candidates(splits, args.quick):
+            for _, tile, _ in tile_candidates(splits, args.quick, tree=seg > 1):
                 jobs.append(("bf16", n, k, make_cfg(bk, sps, tile), seg))
         if seg == 1:  # the installed default (M-class table if any, else CONFIG_TABLE); a tree compiles its own
             for m in MS:
