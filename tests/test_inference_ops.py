@@ -72,6 +72,20 @@ def test_rms_norm_and_silu_equal_training_path(t, h, heads, dt, seed):
     assert torch.equal(inference_ops.silu_and_mul(x), silu_and_mul(x))
 
 
+@settings(max_examples=12, deadline=None)
+@given(t=st.integers(1, 33), h=st.integers(1, 300), dt=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_add_rms_norm_equals_add_then_norm(t, h, dt, seed):
+    """The fused residual add + RMSNorm of the engine = the training path's add, then its norm; a row alone = in a batch."""
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(t, h, generator=g).mul(4).to(dt).to(_device()) for _ in range(2))
+    w = torch.randn(h, generator=g).to(dt).to(_device())
+    y, hs = inference_ops.add_rms_norm(x, r, w, 1e-5)
+    y_ref, h_ref = rms_norm(x, w, 1e-5, residual=r)
+    assert torch.equal(hs, h_ref) and torch.equal(y, y_ref)
+    y1, h1 = inference_ops.add_rms_norm(x[-1:], r[-1:], w, 1e-5)
+    assert torch.equal(y1, y[-1:]) and torch.equal(h1, hs[-1:])
+
+
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("rot_frac", [1.0, 0.5])
 def test_rope_equals_training_path(style, rot_frac):

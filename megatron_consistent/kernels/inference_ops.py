@@ -24,6 +24,8 @@ Ops (``torch.ops.megatron_consistent.<name>``):
   both run the registered ``linear_segment_tree`` forward (one Triton launch on
   CUDA, the tree and the bias fused; bit-equal to the unfused definition);
 * ``rms_norm(x, weight, eps)``: RMSNorm over the last dim (no residual);
+* ``add_rms_norm(x, residual, weight, eps)``: ``(rms_norm(h), h)`` with ``h = add_residual(x, residual)``, one
+  pass on CUDA (the bits of the unfused pair);
 * ``rope(x, cos, sin, style)``: ``x [T, heads, head_dim]`` rotated by the
   float32 tables already gathered at each token's position, ``cos/sin [T, rot/2]``
   (``style``: ``kernels.rotary.ROPE_STYLES``);
@@ -92,6 +94,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @rms_norm.register_fake
 def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("megatron_consistent::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return implementation("add_rms_norm", x.device)(x, residual, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _add_rms_norm_fake(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
 
 
 @torch.library.custom_op("megatron_consistent::rope", mutates_args=())

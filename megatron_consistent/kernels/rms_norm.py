@@ -35,6 +35,14 @@ def _rms_norm_cpu(h: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[to
     return y, rstd
 
 
+@register("add_rms_norm", "cpu")
+def _add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(h), h)`` with ``h = add_residual(x, residual)``: the fused form's reference (inference only)."""
+    h = add_residual(x, residual)
+    return _rms_norm_cpu(h, weight, eps)[0], h
+
+
 class RMSNormFunction(torch.autograd.Function):
     """Autograd wrapper for :func:`rms_norm` (no residual; the add is differentiated by autograd)."""
 

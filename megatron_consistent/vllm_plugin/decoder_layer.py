@@ -7,7 +7,8 @@
 
 Parameters in vLLM's fused layout (qkv, gate_up); the linear's output columns are independent of each
 other, so fusing q/k/v (and gate/up) rows in a different order than Megatron does changes no bit.
-Every kernel is one opaque custom op (:mod:`..kernels.inference_ops`) so vLLM can compile the model.
+Every kernel is one opaque custom op (:mod:`..kernels.inference_ops`) so vLLM can compile the model; the attention
+residual add and the post-attention norm are one (``add_rms_norm``, the bits of the pair).
 Diagnostic hooks (op probe, injected fault): :mod:`.probe`.
 """
 
@@ -101,8 +102,8 @@ class ConsistentDecoderLayer(nn.Module):
         q = inference_ops.rope(q, *rope, a.rope.style)
         k = inference_ops.rope(k, *rope, a.rope.style)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
-        ho = add_residual(o_proj := lin["o_proj"](o, self.o_proj), h)
-        x2 = inference_ops.rms_norm(ho, self.post_attention_layernorm, a.rms_norm_eps)
+        o_proj = lin["o_proj"](o, self.o_proj)
+        x2, ho = inference_ops.add_rms_norm(o_proj, h, self.post_attention_layernorm, a.rms_norm_eps)
         gu, act, m = self.mlp_forward(x2)
         out = add_residual(m, ho)
         if cap is not None:
