@@ -214,8 +214,7 @@ def _tile_rows(case: dict, run, fa3_ms: float, flops: float | None, tiles, rows)
     """Time ``run(block_m)`` (-> output tensors) under each tile; bits against the default tile's outputs."""
     ref = [x.clone() for x in run(0)]
     for tile in tiles:
-        bm = tile[0]
-        default = tuple(tile[1:]) == tattn.ATTN_TILES[(bm, case["split"])]
+        default = tuple(tile) == (case["block_m"], *tattn.ATTN_TILES[(case["block_m"], case["split"])])
 
         def timed(bm):
             same = all(torch.equal(a, b) for a, b in zip(run(bm), ref))
@@ -267,7 +266,7 @@ def tile_sweep(bw, rows):
             def run(bm):
                 return list(tattn.attention_fwd(q, k, v, pos, kl, scale, block_m=bm))
         case = {"kind": "prefill", "case": f"prefill {'paged' if paged else 'dense'} T={t} {HQ}/{hkv}", "T": t,
-                "Hkv": hkv, "paged": paged, "split": False}
+                "Hkv": hkv, "paged": paged, "split": False, "block_m": tattn._block_m_for(t * (HQ // hkv))}
         _tile_rows(case, run, fa3, 2.0 * t * (t + 1) * HQ * D, PREFILL_TILES, rows)
     for b, ctx in TILE_DECODE_CASES:
         pages = triton.cdiv(ctx, PAGE)
@@ -288,19 +287,21 @@ def tile_sweep(bw, rows):
             return [tpa.paged_attention(q, kv[0], kv[1], tab, qsl, seq, scale, out, 1, 32768, block_m=bm)]
         split = tpa.paged_plan(b, HQ, HKV, b, 1, 32768, DEV)[2]
         case = {"kind": "decode", "case": f"decode B={b} ctx={ctx}", "B": b, "ctx": ctx, "split": split,
-                "hbm_floor_ms": 2 * b * ctx * HKV * D * 2 / bw * 1e3}
+                "block_m": tattn._block_m_for(HQ // HKV), "hbm_floor_ms": 2 * b * ctx * HKV * D * 2 / bw * 1e3}
         _tile_rows(case, run, fa3, None, DECODE_TILES, rows)
 
 
 def best_tiles(rows, min_gain: float = 0.02) -> dict[tuple[int, bool], tuple[int, int]]:
-    """Per (query-tile class, path) the tile with the lowest geometric-mean time over that key's cases, among
-    tiles whose bits equal the default's in every case; kept only if ``min_gain`` faster than the default."""
+    """Per (query-tile class, path) the tile with the lowest geometric-mean time over the cases of that class and
+    path (a tile of another BLOCK_M forced on a case is reported, never adopted), among tiles whose bits equal the
+    default's in every case; kept only if ``min_gain`` faster than the default."""
     chosen = {}
-    for key in {(r["tile"][0], r["split"]) for r in rows}:
-        cases = {r["case"] for r in rows if (r["tile"][0], r["split"]) == key and r["default"]}
+    own = [r for r in rows if r["tile"][0] == r["block_m"]]
+    for key in {(r["block_m"], r["split"]) for r in own}:
+        cases = {r["case"] for r in own if (r["block_m"], r["split"]) == key}
         by_tile: dict[tuple, list] = {}
-        for r in rows:
-            if (r["tile"][0], r["split"]) == key and r["case"] in cases:
+        for r in own:
+            if (r["block_m"], r["split"]) == key:
                 by_tile.setdefault(tuple(r["tile"]), []).append(r)
         score = {t: sum(math.log(r["ms"]) for r in rs) / len(rs) for t, rs in by_tile.items()
                  if len(rs) == len(cases) and all(r.get("bits_equal_default") for r in rs)}
