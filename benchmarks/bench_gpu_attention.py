@@ -140,6 +140,19 @@ def decode_case(b, ctx, bw, rows):
           f"ours/floor {r['ratio_vs_floor']:.2f}  x sdpa {r['ratio_vs_sdpa']:.2f}  x fa3 {r['ratio_vs_fa3']:.2f}", flush=True)
 
 
+def paged_copy(ks, vs, page):
+    """``ks[i], vs[i]`` (``[1, T, Hkv, D]``, one sequence each) written into one page-``page`` cache, pages shuffled
+    -> ``(kv [2, pages, page, Hkv, D], block tables [copies, 1, pages of a copy])``."""
+    t, hkv = ks[0].shape[1], ks[0].shape[2]
+    npg = triton.cdiv(t, page)
+    kv = torch.zeros(2, len(ks) * npg, page, hkv, D, device=DEV, dtype=ks[0].dtype)
+    tab = torch.randperm(len(ks) * npg, device=DEV).to(torch.int32).view(len(ks), 1, npg)
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        slots = (tab[i, 0].to(torch.int64)[:, None] * page + torch.arange(page, device=DEV)).flatten()[:t]
+        tpa.write_kv_cache(k[0], v[0], kv[0], kv[1], slots)
+    return kv, tab
+
+
 def prefill_case(t, hkv, rows):
     scale = D ** -0.5
     per = 2 * t * (HQ + 2 * hkv) * D
@@ -158,12 +171,7 @@ def prefill_case(t, hkv, rows):
     pq = [x[0] for x in qs]
     outs = [torch.empty_like(x) for x in pq]
     for page, key in ((PAGE, "ours_paged_ms"), (64, "ours_paged64_ms")):
-        npg = triton.cdiv(t, page)
-        kv = torch.zeros(2, copies * npg, page, hkv, D, device=DEV, dtype=torch.bfloat16)
-        tab = torch.randperm(copies * npg, device=DEV).to(torch.int32).view(copies, 1, npg)
-        for i in range(copies):
-            slots = (tab[i, 0].to(torch.int64)[:, None] * page + torch.arange(page, device=DEV)).flatten()[:t]
-            tpa.write_kv_cache(ks[i][0], vs[i][0], kv[0], kv[1], slots)
+        kv, tab = paged_copy(ks, vs, page)
         r[key] = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(pq[i], kv[0], kv[1], tab[i], qsl, seq, scale,
                                                                           outs[i], t, 32768) for i in range(copies)])
         del kv
@@ -252,16 +260,12 @@ def tile_sweep(bw, rows):
                 q=q[0], k=k[0], v=v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t, max_seqlen_k=t,
                 softmax_scale=scale, causal=True, fa_version=3)]))
         if paged:  # the engine's prefill: the same K/V in a page-16 cache, pages shuffled
-            npg = triton.cdiv(t, PAGE)
-            kv = torch.zeros(2, npg, PAGE, hkv, D, device=DEV, dtype=torch.bfloat16)
-            tab = torch.randperm(npg, device=DEV).to(torch.int32).view(1, npg)
-            slots = (tab[0].to(torch.int64)[:, None] * PAGE + torch.arange(PAGE, device=DEV)).flatten()[:t]
-            tpa.write_kv_cache(k[0], v[0], kv[0], kv[1], slots)
+            kv, tab = paged_copy([k], [v], PAGE)
             seq = torch.tensor([t], device=DEV, dtype=torch.int32)
             out = torch.empty_like(q[0])
 
             def run(bm):
-                return [tpa.paged_attention(q[0], kv[0], kv[1], tab, cu, seq, scale, out, t, 32768, block_m=bm)]
+                return [tpa.paged_attention(q[0], kv[0], kv[1], tab[0], cu, seq, scale, out, t, 32768, block_m=bm)]
         else:
             def run(bm):
                 return list(tattn.attention_fwd(q, k, v, pos, kl, scale, block_m=bm))
