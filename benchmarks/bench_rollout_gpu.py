@@ -14,6 +14,11 @@ the gap to stock is attributed to kernels, not guessed.
 
     python benchmarks/bench_rollout_gpu.py --shapes a b c --out benchmarks/results/rollout_gpu.json
     python benchmarks/bench_rollout_gpu.py --plot benchmarks/results/<run>.json   # the profile chart again (CPU)
+    python benchmarks/bench_rollout_gpu.py --shapes b --engines consistent stock \
+        --variant tile44:MC_ATTN_TILES=16:0:4:4 --variant serial_trees:MC_TREE_PATH=serial   # bisect knobs
+
+``--variant NAME:ENV=VALUE[,ENV=VALUE]`` adds a consistent engine run with extra environment (scheduling knobs
+only: launch shapes, tree schedules), reported as ``consistent_NAME`` with its ratio to stock from the same run.
 
 Shapes (issue #14): a = 1B Llama (hidden 2048, 16 layers, GQA 32/8, vocab 32000), 512 prompts of 64-1024
 tokens x 512; b = 8B Llama (hidden 4096, 32 layers, GQA 32/8, vocab 128256), 256 x 512; c = the long tail,
@@ -135,10 +140,19 @@ def kernel_profile(folder: Path, top: int = 12) -> dict:
             "top_kernels_ms": [[n[:120], ms] for n, ms in ranked]}
 
 
-def run_engine(name: str, request: dict, work: Path) -> dict:
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """``NAME:ENV=VALUE[,ENV=VALUE]`` -> (``consistent_NAME``, the consistent engine's environment plus those)."""
+    name, _, assigns = spec.partition(":")
+    pairs = [a.partition("=") for a in assigns.split(",") if a]
+    if not re.fullmatch(r"\w+", name) or not pairs or any(not k or not sep for k, sep, _ in pairs):
+        raise SystemExit(f"--variant {spec!r}: expected NAME:ENV=VALUE[,ENV=VALUE]")
+    return f"consistent_{name}", {**ENGINES["consistent"], **{k: v for k, _, v in pairs}}
+
+
+def run_engine(name: str, request: dict, work: Path, engine_env: dict) -> dict:
     req, res, log = work / f"{name}.req.json", work / f"{name}.res.json", work / f"{name}.log"
     req.write_text(json.dumps(request))
-    env = dict(os.environ, **ENGINES[name])
+    env = dict(os.environ, **engine_env)
     with open(log, "w") as f:
         rc = subprocess.run([sys.executable, __file__, "--worker", str(req), str(res)], env=env, stdout=f,
                             stderr=subprocess.STDOUT).returncode
@@ -212,8 +226,11 @@ def main() -> int:
     ap.add_argument("--profile-prompts", type=int, default=64)
     ap.add_argument("--profile-tokens", type=int, default=128)
     ap.add_argument("--plot", metavar="JSON", help="only draw the profile chart of an earlier run's JSON (PNG beside it)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=VALUE[,ENV=VALUE]",
+                    help="one more consistent engine with extra environment (repeatable)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    engine_envs = {name: ENGINES[name] for name in args.engines} | dict(parse_variant(v) for v in args.variant)
     if args.plot:
         png = plot_profiles(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
         print(f"chart: {png}" if png else f"{args.plot} holds no profile")
@@ -236,32 +253,34 @@ def main() -> int:
                        "max_num_seqs": min(512, shape["prompts"]), "profile_tokens": args.profile_tokens,
                        "profile_prompts": args.profile_prompts, "tensor_parallel_size": args.tensor_parallel_size}
             row = {"shape": {k: v for k, v in shape.items() if k != "model"} | shape["model"]}
-            for name in args.engines:
+            for name, engine_env in engine_envs.items():
                 if args.profile:
                     request["profile_dir"] = str(Path(tmp) / f"profile-{key}-{name}")
-                row[name] = run_engine(name, request, Path(tmp))
+                row[name] = run_engine(name, request, Path(tmp), engine_env)
                 print(f"[{key}] {name}: {json.dumps(row[name])[:300]}", flush=True)
                 report["shapes"][key] = row
                 Path(args.out).write_text(json.dumps(report, indent=1))  # kept if a later engine is cut short
-            for other in ("stock", "stock_batch_invariant"):
-                c, o = row.get("consistent", {}), row.get(other, {})
-                if "gen_tokens_per_s" in c and "gen_tokens_per_s" in o:
-                    row[f"consistent_over_{other}"] = c["gen_tokens_per_s"] / o["gen_tokens_per_s"]
+            for mine in (n for n in engine_envs if n.startswith("consistent")):
+                for other in ("stock", "stock_batch_invariant"):
+                    c, o = row.get(mine, {}), row.get(other, {})
+                    if "gen_tokens_per_s" in c and "gen_tokens_per_s" in o:
+                        row[f"{mine}_over_{other}"] = c["gen_tokens_per_s"] / o["gen_tokens_per_s"]
             report["shapes"][key] = row
             Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"\n{'shape':6} {'engine':22} {'gen tok/s':>11} {'timed s':>8} {'startup s':>9}")
     for key, row in report["shapes"].items():
-        for name in args.engines:
+        for name in engine_envs:
             r = row[name]
             if "gen_tokens_per_s" in r:
                 print(f"{key:6} {name:22} {r['gen_tokens_per_s']:11.0f} {r['seconds']:8.1f} {r['startup_s']:9.1f}")
             else:
                 print(f"{key:6} {name:22} {'failed: ' + r['error']}")
-        for other in ("stock", "stock_batch_invariant"):
-            if f"consistent_over_{other}" in row:
-                print(f"{key:6} consistent / {other}: {row[f'consistent_over_{other}']:.3f}")
+        for mine in (n for n in engine_envs if n.startswith("consistent")):
+            for other in ("stock", "stock_batch_invariant"):
+                if f"{mine}_over_{other}" in row:
+                    print(f"{key:6} {mine} / {other}: {row[f'{mine}_over_{other}']:.3f}")
     if args.profile:
-        print_profiles(report, args.engines)
+        print_profiles(report, list(engine_envs))
         png = plot_profiles(report, Path(args.out).with_suffix(".png"))
         if png:
             print(f"chart: {png}")

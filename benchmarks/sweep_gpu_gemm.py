@@ -118,9 +118,7 @@ def tile_candidates(splits: int, quick: bool = False, tree: bool = False):
         for tname, tile, ms in (("128x128 w8 s4", big, MID + LARGE[1:]), ("64x128 w4 s6", mid, MID)):
             c += [(f"{tname} parallel r4", {**tile, "TREE_PATH": "parallel", "TREE_REG": 4}, ms),
                   (f"{tname} parallel r2", {**tile, "TREE_PATH": "parallel", "TREE_REG": 2}, ms),
-                  (f"{tname} serial lanes1", {**tile, "TREE_PATH": "serial", "TREE_LANES": 1}, ms),
-                  (f"{tname} flat r1", {**tile, "TREE_PATH": "flat", "TREE_REG": 1}, ms),
-                  (f"{tname} flat r2", {**tile, "TREE_PATH": "flat", "TREE_REG": 2}, ms)]
+                  (f"{tname} serial lanes1", {**tile, "TREE_PATH": "serial", "TREE_LANES": 1}, ms)]
     return c
 
 

@@ -631,3 +631,31 @@ def test_soak_bad_input_exits_2(tmp_path, capsys, no_engines):
         rc = main(["soak", "--out-dir", str(tmp_path), *argv])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and message in err, (argv, err)
+
+
+def test_experiment_knobs_refuse_bad_specs_in_one_line():
+    """The launch-shape override (``MC_ATTN_TILES``) and the rollout benchmark's ``--variant`` parse what they are
+    given exactly, and a malformed spec is a one-line error naming it (before any kernel or engine starts)."""
+    pytest.importorskip("triton")
+    import importlib.util
+    import sys
+
+    from megatron_consistent.kernels.triton import attention as tattn
+
+    assert tattn.tiles_from_spec("16:0:4:4; 64:1:4:2") == {(16, False): (4, 4), (64, True): (4, 2)}
+    assert tattn.tiles_from_spec("") == {}
+    for bad in ("16:2:4:4", "32:0:4:4", "16:0:4", "16:0:four:4"):
+        with pytest.raises(ValueError, match="MC_ATTN_TILES") as err:
+            tattn.tiles_from_spec(bad)
+        assert "\n" not in str(err.value)
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_rollout_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules.pop("bench_rollout_gpu", None)
+    spec.loader.exec_module(bench)
+    name, env = bench.parse_variant("tile44:MC_ATTN_TILES=16:0:4:4,MC_TREE_PATH=serial")
+    assert name == "consistent_tile44"
+    assert env == {**bench.ENGINES["consistent"], "MC_ATTN_TILES": "16:0:4:4", "MC_TREE_PATH": "serial"}
+    for bad in ("tile44", "tile44:", "tile 44:A=1", "t:=1", "t:A"):
+        with pytest.raises(SystemExit, match="--variant"):
+            bench.parse_variant(bad)

@@ -84,20 +84,17 @@ def _part_blocks(max_kv: int) -> int:
 
 
 @triton.jit
-def _load_kv(q, kb, vb, pages, pidx, p0, start, kpos, kin, d, dm, skp, skt, svp, svt, kv_scale,
-             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr):
-    """K, V tiles ``[BLOCK_N, BLOCK_D]`` of keys ``kpos = start + arange`` (dense: ``PAGE == 0``; paged: the page of
-    each key is picked from ``pages``, the page ids of the partition starting at ``p0``, loaded before its key loop,
-    so no load inside the loop feeds an address and the loop's K/V loads pipeline like the dense ones)."""
+def _load_kv(q, kb, vb, tab, kpos, kin, d, dm, skp, skt, svp, svt, kv_scale,
+             PAGE: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr):
+    """K, V tiles ``[BLOCK_N, BLOCK_D]`` of keys ``kpos`` (dense: ``PAGE == 0``; else paged via ``tab``)."""
     if PAGE == 0:
         koff = kpos.to(tl.int64) * skt
         voff = kpos.to(tl.int64) * svt
     else:
-        if PAGE >= BLOCK_N:  # a key block lies in one page
-            page = tl.sum(tl.where(pidx == start // PAGE - p0 // PAGE, pages, 0), 0).to(tl.int64)
+        if MASKED:
+            page = tl.load(tab + kpos // PAGE, mask=kin, other=0).to(tl.int64)
         else:
-            rel = kpos // PAGE - p0 // PAGE
-            page = tl.sum(tl.where(rel[:, None] == pidx[None, :], pages[None, :], 0), 1).to(tl.int64)
+            page = tl.load(tab + kpos // PAGE).to(tl.int64)
         koff = page * skp + (kpos % PAGE) * skt
         voff = page * svp + (kpos % PAGE) * svt
     if MASKED:
@@ -132,20 +129,13 @@ def _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED:
 @triton.jit
 def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt, kv_scale, qk_scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-               PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
+               PAGE: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Fresh online softmax over the key blocks ``[p0, pe)`` of one partition -> ``(m, l, acc)``.
 
-    Blocks below ``full`` are visible to every active row of the tile and skip the mask.  Paged: the
-    ``PART_PAGES`` page ids from the page of ``p0`` on are loaded once, before the key loops."""
+    Blocks below ``full`` are visible to every active row of the tile and skip the mask."""
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    pidx = tl.arange(0, PART_PAGES)
-    if PAGE == 0:
-        pages = pidx  # unused
-    else:
-        first = p0 // PAGE
-        pages = tl.load(tab + first + pidx, mask=(first + pidx) * PAGE < kbound, other=0).to(tl.int32)
     ones = tl.full((BLOCK_N, 16), 1.0, dtype=tl.float32).to(q.dtype)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
@@ -153,13 +143,13 @@ def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt
     u = tl.minimum(tl.maximum(full, p0), pe)
     for start in tl.range(p0, u, BLOCK_N, num_stages=NUM_STAGES):
         kpos = start + offs_n
-        k, v = _load_kv(q, kb, vb, pages, pidx, p0, start, kpos, kpos < kbound, d, dm, skp, skt, svp, svt,
-                        kv_scale, PAGE, BLOCK_N, FP8, False)
+        k, v = _load_kv(q, kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
+                        PAGE, FP8, False)
         m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, False)
     for start in tl.range(u, pe, BLOCK_N, num_stages=NUM_STAGES):
         kpos = start + offs_n
-        k, v = _load_kv(q, kb, vb, pages, pidx, p0, start, kpos, kpos < kbound, d, dm, skp, skt, svp, svt,
-                        kv_scale, PAGE, BLOCK_N, FP8, True)
+        k, v = _load_kv(q, kb, vb, tab, kpos, kpos < kbound, d, dm, skp, skt, svp, svt, kv_scale,
+                        PAGE, FP8, True)
         m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, True)
     l_i = tl.max(l_mat, 1)  # all 16 columns are equal
     return m_i, l_i, acc
@@ -245,8 +235,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                  NSEQ, Tq, Tk, HQ, HKV, NPARTS,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
-                 FP8: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
                  MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
@@ -281,11 +270,11 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         p0 = p * PART
         m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                      skp, skt, svp, svt, kv_scale, qk_scale,
-                                     BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, PART_PAGES, FP8, NUM_STAGES)
+                                     BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES)
         w = (wb + p) * BLOCK_M
-        tl.store(WS_M + w + r, m_p, mask=rv)  # the tile's rows only (a decode tile: G of its BLOCK_M rows)
-        tl.store(WS_L + w + r, l_p, mask=rv)
-        tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p, mask=rv[:, None])
+        tl.store(WS_M + w + r, m_p)
+        tl.store(WS_L + w + r, l_p)
+        tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
     else:
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -293,17 +282,16 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         n_ws = 0
         if MODE == 2:
             n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)
-            # the loads of later partitions do not wait for earlier merges (pipelined); the merges stay in order
-            for p in tl.range(0, n_ws, num_stages=NUM_STAGES):
+            for p in range(n_ws):
                 w = (wb + p) * BLOCK_M
-                m_p = tl.load(WS_M + w + r, mask=rv, other=float("-inf"))
-                l_p = tl.load(WS_L + w + r, mask=rv, other=0.0)
-                acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], mask=rv[:, None], other=0.0)
+                m_p = tl.load(WS_M + w + r)
+                l_p = tl.load(WS_L + w + r)
+                acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :])
                 m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
         for p0 in range(n_ws * PART, hi, PART):
             m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                          skp, skt, svp, svt, kv_scale, qk_scale,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, PART_PAGES, FP8, NUM_STAGES)
+                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, FP8, NUM_STAGES)
             m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
         out, lse = _finalize(m_i, l_i, acc, pos, qk_scale)
         tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
@@ -321,15 +309,33 @@ _DEFAULT_SMS = 132
 # Launch shape of a query tile: (BLOCK_M, split path) -> (num_warps, num_stages).  Numerics-neutral (a row's
 # bits do not depend on it: tests/test_gpu_kernels.py and tests/test_gpu_paged_attention.py check tiles and paths
 # bitwise).  Measured by ``benchmarks/bench_gpu_attention.py --tiles`` on the H200 (docs/benchmarks.md): the
-# split decode path runs 2 warps / 2 stages (B = 1 at 32k: 0.074 -> 0.066 ms), the in-program path keeps 4 / 4.
+# split decode path runs 2 warps / 2 stages (B = 1 at 32k: 0.074 -> 0.066 ms).  The in-program decode tile is also
+# 2 / 2: the configuration of the best rollout measured at shape (b) (session 8, 0.897 of stock), although the
+# kernel benchmark alone at B = 64 favours 4 / 4 (4k: 0.30 vs 0.40 ms); docs/gpu.md, session 9, says how to bisect.
 ATTN_TILES: dict[tuple[int, bool], tuple[int, int]] = {
-    (16, False): (4, 4),
+    (16, False): (2, 2),
     (16, True): (2, 2),
     (64, False): (4, 3),
     (64, True): (4, 3),
     (128, False): (8, 3),
     (128, True): (8, 3),
 }
+
+
+def tiles_from_spec(spec: str) -> dict[tuple[int, bool], tuple[int, int]]:
+    """``"BLOCK_M:split:warps:stages;..."`` (split 0 / 1) -> ATTN_TILES entries; ``MC_ATTN_TILES`` overrides the
+    table with it (experiments, e.g. a rollout benchmark variant: launch shapes only, never bits)."""
+    tiles = {}
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        parts = item.split(":")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts) or parts[1] not in ("0", "1") \
+                or (int(parts[0]), parts[1] == "1") not in ATTN_TILES:
+            raise ValueError(f"MC_ATTN_TILES: {item!r} is not BLOCK_M:split:warps:stages with BLOCK_M in 16/64/128, split 0/1")
+        tiles[(int(parts[0]), parts[1] == "1")] = (int(parts[2]), int(parts[3]))
+    return tiles
+
+
+ATTN_TILES.update(tiles_from_spec(os.environ.get("MC_ATTN_TILES", "")))
 
 
 def _block_m_for(rows: int, forced: int = 0) -> int:
@@ -356,11 +362,7 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     g = hq // hkv
     block_d = max(16, next_pow2(d))
     part_blocks = _part_blocks(max_kv)
-    part_keys = part_blocks * KV_BLOCK_GPU
-    # page ids a partition's keys can touch (aligned partitions hold whole pages; else it may straddle two more)
-    part_pages = 1 if page == 0 else next_pow2(part_keys // page if part_keys % page == 0 else
-                                               triton.cdiv(part_keys, page) + 1)
-    nparts = max(1, triton.cdiv(max(int(max_kv), 1), part_keys))
+    nparts = max(1, triton.cdiv(max(int(max_kv), 1), part_blocks * KV_BLOCK_GPU))
     qk_scale = float(scale) * _LOG2E
     use_split = _use_split(split, grid0 * n1, nparts, q.device)
     warps, stages = ATTN_TILES[(bm, use_split)]
@@ -374,7 +376,7 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
         ws_m = ws_l = ws_acc = out
         grid = (grid0, n1)
     common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
-              "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
+              "PAGE": page, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
               "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
     args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),

@@ -23,10 +23,9 @@ forced by the config keys ``TREE_PATH`` / ``TREE_REG`` of a table entry, or by `
   per-program float32 slot (L2) and the slot is reduced in tree order, a few tile rows at a time, at the end;
 * *parallel* (few tiles): one program per (tile, group) writes its group value to a workspace; the last program of a
   tile (atomic counter, shared with :mod:`.linear`) reduces the workspace in tree order;
-* *flat* (serial, no split, ``REG`` 1 or 2): a program's (tile, group) units and their K loops are one loop nest
-  that Triton fuses into one software-pipelined loop (``tl.range(flatten=True)``), so the loads do not drain at
-  group or tile boundaries; the groups' values (``REG`` 2: a pair, both chains in one loop) are summed by a binary
-  counter through the slot, branch-free;
+* *flat* (serial, one chain per segment): one software-pipelined loop over all the tile's K steps; at a segment's
+  end its value (``REG`` 2: the pair's) goes to the slot and the accumulator restarts from 0 -- the loads do not
+  drain at segment boundaries;
 * *lanes* (``LANES`` 2, serial or parallel, no split inside a segment): the two segments of a pair run their chains in
   one K loop with two accumulators, so a pair fills the software pipeline once instead of twice;
 * *partials* (``linear_segments``): one program per (tile, segment) writes the segment's float32 partial to
@@ -227,9 +226,9 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                          SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr, SEGMENTS: tl.constexpr, REG: tl.constexpr,
                          MODE: tl.constexpr, USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
                          NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, CH: tl.constexpr,
-                         LANES: tl.constexpr, LEVELS: tl.constexpr):
+                         LANES: tl.constexpr):
     """MODE 0: serial (one program per tile), 1: parallel (one per (tile, group)), 2: partials (one per
-    (tile, segment), ``out [SEGMENTS, M, N]`` float32), 3: flat serial (a program's units as one fused loop)."""
+    (tile, segment), ``out [SEGMENTS, M, N]`` float32), 3: flat serial (one pipelined K loop per tile)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -275,39 +274,54 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
                                     BM, BN, G, HAS_BIAS, SWAP, CH, True)
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     elif MODE == 3:
-        # flat: this program's (tile, group) units as ONE loop nest that Triton fuses into a single software-pipelined
-        # loop (``flatten=True``), so the next group's (and tile's) first K steps are loaded while the current group's
-        # chain is still in the tensor cores.  No branch and no barrier in the body (either stops the pipelining):
-        # the adjacent tree is a binary counter through this program's slot (level j holds the left subtree of
-        # 2**j groups), with masked loads / stores of one tensor shape, so each thread reads back only what it
-        # wrote itself; the tile's total is stored by a masked epilogue after its last group.
-        slot = ws_ptr + pid.to(tl.int64) * (LEVELS * BM * BN)
-        n_units = tl.cdiv(num_tiles - pid, num_progs) * G
-        for u in tl.range(0, n_units, flatten=True):
-            tile = pid + (u // G) * num_progs
-            g = u % G
+        # flat: one pipelined loop over all SEGMENTS * k_steps steps of a tile (SPLITS == 1, REG 1 or 2), so loads
+        # stream across segment boundaries; at a segment's last step its chain (REG 2: with the previous one) goes
+        # to this program's slot and the accumulator restarts from 0
+        scratch = ws_ptr + pid.to(tl.int64) * (G * BM * BN)
+        k_steps = tl.cdiv(K_SEG, BK)
+        rk = tl.arange(0, BK)
+        for tile in tl.range(pid, num_tiles, num_progs):
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
-            if REG == 2:
-                x = _pair_lanes(a_src, b_src, off_m, off_n, 2 * g, M, N, K_SEG, stride_am, stride_bn,
-                                BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
-            else:
-                x = _segment(a_src, b_src, off_m, off_n, g, M, N, K_SEG, stride_am, stride_bn,
-                             BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
-            carry = g >= 0  # still combining: every lower bit of g was 1
-            for j in tl.static_range(LEVELS):
-                right = ((g >> j) & 1) == 1  # g's subtree at level j is a right child
-                take = carry & right  # add its left sibling, kept at level j
-                left = tl.load(slot + j * (BM * BN) + offs, mask=take, other=0.0)
-                x = tl.where(take, left + x, x)
-                tl.store(slot + j * (BM * BN) + offs, x, mask=carry & (right == 0))  # a left child
-                carry = take
-            rows = tl.where(g == G - 1, M, 0)  # rows < 0: no row is stored before the tile's last group
+            if not USE_TMA:
+                rm = off_m + tl.arange(0, BM)
+                rn = off_n + tl.arange(0, BN)
             if SWAP:
-                _epilogue_t(x, bias_ptr, out_ptr, off_m, off_n, rows, N, stride_om, BM, BN, HAS_BIAS)
+                acc = tl.zeros((BN, BM), dtype=tl.float32)
             else:
-                _epilogue(x, bias_ptr, out_ptr, off_m, off_n, rows, N, stride_om, BM, BN, HAS_BIAS)
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
+            prev = tl.zeros_like(acc)
+            for i in tl.range(0, SEGMENTS * k_steps, num_stages=NUM_STAGES):
+                seg = i // k_steps
+                ki = i - seg * k_steps
+                k = ki * BK
+                if USE_TMA:
+                    a = a_src.load([off_m, seg * K_SEG + k])
+                    b = b_src.load([off_n, seg * K_SEG + k])
+                else:
+                    kk = k + rk
+                    a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + (seg * K_SEG + kk)[None, :],
+                                mask=(rm[:, None] < M) & (kk[None, :] < K_SEG), other=0.0)
+                    b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + (seg * K_SEG + kk)[None, :],
+                                mask=(rn[:, None] < N) & (kk[None, :] < K_SEG), other=0.0)
+                if SWAP:
+                    acc = tl.dot(b, a.T, acc, input_precision=PRECISION)
+                else:
+                    acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+                if ki == k_steps - 1:
+                    if REG == 1:
+                        tl.store(scratch + seg * (BM * BN) + offs, acc)
+                    else:
+                        if seg % 2 == 0:
+                            prev = acc
+                        else:
+                            tl.store(scratch + (seg // 2) * (BM * BN) + offs, prev + acc)
+                    acc = tl.zeros_like(acc)
+            tl.debug_barrier()
+            _tree_slot_epilogue(scratch, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om,
+                                BM, BN, G, HAS_BIAS, SWAP, CH, False)
+            tl.debug_barrier()  # the slot is rewritten by this program's next tile
     else:
         scratch = ws_ptr + pid.to(tl.int64) * (G * BM * BN)  # G > 1 only: this program's slot
         for tile in tl.range(pid, num_tiles, num_progs):
@@ -391,14 +405,11 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
     lanes = int(lanes or _FORCE_LANES or cfg.get("TREE_LANES", 2 if path == "serial" and k_steps <= LANES_MAX_STEPS else 1))
     if lanes not in (1, 2):
         raise ValueError(f"row-parallel GEMM: LANES={lanes} must be 1 or 2")
-    if path == "flat":
-        lanes = reg  # one K loop per unit: a pair's two chains share it
-    elif splits > 1 or reg < 2:
+    if splits > 1 or reg < 2 or path == "flat":
         lanes = 1  # two chains per loop need whole-segment chains (no split) inside a pair
-    if lanes == 2 or path == "flat":  # the stages must fit in shared memory beside what else the schedule keeps
-        stage_bytes = lanes * (cfg["BM"] + cfg["BN"]) * bk * torch.tensor([], dtype=dtype).element_size()
-        scratch = 4 * bm * bn if path == "flat" else 0  # flat: the float32 tile's layout conversion for the slot
-        cfg["S"] = max(2, min(cfg["S"], (SMEM_BUDGET - scratch) // stage_bytes))
+    if lanes == 2:  # each pipeline stage holds both segments' operand tiles: fewer stages fit in shared memory
+        stage_bytes = 2 * (cfg["BM"] + cfg["BN"]) * bk * torch.tensor([], dtype=dtype).element_size()
+        cfg["S"] = max(2, min(cfg["S"], SMEM_BUDGET // stage_bytes))
     return {"cfg": cfg, "path": path, "REG": reg, "LANES": lanes, "k_seg": k_seg, "split_steps": split_steps, "splits": splits,
             "num_tiles": num_tiles}
 
@@ -442,7 +453,6 @@ def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bi
     swap = bool(cfg.get("SWAP", False))
     num_tiles = p["num_tiles"]
     groups = segments // reg
-    levels = max(1, groups.bit_length() - 1)  # flat: the binary counter's levels (log2 of the groups)
     if use_tma is None:
         use_tma = on_gpu and os.environ.get("MC_GEMM_NO_TMA", "") != "1" and tma_ok(x2d) and tma_ok(weight)
     use_tma = use_tma and k_seg % bk == 0  # a TMA box must not read into the next segment
@@ -453,7 +463,7 @@ def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bi
         mode, units = 2, num_tiles * segments
     elif p["path"] == "flat":
         mode, units = 3, num_tiles
-        ws = torch.empty(min(sms, units) * levels * bm * bn, dtype=torch.float32, device=dev)
+        ws = torch.empty(min(sms, units) * groups * bm * bn, dtype=torch.float32, device=dev)
     elif p["path"] == "parallel":
         mode, units = 1, num_tiles * groups
         ws = torch.empty(num_tiles * groups * bm * bn, dtype=torch.float32, device=dev)
@@ -470,8 +480,7 @@ def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bi
         SPLITS=p["splits"],
         SEGMENTS=segments, REG=1 if partials else reg, MODE=mode, USE_TMA=use_tma, HAS_BIAS=bias is not None and not partials,
         NUM_STAGES=cfg["S"], PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", SWAP=swap,
-        CH=min(32, bn if swap else bm), LANES=1 if partials else p["LANES"], LEVELS=levels, num_warps=cfg["W"],
-        num_stages=cfg["S"],
+        CH=min(32, bn if swap else bm), LANES=1 if partials else p["LANES"], num_warps=cfg["W"], num_stages=cfg["S"],
     )
     return out
 
