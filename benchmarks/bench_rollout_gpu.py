@@ -88,6 +88,8 @@ def worker(request: dict) -> dict:
 
     t0 = time.perf_counter()
     extra = {}
+    if request.get("block_size"):
+        extra["block_size"] = request["block_size"]
     if request.get("profile_dir"):
         extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": request["profile_dir"],
                                     "torch_profiler_with_stack": False}
@@ -226,11 +228,18 @@ def main() -> int:
     ap.add_argument("--profile-prompts", type=int, default=64)
     ap.add_argument("--profile-tokens", type=int, default=128)
     ap.add_argument("--plot", metavar="JSON", help="only draw the profile chart of an earlier run's JSON (PNG beside it)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="KV cache block size of every engine (default: vLLM's, 16); the consistent kernel serves 16-128")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=VALUE[,ENV=VALUE]",
                     help="one more consistent engine with extra environment (repeatable)")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     engine_envs = {name: ENGINES[name] for name in args.engines} | dict(parse_variant(v) for v in args.variant)
+    if args.block_size is not None:
+        from megatron_consistent.kernels.triton.paged_attention import PAGE_SIZES
+
+        if args.block_size not in PAGE_SIZES:
+            raise SystemExit(f"--block-size {args.block_size}: the consistent attention serves {PAGE_SIZES}")
     if args.plot:
         png = plot_profiles(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
         print(f"chart: {png}" if png else f"{args.plot} holds no profile")
@@ -251,7 +260,8 @@ def main() -> int:
                        "max_tokens": shape["max_tokens"], "min_seconds": args.min_seconds,
                        "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": max_len,
                        "max_num_seqs": min(512, shape["prompts"]), "profile_tokens": args.profile_tokens,
-                       "profile_prompts": args.profile_prompts, "tensor_parallel_size": args.tensor_parallel_size}
+                       "profile_prompts": args.profile_prompts, "tensor_parallel_size": args.tensor_parallel_size,
+                       "block_size": args.block_size}
             row = {"shape": {k: v for k, v in shape.items() if k != "model"} | shape["model"]}
             for name, engine_env in engine_envs.items():
                 if args.profile:
