@@ -638,7 +638,6 @@ def test_experiment_knobs_refuse_bad_specs_in_one_line():
     given exactly, and a malformed spec is a one-line error naming it (before any kernel or engine starts)."""
     pytest.importorskip("triton")
     import importlib.util
-    import sys
 
     from megatron_consistent.kernels.triton import attention as tattn
 
@@ -651,7 +650,6 @@ def test_experiment_knobs_refuse_bad_specs_in_one_line():
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_rollout_gpu.py")
     spec = importlib.util.spec_from_file_location("bench_rollout_gpu", path)
     bench = importlib.util.module_from_spec(spec)
-    sys.modules.pop("bench_rollout_gpu", None)
     spec.loader.exec_module(bench)
     name, env = bench.parse_variant("tile44:MC_ATTN_TILES=16:0:4:4,MC_TREE_PATH=serial")
     assert name == "consistent_tile44"
