@@ -356,7 +356,10 @@ def _gemm_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
 # Host side
 # ----------------------------------------------------------------------------------------------
 
-_COUNTERS: dict[int, torch.Tensor] = {}
+# Per device: the tile counters of the parallel paths (each tile's last program resets its counter to 0).  A larger
+# call gets a larger buffer, and the smaller ones stay alive: a CUDA graph captured with an earlier buffer keeps
+# replaying into it, so it must never be freed and handed to another tensor.
+_COUNTERS: dict[int, list[torch.Tensor]] = {}
 
 
 _INTERPRETER_SMS = 4  # grid cap for CPU tensors (TRITON_INTERPRET=1 tests of the indexing / split logic)
@@ -366,11 +369,10 @@ def _counters(dev: torch.device, n: int) -> torch.Tensor:
     if dev.type != "cuda":
         return torch.zeros(max(n, 16), dtype=torch.int32, device=dev)
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    buf = _COUNTERS.get(idx)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=dev)
-        _COUNTERS[idx] = buf
-    return buf
+    bufs = _COUNTERS.setdefault(idx, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=dev))
+    return bufs[-1]
 
 
 # scheduling knobs (numerics-neutral); overridable for experiments
