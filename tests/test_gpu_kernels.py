@@ -316,6 +316,38 @@ def test_segment_tree_tensor_parallel_split_equals_tp1(n, k):
                 assert not bits_equal(_left_fold(ranks), tp1)
 
 
+def test_tile_counters_outlive_a_captured_graph_when_they_grow():
+    """The parallel path's tile counters grow with a larger call; a CUDA graph captured before the growth keeps
+    replaying into the buffer it was captured with (kept alive): the replay gives the eager bits, and memory
+    allocated after the growth is not written by it (a freed buffer would be handed to the sentinel)."""
+    x, w, _ = _seg_operands(256, 512, rows=64)
+
+    def small():
+        return tst.segment_tree_gemm(x, w, 8, path="parallel")
+
+    ref = small()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        small()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = small()
+    captured = tlin._counters(DEV, 1)
+    numel = captured.numel()
+    rows = 16 * math.ceil((numel + 1) / 8)  # 16 x 32 tiles over N = 256: more tiles than the captured buffer holds
+    xb = torch.randn(rows, 512, device=DEV, dtype=torch.bfloat16)
+    tst.segment_tree_gemm(xb, w, 8, cfg=tlin._cfg(16, 32, 64, 1 << 20, 4, 2), path="parallel", reg_segments=4)
+    assert tlin._counters(DEV, 1).numel() > numel, "the counters did not grow"
+    del captured
+    sentinel = torch.full((numel,), 7, dtype=torch.int32, device=DEV)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bits_equal(out, ref)
+    assert bool((sentinel == 7).all()), "the replay wrote into memory allocated after the growth"
+
+
 # --------------------------------------------------------------------------------------- attention
 
 def _qkv(b, t, hq, hkv, d, seed=0):
