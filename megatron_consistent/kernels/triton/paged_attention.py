@@ -114,7 +114,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if nseq > 0:
         bm, grid0, split = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
-                                                     split=split, block_m=block_m)
+                                      split=split, block_m=block_m)
         _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
                 klen=seq_lens, out=out3, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
                 nseq=nseq, tq=t_all, tk=0, hq=hq, hkv=hkv,
