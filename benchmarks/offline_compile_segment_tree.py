@@ -31,7 +31,8 @@ from megatron_consistent.kernels.triton import linear as tlin  # noqa: E402
 from megatron_consistent.kernels.triton import segment_tree as st  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192), (1000, 8192), (96, 64), (136, 200)]
-SCHEDULES = [(None, None), ("serial", 1), ("serial", 2), ("parallel", 1), ("parallel", 2), ("flat", 1), ("flat", 2)]
+SCHEDULES = [(None, None), ("serial", 1), ("serial", 2), ("serial", 4), ("parallel", 1), ("parallel", 2), ("flat", 1),
+             ("flat", 2)]
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
 SMEM_MAX = 232448  # H100 / H200 opt-in shared memory per block
 

@@ -116,7 +116,8 @@ def tile_candidates(splits: int, quick: bool = False, tree: bool = False):
     if tree:
         big, mid = {"BM": 128, "BN": 128, "W": 8, "S": 4}, {"BM": 64, "BN": 128, "W": 4, "S": 6}
         for tname, tile, ms in (("128x128 w8 s4", big, MID + LARGE[1:]), ("64x128 w4 s6", mid, MID)):
-            c += [(f"{tname} parallel r4", {**tile, "TREE_PATH": "parallel", "TREE_REG": 4}, ms),
+            c += [(f"{tname} serial r4", {**tile, "TREE_PATH": "serial", "TREE_REG": 4, "TREE_LANES": 2}, ms),
+                  (f"{tname} parallel r4", {**tile, "TREE_PATH": "parallel", "TREE_REG": 4}, ms),
                   (f"{tname} parallel r2", {**tile, "TREE_PATH": "parallel", "TREE_REG": 2}, ms),
                   (f"{tname} serial lanes1", {**tile, "TREE_PATH": "serial", "TREE_LANES": 1}, ms)]
     return c
