@@ -19,6 +19,8 @@ the gap to stock is attributed to kernels, not guessed.
 
 ``--variant NAME:ENV=VALUE[,ENV=VALUE]`` adds a consistent engine run with extra environment (scheduling knobs
 only: launch shapes, tree schedules), reported as ``consistent_NAME`` with its ratio to stock from the same run.
+A candidate GEMM table runs the same way from a copy of the package that carries it, put first on the path
+(``--variant table:PYTHONPATH=/tmp/cand:$PYTHONPATH``); each engine's ``package_dir`` says which copy it ran.
 
 Shapes (issue #14): a = 1B Llama (hidden 2048, 16 layers, GQA 32/8, vocab 32000), 512 prompts of 64-1024
 tokens x 512; b = 8B Llama (hidden 4096, 32 layers, GQA 32/8, vocab 128256), 256 x 512; c = the long tail,
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 import os
 import re
@@ -109,7 +112,9 @@ def worker(request: dict) -> dict:
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         passes += 1
     out = {"gen_tokens": tokens, "seconds": seconds, "passes": passes, "gen_tokens_per_s": tokens / seconds,
-           "startup_s": startup}
+           "startup_s": startup,
+           # where this process's package came from (a variant may put another copy first on PYTHONPATH)
+           "package_dir": str(Path(importlib.util.find_spec("megatron_consistent").origin).parent)}
     if request.get("profile_dir"):
         short = SamplingParams(temperature=1.0, max_tokens=request["profile_tokens"], logprobs=0, ignore_eos=True, seed=0)
         llm.start_profile()

@@ -633,11 +633,13 @@ def test_soak_bad_input_exits_2(tmp_path, capsys, no_engines):
         assert rc == 2 and len(err.splitlines()) == 1 and message in err, (argv, err)
 
 
-def test_experiment_knobs_refuse_bad_specs_in_one_line():
+def test_experiment_knobs_refuse_bad_specs_in_one_line(tmp_path):
     """The launch-shape override (``MC_ATTN_TILES``) and the rollout benchmark's ``--variant`` parse what they are
     given exactly, and a malformed spec is a one-line error naming it (before any kernel or engine starts)."""
     pytest.importorskip("triton")
     import importlib.util
+    import subprocess
+    import sys
 
     from megatron_consistent.kernels.triton import attention as tattn
 
@@ -657,3 +659,13 @@ def test_experiment_knobs_refuse_bad_specs_in_one_line():
     for bad in ("tile44", "tile44:", "tile 44:A=1", "t:=1", "t:A"):
         with pytest.raises(SystemExit, match="--variant"):
             bench.parse_variant(bad)
+    # a candidate table's variant: a package copy first on PYTHONPATH (colons in the value) wins over the install
+    name, env = bench.parse_variant("table:PYTHONPATH=/tmp/cand:/tmp/vsite")
+    assert (name, env["PYTHONPATH"]) == ("consistent_table", "/tmp/cand:/tmp/vsite")
+    cand = tmp_path / "cand" / "megatron_consistent"
+    cand.mkdir(parents=True)
+    (cand / "__init__.py").write_text("")
+    probe = "import importlib.util; print(importlib.util.find_spec('megatron_consistent').origin)"
+    origin = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, PYTHONPATH=str(tmp_path / "cand")),
+                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()  # not the repo root
+    assert origin == str(cand / "__init__.py")
