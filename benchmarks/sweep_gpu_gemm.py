@@ -92,7 +92,7 @@ def numerics_groups(n: int, k: int, quick: bool = False, segments: int = 1):
     return groups
 
 
-TREE_SCHEDULE_KEYS = ("TREE_PATH", "TREE_REG", "TREE_LANES")  # segment_tree.plan reads them from a table class
+TREE_SCHEDULE_KEYS = ("TREE_PATH", "TREE_REG", "TREE_LANES", "TREE_PROGS")  # segment_tree.plan reads them from a table class
 
 
 def tile_candidates(splits: int, quick: bool = False, tree: bool = False):
@@ -120,6 +120,15 @@ def tile_candidates(splits: int, quick: bool = False, tree: bool = False):
                   (f"{tname} parallel r4", {**tile, "TREE_PATH": "parallel", "TREE_REG": 4}, ms),
                   (f"{tname} parallel r2", {**tile, "TREE_PATH": "parallel", "TREE_REG": 2}, ms),
                   (f"{tname} serial lanes1", {**tile, "TREE_PATH": "serial", "TREE_LANES": 1}, ms)]
+        # two programs per SM (tiles that leave half the registers and shared memory free; offline sm_90a compile:
+        # 243-249 registers, 98 KB, no spills): one program's slot traffic overlaps the other's MMAs
+        two = {"BM": 64, "BN": 128, "W": 4, "TREE_PROGS": 2}
+        c += [("64x128 w4 s2 serial r4 p2", {**two, "S": 2, "TREE_PATH": "serial", "TREE_REG": 4, "TREE_LANES": 2},
+               MID + LARGE[1:]),
+              ("64x128 w4 s2 serial r2 p2", {**two, "S": 2, "TREE_PATH": "serial", "TREE_REG": 2, "TREE_LANES": 2},
+               MID + LARGE[1:]),
+              ("64x128 w4 s4 parallel r4 p2", {**two, "S": 4, "TREE_PATH": "parallel", "TREE_REG": 4},
+               MID + LARGE[1:])]
     return c
 
 

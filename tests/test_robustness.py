@@ -633,6 +633,22 @@ def test_soak_bad_input_exits_2(tmp_path, capsys, no_engines):
         assert rc == 2 and len(err.splitlines()) == 1 and message in err, (argv, err)
 
 
+def test_tree_schedule_keys_refused_by_name():
+    """A row-parallel tree schedule a table entry (or a caller) names but the kernel has not is refused in one line
+    naming the key, at planning time (before any buffer or launch)."""
+    pytest.importorskip("triton")
+    from megatron_consistent.kernels.triton import segment_tree as tst
+
+    base = {"BM": 64, "BN": 128, "W": 4, "S": 2, "G": 8, "BK": 64, "SPLIT_STEPS": 1 << 20}
+    assert tst.plan(4096, 4096, 4096, 8, torch.bfloat16, {**base, "TREE_PROGS": 2})["progs"] == 2
+    assert tst.plan(4096, 4096, 4096, 8, torch.bfloat16, base)["progs"] == 1
+    for bad, key in (({"TREE_PROGS": 3}, "TREE_PROGS"), ({"TREE_LANES": 3}, "LANES"), ({"TREE_REG": 3}, "REG"),
+                     ({"TREE_PATH": "zigzag"}, "path")):
+        with pytest.raises(ValueError, match=key) as err:
+            tst.plan(4096, 4096, 4096, 8, torch.bfloat16, {**base, **bad})
+        assert "\n" not in str(err.value)
+
+
 def test_experiment_knobs_refuse_bad_specs_in_one_line(tmp_path):
     """The launch-shape override (``MC_ATTN_TILES``) and the rollout benchmark's ``--variant`` parse what they are
     given exactly, and a malformed spec is a one-line error naming it (before any kernel or engine starts)."""

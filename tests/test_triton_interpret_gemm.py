@@ -93,6 +93,7 @@ SEG_CFGS = [
     ("plain", c(16, 16, 16, NOSPLIT, 4, 2)),
     ("swap", c(16, 32, 16, NOSPLIT, 4, 2, swap=True)),
     ("split", c(16, 16, 16, 1, 4, 2)),
+    ("two programs per SM", {**c(16, 16, 16, NOSPLIT, 4, 2), "TREE_PROGS": 2}),
 ]
 # (path, reg_segments, lanes): every schedule of the kernel
 SEG_SCHEDULES = [("serial", None, 1), ("serial", 1, 1), ("serial", 2, 1), ("parallel", 1, 1), ("parallel", 2, 1),

@@ -15,7 +15,8 @@ GPU numerics contract (one output element):
   ``round(tree + bias)`` to ``out_dtype`` (TP = 1) -- the bits of the unfused ``(tree + bias.float()).to(dtype)``.
 
 Schedules (none changes an element's arithmetic; chosen per call from the tile count and the tile's registers, or
-forced by the config keys ``TREE_PATH`` / ``TREE_REG`` of a table entry, or by ``path`` / ``reg_segments``):
+forced by the config keys ``TREE_PATH`` / ``TREE_REG`` / ``TREE_LANES`` / ``TREE_PROGS`` of a table entry, or by
+``path`` / ``reg_segments`` / ``lanes``):
 
 * the segments are taken in aligned groups of ``REG`` (1, 2, 4, 8) whose subtree is summed in registers (the binary
   counter stack of partials: a group of 8 keeps up to 3 partials plus the running accumulator live);
@@ -28,6 +29,8 @@ forced by the config keys ``TREE_PATH`` / ``TREE_REG`` of a table entry, or by `
   drain at segment boundaries;
 * *lanes* (``LANES`` 2, serial or parallel, no split inside a segment): the two segments of a pair run their chains in
   one K loop with two accumulators, so a pair fills the software pipeline once instead of twice;
+* *programs per SM* (``TREE_PROGS`` 2): twice as many persistent programs as SMs, for tiles small enough that two
+  fit on an SM, so one program's slot traffic and tree epilogue overlap another's MMAs;
 * *partials* (``linear_segments``): one program per (tile, segment) writes the segment's float32 partial to
   ``out[s]`` (no reduction; one launch instead of one GEMM per segment).
 """
@@ -410,8 +413,13 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
     if lanes == 2:  # each pipeline stage holds both segments' operand tiles: fewer stages fit in shared memory
         stage_bytes = 2 * (cfg["BM"] + cfg["BN"]) * bk * torch.tensor([], dtype=dtype).element_size()
         cfg["S"] = max(2, min(cfg["S"], SMEM_BUDGET // stage_bytes))
+    # programs per SM: with 2, one program's slot traffic and tree epilogue overlap another's MMAs (the tile must
+    # leave room: half the registers and shared memory each)
+    progs = int(cfg.get("TREE_PROGS", 1))
+    if progs not in (1, 2):
+        raise ValueError(f"row-parallel GEMM: TREE_PROGS={progs} must be 1 or 2")
     return {"cfg": cfg, "path": path, "REG": reg, "LANES": lanes, "k_seg": k_seg, "split_steps": split_steps, "splits": splits,
-            "num_tiles": num_tiles}
+            "num_tiles": num_tiles, "progs": progs}
 
 
 def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
@@ -463,16 +471,15 @@ def segment_tree_gemm(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bi
         mode, units = 2, num_tiles * segments
     elif p["path"] == "flat":
         mode, units = 3, num_tiles
-        ws = torch.empty(min(sms, units) * groups * bm * bn, dtype=torch.float32, device=dev)
     elif p["path"] == "parallel":
         mode, units = 1, num_tiles * groups
         ws = torch.empty(num_tiles * groups * bm * bn, dtype=torch.float32, device=dev)
         cnt = _counters(dev, num_tiles)
     else:
         mode, units = 0, num_tiles
-        if groups > 1:
-            ws = torch.empty(min(sms, units) * groups * bm * bn, dtype=torch.float32, device=dev)
-    grid = min(sms, units)
+    grid = min(sms * p["progs"], units)
+    if mode == 3 or (mode == 0 and groups > 1):  # one slot per program
+        ws = torch.empty(grid * groups * bm * bn, dtype=torch.float32, device=dev)
     _segment_tree_kernel[(grid,)](
         a_src, b_src, bias if bias is not None else out, out, ws, cnt,
         m, n, k_seg, x2d.stride(0), weight.stride(0), n if partials else out.stride(0), grid,
