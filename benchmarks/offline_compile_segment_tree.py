@@ -3,29 +3,22 @@
     PYTHONPATH=$PWD python benchmarks/offline_compile_segment_tree.py [--quick]
 
 The host code (``segment_tree.segment_tree_gemm``) runs on CPU tensors with the kernel launch replaced by a recorder;
-each distinct launch (signature + constexprs, as an H200 with 132 SMs would get) is compiled by Triton's NVIDIA
-backend to a cubin (Triton's bundled ptxas; no driver needed) and ``cuobjdump -res-usage`` reports registers and
-stack (spills).  Catches compile errors and register spills before device time is spent; it says nothing about
-bits or speed.  Exit 1 on a compile error.
+each distinct launch (as an H200 with 132 SMs would get) is compiled by :mod:`offline_compile`.  Catches compile
+errors and register spills before device time is spent; it says nothing about bits or speed.  Exit 1 on a compile
+error.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from offline_compile import capture, compile_report, distinct_launches  # noqa: E402
 
 from megatron_consistent.kernels.triton import linear as tlin  # noqa: E402
 from megatron_consistent.kernels.triton import segment_tree as st  # noqa: E402
@@ -33,73 +26,20 @@ from megatron_consistent.kernels.triton import segment_tree as st  # noqa: E402
 SHAPES = [(4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192), (1000, 8192), (96, 64), (136, 200)]
 SCHEDULES = [(None, None), ("serial", 1), ("serial", 2), ("serial", 4), ("parallel", 1), ("parallel", 2), ("flat", 1),
              ("flat", 2)]
-_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
-SMEM_MAX = 232448  # H100 / H200 opt-in shared memory per block
 
 
 def record_launches(calls):
-    """The distinct launches ``(signature, constexprs, warps, stages)`` of ``segment_tree_gemm(**c)`` for each call."""
-    kernel = st._segment_tree_kernel
-    captured = []
-
-    class _Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: captured.append((args, kw))
-
-    st._segment_tree_kernel, sms = _Recorder(), st._INTERPRETER_SMS
-    st._INTERPRETER_SMS = 132
-    try:
+    """The distinct launches ``(name, signature, attrs, constexprs, warps, stages)`` of ``segment_tree_gemm(**c)``."""
+    def run():
         for c in calls:
             st.segment_tree_gemm(**c)
+
+    sms, st._INTERPRETER_SMS = st._INTERPRETER_SMS, 132
+    try:
+        captured = capture(st, ["_segment_tree_kernel"], run)
     finally:
-        st._segment_tree_kernel, st._INTERPRETER_SMS = kernel, sms
-    seen = {}
-    for args, kw in captured:
-        sig, const = {}, {}
-        for name, a in zip(kernel.arg_names, args):
-            if isinstance(a, TensorDescriptor):
-                sig[name] = f"tensordesc<{_TY[a.base.dtype]}[{', '.join(map(str, a.block_shape))}]>"
-            elif isinstance(a, torch.Tensor):
-                sig[name] = "*" + _TY[a.dtype]
-            else:
-                sig[name] = "i32"
-        for k, v in kw.items():
-            if k not in ("num_warps", "num_stages"):
-                sig[k], const[k] = "constexpr", v
-        seen[json.dumps([sig, const, kw["num_warps"], kw["num_stages"]], sort_keys=True)] = None
-    return [json.loads(k) for k in seen]
-
-
-def compile_sm90(sig, const, warps, stages, kernel=st._segment_tree_kernel, attrs=None):
-    """``(registers, stack bytes, shared memory bytes)`` of ``kernel`` compiled for sm_90a (signature, constexprs,
-    optional argument attributes such as ``{(i,): [["tt.divisibility", 16]]}``)."""
-    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "num_stages": stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
-    return int(m.group(1)), int(m.group(2)), k.metadata.shared
-
-
-def compile_report(jobs) -> int:
-    """Compile every ``(description, compile_sm90 args, compile_sm90 kwargs)`` for sm_90a and print its registers,
-    spills and shared memory; returns the exit status (1 on any compile error)."""
-    errors = flagged = 0
-    for desc, args, kwargs in jobs:
-        try:
-            regs, stack, smem = compile_sm90(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            errors += 1
-            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
-        flagged += bool(flag)
-        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d}  {desc}", flush=True)
-    print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory")
-    return 1 if errors else 0
+        st._INTERPRETER_SMS = sms
+    return distinct_launches(captured, {"_segment_tree_kernel": st._segment_tree_kernel})
 
 
 def main():
@@ -127,8 +67,10 @@ def main():
     jobs = [(f"MODE {const['MODE']} SEG {const['SEGMENTS']} REG {const['REG']} LANES {const['LANES']} "
              f"{const['BM']}x{const['BN']}x{const['BK']} SPLITS {const['SPLITS']} TMA {const['USE_TMA']} "
              f"SWAP {const['SWAP']} W{warps} S{stages} out {sig['out_ptr']} bias {const['HAS_BIAS']}",
-             (sig, const, warps, stages), {}) for sig, const, warps, stages in launches]
+             st._segment_tree_kernel, sig, attrs, const, warps, stages)
+            for _, sig, attrs, const, warps, stages in launches]
     sys.exit(compile_report(jobs))
+
 
 if __name__ == "__main__":
     main()

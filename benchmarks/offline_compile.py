@@ -1,0 +1,114 @@
+"""Compile Triton kernels for sm_90a WITHOUT a GPU: the launches a host function makes, as Triton's launcher would
+specialise them, and for each: compile errors, registers, spills, shared memory, asynchronous (cp.async or TMA) copies.
+
+Used by ``offline_compile_segment_tree.py``, ``offline_compile_log_softmax.py`` and ``offline_compile_attention.py``:
+the host code runs on CPU tensors with the kernels replaced by recorders (:func:`capture`); each distinct launch
+(:func:`launch_key`: signature, 16-byte divisibility of pointers and integers, constexprs, warps, stages) is compiled
+by Triton's NVIDIA backend to a cubin (Triton's bundled ptxas; no driver needed) and ``cuobjdump -res-usage``
+reports registers and stack (spills).  Catches compile errors, spills and loads the software pipeliner left
+synchronous before device time is spent; it says nothing about bits or speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+SMEM_MAX = 232448  # H100 / H200 opt-in shared memory per block
+_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+       torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def capture(module, names, run) -> list[tuple[str, tuple, dict]]:
+    """``(kernel name, args, kwargs)`` of every launch of ``module``'s kernels ``names`` while ``run()`` runs (the
+    kernels are replaced by recorders meanwhile)."""
+    captured, saved = [], {name: getattr(module, name) for name in names}
+
+    def recorder(name):
+        class _Recorder:
+            def __getitem__(self, grid):
+                return lambda *args, **kw: captured.append((name, args, kw))
+        return _Recorder()
+
+    for name in names:
+        setattr(module, name, recorder(name))
+    try:
+        run()
+    finally:
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
+    return captured
+
+
+def launch_key(kernel, args, kw) -> tuple[dict, dict, dict, int, int]:
+    """``(signature, attrs, constexprs, warps, stages)`` of one launch, specialised as Triton's launcher does: a
+    tensor whose data pointer and an integer whose value is a multiple of 16 (unless ``do_not_specialize``) get
+    ``tt.divisibility`` 16 -- what lets the pipeliner turn a load into an async copy."""
+    sig, attrs, const = {}, {}, {}
+    for i, (name, a) in enumerate(zip(kernel.arg_names, args)):
+        if isinstance(a, TensorDescriptor):
+            sig[name] = f"tensordesc<{_TY[a.base.dtype]}[{', '.join(map(str, a.block_shape))}]>"
+            continue
+        if isinstance(a, torch.Tensor):
+            sig[name], aligned = "*" + _TY[a.dtype], a.data_ptr() % 16 == 0
+        elif isinstance(a, float):
+            sig[name], aligned = "fp32", False
+        else:
+            sig[name], aligned = "i32", a % 16 == 0
+        if aligned and name not in kernel.do_not_specialize:
+            attrs[str(i)] = [["tt.divisibility", 16]]
+    for k, v in kw.items():
+        if k not in ("num_warps", "num_stages"):
+            sig[k], const[k] = "constexpr", v
+    return sig, attrs, const, kw["num_warps"], kw.get("num_stages", 1)
+
+
+def distinct_launches(captured, kernels) -> list[tuple[str, dict, dict, dict, int, int]]:
+    """The distinct ``(kernel name, signature, attrs, constexprs, warps, stages)`` of :func:`capture`'s launches
+    (``kernels``: name -> the real kernel)."""
+    seen = {}
+    for name, args, kw in captured:
+        seen[json.dumps([name, *launch_key(kernels[name], args, kw)], sort_keys=True)] = None
+    return [tuple(json.loads(k)) for k in seen]
+
+
+def compile_sm90(kernel, sig, const, warps, stages, attrs=None) -> tuple[int, int, int, int]:
+    """``(registers, stack bytes, shared memory bytes, asynchronous global-to-shared copies)`` of ``kernel`` compiled for sm_90a (attrs as
+    :func:`launch_key` gives them, keys as strings)."""
+    attrs = {(int(i),): v for i, v in (attrs or {}).items()}
+    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    return int(m.group(1)), int(m.group(2)), k.metadata.shared, k.asm["ttgir"].count("copy_global_to_local")
+
+
+def compile_report(jobs) -> int:
+    """Compile every ``(description, kernel, signature, attrs, constexprs, warps, stages)`` for sm_90a and print its
+    registers, spills, shared memory and async copies; returns the exit status (1 on any compile error)."""
+    errors = flagged = 0
+    for desc, kernel, sig, attrs, const, warps, stages in jobs:
+        try:
+            regs, stack, smem, copies = compile_sm90(kernel, sig, const, warps, stages, attrs)
+        except Exception as e:  # noqa: BLE001
+            errors += 1
+            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
+        flagged += bool(flag)
+        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d} async {copies:2d}  {desc}", flush=True)
+    print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory")
+    return 1 if errors else 0
