@@ -17,6 +17,11 @@ Every time is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``) cyclin
 input copies (separate pages / tensors) that the working set exceeds L2.  Writes JSON to ``--out``
 and prints a table; ratios are ``time(reference) / time(ours)`` (> 1: ours faster).
 
+``--contract-probe`` measures what a change of the contract's two constants would buy (measurement only; a
+different key block or partition gives different bits, equally consistent across paths, and would be adopted
+as one change with every GPU test re-run): dense prefill (T = 4k / 16k, GQA and MHA) and dense decode (B = 1 / 4)
+with key blocks of 64 / 128 and partitions of 256 / 512 keys, against the committed (64, 512) in one run.
+
 ``--tiles`` times the candidate launch shapes of ``attention.ATTN_TILES`` (query tile, warps, stages, on
 the path each case takes) on the prefill (dense and paged, T = 4k / 16k) and decode (B = 1 / 4 at 32k,
 B = 8 at 16k: split; B = 64 at 8k: in-program) cases against FA3, each checked bitwise against the default
@@ -295,6 +300,78 @@ def tile_sweep(bw, rows):
         _tile_rows(case, run, fa3, None, DECODE_TILES, rows)
 
 
+# --contract-probe: (key block, blocks per partition, tiles for (BLOCK_M, split) -> (warps, stages) or None)
+PROBE_CONTRACTS = [(64, 8, None), (128, 4, None), (128, 4, {(128, False): (8, 2), (64, False): (4, 2)}),
+                   (64, 4, None), (128, 2, {(128, False): (8, 2), (64, False): (4, 2)})]
+PROBE_PREFILL = ((4096, 8), (16384, 8), (16384, 32))  # (T, Hkv)
+PROBE_DECODE = ((1, 4096), (1, 32768), (4, 8192), (4, 32768))  # (B, context)
+
+
+def _with_contract(block_n: int, part_blocks: int, tiles, fn):
+    """``fn()`` with the attention module's key block / partition constants (and tiles) set in this process."""
+    saved = (tattn.KV_BLOCK_GPU, tattn.PART_BLOCKS, dict(tattn.ATTN_TILES))
+    tattn.KV_BLOCK_GPU, tattn.PART_BLOCKS = block_n, part_blocks
+    tattn.ATTN_TILES.update(tiles or {})
+    try:
+        return fn()
+    finally:
+        tattn.KV_BLOCK_GPU, tattn.PART_BLOCKS = saved[0], saved[1]
+        tattn.ATTN_TILES.clear()
+        tattn.ATTN_TILES.update(saved[2])
+
+
+def contract_probe(bw, rows):
+    """Dense attention under each (key block, partition) of PROBE_CONTRACTS; time and max |diff| to the committed."""
+    scale = D ** -0.5
+    cases = []
+    for t, hkv in PROBE_PREFILL:
+        per = 2 * t * (HQ + 2 * hkv) * D
+        copies = max(1, min(4, math.ceil(L2_FLUSH_BYTES / per)))
+        inp = [(torch.randn(1, t, HQ, D, device=DEV, dtype=torch.bfloat16),
+                torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16),
+                torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16)) for _ in range(copies)]
+        pos, kl = torch.arange(t, device=DEV)[None], torch.full((1,), t, device=DEV)
+        cases.append(({"kind": "probe prefill", "T": t, "Hkv": hkv}, inp, pos, kl, 2.0 * t * (t + 1) * HQ * D, None))
+    for b, ctx in PROBE_DECODE:
+        kv_bytes = 2 * b * ctx * HKV * D * 2
+        copies = max(1, min(8, math.ceil(L2_FLUSH_BYTES / kv_bytes)))
+        inp = [(torch.randn(b, 1, HQ, D, device=DEV, dtype=torch.bfloat16),
+                torch.randn(b, ctx, HKV, D, device=DEV, dtype=torch.bfloat16),
+                torch.randn(b, ctx, HKV, D, device=DEV, dtype=torch.bfloat16)) for _ in range(copies)]
+        pos, kl = torch.full((b, 1), ctx - 1, device=DEV), torch.full((b,), ctx, device=DEV)
+        cases.append(({"kind": "probe decode", "B": b, "ctx": ctx}, inp, pos, kl, None, kv_bytes / bw * 1e3))
+    for case, inp, pos, kl, flops, floor in cases:
+        ref, base_ms = None, None
+        for block_n, part_blocks, tiles in PROBE_CONTRACTS:
+            def run():
+                out = tattn.attention_fwd(*inp[0], pos, kl, scale)[0].clone()
+                return out, bench([lambda i=i: tattn.attention_fwd(*inp[i], pos, kl, scale) for i in range(len(inp))])
+            r = {**case, "key_block": block_n, "part_keys": block_n * part_blocks,
+                 "tiles": {str(k): v for k, v in (tiles or {}).items()}}
+            try:
+                out, ms = _with_contract(block_n, part_blocks, tiles, run)
+            except Exception as e:  # noqa: BLE001 (a variant that does not fit is a row, not a stop)
+                r["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(r)
+                print(f"  {case}  key block {block_n} part {block_n * part_blocks}: failed {r['error'][:100]}")
+                continue
+            if ref is None:
+                ref, base_ms = out, ms
+            r.update(ms=ms, ratio_vs_committed=base_ms / ms, max_abs_vs_committed=(out.float() - ref.float()).abs().max().item())
+            if flops:
+                r["tflops"] = flops / ms * 1e-9
+            if floor:
+                r["ratio_vs_floor"] = floor / ms
+            rows.append(r)
+            label = f"T={case['T']} {HQ}/{case['Hkv']}" if flops else f"B={case['B']} ctx={case['ctx']}"
+            extra = f"{r['tflops']:6.1f} TFLOP/s" if flops else f"floor x {r['ratio_vs_floor']:.2f}"
+            print(f"{case['kind']:13s} {label:16s} key block {block_n:3d} part {block_n * part_blocks:4d}"
+                  f"{' tiles ' + str(tiles) if tiles else ''}: {ms:.4f} ms  {extra}  x committed "
+                  f"{r['ratio_vs_committed']:.2f}  max|diff| {r['max_abs_vs_committed']:.2e}", flush=True)
+        del inp
+        torch.cuda.empty_cache()
+
+
 def best_tiles(rows, min_gain: float = 0.02) -> dict[tuple[int, bool], tuple[int, int]]:
     """Per (query-tile class, path) the tile with the lowest geometric-mean time over the cases of that class and
     path (a tile of another BLOCK_M forced on a case is reported, never adopted), among tiles whose bits equal the
@@ -338,6 +415,7 @@ def main():
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="a subset (smoke run)")
     ap.add_argument("--tiles", action="store_true", help="only the launch-shape sweep (ATTN_TILES candidates)")
+    ap.add_argument("--contract-probe", action="store_true", help="only the key block / partition probe (dense)")
     ap.add_argument("--write-table", metavar="ATTENTION_PY", help="with --tiles: put the faster bit-equal tiles "
                     "into this copy of kernels/triton/attention.py")
     args = ap.parse_args()
@@ -349,6 +427,13 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  "
           f"(PART_KEYS={tattn.PART_KEYS}, page {PAGE})", flush=True)
     rows = []
+    if args.contract_probe:
+        contract_probe(bw, rows)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "fa3": _FA, "rows": rows,
+                       "wall_s": time.time() - t0}, f, indent=1, default=float)
+        print(f"wrote {args.out}  ({time.time() - t0:.0f} s)")
+        return
     if args.tiles:
         tile_sweep(bw, rows)
         chosen = best_tiles(rows)

@@ -8,27 +8,29 @@ Entries marked 'kept' were not swept in this run and come from the table it repl
 import torch
 
 GEMM_M_CLASS_TABLE: dict = {
-    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.91, 16: 0.95, 64: 0.73, 256: 0.62, 1024: 0.50, 4096: 0.48 (targets met 1/6)
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.90, 16: 0.94, 64: 0.70, 256: 0.66, 1024: 0.63, 4096: 0.66 (targets met 1/6)
     (4096, 512, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
-                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
-                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4})]},
-    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.96, 16: 0.95, 64: 0.96, 256: 0.73, 1024: 0.73, 4096: 0.72 (targets met 2/6)
+                    (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
+                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'TREE_PROGS': 2, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.97, 16: 0.95, 64: 0.95, 256: 0.94, 1024: 0.79, 4096: 0.78 (targets met 3/6)
     (4096, 1792, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
-                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
-                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4})]},
-    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.88, 16: 0.79, 64: 0.63, 256: 0.47, 1024: 0.38, 4096: 0.36 (targets met 0/6)
+                    (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6, 'TREE_PATH': 'parallel', 'TREE_REG': 2}),
+                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'TREE_PROGS': 2, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 1.17, 16: 0.83, 64: 0.64, 256: 0.48, 1024: 0.55, 4096: 0.53 (targets met 1/6)
     (2048, 256, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
                     (256, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
-                    (1024, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
-                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4})]},
-    # bk64 nosplit: ratio vs cuBLAS by M 1: 1.12, 16: 1.04, 64: 0.90, 256: 0.73, 1024: 0.62, 4096: 0.62 (targets met 3/6)
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 1.00, 16: 1.01, 64: 0.88, 256: 0.74, 1024: 0.75, 4096: 0.69 (targets met 2/6)
     (2048, 1024, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
                     (64, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
-                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4})]},
+                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
     # kept: bk64 nosplit: ratio vs cuBLAS by M 1: 0.87, 16: 0.95, 64: 0.80, 256: 1.00, 1024: 0.98, 4096: 0.99 (targets met 4/6)
     (4096, 4096, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 64, 'W': 4, 'S': 8, 'SWAP': True}),
