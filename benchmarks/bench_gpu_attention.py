@@ -206,9 +206,9 @@ def prefill_case(t, hkv, rows):
 
 # --tiles: launch shapes tried per query-tile class, (BLOCK_M, num_warps, num_stages), on the path each case takes
 PREFILL_TILES = [(128, 8, s) for s in (2, 3, 4)] + [(128, 4, 2), (64, 4, 2), (64, 4, 3)]
-DECODE_TILES = [(16, w, s) for w in (2, 4) for s in (2, 3, 4)] + [(16, 4, 5)]
+DECODE_TILES = [(16, w, s) for w in (2, 4) for s in (2, 3, 4)] + [(16, 4, 5), (16, 8, 3)]
 TILE_PREFILL_CASES = ((16384, 8, False), (16384, 8, True), (16384, 32, False), (4096, 8, False))  # (T, Hkv, paged)
-TILE_DECODE_CASES = ((1, 32768), (4, 32768), (8, 16384), (64, 8192))  # (B, context)
+TILE_DECODE_CASES = ((1, 4096), (4, 4096), (1, 32768), (4, 32768), (8, 16384), (64, 8192))  # (B, context)
 
 
 def _with_tile(tile, split: bool, fn):
@@ -249,10 +249,10 @@ def _tile_rows(case: dict, run, fa3_ms: float, flops: float | None, tiles, rows)
               f"x fa3 {r['ratio_vs_fa3']:.2f}  bits {'equal' if same else 'DIFFER'}", flush=True)
 
 
-def tile_sweep(bw, rows):
+def tile_sweep(bw, rows, decode_only: bool = False):
     """Launch shapes of the attention kernel (numerics-neutral: checked bitwise against the default tile here)."""
     scale = D ** -0.5
-    for t, hkv, paged in TILE_PREFILL_CASES:
+    for t, hkv, paged in () if decode_only else TILE_PREFILL_CASES:
         q = torch.randn(1, t, HQ, D, device=DEV, dtype=torch.bfloat16)
         k = torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16)
         v = torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16)
@@ -415,6 +415,7 @@ def main():
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="a subset (smoke run)")
     ap.add_argument("--tiles", action="store_true", help="only the launch-shape sweep (ATTN_TILES candidates)")
+    ap.add_argument("--decode-only", action="store_true", help="with --tiles: the decode cases only")
     ap.add_argument("--contract-probe", action="store_true", help="only the key block / partition probe (dense)")
     ap.add_argument("--write-table", metavar="ATTENTION_PY", help="with --tiles: put the faster bit-equal tiles "
                     "into this copy of kernels/triton/attention.py")
@@ -435,7 +436,7 @@ def main():
         print(f"wrote {args.out}  ({time.time() - t0:.0f} s)")
         return
     if args.tiles:
-        tile_sweep(bw, rows)
+        tile_sweep(bw, rows, args.decode_only)
         chosen = best_tiles(rows)
         res = {"device": torch.cuda.get_device_name(), "fa3": _FA, "attn_tiles": {str(k): v for k, v in
                tattn.ATTN_TILES.items()}, "chosen": {str(k): v for k, v in chosen.items()}, "rows": rows,
