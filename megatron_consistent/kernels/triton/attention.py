@@ -88,10 +88,10 @@ def _load_kv(q, kb, vb, pt, p0, start, kpos, kbound, d, dm, skp, skt, svp, svt, 
              BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr,
              MASKED: tl.constexpr):
     """K, V tiles ``[BLOCK_N, BLOCK_D]`` of keys ``kpos = start + arange(BLOCK_N)``; keys at or past ``kbound``
-    read as 0.  Dense: ``PAGE == 0``.  Paged: ``pt`` holds the page ids of the partition from page ``p0 // PAGE``
-    on, in registers, so the keys' addresses wait on no load in the key loop and the keys pipeline as the dense
-    path's do: with ``PAGE`` a multiple of ``BLOCK_N`` a block lies in one page; with ``BLOCK_N`` a multiple of
-    ``PAGE`` a block spans ``BLOCK_N // PAGE`` consecutive pages, each key takes its page's id."""
+    read as 0.  Dense: ``PAGE == 0``.  Paged: ``pt`` is the row's page table (``PAGE < BLOCK_N``: each key's page
+    id is loaded with it, a load Triton pipelines one stage ahead of the keys'), or (``PAGE`` a multiple of
+    ``BLOCK_N``) the page ids of the partition from page ``p0 // PAGE`` on, in registers: a block lies in one page,
+    and its keys' addresses wait on no load in the key loop, so the keys pipeline as the dense path's do."""
     kin = kpos < kbound
     if PAGE == 0:
         koff = kpos.to(tl.int64) * skt
@@ -103,12 +103,10 @@ def _load_kv(q, kb, vb, pt, p0, start, kpos, kbound, d, dm, skp, skt, svp, svt, 
         koff = page * skp + in_page * skt
         voff = page * svp + in_page * svt
     else:
-        first = start // PAGE - p0 // PAGE
-        sub = (kpos - start) // PAGE  # which of the block's pages a key is in
-        page = tl.zeros((BLOCK_N,), dtype=tl.int64)
-        for j in tl.static_range(BLOCK_N // PAGE):
-            pj = tl.sum(tl.where(tl.arange(0, PART_PAGES) == first + j, pt, 0), axis=0)
-            page = tl.where(sub == j, pj, page)
+        if MASKED:
+            page = tl.load(pt + kpos // PAGE, mask=kin, other=0).to(tl.int64)
+        else:
+            page = tl.load(pt + kpos // PAGE).to(tl.int64)
         koff = page * skp + (kpos % PAGE) * skt
         voff = page * svp + (kpos % PAGE) * svt
     if MASKED:
@@ -146,8 +144,8 @@ def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt
                PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Fresh online softmax over the key blocks ``[p0, pe)`` of one partition -> ``(m, l, acc)``.
 
-    Blocks below ``full`` are visible to every active row of the tile and skip the mask.  Paged: the partition's
-    page ids (at most ``PART_PAGES``) are loaded once, before its key loops."""
+    Blocks below ``full`` are visible to every active row of the tile and skip the mask.  Pages of ``BLOCK_N`` keys
+    or more: the partition's page ids (at most ``PART_PAGES``) are loaded once, before its key loops."""
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -155,7 +153,7 @@ def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if PAGE > 0:  # the partition's page ids, once (see _load_kv)
+    if PAGE > 0 and PAGE % BLOCK_N == 0:  # the partition's page ids, once (see _load_kv)
         pid = p0 // PAGE + tl.arange(0, PART_PAGES)
         pt = tl.load(tab + pid, mask=pid * PAGE < kbound, other=0).to(tl.int64)
     else:
@@ -395,9 +393,10 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     else:
         ws_m = ws_l = ws_acc = out
         grid = (grid0, n1)
-    # page ids a partition's keys can touch (one more when the test-only partition does not start on a page)
+    # page ids a partition's keys can touch, for pages of KV_BLOCK_GPU keys or more (one more when the test-only
+    # partition does not start on a page)
     part_keys = part_blocks * KV_BLOCK_GPU
-    part_pages = next_pow2(triton.cdiv(part_keys, page) + (part_keys % page != 0)) if page else 1
+    part_pages = next_pow2(triton.cdiv(part_keys, page) + (part_keys % page != 0)) if page >= KV_BLOCK_GPU else 1
     common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
               "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
               "num_warps": warps, "num_stages": stages}
