@@ -343,7 +343,7 @@ def contract_probe(bw, rows):
     for case, inp, pos, kl, flops, floor in cases:
         ref, base_ms = None, None
         for block_n, part_blocks, tiles in PROBE_CONTRACTS:
-            def run():
+            def run(inp=inp, pos=pos, kl=kl):
                 out = tattn.attention_fwd(*inp[0], pos, kl, scale)[0].clone()
                 return out, bench([lambda i=i: tattn.attention_fwd(*inp[i], pos, kl, scale) for i in range(len(inp))])
             r = {**case, "key_block": block_n, "part_keys": block_n * part_blocks,
@@ -368,7 +368,6 @@ def contract_probe(bw, rows):
             print(f"{case['kind']:13s} {label:16s} key block {block_n:3d} part {block_n * part_blocks:4d}"
                   f"{' tiles ' + str(tiles) if tiles else ''}: {ms:.4f} ms  {extra}  x committed "
                   f"{r['ratio_vs_committed']:.2f}  max|diff| {r['max_abs_vs_committed']:.2e}", flush=True)
-        del inp
         torch.cuda.empty_cache()
 
 

@@ -129,6 +129,16 @@ def tile_candidates(splits: int, quick: bool = False, tree: bool = False):
                MID + LARGE[1:]),
               ("64x128 w4 s4 parallel r4 p2", {**two, "S": 4, "TREE_PATH": "parallel", "TREE_REG": 4},
                MID + LARGE[1:])]
+        # four chains per K loop (a quad fills the pipeline once; with r8 the whole tree stays in registers, no
+        # slot): half-size tiles on 8 warps (offline sm_90a compile: 166-191 registers, 197 KB, no spills)
+        for tname, tile in (("64x128 w8 s2", {"BM": 64, "BN": 128, "W": 8, "S": 2}),
+                            ("128x64 w8 s2", {"BM": 128, "BN": 64, "W": 8, "S": 2})):
+            c += [(f"{tname} serial r4 lanes4", {**tile, "TREE_PATH": "serial", "TREE_REG": 4, "TREE_LANES": 4},
+                   MID + LARGE[1:]),
+                  (f"{tname} serial r8 lanes4", {**tile, "TREE_PATH": "serial", "TREE_REG": 8, "TREE_LANES": 4},
+                   MID + LARGE[1:])]
+        c.append(("64x128 w8 s2 parallel r4 lanes4", {"BM": 64, "BN": 128, "W": 8, "S": 2, "TREE_PATH": "parallel",
+                                                      "TREE_REG": 4, "TREE_LANES": 4}, MID + LARGE[1:]))
     return c
 
 

@@ -230,7 +230,8 @@ def test_gemm_vs_cpu_contract():
 # padded inside the segment; pointer loads) and a K whose segment is not a multiple of BLOCK_K (200 / 8 = 25)
 SEG_SHAPES = [(4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192), (1000, 8192), (96, 64), (136, 200)]
 SEG_SCHEDULES = [("serial", None, 1), ("serial", 1, 1), ("serial", 2, 1), ("parallel", 1, 1), ("parallel", 2, 1),
-                 ("flat", 1, 1), ("flat", 2, 1), ("serial", 2, 2), ("serial", 4, 2), ("parallel", 2, 2)]
+                 ("flat", 1, 1), ("flat", 2, 1), ("serial", 2, 2), ("serial", 4, 2), ("parallel", 2, 2),
+                 ("serial", 4, 4), ("serial", 8, 4), ("parallel", 4, 4)]
 
 
 def _left_fold(parts):

@@ -97,7 +97,8 @@ SEG_CFGS = [
 ]
 # (path, reg_segments, lanes): every schedule of the kernel
 SEG_SCHEDULES = [("serial", None, 1), ("serial", 1, 1), ("serial", 2, 1), ("parallel", 1, 1), ("parallel", 2, 1),
-                 ("flat", 1, 1), ("flat", 2, 1), ("serial", 2, 2), ("serial", 4, 1), ("serial", 4, 2), ("parallel", 2, 2)]
+                 ("flat", 1, 1), ("flat", 2, 1), ("serial", 2, 2), ("serial", 4, 1), ("serial", 4, 2), ("parallel", 2, 2),
+                 ("serial", 4, 4), ("serial", 8, 4), ("parallel", 4, 4)]
 
 
 def _left_fold(parts):
@@ -140,7 +141,7 @@ def test_segment_tree_equals_naive_loop(name, cfg, segments, k):
         assert torch.equal(full, ref), (name, path, reg, lanes)
     for m in (1, 6):
         for path, reg, lanes in (("serial", None, 1), ("parallel", 1, 1), ("flat", 1, 1), ("serial", 2, 2),
-                                 ("serial", 4, 2)):
+                                 ("serial", 4, 2), ("serial", 8, 4)):
             rows = tst.segment_tree_gemm(x[m:2 * m], w, segments, cfg=cfg, path=path, reg_segments=reg, lanes=lanes)
             assert torch.equal(rows, ref[m:2 * m]), (name, path, reg, lanes, m)
     if segments == 8:  # the merge order is checked: a left fold of the same partials gives other bits

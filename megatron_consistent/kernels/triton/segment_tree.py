@@ -27,8 +27,8 @@ forced by the config keys ``TREE_PATH`` / ``TREE_REG`` / ``TREE_LANES`` / ``TREE
 * *flat* (serial, one chain per segment): one software-pipelined loop over all the tile's K steps; at a segment's
   end its value (``REG`` 2: the pair's) goes to the slot and the accumulator restarts from 0 -- the loads do not
   drain at segment boundaries;
-* *lanes* (``LANES`` 2, serial or parallel, no split inside a segment): the two segments of a pair run their chains in
-  one K loop with two accumulators, so a pair fills the software pipeline once instead of twice;
+* *lanes* (``LANES`` 2 or 4, serial or parallel, no split inside a segment): the segments of a pair (of a quad) run
+  their chains in one K loop with two (four) accumulators, so the group fills the software pipeline once;
 * *programs per SM* (``TREE_PROGS`` 2): twice as many persistent programs as SMs, for tiles small enough that two
   fit on an SM, so one program's slot traffic and tree epilogue overlap another's MMAs;
 * *partials* (``linear_segments``): one program per (tile, segment) writes the segment's float32 partial to
@@ -54,7 +54,7 @@ LANES_MAX_STEPS = 8  # the planner's default LANES is 2 up to this many BLOCK_K 
 WAVE_FILL = 0.9  # parallel path: fewer, longer units unless the last wave of units would leave > 10 % of SMs idle
 _FORCE_TREE_PATH = os.environ.get("MC_TREE_PATH", "")  # "", "serial", "parallel", "flat": every call (scheduling only)
 _SERIAL_PATH = os.environ.get("MC_TREE_SERIAL", "serial")  # the many-tiles schedule: "serial" or "flat"
-_FORCE_LANES = int(os.environ.get("MC_TREE_LANES", "0"))  # 1 or 2: every call (scheduling only); 0: the planner's
+_FORCE_LANES = int(os.environ.get("MC_TREE_LANES", "0"))  # 1, 2 or 4: every call (scheduling only); 0: the planner's
 
 
 @triton.jit
@@ -68,46 +68,61 @@ def _segment(a_src, b_src, off_m, off_n, seg, M, N, K_SEG, stride_am, stride_bn,
 
 
 @triton.jit
-def _pair_lanes(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
-                NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
-    """``s[first] + s[first + 1]`` with both segments' chains in ONE K loop (two accumulators, each from 0 in its own
-    K order: the bits of :func:`_segment` twice), so a pair costs one pipeline fill instead of two.  No split."""
+def _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, kseg, k, M, N, K_SEG, stride_am, stride_bn, acc,
+                  USE_TMA: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
+    """One BLOCK_K step ``k`` of the chain of the segment starting at column ``kseg``: ``acc + a . b`` on the tensor
+    cores (columns past the segment's ``K_SEG`` read as 0)."""
+    if USE_TMA:
+        a = a_src.load([off_m, kseg + k])
+        b = b_src.load([off_n, kseg + k])
+    else:
+        kk = k + rk
+        a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + (kseg + kk)[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K_SEG), other=0.0)
+        b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + (kseg + kk)[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K_SEG), other=0.0)
+    if SWAP:
+        acc = tl.dot(b, a.T, acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _lanes(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
+           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
+           NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr, LANES: tl.constexpr):
+    """The adjacent subtree of segments ``first .. first + LANES - 1`` (``LANES`` 2: ``s0 + s1``; 4:
+    ``(s0 + s1) + (s2 + s3)``) with all their chains in ONE K loop (one accumulator each, each from 0 in its own K
+    order: the bits of :func:`_segment` per segment), so the group fills the software pipeline once.  No split."""
     if SWAP:
         acc0 = tl.zeros((BN, BM), dtype=tl.float32)
     else:
         acc0 = tl.zeros((BM, BN), dtype=tl.float32)
     acc1 = tl.zeros_like(acc0)
+    if LANES == 4:
+        acc2 = tl.zeros_like(acc0)
+        acc3 = tl.zeros_like(acc0)
     rk = tl.arange(0, BK)
-    if not USE_TMA:
-        rm = off_m + tl.arange(0, BM)
-        rn = off_n + tl.arange(0, BN)
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
     k0 = first * K_SEG
-    k1 = k0 + K_SEG
     for ki in tl.range(0, tl.cdiv(K_SEG, BK), num_stages=NUM_STAGES):
         k = ki * BK
-        if USE_TMA:
-            a0 = a_src.load([off_m, k0 + k])
-            b0 = b_src.load([off_n, k0 + k])
-            a1 = a_src.load([off_m, k1 + k])
-            b1 = b_src.load([off_n, k1 + k])
-        else:
-            kk = k + rk
-            am = (rm[:, None] < M) & (kk[None, :] < K_SEG)
-            bm = (rn[:, None] < N) & (kk[None, :] < K_SEG)
-            a_row = a_src + rm[:, None].to(tl.int64) * stride_am
-            b_row = b_src + rn[:, None].to(tl.int64) * stride_bn
-            a0 = tl.load(a_row + (k0 + kk)[None, :], mask=am, other=0.0)
-            b0 = tl.load(b_row + (k0 + kk)[None, :], mask=bm, other=0.0)
-            a1 = tl.load(a_row + (k1 + kk)[None, :], mask=am, other=0.0)
-            b1 = tl.load(b_row + (k1 + kk)[None, :], mask=bm, other=0.0)
-        if SWAP:
-            acc0 = tl.dot(b0, a0.T, acc0, input_precision=PRECISION)
-            acc1 = tl.dot(b1, a1.T, acc1, input_precision=PRECISION)
-        else:
-            acc0 = tl.dot(a0, b0.T, acc0, input_precision=PRECISION)
-            acc1 = tl.dot(a1, b1.T, acc1, input_precision=PRECISION)
-    return acc0 + acc1
+        acc0 = _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0, k, M, N, K_SEG, stride_am, stride_bn, acc0,
+                             USE_TMA, PRECISION, SWAP)
+        acc1 = _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + K_SEG, k, M, N, K_SEG, stride_am,
+                             stride_bn, acc1, USE_TMA, PRECISION, SWAP)
+        if LANES == 4:
+            acc2 = _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + 2 * K_SEG, k, M, N, K_SEG, stride_am,
+                                 stride_bn, acc2, USE_TMA, PRECISION, SWAP)
+            acc3 = _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + 3 * K_SEG, k, M, N, K_SEG, stride_am,
+                                 stride_bn, acc3, USE_TMA, PRECISION, SWAP)
+    if LANES == 4:
+        t = (acc0 + acc1) + (acc2 + acc3)
+    else:
+        t = acc0 + acc1
+    return t
 
 
 @triton.jit
@@ -115,10 +130,10 @@ def _pair(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr,
           USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
           LANES: tl.constexpr):
-    """``s[first] + s[first + 1]`` (``LANES`` 2: both chains in one loop, :func:`_pair_lanes`)."""
+    """``s[first] + s[first + 1]`` (``LANES`` 2: both chains in one loop, :func:`_lanes`)."""
     if LANES == 2:
-        t = _pair_lanes(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
-                        BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP)
+        t = _lanes(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
+                   BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP, 2)
     else:
         left = _segment(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
                         BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP)
@@ -133,12 +148,17 @@ def _quad(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr,
           USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
           LANES: tl.constexpr):
-    """``(s[first] + s[first + 1]) + (s[first + 2] + s[first + 3])``."""
-    left = _pair(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
-                 BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
-    right = _pair(a_src, b_src, off_m, off_n, first + 2, M, N, K_SEG, stride_am, stride_bn,
-                  BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
-    return left + right
+    """``(s[first] + s[first + 1]) + (s[first + 2] + s[first + 3])`` (``LANES`` 4: the four chains in one loop)."""
+    if LANES == 4:
+        t = _lanes(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
+                   BM, BN, BK, USE_TMA, NUM_STAGES, PRECISION, SWAP, 4)
+    else:
+        left = _pair(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
+                     BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
+        right = _pair(a_src, b_src, off_m, off_n, first + 2, M, N, K_SEG, stride_am, stride_bn,
+                      BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, LANES)
+        t = left + right
+    return t
 
 
 @triton.jit
@@ -406,12 +426,13 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
         path = "serial"
     # two lanes pay off where a segment is a short loop (H200: +5-12 % at K_seg <= 512, neutral at longer ones)
     lanes = int(lanes or _FORCE_LANES or cfg.get("TREE_LANES", 2 if path == "serial" and k_steps <= LANES_MAX_STEPS else 1))
-    if lanes not in (1, 2):
-        raise ValueError(f"row-parallel GEMM: LANES={lanes} must be 1 or 2")
+    if lanes not in (1, 2, 4):
+        raise ValueError(f"row-parallel GEMM: LANES={lanes} must be 1, 2 or 4")
     if splits > 1 or reg < 2 or path == "flat":
-        lanes = 1  # two chains per loop need whole-segment chains (no split) inside a pair
-    if lanes == 2:  # each pipeline stage holds both segments' operand tiles: fewer stages fit in shared memory
-        stage_bytes = 2 * (cfg["BM"] + cfg["BN"]) * bk * torch.tensor([], dtype=dtype).element_size()
+        lanes = 1  # chains sharing a loop need whole-segment chains (no split) inside a register group
+    lanes = min(lanes, reg)
+    if lanes > 1:  # each pipeline stage holds every lane's operand tiles: fewer stages fit in shared memory
+        stage_bytes = lanes * (cfg["BM"] + cfg["BN"]) * bk * torch.tensor([], dtype=dtype).element_size()
         cfg["S"] = max(2, min(cfg["S"], SMEM_BUDGET // stage_bytes))
     # programs per SM: with 2, one program's slot traffic and tree epilogue overlap another's MMAs (the tile must
     # leave room: half the registers and shared memory each)
