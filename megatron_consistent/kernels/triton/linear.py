@@ -157,6 +157,27 @@ def config_for(n: int, k: int, dtype: torch.dtype, m: int | None = None, tiles_b
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _k_step(a_src, b_src, off_m, off_n, rm, rn, rk, k_base, k, M, N, K, stride_am, stride_bn, acc,
+            USE_TMA: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
+    """One BLOCK_K step at column ``k`` of the K slice from ``k_base``: ``acc + a . b`` on the tensor cores
+    (``rm`` / ``rn``: the tile's x / w rows; pointer loads read columns past ``K`` as 0)."""
+    if USE_TMA:
+        a = a_src.load([off_m, k_base + k])
+        b = b_src.load([off_n, k_base + k])
+    else:
+        kk = k + rk
+        a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + (k_base + kk)[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + (k_base + kk)[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+    if SWAP:
+        acc = tl.dot(b, a.T, acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _split_acc(a_src, b_src, off_m, off_n, k_step0, n_steps, M, N, K, stride_am, stride_bn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
                NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr = False, k_base=0):
@@ -173,24 +194,11 @@ def _split_acc(a_src, b_src, off_m, off_n, k_step0, n_steps, M, N, K, stride_am,
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
     rk = tl.arange(0, BK)
-    if not USE_TMA:
-        rm = off_m + tl.arange(0, BM)
-        rn = off_n + tl.arange(0, BN)
+    rm = off_m + tl.arange(0, BM)
+    rn = off_n + tl.arange(0, BN)
     for ki in tl.range(0, n_steps, num_stages=NUM_STAGES):
-        k = (k_step0 + ki) * BK
-        if USE_TMA:
-            a = a_src.load([off_m, k_base + k])
-            b = b_src.load([off_n, k_base + k])
-        else:
-            kk = k + rk
-            a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + (k_base + kk)[None, :],
-                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + (k_base + kk)[None, :],
-                        mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        if SWAP:
-            acc = tl.dot(b, a.T, acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        acc = _k_step(a_src, b_src, off_m, off_n, rm, rn, rk, k_base, (k_step0 + ki) * BK, M, N, K, stride_am,
+                      stride_bn, acc, USE_TMA, PRECISION, SWAP)
     return acc
 
 

@@ -45,7 +45,8 @@ import triton.language as tl
 
 from ..dispatch import register
 from ._common import device_index, gemm_output, num_sms, tile_coords, tma_ok, tma_sources
-from .linear import _INTERPRETER_SMS, _counters, _epilogue, _epilogue_t, _serial_splits, _tile_offsets, config_for, gemm
+from .linear import (_INTERPRETER_SMS, _counters, _epilogue, _epilogue_t, _k_step, _serial_splits, _tile_offsets,
+                     config_for, gemm)
 
 SEGMENT_COUNTS = (1, 2, 4, 8)
 REG_BUDGET = 128  # float32 accumulator registers per thread a tree group may keep live (the rest spills to L2)
@@ -65,27 +66,6 @@ def _segment(a_src, b_src, off_m, off_n, seg, M, N, K_SEG, stride_am, stride_bn,
     K slice ``[seg K_SEG, (seg + 1) K_SEG)`` (split partials in split order from 0; one split taken as is)."""
     return _serial_splits(a_src, b_src, off_m, off_n, tl.cdiv(K_SEG, BK), M, N, K_SEG, stride_am, stride_bn,
                           BM, BN, BK, SPLIT_STEPS, SPLITS, USE_TMA, NUM_STAGES, PRECISION, SWAP, seg * K_SEG)
-
-
-@triton.jit
-def _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, kseg, k, M, N, K_SEG, stride_am, stride_bn, acc,
-                  USE_TMA: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
-    """One BLOCK_K step ``k`` of the chain of the segment starting at column ``kseg``: ``acc + a . b`` on the tensor
-    cores (columns past the segment's ``K_SEG`` read as 0)."""
-    if USE_TMA:
-        a = a_src.load([off_m, kseg + k])
-        b = b_src.load([off_n, kseg + k])
-    else:
-        kk = k + rk
-        a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + (kseg + kk)[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K_SEG), other=0.0)
-        b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + (kseg + kk)[None, :],
-                    mask=(rn[:, None] < N) & (kk[None, :] < K_SEG), other=0.0)
-    if SWAP:
-        acc = tl.dot(b, a.T, acc, input_precision=PRECISION)
-    else:
-        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
-    return acc
 
 
 @triton.jit
@@ -109,15 +89,15 @@ def _lanes(a_src, b_src, off_m, off_n, first, M, N, K_SEG, stride_am, stride_bn,
     k0 = first * K_SEG
     for ki in tl.range(0, tl.cdiv(K_SEG, BK), num_stages=NUM_STAGES):
         k = ki * BK
-        acc0 = _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0, k, M, N, K_SEG, stride_am, stride_bn, acc0,
-                             USE_TMA, PRECISION, SWAP)
-        acc1 = _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + K_SEG, k, M, N, K_SEG, stride_am,
-                             stride_bn, acc1, USE_TMA, PRECISION, SWAP)
+        acc0 = _k_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0, k, M, N, K_SEG, stride_am, stride_bn, acc0,
+                       USE_TMA, PRECISION, SWAP)
+        acc1 = _k_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + K_SEG, k, M, N, K_SEG, stride_am, stride_bn,
+                       acc1, USE_TMA, PRECISION, SWAP)
         if LANES == 4:
-            acc2 = _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + 2 * K_SEG, k, M, N, K_SEG, stride_am,
-                                 stride_bn, acc2, USE_TMA, PRECISION, SWAP)
-            acc3 = _segment_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + 3 * K_SEG, k, M, N, K_SEG, stride_am,
-                                 stride_bn, acc3, USE_TMA, PRECISION, SWAP)
+            acc2 = _k_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + 2 * K_SEG, k, M, N, K_SEG, stride_am,
+                           stride_bn, acc2, USE_TMA, PRECISION, SWAP)
+            acc3 = _k_step(a_src, b_src, off_m, off_n, rm, rn, rk, k0 + 3 * K_SEG, k, M, N, K_SEG, stride_am,
+                           stride_bn, acc3, USE_TMA, PRECISION, SWAP)
     if LANES == 4:
         t = (acc0 + acc1) + (acc2 + acc3)
     else:
