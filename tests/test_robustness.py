@@ -649,6 +649,21 @@ def test_tree_schedule_keys_refused_by_name():
         assert "\n" not in str(err.value)
 
 
+def test_tree_lanes_fit_shared_memory():
+    """Four segment chains per K loop are planned only where two pipeline stages of their operand tiles fit in shared
+    memory; a larger tile falls back to two chains (a schedule, never a bit), the stages shrink to what fits."""
+    pytest.importorskip("triton")
+    from megatron_consistent.kernels.triton import segment_tree as tst
+
+    base = {"W": 8, "S": 4, "G": 8, "BK": 64, "SPLIT_STEPS": 1 << 20, "TREE_PATH": "serial", "TREE_LANES": 4}
+    for bm, bn, reg, lanes, stages in ((64, 128, 8, 4, 2), (128, 64, 4, 4, 2), (128, 128, 8, 2, 3), (64, 128, 2, 2, 4)):
+        p = tst.plan(4096, 4096, 4096, 8, torch.bfloat16, {**base, "BM": bm, "BN": bn, "TREE_REG": reg})
+        assert (p["LANES"], p["cfg"]["S"]) == (lanes, stages), (bm, bn, reg, p)
+        lane_bytes = (bm + bn) * 64 * 2
+        assert 2 * p["LANES"] * lane_bytes <= tst.SMEM_BUDGET
+        assert p["cfg"]["S"] * p["LANES"] * lane_bytes <= tst.SMEM_BUDGET
+
+
 def test_experiment_knobs_refuse_bad_specs_in_one_line(tmp_path):
     """The launch-shape override (``MC_ATTN_TILES``) and the rollout benchmark's ``--variant`` parse what they are
     given exactly, and a malformed spec is a one-line error naming it (before any kernel or engine starts)."""

@@ -411,9 +411,11 @@ def plan(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, cfg: d
     if splits > 1 or reg < 2 or path == "flat":
         lanes = 1  # chains sharing a loop need whole-segment chains (no split) inside a register group
     lanes = min(lanes, reg)
+    lane_bytes = (cfg["BM"] + cfg["BN"]) * bk * torch.tensor([], dtype=dtype).element_size()  # one stage, one lane
+    while lanes > 2 and 2 * lanes * lane_bytes > SMEM_BUDGET:
+        lanes //= 2  # two stages of every lane's operand tiles must fit in shared memory (e.g. 128 x 128: 2 lanes)
     if lanes > 1:  # each pipeline stage holds every lane's operand tiles: fewer stages fit in shared memory
-        stage_bytes = lanes * (cfg["BM"] + cfg["BN"]) * bk * torch.tensor([], dtype=dtype).element_size()
-        cfg["S"] = max(2, min(cfg["S"], SMEM_BUDGET // stage_bytes))
+        cfg["S"] = max(2, min(cfg["S"], SMEM_BUDGET // (lanes * lane_bytes)))
     # programs per SM: with 2, one program's slot traffic and tree epilogue overlap another's MMAs (the tile must
     # leave room: half the registers and shared memory each)
     progs = int(cfg.get("TREE_PROGS", 1))
