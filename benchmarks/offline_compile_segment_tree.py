@@ -24,8 +24,10 @@ from megatron_consistent.kernels.triton import linear as tlin  # noqa: E402
 from megatron_consistent.kernels.triton import segment_tree as st  # noqa: E402
 
 SHAPES = [(4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192), (1000, 8192), (96, 64), (136, 200)]
-SCHEDULES = [(None, None), ("serial", 1), ("serial", 2), ("serial", 4), ("parallel", 1), ("parallel", 2), ("flat", 1),
-             ("flat", 2)]
+# (path, segments per register group, chains per K loop): None = the planner's
+SCHEDULES = [(None, None, None), ("serial", 1, None), ("serial", 2, None), ("serial", 4, None), ("parallel", 1, None),
+             ("parallel", 2, None), ("flat", 1, None), ("flat", 2, None), ("serial", 4, 4), ("serial", 8, 4),
+             ("parallel", 4, 4)]
 
 
 def record_launches(calls):
@@ -57,10 +59,10 @@ def main():
                 outs = [(torch.bfloat16, torch.empty(n, dtype=torch.bfloat16))]
                 if not args.quick:
                     outs.append((torch.float32, None))
-                for path, reg in SCHEDULES:
+                for path, reg, lanes in SCHEDULES:
                     for od, bias in outs:
                         calls.append(dict(x2d=x, weight=w, segments=segments, bias=bias, out_dtype=od, path=path,
-                                          reg_segments=reg, use_tma=tma))
+                                          reg_segments=reg, lanes=lanes, use_tma=tma))
                 calls.append(dict(x2d=x, weight=w, segments=segments, partials=True, use_tma=tma))
     launches = record_launches(calls)
     print(f"{len(launches)} distinct launches", flush=True)
