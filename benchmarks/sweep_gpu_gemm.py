@@ -131,14 +131,12 @@ def tile_candidates(splits: int, quick: bool = False, tree: bool = False):
                MID + LARGE[1:])]
         # four chains per K loop (a quad fills the pipeline once; with r8 the whole tree stays in registers, no
         # slot): half-size tiles on 8 warps (offline sm_90a compile: 166-191 registers, 197 KB, no spills)
-        for tname, tile in (("64x128 w8 s2", {"BM": 64, "BN": 128, "W": 8, "S": 2}),
-                            ("128x64 w8 s2", {"BM": 128, "BN": 64, "W": 8, "S": 2})):
-            c += [(f"{tname} serial r4 lanes4", {**tile, "TREE_PATH": "serial", "TREE_REG": 4, "TREE_LANES": 4},
-                   MID + LARGE[1:]),
-                  (f"{tname} serial r8 lanes4", {**tile, "TREE_PATH": "serial", "TREE_REG": 8, "TREE_LANES": 4},
-                   MID + LARGE[1:])]
-        c.append(("64x128 w8 s2 parallel r4 lanes4", {"BM": 64, "BN": 128, "W": 8, "S": 2, "TREE_PATH": "parallel",
-                                                      "TREE_REG": 4, "TREE_LANES": 4}, MID + LARGE[1:]))
+        wide, tall = {"BM": 64, "BN": 128, "W": 8, "S": 2}, {"BM": 128, "BN": 64, "W": 8, "S": 2}
+        for tname, tile, path, reg in (("64x128 w8 s2", wide, "serial", 4), ("64x128 w8 s2", wide, "serial", 8),
+                                       ("128x64 w8 s2", tall, "serial", 4), ("128x64 w8 s2", tall, "serial", 8),
+                                       ("64x128 w8 s2", wide, "parallel", 4)):
+            c.append((f"{tname} {path} r{reg} lanes4", {**tile, "TREE_PATH": path, "TREE_REG": reg, "TREE_LANES": 4},
+                      MID + LARGE[1:]))
     return c
 
 
