@@ -40,7 +40,7 @@ tile, kv head, partition) writes the partition's float32 ``(m, l, acc)`` to a wo
 second launch merges them in partition order (decode at small batch / long context, to fill the
 SMs); partitions past the workspace (a row longer than the launch's ``max_seq_len`` hint) are
 computed by the merging program itself.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2)
-calling the same ``_partition`` / ``_merge`` / ``_finalize`` helpers.
+calling the same ``_walk`` / ``_merge`` / ``_finalize`` helpers.
 
 Query rows of one (sequence, kv head) are packed (token-major, then the ``G`` query heads that
 share the kv head) into tiles of 16, 64 or 128 rows by the number of rows; a row's arithmetic
@@ -84,29 +84,26 @@ def _part_blocks(max_kv: int) -> int:
 
 
 @triton.jit
-def _load_kv(q, kb, vb, pt, p0, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
-             BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr,
-             MASKED: tl.constexpr):
+def _load_kv(q, kb, vb, tab, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
+             BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr):
     """K, V tiles ``[BLOCK_N, BLOCK_D]`` of keys ``kpos = start + arange(BLOCK_N)``; keys at or past ``kbound``
-    read as 0.  Dense: ``PAGE == 0``.  Paged: ``pt`` is the row's page table (``PAGE < BLOCK_N``: each key's page
-    id is loaded with it, a load Triton pipelines one stage ahead of the keys'), or (``PAGE`` a multiple of
-    ``BLOCK_N``) the page ids of the partition from page ``p0 // PAGE`` on, in registers: a block lies in one page,
-    and its keys' addresses wait on no load in the key loop, so the keys pipeline as the dense path's do."""
+    read as 0.  Dense: ``PAGE == 0``.  Paged: ``tab`` is the row's page table; pages shorter than ``BLOCK_N``: each
+    key's page id is loaded with it; pages of ``BLOCK_N`` keys or more: a block lies in one page, whose id is one
+    scalar load (the software pipeliner issues both a stage ahead of the keys they address)."""
     kin = kpos < kbound
     if PAGE == 0:
         koff = kpos.to(tl.int64) * skt
         voff = kpos.to(tl.int64) * svt
     elif PAGE % BLOCK_N == 0:
-        first = start // PAGE - p0 // PAGE
-        page = tl.sum(tl.where(tl.arange(0, PART_PAGES) == first, pt, 0), axis=0)
+        page = tl.load(tab + start // PAGE).to(tl.int64)
         in_page = kpos - (start // PAGE) * PAGE
         koff = page * skp + in_page * skt
         voff = page * svp + in_page * svt
     else:
         if MASKED:
-            page = tl.load(pt + kpos // PAGE, mask=kin, other=0).to(tl.int64)
+            page = tl.load(tab + kpos // PAGE, mask=kin, other=0).to(tl.int64)
         else:
-            page = tl.load(pt + kpos // PAGE).to(tl.int64)
+            page = tl.load(tab + kpos // PAGE).to(tl.int64)
         koff = page * skp + (kpos % PAGE) * skt
         voff = page * svp + (kpos % PAGE) * svt
     if MASKED:
@@ -139,13 +136,36 @@ def _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED:
 
 
 @triton.jit
-def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt, kv_scale, qk_scale,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-               PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Fresh online softmax over the key blocks ``[p0, pe)`` of one partition -> ``(m, l, acc)``.
+def _step(q, kb, vb, tab, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
+          skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGE: tl.constexpr,
+          FP8: tl.constexpr, FOLD: tl.constexpr, MASKED: tl.constexpr):
+    """The key block at ``start``; with ``FOLD``, a block that opens a partition first merges the finished one
+    into the running state and starts from a fresh state."""
+    if FOLD:
+        if (start > lo) & (start % PART == 0):
+            m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_i, tl.max(l_mat, 1), acc, qk_scale)
+            m_i = tl.full(m_i.shape, float("-inf"), dtype=tl.float32)
+            l_mat = tl.zeros(l_mat.shape, dtype=tl.float32)
+            acc = tl.zeros(acc.shape, dtype=tl.float32)
+    kpos = start + offs_n
+    k, v = _load_kv(q, kb, vb, tab, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
+                    BLOCK_N, PAGE, FP8, MASKED)
+    m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED)
+    return m_r, l_r, acc_r, m_i, l_mat, acc
 
-    Blocks below ``full`` are visible to every active row of the tile and skip the mask.  Pages of ``BLOCK_N`` keys
-    or more: the partition's page ids (at most ``PART_PAGES``) are loaded once, before its key loops."""
+
+@triton.jit
+def _walk(q, kb, vb, tab, lo, hi, full, pos, kl, kbound, m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+          PART: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, FOLD: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Key blocks ``[lo, hi)`` (``lo`` on a partition boundary) in increasing order, each partition from a fresh
+    online-softmax state -> ``(m_r, l_r, acc_r, m, l, acc)``: the running state with every finished partition merged
+    in (in order; only with ``FOLD``, else ``[lo, hi)`` must lie in one partition) and the state of the last
+    partition, not merged.
+
+    One loop walks all partitions, so the software pipeliner keeps loading across partition boundaries instead of
+    draining at each; the arithmetic per partition and the merge order are those of the module docstring.  Blocks
+    below ``full`` are visible to every active row of the tile and skip the mask."""
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -153,24 +173,16 @@ def _partition(q, kb, vb, tab, p0, pe, full, pos, kl, kbound, skp, skt, svp, svt
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if PAGE > 0 and PAGE % BLOCK_N == 0:  # the partition's page ids, once (see _load_kv)
-        pid = p0 // PAGE + tl.arange(0, PART_PAGES)
-        pt = tl.load(tab + pid, mask=pid * PAGE < kbound, other=0).to(tl.int64)
-    else:
-        pt = tab
-    u = tl.minimum(tl.maximum(full, p0), pe)
-    for start in tl.range(p0, u, BLOCK_N, num_stages=NUM_STAGES):
-        kpos = start + offs_n
-        k, v = _load_kv(q, kb, vb, pt, p0, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
-                        BLOCK_N, PAGE, PART_PAGES, FP8, False)
-        m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, False)
-    for start in tl.range(u, pe, BLOCK_N, num_stages=NUM_STAGES):
-        kpos = start + offs_n
-        k, v = _load_kv(q, kb, vb, pt, p0, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
-                        BLOCK_N, PAGE, PART_PAGES, FP8, True)
-        m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, True)
-    l_i = tl.max(l_mat, 1)  # all 16 columns are equal
-    return m_i, l_i, acc
+    u = tl.minimum(tl.maximum(full, lo), hi)
+    for start in tl.range(lo, u, BLOCK_N, num_stages=NUM_STAGES):
+        m_r, l_r, acc_r, m_i, l_mat, acc = _step(
+            q, kb, vb, tab, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
+            skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N, PART, PAGE, FP8, FOLD, False)
+    for start in tl.range(u, hi, BLOCK_N, num_stages=NUM_STAGES):
+        m_r, l_r, acc_r, m_i, l_mat, acc = _step(
+            q, kb, vb, tab, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
+            skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N, PART, PAGE, FP8, FOLD, True)
+    return m_r, l_r, acc_r, m_i, tl.max(l_mat, 1), acc  # all 16 columns of l_mat are equal
 
 
 @triton.jit
@@ -253,7 +265,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                  NSEQ, Tq, Tk, HQ, HKV, NPARTS,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr,
                  FP8: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
@@ -284,19 +296,19 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
     full = tl.minimum(tl.min(tl.where(active, pos + 1, 1 << 30), 0), kl)
     full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
     full = tl.minimum(full, tl.maximum(hi, 0))
+    m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc_r = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if MODE == 1:
         p0 = p * PART
-        m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
-                                     skp, skt, svp, svt, kv_scale, qk_scale,
-                                     BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, PART_PAGES, FP8, NUM_STAGES)
+        _, _, _, m_p, l_p, acc_p = _walk(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
+                                         m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
+                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, FP8, False, NUM_STAGES)
         w = (wb + p) * BLOCK_M
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
         tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
     else:
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         n_ws = 0
         if MODE == 2:
             n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)
@@ -305,12 +317,11 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                 m_p = tl.load(WS_M + w + r)
                 l_p = tl.load(WS_L + w + r)
                 acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :])
-                m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
-        for p0 in range(n_ws * PART, hi, PART):
-            m_p, l_p, acc_p = _partition(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
-                                         skp, skt, svp, svt, kv_scale, qk_scale,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PAGE, PART_PAGES, FP8, NUM_STAGES)
-            m_i, l_i, acc = _merge(m_i, l_i, acc, m_p, l_p, acc_p, qk_scale)
+                m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
+        m_r, l_r, acc_r, m_p, l_p, acc_p = _walk(q, kb, vb, tab, n_ws * PART, hi, full, pos, kl, kbound,
+                                                 m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
+                                                 BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, FP8, True, NUM_STAGES)
+        m_i, l_i, acc = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
         out, lse = _finalize(m_i, l_i, acc, pos, qk_scale)
         tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
                  out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
@@ -393,12 +404,8 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     else:
         ws_m = ws_l = ws_acc = out
         grid = (grid0, n1)
-    # page ids a partition's keys can touch, for pages of KV_BLOCK_GPU keys or more (one more when the test-only
-    # partition does not start on a page)
-    part_keys = part_blocks * KV_BLOCK_GPU
-    part_pages = next_pow2(triton.cdiv(part_keys, page) + (part_keys % page != 0)) if page >= KV_BLOCK_GPU else 1
     common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
-              "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
+              "PAGE": page, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
               "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
     args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
