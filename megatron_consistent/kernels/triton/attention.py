@@ -84,26 +84,29 @@ def _part_blocks(max_kv: int) -> int:
 
 
 @triton.jit
-def _load_kv(q, kb, vb, tab, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
-             BLOCK_N: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, MASKED: tl.constexpr):
+def _load_kv(q, kb, vb, pt, p0, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
+             BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr,
+             MASKED: tl.constexpr):
     """K, V tiles ``[BLOCK_N, BLOCK_D]`` of keys ``kpos = start + arange(BLOCK_N)``; keys at or past ``kbound``
-    read as 0.  Dense: ``PAGE == 0``.  Paged: ``tab`` is the row's page table; pages shorter than ``BLOCK_N``: each
-    key's page id is loaded with it; pages of ``BLOCK_N`` keys or more: a block lies in one page, whose id is one
-    scalar load (the software pipeliner issues both a stage ahead of the keys they address)."""
+    read as 0.  Dense: ``PAGE == 0``.  Paged: ``pt`` is the row's page table (``PAGE < BLOCK_N``: each key's page
+    id is loaded with it, a load Triton pipelines one stage ahead of the keys'), or (``PAGE`` a multiple of
+    ``BLOCK_N``) the page ids of the partition from page ``p0 // PAGE`` on, in registers: a block lies in one page,
+    and its keys' addresses wait on no load in the key loop, so the keys pipeline as the dense path's do."""
     kin = kpos < kbound
     if PAGE == 0:
         koff = kpos.to(tl.int64) * skt
         voff = kpos.to(tl.int64) * svt
     elif PAGE % BLOCK_N == 0:
-        page = tl.load(tab + start // PAGE).to(tl.int64)
+        first = start // PAGE - p0 // PAGE
+        page = tl.sum(tl.where(tl.arange(0, PART_PAGES) == first, pt, 0), axis=0)
         in_page = kpos - (start // PAGE) * PAGE
         koff = page * skp + in_page * skt
         voff = page * svp + in_page * svt
     else:
         if MASKED:
-            page = tl.load(tab + kpos // PAGE, mask=kin, other=0).to(tl.int64)
+            page = tl.load(pt + kpos // PAGE, mask=kin, other=0).to(tl.int64)
         else:
-            page = tl.load(tab + kpos // PAGE).to(tl.int64)
+            page = tl.load(pt + kpos // PAGE).to(tl.int64)
         koff = page * skp + (kpos % PAGE) * skt
         voff = page * svp + (kpos % PAGE) * svt
     if MASKED:
@@ -136,9 +139,9 @@ def _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED:
 
 
 @triton.jit
-def _step(q, kb, vb, tab, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
+def _step(q, kb, vb, pt, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
           skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGE: tl.constexpr,
-          FP8: tl.constexpr, FOLD: tl.constexpr, MASKED: tl.constexpr):
+          PART_PAGES: tl.constexpr, FP8: tl.constexpr, FOLD: tl.constexpr, MASKED: tl.constexpr):
     """The key block at ``start``; with ``FOLD``, a block that opens a partition first merges the finished one
     into the running state and starts from a fresh state."""
     if FOLD:
@@ -148,8 +151,8 @@ def _step(q, kb, vb, tab, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, 
             l_mat = tl.zeros(l_mat.shape, dtype=tl.float32)
             acc = tl.zeros(acc.shape, dtype=tl.float32)
     kpos = start + offs_n
-    k, v = _load_kv(q, kb, vb, tab, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
-                    BLOCK_N, PAGE, FP8, MASKED)
+    k, v = _load_kv(q, kb, vb, pt, lo, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
+                    BLOCK_N, PAGE, PART_PAGES, FP8, MASKED)
     m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED)
     return m_r, l_r, acc_r, m_i, l_mat, acc
 
@@ -157,15 +160,16 @@ def _step(q, kb, vb, tab, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, 
 @triton.jit
 def _walk(q, kb, vb, tab, lo, hi, full, pos, kl, kbound, m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-          PART: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, FOLD: tl.constexpr, NUM_STAGES: tl.constexpr):
+          PART: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr, FOLD: tl.constexpr,
+          NUM_STAGES: tl.constexpr):
     """Key blocks ``[lo, hi)`` (``lo`` on a partition boundary) in increasing order, each partition from a fresh
     online-softmax state -> ``(m_r, l_r, acc_r, m, l, acc)``: the running state with every finished partition merged
-    in (in order; only with ``FOLD``, else ``[lo, hi)`` must lie in one partition) and the state of the last
-    partition, not merged.
+    in (in order; only with ``FOLD``) and the state of the last partition, not merged.  Without ``FOLD`` (and always
+    for pages of ``BLOCK_N`` keys or more, whose page ids are loaded here once) ``[lo, hi)`` lies in one partition.
 
-    One loop walks all partitions, so the software pipeliner keeps loading across partition boundaries instead of
-    draining at each; the arithmetic per partition and the merge order are those of the module docstring.  Blocks
-    below ``full`` are visible to every active row of the tile and skip the mask."""
+    With ``FOLD`` one loop walks all partitions, so the software pipeliner keeps loading across partition boundaries
+    instead of draining at each; the arithmetic per partition and the merge order are those of the module
+    docstring.  Blocks below ``full`` are visible to every active row of the tile and skip the mask."""
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -173,15 +177,20 @@ def _walk(q, kb, vb, tab, lo, hi, full, pos, kl, kbound, m_r, l_r, acc_r, skp, s
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_mat = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if PAGE > 0 and PAGE % BLOCK_N == 0:  # the partition's page ids, once (see _load_kv)
+        pid = lo // PAGE + tl.arange(0, PART_PAGES)
+        pt = tl.load(tab + pid, mask=pid * PAGE < kbound, other=0).to(tl.int64)
+    else:
+        pt = tab
     u = tl.minimum(tl.maximum(full, lo), hi)
     for start in tl.range(lo, u, BLOCK_N, num_stages=NUM_STAGES):
         m_r, l_r, acc_r, m_i, l_mat, acc = _step(
-            q, kb, vb, tab, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
-            skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N, PART, PAGE, FP8, FOLD, False)
+            q, kb, vb, pt, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
+            skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N, PART, PAGE, PART_PAGES, FP8, FOLD, False)
     for start in tl.range(u, hi, BLOCK_N, num_stages=NUM_STAGES):
         m_r, l_r, acc_r, m_i, l_mat, acc = _step(
-            q, kb, vb, tab, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
-            skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N, PART, PAGE, FP8, FOLD, True)
+            q, kb, vb, pt, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
+            skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N, PART, PAGE, PART_PAGES, FP8, FOLD, True)
     return m_r, l_r, acc_r, m_i, tl.max(l_mat, 1), acc  # all 16 columns of l_mat are equal
 
 
@@ -265,7 +274,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                  NSEQ, Tq, Tk, HQ, HKV, NPARTS,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
                  FP8: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
@@ -303,7 +312,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         p0 = p * PART
         _, _, _, m_p, l_p, acc_p = _walk(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                          m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, FP8, False, NUM_STAGES)
+                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, False, NUM_STAGES)
         w = (wb + p) * BLOCK_M
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
@@ -318,11 +327,18 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                 l_p = tl.load(WS_L + w + r)
                 acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :])
                 m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
-        m_r, l_r, acc_r, m_p, l_p, acc_p = _walk(q, kb, vb, tab, n_ws * PART, hi, full, pos, kl, kbound,
-                                                 m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
-                                                 BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, FP8, True, NUM_STAGES)
-        m_i, l_i, acc = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
-        out, lse = _finalize(m_i, l_i, acc, pos, qk_scale)
+        if MODE == 0 and PAGE > 0 and PAGE < BLOCK_N:  # one pipelined walk over every partition (see _walk)
+            m_r, l_r, acc_r, m_p, l_p, acc_p = _walk(q, kb, vb, tab, 0, hi, full, pos, kl, kbound,
+                                                     m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_M,
+                                                     BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, True, NUM_STAGES)
+            m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
+        else:  # a walk per partition
+            for p0 in range(n_ws * PART, hi, PART):
+                _, _, _, m_p, l_p, acc_p = _walk(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
+                                                 m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_M,
+                                                 BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, False, NUM_STAGES)
+                m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
+        out, lse = _finalize(m_r, l_r, acc_r, pos, qk_scale)
         tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
                  out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
         if STORE_LSE:
@@ -404,8 +420,12 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     else:
         ws_m = ws_l = ws_acc = out
         grid = (grid0, n1)
+    # page ids a partition's keys can touch, for pages of KV_BLOCK_GPU keys or more (one more when the test-only
+    # partition does not start on a page)
+    part_keys = part_blocks * KV_BLOCK_GPU
+    part_pages = next_pow2(triton.cdiv(part_keys, page) + (part_keys % page != 0)) if page >= KV_BLOCK_GPU else 1
     common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
-              "PAGE": page, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
+              "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
               "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
     args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
