@@ -81,9 +81,9 @@ def distinct_launches(captured, kernels) -> list[tuple[str, dict, dict, dict, in
     return [tuple(json.loads(k)) for k in seen]
 
 
-def compile_sm90(kernel, sig, const, warps, stages, attrs=None) -> tuple[int, int, int, int]:
-    """``(registers, stack bytes, shared memory bytes, asynchronous global-to-shared copies)`` of ``kernel`` compiled for sm_90a (attrs as
-    :func:`launch_key` gives them, keys as strings)."""
+def compile_sm90(kernel, sig, const, warps, stages, attrs=None) -> tuple[int, int, int, int, str]:
+    """``(registers, stack bytes, shared memory bytes, asynchronous global-to-shared copies, TTGIR)`` of ``kernel``
+    compiled for sm_90a (attrs as :func:`launch_key` gives them, keys as strings)."""
     attrs = {(int(i),): v for i, v in (attrs or {}).items()}
     k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
@@ -93,20 +93,41 @@ def compile_sm90(kernel, sig, const, warps, stages, attrs=None) -> tuple[int, in
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
-    return int(m.group(1)), int(m.group(2)), k.metadata.shared, k.asm["ttgir"].count("copy_global_to_local")
+    ttgir = k.asm["ttgir"]
+    return int(m.group(1)), int(m.group(2)), k.metadata.shared, ttgir.count("copy_global_to_local"), ttgir
 
 
-def compile_report(jobs) -> int:
+def normalized_ttgir(ttgir: str) -> str:
+    """TTGIR without what differs between two compiles of the same program: source locations, SSA value names, and
+    the order of the hoisted constants (sorted, first).  Equal text = the same ops in the same order."""
+    lines = []
+    for line in ttgir.splitlines():
+        if line.startswith("#loc"):
+            continue
+        line = re.sub(r"\s*loc\((?:[^()]|\([^()]*\))*\)", "", line)
+        lines.append(re.sub(r"%[\w#]+", "%v", line).rstrip())
+    consts = sorted(x for x in lines if "arith.constant" in x)
+    return "\n".join(consts + [x for x in lines if "arith.constant" not in x]) + "\n"
+
+
+def compile_report(jobs, ttgir_dir: str | None = None) -> int:
     """Compile every ``(description, kernel, signature, attrs, constexprs, warps, stages)`` for sm_90a and print its
-    registers, spills, shared memory and async copies; returns the exit status (1 on any compile error)."""
+    registers, spills, shared memory and async copies; returns the exit status (1 on any compile error).  With
+    ``ttgir_dir``, each launch's :func:`normalized_ttgir` is written there (``diff -r`` two such folders, e.g. of the
+    tree before and after a change, to see which launches compile to other ops)."""
     errors = flagged = 0
+    if ttgir_dir:
+        os.makedirs(ttgir_dir, exist_ok=True)
     for desc, kernel, sig, attrs, const, warps, stages in jobs:
         try:
-            regs, stack, smem, copies = compile_sm90(kernel, sig, const, warps, stages, attrs)
+            regs, stack, smem, copies, ttgir = compile_sm90(kernel, sig, const, warps, stages, attrs)
         except Exception as e:  # noqa: BLE001
             errors += 1
             print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
+        if ttgir_dir:
+            with open(os.path.join(ttgir_dir, re.sub(r"[^\w.-]+", "_", desc) + ".ttgir"), "w") as f:
+                f.write(normalized_ttgir(ttgir))
         flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
         flagged += bool(flag)
         print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d} async {copies:2d}  {desc}", flush=True)

@@ -1,6 +1,6 @@
 """Compile the CUDA attention kernel's launches for sm_90a WITHOUT a GPU: errors, registers, spills, async copies.
 
-    PYTHONPATH=$PWD python benchmarks/offline_compile_attention.py [--quick]
+    PYTHONPATH=$PWD python benchmarks/offline_compile_attention.py [--quick] [--ttgir-dir DIR]
 
 The host code (``paged_attention`` for page sizes 16-128, bf16 and FP8 caches, prefill / decode / chunk shapes on
 both paths; ``attention_fwd`` for the dense path) runs on CPU tensors with the kernels replaced by recorders; each
@@ -55,13 +55,14 @@ def record_launches(quick: bool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="pages 16 and 64, bf16 cache only")
+    ap.add_argument("--ttgir-dir", help="write each launch's normalized TTGIR here (diff -r against another tree's)")
     args = ap.parse_args()
     launches = record_launches(args.quick)
     print(f"{len(launches)} distinct launches", flush=True)
     jobs = [(f"PAGE {const['PAGE']} FP8 {const['FP8']} BLOCK_M {const['BLOCK_M']} MODE {const['MODE']} "
              f"W{warps} S{stages}", tattn._attn_kernel, sig, attrs, const, warps, stages)
             for _, sig, attrs, const, warps, stages in launches]
-    sys.exit(compile_report(jobs))
+    sys.exit(compile_report(jobs, args.ttgir_dir))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the vocabularies of the tests and the benchmark (Llama-3's 128256 at TP = 1, 2, 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -40,9 +41,12 @@ def record_launches():
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ttgir-dir", help="write each launch's normalized TTGIR here (diff -r against another tree's)")
+    args = ap.parse_args()
     jobs = [(f"{name} {const} W{warps} aligned {sorted(int(i) for i in attrs)}", getattr(tls, name), sig, attrs, const,
              warps, stages) for name, sig, attrs, const, warps, stages in record_launches()]
-    sys.exit(compile_report(jobs))
+    sys.exit(compile_report(jobs, args.ttgir_dir))
 
 
 if __name__ == "__main__":

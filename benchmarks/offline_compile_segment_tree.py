@@ -47,6 +47,7 @@ def record_launches(calls):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="TMA shapes, M = 1 and 4096, bf16 out only")
+    ap.add_argument("--ttgir-dir", help="write each launch's normalized TTGIR here (diff -r against another tree's)")
     args = ap.parse_args()
     calls = []
     for n, k in (SHAPES[:4] if args.quick else SHAPES):
@@ -71,7 +72,7 @@ def main():
              f"SWAP {const['SWAP']} W{warps} S{stages} out {sig['out_ptr']} bias {const['HAS_BIAS']}",
              st._segment_tree_kernel, sig, attrs, const, warps, stages)
             for _, sig, attrs, const, warps, stages in launches]
-    sys.exit(compile_report(jobs))
+    sys.exit(compile_report(jobs, args.ttgir_dir))
 
 
 if __name__ == "__main__":
