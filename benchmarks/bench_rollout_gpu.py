@@ -17,6 +17,11 @@ the gap to stock is attributed to kernels, not guessed.
     python benchmarks/bench_rollout_gpu.py --shapes b --engines consistent stock \
         --variant tile44:MC_ATTN_TILES=16:0:4:4 --variant serial_trees:MC_TREE_PATH=serial   # bisect knobs
 
+``--interleave ROUNDS`` starts every engine once, side by side on the GPU (each with ``--gpu-memory-utilization`` /
+the number of engines, so a smaller KV cache than alone), then times ROUNDS rounds of one pass per engine, the order
+reversed every other round: the run-to-run spread of sequential runs (about 10 % at shape b, session 12) falls on
+every engine alike, and the ratios come per round too (their range is printed).
+
 ``--variant NAME:ENV=VALUE[,ENV=VALUE]`` adds a consistent engine run with extra environment (scheduling knobs
 only: launch shapes, tree schedules), reported as ``consistent_NAME`` with its ratio to stock from the same run.
 A candidate GEMM table runs the same way from a copy of the package that carries it, put first on the path
@@ -84,8 +89,8 @@ def prompts_for(shape: dict, vocab: int, seed: int = 0) -> list[list[int]]:
             for _ in range(shape["prompts"])]
 
 
-def worker(request: dict) -> dict:
-    """Inside the engine's process: build the engine, warm up, time generation."""
+def _engine(request: dict):
+    """Inside the engine's process: build the engine and warm it up -> (llm, prompts, params, start-up seconds)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -104,18 +109,33 @@ def worker(request: dict) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = SamplingParams(temperature=1.0, max_tokens=request["max_tokens"], logprobs=0, ignore_eos=True, seed=0)
     llm.generate(prompts[: max(1, len(prompts) // 8)], params, use_tqdm=False)  # warm-up (not timed)
+    return llm, prompts, params, startup
+
+
+def _timed_pass(llm, prompts, params) -> tuple[int, float]:
+    """One generation of every prompt -> (generated tokens, seconds)."""
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
+
+
+def _package_dir() -> str:
+    """Where this process's package came from (a variant may put another copy first on PYTHONPATH)."""
+    return str(Path(importlib.util.find_spec("megatron_consistent").origin).parent)
+
+
+def worker(request: dict) -> dict:
+    """Inside the engine's process: build the engine, warm up, time generation."""
+    llm, prompts, params, startup = _engine(request)
     tokens, seconds, passes = 0, 0.0, 0
     while seconds < request["min_seconds"] or passes == 0:
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds += time.perf_counter() - t
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-        passes += 1
+        n, dt = _timed_pass(llm, prompts, params)
+        tokens, seconds, passes = tokens + n, seconds + dt, passes + 1
     out = {"gen_tokens": tokens, "seconds": seconds, "passes": passes, "gen_tokens_per_s": tokens / seconds,
-           "startup_s": startup,
-           # where this process's package came from (a variant may put another copy first on PYTHONPATH)
-           "package_dir": str(Path(importlib.util.find_spec("megatron_consistent").origin).parent)}
+           "startup_s": startup, "package_dir": _package_dir()}
     if request.get("profile_dir"):
+        from vllm import SamplingParams
+
         short = SamplingParams(temperature=1.0, max_tokens=request["profile_tokens"], logprobs=0, ignore_eos=True, seed=0)
         llm.start_profile()
         t = time.perf_counter()
@@ -124,6 +144,23 @@ def worker(request: dict) -> dict:
         llm.stop_profile()
         out["profile"] = kernel_profile(Path(request["profile_dir"]))
     return out
+
+
+def serve(request: dict, events: Path) -> None:
+    """Inside the engine's process, for ``--interleave``: build and warm up, then one timed pass per ``pass`` line on
+    stdin (anything else ends it); every event is one JSON line appended to ``events`` (the parent polls it)."""
+    llm, prompts, params, startup = _engine(request)
+    _emit(events, {"ready": True, "startup_s": startup, "package_dir": _package_dir()})
+    for line in sys.stdin:
+        if line.strip() != "pass":
+            break
+        n, dt = _timed_pass(llm, prompts, params)
+        _emit(events, {"tokens": n, "seconds": dt})
+
+
+def _emit(events: Path, event: dict) -> None:
+    with open(events, "a") as f:
+        f.write(json.dumps(event) + "\n")
 
 
 def kernel_profile(folder: Path, top: int = 12) -> dict:
@@ -169,6 +206,83 @@ def run_engine(name: str, request: dict, work: Path, engine_env: dict) -> dict:
     out = json.loads(res.read_text())
     out["plugin_active"] = "megatron-consistent plugin active" in log.read_text(errors="replace")
     return out
+
+
+def _next_event(events: Path, seen: int, proc: subprocess.Popen, name: str, timeout_s: float) -> dict:
+    """Event number ``seen`` (0-based) of an engine process, or RuntimeError when it exits or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = events.read_text().splitlines() if events.exists() else []
+        if len(lines) > seen:
+            return json.loads(lines[seen])
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine {name} exited with status {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engine {name} gave no answer in {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
+def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: int, timeout_s: float,
+               command=None) -> dict[str, dict]:
+    """Every engine started once, one after another (each sizes its memory on what the others left), then ``rounds``
+    rounds of one timed pass per engine, the order reversed every other round (A B C, C B A, ...) so a drift of the
+    machine falls on every engine alike.  -> per engine: totals, ``pass_tokens_per_s`` by round, start-up; an engine
+    that exits or hangs past ``timeout_s`` gets ``{"error": ...}`` and is left out of later rounds.
+    ``command(req, events)``: the engine process's argv (default: this script's ``--worker REQ EVENTS --serve``)."""
+    command = command or (lambda req, events: [sys.executable, __file__, "--worker", str(req), str(events), "--serve"])
+    procs, events, results, logs = {}, {}, {}, []
+    try:
+        for name, engine_env in engine_envs.items():
+            req, events[name] = work / f"{name}.req.json", work / f"{name}.events.jsonl"
+            req.write_text(json.dumps(request))
+            logs.append(open(work / f"{name}.log", "w"))
+            procs[name] = subprocess.Popen(command(req, events[name]), env=dict(os.environ, **engine_env), text=True,
+                                           stdin=subprocess.PIPE, stdout=logs[-1], stderr=subprocess.STDOUT)
+            try:
+                ready = _next_event(events[name], 0, procs[name], name, timeout_s)
+                results[name] = {"startup_s": ready["startup_s"], "package_dir": ready["package_dir"],
+                                 "pass_tokens": [], "pass_seconds": []}
+            except RuntimeError as e:
+                results[name] = {"error": str(e)}
+                procs.pop(name).kill()
+            print(f"  {name}: {json.dumps(results[name])[:200]}", flush=True)
+        names = [n for n in engine_envs if n in procs]
+        for r in range(rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                if name not in procs:
+                    continue
+                res = results[name]
+                try:
+                    procs[name].stdin.write("pass\n")
+                    procs[name].stdin.flush()
+                    event = _next_event(events[name], 1 + len(res["pass_tokens"]), procs[name], name, timeout_s)
+                except (RuntimeError, OSError) as e:
+                    results[name] = {"error": str(e)}
+                    procs.pop(name).kill()
+                    continue
+                res["pass_tokens"].append(event["tokens"])
+                res["pass_seconds"].append(event["seconds"])
+            print(f"  round {r + 1}/{rounds}: " + "  ".join(
+                f"{n} {results[n]['pass_tokens'][-1] / results[n]['pass_seconds'][-1]:.0f}" for n in names if n in procs),
+                flush=True)
+    finally:
+        for proc in procs.values():
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+        for f in logs:
+            f.close()
+    for name, res in results.items():
+        if res.get("pass_tokens"):
+            res.update(gen_tokens=sum(res["pass_tokens"]), seconds=sum(res["pass_seconds"]), passes=len(res["pass_tokens"]),
+                       pass_tokens_per_s=[t / s for t, s in zip(res["pass_tokens"], res["pass_seconds"])])
+            res["gen_tokens_per_s"] = res["gen_tokens"] / res["seconds"]
+            res["plugin_active"] = "megatron-consistent plugin active" in (work / f"{name}.log").read_text(errors="replace")
+        elif "error" not in res:
+            res["error"] = "no timed pass"
+    return results
 
 
 def print_profiles(report: dict, engines: list[str]) -> None:
@@ -237,8 +351,18 @@ def main() -> int:
                     help="KV cache block size of every engine (default: vLLM's, 16); the consistent kernel serves 16-128")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:ENV=VALUE[,ENV=VALUE]",
                     help="one more consistent engine with extra environment (repeatable)")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                    help="start every engine once, side by side (each with --gpu-memory-utilization / engines), then "
+                         "ROUNDS rounds of one timed pass each in alternating order; ratios also per round")
+    ap.add_argument("--engine-timeout", type=float, default=900.0,
+                    help="--interleave: seconds an engine may take to start or to finish a pass")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.interleave and args.profile:
+        raise SystemExit("--interleave and --profile: profile in a sequential run (engines share the GPU when interleaved)")
+    if args.interleave < 0:
+        raise SystemExit(f"--interleave {args.interleave}: the number of rounds must be >= 1")
     engine_envs = {name: ENGINES[name] for name in args.engines} | dict(parse_variant(v) for v in args.variant)
     if args.block_size is not None:
         from megatron_consistent.kernels.triton.paged_attention import PAGE_SIZES
@@ -249,6 +373,9 @@ def main() -> int:
         png = plot_profiles(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
         print(f"chart: {png}" if png else f"{args.plot} holds no profile")
         return 0 if png else 1
+    if args.worker and args.serve:
+        serve(json.loads(Path(args.worker[0]).read_text()), Path(args.worker[1]))
+        return 0
     if args.worker:
         result = worker(json.loads(Path(args.worker[0]).read_text()))
         Path(args.worker[1]).write_text(json.dumps(result))
@@ -263,12 +390,16 @@ def main() -> int:
             write_model(model_dir, shape["model"], max_len)
             request = {"model_dir": str(model_dir), "prompts": prompts_for(shape, shape["model"]["vocab_size"]),
                        "max_tokens": shape["max_tokens"], "min_seconds": args.min_seconds,
-                       "gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": max_len,
+                       "gpu_memory_utilization": args.gpu_memory_utilization / (len(engine_envs) if args.interleave else 1),
+                       "max_model_len": max_len,
                        "max_num_seqs": min(512, shape["prompts"]), "profile_tokens": args.profile_tokens,
                        "profile_prompts": args.profile_prompts, "tensor_parallel_size": args.tensor_parallel_size,
                        "block_size": args.block_size}
             row = {"shape": {k: v for k, v in shape.items() if k != "model"} | shape["model"]}
-            for name, engine_env in engine_envs.items():
+            if args.interleave:
+                print(f"[{key}] {len(engine_envs)} engines side by side, {args.interleave} rounds", flush=True)
+                row.update(interleave(engine_envs, request, Path(tmp), args.interleave, args.engine_timeout))
+            for name, engine_env in ({} if args.interleave else engine_envs).items():
                 if args.profile:
                     request["profile_dir"] = str(Path(tmp) / f"profile-{key}-{name}")
                 row[name] = run_engine(name, request, Path(tmp), engine_env)
@@ -280,6 +411,9 @@ def main() -> int:
                     c, o = row.get(mine, {}), row.get(other, {})
                     if "gen_tokens_per_s" in c and "gen_tokens_per_s" in o:
                         row[f"{mine}_over_{other}"] = c["gen_tokens_per_s"] / o["gen_tokens_per_s"]
+                    if c.get("pass_tokens_per_s") and o.get("pass_tokens_per_s"):
+                        row[f"{mine}_over_{other}_by_round"] = [a / b for a, b in zip(c["pass_tokens_per_s"],
+                                                                                     o["pass_tokens_per_s"])]
             report["shapes"][key] = row
             Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"\n{'shape':6} {'engine':22} {'gen tok/s':>11} {'timed s':>8} {'startup s':>9}")
@@ -293,7 +427,9 @@ def main() -> int:
         for mine in (n for n in engine_envs if n.startswith("consistent")):
             for other in ("stock", "stock_batch_invariant"):
                 if f"{mine}_over_{other}" in row:
-                    print(f"{key:6} {mine} / {other}: {row[f'{mine}_over_{other}']:.3f}")
+                    rounds = row.get(f"{mine}_over_{other}_by_round")
+                    spread = f"  (rounds {min(rounds):.3f}-{max(rounds):.3f})" if rounds else ""
+                    print(f"{key:6} {mine} / {other}: {row[f'{mine}_over_{other}']:.3f}{spread}")
     if args.profile:
         print_profiles(report, list(engine_envs))
         png = plot_profiles(report, Path(args.out).with_suffix(".png"))

@@ -1,0 +1,99 @@
+"""``benchmarks/bench_rollout_gpu.py --interleave``: the parent's protocol with stand-in engine processes (CPU).
+
+The stand-in speaks the worker's protocol (a ``ready`` event, then one ``{"tokens", "seconds"}`` event per ``pass``
+line) at a throughput set by its environment, and writes its name to a shared file at every pass, so the order of the
+passes, the per-round figures, and what happens to an engine that dies or hangs are checked without vLLM or a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FAKE_ENGINE = r'''
+import json, os, sys, time
+events, order = sys.argv[2], os.environ["FAKE_ORDER"]
+tps, die_after = float(os.environ["FAKE_TPS"]), int(os.environ.get("FAKE_DIE_AFTER", "-1"))
+
+def emit(event):
+    with open(events, "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+emit({"ready": True, "startup_s": 0.5, "package_dir": "/fake"})
+done = 0
+for line in sys.stdin:
+    if line.strip() != "pass":
+        break
+    if done == die_after:
+        sys.exit(3)
+    if os.environ.get("FAKE_HANG"):
+        time.sleep(60)
+    with open(order, "a") as f:
+        f.write(os.environ["FAKE_NAME"] + "\n")
+    done += 1
+    emit({"tokens": 1000, "seconds": 1000 / (tps * done)})  # an engine that speeds up pass by pass
+'''
+
+
+def _bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rollout_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_rollout_gpu", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(tmp_path: Path, engines: dict[str, dict], rounds: int, timeout_s: float = 30.0):
+    fake = tmp_path / "fake_engine.py"
+    fake.write_text(FAKE_ENGINE)
+    order = tmp_path / "order.txt"
+    envs = {name: {"FAKE_NAME": name, "FAKE_ORDER": str(order), **env} for name, env in engines.items()}
+    results = _bench().interleave(envs, {"prompts": []}, tmp_path, rounds, timeout_s,
+                                  command=lambda req, events: [sys.executable, str(fake), str(req), str(events)])
+    return results, order.read_text().split() if order.exists() else []
+
+
+def test_rounds_alternate_order_and_report_each_pass(tmp_path):
+    results, order = _run(tmp_path, {"consistent": {"FAKE_TPS": "900"}, "stock": {"FAKE_TPS": "1000"}}, rounds=3)
+    assert order == ["consistent", "stock", "stock", "consistent", "consistent", "stock"]
+    for name, tps in (("consistent", 900), ("stock", 1000)):
+        res = results[name]
+        assert res["passes"] == 3 and res["gen_tokens"] == 3000 and res["startup_s"] == 0.5
+        assert res["pass_tokens_per_s"] == pytest.approx([tps, 2 * tps, 3 * tps])
+        assert res["gen_tokens_per_s"] == pytest.approx(3000 / sum(1000 / (tps * k) for k in (1, 2, 3)))
+    assert json.loads((tmp_path / "consistent.req.json").read_text()) == {"prompts": []}
+
+
+def test_an_engine_that_dies_is_reported_and_the_others_go_on(tmp_path):
+    results, order = _run(tmp_path, {"a": {"FAKE_TPS": "1"}, "b": {"FAKE_TPS": "1", "FAKE_DIE_AFTER": "1"},
+                                     "c": {"FAKE_TPS": "1"}}, rounds=3)
+    assert "exited with status 3" in results["b"]["error"]
+    assert "passes" not in results["b"]
+    assert results["a"]["passes"] == results["c"]["passes"] == 3
+    assert order == ["a", "b", "c", "c", "a", "a", "c"]
+
+
+def test_an_engine_that_hangs_is_cut_off_after_the_timeout(tmp_path):
+    t = time.monotonic()
+    results, _ = _run(tmp_path, {"a": {"FAKE_TPS": "1", "FAKE_HANG": "1"}, "b": {"FAKE_TPS": "1"}}, rounds=2,
+                      timeout_s=2.0)
+    assert time.monotonic() - t < 30
+    assert "gave no answer in 2 s" in results["a"]["error"]
+    assert results["b"]["passes"] == 2
+
+
+def test_interleave_refuses_profile_by_name(tmp_path):
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rollout_gpu.py"
+    out = subprocess.run([sys.executable, str(script), "--interleave", "2", "--profile", "--out",
+                          str(tmp_path / "r.json")], capture_output=True, text=True, env=dict(os.environ))
+    assert out.returncode != 0
+    assert "--interleave and --profile" in out.stderr
+    assert not (tmp_path / "r.json").exists()
