@@ -9,6 +9,8 @@
   ``scaled_dot_product_attention`` (flash backend, dense K/V, ``enable_gqa``) vs vLLM's FA3
   ``flash_attn_varlen_func`` with ``block_table`` on the same paged cache (when ``vllm.vllm_flash_attn`` imports);
   with the HBM floor = K+V bytes / device copy bandwidth measured in this run;
+  the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
+  time (launch gaps) shows;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16, and page 64: one key block per page) vs SDPA (flash, causal) and FA3
   ``flash_attn_varlen_func``; TFLOP/s with causal FLOPs ``2 * T * (T + 1) * H * D``.
@@ -34,8 +36,11 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -43,6 +48,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from kernel_trace import kernel_events  # noqa: E402
 from megatron_consistent.kernels.triton import attention as tattn
 from megatron_consistent.kernels.triton import paged_attention as tpa
 
@@ -99,6 +105,24 @@ def _try(fn):
         return float("nan")
 
 
+def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:
+    """Median device time (ms) of the split launch and of the merge launch of ``fn`` (one call on the split path,
+    eager), from a torch-profiler trace: each call launches ``_attn_kernel`` twice, split then merge."""
+    fn()
+    torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        durs = [dur for name, _, dur in kernel_events(trace) if "_attn_kernel" in name]
+    if len(durs) != 2 * iters:
+        raise RuntimeError(f"expected {2 * iters} attention launches in the trace, found {len(durs)}")
+    return statistics.median(durs[0::2]) / 1e3, statistics.median(durs[1::2]) / 1e3
+
+
 def decode_case(b, ctx, bw, rows):
     kv_bytes = 2 * b * ctx * HKV * D * 2
     copies = max(1, min(8, math.ceil(L2_FLUSH_BYTES / kv_bytes)))
@@ -124,6 +148,9 @@ def decode_case(b, ctx, bw, rows):
     est_split = tpa.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[2]
     r["ours_path"] = "split" if est_split else "in-program"
     r["ours_other_path_ms"] = bench(ours(split=not est_split))
+    # where the split path's time goes: its two launches alone (eager, profiled) and the rest of the graph replay
+    phases = _try(lambda: split_phases_ms(ours(split=True)[0]))
+    r["split_launch_ms"], r["merge_launch_ms"] = phases if isinstance(phases, tuple) else (phases, phases)
     # SDPA on dense copies of the same size
     dense = [(torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16),
               torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)) for _ in range(min(copies, 4))]
@@ -142,7 +169,9 @@ def decode_case(b, ctx, bw, rows):
     rows.append(r)
     print(f"decode B={b:3d} ctx={ctx:6d}  floor {r['hbm_floor_ms']:.4f}  ours {r['ours_ms']:.4f} ({r['ours_path']}; "
           f"other {r['ours_other_path_ms']:.4f})  sdpa {r['sdpa_ms']:.4f}  fa3 {r['fa3_ms']:.4f} ms   "
-          f"ours/floor {r['ratio_vs_floor']:.2f}  x sdpa {r['ratio_vs_sdpa']:.2f}  x fa3 {r['ratio_vs_fa3']:.2f}", flush=True)
+          f"ours/floor {r['ratio_vs_floor']:.2f}  x sdpa {r['ratio_vs_sdpa']:.2f}  x fa3 {r['ratio_vs_fa3']:.2f}"
+          f"   split path: split launch {r['split_launch_ms']:.4f} + merge launch {r['merge_launch_ms']:.4f} ms",
+          flush=True)
 
 
 def paged_copy(ks, vs, page):

@@ -35,7 +35,6 @@ tokens x 512; b = 8B Llama (hidden 4096, 32 layers, GQA 32/8, vocab 128256), 256
 from __future__ import annotations
 
 import argparse
-import gzip
 import importlib.util
 import json
 import os
@@ -45,6 +44,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kernel_trace import kernel_events  # noqa: E402
 
 SHAPES = {
     "a": {"model": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -168,12 +171,8 @@ def kernel_profile(folder: Path, top: int = 12) -> dict:
     by_name: dict[str, float] = {}
     traces = sorted(folder.rglob("*.json*"))
     for trace in traces:
-        opener = gzip.open if trace.suffix == ".gz" else open
-        with opener(trace, "rt") as f:
-            events = json.load(f).get("traceEvents", [])
-        for e in events:
-            if e.get("cat") == "kernel" and "dur" in e:
-                by_name[e["name"]] = by_name.get(e["name"], 0.0) + e["dur"] / 1000.0
+        for name, _, dur in kernel_events(trace):
+            by_name[name] = by_name.get(name, 0.0) + dur / 1000.0
     cats: dict[str, float] = {}
     for name, ms in by_name.items():
         cat = next((c for c, rx in KERNEL_CATEGORIES if re.search(rx, name, re.IGNORECASE)), "other")

@@ -1,6 +1,7 @@
-"""``benchmarks/bench_rollout_gpu.py --interleave``: the parent's protocol with stand-in engine processes (CPU).
+"""Benchmark tools on the CPU: ``bench_rollout_gpu.py --interleave`` with stand-in engine processes, and the kernel
+events of a profiler trace (``benchmarks/kernel_trace.py``).
 
-The stand-in speaks the worker's protocol (a ``ready`` event, then one ``{"tokens", "seconds"}`` event per ``pass``
+For ``--interleave`` the stand-in speaks the worker's protocol (a ``ready`` event, then one ``{"tokens", "seconds"}`` event per ``pass``
 line) at a throughput set by its environment, and writes its name to a shared file at every pass, so the order of the
 passes, the per-round figures, and what happens to an engine that dies or hangs are checked without vLLM or a GPU.
 """
@@ -41,9 +42,9 @@ for line in sys.stdin:
 '''
 
 
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_rollout_gpu.py"
-    spec = importlib.util.spec_from_file_location("bench_rollout_gpu", path)
+def _load(name: str):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -54,7 +55,7 @@ def _run(tmp_path: Path, engines: dict[str, dict], rounds: int, timeout_s: float
     fake.write_text(FAKE_ENGINE)
     order = tmp_path / "order.txt"
     envs = {name: {"FAKE_NAME": name, "FAKE_ORDER": str(order), **env} for name, env in engines.items()}
-    results = _bench().interleave(envs, {"prompts": []}, tmp_path, rounds, timeout_s,
+    results = _load("bench_rollout_gpu").interleave(envs, {"prompts": []}, tmp_path, rounds, timeout_s,
                                   command=lambda req, events: [sys.executable, str(fake), str(req), str(events)])
     return results, order.read_text().split() if order.exists() else []
 
@@ -97,3 +98,19 @@ def test_interleave_refuses_profile_by_name(tmp_path):
     assert out.returncode != 0
     assert "--interleave and --profile" in out.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_kernel_events_are_the_trace_kernels_in_start_order(tmp_path, gz):
+    import gzip
+
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "_attn_kernel", "ts": 30.0, "dur": 4.0},
+        {"cat": "cpu_op", "name": "aten::empty", "ts": 1.0, "dur": 9.0},
+        {"cat": "kernel", "name": "_attn_kernel", "ts": 10.0, "dur": 7.5},
+        {"cat": "kernel", "name": "no duration", "ts": 5.0},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 2.0, "dur": 1.0}]}
+    path = tmp_path / ("t.json.gz" if gz else "t.json")
+    with (gzip.open(path, "wt") if gz else open(path, "w")) as f:
+        json.dump(trace, f)
+    assert _load("kernel_trace").kernel_events(path) == [("_attn_kernel", 10.0, 7.5), ("_attn_kernel", 30.0, 4.0)]
