@@ -10,7 +10,8 @@
   ``flash_attn_varlen_func`` with ``block_table`` on the same paged cache (when ``vllm.vllm_flash_attn`` imports);
   with the HBM floor = K+V bytes / device copy bandwidth measured in this run;
   the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
-  time (launch gaps) shows;
+  time (launch gaps) shows; and the split path with the merge loop pipelined over 1-4 stages
+  (``attention.MERGE_STAGES``, loads only), each checked bitwise against the committed setting;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16, and page 64: one key block per page) vs SDPA (flash, causal) and FA3
   ``flash_attn_varlen_func``; TFLOP/s with causal FLOPs ``2 * T * (T + 1) * H * D``.
@@ -151,6 +152,18 @@ def decode_case(b, ctx, bw, rows):
     # where the split path's time goes: its two launches alone (eager, profiled) and the rest of the graph replay
     phases = _try(lambda: split_phases_ms(ours(split=True)[0]))
     r["split_launch_ms"], r["merge_launch_ms"] = phases if isinstance(phases, tuple) else (phases, phases)
+    if est_split:  # the merge loop's pipeline stages (loads only): time and bits against the committed setting
+        ours(split=True)[0]()
+        ref = outs[0].clone()
+        r["merge_stages_ms"], r["merge_stages_bits_equal"] = {}, {}
+        for stages in MERGE_STAGE_CANDIDATES:
+            saved, tattn.MERGE_STAGES = tattn.MERGE_STAGES, stages
+            try:
+                r["merge_stages_ms"][stages] = bench(ours(split=True))
+                ours(split=True)[0]()
+                r["merge_stages_bits_equal"][stages] = bool(torch.equal(outs[0], ref))
+            finally:
+                tattn.MERGE_STAGES = saved
     # SDPA on dense copies of the same size
     dense = [(torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16),
               torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)) for _ in range(min(copies, 4))]
@@ -172,6 +185,9 @@ def decode_case(b, ctx, bw, rows):
           f"ours/floor {r['ratio_vs_floor']:.2f}  x sdpa {r['ratio_vs_sdpa']:.2f}  x fa3 {r['ratio_vs_fa3']:.2f}"
           f"   split path: split launch {r['split_launch_ms']:.4f} + merge launch {r['merge_launch_ms']:.4f} ms",
           flush=True)
+    for stages, ms in r.get("merge_stages_ms", {}).items():
+        print(f"    merge loop {stages} stage(s): {ms:.4f} ms  bits {'equal' if r['merge_stages_bits_equal'][stages] else 'DIFFER'}",
+              flush=True)
 
 
 def paged_copy(ks, vs, page):
@@ -235,6 +251,7 @@ def prefill_case(t, hkv, rows):
 
 # --tiles: launch shapes tried per query-tile class, (BLOCK_M, num_warps, num_stages), on the path each case takes
 PREFILL_TILES = [(128, 8, s) for s in (2, 3, 4)] + [(128, 4, 2), (64, 4, 2), (64, 4, 3)]
+MERGE_STAGE_CANDIDATES = (1, 2, 3, 4)  # attention.MERGE_STAGES values timed on the split decode cases
 DECODE_TILES = [(16, w, s) for w in (2, 4) for s in (2, 3, 4)] + [(16, 4, 5), (16, 8, 3)]
 TILE_PREFILL_CASES = ((16384, 8, False), (16384, 8, True), (16384, 32, False), (4096, 8, False))  # (T, Hkv, paged)
 TILE_DECODE_CASES = ((1, 4096), (4, 4096), (1, 32768), (4, 32768), (8, 16384), (64, 8192))  # (B, context)

@@ -241,6 +241,19 @@ def test_launch_shape_table_is_numerics_neutral(monkeypatch, split):
             assert bits_equal(ref, batch.paged(split=split)), f"{tiles} changed bits"
 
 
+def test_merge_loop_stages_are_numerics_neutral(monkeypatch):
+    """The split path's merge loop pipelined over 2-4 stages (``attention.MERGE_STAGES``, loads issued ahead) gives
+    the bits of the plain loop, for rows spanning 1-3 partitions, pages of 16 and 64 keys."""
+    for page in (16, 64):
+        batch = Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=13, pad_tokens=2)
+        monkeypatch.setattr(ta, "MERGE_STAGES", 1)
+        ref = batch.paged(split=True)
+        assert _check_against_dense(batch, ref) == []
+        for stages in (2, 3, 4):
+            monkeypatch.setattr(ta, "MERGE_STAGES", stages)
+            assert bits_equal(ref, batch.paged(split=True)), f"merge stages {stages}, page {page}"
+
+
 def test_paged_fp8_kv_equals_dense_dequantized():
     for page, split in [(16, True), (64, False)]:
         batch = Batch([(600, 1), (30, 9), (0, 33), (513, 1)], page, DTYPES[0], seed=7, fp8=True, pad_tokens=2)

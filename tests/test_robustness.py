@@ -680,6 +680,9 @@ def test_experiment_knobs_refuse_bad_specs_in_one_line(tmp_path):
         with pytest.raises(ValueError, match="MC_ATTN_TILES") as err:
             tattn.tiles_from_spec(bad)
         assert "\n" not in str(err.value)
+    bad_stages = subprocess.run([sys.executable, "-c", "import megatron_consistent.kernels.triton.attention"],
+                                env=dict(os.environ, MC_ATTN_MERGE_STAGES="0"), capture_output=True, text=True)
+    assert bad_stages.returncode != 0 and "MC_ATTN_MERGE_STAGES=0: the merge loop needs at least 1 stage" in bad_stages.stderr
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_rollout_gpu.py")
     spec = importlib.util.spec_from_file_location("bench_rollout_gpu", path)
     bench = importlib.util.module_from_spec(spec)

@@ -275,7 +275,8 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
-                 FP8: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr):
+                 FP8: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 MERGE_STAGES: tl.constexpr):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
@@ -321,7 +322,7 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         n_ws = 0
         if MODE == 2:
             n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)
-            for p in range(n_ws):
+            for p in tl.range(0, n_ws, num_stages=MERGE_STAGES):  # MERGE_STAGES > 1: workspace loads run ahead
                 w = (wb + p) * BLOCK_M
                 m_p = tl.load(WS_M + w + r)
                 l_p = tl.load(WS_L + w + r)
@@ -348,6 +349,12 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
 # ----------------------------------------------------------------------------- host side
 
 _FORCE_BLOCK_M = int(os.environ.get("MC_ATTN_BLOCK_M", "0"))
+# Software-pipeline stages of the split path's merge loop over the workspace (1: a plain loop, each partition's loads
+# waited for in turn; more: loads of later partitions issued ahead).  Loads only, never bits; an experiment knob until
+# the H200 measures it (``bench_gpu_attention.py`` times the split path with 1-4 stages and checks the bits).
+MERGE_STAGES = int(os.environ.get("MC_ATTN_MERGE_STAGES", "1") or "1")
+if MERGE_STAGES < 1:
+    raise ValueError(f"MC_ATTN_MERGE_STAGES={MERGE_STAGES}: the merge loop needs at least 1 stage")
 _DEFAULT_SMS = 132
 
 
@@ -426,7 +433,7 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     part_pages = next_pow2(triton.cdiv(part_keys, page) + (part_keys % page != 0)) if page >= KV_BLOCK_GPU else 1
     common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
               "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
-              "num_warps": warps, "num_stages": stages}
+              "MERGE_STAGES": MERGE_STAGES, "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
     args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
             nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *os_, *ps, stab)
