@@ -106,6 +106,9 @@ def _try(fn):
         return float("nan")
 
 
+MERGE_STAGE_CANDIDATES = (1, 2, 3, 4)  # attention.MERGE_STAGES values timed on the split decode cases
+
+
 def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:
     """Median device time (ms) of the split launch and of the merge launch of ``fn`` (one call on the split path,
     eager), from a torch-profiler trace: each call launches ``_attn_kernel`` twice, split then merge."""
@@ -251,7 +254,6 @@ def prefill_case(t, hkv, rows):
 
 # --tiles: launch shapes tried per query-tile class, (BLOCK_M, num_warps, num_stages), on the path each case takes
 PREFILL_TILES = [(128, 8, s) for s in (2, 3, 4)] + [(128, 4, 2), (64, 4, 2), (64, 4, 3)]
-MERGE_STAGE_CANDIDATES = (1, 2, 3, 4)  # attention.MERGE_STAGES values timed on the split decode cases
 DECODE_TILES = [(16, w, s) for w in (2, 4) for s in (2, 3, 4)] + [(16, 4, 5), (16, 8, 3)]
 TILE_PREFILL_CASES = ((16384, 8, False), (16384, 8, True), (16384, 32, False), (4096, 8, False))  # (T, Hkv, paged)
 TILE_DECODE_CASES = ((1, 4096), (4, 4096), (1, 32768), (4, 32768), (8, 16384), (64, 8192))  # (B, context)
