@@ -10,8 +10,9 @@
   ``flash_attn_varlen_func`` with ``block_table`` on the same paged cache (when ``vllm.vllm_flash_attn`` imports);
   with the HBM floor = K+V bytes / device copy bandwidth measured in this run;
   the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
-  time (launch gaps) shows; and the split path with the merge loop pipelined over 1-4 stages
-  (``attention.MERGE_STAGES``, loads only), each checked bitwise against the committed setting;
+  time (launch gaps) shows; and the split path's scheduling variants (``SPLIT_VARIANTS``: the merge loop pipelined
+  over 1-4 stages, ``attention.MERGE_STAGES``; the merge in the same launch, ``attention.FUSED_MERGE``), each
+  checked bitwise against the committed setting;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16, and page 64: one key block per page) vs SDPA (flash, causal) and FA3
   ``flash_attn_varlen_func``; TFLOP/s with causal FLOPs ``2 * T * (T + 1) * H * D``.
@@ -106,7 +107,9 @@ def _try(fn):
         return float("nan")
 
 
-MERGE_STAGE_CANDIDATES = (1, 2, 3, 4)  # attention.MERGE_STAGES values timed on the split decode cases
+# scheduling variants of the split decode path (module knobs of attention.py; loads and launches only, never bits)
+SPLIT_VARIANTS = ([(f"two launches, merge stages {n}", {"MERGE_STAGES": n, "FUSED_MERGE": False}) for n in (1, 2, 3, 4)]
+                  + [(f"one launch, merge stages {n}", {"MERGE_STAGES": n, "FUSED_MERGE": True}) for n in (1, 3)])
 
 
 def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:
@@ -155,18 +158,21 @@ def decode_case(b, ctx, bw, rows):
     # where the split path's time goes: its two launches alone (eager, profiled) and the rest of the graph replay
     phases = _try(lambda: split_phases_ms(ours(split=True)[0]))
     r["split_launch_ms"], r["merge_launch_ms"] = phases if isinstance(phases, tuple) else (phases, phases)
-    if est_split:  # the merge loop's pipeline stages (loads only): time and bits against the committed setting
+    if est_split:  # scheduling variants of the split path: time, and bits against the committed setting
         ours(split=True)[0]()
         ref = outs[0].clone()
-        r["merge_stages_ms"], r["merge_stages_bits_equal"] = {}, {}
-        for stages in MERGE_STAGE_CANDIDATES:
-            saved, tattn.MERGE_STAGES = tattn.MERGE_STAGES, stages
+        r["split_variants_ms"], r["split_variants_bits_equal"] = {}, {}
+        for name, knobs in SPLIT_VARIANTS:
+            saved = {key: getattr(tattn, key) for key in knobs}
+            for key, value in knobs.items():
+                setattr(tattn, key, value)
             try:
-                r["merge_stages_ms"][stages] = bench(ours(split=True))
+                r["split_variants_ms"][name] = bench(ours(split=True))
                 ours(split=True)[0]()
-                r["merge_stages_bits_equal"][stages] = bool(torch.equal(outs[0], ref))
+                r["split_variants_bits_equal"][name] = bool(torch.equal(outs[0], ref))
             finally:
-                tattn.MERGE_STAGES = saved
+                for key, value in saved.items():
+                    setattr(tattn, key, value)
     # SDPA on dense copies of the same size
     dense = [(torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16),
               torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)) for _ in range(min(copies, 4))]
@@ -188,8 +194,8 @@ def decode_case(b, ctx, bw, rows):
           f"ours/floor {r['ratio_vs_floor']:.2f}  x sdpa {r['ratio_vs_sdpa']:.2f}  x fa3 {r['ratio_vs_fa3']:.2f}"
           f"   split path: split launch {r['split_launch_ms']:.4f} + merge launch {r['merge_launch_ms']:.4f} ms",
           flush=True)
-    for stages, ms in r.get("merge_stages_ms", {}).items():
-        print(f"    merge loop {stages} stage(s): {ms:.4f} ms  bits {'equal' if r['merge_stages_bits_equal'][stages] else 'DIFFER'}",
+    for name, ms in r.get("split_variants_ms", {}).items():
+        print(f"    split path, {name:28s} {ms:.4f} ms  bits {'equal' if r['split_variants_bits_equal'][name] else 'DIFFER'}",
               flush=True)
 
 

@@ -254,6 +254,41 @@ def test_merge_loop_stages_are_numerics_neutral(monkeypatch):
             assert bits_equal(ref, batch.paged(split=True)), f"merge stages {stages}, page {page}"
 
 
+def test_fused_merge_is_numerics_neutral(monkeypatch):
+    """The split path in one launch (``attention.FUSED_MERGE``: the last program of a query tile and kv head merges the
+    workspace) gives the bits of split + merge launches: rows over 1-3 partitions, chunked rows, a ``max_seq_len``
+    hint shorter than the rows (the tail walked by the merging program), pages of 16 and 64 keys, a dense row with no
+    key, twice in a row (the counters were reset).  The workspace starts as NaN, so a merge of a slot never written,
+    or a tile no program completed, shows.  Triton's interpreter runs the programs one after another, so there only
+    the logic is checked; the order of stores and the merging program's reads is the GPU run's to check."""
+    def nan_workspace(rows, block_d, dev):
+        return tuple(torch.full(shape, float("nan"), device=dev) for shape in ((rows,), (rows,), (rows, block_d)))
+
+    monkeypatch.setattr(ta, "_workspace", nan_workspace)
+
+    def checked(run):
+        monkeypatch.setattr(ta, "FUSED_MERGE", False)
+        ref = run()
+        monkeypatch.setattr(ta, "FUSED_MERGE", True)
+        for _ in range(2):
+            got = run()
+            assert all(bits_equal(a, b) for a, b in (zip(ref, got) if isinstance(ref, tuple) else [(ref, got)]))
+        return ref
+
+    for page in (16, 64):
+        batch = Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=17, pad_tokens=2)
+        for hint in (None, 513):
+            ref = checked(lambda: batch.paged(split=True, max_seq_len=hint))
+        assert _check_against_dense(batch, ref) == []
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, n, h, D, generator=gen).to(device=DEV, dtype=DTYPES[0])
+               for n, h in ((3, HQ), (1100, HKV), (1100, HKV)))
+    pos = torch.tensor([[1097, 1098, 1099], [0, 1, 2]], device=DEV)
+    lens = torch.tensor([1100, 0], device=DEV)  # the second row has no key: out 0, lse -inf
+    out, lse = checked(lambda: ta.attention_fwd(q, k, v, pos, lens, D ** -0.5, split=True))
+    assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+
+
 def test_paged_fp8_kv_equals_dense_dequantized():
     for page, split in [(16, True), (64, False)]:
         batch = Batch([(600, 1), (30, 9), (0, 33), (513, 1)], page, DTYPES[0], seed=7, fp8=True, pad_tokens=2)

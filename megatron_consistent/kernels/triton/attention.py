@@ -37,7 +37,7 @@ Two execution paths give identical bits (the path is chosen from shapes only, or
 ``split=``): **in-program** — one program per (query tile, kv head) walks its partitions in order
 and merges as it goes (prefill, training, large batches); **split** — one program per (query
 tile, kv head, partition) writes the partition's float32 ``(m, l, acc)`` to a workspace and a
-second launch merges them in partition order (decode at small batch / long context, to fill the
+second launch (or, with ``FUSED_MERGE``, the last program of the tile in the same launch) merges them in partition order (decode at small batch / long context, to fill the
 SMs); partitions past the workspace (a row longer than the launch's ``max_seq_len`` hint) are
 computed by the merging program itself.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2)
 calling the same ``_walk`` / ``_merge`` / ``_finalize`` helpers.  In-program launches of the paged path with pages
@@ -64,6 +64,7 @@ import triton.language as tl
 
 from ..dispatch import register
 from ._common import next_pow2
+from .linear import _counters
 
 KV_BLOCK_GPU = 64
 PART_BLOCKS = 8
@@ -271,8 +272,44 @@ def _map_tile(pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt
     return work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab
 
 
+@triton.jit
+def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm, O, LSE,
+              b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+              PART: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr,
+              ONE_WALK: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr):
+    """A tile's rows from a fresh running state: merge the workspace's first ``n_ws`` partitions in order (read
+    through L2: other programs wrote them), walk and merge the partitions after them (``ONE_WALK``: in one loop,
+    see :func:`_walk`), finalize, store ``out`` (and ``lse``)."""
+    m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc_r = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for p in tl.range(0, n_ws, num_stages=MERGE_STAGES):  # MERGE_STAGES > 1: workspace loads run ahead
+        w = (wb + p) * BLOCK_M
+        m_p = tl.load(WS_M + w + r, cache_modifier=".cg")
+        l_p = tl.load(WS_L + w + r, cache_modifier=".cg")
+        acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
+        m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
+    if ONE_WALK:
+        m_r, l_r, acc_r, m_p, l_p, acc_p = _walk(q, kb, vb, tab, n_ws * PART, hi, full, pos, kl, kbound,
+                                                 m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_M,
+                                                 BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, True, NUM_STAGES)
+        m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
+    else:  # a walk per partition
+        for p0 in range(n_ws * PART, hi, PART):
+            _, _, _, m_p, l_p, acc_p = _walk(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
+                                             m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_M,
+                                             BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, False, NUM_STAGES)
+            m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
+    out, lse = _finalize(m_r, l_r, acc_r, pos, qk_scale)
+    tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
+             out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
+    if STORE_LSE:
+        tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
+
+
 @triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS"])
-def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, qk_scale, kv_scale,
+def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, CNT, qk_scale, kv_scale,
                  NSEQ, Tq, Tk, HQ, HKV, NPARTS,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
                  G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -282,7 +319,9 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
-    than the launch's ``max_seq_len`` bound is still complete, with the same bits)."""
+    than the launch's ``max_seq_len`` bound is still complete, with the same bits).  MODE 3: MODE 1, and the last
+    program of a (query tile, kv head) to store its partition (an atomic counter in ``CNT``, reset by it) then does
+    MODE 2's work in the same launch."""
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab = _map_tile(
@@ -297,9 +336,12 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
     active = pos >= 0
     hi = tl.minimum(tl.max(pos, 0) + 1, kl)
     wb = (tile.to(tl.int64) * tl.num_programs(1) + pid1) * NPARTS
-    if MODE == 1:
+    if MODE == 1 or MODE == 3:
         p = tl.program_id(2)
-        if p * PART >= hi:
+        if MODE == 1:
+            if p * PART >= hi:
+                return
+        elif (p > 0) & (p * PART >= hi):  # MODE 3: partition 0 always counts, so some program completes the tile
             return
     q = tl.load(Q + b64 * sqb + t.to(tl.int64)[:, None] * sqt + hq[:, None] * sqh + d[None, :],
                 mask=rv[:, None] & dm[None, :], other=0.0)
@@ -308,10 +350,11 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
     full = tl.minimum(tl.min(tl.where(active, pos + 1, 1 << 30), 0), kl)
     full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
     full = tl.minimum(full, tl.maximum(hi, 0))
-    m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc_r = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if MODE == 1:
+    n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)  # workspace partitions holding keys of the tile
+    if MODE == 1 or MODE == 3:
+        m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc_r = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         p0 = p * PART
         _, _, _, m_p, l_p, acc_p = _walk(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                          m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
@@ -320,32 +363,23 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
         tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
+        if MODE == 3:
+            tl.debug_barrier()  # every thread's stores before the release
+            unit = tile * tl.num_programs(1) + pid1
+            done = tl.atomic_add(CNT + unit, 1, sem="acq_rel", scope="gpu")
+            if done == tl.maximum(n_ws, 1) - 1:
+                _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm, O, LSE,
+                          b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
+                          BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, False, STORE_LSE, NUM_STAGES,
+                          MERGE_STAGES)
+                tl.atomic_xchg(CNT + unit, 0, sem="relaxed", scope="gpu")
     else:
-        n_ws = 0
-        if MODE == 2:
-            n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)
-            for p in tl.range(0, n_ws, num_stages=MERGE_STAGES):  # MERGE_STAGES > 1: workspace loads run ahead
-                w = (wb + p) * BLOCK_M
-                m_p = tl.load(WS_M + w + r)
-                l_p = tl.load(WS_L + w + r)
-                acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :])
-                m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
-        if MODE == 0 and PAGE > 0 and PAGE < BLOCK_N:  # one pipelined walk over every partition (see _walk)
-            m_r, l_r, acc_r, m_p, l_p, acc_p = _walk(q, kb, vb, tab, 0, hi, full, pos, kl, kbound,
-                                                     m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_M,
-                                                     BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, True, NUM_STAGES)
-            m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
-        else:  # a walk per partition
-            for p0 in range(n_ws * PART, hi, PART):
-                _, _, _, m_p, l_p, acc_p = _walk(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
-                                                 m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_M,
-                                                 BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, False, NUM_STAGES)
-                m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
-        out, lse = _finalize(m_r, l_r, acc_r, pos, qk_scale)
-        tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
-                 out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
-        if STORE_LSE:
-            tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
+        if MODE == 0:
+            n_ws = 0
+        _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm,
+                  O, LSE, b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
+                  BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, MODE == 0 and PAGE > 0 and PAGE < BLOCK_N,
+                  STORE_LSE, NUM_STAGES, MERGE_STAGES)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -357,6 +391,11 @@ _FORCE_BLOCK_M = int(os.environ.get("MC_ATTN_BLOCK_M", "0"))
 MERGE_STAGES = int(os.environ.get("MC_ATTN_MERGE_STAGES", "1") or "1")
 if MERGE_STAGES < 1:
     raise ValueError(f"MC_ATTN_MERGE_STAGES={MERGE_STAGES}: the merge loop needs at least 1 stage")
+# The split path in one launch: the last program of a (query tile, kv head) to store its partition merges them
+# (MODE 3) instead of a second launch (MODE 1 + 2).  Scheduling only, never bits; an experiment knob until the H200
+# measures it (``bench_gpu_attention.py`` times both with bits).  The atomic counters are :mod:`.linear`'s buffer
+# (each tile resets its own to 0), so the same one-stream rule holds.
+FUSED_MERGE = os.environ.get("MC_ATTN_FUSED_MERGE", "0") == "1"
 _DEFAULT_SMS = 132
 
 
@@ -411,6 +450,13 @@ def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device
     return nparts > 1 and programs < 2 * _sms(dev)
 
 
+def _workspace(rows: int, block_d: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The split path's float32 partials ``(m, l, acc)``, one slot per (query row, partition), uninitialised: a
+    partition's slot is written before any program reads it (tests fill it with NaN to check that)."""
+    return (torch.empty(rows, dtype=torch.float32, device=dev), torch.empty(rows, dtype=torch.float32, device=dev),
+            torch.empty((rows, block_d), dtype=torch.float32, device=dev))
+
+
 def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, nseq, tq, tk, hq, hkv,
             qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, d):
     g = hq // hkv
@@ -421,10 +467,7 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     use_split = _use_split(split, grid0 * n1, nparts, q.device)
     warps, stages = ATTN_TILES[(bm, use_split)]
     if use_split:
-        rows = grid0 * n1 * nparts * bm
-        ws_m = torch.empty(rows, dtype=torch.float32, device=q.device)
-        ws_l = torch.empty(rows, dtype=torch.float32, device=q.device)
-        ws_acc = torch.empty((rows, block_d), dtype=torch.float32, device=q.device)
+        ws_m, ws_l, ws_acc = _workspace(grid0 * n1 * nparts * bm, block_d, q.device)
         grid = (grid0, n1, nparts)
     else:
         ws_m = ws_l = ws_acc = out
@@ -437,9 +480,12 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
               "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
               "MERGE_STAGES": MERGE_STAGES, "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
-    args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale, float(kv_scale),
+    cnt = _counters(q.device, grid0 * n1) if use_split and FUSED_MERGE else klen
+    args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, cnt, qk_scale, float(kv_scale),
             nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *os_, *ps, stab)
-    if use_split:
+    if use_split and FUSED_MERGE:
+        _attn_kernel[grid](*args, MODE=3, **common)
+    elif use_split:
         _attn_kernel[grid](*args, MODE=1, **common)
         _attn_kernel[(grid0, n1)](*args, MODE=2, **common)
     else:
