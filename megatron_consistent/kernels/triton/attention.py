@@ -40,7 +40,8 @@ tile, kv head, partition) writes the partition's float32 ``(m, l, acc)`` to a wo
 second launch (or, with ``FUSED_MERGE``, the last program of the tile in the same launch) merges
 them in partition order (decode at small batch / long context, to fill the SMs); partitions past
 the workspace (a row longer than the launch's ``max_seq_len`` hint) are computed by the merging
-program itself.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2, or 3) calling the same ``_walk`` / ``_merge`` / ``_finalize`` helpers.  In-program launches of the paged path with pages
+program itself.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2, or 3) calling the same
+``_walk`` / ``_merge`` / ``_finalize`` helpers.  In-program launches of the paged path with pages
 shorter than a key block walk all partitions of a row in one pipelined loop (``_walk`` with ``FOLD``: the loads
 of the next partition do not wait for the previous one's merge); the others walk one partition per loop.
 
