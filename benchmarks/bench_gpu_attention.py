@@ -14,7 +14,8 @@
   over 1-4 stages, ``attention.MERGE_STAGES``; the merge in the same launch, ``attention.FUSED_MERGE``), each
   checked bitwise against the committed setting;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
-  trainer) and ``paged_attention`` (page 16, and page 64: one key block per page) vs SDPA (flash, causal) and FA3
+  trainer) and ``paged_attention`` (page 16, and page 64: one key block per page; each also with the step's K/V
+  passed, ``k_new``, as the vLLM backend does: key blocks of new tokens read from them) vs SDPA (flash, causal) and FA3
   ``flash_attn_varlen_func``; TFLOP/s with causal FLOPs ``2 * T * (T + 1) * H * D``.
 
 Every time is a CUDA-graph replay (``triton.testing.do_bench_cudagraph``) cycling through enough
@@ -229,10 +230,15 @@ def prefill_case(t, hkv, rows):
     seq = torch.tensor([t], device=DEV, dtype=torch.int32)
     pq = [x[0] for x in qs]
     outs = [torch.empty_like(x) for x in pq]
-    for page, key in ((PAGE, "ours_paged_ms"), (64, "ours_paged64_ms")):
+    for page, key in ((PAGE, "ours_paged"), (64, "ours_paged64")):
         kv, tab = paged_copy(ks, vs, page)
-        r[key] = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(pq[i], kv[0], kv[1], tab[i], qsl, seq, scale,
-                                                                          outs[i], t, 32768) for i in range(copies)])
+        r[f"{key}_ms"] = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(
+            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768) for i in range(copies)])
+        ref = outs[0].clone()
+        r[f"{key}_new_kv_ms"] = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(
+            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768, k_new=ks[i][0], v_new=vs[i][0])
+            for i in range(copies)])
+        r[f"{key}_new_kv_bits_equal"] = bool(torch.equal(ref, outs[0]))
         del kv
     sq = [x.transpose(1, 2) for x in qs]
     sk = [x.transpose(1, 2) for x in ks]
@@ -245,17 +251,21 @@ def prefill_case(t, hkv, rows):
             softmax_scale=scale, causal=True, fa_version=3) for i in range(copies)]))
     else:
         r["fa3_ms"] = float("nan")
-    for k in ("ours_dense", "ours_paged", "ours_paged64", "sdpa", "fa3"):
+    for k in ("ours_dense", "ours_paged", "ours_paged64", "ours_paged_new_kv", "ours_paged64_new_kv", "sdpa", "fa3"):
         r[f"{k}_tflops"] = flops / r[f"{k}_ms"] * 1e-9
     r["ratio_dense_vs_sdpa"] = r["sdpa_ms"] / r["ours_dense_ms"]
     r["ratio_dense_vs_fa3"] = r["fa3_ms"] / r["ours_dense_ms"]
     r["ratio_paged_vs_fa3"] = r["fa3_ms"] / r["ours_paged_ms"]
+    r["ratio_paged_new_kv_vs_fa3"] = r["fa3_ms"] / r["ours_paged_new_kv_ms"]
     rows.append(r)
     print(f"prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d}  TFLOP/s: ours dense {r['ours_dense_tflops']:6.1f}  ours paged "
           f"{r['ours_paged_tflops']:6.1f} (page 64: {r['ours_paged64_tflops']:6.1f})  sdpa {r['sdpa_tflops']:6.1f}  "
           f"fa3 {r['fa3_tflops']:6.1f}   "
           f"dense x sdpa {r['ratio_dense_vs_sdpa']:.2f}  dense x fa3 {r['ratio_dense_vs_fa3']:.2f}  "
           f"paged x fa3 {r['ratio_paged_vs_fa3']:.2f}", flush=True)
+    print(f"    with the step's K/V (k_new): page 16 {r['ours_paged_new_kv_tflops']:6.1f}  page 64 "
+          f"{r['ours_paged64_new_kv_tflops']:6.1f} TFLOP/s  paged x fa3 {r['ratio_paged_new_kv_vs_fa3']:.2f}  bits equal "
+          f"{r['ours_paged_new_kv_bits_equal'] and r['ours_paged64_new_kv_bits_equal']}", flush=True)
 
 
 # --tiles: launch shapes tried per query-tile class, (BLOCK_M, num_warps, num_stages), on the path each case takes

@@ -3,9 +3,10 @@
     PYTHONPATH=$PWD python benchmarks/offline_compile_attention.py [--quick] [--ttgir-dir DIR]
 
 The host code (``paged_attention`` for page sizes 16-128, bf16 and FP8 caches, prefill / decode / chunk shapes on
-both paths; ``attention_fwd`` for the dense path) runs on CPU tensors with the kernels replaced by recorders; each
-distinct launch is compiled by :mod:`offline_compile`.  The ``async`` column counts the key and value loads the
-software pipeliner made asynchronous (the dense path's prefill: 12): a paged launch with fewer waits on its loads.
+both paths, with and without the step's new K/V for a bf16 cache; ``attention_fwd`` for the dense path) runs on CPU
+tensors with the kernels replaced by recorders; each distinct launch is compiled by :mod:`offline_compile`.  The
+``async`` column counts the key and value loads the software pipeliner made asynchronous (the dense path's prefill:
+12): a paged launch with fewer waits on its loads.
 Says nothing about bits or speed.  Exit 1 on a compile error.
 """
 
@@ -43,6 +44,10 @@ def record_launches(quick: bool):
                     seq = torch.full((nseq,), KEYS, dtype=torch.int32)
                     tpa.paged_attention(q, cache, cache, table, qsl, seq, D ** -0.5, torch.empty_like(q), qlen, KEYS,
                                         kv_scale=1.0, split=split)
+                    if cache_dtype != torch.float8_e4m3fn and qlen > 1:
+                        kv_new = torch.empty(nseq * qlen, HKV, D, dtype=torch.bfloat16)
+                        tpa.paged_attention(q, cache, cache, table, qsl, seq, D ** -0.5, torch.empty_like(q), qlen,
+                                            KEYS, split=split, k_new=kv_new, v_new=kv_new)
         q = torch.empty(1, KEYS, HQ, D, dtype=torch.bfloat16)
         kv = torch.empty(1, KEYS, HKV, D, dtype=torch.bfloat16)
         tattn.attention_fwd(q, kv, kv, torch.arange(KEYS)[None], torch.tensor([KEYS]), D ** -0.5)
@@ -60,7 +65,7 @@ def main():
     launches = record_launches(args.quick)
     print(f"{len(launches)} distinct launches", flush=True)
     jobs = [(f"PAGE {const['PAGE']} FP8 {const['FP8']} BLOCK_M {const['BLOCK_M']} MODE {const['MODE']} "
-             f"W{warps} S{stages}", tattn._attn_kernel, sig, attrs, const, warps, stages)
+             f"W{warps} S{stages}" + (" NEW_KV" if const["NEW_KV"] else ""), tattn._attn_kernel, sig, attrs, const, warps, stages)
             for _, sig, attrs, const, warps, stages in launches]
     sys.exit(compile_report(jobs, args.ttgir_dir))
 

@@ -104,13 +104,19 @@ class Batch:
         self.seq_lens = torch.tensor(self.lens, dtype=torch.int32).to(DEV)
         self.t = sum(self.qlens)
         self.q_all = torch.cat(self.q + [_randn((pad_tokens, HQ, D), gen, dtype)])
+        # the step's new keys / values, token-major as q (what the engine writes to the cache before attention),
+        # padding tokens random
+        pad_kv = [_randn((pad_tokens, HKV, D), gen, dtype) for _ in range(2)]
+        self.k_new, self.v_new = (torch.cat([x[c:] for x, (c, _) in zip(side, self.seqs)] + [pad])
+                                  for side, pad in zip(zip(*self.kv) if self.kv else ([], []), pad_kv))
 
-    def paged(self, split=None, block_m=0, max_seq_len=None, max_query_len=None):
+    def paged(self, split=None, block_m=0, max_seq_len=None, max_query_len=None, new_kv=False):
         out = torch.full_like(self.q_all, float("nan"))
         tpa.paged_attention(self.q_all, self.k_cache, self.v_cache, self.table, self.qsl, self.seq_lens, D ** -0.5, out,
                            max_query_len=max_query_len or max(self.qlens + [1]),
                            max_seq_len=max_seq_len or max(self.lens + [1]),
-                           kv_scale=KV_SCALE if self.fp8 else None, split=split, block_m=block_m)
+                           kv_scale=KV_SCALE if self.fp8 else None, split=split, block_m=block_m,
+                           k_new=self.k_new if new_kv else None, v_new=self.v_new if new_kv else None)
         return out
 
     def dense(self, s, split=None):
@@ -287,6 +293,45 @@ def test_fused_merge_is_numerics_neutral(monkeypatch):
     lens = torch.tensor([1100, 0], device=DEV)  # the second row has no key: out 0, lse -inf
     out, lse = checked(lambda: ta.attention_fwd(q, k, v, pos, lens, D ** -0.5, split=True))
     assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
+
+
+_NEW_KV_CASES = ([(p, s) for p in (16, 32, 64, 128) for s in (None, False, True)] if ON_GPU
+                 else [(16, None), (64, True)])
+
+
+@pytest.mark.parametrize("page,split", _NEW_KV_CASES)
+def test_paged_new_kv_from_step_tensors(page, split):
+    """Key blocks of new tokens read from the step's K/V (``k_new``) give the bits of the cache path and of dense
+    attention: whole prefills, chunks over cached prefixes ending either side of a block boundary, decodes, padding
+    tokens; pages 16-128; both paths.  A perturbed ``k_new`` must change the prefill rows (the tensors are read),
+    and the FP8 cache ignores ``k_new`` (it holds the quantized values)."""
+    seqs = [(0, 150), (37, 90), (64, 70), (500, 40), (600, 1), (0, 1), (130, 2)]
+    for dtype in DTYPES:
+        batch = Batch(seqs, page, dtype, seed=page + 3, pad_tokens=3)
+        ref = batch.paged(split=split)
+        got = batch.paged(split=split, new_kv=True)
+        assert bits_equal(got, ref), "new K/V from the step's tensors changed bits"
+        assert _check_against_dense(batch, got) == []
+        assert bits_equal(got, batch.paged(split=split, new_kv=True, block_m=128)), "tile size changed bits"
+        assert bits_equal(got, batch.paged(split=split, new_kv=True, max_seq_len=513, max_query_len=2)), "short hints"
+    batch.k_new = batch.k_new * 2
+    assert not bits_equal(batch.rows(batch.paged(split=split, new_kv=True), 0), batch.rows(ref, 0)), \
+        "k_new was not read"
+    fp8 = Batch(seqs[:3], page, DTYPES[0], seed=9, fp8=True)
+    ref8 = fp8.paged(split=split)
+    fp8.k_new = fp8.k_new * 2
+    assert bits_equal(fp8.paged(split=split, new_kv=True), ref8), "an FP8 cache must ignore k_new"
+
+
+def test_paged_new_kv_refuses_bad_shapes():
+    batch = Batch([(5, 3)], 16, DTYPES[0], seed=1)
+    for bad in (batch.k_new[:2], batch.k_new.to(torch.float32), batch.k_new[:, :1]):
+        with pytest.raises(ValueError, match="k_new / v_new must be"):
+            tpa.paged_attention(batch.q_all, batch.k_cache, batch.v_cache, batch.table, batch.qsl, batch.seq_lens,
+                                1.0, torch.empty_like(batch.q_all), 3, 8, k_new=bad, v_new=batch.v_new)
+    with pytest.raises(ValueError, match="both k_new and v_new"):
+        tpa.paged_attention(batch.q_all, batch.k_cache, batch.v_cache, batch.table, batch.qsl, batch.seq_lens,
+                            1.0, torch.empty_like(batch.q_all), 3, 8, k_new=batch.k_new)
 
 
 def test_paged_fp8_kv_equals_dense_dequantized():

@@ -4,7 +4,8 @@ The trainer's causal attention on CUDA (``kernels/triton/attention.py``) and
 this backend run one per-row recurrence: KV blocks of 64 keys aligned at
 absolute position 0, fixed KV partitions merged in order, the same online
 softmax.  Here the kernel reads K/V **directly from vLLM's paged cache
-through the block table** (no gather copy), so a query row gets the bits of
+through the block table** (no gather copy; key blocks of the step's new tokens
+from the step's key / value tensors, the same values), so a query row gets the bits of
 the training forward in a whole prefill, a prefill chunk over a cached
 prefix, a prefix-cache hit and a decode step, in any batch.
 
@@ -115,9 +116,11 @@ class ConsistentCudaAttentionImpl(AttentionImpl):
             return output.zero_()
         m = attn_metadata
         k_cache, v_cache = self._caches(kv_cache)
+        step_kv = key is not None and value is not None  # the values just written: new-token blocks read from them
         paged_attention(query, k_cache, v_cache, m.block_table, m.query_start_loc, m.seq_lens, self.scale, output,
                         max_query_len=m.max_query_len, max_seq_len=m.max_seq_len,
-                        kv_scale=KV_SCALE if self.fp8_kv else None)
+                        kv_scale=KV_SCALE if self.fp8_kv else None,
+                        k_new=key if step_kv else None, v_new=value if step_kv else None)
         return output
 
 

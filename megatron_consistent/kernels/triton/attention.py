@@ -88,16 +88,23 @@ def _part_blocks(max_kv: int) -> int:
 
 
 @triton.jit
-def _load_kv(q, kb, vb, pt, p0, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
+def _load_kv(q, kb, vb, pt, p0, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale, kn, vn, kn0, sknt, svnt,
              BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr,
-             MASKED: tl.constexpr):
+             MASKED: tl.constexpr, NEW: tl.constexpr):
     """K, V tiles ``[BLOCK_N, BLOCK_D]`` of keys ``kpos = start + arange(BLOCK_N)``; keys at or past ``kbound``
     read as 0.  Dense: ``PAGE == 0``.  Paged: ``pt`` is the row's page table (``PAGE < BLOCK_N``: each key's page
     id is loaded with it, a load Triton pipelines one stage ahead of the keys'), or (``PAGE`` a multiple of
     ``BLOCK_N``) the page ids of the partition from page ``p0 // PAGE`` on, in registers: a block lies in one page,
-    and its keys' addresses wait on no load in the key loop, so the keys pipeline as the dense path's do."""
+    and its keys' addresses wait on no load in the key loop, so the keys pipeline as the dense path's do.  ``NEW``:
+    every key of the block is one of the step's new tokens, read from the step's dense ``[T, Hkv, D]`` K/V ``kn, vn``
+    at token ``kpos + kn0`` and addressed as the dense path (the cache holds the same values: bf16 / fp16 only)."""
     kin = kpos < kbound
-    if PAGE == 0:
+    if NEW:
+        kb = kn
+        vb = vn
+        koff = (kpos + kn0).to(tl.int64) * sknt
+        voff = (kpos + kn0).to(tl.int64) * svnt
+    elif PAGE == 0:
         koff = kpos.to(tl.int64) * skt
         voff = kpos.to(tl.int64) * svt
     elif PAGE % BLOCK_N == 0:
@@ -144,8 +151,9 @@ def _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED:
 
 @triton.jit
 def _step(q, kb, vb, pt, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
-          skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N: tl.constexpr, PART: tl.constexpr, PAGE: tl.constexpr,
-          PART_PAGES: tl.constexpr, FP8: tl.constexpr, FOLD: tl.constexpr, MASKED: tl.constexpr):
+          skp, skt, svp, svt, kv_scale, qk_scale, kn, vn, kn0, sknt, svnt, BLOCK_N: tl.constexpr, PART: tl.constexpr,
+          PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr, FOLD: tl.constexpr, MASKED: tl.constexpr,
+          NEW: tl.constexpr):
     """The key block at ``start``; with ``FOLD``, a block that opens a partition first merges the finished one
     into the running state and starts from a fresh state."""
     if FOLD:
@@ -155,17 +163,17 @@ def _step(q, kb, vb, pt, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l
             l_mat = tl.zeros(l_mat.shape, dtype=tl.float32)
             acc = tl.zeros(acc.shape, dtype=tl.float32)
     kpos = start + offs_n
-    k, v = _load_kv(q, kb, vb, pt, lo, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale,
-                    BLOCK_N, PAGE, PART_PAGES, FP8, MASKED)
+    k, v = _load_kv(q, kb, vb, pt, lo, start, kpos, kbound, d, dm, skp, skt, svp, svt, kv_scale, kn, vn, kn0, sknt,
+                    svnt, BLOCK_N, PAGE, PART_PAGES, FP8, MASKED, NEW)
     m_i, l_mat, acc = _attn_block(q, k, v, kpos, pos, kl, m_i, l_mat, acc, ones, qk_scale, MASKED)
     return m_r, l_r, acc_r, m_i, l_mat, acc
 
 
 @triton.jit
 def _walk(q, kb, vb, tab, lo, hi, full, pos, kl, kbound, m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
-          PART: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr, FOLD: tl.constexpr,
-          NUM_STAGES: tl.constexpr):
+          kn, vn, kn0, newc, sknt, svnt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+          D: tl.constexpr, PART: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr,
+          FOLD: tl.constexpr, NEW_KV: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Key blocks ``[lo, hi)`` (``lo`` on a partition boundary) in increasing order, each partition from a fresh
     online-softmax state -> ``(m_r, l_r, acc_r, m, l, acc)``: the running state with every finished partition merged
     in (in order; only with ``FOLD``) and the state of the last partition, not merged.  Without ``FOLD`` (and always
@@ -173,7 +181,9 @@ def _walk(q, kb, vb, tab, lo, hi, full, pos, kl, kbound, m_r, l_r, acc_r, skp, s
 
     With ``FOLD`` one loop walks all partitions, so the software pipeliner keeps loading across partition boundaries
     instead of draining at each; the arithmetic per partition and the merge order are those of the module
-    docstring.  Blocks below ``full`` are visible to every active row of the tile and skip the mask."""
+    docstring.  Blocks below ``full`` are visible to every active row of the tile and skip the mask; with ``NEW_KV``,
+    those of them from ``newc`` on (blocks of the step's new tokens only) are read from the step's K/V (see
+    :func:`_load_kv`): the same values, so the same bits, with dense addresses."""
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -187,14 +197,26 @@ def _walk(q, kb, vb, tab, lo, hi, full, pos, kl, kbound, m_r, l_r, acc_r, skp, s
     else:
         pt = tab
     u = tl.minimum(tl.maximum(full, lo), hi)
-    for start in tl.range(lo, u, BLOCK_N, num_stages=NUM_STAGES):
+    if NEW_KV:
+        c = tl.minimum(tl.maximum(newc, lo), u)
+    else:
+        c = u
+    for start in tl.range(lo, c, BLOCK_N, num_stages=NUM_STAGES):
         m_r, l_r, acc_r, m_i, l_mat, acc = _step(
             q, kb, vb, pt, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
-            skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N, PART, PAGE, PART_PAGES, FP8, FOLD, False)
+            skp, skt, svp, svt, kv_scale, qk_scale, kn, vn, kn0, sknt, svnt, BLOCK_N, PART, PAGE, PART_PAGES, FP8,
+            FOLD, False, False)
+    if NEW_KV:
+        for start in tl.range(c, u, BLOCK_N, num_stages=NUM_STAGES):
+            m_r, l_r, acc_r, m_i, l_mat, acc = _step(
+                q, kb, vb, pt, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
+                skp, skt, svp, svt, kv_scale, qk_scale, kn, vn, kn0, sknt, svnt, BLOCK_N, PART, PAGE, PART_PAGES, FP8,
+                FOLD, False, True)
     for start in tl.range(u, hi, BLOCK_N, num_stages=NUM_STAGES):
         m_r, l_r, acc_r, m_i, l_mat, acc = _step(
             q, kb, vb, pt, start, lo, offs_n, d, dm, ones, pos, kl, kbound, m_r, l_r, acc_r, m_i, l_mat, acc,
-            skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_N, PART, PAGE, PART_PAGES, FP8, FOLD, True)
+            skp, skt, svp, svt, kv_scale, qk_scale, kn, vn, kn0, sknt, svnt, BLOCK_N, PART, PAGE, PART_PAGES, FP8,
+            FOLD, True, False)
     return m_r, l_r, acc_r, m_i, tl.max(l_mat, 1), acc  # all 16 columns of l_mat are equal
 
 
@@ -224,7 +246,8 @@ def _finalize(m, l, acc, pos, qk_scale):
 @triton.jit
 def _map_tile(pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt, stab,
               G: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr):
-    """Rows of program (pid0, pid1) -> (has_work, tile id, seq, kv head, row valid, token, q head, pos, k_len, key bound, page table).
+    """Rows of program (pid0, pid1) -> (has_work, tile id, seq, kv head, row valid, token, q head, pos, k_len, key bound,
+    page table, the first new key's position and token: paged only, the step's new tokens are the sequence's last).
 
     Dense (``PAGE == 0``): pid0 = query tile (heaviest first), pid1 = batch * HKV + kv head.
     Paged: pid1 = kv head; pid0 = a virtual tile: sequence ``s`` owns virtual tiles
@@ -244,6 +267,8 @@ def _map_tile(pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt
         tab = TAB
         work = tile >= 0
         hq = kvh * G + (rr % G)
+        new0 = kbound
+        tnew0 = 0
     else:
         tile = pid0
         kvh = pid1
@@ -270,15 +295,18 @@ def _map_tile(pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt
         tab = TAB + b.to(tl.int64) * stab
         work = lt * BLOCK_M < qlen * G
         hq = kvh * G + (rr % G)
-    return work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab
+        new0 = seqlen - qlen
+        tnew0 = q0
+    return work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab, new0, tnew0
 
 
 @triton.jit
 def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm, O, LSE,
-              b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+              b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale, kn, vn, kn0, newc, sknt,
+              svnt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
               PART: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr, FP8: tl.constexpr,
-              ONE_WALK: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr):
+              ONE_WALK: tl.constexpr, NEW_KV: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr,
+              MERGE_STAGES: tl.constexpr):
     """A tile's rows from a fresh running state: merge the workspace's first ``n_ws`` partitions in order (read
     through L2: other programs wrote them), walk and merge the partitions after them (``ONE_WALK``: in one loop,
     see :func:`_walk`), finalize, store ``out`` (and ``lse``)."""
@@ -293,14 +321,16 @@ def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_AC
         m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
     if ONE_WALK:
         m_r, l_r, acc_r, m_p, l_p, acc_p = _walk(q, kb, vb, tab, n_ws * PART, hi, full, pos, kl, kbound,
-                                                 m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_M,
-                                                 BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, True, NUM_STAGES)
+                                                 m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
+                                                 kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART,
+                                                 PAGE, PART_PAGES, FP8, True, NEW_KV, NUM_STAGES)
         m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
     else:  # a walk per partition
         for p0 in range(n_ws * PART, hi, PART):
             _, _, _, m_p, l_p, acc_p = _walk(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
-                                             m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale, BLOCK_M,
-                                             BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, False, NUM_STAGES)
+                                             m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
+                                             kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE,
+                                             PART_PAGES, FP8, False, NEW_KV, NUM_STAGES)
             m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
     out, lse = _finalize(m_r, l_r, acc_r, pos, qk_scale)
     tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
@@ -310,22 +340,25 @@ def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_AC
 
 
 @triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS"])
-def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, CNT, qk_scale, kv_scale,
+def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, CNT, qk_scale, kv_scale,
                  NSEQ, Tq, Tk, HQ, HKV, NPARTS,
-                 sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sob, sot, soh, spb, spt, stab,
-                 G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sknt, sknh, svnt, svnh, sob, sot, soh, spb, spt,
+                 stab, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
-                 FP8: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 MERGE_STAGES: tl.constexpr):
+                 FP8: tl.constexpr, NEW_KV: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
     than the launch's ``max_seq_len`` bound is still complete, with the same bits).  MODE 3: MODE 1, and the last
     program of a (query tile, kv head) to store its partition (an atomic counter in ``CNT``, reset by it) then does
-    MODE 2's work in the same launch."""
+    MODE 2's work in the same launch.  ``NEW_KV`` (paged, bf16 / fp16 cache): ``KN, VN [T, Hkv, D]`` are the step's
+    new keys and values (those the cache holds for the sequences' last ``q_len`` positions); key blocks of new
+    tokens only are read from them (see :func:`_walk`)."""
+    tl.static_assert(not (NEW_KV and FP8), "an FP8 cache is read from the cache only")
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
-    work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab = _map_tile(
+    work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab, new0, tnew0 = _map_tile(
         pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt, stab, G, BLOCK_M, PAGE)
     if not work:
         return
@@ -348,6 +381,10 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
                 mask=rv[:, None] & dm[None, :], other=0.0)
     kb = K + b64 * skb + kvh * skh
     vb = V + b64 * svb + kvh * svh
+    kn = KN + kvh * sknh
+    vn = VN + kvh * svnh
+    kn0 = tnew0 - new0  # token of key position j among the new tokens: j + kn0
+    newc = ((new0 + BLOCK_N - 1) // BLOCK_N) * BLOCK_N  # the first key block of new tokens only
     full = tl.minimum(tl.min(tl.where(active, pos + 1, 1 << 30), 0), kl)
     full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
     full = tl.minimum(full, tl.maximum(hi, 0))
@@ -359,7 +396,8 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
         p0 = p * PART
         _, _, _, m_p, l_p, acc_p = _walk(q, kb, vb, tab, p0, tl.minimum(p0 + PART, hi), full, pos, kl, kbound,
                                          m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
-                                         BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, False, NUM_STAGES)
+                                         kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE,
+                                         PART_PAGES, FP8, False, NEW_KV, NUM_STAGES)
         w = (wb + p) * BLOCK_M
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
@@ -371,16 +409,16 @@ def _attn_kernel(Q, K, V, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC,
             if done == tl.maximum(n_ws, 1) - 1:
                 _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm, O, LSE,
                           b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
-                          BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, False, STORE_LSE, NUM_STAGES,
-                          MERGE_STAGES)
+                          kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8,
+                          False, NEW_KV, STORE_LSE, NUM_STAGES, MERGE_STAGES)
                 tl.atomic_xchg(CNT + unit, 0, sem="relaxed", scope="gpu")
     else:
         if MODE == 0:
             n_ws = 0
         _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm,
                   O, LSE, b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
-                  BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8, MODE == 0 and PAGE > 0 and PAGE < BLOCK_N,
-                  STORE_LSE, NUM_STAGES, MERGE_STAGES)
+                  kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8,
+                  MODE == 0 and PAGE > 0 and PAGE < BLOCK_N, NEW_KV, STORE_LSE, NUM_STAGES, MERGE_STAGES)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -459,7 +497,9 @@ def _workspace(rows: int, block_d: int, dev: torch.device) -> tuple[torch.Tensor
 
 
 def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, nseq, tq, tk, hq, hkv,
-            qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, d):
+            qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, d, k_new=None, v_new=None):
+    """One attention call's launches.  ``k_new, v_new [T, Hkv, D]`` (paged, non-FP8 cache): the step's new keys and
+    values, read in place of the cache for key blocks of new tokens only (same values: never a bit)."""
     g = hq // hkv
     block_d = max(16, next_pow2(d))
     part_blocks = _part_blocks(max_kv)
@@ -478,12 +518,15 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     part_keys = part_blocks * KV_BLOCK_GPU
     part_pages = next_pow2(triton.cdiv(part_keys, page) + (part_keys % page != 0)) if page >= KV_BLOCK_GPU else 1
     common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
-              "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "STORE_LSE": lse is not None, "NUM_STAGES": stages,
+              "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "NEW_KV": k_new is not None,
+              "STORE_LSE": lse is not None, "NUM_STAGES": stages,
               "MERGE_STAGES": MERGE_STAGES, "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
     cnt = _counters(q.device, grid0 * n1) if use_split and FUSED_MERGE else klen
-    args = (q, k, v, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, cnt, qk_scale, float(kv_scale),
-            nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *os_, *ps, stab)
+    kn, vn = (k_new, v_new) if k_new is not None else (k, v)
+    new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1)) if k_new is not None else (0, 0, 0, 0)
+    args = (q, k, v, kn, vn, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, cnt, qk_scale,
+            float(kv_scale), nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *new_strides, *os_, *ps, stab)
     if use_split and FUSED_MERGE:
         _attn_kernel[grid](*args, MODE=3, **common)
     elif use_split:

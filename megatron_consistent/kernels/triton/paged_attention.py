@@ -6,7 +6,9 @@ same fixed 512-key partitions and the same two paths, so a row (token, query hea
 the bits of :func:`.attention.attention_fwd` on the same q/K/V laid out densely at the same
 absolute positions — the numerics contract is :mod:`.attention`'s docstring.  Only the key
 addressing differs: key ``j`` of sequence ``s`` lives at page ``block_table[s, j // page_size]``,
-offset ``j % page_size``.
+offset ``j % page_size``; given the step's new keys and values (``k_new``, ``v_new``: what the
+engine has just written to the cache), key blocks made of new tokens only are read from those
+dense tensors instead (the same values: prefill loads as the dense path's, the same bits).
 
 Program -> work: grid axis 0 holds ``(T * G) // BLOCK_M + num_seqs`` virtual query tiles
 (sequence ``s`` owns the ones from ``(query_start_loc[s] * G) // BLOCK_M + s``, found in-kernel by
@@ -22,6 +24,8 @@ FP8 KV cache (``float8_e4m3fn``, per-tensor ``kv_scale``): loaded K/V are
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +34,9 @@ from ._common import next_pow2
 from .attention import PART_KEYS, _block_m_for, _launch, _use_split
 
 PAGE_SIZES = (16, 32, 64, 128)
+# Read key blocks of the step's new tokens from its K/V tensors when the caller passes them (``k_new``): loads
+# only, never bits; ``MC_ATTN_NEW_KV=0`` reads every key from the cache (a rollout benchmark variant's A/B).
+NEW_KV_FROM_STEP = os.environ.get("MC_ATTN_NEW_KV", "1") != "0"
 
 __all__ = ["PAGE_SIZES", "paged_attention", "paged_plan", "write_kv_cache"]
 
@@ -61,7 +68,8 @@ def paged_plan(t_all: int, hq: int, hkv: int, nseq: int, max_query_len: int, max
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                     max_query_len: int, max_seq_len: int, kv_scale: float | None = None,
-                    *, split: bool | None = None, block_m: int = 0) -> torch.Tensor:
+                    *, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                    split: bool | None = None, block_m: int = 0) -> torch.Tensor:
     """Causal GQA attention of varlen queries over a paged KV cache; writes and returns ``out``.
 
     * ``q [T, Hq, D]`` bf16/fp16, last dim contiguous; ``out [T, Hq, D]`` (or ``[T, Hq * D]``) in q's
@@ -78,6 +86,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       ``seq_lens[s]`` (e.g. the batch's values, or the engine's max_num_batched_tokens /
       max_model_len for a captured graph); they pick the tile size, the path and the split grid,
       never a bit, and a sequence exceeding them is still computed completely (same bits).
+    * ``k_new, v_new [T, Hkv, D]`` (optional, last dim contiguous): the step's keys and values, token ``t`` the
+      one the cache holds at query ``t``'s position (what :func:`write_kv_cache` stored before this call).  Key
+      blocks made of new tokens only are then read from them with dense addresses instead of through the block
+      table -- faster prefill, the same values, so the same bits.  Ignored for an FP8 cache (the cache holds the
+      quantized values) and for ``max_query_len`` 1 (decode: one new key per sequence).
 
     No host synchronisation: grids come from tensor shapes and the two ints, so the call can be
     captured in a CUDA graph (the split path allocates its float32 workspace with ``torch.empty``
@@ -109,6 +122,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("paged_attention: q, caches and block_table need a contiguous last dim")
     if hq * d > 0 and out3.stride(1) != d:
         raise ValueError("paged_attention: out rows [Hq, D] must be contiguous")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("paged_attention: pass both k_new and v_new, or neither")
+    if k_new is not None and (k_new.shape != (t_all, hkv, d) or v_new.shape != k_new.shape or k_new.dtype != q.dtype
+                              or v_new.dtype != q.dtype or k_new.stride(-1) != 1 or v_new.stride(-1) != 1):
+        raise ValueError(f"paged_attention: k_new / v_new must be [T, Hkv, D] = {(t_all, hkv, d)} in q's dtype with a "
+                         f"contiguous last dim; got {tuple(k_new.shape)} {k_new.dtype}, {tuple(v_new.shape)} {v_new.dtype}")
+    if fp8 or max_query_len <= 1 or not NEW_KV_FROM_STEP:
+        k_new = v_new = None
     nseq = seq_lens.shape[0]
     if t_all == 0:
         return out
@@ -122,7 +143,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
                 os_=(0, out3.stride(0), out3.stride(1)), ps=(0, 0), stab=block_table.stride(0),
                 grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split,
-                bm=bm, d=d)
+                bm=bm, d=d, k_new=k_new, v_new=v_new)
     bt = 16
     _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
                                                   ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
