@@ -11,8 +11,7 @@
   with the HBM floor = K+V bytes / device copy bandwidth measured in this run;
   the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
   time (launch gaps) shows; and the split path's scheduling variants (``SPLIT_VARIANTS``: the merge loop pipelined
-  over 1-4 stages, ``attention.MERGE_STAGES``; the merge in the same launch, ``attention.FUSED_MERGE``), each
-  checked bitwise against the committed setting;
+  over 1-4 stages, ``attention.MERGE_STAGES``), each checked bitwise against the committed setting;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16, and page 64: one key block per page; each also with the step's K/V
   passed, ``k_new``, as the vLLM backend does: key blocks of new tokens read from them) vs SDPA (flash, causal) and FA3
@@ -109,8 +108,7 @@ def _try(fn):
 
 
 # scheduling variants of the split decode path (module knobs of attention.py; loads and launches only, never bits)
-SPLIT_VARIANTS = ([(f"two launches, merge stages {n}", {"MERGE_STAGES": n, "FUSED_MERGE": False}) for n in (1, 2, 3, 4)]
-                  + [(f"one launch, merge stages {n}", {"MERGE_STAGES": n, "FUSED_MERGE": True}) for n in (1, 3)])
+SPLIT_VARIANTS = [(f"merge stages {n}", {"MERGE_STAGES": n}) for n in (1, 2, 3, 4)]
 
 
 def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:

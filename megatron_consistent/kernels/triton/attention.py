@@ -37,10 +37,9 @@ Two execution paths give identical bits (the path is chosen from shapes only, or
 ``split=``): **in-program** — one program per (query tile, kv head) walks its partitions in order
 and merges as it goes (prefill, training, large batches); **split** — one program per (query
 tile, kv head, partition) writes the partition's float32 ``(m, l, acc)`` to a workspace and a
-second launch (or, with ``FUSED_MERGE``, the last program of the tile in the same launch) merges
-them in partition order (decode at small batch / long context, to fill the SMs); partitions past
-the workspace (a row longer than the launch's ``max_seq_len`` hint) are computed by the merging
-program itself.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2, or 3) calling the same
+second launch merges them in partition order (decode at small batch / long context, to fill the
+SMs); partitions past the workspace (a row longer than the launch's ``max_seq_len`` hint) are
+computed by the merging program itself.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2) calling the same
 ``_walk`` / ``_merge`` / ``_finalize`` helpers.  In-program launches of the paged path with pages
 shorter than a key block walk all partitions of a row in one pipelined loop (``_walk`` with ``FOLD``: the loads
 of the next partition do not wait for the previous one's merge); the others walk one partition per loop.
@@ -65,7 +64,6 @@ import triton.language as tl
 
 from ..dispatch import register
 from ._common import next_pow2
-from .linear import _counters
 
 KV_BLOCK_GPU = 64
 PART_BLOCKS = 8
@@ -340,7 +338,7 @@ def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_AC
 
 
 @triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS"])
-def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, CNT, qk_scale, kv_scale,
+def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, qk_scale, kv_scale,
                  NSEQ, Tq, Tk, HQ, HKV, NPARTS,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sknt, sknh, svnt, svnh, sob, sot, soh, spb, spt,
                  stab, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -350,11 +348,9 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
-    than the launch's ``max_seq_len`` bound is still complete, with the same bits).  MODE 3: MODE 1, and the last
-    program of a (query tile, kv head) to store its partition (an atomic counter in ``CNT``, reset by it) then does
-    MODE 2's work in the same launch.  ``NEW_KV`` (paged, bf16 / fp16 cache): ``KN, VN [T, Hkv, D]`` are the step's
-    new keys and values (those the cache holds for the sequences' last ``q_len`` positions); key blocks of new
-    tokens only are read from them (see :func:`_walk`)."""
+    than the launch's ``max_seq_len`` bound is still complete, with the same bits).  ``NEW_KV`` (paged, bf16 / fp16
+    cache): ``KN, VN [T, Hkv, D]`` are the step's new keys and values (those the cache holds for the sequences' last
+    ``q_len`` positions); key blocks of new tokens only are read from them (see :func:`_walk`)."""
     tl.static_assert(not (NEW_KV and FP8), "an FP8 cache is read from the cache only")
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
@@ -370,12 +366,9 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     active = pos >= 0
     hi = tl.minimum(tl.max(pos, 0) + 1, kl)
     wb = (tile.to(tl.int64) * tl.num_programs(1) + pid1) * NPARTS
-    if MODE == 1 or MODE == 3:
+    if MODE == 1:
         p = tl.program_id(2)
-        if MODE == 1:
-            if p * PART >= hi:
-                return
-        elif (p > 0) & (p * PART >= hi):  # MODE 3: partition 0 always counts, so some program completes the tile
+        if p * PART >= hi:
             return
     q = tl.load(Q + b64 * sqb + t.to(tl.int64)[:, None] * sqt + hq[:, None] * sqh + d[None, :],
                 mask=rv[:, None] & dm[None, :], other=0.0)
@@ -389,7 +382,7 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
     full = tl.minimum(full, tl.maximum(hi, 0))
     n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)  # workspace partitions holding keys of the tile
-    if MODE == 1 or MODE == 3:
+    if MODE == 1:
         m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc_r = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -402,16 +395,6 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
         tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
-        if MODE == 3:
-            tl.debug_barrier()  # every thread's stores before the release
-            unit = tile * tl.num_programs(1) + pid1
-            done = tl.atomic_add(CNT + unit, 1, sem="acq_rel", scope="gpu")
-            if done == tl.maximum(n_ws, 1) - 1:
-                _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm, O, LSE,
-                          b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
-                          kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8,
-                          False, NEW_KV, STORE_LSE, NUM_STAGES, MERGE_STAGES)
-                tl.atomic_xchg(CNT + unit, 0, sem="relaxed", scope="gpu")
     else:
         if MODE == 0:
             n_ws = 0
@@ -425,16 +408,12 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
 
 _FORCE_BLOCK_M = int(os.environ.get("MC_ATTN_BLOCK_M", "0"))
 # Software-pipeline stages of the split path's merge loop over the workspace (1: a plain loop, each partition's loads
-# waited for in turn; more: loads of later partitions issued ahead).  Loads only, never bits; an experiment knob until
-# the H200 measures it (``bench_gpu_attention.py`` times the split path with 1-4 stages and checks the bits).
-MERGE_STAGES = int(os.environ.get("MC_ATTN_MERGE_STAGES", "1") or "1")
+# waited for in turn; more: loads of later partitions issued ahead).  Loads only, never bits.  4 measured on the H200
+# (``bench_gpu_attention.py``, session 13, bits checked): -3 to -9 % split decode time at 16k-32k context, within 2 %
+# at 4k-8k; ``MC_ATTN_MERGE_STAGES`` overrides it (experiments).
+MERGE_STAGES = int(os.environ.get("MC_ATTN_MERGE_STAGES", "4") or "4")
 if MERGE_STAGES < 1:
     raise ValueError(f"MC_ATTN_MERGE_STAGES={MERGE_STAGES}: the merge loop needs at least 1 stage")
-# The split path in one launch: the last program of a (query tile, kv head) to store its partition merges them
-# (MODE 3) instead of a second launch (MODE 1 + 2).  Scheduling only, never bits; an experiment knob until the H200
-# measures it (``bench_gpu_attention.py`` times both with bits).  The atomic counters are :mod:`.linear`'s buffer
-# (each tile resets its own to 0), so the same one-stream rule holds.
-FUSED_MERGE = os.environ.get("MC_ATTN_FUSED_MERGE", "0") == "1"
 _DEFAULT_SMS = 132
 
 
@@ -522,14 +501,11 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
               "STORE_LSE": lse is not None, "NUM_STAGES": stages,
               "MERGE_STAGES": MERGE_STAGES, "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
-    cnt = _counters(q.device, grid0 * n1) if use_split and FUSED_MERGE else klen
     kn, vn = (k_new, v_new) if k_new is not None else (k, v)
     new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1)) if k_new is not None else (0, 0, 0, 0)
-    args = (q, k, v, kn, vn, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, cnt, qk_scale,
+    args = (q, k, v, kn, vn, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale,
             float(kv_scale), nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *new_strides, *os_, *ps, stab)
-    if use_split and FUSED_MERGE:
-        _attn_kernel[grid](*args, MODE=3, **common)
-    elif use_split:
+    if use_split:
         _attn_kernel[grid](*args, MODE=1, **common)
         _attn_kernel[(grid0, n1)](*args, MODE=2, **common)
     else:

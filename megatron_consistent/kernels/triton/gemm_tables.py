@@ -8,24 +8,25 @@ Entries marked 'kept' were not swept in this run and come from the table it repl
 import torch
 
 GEMM_M_CLASS_TABLE: dict = {
-    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.90, 16: 0.94, 64: 0.70, 256: 0.66, 1024: 0.63, 4096: 0.66 (targets met 1/6)
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.89, 16: 0.94, 64: 0.74, 256: 0.73, 1024: 0.69, 4096: 0.65 (targets met 1/6)
     (4096, 512, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
                     (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
                     (256, {'BM': 64, 'BN': 128, 'W': 4, 'TREE_PROGS': 2, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
                     (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
-    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.97, 16: 0.95, 64: 0.95, 256: 0.94, 1024: 0.79, 4096: 0.78 (targets met 3/6)
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.96, 16: 0.95, 64: 0.96, 256: 0.94, 1024: 0.87, 4096: 0.83 (targets met 3/6)
     (4096, 1792, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
-                    (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6, 'TREE_PATH': 'parallel', 'TREE_REG': 2}),
-                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'TREE_PROGS': 2, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
+                    (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
+                    (256, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
                     (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
-    # bk64 nosplit: ratio vs cuBLAS by M 1: 1.17, 16: 0.83, 64: 0.64, 256: 0.48, 1024: 0.55, 4096: 0.53 (targets met 1/6)
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.90, 16: 0.79, 64: 0.64, 256: 0.55, 1024: 0.57, 4096: 0.55 (targets met 0/6)
     (2048, 256, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
-                    (256, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
+                    (64, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
+                    (256, {'BM': 64, 'BN': 128, 'W': 8, 'S': 2, 'TREE_PATH': 'parallel', 'TREE_REG': 4, 'TREE_LANES': 4}),
                     (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
-    # bk64 nosplit: ratio vs cuBLAS by M 1: 1.00, 16: 1.01, 64: 0.88, 256: 0.74, 1024: 0.75, 4096: 0.69 (targets met 2/6)
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 1.08, 16: 1.04, 64: 0.90, 256: 0.77, 1024: 0.76, 4096: 0.75 (targets met 2/6)
     (2048, 1024, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
                     (64, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
