@@ -11,7 +11,8 @@
   with the HBM floor = K+V bytes / device copy bandwidth measured in this run;
   the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
   time (launch gaps) shows; and the split path's scheduling variants (``SPLIT_VARIANTS``: the merge loop pipelined
-  over 1-4 stages, ``attention.MERGE_STAGES``), each checked bitwise against the committed setting;
+  over 1-4 stages, ``attention.MERGE_STAGES``; the merge launch cut into 2-8 head-dimension slices, one program
+  each, ``attention.MERGE_DSPLIT``), each checked bitwise against the committed setting;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16, and page 64: one key block per page; each also with the step's K/V
   passed, ``k_new``, as the vLLM backend does: key blocks of new tokens read from them) vs SDPA (flash, causal) and FA3
@@ -108,7 +109,8 @@ def _try(fn):
 
 
 # scheduling variants of the split decode path (module knobs of attention.py; loads and launches only, never bits)
-SPLIT_VARIANTS = [(f"merge stages {n}", {"MERGE_STAGES": n}) for n in (1, 2, 3, 4)]
+SPLIT_VARIANTS = ([(f"merge stages {n}", {"MERGE_STAGES": n, "MERGE_DSPLIT": 1}) for n in (1, 2, 3, 4)]
+                  + [(f"merge stages 4, {k} head-dim slices", {"MERGE_STAGES": 4, "MERGE_DSPLIT": k}) for k in (2, 4, 8)])
 
 
 def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:
@@ -194,7 +196,7 @@ def decode_case(b, ctx, bw, rows):
           f"   split path: split launch {r['split_launch_ms']:.4f} + merge launch {r['merge_launch_ms']:.4f} ms",
           flush=True)
     for name, ms in r.get("split_variants_ms", {}).items():
-        print(f"    split path, {name:28s} {ms:.4f} ms  bits {'equal' if r['split_variants_bits_equal'][name] else 'DIFFER'}",
+        print(f"    split path, {name:36s} {ms:.4f} ms  bits {'equal' if r['split_variants_bits_equal'][name] else 'DIFFER'}",
               flush=True)
 
 

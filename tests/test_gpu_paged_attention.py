@@ -247,17 +247,36 @@ def test_launch_shape_table_is_numerics_neutral(monkeypatch, split):
             assert bits_equal(ref, batch.paged(split=split)), f"{tiles} changed bits"
 
 
-def test_merge_loop_stages_are_numerics_neutral(monkeypatch):
-    """The split path's merge loop pipelined over 2-4 stages (``attention.MERGE_STAGES``, loads issued ahead) gives
-    the bits of the plain loop, for rows spanning 1-3 partitions, pages of 16 and 64 keys."""
-    for page in (16, 64):
-        batch = Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=13, pad_tokens=2)
-        monkeypatch.setattr(ta, "MERGE_STAGES", 1)
-        ref = batch.paged(split=True)
-        assert _check_against_dense(batch, ref) == []
-        for stages in (2, 3, 4):
-            monkeypatch.setattr(ta, "MERGE_STAGES", stages)
-            assert bits_equal(ref, batch.paged(split=True)), f"merge stages {stages}, page {page}"
+_MERGE_SCHEDULES = ([(st, ds) for st in (1, 2, 3, 4) for ds in (1, 2, 4, 8)] if ON_GPU
+                    else [(1, 1), (2, 1), (4, 2)])  # the interpreter's head dim 32 allows 2 slices of 16
+
+
+def test_merge_schedules_are_numerics_neutral(monkeypatch):
+    """The split path's merge launch pipelined over 1-4 stages (``attention.MERGE_STAGES``: loads issued ahead) and cut
+    into 1-8 head-dimension slices (``attention.MERGE_DSPLIT``) gives the same bits, for rows spanning 1-3 partitions,
+    a ``max_seq_len`` hint shorter than the rows (slice 0 walks the tail), pages of 16 and 64 keys, and the dense
+    path's ``lse`` (stored by slice 0 only) with a row that has no key."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, n, h, D, generator=gen).to(device=DEV, dtype=DTYPES[0])
+               for n, h in ((3, HQ), (1100, HKV), (1100, HKV)))
+    pos = torch.tensor([[1097, 1098, 1099], [0, 1, 2]], device=DEV)
+    lens = torch.tensor([1100, 0], device=DEV)
+    batches = [Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=13, pad_tokens=2)
+               for page in (16, 64)]
+
+    def run():
+        return ([b.paged(split=True, max_seq_len=hint) for b in batches for hint in (None, 513)]
+                + list(ta.attention_fwd(q, k, v, pos, lens, D ** -0.5, split=True)))
+
+    monkeypatch.setattr(ta, "MERGE_STAGES", 1)
+    monkeypatch.setattr(ta, "MERGE_DSPLIT", 1)
+    ref = run()
+    assert all(_check_against_dense(b, b.paged(split=True)) == [] for b in batches)
+    for stages, dsplit in _MERGE_SCHEDULES:
+        monkeypatch.setattr(ta, "MERGE_STAGES", stages)
+        monkeypatch.setattr(ta, "MERGE_DSPLIT", dsplit)
+        got = run()
+        assert all(bits_equal(a, b) for a, b in zip(ref, got)), f"merge stages {stages}, slices {dsplit}"
 
 
 def test_split_path_reads_only_written_workspace_slots(monkeypatch):
@@ -268,6 +287,7 @@ def test_split_path_reads_only_written_workspace_slots(monkeypatch):
         return tuple(torch.full(shape, float("nan"), device=dev) for shape in ((rows,), (rows,), (rows, block_d)))
 
     monkeypatch.setattr(ta, "_workspace", nan_workspace)
+    monkeypatch.setattr(ta, "MERGE_DSPLIT", 2)  # slices: a program reading a slot of another's columns shows too
     for page in (16, 64):
         batch = Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=17, pad_tokens=2)
         for hint in (None, 513):

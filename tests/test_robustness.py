@@ -664,6 +664,19 @@ def test_tree_lanes_fit_shared_memory():
         assert p["cfg"]["S"] * p["LANES"] * lane_bytes <= tst.SMEM_BUDGET
 
 
+def test_split_path_rule_follows_programs_per_sm(monkeypatch):
+    """The attention path rule (shapes only): B = 64 decode over a 32k bound stays in-program with the default 2
+    programs per SM and splits with 8 (``MC_ATTN_SPLIT_PER_SM``, a rollout variant's knob); B = 1 splits either way."""
+    pytest.importorskip("triton")
+    from megatron_consistent.kernels.triton import attention as tattn
+    from megatron_consistent.kernels.triton import paged_attention as tpa
+
+    cpu = torch.device("cpu")  # 132 SMs assumed off the GPU
+    assert not tpa.paged_plan(64, 32, 8, 64, 1, 32768, cpu)[2] and tpa.paged_plan(1, 32, 8, 1, 1, 32768, cpu)[2]
+    monkeypatch.setattr(tattn, "SPLIT_PER_SM", 8)
+    assert tpa.paged_plan(64, 32, 8, 64, 1, 32768, cpu)[2] and not tpa.paged_plan(64, 32, 8, 64, 1, 512, cpu)[2]
+
+
 def test_experiment_knobs_refuse_bad_specs_in_one_line(tmp_path):
     """The launch-shape override (``MC_ATTN_TILES``) and the rollout benchmark's ``--variant`` parse what they are
     given exactly, and a malformed spec is a one-line error naming it (before any kernel or engine starts)."""
@@ -683,6 +696,12 @@ def test_experiment_knobs_refuse_bad_specs_in_one_line(tmp_path):
     bad_stages = subprocess.run([sys.executable, "-c", "import megatron_consistent.kernels.triton.attention"],
                                 env=dict(os.environ, MC_ATTN_MERGE_STAGES="0"), capture_output=True, text=True)
     assert bad_stages.returncode != 0 and "MC_ATTN_MERGE_STAGES=0: the merge loop needs at least 1 stage" in bad_stages.stderr
+    bad_slices = subprocess.run([sys.executable, "-c", "import megatron_consistent.kernels.triton.attention"],
+                                env=dict(os.environ, MC_ATTN_MERGE_DSPLIT="3"), capture_output=True, text=True)
+    assert bad_slices.returncode != 0 and "MC_ATTN_MERGE_DSPLIT=3: the head-dimension slices" in bad_slices.stderr
+    bad_rule = subprocess.run([sys.executable, "-c", "import megatron_consistent.kernels.triton.attention"],
+                              env=dict(os.environ, MC_ATTN_SPLIT_PER_SM="-1"), capture_output=True, text=True)
+    assert bad_rule.returncode != 0 and "MC_ATTN_SPLIT_PER_SM=-1: programs per SM" in bad_rule.stderr
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_rollout_gpu.py")
     spec = importlib.util.spec_from_file_location("bench_rollout_gpu", path)
     bench = importlib.util.module_from_spec(spec)

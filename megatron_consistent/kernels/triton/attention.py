@@ -299,6 +299,34 @@ def _map_tile(pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt
 
 
 @triton.jit
+def _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, cols, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                     WIDTH: tl.constexpr, MERGE_STAGES: tl.constexpr):
+    """The workspace's first ``n_ws`` partitions of a tile merged in order from a fresh running state, over the
+    accumulator columns ``cols`` (``WIDTH`` of them; read through L2: other programs wrote them).  The arithmetic is
+    per row (``m``, ``l``) and per (row, column), so a column's bits do not depend on which columns a program merges."""
+    m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc_r = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
+    for p in tl.range(0, n_ws, num_stages=MERGE_STAGES):  # MERGE_STAGES > 1: workspace loads run ahead
+        w = (wb + p) * BLOCK_M
+        m_p = tl.load(WS_M + w + r, cache_modifier=".cg")
+        l_p = tl.load(WS_L + w + r, cache_modifier=".cg")
+        acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + cols[None, :], cache_modifier=".cg")
+        m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
+    return m_r, l_r, acc_r
+
+
+@triton.jit
+def _store_rows(O, LSE, out, lse, b64, b, t, hq, rv, lse_rows, cols, sob, sot, soh, HQ, Tq, D: tl.constexpr,
+                STORE_LSE: tl.constexpr):
+    """``out`` (columns ``cols`` of the valid rows ``rv``) and, with ``STORE_LSE``, ``lse`` of the rows ``lse_rows``."""
+    tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + cols[None, :],
+             out.to(O.dtype.element_ty), mask=rv[:, None] & (cols < D)[None, :])
+    if STORE_LSE:
+        tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=lse_rows)
+
+
+@triton.jit
 def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm, O, LSE,
               b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale, kn, vn, kn0, newc, sknt,
               svnt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
@@ -308,15 +336,8 @@ def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_AC
     """A tile's rows from a fresh running state: merge the workspace's first ``n_ws`` partitions in order (read
     through L2: other programs wrote them), walk and merge the partitions after them (``ONE_WALK``: in one loop,
     see :func:`_walk`), finalize, store ``out`` (and ``lse``)."""
-    m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc_r = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for p in tl.range(0, n_ws, num_stages=MERGE_STAGES):  # MERGE_STAGES > 1: workspace loads run ahead
-        w = (wb + p) * BLOCK_M
-        m_p = tl.load(WS_M + w + r, cache_modifier=".cg")
-        l_p = tl.load(WS_L + w + r, cache_modifier=".cg")
-        acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
-        m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
+    m_r, l_r, acc_r = _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, d, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D,
+                                       MERGE_STAGES)
     if ONE_WALK:
         m_r, l_r, acc_r, m_p, l_p, acc_p = _walk(q, kb, vb, tab, n_ws * PART, hi, full, pos, kl, kbound,
                                                  m_r, l_r, acc_r, skp, skt, svp, svt, kv_scale, qk_scale,
@@ -331,10 +352,7 @@ def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_AC
                                              PART_PAGES, FP8, False, NEW_KV, NUM_STAGES)
             m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
     out, lse = _finalize(m_r, l_r, acc_r, pos, qk_scale)
-    tl.store(O + b64 * sob + t.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :],
-             out.to(O.dtype.element_ty), mask=rv[:, None] & dm[None, :])
-    if STORE_LSE:
-        tl.store(LSE + (b * HQ + hq).to(tl.int64) * Tq + t, lse, mask=rv)
+    _store_rows(O, LSE, out, lse, b64, b, t, hq, rv, rv, d, sob, sot, soh, HQ, Tq, D, STORE_LSE)
 
 
 @triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS"])
@@ -344,11 +362,13 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
                  stab, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
                  FP8: tl.constexpr, NEW_KV: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_DSPLIT: tl.constexpr):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
-    than the launch's ``max_seq_len`` bound is still complete, with the same bits).  ``NEW_KV`` (paged, bf16 / fp16
+    than the launch's ``max_seq_len`` bound is still complete, with the same bits); with ``MERGE_DSPLIT`` > 1, grid
+    axis 2 cuts the head dimension into that many column slices, each merged by its own program (a tile whose keys
+    reach past the workspace is done whole by slice 0).  ``NEW_KV`` (paged, bf16 / fp16
     cache): ``KN, VN [T, Hkv, D]`` are the step's new keys and values (those the cache holds for the sequences' last
     ``q_len`` positions); key blocks of new tokens only are read from them (see :func:`_walk`)."""
     tl.static_assert(not (NEW_KV and FP8), "an FP8 cache is read from the cache only")
@@ -395,6 +415,21 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
         tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
+    elif MODE == 2 and MERGE_DSPLIT > 1:
+        c = tl.program_id(2)
+        if n_ws * PART < hi:  # keys past the workspace: slice 0 walks them with the whole head dimension
+            if c == 0:
+                _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm,
+                          O, LSE, b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
+                          kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8,
+                          False, NEW_KV, STORE_LSE, NUM_STAGES, MERGE_STAGES)
+        else:
+            WIDTH: tl.constexpr = BLOCK_D // MERGE_DSPLIT
+            cols = c * WIDTH + tl.arange(0, WIDTH)
+            m_r, l_r, acc_r = _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, cols, qk_scale, BLOCK_M, BLOCK_D,
+                                               WIDTH, MERGE_STAGES)
+            out, lse = _finalize(m_r, l_r, acc_r, pos, qk_scale)
+            _store_rows(O, LSE, out, lse, b64, b, t, hq, rv, rv & (c == 0), cols, sob, sot, soh, HQ, Tq, D, STORE_LSE)
     else:
         if MODE == 0:
             n_ws = 0
@@ -414,6 +449,13 @@ _FORCE_BLOCK_M = int(os.environ.get("MC_ATTN_BLOCK_M", "0"))
 MERGE_STAGES = int(os.environ.get("MC_ATTN_MERGE_STAGES", "4") or "4")
 if MERGE_STAGES < 1:
     raise ValueError(f"MC_ATTN_MERGE_STAGES={MERGE_STAGES}: the merge loop needs at least 1 stage")
+# The split path's merge launch cut into this many head-dimension slices (grid axis 2), each merged by its own
+# program: more programs for a merge that is latency-bound (session 13: B = 1 / 32k, 8 programs walk 64 partitions,
+# 0.026 of 0.067 ms).  Columns only, never bits (the merge is per row and column); an experiment knob until the H200
+# measures it (``bench_gpu_attention.py``'s split variants).
+MERGE_DSPLIT = int(os.environ.get("MC_ATTN_MERGE_DSPLIT", "1") or "1")
+if MERGE_DSPLIT not in (1, 2, 4, 8):
+    raise ValueError(f"MC_ATTN_MERGE_DSPLIT={MERGE_DSPLIT}: the head-dimension slices of the merge are 1, 2, 4 or 8")
 _DEFAULT_SMS = 132
 
 
@@ -461,11 +503,20 @@ def _sms(dev: torch.device) -> int:
     return num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
+# The path rule: split when the in-program grid has fewer than this many programs per SM.  Shapes only, never bits.
+# 2 is the measured default; at B = 64 the split path measured 1.05-1.24x faster than the in-program one at 4k-32k
+# context (sessions 12-13, kernel benchmark): ``MC_ATTN_SPLIT_PER_SM`` (e.g. 8) lets a rollout variant try a rule
+# that splits there too.
+SPLIT_PER_SM = int(os.environ.get("MC_ATTN_SPLIT_PER_SM", "2") or "2")
+if SPLIT_PER_SM < 0:
+    raise ValueError(f"MC_ATTN_SPLIT_PER_SM={SPLIT_PER_SM}: programs per SM below which the split path runs, >= 0")
+
+
 def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device) -> bool:
     """Shapes-only path choice (never changes bits): split when too few programs fill the SMs."""
     if split is not None:
         return bool(split) and nparts > 1
-    return nparts > 1 and programs < 2 * _sms(dev)
+    return nparts > 1 and programs < SPLIT_PER_SM * _sms(dev)
 
 
 def _workspace(rows: int, block_d: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -499,7 +550,7 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     common = {"G": g, "D": d, "BLOCK_D": block_d, "BLOCK_M": bm, "BLOCK_N": KV_BLOCK_GPU, "PART_BLOCKS": part_blocks,
               "PAGE": page, "PART_PAGES": part_pages, "FP8": fp8, "NEW_KV": k_new is not None,
               "STORE_LSE": lse is not None, "NUM_STAGES": stages,
-              "MERGE_STAGES": MERGE_STAGES, "num_warps": warps, "num_stages": stages}
+              "MERGE_STAGES": MERGE_STAGES, "MERGE_DSPLIT": 1, "num_warps": warps, "num_stages": stages}
     lse_arg = lse if lse is not None else out
     kn, vn = (k_new, v_new) if k_new is not None else (k, v)
     new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1)) if k_new is not None else (0, 0, 0, 0)
@@ -507,7 +558,8 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
             float(kv_scale), nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *new_strides, *os_, *ps, stab)
     if use_split:
         _attn_kernel[grid](*args, MODE=1, **common)
-        _attn_kernel[(grid0, n1)](*args, MODE=2, **common)
+        dsplit = min(MERGE_DSPLIT, block_d // 16)  # slices of at least 16 columns
+        _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **dict(common, MERGE_DSPLIT=dsplit))
     else:
         _attn_kernel[grid](*args, MODE=0, **common)
     return use_split
