@@ -83,7 +83,6 @@ DTYPES = (BF16, F32)
 U_OUT = {BF16: 2.0**-8, F32: 2.0**-24}
 SSD_FWD_TOL = 2.0**-14
 GRAD_REL_TOL = 1e-5
-GRAD_A_TOL = 1e-5
 GRAD_TERMS_TOL = 2.0**-16
 
 seeds = st.integers(0, 2**32 - 1)
@@ -433,19 +432,23 @@ def _rel(a, b) -> float:
 
 
 def _ssd_term_magnitudes(inp, gy, gs, boundary) -> dict:
-    """Per element, the sum of the magnitudes of the terms of grad x, B, C, D, S0.
+    """Per element, the sum of the magnitudes of the terms of grad x, B, C, D, S0 and A.
 
     y and the states are multilinear in (x, B, C, D, S0) with nonnegative coefficients (dt >= 0, decays > 0), so
     the float64 gradient at |x|, |B|, |C|, |D|, |S0| with output gradients |gy|, |gs| adds every term's magnitude.
+    A enters through the decays only, ``d exp(dt * A) / dA = dt * exp(dt * A) >= 0``: each term of grad A is such a
+    nonnegative factor times a product of the others, so the same gradient (per token, summed) adds theirs too.
     """
     names = ("x", "B", "C", "D", "S0")
     leaves = [inp[k].detach().abs().to(F64).requires_grad_(True) for k in names]
-    y, states = ssd_recurrence_f64(leaves[0], inp["dt"], inp["A"], *leaves[1:4], leaves[4])
+    a_tok = inp["A"].detach().to(F64).expand(*inp["dt"].shape).clone().requires_grad_(True)
+    y, states = ssd_recurrence_f64(leaves[0], inp["dt"], a_tok, *leaves[1:4], leaves[4])
     outs, gouts = [y], [gy.abs().to(F64)]
     if gs is not None:
         outs.append(states[boundary])
         gouts.append(gs.abs().to(F64))
-    return dict(zip(names, torch.autograd.grad(outs, leaves, gouts)))
+    grads = torch.autograd.grad(outs, [*leaves, a_tok], gouts)
+    return {**dict(zip(names, grads[:-1])), "A": grads[-1].sum(0)}
 
 
 @FEWER
@@ -468,8 +471,8 @@ def test_ssd_gradients_vs_f64(case, pending):
     ref = torch.autograd.grad([y64, states64[b]], [*x64[:2], a_tok, *x64[3:]], [gy.to(F64), gs.to(F64)])
     magnitudes = _ssd_term_magnitudes(inp, gy, gs, b)
     for name, got, want in zip(names, grads, ref):
-        if name == "A":
-            assert ((got.to(F64) - want.sum(0)).abs() <= GRAD_A_TOL * want.abs().sum(0)).all()
+        if name == "A":  # float32 rounding scales with the terms, not with their sum (they cancel: session 13's CI)
+            assert ((got.to(F64) - want.sum(0)).abs() <= GRAD_TERMS_TOL * magnitudes["A"] + 1e-30).all()
         elif name == "dt":
             assert _rel(got, want) <= GRAD_REL_TOL, name
         else:
