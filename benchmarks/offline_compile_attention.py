@@ -48,9 +48,15 @@ def record_launches(quick: bool):
                         kv_new = torch.empty(nseq * qlen, HKV, D, dtype=torch.bfloat16)
                         tpa.paged_attention(q, cache, cache, table, qsl, seq, D ** -0.5, torch.empty_like(q), qlen,
                                             KEYS, split=split, k_new=kv_new, v_new=kv_new)
-        q = torch.empty(1, KEYS, HQ, D, dtype=torch.bfloat16)
-        kv = torch.empty(1, KEYS, HKV, D, dtype=torch.bfloat16)
-        tattn.attention_fwd(q, kv, kv, torch.arange(KEYS)[None], torch.tensor([KEYS]), D ** -0.5)
+        # the dense path (trainer): every query tile (1 / 16 / 4096 new tokens: BLOCK_M 16 / 64 / 128) on both paths,
+        # head dims 128 and 256 (whose shared memory bounds the tile and the merge stages)
+        for d in (D, 256):
+            kv = torch.empty(1, KEYS, HKV, d, dtype=torch.bfloat16)
+            for tq in (1, 16, KEYS):
+                q = torch.empty(1, tq, HQ, d, dtype=torch.bfloat16)
+                for split in (False, True):
+                    tattn.attention_fwd(q, kv, kv, torch.arange(KEYS - tq, KEYS)[None], torch.tensor([KEYS]),
+                                        d ** -0.5, split=split)
 
     launches: list = []  # the padding-row zeroing kernel is recorded too, and dropped
     capture(tpa, ["_zero_rows_kernel"], lambda: launches.extend(capture(tattn, ["_attn_kernel"], run)))
@@ -64,7 +70,7 @@ def main():
     args = ap.parse_args()
     launches = record_launches(args.quick)
     print(f"{len(launches)} distinct launches", flush=True)
-    jobs = [(f"PAGE {const['PAGE']} FP8 {const['FP8']} BLOCK_M {const['BLOCK_M']} MODE {const['MODE']} "
+    jobs = [(f"D {const['D']} PAGE {const['PAGE']} FP8 {const['FP8']} BLOCK_M {const['BLOCK_M']} MODE {const['MODE']} "
              f"W{warps} S{stages}" + (" NEW_KV" if const["NEW_KV"] else ""), tattn._attn_kernel, sig, attrs, const, warps, stages)
             for _, sig, attrs, const, warps, stages in launches]
     sys.exit(compile_report(jobs, args.ttgir_dir))

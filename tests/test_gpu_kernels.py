@@ -448,6 +448,26 @@ def test_attention_partitions_split_and_row_alone_bitwise(hq, hkv):
     assert bits_equal(o[0], full_o[0, 500:1030])
 
 
+def test_attention_head_dim_256_every_path_fits():
+    """Head dim 256 (tiles of at most 64 rows, merge loop at most 2 stages: shared memory): prefill on both paths and
+    every tile, rows alone either side of a partition boundary, give the same bits; a 128-row tile is refused."""
+    b, t, hq, hkv, d = 1, 1100, 8, 2, 256
+    q, k, v = _qkv(b, t, hq, hkv, d, seed=7)
+    pos = torch.arange(t, device=DEV).expand(b, t).contiguous()
+    klen = torch.tensor([t], device=DEV)
+    full_o, full_l = _attn(q, k, v, pos, klen)
+    for split in (False, True):
+        for bm in (0, 16, 64):
+            o, lse = tattn.attention_fwd(q, k, v, pos, klen, d ** -0.5, block_m=bm, split=split)
+            assert bits_equal(o, full_o) and bits_equal(lse, full_l), f"split={split} BLOCK_M={bm}"
+        for p in (511, 512, 1099):
+            o, lse = tattn.attention_fwd(q[:, p:p + 1], k[:, :p + 1], v[:, :p + 1], pos[:, p:p + 1],
+                                         torch.tensor([p + 1], device=DEV), d ** -0.5, split=split)
+            assert bits_equal(o[0, 0], full_o[0, p]) and bits_equal(lse[0, :, 0], full_l[0, :, p]), f"decode {p}"
+    with pytest.raises(ValueError, match="does not fit in shared memory"):
+        tattn.attention_fwd(q, k, v, pos, klen, d ** -0.5, block_m=128)
+
+
 def test_attention_vs_cpu_contract():
     b, t, hq, hkv, d = 1, 96, 4, 2, 64
     q, k, v = _qkv(b, t, hq, hkv, d, seed=5)

@@ -677,6 +677,26 @@ def test_split_path_rule_follows_programs_per_sm(monkeypatch):
     assert tpa.paged_plan(64, 32, 8, 64, 1, 32768, cpu)[2] and not tpa.paged_plan(64, 32, 8, 64, 1, 512, cpu)[2]
 
 
+def test_attention_launches_fit_shared_memory_by_head_dim():
+    """The tile and merge rules that keep every launch inside the H200's 227 KB of shared memory (offline compile,
+    ``benchmarks/offline_compile_attention.py``): 128-row tiles only up to head dim 128; the merge loop's stages
+    capped at 2 beyond a 64 x 128 workspace slice; a forced tile that cannot fit, or a head dim over 256, refused by
+    name in one line before any launch."""
+    pytest.importorskip("triton")
+    from megatron_consistent.kernels.triton import attention as tattn
+    from megatron_consistent.kernels.triton import paged_attention as tpa
+
+    assert [tattn._block_m_for(r, 128) for r in (4, 64, 4096)] == [16, 64, 128]
+    assert [tattn._block_m_for(r, 256) for r in (4, 64, 4096)] == [16, 64, 64]
+    assert tpa.paged_plan(4096, 32, 8, 1, 4096, 4096, torch.device("cpu"), head_dim=256)[0] == 64
+    assert tattn._merge_stages(16, 128) == tattn.MERGE_STAGES and tattn._merge_stages(64, 128) == tattn.MERGE_STAGES
+    assert tattn._merge_stages(128, 128) <= 2 and tattn._merge_stages(64, 256) <= 2 and tattn._merge_stages(128, 64) == tattn.MERGE_STAGES
+    for rows, width, forced, msg in ((4096, 256, 128, "a query tile of 128 rows does not fit"), (4, 512, 0, "head dim up to 256")):
+        with pytest.raises(ValueError, match=msg) as err:
+            tattn._block_m_for(rows, width, forced)
+        assert "\n" not in str(err.value)
+
+
 def test_experiment_knobs_refuse_bad_specs_in_one_line(tmp_path):
     """The launch-shape override (``MC_ATTN_TILES``) and the rollout benchmark's ``--variant`` parse what they are
     given exactly, and a malformed spec is a one-line error naming it (before any kernel or engine starts)."""

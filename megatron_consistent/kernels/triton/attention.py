@@ -491,9 +491,26 @@ def tiles_from_spec(spec: str) -> dict[tuple[int, bool], tuple[int, int]]:
 ATTN_TILES.update(tiles_from_spec(os.environ.get("MC_ATTN_TILES", "")))
 
 
-def _block_m_for(rows: int, forced: int = 0) -> int:
-    """BLOCK_M by the number of packed query rows (numerics-neutral)."""
-    return forced or _FORCE_BLOCK_M or (16 if rows <= 16 else 64 if rows <= 64 else 128)
+def _block_m_for(rows: int, block_d: int, forced: int = 0) -> int:
+    """BLOCK_M by the number of packed query rows (numerics-neutral).  Tiles of 128 rows only for head dims up to
+    128: a 128 x 256 tile's pipeline needs 258 KB of shared memory, over the H100 / H200's 227 KB
+    (``benchmarks/offline_compile_attention.py``)."""
+    if block_d > 256:
+        raise ValueError(f"attention (cuda): head dim up to 256, got a {block_d}-wide head")
+    widest = 128 if block_d <= 128 else 64
+    forced = forced or _FORCE_BLOCK_M
+    if forced > widest:
+        raise ValueError(f"attention (cuda): a query tile of {forced} rows does not fit in shared memory with head "
+                         f"dim {block_d}; at most {widest}")
+    return forced or (16 if rows <= 16 else 64 if rows <= 64 or widest == 64 else 128)
+
+
+def _merge_stages(bm: int, width: int) -> int:
+    """Pipeline stages of the merge loop for a ``bm`` x ``width`` slice of the workspace: ``MERGE_STAGES`` up to
+    64 x 128 floats (decode tiles, where 4 stages were measured), at most 2 beyond (``BLOCK_M`` 128 x D 128 with 4
+    stages needs 236 KB of shared memory, over the H200's 227 KB: ``offline_compile_attention.py``).  Loads only,
+    never bits."""
+    return MERGE_STAGES if bm * width <= 64 * 128 else min(MERGE_STAGES, 2)
 
 
 def _sms(dev: torch.device) -> int:
@@ -559,7 +576,8 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     if use_split:
         _attn_kernel[grid](*args, MODE=1, **common)
         dsplit = min(MERGE_DSPLIT, block_d // 16)  # slices of at least 16 columns
-        _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **dict(common, MERGE_DSPLIT=dsplit))
+        _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **dict(common, MERGE_DSPLIT=dsplit,
+                                                                 MERGE_STAGES=_merge_stages(bm, block_d // dsplit)))
     else:
         _attn_kernel[grid](*args, MODE=0, **common)
     return use_split
@@ -587,7 +605,7 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, spli
         return out, lse
     qpos = q_positions.to(device=q.device, dtype=torch.int64)
     klen = k_lengths.to(device=q.device, dtype=torch.int64)
-    bm = _block_m_for(tq * g, block_m)
+    bm = _block_m_for(tq * g, max(16, next_pow2(d)), block_m)
     _launch(q=q, k=k, v=v, tab=klen, qsl=klen, seq=klen, qpos=qpos, klen=klen, out=out, lse=lse, scale=scale,
             kv_scale=1.0, nseq=b, tq=tq, tk=tk, hq=hq, hkv=hkv,
             qs=(q.stride(0), q.stride(1), q.stride(2)), ks=(k.stride(0), 0, k.stride(1), k.stride(2)),

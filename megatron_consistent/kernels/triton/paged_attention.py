@@ -55,10 +55,10 @@ def _zero_rows_kernel(O, QSL, NSEQ, T, sot, ROW: tl.constexpr, BLOCK_T: tl.const
 
 
 def paged_plan(t_all: int, hq: int, hkv: int, nseq: int, max_query_len: int, max_seq_len: int,
-               device: torch.device, split: bool | None = None, block_m: int = 0):
+               device: torch.device, split: bool | None = None, block_m: int = 0, head_dim: int = 128):
     """``(BLOCK_M, grid0, split)`` of a :func:`paged_attention` call (shapes only)."""
     g = hq // hkv
-    bm = _block_m_for(max(1, min(int(max_query_len), t_all)) * g, block_m)
+    bm = _block_m_for(max(1, min(int(max_query_len), t_all)) * g, max(16, next_pow2(head_dim)), block_m)
     grid0 = (t_all * g) // bm + nseq
     est = min(grid0, nseq * triton.cdiv(max(1, int(max_query_len)) * g, bm)) * hkv
     nparts = triton.cdiv(max(int(max_seq_len), 1), PART_KEYS)
@@ -136,7 +136,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if nseq > 0:
         bm, grid0, split = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
-                                      split=split, block_m=block_m)
+                                      split=split, block_m=block_m, head_dim=d)
         _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
                 klen=seq_lens, out=out3, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
                 nseq=nseq, tq=t_all, tk=0, hq=hq, hkv=hkv,
