@@ -283,6 +283,8 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
             res["plugin_active"] = "megatron-consistent plugin active" in (work / f"{name}.log").read_text(errors="replace")
         elif "error" not in res:
             res["error"] = "no timed pass"
+        if "error" in res:  # the engine's last words (its log lives in a temporary folder)
+            res["log_tail"] = (work / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
     return results
 
 
@@ -425,6 +427,8 @@ def main() -> int:
                 print(f"{key:6} {name:22} {r['gen_tokens_per_s']:11.0f} {r['seconds']:8.1f} {r['startup_s']:9.1f}")
             else:
                 print(f"{key:6} {name:22} {'failed: ' + r['error']}")
+                for line in r.get("log_tail", [])[-3:]:
+                    print(f"{'':29} | {line[:160]}")
         for mine in (n for n in engine_envs if n.startswith("consistent")):
             for other in ("stock", "stock_batch_invariant"):
                 if f"{mine}_over_{other}" in row:

@@ -112,10 +112,11 @@ def normalized_ttgir(ttgir: str) -> str:
 
 def compile_report(jobs, ttgir_dir: str | None = None) -> int:
     """Compile every ``(description, kernel, signature, attrs, constexprs, warps, stages)`` for sm_90a and print its
-    registers, spills, shared memory and async copies; returns the exit status (1 on any compile error).  With
+    registers, spills, shared memory and async copies; returns the exit status (1 on any compile error or launch over
+    the shared memory a block may have).  With
     ``ttgir_dir``, each launch's :func:`normalized_ttgir` is written there (``diff -r`` two such folders, e.g. of the
     tree before and after a change, to see which launches compile to other ops)."""
-    errors = flagged = 0
+    errors = flagged = over_smem = 0
     if ttgir_dir:
         os.makedirs(ttgir_dir, exist_ok=True)
     for desc, kernel, sig, attrs, const, warps, stages in jobs:
@@ -130,6 +131,8 @@ def compile_report(jobs, ttgir_dir: str | None = None) -> int:
                 f.write(normalized_ttgir(ttgir))
         flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
         flagged += bool(flag)
+        over_smem += smem > SMEM_MAX
         print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d} async {copies:2d}  {desc}", flush=True)
-    print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory")
-    return 1 if errors else 0
+    print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory "
+          f"({over_smem} over the {SMEM_MAX} bytes a block may have: such a launch fails on the GPU)")
+    return 1 if errors or over_smem else 0

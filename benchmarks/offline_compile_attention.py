@@ -7,7 +7,7 @@ both paths, with and without the step's new K/V for a bf16 cache; ``attention_fw
 tensors with the kernels replaced by recorders; each distinct launch is compiled by :mod:`offline_compile`.  The
 ``async`` column counts the key and value loads the software pipeliner made asynchronous (the dense path's prefill:
 12): a paged launch with fewer waits on its loads.
-Says nothing about bits or speed.  Exit 1 on a compile error.
+Says nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def main():
     launches = record_launches(args.quick)
     print(f"{len(launches)} distinct launches", flush=True)
     jobs = [(f"D {const['D']} PAGE {const['PAGE']} FP8 {const['FP8']} BLOCK_M {const['BLOCK_M']} MODE {const['MODE']} "
-             f"W{warps} S{stages}" + (" NEW_KV" if const["NEW_KV"] else ""), tattn._attn_kernel, sig, attrs, const, warps, stages)
+             f"W{warps} S{stages}" + (" NEW_KV" if const["NEW_KV"] else "")
+             + (f" MERGE_STAGES {const['MERGE_STAGES']} SLICES {const['MERGE_DSPLIT']}" if const["MODE"] == 2 else ""),
+             tattn._attn_kernel, sig, attrs, const, warps, stages)
             for _, sig, attrs, const, warps, stages in launches]
     sys.exit(compile_report(jobs, args.ttgir_dir))
 

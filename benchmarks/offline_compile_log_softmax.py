@@ -5,7 +5,7 @@
 The host code of ``kernels/triton/log_softmax.py`` runs on CPU tensors with the two kernels replaced by recorders, for
 the vocabularies of the tests and the benchmark (Llama-3's 128256 at TP = 1, 2, 4, 8: shard ``128256 / t`` in
 ``8 / t`` segments; 32000; 1001, not a multiple of 8) and a few row counts; each distinct launch is compiled by
-:mod:`offline_compile`.  Says nothing about bits or speed.  Exit 1 on a compile error.
+:mod:`offline_compile`.  Says nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 The host code (``segment_tree.segment_tree_gemm``) runs on CPU tensors with the kernel launch replaced by a recorder;
 each distinct launch (as an H200 with 132 SMs would get) is compiled by :mod:`offline_compile`.  Catches compile
 errors and register spills before device time is spent; it says nothing about bits or speed.  Exit 1 on a compile
-error.
+error or a launch over the shared memory of a block.
 """
 
 from __future__ import annotations

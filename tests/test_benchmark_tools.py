@@ -32,6 +32,7 @@ for line in sys.stdin:
     if line.strip() != "pass":
         break
     if done == die_after:
+        print("fake engine: out of resource", flush=True)
         sys.exit(3)
     if os.environ.get("FAKE_HANG"):
         time.sleep(60)
@@ -75,6 +76,8 @@ def test_an_engine_that_dies_is_reported_and_the_others_go_on(tmp_path):
     results, order = _run(tmp_path, {"a": {"FAKE_TPS": "1"}, "b": {"FAKE_TPS": "1", "FAKE_DIE_AFTER": "1"},
                                      "c": {"FAKE_TPS": "1"}}, rounds=3)
     assert "exited with status 3" in results["b"]["error"]
+    assert results["b"]["log_tail"][-1] == "fake engine: out of resource"  # why it died, in the report
+    assert "log_tail" not in results["a"]
     assert "passes" not in results["b"]
     assert results["a"]["passes"] == results["c"]["passes"] == 3
     assert order == ["a", "b", "c", "c", "a", "a", "c"]

@@ -247,13 +247,14 @@ def test_launch_shape_table_is_numerics_neutral(monkeypatch, split):
             assert bits_equal(ref, batch.paged(split=split)), f"{tiles} changed bits"
 
 
-_MERGE_SCHEDULES = ([(st, 1) for st in (1, 2, 3, 4)] + [(st, ds) for st in (1, 4) for ds in (2, 4, 8)] if ON_GPU
-                    else [(1, 1), (2, 1), (4, 2)])  # the interpreter's head dim 32 allows 2 slices of 16
+# (merge stages, slices; 0 = the slices ``_merge_slices`` picks from the merge grid)
+_MERGE_SCHEDULES = ([(st, 1) for st in (1, 2, 3, 4)] + [(st, ds) for st in (1, 4) for ds in (0, 2, 4, 8)] if ON_GPU
+                    else [(1, 1), (2, 1), (4, 2), (4, 0)])  # the interpreter's head dim 32 allows 2 slices of 16
 
 
 def test_merge_schedules_are_numerics_neutral(monkeypatch):
     """The split path's merge launch pipelined over 1-4 stages (``attention.MERGE_STAGES``: loads issued ahead) and cut
-    into 1-8 head-dimension slices (``attention.MERGE_DSPLIT``) gives the same bits, for rows spanning 1-3 partitions,
+    into 1-8 head-dimension slices (``attention.MERGE_DSPLIT``; 0: by the merge grid) gives the same bits, for rows spanning 1-3 partitions,
     a ``max_seq_len`` hint shorter than the rows (slice 0 walks the tail), pages of 16 and 64 keys, and the dense
     path's ``lse`` (stored by slice 0 only) with a row that has no key."""
     gen = torch.Generator().manual_seed(5)

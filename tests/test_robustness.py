@@ -677,10 +677,28 @@ def test_split_path_rule_follows_programs_per_sm(monkeypatch):
     assert tpa.paged_plan(64, 32, 8, 64, 1, 32768, cpu)[2] and not tpa.paged_plan(64, 32, 8, 64, 1, 512, cpu)[2]
 
 
+def test_merge_slices_follow_the_merge_grid(monkeypatch):
+    """The split path's merge launch is cut into head-dimension slices while the sliced grid fits one wave of the
+    132 SMs (shapes only): 8 / 4 / 2 / 1 slices for 8 / 32 / 64 / 128 merge programs (B = 1 / 4 / 8 / 16 decode rows
+    of GQA 32/8: the H200's measured winners), never narrower than 16 columns; ``MC_ATTN_MERGE_DSPLIT`` forces a count."""
+    pytest.importorskip("triton")
+    from megatron_consistent.kernels.triton import attention as tattn
+    from megatron_consistent.kernels.triton import paged_attention as tpa
+
+    cpu = torch.device("cpu")  # 132 SMs assumed off the GPU
+    monkeypatch.setattr(tattn, "MERGE_DSPLIT", 0)
+    assert [tattn._merge_slices(p, 128, cpu) for p in (1, 8, 32, 64, 128, 1024)] == [8, 8, 4, 2, 1, 1]
+    assert tattn._merge_slices(8, 32, cpu) == 2 and tattn._merge_slices(8, 16, cpu) == 1
+    # a paged decode step counts the programs with rows (B sequences x 8 kv heads), not its grid's upper bound
+    assert [tpa.paged_plan(b, 32, 8, b, 1, 32768, cpu)[3] for b in (1, 4, 8, 16)] == [8, 32, 64, 128]
+    monkeypatch.setattr(tattn, "MERGE_DSPLIT", 2)
+    assert tattn._merge_slices(8, 128, cpu) == 2 and tattn._merge_slices(1024, 128, cpu) == 2
+
+
 def test_attention_launches_fit_shared_memory_by_head_dim():
     """The tile and merge rules that keep every launch inside the H200's 227 KB of shared memory (offline compile,
     ``benchmarks/offline_compile_attention.py``): 128-row tiles only up to head dim 128; the merge loop's stages
-    capped at 2 beyond a 64 x 128 workspace slice; a forced tile that cannot fit, or a head dim over 256, refused by
+    capped at 2 beyond a 64-row x 128-wide tile; a forced tile that cannot fit, or a head dim over 256, refused by
     name in one line before any launch."""
     pytest.importorskip("triton")
     from megatron_consistent.kernels.triton import attention as tattn

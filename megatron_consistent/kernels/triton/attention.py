@@ -449,13 +449,14 @@ _FORCE_BLOCK_M = int(os.environ.get("MC_ATTN_BLOCK_M", "0"))
 MERGE_STAGES = int(os.environ.get("MC_ATTN_MERGE_STAGES", "4") or "4")
 if MERGE_STAGES < 1:
     raise ValueError(f"MC_ATTN_MERGE_STAGES={MERGE_STAGES}: the merge loop needs at least 1 stage")
-# The split path's merge launch cut into this many head-dimension slices (grid axis 2), each merged by its own
-# program: more programs for a merge that is latency-bound (session 13: B = 1 / 32k, 8 programs walk 64 partitions,
-# 0.026 of 0.067 ms).  Columns only, never bits (the merge is per row and column); an experiment knob until the H200
-# measures it (``bench_gpu_attention.py``'s split variants).
-MERGE_DSPLIT = int(os.environ.get("MC_ATTN_MERGE_DSPLIT", "1") or "1")
-if MERGE_DSPLIT not in (1, 2, 4, 8):
-    raise ValueError(f"MC_ATTN_MERGE_DSPLIT={MERGE_DSPLIT}: the head-dimension slices of the merge are 1, 2, 4 or 8")
+# The split path's merge launch cut into head-dimension slices (grid axis 2), each merged by its own program: more
+# programs for a merge that is latency-bound.  Columns only, never bits (the merge is per row and column).  By default
+# :func:`_merge_slices` picks them from the merge grid (measured on the H200, session 14); ``MC_ATTN_MERGE_DSPLIT``
+# (1, 2, 4, 8) forces a count (experiments, the benchmark's variants).
+MERGE_DSPLIT = int(os.environ.get("MC_ATTN_MERGE_DSPLIT", "0") or "0")
+if MERGE_DSPLIT not in (0, 1, 2, 4, 8):
+    raise ValueError(f"MC_ATTN_MERGE_DSPLIT={MERGE_DSPLIT}: the head-dimension slices of the merge are 1, 2, 4 or 8 "
+                     f"(0: by the merge grid)")
 _DEFAULT_SMS = 132
 
 
@@ -505,12 +506,12 @@ def _block_m_for(rows: int, block_d: int, forced: int = 0) -> int:
     return forced or (16 if rows <= 16 else 64 if rows <= 64 or widest == 64 else 128)
 
 
-def _merge_stages(bm: int, width: int) -> int:
-    """Pipeline stages of the merge loop for a ``bm`` x ``width`` slice of the workspace: ``MERGE_STAGES`` up to
-    64 x 128 floats (decode tiles, where 4 stages were measured), at most 2 beyond (``BLOCK_M`` 128 x D 128 with 4
-    stages needs 236 KB of shared memory, over the H200's 227 KB: ``offline_compile_attention.py``).  Loads only,
-    never bits."""
-    return MERGE_STAGES if bm * width <= 64 * 128 else min(MERGE_STAGES, 2)
+def _merge_stages(bm: int, block_d: int) -> int:
+    """Pipeline stages of the merge loop of a ``bm``-row tile with a ``block_d``-wide head: ``MERGE_STAGES`` up to
+    64 x 128 (decode tiles, where 4 stages were measured), at most 2 beyond (``BLOCK_M`` 128 x D 128 with 4 stages
+    needs 236 KB of shared memory, ``BLOCK_M`` 64 x D 256 234 KB, over the H200's 227 KB, whatever the slices:
+    ``offline_compile_attention.py``).  Loads only, never bits."""
+    return MERGE_STAGES if bm * block_d <= 64 * 128 else min(MERGE_STAGES, 2)
 
 
 def _sms(dev: torch.device) -> int:
@@ -536,6 +537,21 @@ def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device
     return nparts > 1 and programs < SPLIT_PER_SM * _sms(dev)
 
 
+def _merge_slices(programs: int, block_d: int, dev: torch.device) -> int:
+    """Head-dimension slices of the merge launch for ``programs`` merging programs (query tiles with rows x kv
+    heads): doubled (up to 8) while the sliced grid still fits in one wave of the SMs, each slice at least 16 columns
+    wide.  The H200's fastest bit-equal count in every split decode case of ``bench_gpu_attention.py`` but one
+    (session 14, GQA 32/8, D 128): 8 at B = 1 (32k: 0.0512 vs 0.0671 ms unsliced), 4 at B = 4 (32k: 0.1634 vs
+    0.1727), 2 at B = 8 (16k: 0.1591 vs 0.1629), 1 at B = 16 (32k: 0.5701; 2 slices 0.5636).  Scheduling only, never
+    bits."""
+    slices = MERGE_DSPLIT
+    if not slices:
+        slices = 1
+        while slices < 8 and 2 * slices * programs <= _sms(dev):
+            slices *= 2
+    return max(1, min(slices, block_d // 16))
+
+
 def _workspace(rows: int, block_d: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split path's float32 partials ``(m, l, acc)``, one slot per (query row, partition), uninitialised: a
     partition's slot is written before any program reads it (tests fill it with NaN to check that)."""
@@ -544,9 +560,11 @@ def _workspace(rows: int, block_d: int, dev: torch.device) -> tuple[torch.Tensor
 
 
 def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, nseq, tq, tk, hq, hkv,
-            qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, d, k_new=None, v_new=None):
+            qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, d, k_new=None, v_new=None,
+            programs: int = 0):
     """One attention call's launches.  ``k_new, v_new [T, Hkv, D]`` (paged, non-FP8 cache): the step's new keys and
-    values, read in place of the cache for key blocks of new tokens only (same values: never a bit)."""
+    values, read in place of the cache for key blocks of new tokens only (same values: never a bit).  ``programs``:
+    the programs of the ``grid0 x n1`` grid that have rows (0: all of them), for the merge's slices."""
     g = hq // hkv
     block_d = max(16, next_pow2(d))
     part_blocks = _part_blocks(max_kv)
@@ -575,9 +593,9 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
             float(kv_scale), nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *new_strides, *os_, *ps, stab)
     if use_split:
         _attn_kernel[grid](*args, MODE=1, **common)
-        dsplit = min(MERGE_DSPLIT, block_d // 16)  # slices of at least 16 columns
+        dsplit = _merge_slices(programs or grid0 * n1, block_d, q.device)
         _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **dict(common, MERGE_DSPLIT=dsplit,
-                                                                 MERGE_STAGES=_merge_stages(bm, block_d // dsplit)))
+                                                                 MERGE_STAGES=_merge_stages(bm, block_d)))
     else:
         _attn_kernel[grid](*args, MODE=0, **common)
     return use_split

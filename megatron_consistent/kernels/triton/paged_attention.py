@@ -56,13 +56,15 @@ def _zero_rows_kernel(O, QSL, NSEQ, T, sot, ROW: tl.constexpr, BLOCK_T: tl.const
 
 def paged_plan(t_all: int, hq: int, hkv: int, nseq: int, max_query_len: int, max_seq_len: int,
                device: torch.device, split: bool | None = None, block_m: int = 0, head_dim: int = 128):
-    """``(BLOCK_M, grid0, split)`` of a :func:`paged_attention` call (shapes only)."""
+    """``(BLOCK_M, grid0, split, programs)`` of a :func:`paged_attention` call (shapes only): ``grid0`` bounds the
+    query tiles (a program past a sequence's rows exits at once); ``programs`` counts those with rows, per kv head
+    and all heads, from ``max_query_len``."""
     g = hq // hkv
     bm = _block_m_for(max(1, min(int(max_query_len), t_all)) * g, max(16, next_pow2(head_dim)), block_m)
     grid0 = (t_all * g) // bm + nseq
     est = min(grid0, nseq * triton.cdiv(max(1, int(max_query_len)) * g, bm)) * hkv
     nparts = triton.cdiv(max(int(max_seq_len), 1), PART_KEYS)
-    return bm, grid0, _use_split(split, est, nparts, device)
+    return bm, grid0, _use_split(split, est, nparts, device), est
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -135,8 +137,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t_all == 0:
         return out
     if nseq > 0:
-        bm, grid0, split = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
-                                      split=split, block_m=block_m, head_dim=d)
+        bm, grid0, split, programs = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
+                                                split=split, block_m=block_m, head_dim=d)
         _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
                 klen=seq_lens, out=out3, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
                 nseq=nseq, tq=t_all, tk=0, hq=hq, hkv=hkv,
@@ -144,7 +146,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
                 os_=(0, out3.stride(0), out3.stride(1)), ps=(0, 0), stab=block_table.stride(0),
                 grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split,
-                bm=bm, d=d, k_new=k_new, v_new=v_new)
+                bm=bm, d=d, k_new=k_new, v_new=v_new, programs=programs)
     bt = 16
     _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
                                                   ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
