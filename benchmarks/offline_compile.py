@@ -113,9 +113,9 @@ def normalized_ttgir(ttgir: str) -> str:
 def compile_report(jobs, ttgir_dir: str | None = None) -> int:
     """Compile every ``(description, kernel, signature, attrs, constexprs, warps, stages)`` for sm_90a and print its
     registers, spills, shared memory and async copies; returns the exit status (1 on any compile error or launch over
-    the shared memory a block may have).  With
-    ``ttgir_dir``, each launch's :func:`normalized_ttgir` is written there (``diff -r`` two such folders, e.g. of the
-    tree before and after a change, to see which launches compile to other ops)."""
+    the shared memory a block may have).  With ``ttgir_dir``, each launch's :func:`normalized_ttgir` is written there
+    (``diff -r`` two such folders, e.g. of the tree before and after a change, to see which launches compile to other
+    ops)."""
     errors = flagged = over_smem = 0
     if ttgir_dir:
         os.makedirs(ttgir_dir, exist_ok=True)

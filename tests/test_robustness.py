@@ -709,9 +709,9 @@ def test_attention_launches_fit_shared_memory_by_head_dim():
     assert tpa.paged_plan(4096, 32, 8, 1, 4096, 4096, torch.device("cpu"), head_dim=256)[0] == 64
     assert tattn._merge_stages(16, 128) == tattn.MERGE_STAGES and tattn._merge_stages(64, 128) == tattn.MERGE_STAGES
     assert tattn._merge_stages(128, 128) <= 2 and tattn._merge_stages(64, 256) <= 2 and tattn._merge_stages(128, 64) == tattn.MERGE_STAGES
-    for rows, width, forced, msg in ((4096, 256, 128, "a query tile of 128 rows does not fit"), (4, 512, 0, "head dim up to 256")):
+    for rows, head_dim, forced, msg in ((4096, 256, 128, "a query tile of 128 rows does not fit"), (4, 300, 0, "head dim up to 256")):
         with pytest.raises(ValueError, match=msg) as err:
-            tattn._block_m_for(rows, width, forced)
+            tattn._block_m_for(rows, head_dim, forced)
         assert "\n" not in str(err.value)
 
 

@@ -492,17 +492,17 @@ def tiles_from_spec(spec: str) -> dict[tuple[int, bool], tuple[int, int]]:
 ATTN_TILES.update(tiles_from_spec(os.environ.get("MC_ATTN_TILES", "")))
 
 
-def _block_m_for(rows: int, block_d: int, forced: int = 0) -> int:
+def _block_m_for(rows: int, head_dim: int, forced: int = 0) -> int:
     """BLOCK_M by the number of packed query rows (numerics-neutral).  Tiles of 128 rows only for head dims up to
     128: a 128 x 256 tile's pipeline needs 258 KB of shared memory, over the H100 / H200's 227 KB
     (``benchmarks/offline_compile_attention.py``)."""
-    if block_d > 256:
-        raise ValueError(f"attention (cuda): head dim up to 256, got a {block_d}-wide head")
-    widest = 128 if block_d <= 128 else 64
+    if head_dim > 256:
+        raise ValueError(f"attention (cuda): head dim up to 256, got {head_dim}")
+    widest = 128 if head_dim <= 128 else 64
     forced = forced or _FORCE_BLOCK_M
     if forced > widest:
         raise ValueError(f"attention (cuda): a query tile of {forced} rows does not fit in shared memory with head "
-                         f"dim {block_d}; at most {widest}")
+                         f"dim {head_dim}; at most {widest}")
     return forced or (16 if rows <= 16 else 64 if rows <= 64 or widest == 64 else 128)
 
 
@@ -623,7 +623,7 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, spli
         return out, lse
     qpos = q_positions.to(device=q.device, dtype=torch.int64)
     klen = k_lengths.to(device=q.device, dtype=torch.int64)
-    bm = _block_m_for(tq * g, max(16, next_pow2(d)), block_m)
+    bm = _block_m_for(tq * g, d, block_m)
     _launch(q=q, k=k, v=v, tab=klen, qsl=klen, seq=klen, qpos=qpos, klen=klen, out=out, lse=lse, scale=scale,
             kv_scale=1.0, nseq=b, tq=tq, tk=tk, hq=hq, hkv=hkv,
             qs=(q.stride(0), q.stride(1), q.stride(2)), ks=(k.stride(0), 0, k.stride(1), k.stride(2)),

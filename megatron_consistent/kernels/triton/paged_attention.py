@@ -60,7 +60,7 @@ def paged_plan(t_all: int, hq: int, hkv: int, nseq: int, max_query_len: int, max
     query tiles (a program past a sequence's rows exits at once); ``programs`` counts those with rows, per kv head
     and all heads, from ``max_query_len``."""
     g = hq // hkv
-    bm = _block_m_for(max(1, min(int(max_query_len), t_all)) * g, max(16, next_pow2(head_dim)), block_m)
+    bm = _block_m_for(max(1, min(int(max_query_len), t_all)) * g, head_dim, block_m)
     grid0 = (t_all * g) // bm + nseq
     est = min(grid0, nseq * triton.cdiv(max(1, int(max_query_len)) * g, bm)) * hkv
     nparts = triton.cdiv(max(int(max_seq_len), 1), PART_KEYS)
