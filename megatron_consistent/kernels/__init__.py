@@ -6,7 +6,7 @@ know nothing of Megatron or vLLM.
 """
 
 from . import inference_ops
-from .attention import KV_BLOCK, attention, causal_positions
+from .attention import CUDA_MAX_HEAD_DIM, KV_BLOCK, attention, causal_positions
 from .causal_conv1d import CausalConv1d, causal_conv1d
 from .dispatch import NoConsistentKernelError, implementation, register
 from .gated_rms_norm import GatedRMSNorm, gated_rms_norm
@@ -20,7 +20,7 @@ from .silu_and_mul import SiluAndMul, silu_and_mul
 from .ssd import mamba_dt, ssd_continue, ssd_scan, ssm_decay_rate
 
 __all__ = [
-    "KV_BLOCK", "K_BLOCK", "Linear", "NoConsistentKernelError", "RMSNorm", "RopeConfig", "RotaryEmbedding",
+    "CUDA_MAX_HEAD_DIM", "KV_BLOCK", "K_BLOCK", "Linear", "NoConsistentKernelError", "RMSNorm", "RopeConfig", "RotaryEmbedding",
     "SiluAndMul", "add_residual", "apply_rope", "attention", "causal_positions", "compute_logits", "gather_kv", "gather_logprobs",
     "ROW_PARALLEL_SEGMENTS", "implementation", "inference_ops", "linear", "linear_segments", "row_parallel_linear",
     "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",

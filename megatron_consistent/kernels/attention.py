@@ -35,6 +35,8 @@ from .dispatch import NoConsistentKernelError, implementation, register
 from .numerics import ceil_to, exp, log, tree_sum
 
 KV_BLOCK = 32
+# The widest head the CUDA kernel (kernels/triton/attention.py) serves: its tiles' shared memory bounds it.
+CUDA_MAX_HEAD_DIM = 256
 _CHUNK_ELEMENTS = 1 << 22
 
 

@@ -24,7 +24,7 @@ from vllm.logger import init_logger
 
 from ..architectures import engine_views, tp_part, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
-from ..kernels import compute_logits, inference_ops, rope_cache
+from ..kernels import CUDA_MAX_HEAD_DIM, compute_logits, inference_ops, rope_cache
 from . import announce, probe
 from .compat import compiled_by_vllm
 from .decoder_layer import _param
@@ -59,8 +59,9 @@ def compile_enabled(vllm_config: VllmConfig) -> bool:
 
 
 def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
-    """Refuse by name an engine whose dtype differs from the checkpoint's, PP > 1, or a TP the plugin cannot run
-    (:func:`.parallel.tp_refusal`: dense and MoE models at TP dividing 8; hybrid and FP8 / NVFP4 at TP=1 only)."""
+    """Refuse by name an engine whose dtype differs from the checkpoint's, PP > 1, a TP the plugin cannot run
+    (:func:`.parallel.tp_refusal`: dense and MoE models at TP dividing 8; hybrid and FP8 / NVFP4 at TP=1 only), or, on
+    CUDA, a head dim the attention kernel does not serve."""
     from .fp8 import quantization_of
 
     mc = vllm_config.model_config
@@ -75,6 +76,9 @@ def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     if vllm_config.model_config.max_model_len > arch.rope.max_positions:
         raise UnsupportedConfigError(
             f"max_model_len {vllm_config.model_config.max_model_len} exceeds the rope table ({arch.rope.max_positions})")
+    if vllm_config.device_config.device_type == "cuda" and arch.head_dim > CUDA_MAX_HEAD_DIM:
+        raise UnsupportedConfigError(f"head_dim {arch.head_dim}: megatron-consistent's CUDA attention serves head dims "
+                                     f"up to {CUDA_MAX_HEAD_DIM}")
     reason = eager_only_reason(arch, vllm_config.model_config.hf_config.to_dict())
     graphs = vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
     if reason and vllm_config.device_config.device_type == "cuda" and graphs:

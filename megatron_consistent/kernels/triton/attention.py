@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention import CUDA_MAX_HEAD_DIM
 from ..dispatch import register
 from ._common import next_pow2
 
@@ -496,8 +497,8 @@ def _block_m_for(rows: int, head_dim: int, forced: int = 0) -> int:
     """BLOCK_M by the number of packed query rows (numerics-neutral).  Tiles of 128 rows only for head dims up to
     128: a 128 x 256 tile's pipeline needs 258 KB of shared memory, over the H100 / H200's 227 KB
     (``benchmarks/offline_compile_attention.py``)."""
-    if head_dim > 256:
-        raise ValueError(f"attention (cuda): head dim up to 256, got {head_dim}")
+    if head_dim > CUDA_MAX_HEAD_DIM:
+        raise ValueError(f"attention (cuda): head dim up to {CUDA_MAX_HEAD_DIM}, got {head_dim}")
     widest = 128 if head_dim <= 128 else 64
     forced = forced or _FORCE_BLOCK_M
     if forced > widest:
