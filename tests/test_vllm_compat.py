@@ -31,17 +31,14 @@ def test_untested_platform_refused_by_name():
 def test_cuda_engine_refuses_a_head_dim_its_attention_does_not_serve(device, head_dim, refused):
     """A CUDA engine whose heads are wider than the CUDA attention serves is refused by name at engine build, before
     any weight is loaded or kernel compiled; head dim 256 and the CPU platform pass."""
-    import json
-    from pathlib import Path
     from types import SimpleNamespace
 
     from vllm.config import CUDAGraphMode
 
-    from megatron_consistent.config import ArchConfig
+    from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
     from megatron_consistent.vllm_plugin.model import check_engine_config
 
-    path = Path(__file__).resolve().parents[1] / "megatron_consistent" / "configs" / "models" / "tiny-llama" / "config.json"
-    hf = {**json.loads(path.read_text()), "head_dim": head_dim}
+    hf = {**load_hf_config(builtin_model_dir("tiny-llama")), "head_dim": head_dim}
     arch = ArchConfig.from_hf(hf)
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(dtype=arch.torch_dtype, max_model_len=64, hf_config=SimpleNamespace(to_dict=lambda: hf)),
