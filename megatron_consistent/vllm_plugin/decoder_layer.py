@@ -79,8 +79,9 @@ class ConsistentDecoderLayer(nn.Module):
                               cache_config=cache_config, prefix=f"{prefix}.self_attn.attn",
                               attn_backend=attention_backend_class())
 
-    def mlp_forward(self, x: torch.Tensor):
-        """(gate_up, act, down) of the dense SwiGLU MLP; the MoE layer (vllm_plugin/moe.py) overrides it."""
+    def mlp_forward(self, x: torch.Tensor, positions: torch.Tensor):
+        """(gate_up, act, down) of the dense SwiGLU MLP; the MoE layer (vllm_plugin/moe.py) overrides it (and records
+        routes at ``positions``)."""
         gu = self.lin["gate_up"](x, self.gate_up_proj)
         act = inference_ops.silu_and_mul(gu)
         return gu, act, self.lin["down"](act, self.down_proj)
@@ -104,7 +105,7 @@ class ConsistentDecoderLayer(nn.Module):
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
         o_proj = lin["o_proj"](o, self.o_proj)
         x2, ho = inference_ops.add_rms_norm(o_proj, h, self.post_attention_layernorm, a.rms_norm_eps)
-        gu, act, m = self.mlp_forward(x2)
+        gu, act, m = self.mlp_forward(x2, positions)
         out = add_residual(m, ho)
         if cap is not None:
             for name, val in (("input_norm", x), ("qkv", qkv), ("rope_q", q), ("rope_k", k), ("attention", o), ("o_proj", o_proj),

@@ -166,13 +166,13 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
     def _fc1_rows(self, gate_scale, up_scale, n):
         return torch.cat([weight_row_scales(gate_scale, n, self.w_fmt), weight_row_scales(up_scale, n, self.w_fmt)])
 
-    def mlp_forward(self, x: torch.Tensor):
+    def mlp_forward(self, x: torch.Tensor, positions: torch.Tensor):
         from . import moe as pmoe
 
         z = kmoe.router_logits(x, self.router)
         w, experts = kmoe.route_logits(z, self.arch.num_experts_per_tok, "softmax", norm_topk_prob=self.arch.norm_topk_prob)
         if pmoe.RECORDER is not None:
-            pmoe.RECORDER(self.idx, self._positions, experts)
+            pmoe.RECORDER.record(self.idx, positions, experts)
         inter, H = self.arch.moe_intermediate_size, self.arch.hidden_size
         fc1 = FP8Weights(self.experts_fc1, torch.stack([self._fc1_rows(self.experts_gate_scale[e], self.experts_up_scale[e], inter)
                                                         for e in range(self.arch.num_experts)]))

@@ -81,7 +81,6 @@ class MoEMixer(nn.Module):
         a, dt = arch, arch.torch_dtype
         E, inter, s = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
         self.arch, self.idx = a, idx
-        plugin_moe.start_recorder(a)  # route recording (vllm_plugin/moe.py)
         self.gate = _param(E, a.hidden_size, dtype=dt)
         self.score_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.experts_up = _param(E, inter, a.hidden_size, dtype=dt)
@@ -95,7 +94,7 @@ class MoEMixer(nn.Module):
         w, experts = inference_ops.moe_route(z, a.num_experts_per_tok, a.moe_scoring, self.score_bias, a.norm_topk_prob,
                                              a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor)
         if plugin_moe.RECORDER is not None:
-            plugin_moe.RECORDER(self.idx, positions, experts)
+            plugin_moe.RECORDER.record(self.idx, positions, experts)
         return inference_ops.moe_experts(x, experts, w, self.experts_up, self.experts_down, self.shared_up, self.shared_down, None,
                                          "relu2")
 
@@ -175,6 +174,8 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
                                     for i, kind in enumerate(arch.layer_types))
         self.norm = _param(arch.hidden_size, dtype=dt)
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
+        if arch.is_moe:
+            plugin_moe.start_recorder(arch, vllm_config)  # route recording (vllm_plugin/moe.py)
         announce()
         logger.info("megatron-consistent: %s (%s) runs on the consistent kernels, Mamba state replayed from chunk boundaries",
                     arch.architecture, arch.hybrid_pattern)

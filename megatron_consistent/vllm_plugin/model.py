@@ -19,7 +19,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from vllm.config import CUDAGraphMode, VllmConfig
+import vllm.envs as envs
+from vllm.config import CompilationMode, CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
 
 from ..architectures import engine_views, tp_part, weight_entries
@@ -28,7 +29,7 @@ from ..kernels import CUDA_MAX_HEAD_DIM, compute_logits, inference_ops, rope_cac
 from . import announce, probe
 from .compat import compiled_by_vllm
 from .decoder_layer import _param
-from .moe import decoder_layer_class
+from .moe import ROUTES_ENV, decoder_layer_class, start_recorder
 from .parallel import check_tp, gather_vocab, placed_entries, tp_rank_size, vocab_parallel_embedding
 
 logger = init_logger("vllm.plugins.megatron_consistent.model")
@@ -41,14 +42,11 @@ def eager_only_reason(arch: ArchConfig, hf_config: dict) -> str:
     vLLM's default CUDA graphs; hybrid Mamba-2 models compile too, their mixer core a splitting op run eagerly between
     piecewise graphs (:mod:`.mamba`)."""
     from .fp8 import quantization_of
-    from .moe import ROUTES_ENV
 
     if quantization_of(hf_config):
         return "FP8 / NVFP4 weights"
     if os.environ.get(probe.PROBE_ENV) or os.environ.get(probe.FAULT_ENV):
         return f"{probe.PROBE_ENV} / {probe.FAULT_ENV} diagnostics"
-    if arch.is_moe and os.environ.get(ROUTES_ENV):
-        return f"{ROUTES_ENV} route recording"
     return ""
 
 
@@ -60,8 +58,9 @@ def compile_enabled(vllm_config: VllmConfig) -> bool:
 
 def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     """Refuse by name an engine whose dtype differs from the checkpoint's, PP > 1, a TP the plugin cannot run
-    (:func:`.parallel.tp_refusal`: dense and MoE models at TP dividing 8; hybrid and FP8 / NVFP4 at TP=1 only), or, on
-    CUDA, a head dim the attention kernel does not serve."""
+    (:func:`.parallel.tp_refusal`: dense and MoE models at TP dividing 8; hybrid and FP8 / NVFP4 at TP=1 only), on
+    CUDA a head dim the attention kernel does not serve, and a compiled engine recording MoE routes with vLLM's compile
+    cache on (its key does not see :data:`.moe.ROUTES_ENV`: a cached graph without the recorder could be loaded)."""
     from .fp8 import quantization_of
 
     mc = vllm_config.model_config
@@ -80,6 +79,10 @@ def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
         raise UnsupportedConfigError(f"head_dim {arch.head_dim}: megatron-consistent's CUDA attention serves head dims "
                                      f"up to {CUDA_MAX_HEAD_DIM}")
     reason = eager_only_reason(arch, vllm_config.model_config.hf_config.to_dict())
+    compiled = not reason and vllm_config.compilation_config.mode != CompilationMode.NONE
+    if arch.is_moe and os.environ.get(ROUTES_ENV) and compiled and not envs.VLLM_DISABLE_COMPILE_CACHE:
+        raise UnsupportedConfigError(f"{ROUTES_ENV} in a compiled engine needs VLLM_DISABLE_COMPILE_CACHE=1 (vLLM's compile "
+                                     "cache key does not see the route recorder)")
     graphs = vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
     if reason and vllm_config.device_config.device_type == "cuda" and graphs:
         raise UnsupportedConfigError(
@@ -120,6 +123,8 @@ class ConsistentForCausalLM(nn.Module):
         cos, sin = rope_cache(arch.rope, torch.device(vllm_config.device_config.device))  # the trainer's float32 tables
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if arch.is_moe and self.tp_rank == 0:  # one rank's routes (every rank computes the same ones)
+            start_recorder(arch, vllm_config)  # route recording (vllm_plugin/moe.py)
         if self.tp_size > 1:
             self.hf_targets()  # every held shape against the weight table's part at this TP (refused by name if not)
         probe.install_from_env()

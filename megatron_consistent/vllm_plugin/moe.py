@@ -18,11 +18,13 @@ Route recording (off by default): with ``MEGATRON_CONSISTENT_ROUTES=<folder>``
 in the engine's environment every model forward that vLLM scheduled writes
 ``routes<NNNNNN>.safetensors`` with ``positions [T]``, ``request [T]`` (the
 ``LLM.generate`` prompt index: vLLM's request id ``"<index>-<suffix>"``) and
-``experts [num_moe_layers, T, k]``.  The request of each row comes from the
-model runner's batch order (``GPUModelRunner._prepare_inputs`` is wrapped to
-note ``input_batch.req_ids`` and the scheduled token counts; rows are laid out
-in that order; :func:`.compat.install_batch_hook` for both of vLLM's runners).  Forwards not prepared by the runner (profile / warm-up runs)
-are not recorded.  Recording is Python per forward: an engine that records runs eager (``model.eager_only_reason``).
+``experts [num_moe_layers, T, k]``.  The forward copies its positions and each MoE layer's experts into fixed
+device buffers (the ``record_rows`` custom op: no host read, no data-dependent shape), so a recording engine
+compiles and replays CUDA graphs like any other; after each runner step the rows that step scheduled are written,
+their requests from the runner's batch order (:func:`.compat.install_step_hooks`, for both of vLLM's runners).
+Forwards not prepared by the runner (profile / warm-up / capture runs) are not recorded.  vLLM's compile cache is
+keyed by config and source files, not by this environment variable, so a compiled recording engine must run with
+``VLLM_DISABLE_COMPILE_CACHE=1`` (refused by name otherwise: ``model.check_engine_config``).
 """
 
 from __future__ import annotations
@@ -33,65 +35,104 @@ from pathlib import Path
 import torch
 
 from ..kernels import inference_ops
-from .compat import install_batch_hook
+from .compat import install_step_hooks
 from .decoder_layer import ConsistentDecoderLayer, _param
-from .parallel import tp_rank_size
 
 ROUTES_ENV = "MEGATRON_CONSISTENT_ROUTES"
-_BATCH: dict = {"rows": None}  # set by the wrapped _prepare_inputs: [(request index, num tokens)]
+_BATCH: dict = {"rows": None}  # set after the runner prepared a step: [(request index, num tokens)]
 
 
 def _note_batch(rows: list[tuple[str, int]]) -> None:
     _BATCH["rows"] = [(int(str(r).split("-")[0]), int(c)) for r, c in rows]
 
 
-class RouteRecorder:
-    """Collects one forward's experts per MoE layer; writes a file when the last MoE layer has run."""
+def _flush_recorder() -> None:
+    if RECORDER is not None:
+        RECORDER.flush()
 
-    def __init__(self, folder: str, moe_layers: tuple[int, ...]):
+
+@torch.library.custom_op("megatron_consistent::record_rows", mutates_args=("dst",))
+def record_rows(dst: torch.Tensor, src: torch.Tensor, index: int) -> None:
+    """``dst[index, :n] = src[:n]`` with ``n = min(len(src), dst.shape[1])``: a forward's rows into a fixed buffer."""
+    n = min(src.shape[0], dst.shape[1])
+    dst[index, :n].copy_(src[:n].reshape(dst[index, :n].shape))
+
+
+@record_rows.register_fake
+def _record_rows_fake(dst, src, index):
+    return None
+
+
+class RouteRecorder:
+    """One runner step's routes in fixed device buffers (graph-safe); a file per step, written after the step.
+
+    ``record(layer, positions, experts)`` is called by every MoE layer of a forward (the first one also records the
+    positions); :meth:`flush` runs after the runner's ``execute_model`` for the process's :data:`RECORDER`.  The
+    buffers are refilled with -1 after each flush, so a step whose forward did not write them (a graph compiled without
+    the recorder) fails loudly."""
+
+    def __init__(self, folder: str, moe_layers: tuple[int, ...], top_k: int, max_tokens: int, device):
         self.dir = Path(folder)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.layers = moe_layers
+        self.slot = {layer: i for i, layer in enumerate(moe_layers)}
+        self.first = moe_layers[0]
+        self.positions = torch.full((1, max_tokens), -1, dtype=torch.int64, device=device)
+        self.experts = torch.full((len(moe_layers), max_tokens, top_k), -1, dtype=torch.int64, device=device)
         self.step = 0
-        self.cur: dict | None = None
-        install_batch_hook(_note_batch)
+        install_step_hooks(_note_batch, _flush_recorder)
 
-    def __call__(self, layer_idx: int, positions: torch.Tensor, experts: torch.Tensor) -> None:
+    def record(self, layer_idx: int, positions: torch.Tensor, experts: torch.Tensor) -> None:
+        if layer_idx == self.first:
+            record_rows(self.positions, positions, 0)
+        record_rows(self.experts, experts, self.slot[layer_idx])
+
+    def flush(self) -> None:
         from safetensors.torch import save_file
 
-        if layer_idx == self.layers[0]:
-            rows, _BATCH["rows"] = _BATCH["rows"], None
-            n = sum(c for _, c in rows) if rows else 0
-            self.cur = None
-            if rows and n <= positions.shape[0]:
-                req = torch.cat([torch.full((c,), r, dtype=torch.int64) for r, c in rows])
-                self.cur = {"positions": positions[:n].to(torch.int64).clone(), "request": req, "experts": [], "n": n}
-        if self.cur is None:
+        rows, _BATCH["rows"] = _BATCH["rows"], None
+        n = sum(c for _, c in rows) if rows else 0
+        if n == 0:
             return
-        self.cur["experts"].append(experts[: self.cur["n"]].clone())
-        if layer_idx == self.layers[-1]:
-            c = self.cur
-            save_file({"positions": c["positions"], "request": c["request"], "experts": torch.stack(c["experts"])},
-                      str(self.dir / f"routes{self.step:06d}.safetensors"))
-            self.step += 1
-            self.cur = None
+        if n > self.positions.shape[1]:
+            raise RuntimeError(f"{ROUTES_ENV}: a step of {n} tokens exceeds the buffers' {self.positions.shape[1]} rows")
+        # host copies (the read waits for the step's forward); the buffers are reset below
+        positions = self.positions[0, :n].contiguous().to("cpu", copy=True)
+        experts = self.experts[:, :n].contiguous().to("cpu", copy=True)
+        if (positions < 0).any() or (experts < 0).any():
+            raise RuntimeError(f"{ROUTES_ENV}: step {self.step}'s forward did not record its routes (a compiled graph "
+                               "without the recorder, e.g. from vLLM's compile cache: set VLLM_DISABLE_COMPILE_CACHE=1)")
+        self.positions.fill_(-1)
+        self.experts.fill_(-1)
+        req = torch.cat([torch.full((c,), r, dtype=torch.int64) for r, c in rows])
+        save_file({"positions": positions, "request": req, "experts": experts},
+                  str(self.dir / f"routes{self.step:06d}.safetensors"))
+        self.step += 1
 
 
 RECORDER: RouteRecorder | None = None
 
 
-def start_recorder(arch) -> None:
-    """Start the process's :data:`RECORDER` (once) when :data:`ROUTES_ENV` names an output folder."""
-    global RECORDER
+def start_recorder(arch, vllm_config) -> None:
+    """Start the process's :data:`RECORDER` (once) when :data:`ROUTES_ENV` names an output folder; buffers for the
+    engine's largest step (``max_num_batched_tokens``) on its device."""
     if os.environ.get(ROUTES_ENV) and RECORDER is None:
-        RECORDER = RouteRecorder(os.environ[ROUTES_ENV], arch.moe_layers)
+        set_recorder(RouteRecorder(os.environ[ROUTES_ENV], arch.moe_layers, arch.num_experts_per_tok,
+                                   vllm_config.scheduler_config.max_num_batched_tokens,
+                                   torch.device(vllm_config.device_config.device)))
+
+
+def set_recorder(recorder: RouteRecorder | None) -> None:
+    """Make ``recorder`` the process's :data:`RECORDER` (flushed after every runner step)."""
+    global RECORDER
+    RECORDER = recorder
 
 
 class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
     """The plugin's decoder layer with the MLP replaced by the MoE block (attention part inherited).
 
     At TP > 1 the attention is sharded as in the dense layer; the MoE block's parameters (``tp_replicated``) are kept
-    whole on every rank and computed from the replicated input, as at TP = 1 (only rank 0 records routes)."""
+    whole on every rank and computed from the replicated input, as at TP = 1 (the model starts the route recorder on
+    rank 0 only)."""
 
     tp_replicated = ("router", "experts_fc1", "experts_fc2", "shared_fc1", "shared_fc2", "shared_gate")
 
@@ -110,21 +151,13 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
             self.shared_fc2 = _param(a.hidden_size, s, dtype=dt)
             self.shared_gate = _param(1, a.hidden_size, dtype=dt)
             self.shared = (self.shared_fc1, self.shared_fc2, self.shared_gate)
-        if tp_rank_size()[0] == 0:  # one rank's routes (every rank computes the same ones)
-            start_recorder(a)
-        self._positions = None
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, rope) -> torch.Tensor:
-        if RECORDER is not None:  # recording runs eager (model.eager_only_reason)
-            self._positions = positions
-        return super().forward(positions, h, rope)
-
-    def mlp_forward(self, x: torch.Tensor):
+    def mlp_forward(self, x: torch.Tensor, positions: torch.Tensor):
         """(router logits, routed experts, MLP output) of ``x [T, H]``: opaque custom ops with no host read."""
         z = inference_ops.router_logits(x, self.router)
         w, experts = inference_ops.moe_route(z, self.arch.num_experts_per_tok, "softmax", None, self.arch.norm_topk_prob, 1, 1, 1.0)
         if RECORDER is not None:
-            RECORDER(self.idx, self._positions, experts)
+            RECORDER.record(self.idx, positions, experts)
         shared = self.shared or (None, None, None)
         return z, experts, inference_ops.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, *shared, "swiglu")
 
