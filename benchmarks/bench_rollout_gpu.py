@@ -18,8 +18,9 @@ the gap to stock is attributed to kernels, not guessed.
         --variant tile44:MC_ATTN_TILES=16:0:4:4 --variant serial_trees:MC_TREE_PATH=serial   # bisect knobs
 
 ``--interleave ROUNDS`` starts every engine once, side by side on the GPU (each with ``--gpu-memory-utilization`` /
-the number of engines, so a smaller KV cache than alone), then times ROUNDS rounds of one pass per engine, the order
-reversed every other round: the run-to-run spread of sequential runs (about 10 % at shape b, session 12) falls on
+the number of engines, so a smaller KV cache than alone), then times ROUNDS rounds per engine (a round: passes until
+``--min-seconds`` were timed, so a short shape's round is not a few seconds of noise), the order reversed every other
+round: the run-to-run spread of sequential runs (about 10 % at shape b, session 12) falls on
 every engine alike, and the ratios come per round too (their range is printed).
 
 ``--variant NAME:ENV=VALUE[,ENV=VALUE]`` adds a consistent engine run with extra environment (scheduling knobs
@@ -117,11 +118,15 @@ def _engine(request: dict):
     return llm, prompts, params, startup
 
 
-def _timed_pass(llm, prompts, params) -> tuple[int, float]:
-    """One generation of every prompt -> (generated tokens, seconds)."""
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t
+def _timed_passes(llm, prompts, params, min_seconds: float) -> tuple[int, float, int]:
+    """Generations of every prompt, repeated until ``min_seconds`` were timed -> (generated tokens, seconds, passes)."""
+    tokens, seconds, passes = 0, 0.0, 0
+    while seconds < min_seconds or passes == 0:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        seconds, passes = seconds + time.perf_counter() - t, passes + 1
+    return tokens, seconds, passes
 
 
 def _package_dir() -> str:
@@ -132,10 +137,7 @@ def _package_dir() -> str:
 def worker(request: dict) -> dict:
     """Inside the engine's process: build the engine, warm up, time generation."""
     llm, prompts, params, startup = _engine(request)
-    tokens, seconds, passes = 0, 0.0, 0
-    while seconds < request["min_seconds"] or passes == 0:
-        n, dt = _timed_pass(llm, prompts, params)
-        tokens, seconds, passes = tokens + n, seconds + dt, passes + 1
+    tokens, seconds, passes = _timed_passes(llm, prompts, params, request["min_seconds"])
     out = {"gen_tokens": tokens, "seconds": seconds, "passes": passes, "gen_tokens_per_s": tokens / seconds,
            "startup_s": startup, "package_dir": _package_dir()}
     if request.get("profile_dir"):
@@ -152,15 +154,16 @@ def worker(request: dict) -> dict:
 
 
 def serve(request: dict, events: Path) -> None:
-    """Inside the engine's process, for ``--interleave``: build and warm up, then one timed pass per ``pass`` line on
-    stdin (anything else ends it); every event is one JSON line appended to ``events`` (the parent polls it)."""
+    """Inside the engine's process, for ``--interleave``: build and warm up, then one timed round per ``pass`` line on
+    stdin (anything else ends it: passes until ``min_seconds`` were timed, so a round of a short shape is not a few
+    seconds of noise); every event is one JSON line appended to ``events`` (the parent polls it)."""
     llm, prompts, params, startup = _engine(request)
     _emit(events, {"ready": True, "startup_s": startup, "package_dir": _package_dir()})
     for line in sys.stdin:
         if line.strip() != "pass":
             break
-        n, dt = _timed_pass(llm, prompts, params)
-        _emit(events, {"tokens": n, "seconds": dt})
+        n, dt, passes = _timed_passes(llm, prompts, params, request["min_seconds"])
+        _emit(events, {"tokens": n, "seconds": dt, "passes": passes})
 
 
 def _emit(events: Path, event: dict) -> None:
@@ -226,8 +229,9 @@ def _next_event(events: Path, seen: int, proc: subprocess.Popen, name: str, time
 def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: int, timeout_s: float,
                command=None) -> dict[str, dict]:
     """Every engine started once, one after another (each sizes its memory on what the others left), then ``rounds``
-    rounds of one timed pass per engine, the order reversed every other round (A B C, C B A, ...) so a drift of the
-    machine falls on every engine alike.  -> per engine: totals, ``pass_tokens_per_s`` by round, start-up; an engine
+    timed rounds per engine, the order reversed every other round (A B C, C B A, ...) so a drift of the
+    machine falls on every engine alike (a round: passes until ``min_seconds``).  -> per engine: totals,
+    ``round_tokens_per_s`` and ``round_passes`` by round, start-up; an engine
     that exits or hangs past ``timeout_s`` gets ``{"error": ...}`` and is left out of later rounds.
     ``command(req, events)``: the engine process's argv (default: this script's ``--worker REQ EVENTS --serve``)."""
     command = command or (lambda req, events: [sys.executable, __file__, "--worker", str(req), str(events), "--serve"])
@@ -242,7 +246,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
             try:
                 ready = _next_event(events[name], 0, procs[name], name, timeout_s)
                 results[name] = {"startup_s": ready["startup_s"], "package_dir": ready["package_dir"],
-                                 "pass_tokens": [], "pass_seconds": []}
+                                 "round_tokens": [], "round_seconds": [], "round_passes": []}
             except RuntimeError as e:
                 results[name] = {"error": str(e)}
                 procs.pop(name).kill()
@@ -256,15 +260,16 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                 try:
                     procs[name].stdin.write("pass\n")
                     procs[name].stdin.flush()
-                    event = _next_event(events[name], 1 + len(res["pass_tokens"]), procs[name], name, timeout_s)
+                    event = _next_event(events[name], 1 + len(res["round_tokens"]), procs[name], name, timeout_s)
                 except (RuntimeError, OSError) as e:
                     results[name] = {"error": str(e)}
                     procs.pop(name).kill()
                     continue
-                res["pass_tokens"].append(event["tokens"])
-                res["pass_seconds"].append(event["seconds"])
+                res["round_tokens"].append(event["tokens"])
+                res["round_seconds"].append(event["seconds"])
+                res["round_passes"].append(event.get("passes", 1))
             print(f"  round {r + 1}/{rounds}: " + "  ".join(
-                f"{n} {results[n]['pass_tokens'][-1] / results[n]['pass_seconds'][-1]:.0f}" for n in names if n in procs),
+                f"{n} {results[n]['round_tokens'][-1] / results[n]['round_seconds'][-1]:.0f}" for n in names if n in procs),
                 flush=True)
     finally:
         for proc in procs.values():
@@ -276,9 +281,9 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
         for f in logs:
             f.close()
     for name, res in results.items():
-        if res.get("pass_tokens"):
-            res.update(gen_tokens=sum(res["pass_tokens"]), seconds=sum(res["pass_seconds"]), passes=len(res["pass_tokens"]),
-                       pass_tokens_per_s=[t / s for t, s in zip(res["pass_tokens"], res["pass_seconds"])])
+        if res.get("round_tokens"):
+            res.update(gen_tokens=sum(res["round_tokens"]), seconds=sum(res["round_seconds"]), passes=sum(res["round_passes"]),
+                       round_tokens_per_s=[t / s for t, s in zip(res["round_tokens"], res["round_seconds"])])
             res["gen_tokens_per_s"] = res["gen_tokens"] / res["seconds"]
             res["plugin_active"] = "megatron-consistent plugin active" in (work / f"{name}.log").read_text(errors="replace")
         elif "error" not in res:
@@ -356,9 +361,9 @@ def main() -> int:
                     help="one more consistent engine with extra environment (repeatable)")
     ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                     help="start every engine once, side by side (each with --gpu-memory-utilization / engines), then "
-                         "ROUNDS rounds of one timed pass each in alternating order; ratios also per round")
+                         "ROUNDS rounds each (passes until --min-seconds) in alternating order; ratios also per round")
     ap.add_argument("--engine-timeout", type=float, default=900.0,
-                    help="--interleave: seconds an engine may take to start or to finish a pass")
+                    help="--interleave: seconds an engine may take to start or to finish a round")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -414,9 +419,9 @@ def main() -> int:
                     c, o = row.get(mine, {}), row.get(other, {})
                     if "gen_tokens_per_s" in c and "gen_tokens_per_s" in o:
                         row[f"{mine}_over_{other}"] = c["gen_tokens_per_s"] / o["gen_tokens_per_s"]
-                    if c.get("pass_tokens_per_s") and o.get("pass_tokens_per_s"):
-                        row[f"{mine}_over_{other}_by_round"] = [a / b for a, b in zip(c["pass_tokens_per_s"],
-                                                                                     o["pass_tokens_per_s"])]
+                    if c.get("round_tokens_per_s") and o.get("round_tokens_per_s"):
+                        row[f"{mine}_over_{other}_by_round"] = [a / b for a, b in zip(c["round_tokens_per_s"],
+                                                                                     o["round_tokens_per_s"])]
             report["shapes"][key] = row
             Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"\n{'shape':6} {'engine':22} {'gen tok/s':>11} {'timed s':>8} {'startup s':>9}")

@@ -1,9 +1,10 @@
 """Benchmark tools on the CPU: ``bench_rollout_gpu.py --interleave`` with stand-in engine processes, and the kernel
 events of a profiler trace (``benchmarks/kernel_trace.py``).
 
-For ``--interleave`` the stand-in speaks the worker's protocol (a ``ready`` event, then one ``{"tokens", "seconds"}`` event per ``pass``
-line) at a throughput set by its environment, and writes its name to a shared file at every pass, so the order of the
-passes, the per-round figures, and what happens to an engine that dies or hangs are checked without vLLM or a GPU.
+For ``--interleave`` the stand-in speaks the worker's protocol (a ``ready`` event, then one ``{"tokens", "seconds",
+"passes"}`` event per ``pass`` line: a round) at a throughput set by its environment, and writes its name to a shared
+file at every round, so the order of the rounds, the per-round figures, and what happens to an engine that dies or
+hangs are checked without vLLM or a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ for line in sys.stdin:
     with open(order, "a") as f:
         f.write(os.environ["FAKE_NAME"] + "\n")
     done += 1
-    emit({"tokens": 1000, "seconds": 1000 / (tps * done)})  # an engine that speeds up pass by pass
+    passes = int(os.environ.get("FAKE_PASSES", "1"))  # generations in the round (the worker: until --min-seconds)
+    emit({"tokens": 1000 * passes, "seconds": 1000 * passes / (tps * done), "passes": passes})  # speeds up by round
 '''
 
 
@@ -62,12 +64,14 @@ def _run(tmp_path: Path, engines: dict[str, dict], rounds: int, timeout_s: float
 
 
 def test_rounds_alternate_order_and_report_each_pass(tmp_path):
-    results, order = _run(tmp_path, {"consistent": {"FAKE_TPS": "900"}, "stock": {"FAKE_TPS": "1000"}}, rounds=3)
+    results, order = _run(tmp_path, {"consistent": {"FAKE_TPS": "900"}, "stock": {"FAKE_TPS": "1000", "FAKE_PASSES": "2"}},
+                          rounds=3)
     assert order == ["consistent", "stock", "stock", "consistent", "consistent", "stock"]
-    for name, tps in (("consistent", 900), ("stock", 1000)):
+    for name, tps, passes in (("consistent", 900, 1), ("stock", 1000, 2)):
         res = results[name]
-        assert res["passes"] == 3 and res["gen_tokens"] == 3000 and res["startup_s"] == 0.5
-        assert res["pass_tokens_per_s"] == pytest.approx([tps, 2 * tps, 3 * tps])
+        assert res["round_passes"] == [passes] * 3 and res["passes"] == 3 * passes
+        assert res["gen_tokens"] == 3000 * passes and res["startup_s"] == 0.5
+        assert res["round_tokens_per_s"] == pytest.approx([tps, 2 * tps, 3 * tps])
         assert res["gen_tokens_per_s"] == pytest.approx(3000 / sum(1000 / (tps * k) for k in (1, 2, 3)))
     assert json.loads((tmp_path / "consistent.req.json").read_text()) == {"prompts": []}
 
@@ -117,3 +121,21 @@ def test_kernel_events_are_the_trace_kernels_in_start_order(tmp_path, gz):
     with (gzip.open(path, "wt") if gz else open(path, "w")) as f:
         json.dump(trace, f)
     assert _load("kernel_trace").kernel_events(path) == [("_attn_kernel", 10.0, 7.5), ("_attn_kernel", 30.0, 4.0)]
+
+
+def test_a_round_repeats_generation_until_min_seconds():
+    """The worker's timing loop: whole generations until ``min_seconds`` were timed, at least one."""
+    from types import SimpleNamespace
+
+    class FakeLLM:
+        calls = 0
+
+        def generate(self, prompts, params, use_tqdm=False):
+            FakeLLM.calls += 1
+            time.sleep(0.02)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * 7)]) for _ in prompts]
+
+    timed = _load("bench_rollout_gpu")._timed_passes
+    tokens, seconds, passes = timed(FakeLLM(), ["p"] * 3, None, min_seconds=0.1)
+    assert passes == FakeLLM.calls >= 5 and tokens == 21 * passes and seconds >= 0.1
+    assert timed(FakeLLM(), ["p"], None, min_seconds=0.0)[2] == 1
