@@ -299,7 +299,7 @@ def routing_replay(trainer, arch, prompts, roll, engine_routes, temperature, cfg
     replay = ReplayRoutes(engine_routes, [p + r for p, r in zip(prompts, roll["tokens"])], arch.moe_layers)
     sink = TrainerRoutes()
     lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=True, route_sink=sink, replay=replay)
-    return {**mismatch_metrics(lp, rollout_lp), **routing_agreement(engine_routes, sink, as_sets=True),
+    return {**mismatch_metrics(lp, rollout_lp), **routing_agreement(engine_routes, sink, as_sets=True, moe_layers=arch.moe_layers),
             "route_source": "stock vLLM CPURouter capture_fn (verify/stock_routes.py)",
             "replayed_from_prefix": replay.from_prefix, "unrouted_positions": replay.missing}
 
@@ -444,7 +444,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
             from .routing import load_engine_routes, routing_agreement
 
             engine_routes = load_engine_routes(routes_dir)
-            report[mode].update(routing_agreement(engine_routes, sink, as_sets=mode == "baseline"))
+            report[mode].update(routing_agreement(engine_routes, sink, as_sets=mode == "baseline", moe_layers=arch.moe_layers))
             if mode == "baseline":  # routing replay: the stock recompute with the stock engine's routes forced
                 report["routing_replay"] = routing_replay(trainer, arch, prompts, roll, engine_routes, temperature, cfg, rollout_lp)
     c, b = report.get("consistent", {}), report.get("baseline", {})
@@ -478,6 +478,11 @@ def render(report: dict) -> str:
         text += f"\nthroughput ratio (consistent / stock vLLM, same run): {report['throughput_ratio']:.3f}"
     if "batch_invariant_throughput_ratio" in report:
         text += f"\nthroughput ratio (consistent / stock vLLM with VLLM_BATCH_INVARIANT=1): {report['batch_invariant_throughput_ratio']:.3f}"
+    for mode in ("consistent", "baseline", "routing_replay"):
+        d = report.get(mode, {}).get("first_route_divergence")
+        if d:
+            text += (f"\n{mode}: routes first differ at layer {d['layer']} (request {d['request']}, position {d['position']}): "
+                     f"engine experts {d['engine']}, trainer {d['trainer']}")
     if "consistent" in report and "tokens" in report["consistent"]:
         text += "\nconsistent: " + ("ZERO MISMATCH (every token bitwise equal)" if report["zero_mismatch"] else "MISMATCH")
         fd = report["consistent"].get("first_divergence")

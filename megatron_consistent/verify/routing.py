@@ -50,19 +50,43 @@ class TrainerRoutes:
             self.by_request[first + j] = stacked[:, :n, j].transpose(0, 1).cpu().clone()  # [n, L, k], on the CPU as the engine's
 
 
-def routing_agreement(engine: dict[tuple[int, int], torch.Tensor], trainer: TrainerRoutes, as_sets: bool = False) -> dict:
-    """``{"routing_agreement", "routed_tokens", "routed_pairs"}``; a token the trainer did not see counts as disagreeing.
+def routing_agreement(engine: dict[tuple[int, int], torch.Tensor], trainer: TrainerRoutes, as_sets: bool = False,
+                      moe_layers: tuple[int, ...] | None = None) -> dict:
+    """``{"routing_agreement", "routed_tokens", "routed_pairs", "routing_agreement_by_layer"}`` and, where a route
+    differs, ``first_route_divergence``; a token the trainer did not see counts as disagreeing.
 
     ``as_sets``: compare each token's k experts per layer after sorting them (for the stock
-    engine, whose CPU router's ``torch.topk(sorted=False)`` leaves the slot order unspecified)."""
+    engine, whose CPU router's ``torch.topk(sorted=False)`` leaves the slot order unspecified).
+    ``first_route_divergence`` localises the divergence: the lowest MoE layer where any token's experts differ (below
+    it no route differs anywhere, so what differs there is the layer's own input, not an earlier route), and in it the
+    earliest position (then the lowest request): ``{"layer", "request", "position", "engine", "trainer"}``, ``layer``
+    the model's layer index (``moe_layers``; the MoE-layer slot when not given)."""
     same = total = 0
+    layer_same: torch.Tensor | None = None
+    layer_total = 0
+    first: tuple | None = None
     for (r, p), e in engine.items():
         t = trainer.by_request.get(r)
         total += e.numel()
-        if t is not None and p < t.shape[0]:
-            a, b = (t[p].sort(-1).values, e.sort(-1).values) if as_sets else (t[p], e)
-            same += int((a == b).sum())
-    return {"routing_agreement": same / total if total else float("nan"), "routed_tokens": len(engine), "routed_pairs": total}
+        layer_total += e.shape[-1]
+        if layer_same is None:
+            layer_same = torch.zeros(e.shape[0], dtype=torch.int64)
+        if t is None or p >= t.shape[0]:
+            continue
+        a, b = (t[p].sort(-1).values, e.sort(-1).values) if as_sets else (t[p], e)
+        eq = a == b
+        same += int(eq.sum())
+        layer_same += eq.sum(-1)
+        bad = (~eq.all(-1)).nonzero()
+        if bad.numel() and (first is None or (int(bad[0, 0]), p, r) < first[:3]):
+            first = (int(bad[0, 0]), p, r, e[bad[0, 0]].tolist(), t[p][bad[0, 0]].tolist())
+    out = {"routing_agreement": same / total if total else float("nan"), "routed_tokens": len(engine), "routed_pairs": total,
+           "routing_agreement_by_layer": [] if layer_same is None else [int(x) / layer_total for x in layer_same]}
+    if first is not None:
+        slot, p, r, e, t = first
+        out["first_route_divergence"] = {"layer": moe_layers[slot] if moe_layers else slot, "request": r, "position": p,
+                                         "engine": e, "trainer": t}
+    return out
 
 
 class ReplayRoutes:
