@@ -30,7 +30,8 @@ A candidate GEMM table runs the same way from a copy of the package that carries
 
 Shapes (issue #14): a = 1B Llama (hidden 2048, 16 layers, GQA 32/8, vocab 32000), 512 prompts of 64-1024
 tokens x 512; b = 8B Llama (hidden 4096, 32 layers, GQA 32/8, vocab 128256), 256 x 512; c = the long tail,
-8 prompts of 16k tokens x 512 on the 1B shape.
+8 prompts of 16k tokens x 512 on the 1B shape; d = MoE, the layers of Qwen3-30B-A3B (hidden 2048, GQA 32/4, head
+dim 128, 128 experts, top-8, expert width 768, vocab 151936), 12 of its 48, 256 x 512 as b.
 """
 
 from __future__ import annotations
@@ -60,9 +61,15 @@ SHAPES = {
     "c": {"model": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                         intermediate_size=8192, vocab_size=32000),
           "prompts": 8, "min_len": 16384, "max_len": 16384, "max_tokens": 512},
+    "d": {"model": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                        num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                        intermediate_size=6144, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+          "prompts": 256, "min_len": 64, "max_len": 1024, "max_tokens": 512},
 }
 KERNEL_CATEGORIES = (  # first match wins; names of our Triton kernels and of vLLM's / cuBLAS's CUDA kernels
     ("attention", r"attn|flash|fmha|paged|attention"),
+    ("moe", r"moe|grouped_gemm|_combine_kernel|expert"),
     ("kv_write", r"reshape_and_cache|write_kv|kv_cache|cache_kernel"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|splitk|segment|_mm_|wgmma"),
     ("norm", r"rms|norm"),
