@@ -74,7 +74,6 @@ def install_step_hooks(note, done) -> None:
             done()
             return out
 
-        execute_model._mc_step_hook = True
         return execute_model
 
     if not getattr(GPUModelRunner._prepare_inputs, "_mc_step_hook", False):
