@@ -69,7 +69,7 @@ SHAPES = {
 }
 KERNEL_CATEGORIES = (  # first match wins; names of our Triton kernels and of vLLM's / cuBLAS's CUDA kernels
     ("attention", r"attn|flash|fmha|paged|attention"),
-    ("moe", r"moe|grouped_gemm|_combine_kernel|expert"),
+    ("moe", r"moe|grouped_gemm|_combine_kernel|expert|tile_table"),
     ("kv_write", r"reshape_and_cache|write_kv|kv_cache|cache_kernel"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|splitk|segment|_mm_|wgmma"),
     ("norm", r"rms|norm"),

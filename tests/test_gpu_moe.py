@@ -28,8 +28,12 @@ def _weights(E, H, I, dtype=torch.bfloat16, seed=0):
     return r(E, H, std=0.1), r(E, 2 * I, H), r(E, H, I), (r(2 * I, H), r(H, I), r(1, H))
 
 
+@pytest.mark.parametrize("bm", [16, 32, 64, None])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_gemm_equals_triton_linear_per_expert(dtype):
+def test_grouped_gemm_equals_triton_linear_per_expert(dtype, bm, monkeypatch):
+    """Every row tile of the grouped GEMM (BM 16 / 32 on mma.sync, 64 / the config's 128 on wgmma; forced here, chosen
+    by rows per expert in use) gives the Triton linear's bits, per expert and for a row alone."""
+    monkeypatch.setattr(tmoe, "GROUPED_ROW_TILES", () if bm is None else ((1e9, bm, 4),))
     E, N, K = 6, 384, 320
     counts = torch.tensor([3, 0, 300, 1, 129, 17], device=DEV)
     g = torch.Generator().manual_seed(1)
@@ -42,6 +46,26 @@ def test_grouped_gemm_equals_triton_linear_per_expert(dtype):
             assert torch.equal(y[r0 : r0 + c], linear(x[r0 : r0 + c], w[e])), f"expert {e}"
             assert torch.equal(y[r0 : r0 + 1], linear(x[r0 : r0 + 1], w[e])), f"expert {e}, its first row alone"
         r0 += c
+
+
+@pytest.mark.parametrize("e, top_k", [(128, 8), (60, 4), (8, 1)])
+@pytest.mark.parametrize("scoring, norm, with_bias", [("softmax", True, False), ("softmax", False, False),
+                                                      ("sigmoid", True, True)])
+def test_router_kernel_equals_the_cpu_route(e, top_k, scoring, norm, with_bias):
+    """The one-launch Triton router (``moe_select_experts``) gives the CPU route's bits on the same float32 logits,
+    also with exact ties and NaN / infinite logits."""
+    g = torch.Generator().manual_seed(e + top_k)
+    z = torch.randn(512, e, generator=g) * 3
+    z[:64] = torch.round(z[:64])  # many exact ties
+    z[64, 3], z[65, 1], z[66, :] = float("nan"), float("inf"), -float("inf")
+    bias = torch.randn(e, generator=g) * 0.01 if with_bias else None
+    w, ex = implementation("moe_select_experts", DEV)(z.to(DEV), top_k, scoring, None if bias is None else bias.to(DEV),
+                                                      norm, 1, 1, 1.0)
+    wc, ec = kmoe.select_experts(z, top_k, scoring, bias, norm, 1, 1, 1.0)
+    assert torch.equal(ex.cpu(), ec)
+    nan = wc.isnan()  # NaN payloads differ between devices (x86: 0xffc00000); their positions may not
+    assert torch.equal(w.cpu().isnan(), nan)
+    assert torch.equal(w.cpu()[~nan].view(torch.int32), wc[~nan].view(torch.int32))
 
 
 @pytest.mark.parametrize("scoring, norm, top_k, shared", [("softmax", True, 2, True), ("sigmoid", True, 4, False),

@@ -35,7 +35,8 @@ Ops (``torch.ops.megatron_consistent.<name>``):
   Inductor cannot fuse and re-round them);
 * ``router_logits(x, weight)``: float32 ``[T, E]`` by the linear's float32 accumulator;
 * ``moe_route(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)``: (weights float32, experts
-  int64) ``[T, k]`` by :func:`..moe.select_experts` — the registered ``moe_route`` forward without its NaN refusal,
+  int64) ``[T, k]`` by the device's ``moe_select_experts`` (:func:`..moe.select_experts`; CUDA: one Triton kernel
+  with its bits) — the registered ``moe_route`` forward without its NaN refusal,
   which reads the host (a rollout engine's padded CUDA-graph rows may hold anything; a NaN in a real row shows in
   its log-prob);
 * ``moe_experts(hidden, experts, weights, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, activation)``:
@@ -170,7 +171,8 @@ def _router_logits_fake(x, weight):
 @torch.library.custom_op("megatron_consistent::moe_route", mutates_args=())
 def moe_route(z: torch.Tensor, top_k: int, scoring: str, bias: torch.Tensor | None, norm_topk_prob: bool, n_group: int,
               topk_group: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return kmoe.select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)
+    return implementation("moe_select_experts", z.device)(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group,
+                                                          scaling)
 
 
 @moe_route.register_fake

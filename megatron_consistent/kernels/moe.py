@@ -88,10 +88,13 @@ def _route_cpu(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, sca
     return select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling, refuse_nan=True)
 
 
+@register("moe_select_experts", "cpu")
 def select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling, refuse_nan: bool = False):
     """(weights ``[T, k]`` float32, experts ``[T, k]`` int64) by the contract above.  ``refuse_nan=False``: device ops
     only, no host read and no data-dependent shape, so a CUDA-graph replay runs it as captured; a NaN score then sorts
-    deterministically (PyTorch orders NaN above every number) and still yields valid expert indices."""
+    deterministically (PyTorch orders NaN above every number) and still yields valid expert indices.  The rollout
+    engine's route is the device's ``moe_select_experts`` (this function on CPU; CUDA: one Triton kernel, the same
+    bits)."""
     s = _scores(z, scoring)
     keys = s if bias is None else s + bias.to(torch.float32)
     if refuse_nan and torch.isnan(keys).any():

@@ -31,13 +31,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 _SQRT_HALF = 0.7071067811865476
 _TWO_PI_HI = 6.283185307179586  # float64(2*pi)
 _TWO_PI_LO = 2.4492935982947064e-16  # 2*pi - _TWO_PI_HI
 
-_EXP_COEFFS = [1.0 / math.factorial(k) for k in range(13)]  # Taylor, |r| <= ln2/2
+EXP_COEFFS = [1.0 / math.factorial(k) for k in range(13)]  # Taylor, |r| <= ln2/2
 _LOG_COEFFS = [1.0 / (2 * k + 1) for k in range(12)]  # atanh series in t^2
 _SIN_COEFFS = [(-1.0) ** k / math.factorial(2 * k + 1) for k in range(16)]  # in r^2
 _COS_COEFFS = [(-1.0) ** k / math.factorial(2 * k) for k in range(16)]
@@ -60,9 +60,9 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
 def exp(x: torch.Tensor) -> torch.Tensor:
     """float32 exp(x): float64 range reduction x = n*ln2 + r, Taylor degree 12, one rounding."""
     xd = x.to(torch.float64).clamp(-110.0, 90.0)
-    n = torch.floor(xd * _LOG2E + 0.5)
-    r = xd - n * _LN2
-    y = (_horner(_EXP_COEFFS, r) * _pow2(n)).to(torch.float32)
+    n = torch.floor(xd * LOG2E + 0.5)
+    r = xd - n * LN2
+    y = (_horner(EXP_COEFFS, r) * _pow2(n)).to(torch.float32)
     return torch.where(torch.isnan(x), x.to(torch.float32), y)
 
 
@@ -75,7 +75,7 @@ def log(x: torch.Tensor) -> torch.Tensor:
     e = torch.where(low, e - 1, e).to(torch.float64)
     t = (m - 1.0) / (m + 1.0)
     lm = (t * 2.0) * _horner(_LOG_COEFFS, t * t)
-    y = (e * _LN2 + lm).to(torch.float32)
+    y = (e * LN2 + lm).to(torch.float32)
     y = torch.where(xd == 0, torch.full_like(y, -math.inf), y)
     y = torch.where(xd < 0, torch.full_like(y, math.nan), y)
     y = torch.where(torch.isinf(xd) & (xd > 0), torch.full_like(y, math.inf), y)

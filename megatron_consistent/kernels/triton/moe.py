@@ -36,18 +36,116 @@ import triton
 import triton.language as tl
 
 from .. import moe as kmoe
+from .. import numerics
 from ..dispatch import register
 from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
+from ._common import next_pow2
 from .linear import _epilogue, _serial_splits, config_for
 
 
 
 # ---------------------------------------------------------------------------------------------- router
+@triton.jit
+def _exp_f64(x, C):
+    """:func:`numerics.exp` of float32 ``x``: float64 range reduction and the degree-12 Horner chain (constants read
+    from the float64 table ``C`` = [log2 e, 0.5, ln 2, 1/12!, ..., 1/0!], never float32 literals), one rounding."""
+    xd = tl.minimum(tl.maximum(x.to(tl.float64), -110.0), 90.0)
+    n = tl.math.floor(xd * tl.load(C) + tl.load(C + 1))
+    r = xd - n * tl.load(C + 2)
+    p = tl.zeros_like(r) + tl.load(C + 3)
+    for i in tl.static_range(12):
+        p = p * r
+        p = p + tl.load(C + 4 + i)
+    scale = ((n.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+    y = (p * scale).to(tl.float32)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def _tree_sum(x, WIDTH: tl.constexpr):
+    """:func:`numerics.tree_sum` of a power-of-two vector: element ``i`` pairs with ``i + width / 2``, level by level."""
+    for _ in tl.static_range(WIDTH.bit_length() - 1):
+        x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2]), axis=0)  # two terms: one IEEE sum
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def _select_experts_kernel(Z, BIAS, W_OUT, E_OUT, C, scaling, stride_z,
+                           E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                           SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EP)
+    live = cols < E
+    z = tl.load(Z + t * stride_z + cols, mask=live, other=0.0)
+    if SIGMOID:
+        s = tl.math.div_rn(tl.zeros_like(z) + 1.0, 1.0 + _exp_f64(-z, C))
+    else:
+        zm = tl.where(live, z, -float("inf"))
+        e = tl.where(live, _exp_f64(z - tl.max(zm, axis=0), C), 0.0)  # the tree's zero padding
+        s = tl.math.div_rn(e, tl.zeros_like(e) + _tree_sum(e, EP))
+    keys = s
+    if HAS_BIAS:
+        keys = s + tl.load(BIAS + cols, mask=live, other=0.0)
+    nan = keys != keys
+    slots = tl.arange(0, KP)
+    w = tl.zeros((KP,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        # the stable descending sort's j-th entry: NaN first (PyTorch orders it above every number), then the largest
+        # key; among equal keys the lowest expert index
+        nan_first = tl.min(tl.where(live & nan, cols, EP), axis=0)
+        best = tl.max(tl.where(live & ~nan, keys, -float("inf")), axis=0)
+        best_first = tl.min(tl.where(live & ~nan & (keys == best), cols, EP), axis=0)
+        pick = tl.where(nan_first < EP, nan_first, best_first)
+        tl.store(E_OUT + t * K + j, pick.to(tl.int64))
+        w = tl.where(slots == j, tl.sum(tl.where(cols == pick, s, 0.0), axis=0), w)  # s[pick] + zeros: exact
+        live = live & (cols != pick)
+    if NORM:
+        w = tl.math.div_rn(w, tl.zeros_like(w) + _tree_sum(w, KP))
+    if SCALE:
+        w = w * scaling
+    tl.store(W_OUT + t * K + slots, w, mask=slots < K)
+
+
+_EXP_TABLE: dict[torch.device, torch.Tensor] = {}
+
+
+def _exp_constants(device: torch.device) -> torch.Tensor:
+    if device not in _EXP_TABLE:
+        consts = [numerics.LOG2E, 0.5, numerics.LN2] + list(reversed(numerics.EXP_COEFFS))
+        _EXP_TABLE[device] = torch.tensor(consts, dtype=torch.float64, device=device)
+    return _EXP_TABLE[device]
+
+
+@register("moe_select_experts", "cuda")
+def select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling):
+    """:func:`kernels.moe.select_experts` in one Triton launch, one program per token (bitwise the CPU route's ops:
+    the same float64 ``exp`` chain, tree sums, IEEE divisions, no fused multiply-add; NaN keys first, then the
+    largest, exact ties to the lowest index).  Group-limited selection (``n_group > 1``) runs the torch ops."""
+    if n_group > 1:
+        return kmoe.select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)
+    t, e = z.shape
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    w = torch.empty((t, top_k), dtype=torch.float32, device=z.device)
+    experts = torch.empty((t, top_k), dtype=torch.int64, device=z.device)
+    if t == 0:
+        return w, experts
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    _select_experts_kernel[(t,)](
+        z, b if b is not None else z, w, experts, _exp_constants(z.device), float(scaling), z.stride(0),
+        E=e, EP=next_pow2(e), K=top_k, KP=next_pow2(top_k), SIGMOID=scoring == "sigmoid", HAS_BIAS=b is not None,
+        NORM=bool(norm_topk_prob), SCALE=scaling != 1.0, num_warps=1 if e <= 128 else 4, enable_fp_fusion=False)
+    return w, experts
+
+
 @register("moe_route", "cuda")
 def _route_cuda(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling):
-    """The CPU route's per-row torch ops, on the device (contract above)."""
-    return kmoe._route_cpu(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)
+    """The trainer's route: :func:`select_experts`, refusing NaN keys (a NaN key is always selected, so it shows in
+    the weights unless it came from the bias alone)."""
+    w, experts = select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)
+    if torch.isnan(w).any() or (bias is not None and torch.isnan(bias).any()):
+        raise ValueError("router scores contain NaN")
+    return w, experts
 
 
 # ---------------------------------------------------------------------------------------------- grouped GEMM
@@ -73,27 +171,62 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1
         _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
 
 
-def _tile_table(counts: torch.Tensor, bm: int, rows: int):
-    """Per M-tile (expert, first row, end row); tiles past the last are expert -1.  No host sync."""
+@triton.jit
+def _tile_table_kernel(COUNTS, TILE_E, TILE_R0, TILE_R1, max_tiles, E: tl.constexpr, EP: tl.constexpr,
+                       BM: tl.constexpr, BLOCK: tl.constexpr):
+    """Tiles ``[pid * BLOCK, pid * BLOCK + BLOCK)`` of the table: expert e's rows ``[start_e, end_e)`` cut into
+    ``ceil(count_e / BM)`` tiles, experts in ascending order; tiles past the last get expert -1."""
+    experts = tl.arange(0, EP)
+    counts = tl.load(COUNTS + experts, mask=experts < E, other=0).to(tl.int32)
+    tiles = (counts + (BM - 1)) // BM
+    tiles_end = tl.cumsum(tiles, axis=0)
+    rows_end = tl.cumsum(counts, axis=0)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e_of = tl.sum((tiles_end[None, :] <= i[:, None]).to(tl.int32), axis=1)  # experts whose tiles all precede tile i
+    mine = experts[None, :] == e_of[:, None]
+    first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), axis=1)
+    row_start = tl.sum(tl.where(mine, rows_end - counts, 0), axis=1)
+    row_end = tl.sum(tl.where(mine, rows_end, 0), axis=1)
+    r0 = row_start + (i - first_tile) * BM
+    valid = e_of < E
+    keep = i < max_tiles
+    tl.store(TILE_E + i, tl.where(valid, e_of, -1), mask=keep)
+    tl.store(TILE_R0 + i, tl.where(valid, r0, 0), mask=keep)
+    tl.store(TILE_R1 + i, tl.where(valid, tl.minimum(r0 + BM, row_end), 0), mask=keep)
+
+
+def tile_table(counts: torch.Tensor, bm: int, rows: int):
+    """``(bm, expert, first row, end row, length)``: per M tile of ``bm`` rows its expert and rows (int32), over a
+    table of length ``cdiv(rows, bm) + E`` (every tiling of ``rows`` rows over E experts fits); one launch, no host
+    read."""
     e_count = counts.shape[0]
     max_tiles = triton.cdiv(rows, bm) + e_count
-    tiles = (counts + (bm - 1)) // bm
-    cum_tiles = torch.cumsum(tiles, 0)
-    first_tile = cum_tiles - tiles
-    row_end = torch.cumsum(counts, 0)
-    row_start = row_end - counts
-    i = torch.arange(max_tiles, device=counts.device)
-    e_of = torch.searchsorted(cum_tiles, i, right=True)
-    valid = e_of < e_count
-    ec = e_of.clamp(max=e_count - 1)
-    r0 = row_start[ec] + (i - first_tile[ec]) * bm
-    r1 = torch.minimum(r0 + bm, row_end[ec])
-    tile_e = torch.where(valid, ec, torch.full_like(ec, -1))
-    return tile_e.to(torch.int32), r0.to(torch.int32), r1.to(torch.int32), max_tiles
+    tile_e, r0, r1 = (torch.empty(max_tiles, dtype=torch.int32, device=counts.device) for _ in range(3))
+    block = 128
+    _tile_table_kernel[(triton.cdiv(max_tiles, block),)](counts, tile_e, r0, r1, max_tiles, E=e_count,
+                                                          EP=next_pow2(e_count), BM=bm, BLOCK=block, num_warps=4)
+    return bm, tile_e, r0, r1, max_tiles
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``y[rows of e] = x[rows of e] @ w[e].T`` for rows sorted by expert (``counts[e]`` rows each), one launch."""
+# (largest mean rows per expert, BM, warps): row tiles for few rows per expert (decode), only below the config's BM;
+# BK, the splits and their order stay the config's, so every row's bits are the same
+GROUPED_ROW_TILES = ((16, 16, 4), (32, 32, 4), (64, 64, 4))
+
+
+def grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int]:
+    """(BM, warps) of the grouped GEMM for ``rows`` rows over ``experts`` experts (a function of the shapes only)."""
+    mean = rows / max(experts, 1)
+    for max_mean, bm, warps in GROUPED_ROW_TILES:
+        if mean <= max_mean and bm < cfg["BM"]:
+            return bm, warps
+    return cfg["BM"], cfg["W"]
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 tiles: tuple | None = None) -> torch.Tensor:
+    """``y[rows of e] = x[rows of e] @ w[e].T`` for rows sorted by expert (``counts[e]`` rows each), one launch.
+    ``tiles``: a :func:`tile_table` of these counts (the two projections of one MoE layer share it when their BM
+    agree; otherwise a table is built)."""
     p, k = x.shape
     e_count, n, k2 = w.shape
     if k2 != k or x.dtype != w.dtype or counts.shape != (e_count,):
@@ -107,16 +240,17 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, out_dty
     if p == 0 or n == 0:
         return out
     cfg = config_for(n, k, w.dtype, None, False)
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    bn, bk = cfg["BN"], cfg["BK"]
+    bm, warps = grouped_tiles(cfg, p, e_count)
     k_steps = triton.cdiv(k, bk)
     split_steps = min(cfg["SPLIT_STEPS"], k_steps)
     splits = triton.cdiv(k_steps, split_steps)
-    tile_e, r0, r1, max_tiles = _tile_table(counts, bm, p)
+    _, tile_e, r0, r1, max_tiles = tiles if tiles is not None and tiles[0] == bm else tile_table(counts, bm, p)
     num_n = triton.cdiv(n, bn)
     _grouped_gemm_kernel[(max_tiles * num_n,)](
         x, w, out, tile_e, r0, r1, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), num_n,
         BM=bm, BN=bn, BK=bk, SPLIT_STEPS=split_steps, SPLITS=splits, NUM_STAGES=cfg["S"],
-        PRECISION="ieee" if w.dtype == torch.float32 else "tf32", num_warps=cfg["W"], num_stages=cfg["S"],
+        PRECISION="ieee" if w.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=cfg["S"],
     )
     return out
 
@@ -125,9 +259,9 @@ class GroupedLinearFunction(torch.autograd.Function):
     """Grouped Triton forward; backward one matmul per expert in the input dtype (float32 on float32 inputs)."""
 
     @staticmethod
-    def forward(ctx, x, w, counts):
+    def forward(ctx, x, w, counts, tiles):
         ctx.save_for_backward(x, w, counts)
-        return grouped_gemm(x, w, counts)
+        return grouped_gemm(x, w, counts, tiles=tiles)
 
     @staticmethod
     def backward(ctx, g):
@@ -145,7 +279,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 if gw is not None:
                     gw[e] = (ge.t() @ x[r0 : r0 + c].to(compute)).to(w.dtype)
             r0 += c
-        return gx, gw, None
+        return gx, gw, None, None
 
 
 def expert_counts(by_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -164,13 +298,17 @@ def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up:
     t, k = experts.shape
     flat = experts.reshape(-1)
     by_expert, order = torch.sort(flat, stable=True)  # ascending expert, pair order within an expert
-    counts = expert_counts(by_expert, w_gate_up.shape[0])
-    h = GroupedLinearFunction.apply(hidden[order // k], w_gate_up, counts)
+    e_count = w_gate_up.shape[0]
+    counts = expert_counts(by_expert, e_count)
+    bm, _ = grouped_tiles(config_for(w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up.dtype, None, False), t * k,
+                          e_count)
+    tiles = tile_table(counts, bm, t * k)
+    h = GroupedLinearFunction.apply(hidden[order // k], w_gate_up, counts, tiles)
     a = silu_and_mul(h) if activation == "swiglu" else relu_squared(h)
-    y = GroupedLinearFunction.apply(a, w_down, counts)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return y[inverse].reshape(t, k, -1)
+    y = GroupedLinearFunction.apply(a, w_down, counts, tiles)
+    by_pair = torch.empty_like(y)
+    by_pair[order] = y
+    return by_pair.reshape(t, k, -1)
 
 
 # ---------------------------------------------------------------------------------------------- combine

@@ -1,0 +1,173 @@
+"""GPU MoE layer forward: the consistent engine's MoE ops vs vLLM's stock fused MoE, one run, CUDA-graph replay.
+
+    python benchmarks/bench_gpu_moe.py --out /tmp/moe.json [--tokens 1 16 64 256 1024 4096]
+    python benchmarks/bench_gpu_moe.py --plot /tmp/moe.json          # the PNG again (CPU)
+
+The layer of Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert width 768, ``norm_topk_prob``; bf16), at T tokens
+per forward (decode batches to prefill chunks):
+
+* **consistent**: the engine's custom ops exactly as the vLLM plugin calls them — ``router_logits`` (Triton linear,
+  float32 out), ``moe_route`` (deterministic softmax, stable top-k), ``moe_experts`` (pairs sorted by expert, grouped
+  Triton GEMMs, slot-order combine); also its two halves alone (router + route; experts + combine);
+* **stock**: vLLM 0.26's path for the same layer: ``F.linear`` router (cuBLAS), ``fused_topk`` (CUDA top-k softmax),
+  ``fused_experts`` (vLLM's Triton fused-MoE kernel with its tuned or default config); skipped with the reason when
+  vLLM does not import;
+* **floor**: the expert weight bytes the T tokens touch (distinct experts hit x (2I + I) x H x 2 bytes, plus the
+  router) over the device-to-device copy bandwidth measured in this run.
+
+Each time is ``triton.testing.do_bench_cudagraph`` of one forward (the expert weights, 1.2 GB, are far past L2).
+Ratios are ``time(stock) / time(consistent)`` (> 1: consistent faster).  Writes JSON to ``--out``, prints a table and
+writes a PNG next to the JSON (time per forward against T, log-log, with the floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+H, E, TOP_K, INTER = 2048, 128, 8, 768
+TOKENS = (1, 16, 64, 256, 1024, 4096)
+
+
+def _layer(device):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(0)
+    r = lambda *s: (torch.randn(*s, device=device, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
+    return r(E, H), r(E, 2 * INTER, H), r(E, H, INTER)
+
+
+def _stock_fns(router, w13, w2):
+    """vLLM's stock MoE forward, or the reason it cannot run here."""
+    import torch.nn.functional as F
+
+    try:
+        from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+        from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+    except Exception as e:  # noqa: BLE001
+        return None, f"vLLM fused MoE not importable: {type(e).__name__}: {str(e)[:160]}"
+
+    def forward(x):
+        logits = F.linear(x, router)
+        w, ids, _ = fused_topk(x, logits, TOP_K, True)
+        return fused_experts(x, w13, w2, w, ids)
+
+    return forward, None
+
+
+def run(tokens) -> dict:
+    import torch
+    import triton
+    import triton.testing
+
+    from bench_gpu_attention import copy_bandwidth
+    from megatron_consistent.kernels import inference_ops
+
+    dev = torch.device("cuda")
+    router, w13, w2 = _layer(dev)
+
+    def route(x):
+        return inference_ops.moe_route(inference_ops.router_logits(x, router), TOP_K, "softmax", None, True, 1, 1, 1.0)
+
+    def experts(x, w, e):
+        return inference_ops.moe_experts(x, e, w, w13, w2, None, None, None, "swiglu")
+
+    def consistent(x):
+        w, e = route(x)
+        return experts(x, w, e)
+
+    stock, stock_skip = _stock_fns(router, w13, w2)
+    bw = copy_bandwidth()
+    expert_bytes = (2 * INTER + INTER) * H * 2
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "layer": {"hidden": H, "experts": E, "top_k": TOP_K, "expert_width": INTER, "dtype": "bfloat16"},
+           "copy_bandwidth_GBps": bw / 1e9, "package_dir": os.path.dirname(os.path.dirname(inference_ops.__file__)),
+           "stock_skipped": stock_skip, "rows": []}
+    for t in tokens:
+        x = torch.randn(t, H, device=dev, generator=torch.Generator(device=dev).manual_seed(t)).to(torch.bfloat16)
+        with torch.no_grad():
+            w, e = route(x)
+            hit = int(torch.unique(e).numel())
+            y = consistent(x)
+            row = {"T": t, "experts_hit": hit,
+                   "floor_ms": (hit * expert_bytes + E * H * 2 + 2 * t * H * 2) / bw * 1e3,
+                   "consistent_ms": triton.testing.do_bench_cudagraph(lambda: consistent(x), rep=100),
+                   "route_ms": triton.testing.do_bench_cudagraph(lambda: route(x), rep=100),
+                   "experts_ms": triton.testing.do_bench_cudagraph(lambda: experts(x, w, e), rep=100)}
+            if stock is not None:
+                ys = stock(x)
+                row["stock_ms"] = triton.testing.do_bench_cudagraph(lambda: stock(x), rep=100)
+                row["stock_over_consistent"] = row["stock_ms"] / row["consistent_ms"]
+                row["max_abs_vs_stock"] = (y.float() - ys.float()).abs().max().item()
+        row["floor_over_consistent"] = row["floor_ms"] / row["consistent_ms"]
+        out["rows"].append(row)
+        print("MOE", json.dumps(row), flush=True)
+    return out
+
+
+def table(res: dict) -> str:
+    lines = [f"MoE layer forward, {res['device']}, copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s"
+             + (f" (stock skipped: {res['stock_skipped']})" if res.get("stock_skipped") else ""),
+             "| T | experts hit | consistent ms | route ms | experts ms | stock ms | stock / consistent | floor ms | "
+             "floor / consistent |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in res["rows"]:
+        s = lambda key, f="{:.4f}": f.format(r[key]) if key in r else "—"  # noqa: E731
+        lines.append(f"| {r['T']} | {r['experts_hit']} | {s('consistent_ms')} | {s('route_ms')} | {s('experts_ms')} | "
+                     f"{s('stock_ms')} | {s('stock_over_consistent', '{:.2f}')} | {s('floor_ms')} | "
+                     f"{s('floor_over_consistent', '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    t = [r["T"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for key, label in (("consistent_ms", "consistent (route + grouped experts)"), ("stock_ms", "vLLM stock fused MoE"),
+                       ("route_ms", "consistent: router + route"), ("floor_ms", "HBM floor (weights touched)")):
+        if all(key in r for r in rows):
+            ax.plot(t, [r[key] for r in rows], marker="o", label=label, linestyle="--" if key == "floor_ms" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("ms per MoE layer forward")
+    ax.set_title(f"Qwen3-30B-A3B MoE layer, {res['device']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, help="JSON path (the PNG goes next to it)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--plot", type=Path, help="only redraw the PNG of an earlier JSON")
+    args = ap.parse_args()
+    if args.plot:
+        res = json.loads(args.plot.read_text())
+        plot(res, args.plot.with_suffix(".png"))
+        print(table(res))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    res = run(args.tokens)
+    print(table(res))
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1))
+        try:
+            plot(res, args.out.with_suffix(".png"))
+        except ImportError as e:
+            print(f"(no PNG: {e})")
+
+
+if __name__ == "__main__":
+    main()

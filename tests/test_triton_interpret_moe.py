@@ -1,0 +1,134 @@
+"""The CUDA MoE kernels' logic in Triton's interpreter: the router (one program per token) against the CPU route's
+torch ops, bit for bit; the grouped GEMM's tile table and its row tiles.
+
+Runs only with ``TRITON_INTERPRET=1`` and Triton importable (e.g. ``PYTHONPATH=.:/tmp/tritonsite``), like
+tests/test_triton_interpret_gemm.py.  The kernel uses only IEEE-exact operations (float64 ``+ - *``, ``floor``,
+``div_rn``, bit casts, comparisons; no ``exp`` of the platform), which the interpreter evaluates with numpy exactly as
+the GPU does, so here the bits must equal :func:`kernels.moe.select_experts` (weights and experts, ``torch.equal``):
+softmax and sigmoid, selection bias, ``norm_topk_prob``, scaling, expert counts that are not powers of two, exact
+ties (lowest index), NaN and infinite logits.  The tile table (one launch) against its definition; the grouped GEMM
+with every row tile (BM 16 / 32 / 64 / the config's) gives the same values (the interpreter's ``tl.dot`` is numpy's,
+so this proves indices and masks; tests/test_gpu_moe.py checks the bits on the H200, as it does the router's).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
+pytest.importorskip("triton")
+
+from megatron_consistent.kernels import moe as kmoe
+from megatron_consistent.kernels import numerics
+from megatron_consistent.kernels.triton import moe as tmoe
+
+
+def _both(z, top_k, scoring="softmax", bias=None, norm=False, scaling=1.0):
+    ours = tmoe.select_experts(z, top_k, scoring, bias, norm, 1, 1, scaling)
+    ref = kmoe.select_experts(z, top_k, scoring, bias, norm, 1, 1, scaling)
+    return ours, ref
+
+
+def _assert_same(ours, ref):
+    assert torch.equal(ours[1], ref[1]), "experts differ"
+    assert torch.equal(ours[0].view(torch.int32), ref[0].view(torch.int32)), "weights differ in their bits"
+
+
+@pytest.mark.parametrize("e,top_k", [(8, 1), (8, 2), (60, 4), (64, 6), (128, 8)])
+@pytest.mark.parametrize("scoring,with_bias,norm,scaling", [("softmax", False, False, 1.0), ("softmax", False, True, 1.0),
+                                                            ("sigmoid", True, True, 2.5), ("sigmoid", False, False, 1.0)])
+def test_kernel_equals_the_cpu_route(e, top_k, scoring, with_bias, norm, scaling):
+    g = torch.Generator().manual_seed(e * 10 + top_k)
+    z = torch.randn(24, e, generator=g) * 3
+    bias = torch.randn(e, generator=g) * 0.01 if with_bias else None
+    ours, ref = _both(z, top_k, scoring, bias, norm, scaling)
+    _assert_same(ours, ref)
+    # a token alone == the token in the batch
+    for t in (0, 13, 23):
+        alone = tmoe.select_experts(z[t : t + 1], top_k, scoring, bias, norm, 1, 1, scaling)
+        assert torch.equal(alone[1], ours[1][t : t + 1]) and torch.equal(alone[0], ours[0][t : t + 1])
+
+
+def test_exact_ties_pick_the_lowest_index():
+    z = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, 2.0, 0.0],
+                      [0.0] * 8,
+                      [-1.0, 2.0, -1.0, 2.0, 5.0, -1.0, 2.0, 2.0]])
+    ours, ref = _both(z, 4, norm=True)
+    _assert_same(ours, ref)
+    assert ours[1].tolist() == [[1, 2, 4, 5], [0, 1, 2, 3], [4, 1, 3, 6]]
+    # sigmoid keys with a bias that makes keys equal: the lowest index again
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0])
+    _assert_same(*_both(z, 3, "sigmoid", bias=bias))
+
+
+def test_nan_and_infinite_logits_sort_like_the_cpu():
+    z = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    z[0, 5] = float("nan")
+    z[1, 2] = float("inf")
+    z[2, 7] = -float("inf")
+    z[3, :] = -float("inf")
+    for scoring in ("softmax", "sigmoid"):
+        ours, ref = _both(z, 3, scoring, norm=True)
+        assert torch.equal(ours[1], ref[1])
+        assert torch.equal(ours[0].isnan(), ref[0].isnan())
+        assert torch.equal(torch.nan_to_num(ours[0]), torch.nan_to_num(ref[0]))
+
+
+def test_a_perturbed_exp_constant_is_caught(monkeypatch):
+    """The comparison sees single bits: ln 2 rounded to float32 in the kernel's table changes some weights."""
+    z = torch.randn(32, 64, generator=torch.Generator().manual_seed(5)) * 3
+    good = tmoe.select_experts(z, 6, "softmax", None, True, 1, 1, 1.0)
+    bad_table = tmoe._exp_constants(z.device).clone()
+    bad_table[2] = torch.tensor(numerics.LN2, dtype=torch.float32).double()
+    monkeypatch.setattr(tmoe, "_exp_constants", lambda device: bad_table)
+    bad = tmoe.select_experts(z, 6, "softmax", None, True, 1, 1, 1.0)
+    assert torch.equal(good[1], bad[1])
+    assert not torch.equal(good[0], bad[0])
+
+
+def _table_reference(counts, bm, rows):
+    entries = []
+    start = 0
+    for e, c in enumerate(counts):
+        for r0 in range(start, start + c, bm):
+            entries.append((e, r0, min(r0 + bm, start + c)))
+        start += c
+    length = -(-rows // bm) + len(counts)
+    return entries + [(-1, 0, 0)] * (length - len(entries))
+
+
+@pytest.mark.parametrize("bm", [16, 64])
+@pytest.mark.parametrize("counts", [[3, 0, 300, 1, 129, 17], [0] * 7 + [5], [16] * 128, [0, 0, 2048] + [0] * 125])
+def test_tile_table_is_its_definition(counts, bm):
+    rows = sum(counts)
+    bm_out, tile_e, r0, r1, length = tmoe.tile_table(torch.tensor(counts), bm, rows)
+    assert bm_out == bm
+    assert list(zip(tile_e.tolist(), r0.tolist(), r1.tolist())) == _table_reference(counts, bm, rows)
+    assert length == len(_table_reference(counts, bm, rows))
+
+
+def test_grouped_gemm_row_tiles_agree(monkeypatch):
+    from megatron_consistent.kernels.triton import linear as tlin
+
+    e_count, n, k = 5, 40, 100
+    counts = torch.tensor([3, 0, 40, 1, 17])
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(int(counts.sum()), k, generator=g)
+    w = torch.randn(e_count, n, k, generator=g) * 0.1
+    monkeypatch.setattr(tmoe, "config_for", lambda *a: tlin._cfg(128, 16, 16, 3, 4, 2))  # 3-step splits
+    outs = {}
+    for bm in (16, 32, 64, None):
+        monkeypatch.setattr(tmoe, "GROUPED_ROW_TILES", () if bm is None else ((1e9, bm, 4),))
+        outs[bm] = tmoe.grouped_gemm(x, w, counts)
+    r0 = 0
+    for e, c in enumerate(counts.tolist()):
+        if c:
+            ref = x[r0 : r0 + c].double() @ w[e].double().T
+            assert (outs[None][r0 : r0 + c].double() - ref).abs().max().item() < 1e-4, e
+        r0 += c
+    for bm in (16, 32, 64):
+        assert torch.equal(outs[bm], outs[None]), bm
