@@ -1,12 +1,14 @@
 """The CUDA MoE kernels' logic in Triton's interpreter: the router (one program per token) against the CPU route's
-torch ops, bit for bit; the grouped GEMM's tile table and its row tiles.
+torch ops, bit for bit; the counting sort of the (token, slot) pairs by expert; the grouped GEMM's tile table and its
+row tiles.
 
 Runs only with ``TRITON_INTERPRET=1`` and Triton importable (e.g. ``PYTHONPATH=.:/tmp/tritonsite``), like
 tests/test_triton_interpret_gemm.py.  The kernel uses only IEEE-exact operations (float64 ``+ - *``, ``floor``,
 ``div_rn``, bit casts, comparisons; no ``exp`` of the platform), which the interpreter evaluates with numpy exactly as
 the GPU does, so here the bits must equal :func:`kernels.moe.select_experts` (weights and experts, ``torch.equal``):
 softmax and sigmoid, selection bias, ``norm_topk_prob``, scaling, expert counts that are not powers of two, exact
-ties (lowest index), NaN and infinite logits.  The tile table (one launch) against its definition; the grouped GEMM
+ties (lowest index), NaN and infinite logits.  The counting sort gives a stable sort's order (several pair blocks,
+expert counts not powers of two, experts with no pair).  The tile table (one launch) against its definition; the grouped GEMM
 with every row tile (BM 16 / 32 / 64 / the config's) gives the same values (the interpreter's ``tl.dot`` is numpy's,
 so this proves indices and masks; tests/test_gpu_moe.py checks the bits on the H200, as it does the router's).
 """
@@ -132,3 +134,15 @@ def test_grouped_gemm_row_tiles_agree(monkeypatch):
         r0 += c
     for bm in (16, 32, 64):
         assert torch.equal(outs[bm], outs[None]), bm
+
+
+@pytest.mark.parametrize("t,k,e", [(1, 8, 128), (256, 8, 128), (1125, 8, 128), (300, 2, 60), (77, 6, 256), (5, 1, 8)])
+def test_expert_sort_is_a_stable_sort(t, k, e):
+    g = torch.Generator().manual_seed(t + k + e)
+    # distinct experts per token (as top-k gives), skewed so some experts get none
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) % max(e - 3, 1)
+    token_of_row, row_of_pair, counts = tmoe.expert_sort(experts, e)
+    by_expert, order = torch.sort(experts.reshape(-1), stable=True)
+    assert torch.equal(token_of_row, order // k)
+    assert torch.equal(row_of_pair[order], torch.arange(t * k))
+    assert torch.equal(counts, torch.bincount(experts.reshape(-1), minlength=e))

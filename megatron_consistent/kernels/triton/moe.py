@@ -8,7 +8,8 @@ GPU numerics contract (same shape as the CPU contract of :mod:`megatron_consiste
   polynomial ``exp`` (one rounding), fixed-tree ``tree_sum``, a **stable** sort so
   exact ties keep the lowest expert index, float32 weights;
 * **experts** (``moe_expert_outputs``): the (token, slot) pairs are ordered by
-  ascending expert (stable: pair order within an expert), and every expert linear
+  ascending expert (stable: pair order within an expert; a counting sort in two
+  launches), and every expert linear
   runs in ONE grouped Triton GEMM launch whose tiles never mix experts.  Each
   output element is computed with exactly the Triton ``linear``'s arithmetic for
   that expert's weight shape (same ``BLOCK_K``, same fixed splits of
@@ -202,7 +203,7 @@ def tile_table(counts: torch.Tensor, bm: int, rows: int):
     e_count = counts.shape[0]
     max_tiles = triton.cdiv(rows, bm) + e_count
     tile_e, r0, r1 = (torch.empty(max_tiles, dtype=torch.int32, device=counts.device) for _ in range(3))
-    block = 128
+    block = 32
     _tile_table_kernel[(triton.cdiv(max_tiles, block),)](counts, tile_e, r0, r1, max_tiles, E=e_count,
                                                           EP=next_pow2(e_count), BM=bm, BLOCK=block, num_warps=4)
     return bm, tile_e, r0, r1, max_tiles
@@ -282,11 +283,64 @@ class GroupedLinearFunction(torch.autograd.Function):
         return gx, gw, None, None
 
 
-def expert_counts(by_expert: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Pairs per expert ``[E]`` int64 from the ascending expert ids: the boundaries of each expert's run, found by
-    ``searchsorted`` (no host read, unlike ``bincount``, whose output length needs the largest id on the host)."""
-    bounds = torch.searchsorted(by_expert, torch.arange(num_experts + 1, device=by_expert.device, dtype=by_expert.dtype))
-    return bounds[1:] - bounds[:-1]
+@triton.jit
+def _expert_block_counts_kernel(EXPERTS, BLOCK_COUNTS, pairs, E: tl.constexpr, EP: tl.constexpr, BP: tl.constexpr,
+                                SUB: tl.constexpr):
+    """Pairs per expert within pair block ``pid`` (``BP`` pairs, in chunks of ``SUB``)."""
+    b = tl.program_id(0)
+    experts = tl.arange(0, EP)
+    acc = tl.zeros((EP,), dtype=tl.int32)
+    for s in tl.range(0, BP, SUB):
+        i = b * BP + s + tl.arange(0, SUB)
+        ex = tl.load(EXPERTS + i, mask=i < pairs, other=-1).to(tl.int32)
+        acc += tl.sum((ex[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tl.store(BLOCK_COUNTS + b * EP + experts, acc)
+
+
+@triton.jit
+def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, TOKEN_OF_ROW, ROW_OF_PAIR, COUNTS, pairs, blocks,
+                        E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr,
+                        NBP: tl.constexpr):
+    """Counting sort of the pairs by expert, stable: pair i of expert e goes to row ``start_e + (pairs of e before
+    i)``; writes that row (``ROW_OF_PAIR``), the token of every row (``TOKEN_OF_ROW``) and, from program 0, the counts."""
+    b = tl.program_id(0)
+    experts = tl.arange(0, EP)
+    blk = tl.arange(0, NBP)
+    bc = tl.load(BLOCK_COUNTS + blk[:, None] * EP + experts[None, :], mask=blk[:, None] < blocks, other=0)
+    counts = tl.sum(bc, axis=0)
+    base = tl.cumsum(counts, axis=0) - counts + tl.sum(tl.where(blk[:, None] < b, bc, 0), axis=0)
+    for s in tl.range(0, BP, SUB):
+        i = b * BP + s + tl.arange(0, SUB)
+        live = i < pairs
+        ex = tl.load(EXPERTS + i, mask=live, other=-1).to(tl.int32)
+        onehot = (ex[:, None] == experts[None, :]).to(tl.int32)
+        row = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + base[None, :]), axis=1)
+        tl.store(ROW_OF_PAIR + i, row.to(tl.int64), mask=live)
+        tl.store(TOKEN_OF_ROW + row, (i // K).to(tl.int64), mask=live)
+        base += tl.sum(onehot, axis=0)
+    if b == 0:
+        tl.store(COUNTS + experts, counts.to(tl.int64), mask=experts < E)
+
+
+def expert_sort(experts: torch.Tensor, num_experts: int):
+    """The (token, slot) pairs of ``experts [T, k]`` ordered by ascending expert, pair order within an expert (what a
+    stable sort gives, as a counting sort: two launches, no host read): ``(token of each sorted row [T*k], sorted row
+    of each pair [T*k], pairs per expert [E] int64)``."""
+    t, k = experts.shape
+    pairs = t * k
+    flat = experts.reshape(-1).contiguous()
+    ep = next_pow2(num_experts)
+    sub = max(16, min(128, 16384 // ep))
+    bp = max(sub, next_pow2(triton.cdiv(pairs, 64)))  # at most 64 pair blocks
+    blocks = max(1, triton.cdiv(pairs, bp))
+    block_counts = torch.empty((blocks, ep), dtype=torch.int32, device=experts.device)
+    token_of_row = torch.empty(pairs, dtype=torch.int64, device=experts.device)
+    row_of_pair = torch.empty(pairs, dtype=torch.int64, device=experts.device)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
+    _expert_block_counts_kernel[(blocks,)](flat, block_counts, pairs, E=num_experts, EP=ep, BP=bp, SUB=sub, num_warps=4)
+    _expert_sort_kernel[(blocks,)](flat, block_counts, token_of_row, row_of_pair, counts, pairs, blocks, E=num_experts,
+                                   EP=ep, K=k, BP=bp, SUB=sub, NBP=next_pow2(blocks), num_warps=4)
+    return token_of_row, row_of_pair, counts
 
 
 @register("moe_expert_outputs", "cuda")
@@ -296,19 +350,15 @@ def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up:
     if activation not in kmoe.EXPERT_ACTIVATIONS:
         raise ValueError(f"unsupported expert activation {activation!r}; supported: {', '.join(kmoe.EXPERT_ACTIVATIONS)}")
     t, k = experts.shape
-    flat = experts.reshape(-1)
-    by_expert, order = torch.sort(flat, stable=True)  # ascending expert, pair order within an expert
     e_count = w_gate_up.shape[0]
-    counts = expert_counts(by_expert, e_count)
+    token_of_row, row_of_pair, counts = expert_sort(experts, e_count)
     bm, _ = grouped_tiles(config_for(w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up.dtype, None, False), t * k,
                           e_count)
     tiles = tile_table(counts, bm, t * k)
-    h = GroupedLinearFunction.apply(hidden[order // k], w_gate_up, counts, tiles)
+    h = GroupedLinearFunction.apply(hidden.index_select(0, token_of_row), w_gate_up, counts, tiles)
     a = silu_and_mul(h) if activation == "swiglu" else relu_squared(h)
     y = GroupedLinearFunction.apply(a, w_down, counts, tiles)
-    by_pair = torch.empty_like(y)
-    by_pair[order] = y
-    return by_pair.reshape(t, k, -1)
+    return y.index_select(0, row_of_pair).reshape(t, k, -1)
 
 
 # ---------------------------------------------------------------------------------------------- combine
