@@ -172,7 +172,7 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1
         _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_tiles"])
 def _tile_table_kernel(COUNTS, TILE_E, TILE_R0, TILE_R1, max_tiles, E: tl.constexpr, EP: tl.constexpr,
                        BM: tl.constexpr, BLOCK: tl.constexpr):
     """Tiles ``[pid * BLOCK, pid * BLOCK + BLOCK)`` of the table: expert e's rows ``[start_e, end_e)`` cut into
@@ -283,24 +283,23 @@ class GroupedLinearFunction(torch.autograd.Function):
         return gx, gw, None, None
 
 
-@triton.jit
-def _expert_block_counts_kernel(EXPERTS, BLOCK_COUNTS, pairs, E: tl.constexpr, EP: tl.constexpr, BP: tl.constexpr,
+@triton.jit(do_not_specialize=["pairs", "bp"])
+def _expert_block_counts_kernel(EXPERTS, BLOCK_COUNTS, pairs, bp, E: tl.constexpr, EP: tl.constexpr,
                                 SUB: tl.constexpr):
-    """Pairs per expert within pair block ``pid`` (``BP`` pairs, in chunks of ``SUB``)."""
+    """Pairs per expert within pair block ``pid`` (``bp`` pairs, in chunks of ``SUB``)."""
     b = tl.program_id(0)
     experts = tl.arange(0, EP)
     acc = tl.zeros((EP,), dtype=tl.int32)
-    for s in tl.range(0, BP, SUB):
-        i = b * BP + s + tl.arange(0, SUB)
+    for s in tl.range(0, bp, SUB):
+        i = b * bp + s + tl.arange(0, SUB)
         ex = tl.load(EXPERTS + i, mask=i < pairs, other=-1).to(tl.int32)
         acc += tl.sum((ex[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(BLOCK_COUNTS + b * EP + experts, acc)
 
 
-@triton.jit
-def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, TOKEN_OF_ROW, ROW_OF_PAIR, COUNTS, pairs, blocks,
-                        E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, BP: tl.constexpr, SUB: tl.constexpr,
-                        NBP: tl.constexpr):
+@triton.jit(do_not_specialize=["pairs", "blocks", "bp"])
+def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, TOKEN_OF_ROW, ROW_OF_PAIR, COUNTS, pairs, blocks, bp,
+                        E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr):
     """Counting sort of the pairs by expert, stable: pair i of expert e goes to row ``start_e + (pairs of e before
     i)``; writes that row (``ROW_OF_PAIR``), the token of every row (``TOKEN_OF_ROW``) and, from program 0, the counts."""
     b = tl.program_id(0)
@@ -309,8 +308,8 @@ def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, TOKEN_OF_ROW, ROW_OF_PAIR, COUNTS
     bc = tl.load(BLOCK_COUNTS + blk[:, None] * EP + experts[None, :], mask=blk[:, None] < blocks, other=0)
     counts = tl.sum(bc, axis=0)
     base = tl.cumsum(counts, axis=0) - counts + tl.sum(tl.where(blk[:, None] < b, bc, 0), axis=0)
-    for s in tl.range(0, BP, SUB):
-        i = b * BP + s + tl.arange(0, SUB)
+    for s in tl.range(0, bp, SUB):
+        i = b * bp + s + tl.arange(0, SUB)
         live = i < pairs
         ex = tl.load(EXPERTS + i, mask=live, other=-1).to(tl.int32)
         onehot = (ex[:, None] == experts[None, :]).to(tl.int32)
@@ -322,6 +321,11 @@ def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, TOKEN_OF_ROW, ROW_OF_PAIR, COUNTS
         tl.store(COUNTS + experts, counts.to(tl.int64), mask=experts < E)
 
 
+# pair blocks of the counting sort: at most this many (each program reads every block's counts); the block size and
+# count are runtime arguments, so one binary serves every token count
+MAX_PAIR_BLOCKS = 64
+
+
 def expert_sort(experts: torch.Tensor, num_experts: int):
     """The (token, slot) pairs of ``experts [T, k]`` ordered by ascending expert, pair order within an expert (what a
     stable sort gives, as a counting sort: two launches, no host read): ``(token of each sorted row [T*k], sorted row
@@ -331,15 +335,15 @@ def expert_sort(experts: torch.Tensor, num_experts: int):
     flat = experts.reshape(-1).contiguous()
     ep = next_pow2(num_experts)
     sub = max(16, min(128, 16384 // ep))
-    bp = max(sub, next_pow2(triton.cdiv(pairs, 64)))  # at most 64 pair blocks
+    bp = max(sub, next_pow2(triton.cdiv(pairs, MAX_PAIR_BLOCKS)))
     blocks = max(1, triton.cdiv(pairs, bp))
     block_counts = torch.empty((blocks, ep), dtype=torch.int32, device=experts.device)
     token_of_row = torch.empty(pairs, dtype=torch.int64, device=experts.device)
     row_of_pair = torch.empty(pairs, dtype=torch.int64, device=experts.device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
-    _expert_block_counts_kernel[(blocks,)](flat, block_counts, pairs, E=num_experts, EP=ep, BP=bp, SUB=sub, num_warps=4)
-    _expert_sort_kernel[(blocks,)](flat, block_counts, token_of_row, row_of_pair, counts, pairs, blocks, E=num_experts,
-                                   EP=ep, K=k, BP=bp, SUB=sub, NBP=next_pow2(blocks), num_warps=4)
+    _expert_block_counts_kernel[(blocks,)](flat, block_counts, pairs, bp, E=num_experts, EP=ep, SUB=sub, num_warps=4)
+    _expert_sort_kernel[(blocks,)](flat, block_counts, token_of_row, row_of_pair, counts, pairs, blocks, bp,
+                                   E=num_experts, EP=ep, K=k, SUB=sub, NBP=MAX_PAIR_BLOCKS, num_warps=4)
     return token_of_row, row_of_pair, counts
 
 
