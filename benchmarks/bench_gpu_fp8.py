@@ -1,4 +1,4 @@
-"""GPU benchmarks of the block-FP8 Triton linear (issue #9) and the CUDA MoE layer (issue #7).
+"""GPU benchmarks of the block-FP8 Triton linear (issue #9); the CUDA MoE layer is ``bench_gpu_moe.py``'s.
 
     python benchmarks/bench_gpu_fp8.py [--out benchmarks/results] [--quick]
 
@@ -10,9 +10,6 @@
   build supports them (M padded to 16 where cuBLASLt needs it).
 * accuracy of our FP8 GEMM and of ``_scaled_mm`` block-scaled vs a float64 reference of the same
   dequantized operands (max error relative to sum |x_k w_k|);
-* MoE layer forward (router + top-k + experts + combine), Qwen3-30B-A3B-like (H 2048, 128 experts, top-8,
-  expert I 768, bf16): ours (grouped Triton GEMM) vs ours with one Triton linear per expert vs a naive torch
-  per-expert loop with cuBLAS (``F.linear``), ``triton.testing.do_bench``.
 
 Writes ``gpu_fp8_<date>.json`` and ``gpu_fp8_<date>.md`` to ``--out`` and prints the tables.
 """
@@ -28,14 +25,12 @@ import sys
 import traceback
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_consistent.kernels import fp8  # noqa: E402
-from megatron_consistent.kernels import moe as kmoe  # noqa: E402
 from megatron_consistent.kernels.dispatch import implementation  # noqa: E402
 from megatron_consistent.kernels.triton import fp8_linear as tf8  # noqa: E402
 from megatron_consistent.kernels.triton import linear as tlin  # noqa: E402
@@ -168,60 +163,6 @@ def run_accuracy():
     return out
 
 
-def _naive_moe(x, router, fc1, fc2, top_k, inter):
-    """A plain torch MoE forward (HF-style loop over the hit experts, cuBLAS GEMMs, float32 index_add combine)."""
-    z = F.linear(x, router).float()
-    s = torch.softmax(z, -1)
-    w, e = torch.topk(s, top_k, -1)
-    w = w / w.sum(-1, keepdim=True)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for ex in torch.unique(e).tolist():
-        tok, slot = (e == ex).nonzero(as_tuple=True)
-        h = F.linear(x[tok], fc1[ex])
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], fc2[ex])
-        out.index_add_(0, tok, y.float() * w[tok, slot, None])
-    return out.to(x.dtype)
-
-
-def run_moe(ts):
-    rows = []
-    h, e_count, k, inter = 2048, 128, 8, 768
-    g = torch.Generator(device=DEV).manual_seed(0)
-    router = (torch.randn(e_count, h, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
-    fc1 = (torch.randn(e_count, 2 * inter, h, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
-    fc2 = (torch.randn(e_count, h, inter, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
-    for t in ts:
-        x = torch.randn(t, h, device=DEV, generator=g).to(torch.bfloat16)
-
-        def ours():
-            w, e = kmoe.route(x, router, k, "softmax", norm_topk_prob=True)
-            return kmoe.moe_experts(x, e, w, fc1, fc2)
-
-        def ours_loop():
-            w, e = kmoe.route(x, router, k, "softmax", norm_topk_prob=True)
-            return kmoe.CombineFunction.apply(kmoe._expert_outputs_cpu(x, e, fc1, fc2), w, None, None)
-
-        def naive():
-            return _naive_moe(x, router, fc1, fc2, k, inter)
-
-        r = {"T": t, "H": h, "experts": e_count, "top_k": k, "I": inter}
-        with torch.no_grad():
-            a, b = ours(), ours_loop()
-            r["grouped_equals_per_expert_loop"] = bool(torch.equal(a, b))
-            r["max_abs_vs_naive"] = (a.float() - naive().float()).abs().max().item()
-            for name, fn in (("ours_grouped", ours), ("ours_per_expert_loop", ours_loop), ("naive_torch_loop", naive)):
-                try:
-                    r[name + "_ms"] = triton.testing.do_bench(fn, rep=200)
-                except Exception as ex:  # noqa: BLE001
-                    r[name + "_ms"] = float("nan")
-                    r[name + "_error"] = f"{type(ex).__name__}: {str(ex)[:200]}"
-        r["ratio_naive_over_ours"] = r["naive_torch_loop_ms"] / r["ours_grouped_ms"]
-        r["ratio_loop_over_grouped"] = r["ours_per_expert_loop_ms"] / r["ours_grouped_ms"]
-        rows.append(r)
-        print("MOE", json.dumps(r), flush=True)
-    return rows
-
-
 SWEEP = {  # (BM, BN, warps, stages, programs per SM); BLOCK_K = 128, splits from the (N, K) table
     "128x128 w8 s4 p1": (128, 128, 8, 4, 1), "128x128 w8 s3 p2": (128, 128, 8, 3, 2), "64x128 w4 s3 p3": (64, 128, 4, 3, 3),
     "64x128 w4 s4 p2": (64, 128, 4, 4, 2), "128x128 w4 s3 p2": (128, 128, 4, 3, 2), "64x256 w4 s3 p2": (64, 256, 4, 3, 2),
@@ -255,32 +196,6 @@ def run_sweep():
     return out
 
 
-def run_moe_profile():
-    """Where the MoE forward's time goes (T = 4096, same layer as run_moe)."""
-    h, e_count, k, inter, t = 2048, 128, 8, 768, 4096
-    router = (torch.randn(e_count, h, device=DEV) * 0.02).to(torch.bfloat16)
-    fc1 = (torch.randn(e_count, 2 * inter, h, device=DEV) * 0.02).to(torch.bfloat16)
-    fc2 = (torch.randn(e_count, h, inter, device=DEV) * 0.02).to(torch.bfloat16)
-    x = torch.randn(t, h, device=DEV).to(torch.bfloat16)
-    with torch.no_grad():
-        w, e = kmoe.route(x, router, k, "softmax", norm_topk_prob=True)
-        y = kmoe.expert_outputs(x, e, fc1, fc2)
-        r = {"route_ms": triton.testing.do_bench(lambda: kmoe.route(x, router, k, "softmax", norm_topk_prob=True)),
-             "router_logits_ms": triton.testing.do_bench(lambda: kmoe.router_logits(x, router)),
-             "expert_outputs_ms": triton.testing.do_bench(lambda: kmoe.expert_outputs(x, e, fc1, fc2)),
-             "combine_ms": triton.testing.do_bench(lambda: kmoe.CombineFunction.apply(y, w, None, None))}
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            for _ in range(3):
-                kmoe.moe_experts(x, e, w, fc1, fc2)
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18)
-    print("MOEPROF", json.dumps(r), flush=True)
-    print(table, flush=True)
-    r["profile_table"] = table
-    return r
-
-
 def to_markdown(res):
     lines = ["### FP8 linear (TFLOP/s; ratio = reference time / our FP8 time)", "",
              "| shape | M | cuBLAS bf16 | ours bf16 | ours FP8 (quant+GEMM) | ours FP8 GEMM | _scaled_mm rowwise | _scaled_mm block | "
@@ -292,12 +207,6 @@ def to_markdown(res):
                      f"{f('ours_fp8_gemm_only_tflops')} | {f('scaled_mm_rowwise_tflops')} | {f('scaled_mm_block_tflops')} | "
                      f"{r['ratio_cublas_bf16_over_ours_fp8']:.2f} | {r['ratio_ours_bf16_over_ours_fp8']:.2f} | "
                      f"{r['ratio_scaled_mm_block_over_ours_fp8_gemm']:.2f} |")
-    lines += ["", "### MoE layer forward (ms)", "",
-              "| T | ours grouped | ours per-expert loop | naive torch loop (cuBLAS) | naive / ours | grouped == loop |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for r in res["moe"]:
-        lines.append(f"| {r['T']} | {r['ours_grouped_ms']:.3f} | {r['ours_per_expert_loop_ms']:.3f} | {r['naive_torch_loop_ms']:.3f} | "
-                     f"{r['ratio_naive_over_ours']:.2f} | {r['grouped_equals_per_expert_loop']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -305,19 +214,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="only the FP8 tile sweep and the MoE profile")
+    ap.add_argument("--sweep", action="store_true", help="only the FP8 tile sweep")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": _dt.date.today().isoformat()}
     if args.sweep:
         res["sweep"] = run_sweep()
-        res["moe_profile"] = run_moe_profile()
         with open(os.path.join(args.out, f"gpu_fp8_sweep_{res['date']}.json"), "w") as f:
             json.dump(res, f, indent=1)
         return
-    for key, fn in (("accuracy", run_accuracy), ("fp8", lambda: run_fp8([1, 256, 4096] if args.quick else MS)),
-                    ("moe", lambda: run_moe([64, 1024] if args.quick else [64, 512, 4096, 16384]))):
+    for key, fn in (("accuracy", run_accuracy), ("fp8", lambda: run_fp8([1, 256, 4096] if args.quick else MS))):
         try:
             res[key] = fn()
         except Exception:  # noqa: BLE001
