@@ -120,20 +120,24 @@ def _engine(request: dict):
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = SamplingParams(temperature=1.0, max_tokens=request["max_tokens"], logprobs=0, ignore_eos=True, seed=0)
     # warm-up, not timed: a whole pass, so every launch shape of the timed passes is compiled (Triton compiles on
-    # first use; session 13's first interleaved round, after a warm-up on an eighth of the prompts, ran 25-60 % slow)
+    # first use; session 13's first interleaved round, after a warm-up on an eighth of the prompts, ran 25-60 % slow);
+    # its time is reported (a timed pass much slower than it has met launch shapes the warm-up had not)
+    t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    return llm, prompts, params, startup
+    return llm, prompts, params, {"startup_s": startup, "warmup_s": time.perf_counter() - t}
 
 
-def _timed_passes(llm, prompts, params, min_seconds: float) -> tuple[int, float, int]:
-    """Generations of every prompt, repeated until ``min_seconds`` were timed -> (generated tokens, seconds, passes)."""
-    tokens, seconds, passes = 0, 0.0, 0
-    while seconds < min_seconds or passes == 0:
+def _timed_passes(llm, prompts, params, min_seconds: float) -> tuple[int, float, list[float]]:
+    """Generations of every prompt, repeated until ``min_seconds`` were timed -> (generated tokens, seconds, each
+    pass's seconds)."""
+    tokens, seconds, each = 0, 0.0, []
+    while seconds < min_seconds or not each:
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-        seconds, passes = seconds + time.perf_counter() - t, passes + 1
-    return tokens, seconds, passes
+        each.append(time.perf_counter() - t)
+        seconds += each[-1]
+    return tokens, seconds, each
 
 
 def _package_dir() -> str:
@@ -143,10 +147,10 @@ def _package_dir() -> str:
 
 def worker(request: dict) -> dict:
     """Inside the engine's process: build the engine, warm up, time generation."""
-    llm, prompts, params, startup = _engine(request)
-    tokens, seconds, passes = _timed_passes(llm, prompts, params, request["min_seconds"])
-    out = {"gen_tokens": tokens, "seconds": seconds, "passes": passes, "gen_tokens_per_s": tokens / seconds,
-           "startup_s": startup, "package_dir": _package_dir()}
+    llm, prompts, params, setup = _engine(request)
+    tokens, seconds, each = _timed_passes(llm, prompts, params, request["min_seconds"])
+    out = {"gen_tokens": tokens, "seconds": seconds, "passes": len(each), "pass_seconds": each,
+           "gen_tokens_per_s": tokens / seconds, **setup, "package_dir": _package_dir()}
     if request.get("profile_dir"):
         from vllm import SamplingParams
 
@@ -164,13 +168,13 @@ def serve(request: dict, events: Path) -> None:
     """Inside the engine's process, for ``--interleave``: build and warm up, then one timed round per ``pass`` line on
     stdin (anything else ends it: passes until ``min_seconds`` were timed, so a round of a short shape is not a few
     seconds of noise); every event is one JSON line appended to ``events`` (the parent polls it)."""
-    llm, prompts, params, startup = _engine(request)
-    _emit(events, {"ready": True, "startup_s": startup, "package_dir": _package_dir()})
+    llm, prompts, params, setup = _engine(request)
+    _emit(events, {"ready": True, **setup, "package_dir": _package_dir()})
     for line in sys.stdin:
         if line.strip() != "pass":
             break
-        n, dt, passes = _timed_passes(llm, prompts, params, request["min_seconds"])
-        _emit(events, {"tokens": n, "seconds": dt, "passes": passes})
+        n, dt, each = _timed_passes(llm, prompts, params, request["min_seconds"])
+        _emit(events, {"tokens": n, "seconds": dt, "passes": len(each)})
 
 
 def _emit(events: Path, event: dict) -> None:
@@ -252,7 +256,8 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                                            stdin=subprocess.PIPE, stdout=logs[-1], stderr=subprocess.STDOUT)
             try:
                 ready = _next_event(events[name], 0, procs[name], name, timeout_s)
-                results[name] = {"startup_s": ready["startup_s"], "package_dir": ready["package_dir"],
+                results[name] = {"startup_s": ready["startup_s"], "warmup_s": ready.get("warmup_s"),
+                                 "package_dir": ready["package_dir"],
                                  "round_tokens": [], "round_seconds": [], "round_passes": []}
             except RuntimeError as e:
                 results[name] = {"error": str(e)}
@@ -431,12 +436,14 @@ def main() -> int:
                                                                                      o["round_tokens_per_s"])]
             report["shapes"][key] = row
             Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"\n{'shape':6} {'engine':22} {'gen tok/s':>11} {'timed s':>8} {'startup s':>9}")
+    print(f"\n{'shape':6} {'engine':22} {'gen tok/s':>11} {'timed s':>8} {'startup s':>9} {'warm-up s':>9}  passes (s)")
     for key, row in report["shapes"].items():
         for name in engine_envs:
             r = row[name]
             if "gen_tokens_per_s" in r:
-                print(f"{key:6} {name:22} {r['gen_tokens_per_s']:11.0f} {r['seconds']:8.1f} {r['startup_s']:9.1f}")
+                warm = f"{r['warmup_s']:9.1f}" if r.get("warmup_s") is not None else f"{'—':>9}"
+                each = " ".join(f"{x:.1f}" for x in r.get("pass_seconds", []))
+                print(f"{key:6} {name:22} {r['gen_tokens_per_s']:11.0f} {r['seconds']:8.1f} {r['startup_s']:9.1f} {warm}  {each}")
             else:
                 print(f"{key:6} {name:22} {'failed: ' + r['error']}")
                 for line in r.get("log_tail", [])[-3:]:

@@ -136,6 +136,7 @@ def test_a_round_repeats_generation_until_min_seconds():
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * 7)]) for _ in prompts]
 
     timed = _load("bench_rollout_gpu")._timed_passes
-    tokens, seconds, passes = timed(FakeLLM(), ["p"] * 3, None, min_seconds=0.1)
-    assert passes == FakeLLM.calls >= 5 and tokens == 21 * passes and seconds >= 0.1
-    assert timed(FakeLLM(), ["p"], None, min_seconds=0.0)[2] == 1
+    tokens, seconds, each = timed(FakeLLM(), ["p"] * 3, None, min_seconds=0.1)
+    assert len(each) == FakeLLM.calls >= 5 and tokens == 21 * len(each) and seconds >= 0.1
+    assert seconds == sum(each) and min(each) >= 0.02
+    assert len(timed(FakeLLM(), ["p"], None, min_seconds=0.0)[2]) == 1
