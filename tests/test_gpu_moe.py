@@ -48,6 +48,26 @@ def test_grouped_gemm_equals_triton_linear_per_expert(dtype, bm, monkeypatch):
         r0 += c
 
 
+@pytest.mark.parametrize("bm", [16, 64, None])
+def test_grouped_gemm_gather_and_scatter_keep_the_bits(bm, monkeypatch):
+    """The fused gather (operand rows read from the tokens) and scatter (results written in (token, slot) order) give
+    the bits of the plain grouped GEMM on explicitly gathered rows, put back by the same permutation."""
+    monkeypatch.setattr(tmoe, "GROUPED_ROW_TILES", () if bm is None else ((1e9, bm, 4),))
+    t, k, e_count, h, n = 150, 4, 12, 320, 384
+    g = torch.Generator().manual_seed(9)
+    experts = torch.stack([torch.randperm(e_count, generator=g)[:k] for _ in range(t)]).to(DEV)
+    hidden = torch.randn(t, h, generator=g).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(e_count, n, h, generator=g) * 0.05).to(torch.bfloat16).to(DEV)
+    pair_of_row, counts = tmoe.expert_sort(experts, e_count)
+    assert torch.equal(pair_of_row, torch.sort(experts.reshape(-1), stable=True).indices)
+    plain = tmoe.grouped_gemm(hidden[pair_of_row // k], w, counts)
+    by_pair = torch.empty_like(plain)
+    by_pair[pair_of_row] = plain
+    assert torch.equal(tmoe.grouped_gemm(hidden, w, counts, pair_of_row=pair_of_row, gather=True, slots=k), plain)
+    assert torch.equal(tmoe.grouped_gemm(hidden[pair_of_row // k], w,
+                                         counts, pair_of_row=pair_of_row, scatter=True, slots=k), by_pair)
+
+
 @pytest.mark.parametrize("e, top_k", [(128, 8), (60, 4), (8, 1)])
 @pytest.mark.parametrize("scoring, norm, with_bias", [("softmax", True, False), ("softmax", False, False),
                                                       ("sigmoid", True, True)])

@@ -63,11 +63,13 @@ def test_each_moe_kernel_compiles_once_per_model_not_per_token_count(compile_key
     for t in TOKENS:
         tmoe.select_experts(torch.zeros(t, e), k, "softmax", None, True, 1, 1, 1.0)
         experts = torch.arange(t * k).reshape(t, k) % e
-        _, _, counts = tmoe.expert_sort(experts, e)
+        pair_of_row, counts = tmoe.expert_sort(experts, e)
         tiles = tmoe.tile_table(counts, tmoe.grouped_tiles(tmoe.config_for(2 * inter, h, torch.bfloat16, None, False),
                                                              t * k, e)[0], t * k)
-        tmoe.grouped_gemm(torch.empty(t * k, h, dtype=torch.bfloat16), w_gate_up, counts, tiles=tiles)
-        tmoe.grouped_gemm(torch.empty(t * k, inter, dtype=torch.bfloat16), w_down, counts, tiles=tiles)
+        tmoe.grouped_gemm(torch.empty(t, h, dtype=torch.bfloat16), w_gate_up, counts, tiles=tiles,
+                          pair_of_row=pair_of_row, gather=True, slots=k)
+        tmoe.grouped_gemm(torch.empty(t * k, inter, dtype=torch.bfloat16), w_down, counts, tiles=tiles,
+                          pair_of_row=pair_of_row, scatter=True, slots=k)
     row_tiles = len(tmoe.GROUPED_ROW_TILES) + 1
     assert len(compile_keys["_select_experts_kernel"]) == 1
     assert len(compile_keys["_expert_block_counts_kernel"]) == 1

@@ -3,10 +3,11 @@
 GPU numerics contract (same shape as the CPU contract of :mod:`megatron_consistent.kernels.moe`):
 
 * **router**: logits come from the batch-invariant Triton linear with its float32
-  accumulator (``kernels.moe.router_logits``); ``moe_route`` on CUDA runs the CPU
-  route's torch ops on the device — all per row with a fixed order: float64
-  polynomial ``exp`` (one rounding), fixed-tree ``tree_sum``, a **stable** sort so
-  exact ties keep the lowest expert index, float32 weights;
+  accumulator (``kernels.moe.router_logits``); the route (``moe_select_experts``, and
+  ``moe_route`` = it plus the NaN refusal) is one Triton program per token with the CPU
+  route's arithmetic: float64 polynomial ``exp`` (one rounding), the fixed ``tree_sum``,
+  IEEE divisions, no fused multiply-add, the k best keys with exact ties to the lowest
+  expert index (what the CPU's stable sort gives) — bitwise the CPU route;
 * **experts** (``moe_expert_outputs``): the (token, slot) pairs are ordered by
   ascending expert (stable: pair order within an expert; a counting sort in two
   launches), and every expert linear
@@ -17,7 +18,9 @@ GPU numerics contract (same shape as the CPU contract of :mod:`megatron_consiste
   partials summed in split order, one rounding), so an expert's result for a
   token equals ``linear(x_token, W_e)`` alone — it cannot depend on which other
   tokens share the expert (``tests/test_gpu_moe.py`` checks bitwise); the per-expert counts and the tile table
-  are computed on the device (no host read, fixed shapes: capturable in a CUDA graph);
+  are computed on the device (no host read, fixed shapes: capturable in a CUDA graph); the first GEMM reads its
+  rows from the tokens through the sorted pairs and the second writes its rows in (token, slot) order (addressing
+  only: the bits of an explicit gather and scatter);
   the activation between the two GEMMs is the registered CUDA ``silu_and_mul``
   (or ``relu_squared``), elementwise;
 * **combine** (``moe_combine``): one Triton kernel, compiled without fused
@@ -151,11 +154,13 @@ def _route_cuda(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, sc
 
 # ---------------------------------------------------------------------------------------------- grouped GEMM
 @triton.jit(do_not_specialize=["num_n"])
-def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pair_ptr,
                          N, K, stride_xm, stride_we, stride_wn, stride_om, num_n,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                          SPLIT_STEPS: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                         PRECISION: tl.constexpr):
+                         PRECISION: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, SLOTS: tl.constexpr):
+    """Sorted row r of expert e: ``x[r] @ w[e].T`` into ``out[r]``; ``GATHER``: its operand row is the token of pair
+    ``pair[r]`` (``x[pair[r] // SLOTS]``); ``SCATTER``: its result goes to ``out[pair[r]]`` (pair order)."""
     pid = tl.program_id(0)
     mt = pid // num_n
     nt = pid % num_n
@@ -166,10 +171,24 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1
         off_n = nt * BN
         w_e = w_ptr + e.to(tl.int64) * stride_we
         k_steps = tl.cdiv(K, BK)
+        rows = r0 + tl.arange(0, BM)
+        if GATHER or SCATTER:
+            pair = tl.load(pair_ptr + rows, mask=rows < r1, other=0).to(tl.int64)
+        if GATHER:  # a column of row pointers: the linear's loads with a zero row stride
+            a_src = x_ptr + (pair // SLOTS)[:, None] * stride_xm
+            a_stride = 0
+        else:
+            a_src = x_ptr
+            a_stride = stride_xm
         # the Triton linear's serial path, rows masked to [r0, r1)
-        total = _serial_splits(x_ptr, w_e, r0, off_n, k_steps, r1, N, K, stride_xm, stride_wn,
+        total = _serial_splits(a_src, w_e, r0, off_n, k_steps, r1, N, K, a_stride, stride_wn,
                                BM, BN, BK, SPLIT_STEPS, SPLITS, False, NUM_STAGES, PRECISION)
-        _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
+        if SCATTER:
+            cols = off_n + tl.arange(0, BN)
+            tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=(rows[:, None] < r1) & (cols[None, :] < N))
+        else:
+            _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
 
 
 @triton.jit(do_not_specialize=["max_tiles"])
@@ -224,17 +243,27 @@ def grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int]:
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, out_dtype: torch.dtype | None = None,
-                 tiles: tuple | None = None) -> torch.Tensor:
+                 tiles: tuple | None = None, pair_of_row: torch.Tensor | None = None, gather: bool = False,
+                 scatter: bool = False, slots: int = 1) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ w[e].T`` for rows sorted by expert (``counts[e]`` rows each), one launch.
+
     ``tiles``: a :func:`tile_table` of these counts (the two projections of one MoE layer share it when their BM
-    agree; otherwise a table is built)."""
-    p, k = x.shape
+    agree; otherwise a table is built).  With ``pair_of_row`` (the (token, slot) pair of each sorted row, ``slots``
+    pairs per token): ``gather`` reads row r's operand from ``x[pair_of_row[r] // slots]`` (``x``: the tokens), and
+    ``scatter`` writes row r's result to row ``pair_of_row[r]`` (pair order) — the values of a gather before and a
+    scatter after, without either copy."""
+    rows_in, k = x.shape
+    p = pair_of_row.shape[0] if pair_of_row is not None else rows_in
     e_count, n, k2 = w.shape
     if k2 != k or x.dtype != w.dtype or counts.shape != (e_count,):
         raise ValueError(f"grouped_gemm: x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, "
                          f"counts {tuple(counts.shape)} disagree")
-    if p * max(k, 1) >= 2 ** 31:
-        raise ValueError(f"grouped_gemm: {p} rows x {k} columns exceed 32-bit row offsets")
+    if (gather or scatter) and pair_of_row is None:
+        raise ValueError("grouped_gemm: gather / scatter need pair_of_row")
+    if not gather and rows_in != p:
+        raise ValueError(f"grouped_gemm: {rows_in} rows of x for {p} sorted rows without gather")
+    if max(p, rows_in) * max(k, n, 1) >= 2 ** 31:
+        raise ValueError(f"grouped_gemm: {max(p, rows_in)} rows x {max(k, n)} columns exceed 32-bit row offsets")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if (w.stride(-1) == 1 and w.stride(1) == k) else w.contiguous()
     out = torch.empty((p, n), dtype=out_dtype or x.dtype, device=x.device)
@@ -249,27 +278,34 @@ def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, out_dty
     _, tile_e, r0, r1, max_tiles = tiles if tiles is not None and tiles[0] == bm else tile_table(counts, bm, p)
     num_n = triton.cdiv(n, bn)
     _grouped_gemm_kernel[(max_tiles * num_n,)](
-        x, w, out, tile_e, r0, r1, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0), num_n,
-        BM=bm, BN=bn, BK=bk, SPLIT_STEPS=split_steps, SPLITS=splits, NUM_STAGES=cfg["S"],
-        PRECISION="ieee" if w.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=cfg["S"],
+        x, w, out, tile_e, r0, r1, pair_of_row if pair_of_row is not None else tile_e, n, k, x.stride(0), w.stride(0),
+        w.stride(1), out.stride(0), num_n, BM=bm, BN=bn, BK=bk, SPLIT_STEPS=split_steps, SPLITS=splits,
+        NUM_STAGES=cfg["S"], PRECISION="ieee" if w.dtype == torch.float32 else "tf32", GATHER=bool(gather),
+        SCATTER=bool(scatter), SLOTS=int(slots), num_warps=warps, num_stages=cfg["S"],
     )
     return out
 
 
 class GroupedLinearFunction(torch.autograd.Function):
-    """Grouped Triton forward; backward one matmul per expert in the input dtype (float32 on float32 inputs)."""
+    """Grouped Triton forward (with its fused gather / scatter); backward one matmul per expert in the input dtype
+    (float32 on float32 inputs), the gather's gradient summed back to the tokens."""
 
     @staticmethod
-    def forward(ctx, x, w, counts, tiles):
-        ctx.save_for_backward(x, w, counts)
-        return grouped_gemm(x, w, counts, tiles=tiles)
+    def forward(ctx, x, w, counts, tiles, pair_of_row, gather, scatter, slots):
+        ctx.save_for_backward(x, w, counts, pair_of_row)
+        ctx.layout = (gather, scatter, slots)
+        return grouped_gemm(x, w, counts, tiles=tiles, pair_of_row=pair_of_row, gather=gather, scatter=scatter,
+                            slots=slots)
 
     @staticmethod
     def backward(ctx, g):
-        x, w, counts = ctx.saved_tensors
+        x, w, counts, pair_of_row = ctx.saved_tensors
+        gather, scatter, slots = ctx.layout
+        xs = x[pair_of_row // slots] if gather else x  # operand rows in sorted order
+        g = g[pair_of_row] if scatter else g
         low = x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
         compute = x.dtype if low else torch.float32
-        gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        gx = torch.zeros_like(xs) if ctx.needs_input_grad[0] else None
         gw = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
         r0 = 0
         for e, c in enumerate(counts.tolist()):
@@ -278,9 +314,11 @@ class GroupedLinearFunction(torch.autograd.Function):
                 if gx is not None:
                     gx[r0 : r0 + c] = (ge @ w[e].to(compute)).to(x.dtype)
                 if gw is not None:
-                    gw[e] = (ge.t() @ x[r0 : r0 + c].to(compute)).to(w.dtype)
+                    gw[e] = (ge.t() @ xs[r0 : r0 + c].to(compute)).to(w.dtype)
             r0 += c
-        return gx, gw, None, None
+        if gx is not None and gather:
+            gx = torch.zeros_like(x).index_add_(0, pair_of_row // slots, gx)
+        return gx, gw, None, None, None, None, None, None
 
 
 @triton.jit(do_not_specialize=["pairs", "bp"])
@@ -298,10 +336,10 @@ def _expert_block_counts_kernel(EXPERTS, BLOCK_COUNTS, pairs, bp, E: tl.constexp
 
 
 @triton.jit(do_not_specialize=["pairs", "blocks", "bp"])
-def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, TOKEN_OF_ROW, ROW_OF_PAIR, COUNTS, pairs, blocks, bp,
-                        E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr):
+def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, PAIR_OF_ROW, COUNTS, pairs, blocks, bp,
+                        E: tl.constexpr, EP: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr):
     """Counting sort of the pairs by expert, stable: pair i of expert e goes to row ``start_e + (pairs of e before
-    i)``; writes that row (``ROW_OF_PAIR``), the token of every row (``TOKEN_OF_ROW``) and, from program 0, the counts."""
+    i)``; writes the pair of every row (``PAIR_OF_ROW``) and, from program 0, the counts."""
     b = tl.program_id(0)
     experts = tl.arange(0, EP)
     blk = tl.arange(0, NBP)
@@ -314,8 +352,7 @@ def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, TOKEN_OF_ROW, ROW_OF_PAIR, COUNTS
         ex = tl.load(EXPERTS + i, mask=live, other=-1).to(tl.int32)
         onehot = (ex[:, None] == experts[None, :]).to(tl.int32)
         row = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + base[None, :]), axis=1)
-        tl.store(ROW_OF_PAIR + i, row.to(tl.int64), mask=live)
-        tl.store(TOKEN_OF_ROW + row, (i // K).to(tl.int64), mask=live)
+        tl.store(PAIR_OF_ROW + row, i.to(tl.int64), mask=live)
         base += tl.sum(onehot, axis=0)
     if b == 0:
         tl.store(COUNTS + experts, counts.to(tl.int64), mask=experts < E)
@@ -327,9 +364,9 @@ MAX_PAIR_BLOCKS = 64
 
 
 def expert_sort(experts: torch.Tensor, num_experts: int):
-    """The (token, slot) pairs of ``experts [T, k]`` ordered by ascending expert, pair order within an expert (what a
-    stable sort gives, as a counting sort: two launches, no host read): ``(token of each sorted row [T*k], sorted row
-    of each pair [T*k], pairs per expert [E] int64)``."""
+    """The (token, slot) pairs of ``experts [T, k]`` (pair ``i`` = token ``i // k``, slot ``i % k``) ordered by
+    ascending expert, pair order within an expert (what a stable sort gives, as a counting sort: two launches, no host
+    read): ``(the pair of each sorted row [T*k] int64, pairs per expert [E] int64)``."""
     t, k = experts.shape
     pairs = t * k
     flat = experts.reshape(-1).contiguous()
@@ -338,31 +375,32 @@ def expert_sort(experts: torch.Tensor, num_experts: int):
     bp = max(sub, next_pow2(triton.cdiv(pairs, MAX_PAIR_BLOCKS)))
     blocks = max(1, triton.cdiv(pairs, bp))
     block_counts = torch.empty((blocks, ep), dtype=torch.int32, device=experts.device)
-    token_of_row = torch.empty(pairs, dtype=torch.int64, device=experts.device)
-    row_of_pair = torch.empty(pairs, dtype=torch.int64, device=experts.device)
+    pair_of_row = torch.empty(pairs, dtype=torch.int64, device=experts.device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
     _expert_block_counts_kernel[(blocks,)](flat, block_counts, pairs, bp, E=num_experts, EP=ep, SUB=sub, num_warps=4)
-    _expert_sort_kernel[(blocks,)](flat, block_counts, token_of_row, row_of_pair, counts, pairs, blocks, bp,
-                                   E=num_experts, EP=ep, K=k, SUB=sub, NBP=MAX_PAIR_BLOCKS, num_warps=4)
-    return token_of_row, row_of_pair, counts
+    _expert_sort_kernel[(blocks,)](flat, block_counts, pair_of_row, counts, pairs, blocks, bp,
+                                   E=num_experts, EP=ep, SUB=sub, NBP=MAX_PAIR_BLOCKS, num_warps=4)
+    return pair_of_row, counts
 
 
 @register("moe_expert_outputs", "cuda")
 def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                          activation: str = "swiglu") -> torch.Tensor:
-    """``[T, k, H]``: pairs sorted by expert, grouped GEMM -> activation -> grouped GEMM, back to (token, slot)."""
+    """``[T, k, H]``: pairs sorted by expert, grouped GEMM (its operand rows gathered from the tokens) -> activation ->
+    grouped GEMM (its result rows scattered back to (token, slot) order)."""
     if activation not in kmoe.EXPERT_ACTIVATIONS:
         raise ValueError(f"unsupported expert activation {activation!r}; supported: {', '.join(kmoe.EXPERT_ACTIVATIONS)}")
     t, k = experts.shape
     e_count = w_gate_up.shape[0]
-    token_of_row, row_of_pair, counts = expert_sort(experts, e_count)
+    pair_of_row, counts = expert_sort(experts, e_count)
     bm, _ = grouped_tiles(config_for(w_gate_up.shape[1], w_gate_up.shape[2], w_gate_up.dtype, None, False), t * k,
                           e_count)
     tiles = tile_table(counts, bm, t * k)
-    h = GroupedLinearFunction.apply(hidden.index_select(0, token_of_row), w_gate_up, counts, tiles)
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    h = GroupedLinearFunction.apply(hidden, w_gate_up, counts, tiles, pair_of_row, True, False, k)
     a = silu_and_mul(h) if activation == "swiglu" else relu_squared(h)
-    y = GroupedLinearFunction.apply(a, w_down, counts, tiles)
-    return y.index_select(0, row_of_pair).reshape(t, k, -1)
+    y = GroupedLinearFunction.apply(a, w_down, counts, tiles, pair_of_row, False, True, k)
+    return y.reshape(t, k, -1)
 
 
 # ---------------------------------------------------------------------------------------------- combine
