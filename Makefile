@@ -2,7 +2,7 @@
 PYTHON ?= python3
 STAMP := .setup-done
 
-.PHONY: setup check check-all check-hybrid test test-fast lint bench bench-gpu clean
+.PHONY: setup check check-all check-hybrid test test-interpret test-fast lint bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -42,8 +42,17 @@ check-hybrid: setup
 			--out-dir runs/check-hybrid/$$m || exit 1; \
 	done
 
+# The CUDA kernels' logic also runs in Triton's interpreter on CPU tensors (a separate process: TRITON_INTERPRET is read
+# at import). `make test` runs the fast files (the MoE route / sort / grouped GEMM and the norm, about a minute);
+# `make test-interpret` runs every one (about six minutes: the GEMM and attention paths too).
+INTERPRET_FAST := tests/test_triton_interpret_moe.py tests/test_triton_interpret_rms_norm.py
+
 test: setup
 	$(PYTHON) -m pytest -q tests --durations=30
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q $(INTERPRET_FAST)
+
+test-interpret: setup
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_interpret_*.py
 
 # The quick lane: no vLLM engine, no GPU, nothing marked slow (markers: setup.cfg).
 test-fast: setup
