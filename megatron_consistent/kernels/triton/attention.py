@@ -64,13 +64,12 @@ import triton.language as tl
 
 from ..attention import CUDA_MAX_HEAD_DIM
 from ..dispatch import register
+from ..numerics import LOG2E
 from ._common import next_pow2
 
 KV_BLOCK_GPU = 64
 PART_BLOCKS = 8
 PART_KEYS = KV_BLOCK_GPU * PART_BLOCKS
-_LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 # Test-only: when True the partition size is derived from the call's longest key range (a batch
 # property), which breaks the contract on purpose; tests/test_gpu_paged_attention.py must catch it.
@@ -570,7 +569,7 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     block_d = max(16, next_pow2(d))
     part_blocks = _part_blocks(max_kv)
     nparts = max(1, triton.cdiv(max(int(max_kv), 1), part_blocks * KV_BLOCK_GPU))
-    qk_scale = float(scale) * _LOG2E
+    qk_scale = float(scale) * LOG2E
     use_split = _use_split(split, grid0 * n1, nparts, q.device)
     warps, stages = ATTN_TILES[(bm, use_split)]
     if use_split:

@@ -44,9 +44,9 @@ import triton
 import triton.language as tl
 
 from ..dispatch import register
+from ..numerics import LOG2E
 from ._common import next_pow2
 
-_LOG2E = 1.4426950408889634
 
 # (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages); numerics-neutral except for the
 # blocking of the fixed summation order.  Overridable for tuning: MC_ATTN_BWD_DKDV / _DQ = "M,N,W,S".
@@ -253,7 +253,7 @@ def attention_bwd(grad_out, q, k, v, out, lse, q_positions, k_lengths, scale, dk
     qpos = q_positions.to(device=q.device, dtype=torch.int64)
     klen = k_lengths.to(device=q.device, dtype=torch.int64)
     block_d = max(16, next_pow2(d))
-    qk_scale = float(scale) * _LOG2E
+    qk_scale = float(scale) * LOG2E
 
     delta = torch.empty((b, hq, tq), dtype=torch.float32, device=q.device)
     bt = 32
