@@ -37,6 +37,7 @@ dim 128, 128 experts, top-8, expert width 768, vocab 151936), 12 of its 48, 256 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -124,20 +125,41 @@ def _engine(request: dict):
     # its time is reported (a timed pass much slower than it has met launch shapes the warm-up had not)
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    return llm, prompts, params, {"startup_s": startup, "warmup_s": time.perf_counter() - t}
+    return llm, prompts, params, {"startup_s": startup, "warmup_s": time.perf_counter() - t,
+                                  "binaries_after_warmup": compiled_binaries()}
 
 
-def _timed_passes(llm, prompts, params, min_seconds: float) -> tuple[int, float, list[float]]:
-    """Generations of every prompt, repeated until ``min_seconds`` were timed -> (generated tokens, seconds, each
-    pass's seconds)."""
-    tokens, seconds, each = 0, 0.0, []
-    while seconds < min_seconds or not each:
+def compiled_binaries() -> int:
+    """GPU binaries (``.cubin``) in this engine's compile caches: the parent gives each engine its own
+    ``VLLM_CACHE_ROOT`` (vLLM points Triton's cache inside it) and ``TRITON_CACHE_DIR`` below it, so a count that
+    grows during a timed pass means kernels were compiled inside it (seconds each)."""
+    root = os.environ.get("VLLM_CACHE_ROOT")
+    return sum(1 for _ in Path(root).rglob("*.cubin")) if root else 0
+
+
+def engine_caches(name: str, work: Path) -> dict:
+    """The environment that gives engine ``name`` compile caches of its own (see :func:`compiled_binaries`)."""
+    root = work / f"{name}.cache"
+    return {"VLLM_CACHE_ROOT": str(root), "TRITON_CACHE_DIR": str(root / "triton")}
+
+
+def _timed_passes(llm, prompts, params, min_seconds: float) -> dict:
+    """Generations of every prompt, repeated until ``min_seconds`` were timed -> generated ``tokens``, ``seconds``,
+    and per pass its seconds, the binaries compiled during it and a digest of its tokens (the passes generate the same
+    requests with the same seeds: a batch-invariant engine repeats its tokens exactly)."""
+    out = {"tokens": 0, "seconds": 0.0, "pass_seconds": [], "pass_new_binaries": [], "pass_tokens_digest": []}
+    while out["seconds"] < min_seconds or not out["pass_seconds"]:
+        before = compiled_binaries()
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-        each.append(time.perf_counter() - t)
-        seconds += each[-1]
-    return tokens, seconds, each
+        dt = time.perf_counter() - t
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        out["tokens"] += sum(len(x) for x in ids)
+        out["seconds"] += dt
+        out["pass_seconds"].append(dt)
+        out["pass_new_binaries"].append(compiled_binaries() - before)
+        out["pass_tokens_digest"].append(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16])
+    return out
 
 
 def _package_dir() -> str:
@@ -148,9 +170,10 @@ def _package_dir() -> str:
 def worker(request: dict) -> dict:
     """Inside the engine's process: build the engine, warm up, time generation."""
     llm, prompts, params, setup = _engine(request)
-    tokens, seconds, each = _timed_passes(llm, prompts, params, request["min_seconds"])
-    out = {"gen_tokens": tokens, "seconds": seconds, "passes": len(each), "pass_seconds": each,
-           "gen_tokens_per_s": tokens / seconds, **setup, "package_dir": _package_dir()}
+    timed = _timed_passes(llm, prompts, params, request["min_seconds"])
+    out = {"gen_tokens": timed["tokens"], "seconds": timed["seconds"], "passes": len(timed["pass_seconds"]),
+           "gen_tokens_per_s": timed["tokens"] / timed["seconds"], **setup, "package_dir": _package_dir(),
+           **{k: v for k, v in timed.items() if k.startswith("pass_")}}
     if request.get("profile_dir"):
         from vllm import SamplingParams
 
@@ -173,8 +196,9 @@ def serve(request: dict, events: Path) -> None:
     for line in sys.stdin:
         if line.strip() != "pass":
             break
-        n, dt, each = _timed_passes(llm, prompts, params, request["min_seconds"])
-        _emit(events, {"tokens": n, "seconds": dt, "passes": len(each)})
+        timed = _timed_passes(llm, prompts, params, request["min_seconds"])
+        _emit(events, {"tokens": timed["tokens"], "seconds": timed["seconds"], "passes": len(timed["pass_seconds"]),
+                       "new_binaries": sum(timed["pass_new_binaries"])})
 
 
 def _emit(events: Path, event: dict) -> None:
@@ -211,7 +235,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 def run_engine(name: str, request: dict, work: Path, engine_env: dict) -> dict:
     req, res, log = work / f"{name}.req.json", work / f"{name}.res.json", work / f"{name}.log"
     req.write_text(json.dumps(request))
-    env = dict(os.environ, **engine_env)
+    env = dict(os.environ, **engine_caches(name, work), **engine_env)
     with open(log, "w") as f:
         rc = subprocess.run([sys.executable, __file__, "--worker", str(req), str(res)], env=env, stdout=f,
                             stderr=subprocess.STDOUT).returncode
@@ -252,13 +276,14 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
             req, events[name] = work / f"{name}.req.json", work / f"{name}.events.jsonl"
             req.write_text(json.dumps(request))
             logs.append(open(work / f"{name}.log", "w"))
-            procs[name] = subprocess.Popen(command(req, events[name]), env=dict(os.environ, **engine_env), text=True,
+            procs[name] = subprocess.Popen(command(req, events[name]), env=dict(os.environ, **engine_caches(name, work), **engine_env),
+                                           text=True,
                                            stdin=subprocess.PIPE, stdout=logs[-1], stderr=subprocess.STDOUT)
             try:
                 ready = _next_event(events[name], 0, procs[name], name, timeout_s)
                 results[name] = {"startup_s": ready["startup_s"], "warmup_s": ready.get("warmup_s"),
-                                 "package_dir": ready["package_dir"],
-                                 "round_tokens": [], "round_seconds": [], "round_passes": []}
+                                 "package_dir": ready["package_dir"], "round_tokens": [], "round_seconds": [],
+                                 "round_passes": [], "round_new_binaries": []}
             except RuntimeError as e:
                 results[name] = {"error": str(e)}
                 procs.pop(name).kill()
@@ -280,6 +305,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                 res["round_tokens"].append(event["tokens"])
                 res["round_seconds"].append(event["seconds"])
                 res["round_passes"].append(event.get("passes", 1))
+                res["round_new_binaries"].append(event.get("new_binaries", 0))
             print(f"  round {r + 1}/{rounds}: " + "  ".join(
                 f"{n} {results[n]['round_tokens'][-1] / results[n]['round_seconds'][-1]:.0f}" for n in names if n in procs),
                 flush=True)
@@ -442,7 +468,12 @@ def main() -> int:
             r = row[name]
             if "gen_tokens_per_s" in r:
                 warm = f"{r['warmup_s']:9.1f}" if r.get("warmup_s") is not None else f"{'—':>9}"
-                each = " ".join(f"{x:.1f}" for x in r.get("pass_seconds", []))
+                new = r.get("pass_new_binaries") or [0] * len(r.get("pass_seconds", []))
+                each = " ".join(f"{x:.1f}" + (f" (+{n} binaries)" if n else "") for x, n in zip(r.get("pass_seconds", []), new))
+                if r.get("round_new_binaries") and any(r["round_new_binaries"]):
+                    each += f"  binaries compiled in rounds: {r['round_new_binaries']}"
+                if len(set(r.get("pass_tokens_digest", []))) > 1:
+                    each += "  (passes generated different tokens)"
                 print(f"{key:6} {name:22} {r['gen_tokens_per_s']:11.0f} {r['seconds']:8.1f} {r['startup_s']:9.1f} {warm}  {each}")
             else:
                 print(f"{key:6} {name:22} {'failed: ' + r['error']}")

@@ -136,7 +136,40 @@ def test_a_round_repeats_generation_until_min_seconds():
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * 7)]) for _ in prompts]
 
     timed = _load("bench_rollout_gpu")._timed_passes
-    tokens, seconds, each = timed(FakeLLM(), ["p"] * 3, None, min_seconds=0.1)
-    assert len(each) == FakeLLM.calls >= 5 and tokens == 21 * len(each) and seconds >= 0.1
-    assert seconds == sum(each) and min(each) >= 0.02
-    assert len(timed(FakeLLM(), ["p"], None, min_seconds=0.0)[2]) == 1
+    out = timed(FakeLLM(), ["p"] * 3, None, min_seconds=0.1)
+    each = out["pass_seconds"]
+    assert len(each) == FakeLLM.calls >= 5 and out["tokens"] == 21 * len(each) and out["seconds"] >= 0.1
+    assert out["seconds"] == sum(each) and min(each) >= 0.02
+    assert len(set(out["pass_tokens_digest"])) == 1 and out["pass_new_binaries"] == [0] * len(each)
+    assert len(timed(FakeLLM(), ["p"], None, min_seconds=0.0)["pass_seconds"]) == 1
+
+
+def test_a_pass_that_compiles_or_generates_other_tokens_is_reported(tmp_path, monkeypatch):
+    """Binaries written into the engine's own cache during a pass are counted for that pass, and a pass whose tokens
+    differ from the others gets another digest."""
+    from types import SimpleNamespace
+
+    bench = _load("bench_rollout_gpu")
+    for k, v in bench.engine_caches("consistent", tmp_path).items():
+        monkeypatch.setenv(k, v)
+    cache = tmp_path / "consistent.cache" / "triton"
+
+    class CompilingLLM:
+        calls = 0
+
+        def generate(self, prompts, params, use_tqdm=False):
+            CompilingLLM.calls += 1
+            if CompilingLLM.calls == 2:  # the second pass meets a new launch shape
+                (cache / "abc").mkdir(parents=True)
+                for name in ("k.cubin", "k.json"):
+                    (cache / "abc" / name).write_text("x")
+            token = 7 if CompilingLLM.calls == 3 else 1
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[token] * 4)]) for _ in prompts]
+
+    out = bench._timed_passes(CompilingLLM(), ["p"] * 2, None, min_seconds=0.0)
+    assert out["pass_new_binaries"] == [0]
+    while CompilingLLM.calls < 3:
+        more = bench._timed_passes(CompilingLLM(), ["p"] * 2, None, min_seconds=0.0)
+        out = {k: out[k] + more[k] for k in out}
+    assert out["pass_new_binaries"] == [0, 1, 0]
+    assert out["pass_tokens_digest"][0] == out["pass_tokens_digest"][1] != out["pass_tokens_digest"][2]
