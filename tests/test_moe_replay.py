@@ -86,3 +86,60 @@ def test_end_to_end_replay_is_not_enough(tmp_path):
     assert r["unrouted_positions"] == 0
     assert r["max_abs"] > 0 and r["exact_fraction"] < 1.0  # replay alone: still not bitwise equal
     assert 0.0 < b["routing_agreement"] <= 1.0 and b["routed_pairs"] == r["routed_pairs"]
+
+
+def test_stock_routes_from_vllm_outputs_round_trip(tmp_path):
+    """CUDA source: vLLM's ``routed_experts`` [positions, num_hidden_layers, k] per request -> routes files ->
+    (request, position) -> the MoE layers' experts; dense layers dropped, positions from 0; a request without routes
+    is refused before any file is written."""
+    import numpy as np
+
+    from megatron_consistent.verify.routing import load_engine_routes
+    from megatron_consistent.verify.stock_routes import write_output_routes
+
+    rng = np.random.default_rng(0)
+    moe_layers = (1, 3)
+    routed = [rng.integers(0, 8, size=(n, 4, 2)).astype(np.int32) for n in (5, 1, 9)]
+    write_output_routes(str(tmp_path / "r"), routed, moe_layers)
+    got = load_engine_routes(tmp_path / "r")
+    assert len(got) == 5 + 1 + 9
+    for i, r in enumerate(routed):
+        for p in range(len(r)):
+            assert torch.equal(got[(i, p)], torch.from_numpy(r[p, list(moe_layers)]).to(torch.int64))
+    with pytest.raises(RuntimeError, match="enable_return_routed_experts"):
+        write_output_routes(str(tmp_path / "none"), [routed[0], None], moe_layers)
+    assert not (tmp_path / "none").exists()
+
+
+def test_stock_engine_route_source_follows_the_platform(monkeypatch, tmp_path):
+    """A stock MoE engine asked for routes: vLLM's own output on CUDA (no Python hook, which a CUDA-graph replay
+    would skip), the capture hook on CPU (where vLLM refuses that output)."""
+    pytest.importorskip("vllm")
+    import vllm
+
+    from megatron_consistent.verify import rollout
+
+    built = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+        def collective_rpc(self, method, args=()):
+            built.append(("rpc", method))
+            return [[]]
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    req = rollout.RolloutRequest(model_dir=str(tmp_path), prompts=[[1]], consistent=False, dtype="bfloat16",
+                                 stock_routes_dir=str(tmp_path / "routes"), enforce_eager=True)
+    for cuda in (True, False):
+        built.clear()
+        monkeypatch.setattr(rollout, "stock_routes_from_outputs", lambda cuda=cuda: cuda)
+        rollout.engine(req)
+        kwargs = built[0]
+        if cuda:
+            assert kwargs.get("enable_return_routed_experts") is True and "worker_extension_cls" not in kwargs
+            assert len(built) == 1
+        else:
+            assert "enable_return_routed_experts" not in kwargs and kwargs["worker_extension_cls"].endswith("StockRouteCapture")
+            assert built[1] == ("rpc", "mc_capture_routes")

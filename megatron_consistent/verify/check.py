@@ -300,7 +300,7 @@ def routing_replay(trainer, arch, prompts, roll, engine_routes, temperature, cfg
     sink = TrainerRoutes()
     lp = recompute(trainer, prompts, roll["tokens"], temperature, cfg.recompute_batch, stock=True, route_sink=sink, replay=replay)
     return {**mismatch_metrics(lp, rollout_lp), **routing_agreement(engine_routes, sink, as_sets=True, moe_layers=arch.moe_layers),
-            "route_source": "stock vLLM CPURouter capture_fn (verify/stock_routes.py)",
+            "route_source": roll.get("stock_route_source"),
             "replayed_from_prefix": replay.from_prefix, "unrouted_positions": replay.missing}
 
 
@@ -383,9 +383,9 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
         req.engine_kwargs = {**req.engine_kwargs, **cfg.engine_arg_dict()}
         routes_dir = None
         # MoE routes: the consistent plugin records them in fixed buffers (compiled engines too: vllm_plugin/moe.py); the
-        # stock CPU engine through a capture hook (verify/stock_routes.py; not on CUDA, where it replays CUDA graphs)
+        # stock engine gives them through vLLM's routed-experts output on CUDA, a capture hook on CPU (verify/stock_routes.py)
         consistent_capture = mode == "consistent"
-        stock_capture = mode == "baseline" and not arch.is_hybrid and device.type == "cpu"
+        stock_capture = mode == "baseline" and not arch.is_hybrid
         if arch.is_moe and (consistent_capture or stock_capture):
             import shutil
 

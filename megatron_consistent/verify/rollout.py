@@ -74,10 +74,13 @@ def engine(req: RolloutRequest):
     extra = {}
     if req.tensor_parallel_size > 1:
         extra.update(tensor_parallel_size=req.tensor_parallel_size, distributed_executor_backend="mp")
-    if req.stock_routes_dir:
+    if req.stock_routes_dir:  # stock MoE routes: vLLM's own output on CUDA, a capture hook on CPU (verify/stock_routes.py)
         from .stock_routes import EXTENSION
 
-        extra["worker_extension_cls"] = EXTENSION
+        if stock_routes_from_outputs():
+            extra["enable_return_routed_experts"] = True
+        else:
+            extra["worker_extension_cls"] = EXTENSION
     llm = LLM(
         model=req.model_dir,
         skip_tokenizer_init=True,
@@ -93,11 +96,19 @@ def engine(req: RolloutRequest):
         **extra,
         **req.engine_kwargs,
     )
-    if req.stock_routes_dir:
+    if req.stock_routes_dir and not stock_routes_from_outputs():
         from .stock_routes import RPC
 
-        llm.mc_stock_route_layers = llm.collective_rpc(RPC, args=(req.stock_routes_dir,))[0]
+        llm.collective_rpc(RPC, args=(req.stock_routes_dir,))
     return llm
+
+
+def stock_routes_from_outputs() -> bool:
+    """Whether a stock engine's MoE routes come from vLLM's ``routed_experts`` output (CUDA) rather than the capture
+    hook (CPU, where vLLM refuses that output)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def token_logprobs(logprobs, token_ids) -> list[float | None]:
@@ -106,26 +117,46 @@ def token_logprobs(logprobs, token_ids) -> list[float | None]:
     return [None if d is None else d[t].logprob for d, t in zip(logprobs, token_ids)]
 
 
-def sample(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[list[float]]]:
-    """``llm.generate`` over token prompts (``params``: one ``SamplingParams`` or one per prompt); the sampled tokens
-    and their log-probs, one list per prompt."""
+def completions(llm, prompts: list[list[int]], params) -> list:
+    """``llm.generate`` over token prompts (``params``: one ``SamplingParams`` or one per prompt): the first
+    completion of each prompt, in prompt order."""
     from vllm.inputs import TokensPrompt
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    completions = [o.outputs[0] for o in outs]
-    return [list(c.token_ids) for c in completions], [token_logprobs(c.logprobs, c.token_ids) for c in completions]
+    return [o.outputs[0] for o in outs]
+
+
+def tokens_and_logprobs(done: list) -> tuple[list[list[int]], list[list[float]]]:
+    """The sampled tokens of each completion and their log-probs."""
+    return [list(c.token_ids) for c in done], [token_logprobs(c.logprobs, c.token_ids) for c in done]
+
+
+def sample(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[list[float]]]:
+    """The sampled tokens and their log-probs, one list per prompt (see :func:`completions`)."""
+    return tokens_and_logprobs(completions(llm, prompts, params))
 
 
 def generate(llm, req: RolloutRequest) -> dict:
-    """Sample every prompt; returns tokens, their log-probs and the generation rate."""
+    """Sample every prompt; returns tokens, their log-probs and the generation rate (and, for a stock engine whose
+    routes come with its outputs, writes them to ``req.stock_routes_dir`` after the timing)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens, logprobs=0, ignore_eos=True)
     t0 = time.perf_counter()
-    tokens, logprobs = sample(llm, req.prompts, params)
+    done = completions(llm, req.prompts, params)
     seconds = time.perf_counter() - t0
+    tokens, logprobs = tokens_and_logprobs(done)
     n = sum(len(t) for t in tokens)
-    return {"tokens": tokens, "logprobs": logprobs, "gen_tokens": n, "seconds": seconds, "gen_tokens_per_s": n / seconds}
+    result = {"tokens": tokens, "logprobs": logprobs, "gen_tokens": n, "seconds": seconds, "gen_tokens_per_s": n / seconds}
+    if req.stock_routes_dir:
+        from ..config import ArchConfig, load_hf_config
+        from .stock_routes import ROUTE_SOURCES, write_output_routes
+
+        if stock_routes_from_outputs():
+            write_output_routes(req.stock_routes_dir, [c.routed_experts for c in done],
+                                ArchConfig.from_hf(load_hf_config(req.model_dir)).moe_layers)
+        result["stock_route_source"] = ROUTE_SOURCES["cuda" if stock_routes_from_outputs() else "cpu"]
+    return result
 
 
 def _failure_reason(log_text: str) -> str:
@@ -210,8 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     req = RolloutRequest(**json.loads(Path(args[0]).read_text()))
     llm = engine(req)
     result = generate(llm, req)
-    if req.stock_routes_dir:
-        result["stock_route_layers"] = llm.mc_stock_route_layers
     Path(args[1]).write_text(json.dumps(result))
     return 0
 

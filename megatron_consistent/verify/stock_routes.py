@@ -1,9 +1,17 @@
 """Route capture in the STOCK vLLM engine (no plugin) for the routing-replay baseline.
 
-vLLM 0.32's own route output (``enable_return_routed_experts`` /
-``AuxOutputConfig``, ``CompletionOutput.routed_experts``) needs Model Runner V2,
-which needs Triton; on the CPU platform the engine refuses it ("Model Runner V2
-requires Triton").  So the baseline records the stock engine's routes itself:
+Two sources, one file format (``routes<NNNNNN>.safetensors``: ``positions [T]``, ``request [T]``,
+``experts [num_moe_layers, T, k]``, read by :func:`megatron_consistent.verify.routing.load_engine_routes`):
+
+**CUDA: vLLM's own route output.**  The engine is built with ``enable_return_routed_experts=True`` (vLLM 0.26's GPU
+runner binds a capturer to every MoE router that writes a fixed device buffer inside the forward, so it works under
+CUDA graphs, and the scheduler keeps prompt routes by KV slot, so prefix-cache hits keep theirs);
+``CompletionOutput.routed_experts`` is ``[prompt + generated - 1, num_hidden_layers, k]``, position-ordered.
+:func:`write_output_routes` writes one file per request from it.
+
+**CPU: a capture hook.**  vLLM 0.32's route output (``enable_return_routed_experts`` /
+``AuxOutputConfig``) needs Model Runner V2, which needs Triton; on the CPU platform the engine refuses it ("Model
+Runner V2 requires Triton").  So the baseline records the stock engine's routes itself:
 
 * :class:`StockRouteCapture` is passed as vLLM's ``worker_extension_cls``
   (a documented vLLM hook: its methods are mixed into the worker class); the
@@ -15,9 +23,7 @@ requires Triton").  So the baseline records the stock engine's routes itself:
   mapping; the same hook vLLM's own ``RoutedExpertsCapturer`` binds) and a
   forward pre-hook on the model that notes the forward's ``positions``;
 * rows -> requests come from the runner's batch order, and the files are
-  written after each step by the plugin's :class:`~megatron_consistent.vllm_plugin.moe.RouteRecorder`
-  (``routes<NNNNNN>.safetensors``, the same format as the consistent engine's,
-  read by :func:`megatron_consistent.verify.routing.load_engine_routes`).
+  written after each step by the plugin's :class:`~megatron_consistent.vllm_plugin.moe.RouteRecorder`.
 
 Nothing of the plugin's model, attention or sampler is used: the engine runs
 stock vLLM kernels.  Note: the stock CPU router's top-k is ``torch.topk(...,
@@ -27,8 +33,33 @@ per-token expert sets (``routing_agreement(..., as_sets=True)``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 EXTENSION = "megatron_consistent.verify.stock_routes.StockRouteCapture"
 RPC = "mc_capture_routes"
+ROUTE_SOURCES = {"cuda": "stock vLLM's routed-experts output (enable_return_routed_experts)",
+                 "cpu": "stock vLLM CPURouter capture_fn (verify/stock_routes.py)"}
+
+
+def write_output_routes(folder: str, routed: list, moe_layers: tuple[int, ...]) -> None:
+    """One routes file per request from vLLM's ``CompletionOutput.routed_experts`` (``routed[i]``: request ``i``'s
+    ``[positions, num_hidden_layers, k]`` array, position 0 first): the MoE layers' rows, positions ``0 .. n-1``.
+    Refuses a request without routes (an engine built without ``enable_return_routed_experts``) before writing."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    missing = [i for i, r in enumerate(routed) if r is None]
+    if missing:
+        raise RuntimeError(f"the stock engine returned no routed experts for {len(missing)} of {len(routed)} requests "
+                           f"(first: {missing[0]}); build it with enable_return_routed_experts=True")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, r in enumerate(routed):
+        experts = torch.from_numpy(np.ascontiguousarray(np.asarray(r)[:, list(moe_layers), :].transpose(1, 0, 2)))
+        n = experts.shape[1]
+        save_file({"positions": torch.arange(n, dtype=torch.int64), "request": torch.full((n,), i, dtype=torch.int64),
+                   "experts": experts.to(torch.int64).contiguous()}, str(out / f"routes{i:06d}.safetensors"))
 
 
 class StockRouteCapture:
