@@ -25,16 +25,23 @@ def _stock(name):
     return build_stock_gpt_model(builtin_model_dir(name), seed=0)
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("name", ["tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"])
-def test_stock_block_replay(name):
+def test_stock_block_replay(name, device):
+    """Forced routes replace the block's own; the routes and masks come on the CPU (as the engine's routes files
+    give them) whatever the model's device."""
     from megatron_consistent.layers import compute_stock_token_logprobs
     from megatron_consistent.layers.moe import collect_routes, replay_routes
 
-    model = _stock(name)
-    ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(5))
+    model = _stock(name).to(device)
+    ids = torch.randint(3, 512, (2, 13), generator=torch.Generator().manual_seed(5)).to(device)
     with torch.no_grad():
         own = compute_stock_token_logprobs(model, ids)
-        routes = collect_routes(model)
+        routes = {i: r.cpu() for i, r in collect_routes(model).items()}
         T = ids.numel()
         all_rows = torch.ones(T, dtype=torch.bool)
         with replay_routes(model, {i: (r, all_rows) for i, r in routes.items()}):
@@ -45,15 +52,15 @@ def test_stock_block_replay(name):
             other = compute_stock_token_logprobs(model, ids)
             got = collect_routes(model)
         for i in routes:
-            assert torch.equal(got[i].sort(-1).values, shifted[i].sort(-1).values)
+            assert torch.equal(got[i].cpu().sort(-1).values, shifted[i].sort(-1).values)
         assert not torch.equal(other, own)
         half = torch.arange(T) % 2 == 0
         with replay_routes(model, {i: (r, half) for i, r in shifted.items()}):
             compute_stock_token_logprobs(model, ids)
             got = collect_routes(model)
         for i in routes:
-            assert torch.equal(got[i][half].sort(-1).values, shifted[i][half].sort(-1).values)
-            assert torch.equal(got[i][~half], routes[i][~half])
+            assert torch.equal(got[i].cpu()[half].sort(-1).values, shifted[i][half].sort(-1).values)
+            assert torch.equal(got[i].cpu()[~half], routes[i][~half])
     assert all(layer.mlp.forced_routes is None for layer in model.decoder.layers if hasattr(layer.mlp, "forced_routes"))
 
 

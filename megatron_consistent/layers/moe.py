@@ -208,7 +208,7 @@ class StockMoELayer(ConsistentMoELayer):
             if forced.shape != experts.shape or mask.shape != experts.shape[:1]:
                 raise ValueError(f"forced routes {tuple(forced.shape)} / mask {tuple(mask.shape)} do not match the "
                                  f"layer's tokens x top-k {tuple(experts.shape)}")
-            experts = torch.where(mask[:, None], forced.to(experts.device, experts.dtype), experts)
+            experts = torch.where(mask[:, None].to(experts.device), forced.to(experts.device, experts.dtype), experts)
             w, order = torch.sort(probs.gather(-1, experts), dim=-1, descending=True, stable=True)
             experts = experts.gather(-1, order)
         if self.arch.norm_topk_prob:
