@@ -6,6 +6,9 @@ torch.compile + CUDA-graph mode, and samples ``max_tokens`` new tokens per
 prompt with log-probs (``logprobs=0``, processed mode, as an RL rollout asks).
 Generation is repeated until at least ``--min-seconds`` of it were timed; the
 first (warm-up) pass is not timed.  Ratios consistent / stock come from one run.
+Each engine gets compile caches of its own, and every timed pass reports its seconds, the GPU binaries compiled
+during it (``pass_new_binaries``: a pass that met a launch shape the warm-up had not) and a digest of its tokens
+(``pass_tokens_digest``: the same requests with the same seeds, so a batch-invariant engine repeats them).
 With ``--profile``, each engine then runs one more, untimed generation (the first
 ``--profile-prompts`` prompts x ``--profile-tokens`` tokens) under vLLM's torch
 profiler (kernels inside CUDA graphs included) and the report gives its GPU
