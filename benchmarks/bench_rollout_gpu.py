@@ -279,9 +279,9 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
             req, events[name] = work / f"{name}.req.json", work / f"{name}.events.jsonl"
             req.write_text(json.dumps(request))
             logs.append(open(work / f"{name}.log", "w"))
-            procs[name] = subprocess.Popen(command(req, events[name]), env=dict(os.environ, **engine_caches(name, work), **engine_env),
-                                           text=True,
-                                           stdin=subprocess.PIPE, stdout=logs[-1], stderr=subprocess.STDOUT)
+            env = dict(os.environ, **engine_caches(name, work), **engine_env)
+            procs[name] = subprocess.Popen(command(req, events[name]), env=env, text=True, stdin=subprocess.PIPE,
+                                           stdout=logs[-1], stderr=subprocess.STDOUT)
             try:
                 ready = _next_event(events[name], 0, procs[name], name, timeout_s)
                 results[name] = {"startup_s": ready["startup_s"], "warmup_s": ready.get("warmup_s"),

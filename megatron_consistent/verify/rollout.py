@@ -74,13 +74,12 @@ def engine(req: RolloutRequest):
     extra = {}
     if req.tensor_parallel_size > 1:
         extra.update(tensor_parallel_size=req.tensor_parallel_size, distributed_executor_backend="mp")
-    if req.stock_routes_dir:  # stock MoE routes: vLLM's own output on CUDA, a capture hook on CPU (verify/stock_routes.py)
+    if req.stock_routes_dir and stock_routes_from_outputs():  # stock MoE routes: vLLM's own output on CUDA,
+        extra["enable_return_routed_experts"] = True  # a capture hook on CPU (verify/stock_routes.py)
+    elif req.stock_routes_dir:
         from .stock_routes import EXTENSION
 
-        if stock_routes_from_outputs():
-            extra["enable_return_routed_experts"] = True
-        else:
-            extra["worker_extension_cls"] = EXTENSION
+        extra["worker_extension_cls"] = EXTENSION
     llm = LLM(
         model=req.model_dir,
         skip_tokenizer_init=True,
