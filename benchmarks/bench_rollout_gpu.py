@@ -34,7 +34,8 @@ A candidate GEMM table runs the same way from a copy of the package that carries
 Shapes (issue #14): a = 1B Llama (hidden 2048, 16 layers, GQA 32/8, vocab 32000), 512 prompts of 64-1024
 tokens x 512; b = 8B Llama (hidden 4096, 32 layers, GQA 32/8, vocab 128256), 256 x 512; c = the long tail,
 8 prompts of 16k tokens x 512 on the 1B shape; d = MoE, the layers of Qwen3-30B-A3B (hidden 2048, GQA 32/4, head
-dim 128, 128 experts, top-8, expert width 768, vocab 151936), 12 of its 48, 256 x 512 as b.
+dim 128, 128 experts, top-8, expert width 768, vocab 151936), 12 of its 48, 256 x 512 as b; b8 / d8 = b / d with
+block-FP8 weights (each engine its own FP8 kernels: stock vLLM's block-FP8 linear and fused MoE, the plugin's).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ SHAPES = {
                         moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
           "prompts": 256, "min_len": 64, "max_len": 1024, "max_tokens": 512},
 }
+# b8 / d8: shapes b and d with block-FP8 weights (E4M3, 128 x 128 weight blocks, dynamic 1 x 128 activations): stock
+# vLLM runs its own block-FP8 methods from the standard quantization_config, the plugin its FP8 kernels
+SHAPES |= {f"{key}8": {**SHAPES[key], "quantization": "fp8"} for key in ("b", "d")}
 KERNEL_CATEGORIES = (  # first match wins; names of our Triton kernels and of vLLM's / cuBLAS's CUDA kernels
     ("attention", r"attn|flash|fmha|paged|attention"),
     ("moe", r"moe|grouped_gemm|_combine_kernel|expert|tile_table"),
@@ -87,12 +91,25 @@ ENGINES = {"consistent": {"MEGATRON_CONSISTENT_VLLM": "1"},
            "stock_batch_invariant": {"MEGATRON_CONSISTENT_VLLM": "0", "VLLM_BATCH_INVARIANT": "1"}}
 
 
-def write_model(folder: Path, dims: dict, max_len: int) -> None:
+def write_model(folder: Path, dims: dict, max_len: int, quantization: str = "") -> None:
+    """config.json of a random-weight model; ``quantization="fp8"``: the block-FP8 entries an FP8 export writes (the
+    standard ``quantization_config`` for stock vLLM, ``megatron_consistent_quantization`` for the plugin)."""
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
            "rope_theta": 500000.0, "max_position_embeddings": max(32768, max_len), "tie_word_embeddings": False,
            "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": 1, "eos_token_id": 2,
            "head_dim": dims["hidden_size"] // dims["num_attention_heads"], **dims}
+    if quantization == "fp8":
+        from megatron_consistent.conversion.fp8 import QUANT_KEY, quantization_entry
+
+        cfg[QUANT_KEY] = quantization_entry()
+        cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                      "activation_scheme": "dynamic", "fmt": "e4m3"}
+        if dims.get("num_experts"):  # the router stays in the model dtype, as in published block-FP8 MoE checkpoints
+            from megatron_consistent.architectures import router_hf_modules
+            from megatron_consistent.config import ArchConfig
+
+            cfg["quantization_config"]["modules_to_not_convert"] = router_hf_modules(ArchConfig.from_hf(cfg))
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
@@ -436,7 +453,7 @@ def main() -> int:
             shape = SHAPES[key]
             model_dir = Path(tmp) / f"llama-{key}"
             max_len = shape["max_len"] + shape["max_tokens"]
-            write_model(model_dir, shape["model"], max_len)
+            write_model(model_dir, shape["model"], max_len, shape.get("quantization", ""))
             request = {"model_dir": str(model_dir), "prompts": prompts_for(shape, shape["model"]["vocab_size"]),
                        "max_tokens": shape["max_tokens"], "min_seconds": args.min_seconds,
                        "gpu_memory_utilization": args.gpu_memory_utilization / (len(engine_envs) if args.interleave else 1),

@@ -236,3 +236,94 @@ def test_ste_forward_is_the_cuda_fp8_linear_and_backward_runs_on_cuda():
     assert (master.grad.double() - gw_ref).norm() / gw_ref.norm() <= 1e-2
     ref_b = up.sum(0)  # the bias gradient: a float32 column sum of the upstream gradient, rounded to bf16
     assert ((bias.grad.float() - ref_b).abs() <= 1e-1 + 1e-2 * ref_b.abs()).all()
+
+
+def _fp8_experts(e_count, n, k, seed):
+    qs = [_weight(n, k, seed=seed * 1000 + e)[1:] for e in range(e_count)]
+    return torch.stack([q for q, _ in qs]), torch.stack([r for _, r in qs])
+
+
+def _routes(t, k, e_count, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(e_count, generator=g)[:k] for _ in range(t)]).to(DEV)
+
+
+@pytest.mark.parametrize("t,k,e_count,h,inter", [(1, 8, 128, 2048, 768), (7, 8, 128, 2048, 768), (300, 8, 128, 2048, 768),
+                                                 (64, 2, 8, 1024, 1000), (2048, 8, 32, 2048, 768)])
+def test_grouped_fp8_experts_equal_the_per_expert_fp8_linears(t, k, e_count, h, inter):
+    """The engine's grouped FP8 experts (one FP8 GEMM launch per projection, rows gathered / scattered through the
+    sorted pairs) == the trainer's per-expert ``fp8_linear`` calls, bitwise (both BM classes: 64-row tiles at few
+    rows per expert, the config's at many; Qwen3-30B-A3B's shapes and a ragged one); a token alone == in the batch."""
+    from megatron_consistent.kernels.triton import moe as tmoe
+
+    experts = _routes(t, k, e_count, seed=t)
+    hidden = _acts(t, h, seed=t + 1)
+    fc1_q, fc1_rows = _fp8_experts(e_count, 2 * inter, h, seed=1)
+    fc2_q, fc2_rows = _fp8_experts(e_count, h, inter, seed=2)
+    args = (fc1_q, fc1_rows, fc2_q, fc2_rows, fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)
+    got = tmoe._fp8_expert_outputs_cuda(hidden, experts, *args)
+    ref = fp8.per_expert_fp8_outputs(hidden, experts, *args)
+    assert _bits_equal(got, ref), int((_bits(got) != _bits(ref)).sum())
+    for i in sorted({0, t // 2, t - 1}):
+        assert _bits_equal(tmoe._fp8_expert_outputs_cuda(hidden[i : i + 1], experts[i : i + 1], *args), got[i : i + 1])
+
+
+def test_engine_fp8_ops_replay_as_a_cuda_graph():
+    """The engine's FP8 ops (the FP8 linear, router, route, grouped FP8 experts with a shared expert, combine) read
+    nothing on the host: captured once in a CUDA graph, replayed on new tokens, they give the eager bits."""
+    from megatron_consistent.kernels import inference_ops
+
+    E, H, inter, T, k = 16, 1024, 512, 40, 4
+    _, lin_q, lin_rows = _weight(H, H, seed=3)
+    fc1_q, fc1_rows = _fp8_experts(E, 2 * inter, H, seed=4)
+    fc2_q, fc2_rows = _fp8_experts(E, H, inter, seed=5)
+    s1_q, s1_rows = _weight(2 * inter, H, seed=6)[1:]
+    s2_q, s2_rows = _weight(H, inter, seed=7)[1:]
+    router = (torch.randn(E, H, device=DEV) * 0.05).to(torch.bfloat16)
+    gate = (torch.randn(1, H, device=DEV) * 0.05).to(torch.bfloat16)
+    specs = (fp8.E4M3_WEIGHT_128.spec, fp8.E4M3_ACT_1x128.spec)
+
+    def block(x):
+        x = inference_ops.fp8_linear(x, lin_q, lin_rows, None, *specs)
+        w, e = inference_ops.moe_route(inference_ops.router_logits(x, router), k, "softmax", None, True, 1, 1, 1.0)
+        return inference_ops.fp8_moe_experts(x, e, w, fc1_q, fc1_rows, fc2_q, fc2_rows, s1_q, s1_rows, s2_q, s2_rows,
+                                             gate, *specs)
+
+    static_x = _acts(T, H, seed=8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: Triton compiles before the capture
+        block(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = block(static_x)
+    for seed in (9, 10):
+        static_x.copy_(_acts(T, H, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _bits_equal(static_out, block(static_x.clone()))
+
+
+def test_nvfp4_linear_replays_as_a_cuda_graph():
+    """NVFP4 (W4A16): codes unpacked and decoded on the device (no host table), so the linear captures too."""
+    from megatron_consistent.kernels import inference_ops
+    from megatron_consistent.kernels.nvfp4 import nvfp4_effective_scales, nvfp4_quantize, pack_e2m1, unpack_e2m1
+
+    q, sb, g = nvfp4_quantize(torch.randn(512, 1024, device=DEV) * 0.05)
+    packed = pack_e2m1(q)
+
+    def block(x):
+        return inference_ops.fp8_linear(x, unpack_e2m1(packed), nvfp4_effective_scales(sb, g), None,
+                                        fp8.NVFP4_WEIGHT.spec, "")
+
+    static_x = _acts(24, 1024, seed=11)
+    block(static_x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = block(static_x)
+    static_x.copy_(_acts(24, 1024, seed=12))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _bits_equal(static_out, block(static_x.clone()))

@@ -208,3 +208,101 @@ def test_moe_and_mamba_ops_compile_without_graph_breaks():
     got = torch.compile(block, fullgraph=True, backend="eager", dynamic=True)(h)
     for a, b in zip(got, block(h)):
         assert torch.equal(a, b)
+
+
+def _fp8_weight(n, k, g, fmt):
+    """``(codes, per-row scales)`` of a random ``[n, k]`` weight in ``fmt`` (NVFP4: codes one per byte)."""
+    from megatron_consistent.kernels import fp8
+    from megatron_consistent.kernels.nvfp4 import nvfp4_effective_scales, nvfp4_quantize
+
+    w = torch.randn(n, k, generator=g) * 0.05
+    if fmt.name == "e2m1":
+        q, sb, gs = nvfp4_quantize(w)
+        return q, nvfp4_effective_scales(sb, gs)
+    q, s = fp8.quantize(w, fmt)
+    return q, fp8.weight_row_scales(s, n, fmt)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "nvfp4"])
+def test_fp8_linear_op_equals_training_path_and_a_wrong_format_is_caught(quant):
+    """The custom op (formats passed as spec strings) = :func:`kernels.fp8.fp8_linear` with the format objects, bias and
+    leading dims included; the spec round-trips; the same codes read in the other activation format differ."""
+    from megatron_consistent.kernels import fp8
+
+    w_fmt, a_fmt = (fp8.NVFP4_WEIGHT, None) if quant == "nvfp4" else (fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)
+    assert fp8.QuantFormat.from_spec(w_fmt.spec) == w_fmt
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 9, 256, generator=g).to(torch.bfloat16).to(_device())
+    q, rows = (t.to(_device()) for t in _fp8_weight(96, 256, g, w_fmt))
+    b = torch.randn(96, generator=g).to(torch.bfloat16).to(_device())
+    a_spec = a_fmt.spec if a_fmt is not None else ""
+    with torch.no_grad():
+        got = inference_ops.fp8_linear(x, q, rows, b, w_fmt.spec, a_spec)
+        assert torch.equal(got, fp8.fp8_linear(x, q, rows, b, w_fmt=w_fmt, a_fmt=a_fmt))
+        assert torch.equal(inference_ops.fp8_linear(x[1, 4:5], q, rows, b, w_fmt.spec, a_spec), got[1, 4:5])
+        if quant == "fp8":  # weight-only reading of the same codes: not the contract's activation quantization
+            assert not torch.equal(inference_ops.fp8_linear(x, q, rows, b, w_fmt.spec, ""), got)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_fp8_moe_op_equals_training_path(shared):
+    """The FP8 expert block as one custom op = :func:`kernels.fp8.fp8_moe_experts` (without masters: the device's
+    ``fp8_moe_expert_outputs``) and = the per-expert calls the trainer makes with masters; a token alone = in the batch."""
+    from megatron_consistent.kernels import fp8
+    from megatron_consistent.kernels import moe as kmoe
+
+    g = torch.Generator().manual_seed(8)
+    dev, E, H, inter, k, t = _device(), 4, 256, 128, 2, 11
+    w_fmt, a_fmt = fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128
+    x = torch.randn(t, H, generator=g).to(torch.bfloat16).to(dev)
+    fc1 = [_fp8_weight(2 * inter, H, g, w_fmt) for _ in range(E)]
+    fc2 = [_fp8_weight(H, inter, g, w_fmt) for _ in range(E)]
+    fc1_q, fc1_rows, fc2_q, fc2_rows = (torch.stack([p[i] for p in ws]).to(dev) for ws, i in ((fc1, 0), (fc1, 1), (fc2, 0), (fc2, 1)))
+    sh = [t_.to(dev) for t_ in (*_fp8_weight(2 * inter, H, g, w_fmt), *_fp8_weight(H, inter, g, w_fmt))] if shared else [None] * 4
+    gate = torch.randn(1, H, generator=g).to(torch.bfloat16).to(dev) if shared else None
+    w, e = kmoe.route_logits(kmoe.router_logits(x, (torch.randn(E, H, generator=g) * 0.2).to(torch.bfloat16).to(dev)), k)
+    specs = (w_fmt.spec, a_fmt.spec)
+    shared_w = (fp8.FP8Weights(sh[0], sh[1]), fp8.FP8Weights(sh[2], sh[3]), gate) if shared else None
+    with torch.no_grad():
+        got = inference_ops.fp8_moe_experts(x, e, w, fc1_q, fc1_rows, fc2_q, fc2_rows, *sh, gate, *specs)
+        assert torch.equal(got, fp8.fp8_moe_experts(x, e, w, fp8.FP8Weights(fc1_q, fc1_rows), fp8.FP8Weights(fc2_q, fc2_rows),
+                                                    shared_w, w_fmt=w_fmt, a_fmt=a_fmt))
+        masters = fp8.fp8_moe_experts(x, e, w, fp8.FP8Weights(fc1_q, fc1_rows, fc1_q.to(torch.bfloat16)),
+                                      fp8.FP8Weights(fc2_q, fc2_rows, fc2_q.to(torch.bfloat16)), shared_w, w_fmt=w_fmt, a_fmt=a_fmt)
+        assert torch.equal(got, masters)
+        alone = inference_ops.fp8_moe_experts(x[5:6], e[5:6], w[5:6], fc1_q, fc1_rows, fc2_q, fc2_rows, *sh, gate, *specs)
+        assert torch.equal(alone, got[5:6])
+
+
+@pytest.mark.slow
+def test_fp8_ops_compile_without_graph_breaks():
+    """An FP8 layer-like function (block scales expanded to rows, the FP8 linear, the FP8 expert block) compiles with
+    fullgraph=True and gives the eager bits; NVFP4 (codes unpacked, effective scales) too."""
+    from megatron_consistent.kernels import fp8
+    from megatron_consistent.kernels.nvfp4 import nvfp4_quantize, pack_e2m1, unpack_e2m1
+
+    g = torch.Generator().manual_seed(9)
+    E, H, inter, k = 3, 256, 128, 2
+    w_fmt, a_fmt = fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128
+    q_lin, s_lin = fp8.quantize(torch.randn(H, H, generator=g) * 0.05, w_fmt)
+    fc1 = [fp8.quantize(torch.randn(2 * inter, H, generator=g) * 0.05, w_fmt) for _ in range(E)]
+    fc2 = [fp8.quantize(torch.randn(H, inter, generator=g) * 0.05, w_fmt) for _ in range(E)]
+    fc1_q, fc1_s = torch.stack([q for q, _ in fc1]), torch.stack([s for _, s in fc1])
+    fc2_q, fc2_s = torch.stack([q for q, _ in fc2]), torch.stack([s for _, s in fc2])
+    router = (torch.randn(E, H, generator=g) * 0.2).to(torch.bfloat16)
+    nv_q, nv_sb, nv_g = nvfp4_quantize(torch.randn(H, H, generator=g) * 0.05)
+    nv_packed = pack_e2m1(nv_q)
+    specs, nv_spec = (w_fmt.spec, a_fmt.spec), fp8.NVFP4_WEIGHT.spec  # strings made once, as the plugin's layers do
+
+    def block(h):
+        x = inference_ops.fp8_linear(h, q_lin, fp8.weight_row_scales(s_lin, H), None, *specs)
+        w, e = inference_ops.moe_route(inference_ops.router_logits(x, router), k, "softmax", None, True, 1, 1, 1.0)
+        y = inference_ops.fp8_moe_experts(x, e, w, fc1_q, fp8.weight_row_scales(fc1_s, 2 * inter), fc2_q,
+                                          fp8.weight_row_scales(fc2_s, H), None, None, None, None, None, *specs)
+        rows = nv_sb.to(torch.float32) * nv_g
+        return inference_ops.fp8_linear(y, unpack_e2m1(nv_packed), rows, None, nv_spec, "")
+
+    h = torch.randn(6, H, generator=g).to(torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True, backend="eager", dynamic=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(h), block(h))

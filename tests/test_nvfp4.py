@@ -72,6 +72,12 @@ def test_e2m1_matches_float64_reference(seed, mag):
     assert torch.equal(encode_e2m1(y), _reference_e2m1(y))
 
 
+def test_decode_of_every_code_is_the_grid_bitwise():
+    """The arithmetic decode (no host table) gives every code's grid value, signed zero included."""
+    ref = torch.tensor([*E2M1_GRID, *(-v for v in E2M1_GRID)], dtype=torch.float32)
+    assert torch.equal(decode_e2m1(torch.arange(16, dtype=torch.uint8)).view(torch.int32), ref.view(torch.int32))
+
+
 def test_pack_unpack_round_trip():
     codes = torch.randint(0, 16, (7, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     packed = pack_e2m1(codes)

@@ -187,3 +187,70 @@ def test_expert_outputs_values_and_gradients_match_the_cpu_path():
     (y_ref * probe).sum().backward()
     for a, b in zip(ours, ref):
         assert ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item() < 1e-4
+
+
+def _fp8_experts(e_count, n, k, seed):
+    """Stacked E4M3 expert weights ``[E, N, K]`` and their per-row scales ``[E, N, ceil(K/128)]``."""
+    from megatron_consistent.kernels import fp8
+
+    g = torch.Generator().manual_seed(seed)
+    qs = [fp8.quantize(torch.randn(n, k, generator=g) * 0.05, fp8.E4M3_WEIGHT_128) for _ in range(e_count)]
+    return torch.stack([q for q, _ in qs]), torch.stack([fp8.weight_row_scales(s, n) for _, s in qs])
+
+
+def _fp8_per_pair(x, experts, wq, wrows, out_dtype):
+    """Every (token, slot) pair through ``fp8_gemm`` with its expert's weight alone: ``[T*k, N]`` in pair order."""
+    from megatron_consistent.kernels.triton import fp8_linear as tf8
+
+    k = experts.shape[1]
+    rows = []
+    for pair, e in enumerate(experts.reshape(-1).tolist()):
+        xq, xs = tf8.quantize_activations(x[pair // k : pair // k + 1])
+        rows.append(tf8.fp8_gemm(xq, xs, wq[e], wrows[e], None, out_dtype)[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("t,k,e_count,n,kdim,dtype", [(1, 2, 3, 128, 384, torch.bfloat16),
+                                                     (5, 2, 3, 136, 1152, torch.float32)])
+def test_fp8_grouped_gemm_rows_are_fp8_gemm_per_expert(t, k, e_count, n, kdim, dtype):
+    """The grouped FP8 GEMM (tokens gathered through the sorted pairs, or sorted rows scattered to pair order), row for
+    row == ``fp8_gemm`` of that row alone with its expert's weight: one split, and two uneven splits (K = 1152: 9
+    groups as 5 + 4) with a ragged N edge."""
+    from megatron_consistent.kernels.triton import fp8_linear as tf8
+
+    g = torch.Generator().manual_seed(t * 100 + n)
+    experts = torch.stack([torch.randperm(e_count, generator=g)[:k] for _ in range(t)])
+    x = torch.randn(t, kdim, generator=g).to(dtype)
+    wq, wrows = _fp8_experts(e_count, n, kdim, seed=t)
+    ref = _fp8_per_pair(x, experts, wq, wrows, dtype)
+    pair_of_row, counts = tmoe.expert_sort(experts, e_count)
+    xq, xs = tf8.quantize_activations(x)
+    tiles = tmoe.tile_table(counts, tmoe.fp8_grouped_tiles(tf8.fp8_config(n, kdim), t * k, e_count)[0], t * k)
+    gathered = tmoe.fp8_grouped_gemm(xq, xs, wq, wrows, tiles, pair_of_row, dtype, gather=True, slots=k)
+    assert torch.equal(gathered, ref[pair_of_row])
+    scattered = tmoe.fp8_grouped_gemm(xq[pair_of_row // k], xs[pair_of_row // k], wq, wrows, tiles, pair_of_row,
+                                      dtype, scatter=True, slots=k)
+    assert torch.equal(scattered, ref)
+
+
+def test_fp8_expert_outputs_are_the_per_expert_chain_and_a_changed_split_is_caught(monkeypatch):
+    """The CUDA FP8 expert path (sort, quantize, grouped GEMM, ``silu_and_mul``, quantize, grouped GEMM) on CPU tensors
+    == every pair through ``fp8_gemm`` -> ``silu_and_mul`` -> ``fp8_gemm`` alone (float32, where a changed summation
+    order shows); a grouped GEMM without ``fp8_config``'s split is caught."""
+    from megatron_consistent.kernels import fp8, silu_and_mul
+    from megatron_consistent.kernels.triton import fp8_linear as tf8
+
+    t, k, e_count, h, inter = 4, 2, 3, 1024, 64
+    g = torch.Generator().manual_seed(17)
+    experts = torch.stack([torch.randperm(e_count, generator=g)[:k] for _ in range(t)])
+    hidden = torch.randn(t, h, generator=g)
+    fc1_q, fc1_rows = _fp8_experts(e_count, 2 * inter, h, seed=1)
+    fc2_q, fc2_rows = _fp8_experts(e_count, 128, inter, seed=2)
+    act = silu_and_mul(_fp8_per_pair(hidden, experts, fc1_q, fc1_rows, torch.float32))
+    ref = torch.stack([tf8.fp8_gemm(*tf8.quantize_activations(act[p : p + 1]), fc2_q[e], fc2_rows[e], None,
+                                    torch.float32)[0] for p, e in enumerate(experts.reshape(-1).tolist())])
+    args = (hidden, experts, fc1_q, fc1_rows, fc2_q, fc2_rows, fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)
+    assert tf8.fp8_config(2 * inter, h)["SPLIT_GROUPS"] < 8  # the first GEMM runs splits
+    assert torch.equal(tmoe._fp8_expert_outputs_cuda(*args), ref.reshape(t, k, -1))
+    monkeypatch.setattr(tmoe, "fp8_config", lambda n, kk: {**tf8.fp8_config(n, kk), "SPLIT_GROUPS": 8})
+    assert not torch.equal(tmoe._fp8_expert_outputs_cuda(*args), ref.reshape(t, k, -1))

@@ -79,3 +79,32 @@ def test_compiled_engine_recording_routes_needs_the_compile_cache_off(monkeypatc
         assert "\n" not in str(e.value)
     else:
         check_engine_config(arch, vllm_config)
+
+
+@pytest.mark.parametrize("model, formats, eager", [
+    ("tiny-llama", "fp8", False), ("tiny-llama", "nvfp4", False), ("tiny-qwen3moe-top1", "fp8", False),
+    ("tiny-qwen3moe-top1", "fp8-group64", True), ("tiny-llama", "fp8-group64", False), ("tiny-qwen3moe-top1", "", False)])
+def test_quantized_models_compile_on_cuda_unless_their_experts_read_the_host(model, formats, eager):
+    """Block-FP8 and NVFP4 models compile with CUDA graphs (their linears and FP8 experts are opaque ops with no host
+    read); MoE experts in a format the CUDA FP8 GEMM does not serve run per expert (a host read): that model runs
+    eager, with the format named, and a CUDA engine with graphs is refused before any weight is loaded."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
+    from megatron_consistent.conversion.fp8 import QUANT_KEY, quantization_entry
+    from megatron_consistent.kernels import fp8
+    from megatron_consistent.vllm_plugin.model import check_engine_config, eager_only_reason
+
+    pairs = {"fp8": (fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128), "nvfp4": (fp8.NVFP4_WEIGHT, None),
+             "fp8-group64": (fp8.QuantFormat("e4m3", (64, 64)), fp8.QuantFormat("e4m3", (1, 64)))}
+    hf = load_hf_config(builtin_model_dir(model))
+    if formats:
+        hf = {**hf, QUANT_KEY: quantization_entry(*pairs[formats])}
+    reason = eager_only_reason(ArchConfig.from_hf(hf), hf)
+    assert bool(reason) == eager
+    if eager:
+        assert "e4m3:64x64:fp32" in reason
+        arch, vllm_config = _engine_config(hf, "cuda", CompilationMode.VLLM_COMPILE)
+        vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+        with pytest.raises(UnsupportedConfigError, match="runs eager on CUDA"):
+            check_engine_config(arch, vllm_config)

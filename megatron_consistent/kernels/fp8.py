@@ -131,6 +131,17 @@ class QuantFormat:
     def as_dict(self) -> dict:
         return {"name": self.name, "block": list(self.block), "scale_format": self.scale_format}
 
+    @property
+    def spec(self) -> str:
+        """The format as one string, ``name:RxC:scale_format`` (a custom op's argument); :meth:`from_spec` reads it."""
+        return f"{self.name}:{self.block[0]}x{self.block[1]}:{self.scale_format}"
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "QuantFormat":
+        name, block, scale_format = spec.split(":")
+        rows, cols = block.split("x")
+        return cls(name, (int(rows), int(cols)), scale_format)
+
 
 E4M3_WEIGHT_128 = QuantFormat("e4m3", (128, 128), "fp32")
 E4M3_ACT_1x128 = QuantFormat("e4m3", (1, 128), "fp32")
@@ -199,8 +210,19 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: QuantFormat) -> torch.
 
 
 def weight_row_scales(scale: torch.Tensor, rows: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> torch.Tensor:
-    """Block scales ``[ceil(N/br), ceil(K/bc)]`` -> per-row scales ``[N, ceil(K/bc)]`` (block rows repeated)."""
-    return scale.repeat_interleave(fmt.block[0], dim=0)[:rows].contiguous()
+    """Block scales ``[..., ceil(N/br), ceil(K/bc)]`` -> per-row scales ``[..., N, ceil(K/bc)]`` (block rows
+    repeated; leading dims, e.g. stacked experts, kept)."""
+    return scale.repeat_interleave(fmt.block[0], dim=-2)[..., :rows, :].contiguous()
+
+
+TENSOR_CORE_GROUP = 128  # the CUDA FP8 GEMM's activation group = weight block column = its BLOCK_K
+
+
+def tensor_core_formats(w_fmt: QuantFormat, a_fmt: QuantFormat | None) -> bool:
+    """Whether the CUDA FP8 GEMM serves these formats: E4M3 weights in 128-wide column blocks and E4M3 activations
+    quantized per token in 1 x 128 groups.  Other formats run the dequantized float32 path on every device."""
+    return (a_fmt is not None and w_fmt.name == "e4m3" and a_fmt.name == "e4m3"
+            and tuple(a_fmt.block) == (1, TENSOR_CORE_GROUP) and w_fmt.block[1] == TENSOR_CORE_GROUP)
 
 
 def dequantize_rows(w_q: torch.Tensor, row_scales: torch.Tensor, fmt: QuantFormat = E4M3_WEIGHT_128) -> torch.Tensor:
@@ -323,19 +345,35 @@ def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
     ``moe_experts`` — (token, slot) pairs grouped by ascending expert, one call per expert (the FP8 linear is
     row-invariant: per-token activation groups), the shared expert's sigmoid gate from the unquantized gate weight,
     float32 slot-order combine, one rounding — with every expert linear being :func:`fp8_linear` (forward bitwise
-    equal with or without masters)."""
+    equal with or without masters).  Without masters (inference) the routed experts are the device's
+    ``fp8_moe_expert_outputs``: on CPU the per-expert calls, on CUDA one grouped FP8 GEMM per projection with each
+    row's arithmetic that of :func:`fp8_linear` (:mod:`.triton.moe`; no host read, so CUDA graphs capture it)."""
     if hidden.dim() != 2:
         raise ValueError(f"fp8_moe_experts: hidden must be [T, H], got {tuple(hidden.shape)}")
     if weights.dtype != torch.float32:
         raise ValueError(f"fp8_moe_experts: weights must be float32, got {weights.dtype}")
-    y = kmoe.per_expert_outputs(hidden, experts, fc2.q.shape[-2],
-                                lambda e, x: fp8_expert_mlp(x, fc1.expert(e), fc2.expert(e), w_fmt, a_fmt))
+    if fc1.master is None and fc2.master is None:  # inference: the device's op (CUDA: grouped, no host read)
+        y = implementation("fp8_moe_expert_outputs", hidden.device)(hidden, experts, fc1.q, fc1.rows, fc2.q, fc2.rows,
+                                                                     w_fmt, a_fmt)
+    else:
+        y = kmoe.per_expert_outputs(hidden, experts, fc2.q.shape[-2],
+                                    lambda e, x: fp8_expert_mlp(x, fc1.expert(e), fc2.expert(e), w_fmt, a_fmt))
     ys = gate = None
     if shared is not None:
         s_fc1, s_fc2, s_gate = shared
         ys = fp8_expert_mlp(hidden, s_fc1, s_fc2, w_fmt, a_fmt)
         gate = None if s_gate is None else kmoe.shared_expert_gate(hidden, s_gate)
     return kmoe.CombineFunction.apply(y, weights, ys, gate)
+
+
+@register("fp8_moe_expert_outputs", "cpu")
+def per_expert_fp8_outputs(hidden: torch.Tensor, experts: torch.Tensor, fc1_q: torch.Tensor, fc1_rows: torch.Tensor,
+                           fc2_q: torch.Tensor, fc2_rows: torch.Tensor, w_fmt: QuantFormat = E4M3_WEIGHT_128,
+                           a_fmt: QuantFormat | None = E4M3_ACT_1x128) -> torch.Tensor:
+    """``[T, k, H]``: one :func:`fp8_expert_mlp` call per routed expert (ascending index) on its pairs' rows."""
+    return kmoe.per_expert_outputs(
+        hidden, experts, fc2_q.shape[-2],
+        lambda e, x: fp8_expert_mlp(x, FP8Weights(fc1_q[e], fc1_rows[e]), FP8Weights(fc2_q[e], fc2_rows[e]), w_fmt, a_fmt))
 
 
 # ------------------------------------------------------------------------------------------- FP8 KV cache

@@ -33,6 +33,12 @@ Ops (``torch.ops.megatron_consistent.<name>``):
 * ``relu_squared(x)``, ``mamba_dt(dt_raw, dt_bias, dt_min, dt_max)``, ``gated_rms_norm(y, z, weight, group_size,
   eps)``: the Nemotron-H / Mamba-2 elementwise and norm ops (their CUDA forwards are torch code: wrapped so that
   Inductor cannot fuse and re-round them);
+* ``fp8_linear(x, w_q, w_row_scales, bias, w_fmt, a_fmt)``: :func:`..fp8.fp8_linear` (block-FP8 / NVFP4 weights,
+  ``x.dtype`` out); the formats as :attr:`..fp8.QuantFormat.spec` strings, ``a_fmt`` ``""`` for unquantized
+  activations (W4A16), NVFP4 codes unpacked one per byte;
+* ``fp8_moe_experts(hidden, experts, weights, fc1_q, fc1_rows, fc2_q, fc2_rows, shared_fc1_q, shared_fc1_rows,
+  shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt, a_fmt)``: :func:`..fp8.fp8_moe_experts` without masters
+  (E4M3 experts with per-row scales; CUDA: grouped FP8 GEMMs, no host read), ``[T, H]``;
 * ``router_logits(x, weight)``: float32 ``[T, E]`` by the linear's float32 accumulator;
 * ``moe_route(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)``: (weights float32, experts
   int64) ``[T, k]`` by the device's ``moe_select_experts`` (:func:`..moe.select_experts`; CUDA: one Triton kernel
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fp8 as kfp8
 from . import moe as kmoe
 from .dispatch import implementation
 from .linear import ROW_PARALLEL_SEGMENTS
@@ -156,6 +163,39 @@ def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
 @gated_rms_norm.register_fake
 def _gated_rms_norm_fake(y, z, weight, group_size, eps):
     return torch.empty_like(y)
+
+
+@torch.library.custom_op("megatron_consistent::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None, w_fmt: str,
+               a_fmt: str) -> torch.Tensor:
+    return kfp8.fp8_linear(x, w_q, w_row_scales, bias, w_fmt=kfp8.QuantFormat.from_spec(w_fmt),
+                           a_fmt=kfp8.QuantFormat.from_spec(a_fmt) if a_fmt else None)
+
+
+@fp8_linear.register_fake
+def _fp8_linear_fake(x, w_q, w_row_scales, bias, w_fmt, a_fmt):
+    return x.new_empty(*x.shape[:-1], w_q.shape[0])
+
+
+@torch.library.custom_op("megatron_consistent::fp8_moe_experts", mutates_args=())
+def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fc1_q: torch.Tensor,
+                    fc1_rows: torch.Tensor, fc2_q: torch.Tensor, fc2_rows: torch.Tensor, shared_fc1_q: torch.Tensor | None,
+                    shared_fc1_rows: torch.Tensor | None, shared_fc2_q: torch.Tensor | None,
+                    shared_fc2_rows: torch.Tensor | None, shared_gate: torch.Tensor | None, w_fmt: str,
+                    a_fmt: str) -> torch.Tensor:
+    shared = None
+    if shared_fc1_q is not None:
+        shared = (kfp8.FP8Weights(shared_fc1_q, shared_fc1_rows), kfp8.FP8Weights(shared_fc2_q, shared_fc2_rows),
+                  shared_gate)
+    return kfp8.fp8_moe_experts(hidden, experts, weights, kfp8.FP8Weights(fc1_q, fc1_rows),
+                                kfp8.FP8Weights(fc2_q, fc2_rows), shared, w_fmt=kfp8.QuantFormat.from_spec(w_fmt),
+                                a_fmt=kfp8.QuantFormat.from_spec(a_fmt) if a_fmt else None)
+
+
+@fp8_moe_experts.register_fake
+def _fp8_moe_experts_fake(hidden, experts, weights, fc1_q, fc1_rows, fc2_q, fc2_rows, shared_fc1_q, shared_fc1_rows,
+                          shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt, a_fmt):
+    return torch.empty_like(hidden)
 
 
 @torch.library.custom_op("megatron_consistent::router_logits", mutates_args=())

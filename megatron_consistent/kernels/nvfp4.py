@@ -60,10 +60,14 @@ def encode_e2m1(y: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e2m1(code: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes -> float32 values (exact)."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=code.device)
-    mag = grid[(code & 7).to(torch.int64)]
-    return torch.where((code & 8) != 0, -mag, mag)
+    """uint8 E2M1 codes -> float32 values (exact): magnitude index ``i = 2e + m`` (exponent field e, mantissa bit m)
+    is ``m / 2`` for e = 0, else ``(1 + m / 2) * 2^(e - 1)`` — :data:`E2M1_GRID`, computed on the device (no table
+    copied from the host, so a CUDA graph can capture it)."""
+    c = code.to(torch.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(torch.float32)
+    mag = torch.where(e == 0, m * 0.5, (1.0 + m * 0.5) * torch.pow(2.0, (e - 1).to(torch.float32)))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def pack_e2m1(code: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,12 @@ vLLM's FP8 methods: the model class holds raw parameters and ignores vLLM's
 ``float8_e4m3fn``) plus one block-scale parameter per HF tensor
 (``q_proj_scale`` … ``down_proj_scale``, float32 ``[ceil(N/128), ceil(K/128)]``,
 loaded from ``<name>.weight_scale_inv``); every call expands the block scales
-to per-row scales in the fused row order and runs
-:func:`megatron_consistent.kernels.fp8.fp8_linear` — the trainer's FP8 forward.
+to per-row scales in the fused row order and runs the custom op
+``inference_ops.fp8_linear`` (:func:`megatron_consistent.kernels.fp8.fp8_linear`, the trainer's FP8 forward, as one
+opaque node, so vLLM compiles the model and replays CUDA graphs).
 MoE layers (:class:`FP8MoEDecoderLayer`): q/k/v/o the same way; stacked E4M3
-experts with per-expert block scales through
-:func:`megatron_consistent.kernels.fp8.fp8_moe_experts`; the router and the
+experts with per-expert block scales through the custom op ``inference_ops.fp8_moe_experts``
+(:func:`megatron_consistent.kernels.fp8.fp8_moe_experts`; on CUDA grouped FP8 GEMMs); the router and the
 shared-expert gate stay in the model dtype.
 Refits send the same two tensors per linear.  NVFP4 checkpoints (W4A16): the
 fused storage holds the packed E2M1 codes (``uint8 [N, K/2]``), each HF tensor
@@ -31,8 +32,8 @@ from torch import nn
 
 from ..config import ArchConfig, UnsupportedConfigError
 from ..conversion.fp8 import QUANT_KEY, check_fp8_arch, formats_from_entry
-from ..kernels import moe as kmoe
-from ..kernels.fp8 import FP8Weights, fp8_linear, fp8_moe_experts, weight_row_scales
+from ..kernels import inference_ops
+from ..kernels.fp8 import weight_row_scales
 from ..kernels.nvfp4 import nvfp4_effective_scales, unpack_e2m1
 from .decoder_layer import ConsistentDecoderLayer
 from .moe import ConsistentMoEDecoderLayer
@@ -64,6 +65,7 @@ def quantization_of(hf: dict):
 def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
     """Replace ``layer``'s fused linears ``ops`` by E4M3 storage + one block-scale parameter per HF tensor."""
     layer.w_fmt, layer.a_fmt = formats
+    layer.format_specs = (layer.w_fmt.spec, layer.a_fmt.spec if layer.a_fmt is not None else "")  # the ops' arguments
     br, bc = layer.w_fmt.block
     nv = layer.nvfp4 = layer.w_fmt.name == "e2m1"  # NVFP4: codes packed two per byte, E4M3 block scales + float32 global
     layer._rows = {}
@@ -91,13 +93,14 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
 
 def _make_linear(layer, op: str):
     parts = _FUSED[op][1]
+    formats = layer.format_specs
 
     def run(x, w_q, b=None):
         if layer.nvfp4:
             rows = torch.cat([nvfp4_effective_scales(getattr(layer, f"{s}_scale"), getattr(layer, f"{s}_scale_2")) for s in parts])
-            return fp8_linear(x, unpack_e2m1(w_q), rows, b, w_fmt=layer.w_fmt, a_fmt=layer.a_fmt)
+            return inference_ops.fp8_linear(x, unpack_e2m1(w_q), rows, b, *formats)
         rows = torch.cat([weight_row_scales(getattr(layer, f"{s}_scale"), n, layer.w_fmt) for s, n in zip(parts, layer._rows[op])])
-        return fp8_linear(x, w_q, rows, b, w_fmt=layer.w_fmt, a_fmt=layer.a_fmt)
+        return inference_ops.fp8_linear(x, w_q, rows, b, *formats)
 
     return run
 
@@ -136,7 +139,7 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
 
     Storage: ``experts_fc1`` ``[E, 2I, H]`` / ``experts_fc2`` ``[E, H, I]`` (and ``shared_fc1`` / ``shared_fc2``) in
     ``float8_e4m3fn``; scales ``experts_{gate,up,down}_scale`` ``[E, ceil(N/128), ceil(K/128)]`` (and
-    ``shared_{gate,up,down}_scale``).  The MLP runs :func:`megatron_consistent.kernels.fp8.fp8_moe_experts`."""
+    ``shared_{gate,up,down}_scale``).  The MLP runs the custom op ``inference_ops.fp8_moe_experts``."""
 
     OPS = ("qkv", "o_proj")
 
@@ -164,26 +167,29 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
             self._scale_stems.update(shared_fc1=("shared_gate", "shared_up"), shared_fc2=("shared_down",))
 
     def _fc1_rows(self, gate_scale, up_scale, n):
-        return torch.cat([weight_row_scales(gate_scale, n, self.w_fmt), weight_row_scales(up_scale, n, self.w_fmt)])
+        """Per-row scales of gate|up rows (stacked experts or the shared expert): ``[..., 2n, ceil(H/128)]``."""
+        return torch.cat([weight_row_scales(gate_scale, n, self.w_fmt), weight_row_scales(up_scale, n, self.w_fmt)], dim=-2)
 
     def mlp_forward(self, x: torch.Tensor, positions: torch.Tensor):
+        """(router logits, routed experts, MLP output): the bf16 MoE layer's router and route ops, then the FP8 experts as
+        one opaque custom op with no host read (so the model compiles and replays CUDA graphs)."""
         from . import moe as pmoe
 
-        z = kmoe.router_logits(x, self.router)
-        w, experts = kmoe.route_logits(z, self.arch.num_experts_per_tok, "softmax", norm_topk_prob=self.arch.norm_topk_prob)
+        z = inference_ops.router_logits(x, self.router)
+        w, experts = inference_ops.moe_route(z, self.arch.num_experts_per_tok, "softmax", None, self.arch.norm_topk_prob,
+                                             1, 1, 1.0)
         if pmoe.RECORDER is not None:
             pmoe.RECORDER.record(self.idx, positions, experts)
         inter, H = self.arch.moe_intermediate_size, self.arch.hidden_size
-        fc1 = FP8Weights(self.experts_fc1, torch.stack([self._fc1_rows(self.experts_gate_scale[e], self.experts_up_scale[e], inter)
-                                                        for e in range(self.arch.num_experts)]))
-        fc2 = FP8Weights(self.experts_fc2, torch.stack([weight_row_scales(self.experts_down_scale[e], H, self.w_fmt)
-                                                        for e in range(self.arch.num_experts)]))
-        shared = None
+        fc1_rows = self._fc1_rows(self.experts_gate_scale, self.experts_up_scale, inter)
+        fc2_rows = weight_row_scales(self.experts_down_scale, H, self.w_fmt)
+        shared = (None,) * 5
         if self.shared is not None:
             s = self.arch.shared_expert_intermediate_size
-            shared = (FP8Weights(self.shared_fc1, self._fc1_rows(self.shared_gate_scale, self.shared_up_scale, s)),
-                      FP8Weights(self.shared_fc2, weight_row_scales(self.shared_down_scale, H, self.w_fmt)), self.shared_gate)
-        return z, experts, fp8_moe_experts(x, experts, w, fc1, fc2, shared, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
+            shared = (self.shared_fc1, self._fc1_rows(self.shared_gate_scale, self.shared_up_scale, s), self.shared_fc2,
+                      weight_row_scales(self.shared_down_scale, H, self.w_fmt), self.shared_gate)
+        return z, experts, inference_ops.fp8_moe_experts(x, experts, w, self.experts_fc1, fc1_rows, self.experts_fc2,
+                                                         fc2_rows, *shared, *self.format_specs)
 
 
 def layer_factory(arch: ArchConfig, formats):

@@ -39,12 +39,16 @@ def eager_only_reason(arch: ArchConfig, hf_config: dict) -> str:
     """Why this model runs eager on CUDA ('' when vLLM compiles it and replays CUDA graphs).
 
     Dense and MoE models (router, route and grouped experts are opaque custom ops with no host read) compile with
-    vLLM's default CUDA graphs; hybrid Mamba-2 models compile too, their mixer core a splitting op run eagerly between
-    piecewise graphs (:mod:`.mamba`)."""
+    vLLM's default CUDA graphs, block-FP8 and NVFP4 ones too (the FP8 linear and FP8 experts are such ops); hybrid
+    Mamba-2 models compile too, their mixer core a splitting op run eagerly between piecewise graphs (:mod:`.mamba`).
+    Eager: MoE experts in a quantized format the CUDA FP8 GEMM does not serve (their per-expert path reads the host),
+    and the diagnostics."""
+    from ..kernels.fp8 import tensor_core_formats
     from .fp8 import quantization_of
 
-    if quantization_of(hf_config):
-        return "FP8 / NVFP4 weights"
+    formats = quantization_of(hf_config)
+    if formats and arch.is_moe and not tensor_core_formats(*formats):
+        return f"MoE experts in {formats[0].spec} weights / {formats[1].spec if formats[1] else 'unquantized'} activations"
     if os.environ.get(probe.PROBE_ENV) or os.environ.get(probe.FAULT_ENV):
         return f"{probe.PROBE_ENV} / {probe.FAULT_ENV} diagnostics"
     return ""

@@ -41,11 +41,12 @@ import triton
 import triton.language as tl
 
 from ..dispatch import implementation, register
-from ..fp8 import E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, QuantFormat, _dequantized_operands, quantize
+from ..fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, TENSOR_CORE_GROUP, QuantFormat, _dequantized_operands,
+                   quantize, tensor_core_formats)
 from ._common import device_index, gemm_output, num_sms, tile_coords, tma_ok, tma_sources
 from .linear import _epilogue
 
-GROUP = 128  # activation group = weight block column = BLOCK_K
+GROUP = TENSOR_CORE_GROUP  # activation group = weight block column = BLOCK_K
 
 
 def _fp8_cfg(bm, bn, warps, stages, progs_per_sm, scalar_wscale=False):
@@ -286,9 +287,9 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
     return out
 
 
-def _fp8_kernel_applies(w_fmt: QuantFormat, a_fmt: QuantFormat | None, w_q: torch.Tensor) -> bool:
-    return (a_fmt is not None and w_fmt.name == "e4m3" and a_fmt.name == "e4m3" and w_q.dtype == torch.float8_e4m3fn
-            and tuple(a_fmt.block) == (1, GROUP) and w_fmt.block[1] == GROUP)
+def fp8_kernel_applies(w_fmt: QuantFormat, a_fmt: QuantFormat | None, w_q: torch.Tensor) -> bool:
+    """Whether the FP8 GEMM serves these formats and this weight storage (else the dequantized path)."""
+    return tensor_core_formats(w_fmt, a_fmt) and w_q.dtype == torch.float8_e4m3fn
 
 
 @register("fp8_linear", "cuda")
@@ -298,7 +299,7 @@ def _fp8_linear_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.T
     """E4M3 weights with 128-wide blocks and 1x128 E4M3 activations: the FP8 GEMM above.  Any other format the
     quantizer accepts (weight-only ``a_fmt=None``, other group sizes, other codecs): the CPU path's arithmetic —
     float32 dequantized operands (per row) — through the batch-invariant Triton ``linear``."""
-    if not _fp8_kernel_applies(w_fmt, a_fmt, w_q):
+    if not fp8_kernel_applies(w_fmt, a_fmt, w_q):
         xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
         return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
     xq, xs = quantize_activations(x2d, a_fmt)

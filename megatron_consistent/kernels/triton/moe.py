@@ -23,6 +23,13 @@ GPU numerics contract (same shape as the CPU contract of :mod:`megatron_consiste
   only: the bits of an explicit gather and scatter);
   the activation between the two GEMMs is the registered CUDA ``silu_and_mul``
   (or ``relu_squared``), elementwise;
+* **block-FP8 experts** (``fp8_moe_expert_outputs``, inference): the same sort and tile table, the tokens'
+  activations quantized once per token (:func:`.fp8_linear.quantize_activations`, per row, so gathering after
+  quantizing gives the bits of quantizing the gathered rows), then ONE grouped FP8 GEMM launch per projection
+  whose every element is :func:`.fp8_linear.fp8_gemm`'s chain for that expert's shape (``fp8_config(N, K)``'s
+  split groups, groups in K order, split partials summed in split order from 0, one rounding) — so an expert's
+  row equals ``fp8_linear(x_token, W_e)`` alone; tiles of 64 or more rows only (the FP8 ``wgmma`` shapes; the
+  bits of FP8 ``mma.sync`` against ``wgmma`` are not established);
 * **combine** (``moe_combine``): one Triton kernel, compiled without fused
   multiply-add, per token ``acc = Σ_j float32(w_j) · float32(y_j)`` in top-k slot
   order from 0 (plus the gated shared expert), one rounding — bitwise the CPU
@@ -44,7 +51,9 @@ from .. import numerics
 from ..dispatch import register
 from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
+from ..fp8 import per_expert_fp8_outputs
 from ._common import next_pow2
+from .fp8_linear import GROUP, _split_acc, fp8_config, fp8_kernel_applies, quantize_activations
 from .linear import _epilogue, _serial_splits, config_for
 
 
@@ -400,6 +409,134 @@ def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up:
     h = GroupedLinearFunction.apply(hidden, w_gate_up, counts, tiles, pair_of_row, True, False, k)
     a = silu_and_mul(h) if activation == "swiglu" else relu_squared(h)
     y = GroupedLinearFunction.apply(a, w_down, counts, tiles, pair_of_row, False, True, k)
+    return y.reshape(t, k, -1)
+
+
+# ---------------------------------------------------------------------------------------------- block-FP8 experts
+@triton.jit(do_not_specialize=["num_n"])
+def _fp8_grouped_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pair_ptr,
+                             N, K, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                             num_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                             SPLIT_GROUPS: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
+                             GATHER: tl.constexpr, SCATTER: tl.constexpr, SLOTS: tl.constexpr):
+    """Sorted row r of expert e: the FP8 GEMM of ``(xq[r], xs[r])`` with ``(wq[e], ws[e])`` into ``out[r]``;
+    ``GATHER``: its operand row and scales are those of token ``pair[r] // SLOTS``; ``SCATTER``: its result goes to
+    ``out[pair[r]]``."""
+    pid = tl.program_id(0)
+    mt = pid // num_n
+    nt = pid % num_n
+    e = tl.load(tile_e_ptr + mt)
+    if e >= 0:
+        r0 = tl.load(tile_r0_ptr + mt)
+        r1 = tl.load(tile_r1_ptr + mt)  # rows [r0, r1) all belong to expert e
+        off_n = nt * BN
+        w_e = w_ptr + e.to(tl.int64) * stride_we
+        ws_e = ws_ptr + e.to(tl.int64) * stride_wse
+        rows = r0 + tl.arange(0, BM)
+        if GATHER or SCATTER:
+            pair = tl.load(pair_ptr + rows, mask=rows < r1, other=0).to(tl.int64)
+        if GATHER:  # columns of row pointers: fp8_gemm's loads with zero row strides
+            token = pair // SLOTS
+            a_src = x_ptr + token[:, None] * stride_xm
+            s_src = xs_ptr + token * stride_xsm
+            a_stride = 0
+            s_stride = 0
+        else:
+            a_src = x_ptr
+            s_src = xs_ptr
+            a_stride = stride_xm
+            s_stride = stride_xsm
+        n_groups_all = tl.cdiv(K, BK)
+        # fp8_gemm's serial path (one split: its partial as is; else partials summed in split order from 0)
+        if SPLITS == 1:
+            total = _split_acc(a_src, w_e, s_src, ws_e, r0, off_n, 0, n_groups_all, r1, N, K, a_stride, stride_wn,
+                               s_stride, stride_wsn, BM, BN, BK, False, NUM_STAGES)
+        else:
+            total = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in tl.range(0, SPLITS):
+                g0 = s * SPLIT_GROUPS
+                acc = _split_acc(a_src, w_e, s_src, ws_e, r0, off_n, g0, tl.minimum(SPLIT_GROUPS, n_groups_all - g0),
+                                 r1, N, K, a_stride, stride_wn, s_stride, stride_wsn, BM, BN, BK, False, NUM_STAGES)
+                total = total + acc
+        if SCATTER:
+            cols = off_n + tl.arange(0, BN)
+            tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty),
+                     mask=(rows[:, None] < r1) & (cols[None, :] < N))
+        else:
+            _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
+
+
+# rows per M tile of the grouped FP8 GEMM: 64 (one FP8 wgmma warp group) below the config's BM at few rows per expert
+FP8_GROUPED_SMALL_BM = 64
+
+
+def fp8_grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int]:
+    """(BM, warps) of the grouped FP8 GEMM (a function of the shapes only; ``wgmma`` tiles of 64 or more rows)."""
+    if rows / max(experts, 1) <= FP8_GROUPED_SMALL_BM and cfg["BM"] > FP8_GROUPED_SMALL_BM:
+        return FP8_GROUPED_SMALL_BM, 4
+    return cfg["BM"], cfg["W"]
+
+
+def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, tiles: tuple,
+                     pair_of_row: torch.Tensor, out_dtype: torch.dtype, gather: bool = False, scatter: bool = False,
+                     slots: int = 1) -> torch.Tensor:
+    """``y[rows of e] = fp8_gemm(xq[rows], xs[rows], wq[e], ws[e])`` for rows sorted by expert, one launch.
+
+    ``xq [rows or tokens, K]`` e4m3 with per-row group scales ``xs [.., ceil(K/128)]``; ``wq [E, N, K]`` e4m3 with
+    per-row scales ``ws [E, N, ceil(K/128)]``; ``tiles`` a :func:`tile_table` (its BM that of
+    :func:`fp8_grouped_tiles`); ``gather`` / ``scatter`` as in :func:`grouped_gemm`."""
+    rows_in, k = xq.shape
+    p = pair_of_row.shape[0]
+    e_count, n, k2 = wq.shape
+    g_all = triton.cdiv(k, GROUP)
+    if (k2 != k or xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn or tuple(xs.shape) != (rows_in, g_all)
+            or tuple(ws.shape) != (e_count, n, g_all)):
+        raise ValueError(f"fp8_grouped_gemm: xq {tuple(xq.shape)} {xq.dtype}, xs {tuple(xs.shape)}, wq {tuple(wq.shape)} "
+                         f"{wq.dtype}, ws {tuple(ws.shape)} disagree")
+    if not gather and rows_in != p:
+        raise ValueError(f"fp8_grouped_gemm: {rows_in} rows for {p} sorted rows without gather")
+    if max(p, rows_in) * max(k, n, 1) >= 2 ** 31:
+        raise ValueError(f"fp8_grouped_gemm: {max(p, rows_in)} rows x {max(k, n)} columns exceed 32-bit row offsets")
+    xq, wq = (t if t.stride(-1) == 1 else t.contiguous() for t in (xq, wq))
+    xs, ws = (t.to(torch.float32).contiguous() for t in (xs, ws))
+    out = torch.empty((p, n), dtype=out_dtype, device=xq.device)
+    if p == 0 or n == 0:
+        return out
+    cfg = fp8_config(n, k)
+    bm, warps = fp8_grouped_tiles(cfg, p, e_count)
+    tile_bm, tile_e, r0, r1, max_tiles = tiles
+    if tile_bm != bm:
+        raise ValueError(f"fp8_grouped_gemm: a tile table of {tile_bm} rows for tiles of {bm}")
+    split_groups = min(cfg["SPLIT_GROUPS"], g_all)
+    num_n = triton.cdiv(n, cfg["BN"])
+    _fp8_grouped_gemm_kernel[(max_tiles * num_n,)](
+        xq, xs, wq, ws, out, tile_e, r0, r1, pair_of_row, n, k, xq.stride(0), xs.stride(0), wq.stride(0), wq.stride(1),
+        ws.stride(0), ws.stride(1), out.stride(0), num_n, BM=bm, BN=cfg["BN"], BK=GROUP, SPLIT_GROUPS=split_groups,
+        SPLITS=triton.cdiv(g_all, split_groups), NUM_STAGES=cfg["S"], GATHER=bool(gather), SCATTER=bool(scatter),
+        SLOTS=int(slots), num_warps=warps, num_stages=cfg["S"],
+    )
+    return out
+
+
+@register("fp8_moe_expert_outputs", "cuda")
+def _fp8_expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, fc1_q: torch.Tensor, fc1_rows: torch.Tensor,
+                             fc2_q: torch.Tensor, fc2_rows: torch.Tensor, w_fmt, a_fmt) -> torch.Tensor:
+    """``[T, k, H]``: pairs sorted by expert, tokens quantized, grouped FP8 GEMM (rows gathered from the tokens) ->
+    ``silu_and_mul`` -> quantized -> grouped FP8 GEMM (rows scattered to (token, slot) order).  Formats the FP8 GEMM
+    does not serve: the per-expert calls (they read the host)."""
+    if not (fp8_kernel_applies(w_fmt, a_fmt, fc1_q) and fp8_kernel_applies(w_fmt, a_fmt, fc2_q)):
+        return per_expert_fp8_outputs(hidden, experts, fc1_q, fc1_rows, fc2_q, fc2_rows, w_fmt, a_fmt)
+    t, k = experts.shape
+    e_count = fc1_q.shape[0]
+    pair_of_row, counts = expert_sort(experts, e_count)
+    bm, _ = fp8_grouped_tiles(fp8_config(fc1_q.shape[1], fc1_q.shape[2]), t * k, e_count)
+    bm2, _ = fp8_grouped_tiles(fp8_config(fc2_q.shape[1], fc2_q.shape[2]), t * k, e_count)
+    tiles = tile_table(counts, bm, t * k)
+    tiles2 = tiles if bm2 == bm else tile_table(counts, bm2, t * k)
+    xq, xs = quantize_activations(hidden, a_fmt)
+    h = fp8_grouped_gemm(xq, xs, fc1_q, fc1_rows, tiles, pair_of_row, hidden.dtype, gather=True, slots=k)
+    aq, as_ = quantize_activations(silu_and_mul(h), a_fmt)
+    y = fp8_grouped_gemm(aq, as_, fc2_q, fc2_rows, tiles2, pair_of_row, hidden.dtype, scatter=True, slots=k)
     return y.reshape(t, k, -1)
 
 
