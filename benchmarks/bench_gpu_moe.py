@@ -1,6 +1,7 @@
 """GPU MoE layer forward: the consistent engine's MoE ops vs vLLM's stock fused MoE, one run, CUDA-graph replay.
 
     python benchmarks/bench_gpu_moe.py --out /tmp/moe.json [--tokens 1 16 64 256 1024 4096]
+    python benchmarks/bench_gpu_moe.py --fp8 --out /tmp/moe_fp8.json  # block-FP8 experts on both sides
     python benchmarks/bench_gpu_moe.py --plot /tmp/moe.json          # the PNG again (CPU)
 
 The layer of Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert width 768, ``norm_topk_prob``; bf16), at T tokens
@@ -16,6 +17,11 @@ per forward (decode batches to prefill chunks):
   router and the activations) over the device's **read** bandwidth measured in this run (a 2 GiB ``sum``: the layer
   streams its weights, it writes little); the copy bandwidth (read + write counted, the attention benchmark's floor)
   is reported beside it — both engines beat a copy-based floor (session 16).
+
+With ``--fp8`` the experts are block-FP8 (E4M3 values, float32 scales per 128 x 128 block, activations quantized
+per token and 128-group at run time; the router stays bf16): consistent = ``fp8_moe_experts`` (grouped FP8 Triton
+GEMMs), stock = ``fused_experts`` with vLLM's block-FP8 quant config (its Triton w8a8 block kernel); the floor counts
+one byte per expert weight.
 
 Each time is ``triton.testing.do_bench_cudagraph`` of one forward (the expert weights, 1.2 GB, are far past L2).
 Ratios are ``time(stock) / time(consistent)`` (> 1: consistent faster).  Writes JSON to ``--out``, prints a table and
@@ -42,20 +48,37 @@ def _layer(device):
     return r(E, H), r(E, 2 * INTER, H), r(E, H, INTER)
 
 
-def _stock_fns(router, w13, w2):
-    """vLLM's stock MoE forward, or the reason it cannot run here."""
+def _fp8_experts(w):
+    """Stacked experts ``[E, N, K]`` in block-FP8: (E4M3 values, block scales ``[E, N/128, K/128]``, per-row scales)."""
+    import torch
+
+    from megatron_consistent.kernels import fp8
+
+    parts = [fp8.quantize(w[e], fp8.E4M3_WEIGHT_128) for e in range(w.shape[0])]
+    q, blocks = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    return q, blocks, fp8.weight_row_scales(blocks, w.shape[1])
+
+
+def _stock_fns(router, w13, w2, fp8_experts=None):
+    """vLLM's stock MoE forward (block-FP8 with ``fp8_experts`` = the two :func:`_fp8_experts`), or the reason it
+    cannot run here."""
     import torch.nn.functional as F
 
     try:
+        from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
         from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
         from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
     except Exception as e:  # noqa: BLE001
         return None, f"vLLM fused MoE not importable: {type(e).__name__}: {str(e)[:160]}"
+    quant = None
+    if fp8_experts is not None:
+        (w13, s13, _), (w2, s2, _) = fp8_experts
+        quant = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=[128, 128])
 
     def forward(x):
         logits = F.linear(x, router)
         w, ids, _ = fused_topk(x, logits, TOP_K, True)
-        return fused_experts(x, w13, w2, w, ids)
+        return fused_experts(x, w13, w2, w, ids, quant_config=quant)
 
     return forward, None
 
@@ -70,13 +93,14 @@ def read_bandwidth() -> float:
     return buf.numel() * buf.element_size() / (ms * 1e-3)
 
 
-def run(tokens) -> dict:
+def run(tokens, fp8: bool = False) -> dict:
     import torch
     import triton
     import triton.testing
 
     from bench_gpu_attention import copy_bandwidth
     from megatron_consistent.kernels import inference_ops
+    from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128
 
     dev = torch.device("cuda")
     router, w13, w2 = _layer(dev)
@@ -84,18 +108,25 @@ def run(tokens) -> dict:
     def route(x):
         return inference_ops.moe_route(inference_ops.router_logits(x, router), TOP_K, "softmax", None, True, 1, 1, 1.0)
 
+    fp8_experts = (_fp8_experts(w13), _fp8_experts(w2)) if fp8 else None
+
     def experts(x, w, e):
+        if fp8_experts is not None:
+            (q13, _, r13), (q2, _, r2) = fp8_experts
+            return inference_ops.fp8_moe_experts(x, e, w, q13, r13, q2, r2, None, None, None, None, None,
+                                                 E4M3_WEIGHT_128.spec, E4M3_ACT_1x128.spec)
         return inference_ops.moe_experts(x, e, w, w13, w2, None, None, None, "swiglu")
 
     def consistent(x):
         w, e = route(x)
         return experts(x, w, e)
 
-    stock, stock_skip = _stock_fns(router, w13, w2)
+    stock, stock_skip = _stock_fns(router, w13, w2, fp8_experts)
     bw = read_bandwidth()
-    expert_bytes = (2 * INTER + INTER) * H * 2
+    expert_bytes = (2 * INTER + INTER) * H * (1 if fp8 else 2)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "layer": {"hidden": H, "experts": E, "top_k": TOP_K, "expert_width": INTER, "dtype": "bfloat16"},
+           "layer": {"hidden": H, "experts": E, "top_k": TOP_K, "expert_width": INTER,
+                     "dtype": "block-FP8 experts, bf16 router" if fp8 else "bfloat16"},
            "read_bandwidth_GBps": bw / 1e9, "copy_bandwidth_GBps": copy_bandwidth() / 1e9,
            "package_dir": os.path.dirname(os.path.dirname(inference_ops.__file__)),
            "stock_skipped": stock_skip, "rows": []}
@@ -123,7 +154,7 @@ def run(tokens) -> dict:
 
 def table(res: dict) -> str:
     read = f"read bandwidth {res['read_bandwidth_GBps']:.0f} GB/s (floor), " if "read_bandwidth_GBps" in res else ""
-    lines = [f"MoE layer forward, {res['device']}, {read}copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s"
+    lines = [f"MoE layer forward ({res['layer']['dtype']}), {res['device']}, {read}copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s"
              + (f" (stock skipped: {res['stock_skipped']})" if res.get("stock_skipped") else ""),
              "| T | experts hit | consistent ms | route ms | experts ms | stock ms | stock / consistent | floor ms | "
              "floor / consistent |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -152,7 +183,7 @@ def plot(res: dict, png: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("ms per MoE layer forward")
-    ax.set_title(f"Qwen3-30B-A3B MoE layer, {res['device']}")
+    ax.set_title(f"Qwen3-30B-A3B MoE layer ({res['layer']['dtype']}), {res['device']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -164,6 +195,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="JSON path (the PNG goes next to it)")
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 experts on both sides")
     ap.add_argument("--plot", type=Path, help="only redraw the PNG of an earlier JSON")
     args = ap.parse_args()
     if args.plot:
@@ -173,7 +205,7 @@ def main() -> None:
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    res = run(args.tokens)
+    res = run(args.tokens, args.fp8)
     print(table(res))
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
