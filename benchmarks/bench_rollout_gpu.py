@@ -252,6 +252,14 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return f"consistent_{name}", {**ENGINES["consistent"], **{k: v for k, _, v in pairs}}
 
 
+def failure_lines(log: Path) -> list[str]:
+    """A failed engine's last words: the log's error lines (vLLM's engine core prints the root cause well above its
+    last lines, session 18), then its last 15 lines."""
+    lines = log.read_text(errors="replace").splitlines()
+    errors = [line for line in lines[:-15] if re.search(r"Error|Exception|error:", line)]
+    return errors[:20] + lines[-15:]
+
+
 def run_engine(name: str, request: dict, work: Path, engine_env: dict) -> dict:
     req, res, log = work / f"{name}.req.json", work / f"{name}.res.json", work / f"{name}.log"
     req.write_text(json.dumps(request))
@@ -260,8 +268,7 @@ def run_engine(name: str, request: dict, work: Path, engine_env: dict) -> dict:
         rc = subprocess.run([sys.executable, __file__, "--worker", str(req), str(res)], env=env, stdout=f,
                             stderr=subprocess.STDOUT).returncode
     if rc != 0 or not res.exists():
-        tail = log.read_text(errors="replace").splitlines()[-15:]
-        return {"error": f"exit {rc}", "log_tail": tail}
+        return {"error": f"exit {rc}", "log_tail": failure_lines(log)}
     out = json.loads(res.read_text())
     out["plugin_active"] = "megatron-consistent plugin active" in log.read_text(errors="replace")
     return out
@@ -347,7 +354,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
         elif "error" not in res:
             res["error"] = "no timed pass"
         if "error" in res:  # the engine's last words (its log lives in a temporary folder)
-            res["log_tail"] = (work / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
+            res["log_tail"] = failure_lines(work / f"{name}.log")
     return results
 
 

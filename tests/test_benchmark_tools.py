@@ -173,3 +173,13 @@ def test_a_pass_that_compiles_or_generates_other_tokens_is_reported(tmp_path, mo
         out = {k: out[k] + more[k] for k in out}
     assert out["pass_new_binaries"] == [0, 1, 0]
     assert out["pass_tokens_digest"][0] == out["pass_tokens_digest"][1] != out["pass_tokens_digest"][2]
+
+
+def test_a_failed_engine_reports_its_root_cause_above_the_last_lines(tmp_path):
+    """vLLM's engine core prints the root cause far above its last lines: the report keeps the error lines too."""
+    log = tmp_path / "stock.log"
+    log.write_text("\n".join(["INFO start"] * 5 + ["ValueError: block-FP8 kernel not found"] + ["  trace line"] * 40
+                             + ["RuntimeError: Engine core initialization failed. See root cause above."]) + "\n")
+    lines = _load("bench_rollout_gpu").failure_lines(log)
+    assert lines[0] == "ValueError: block-FP8 kernel not found"
+    assert lines[-1].startswith("RuntimeError: Engine core initialization failed") and len(lines) == 16

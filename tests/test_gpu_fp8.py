@@ -327,3 +327,21 @@ def test_nvfp4_linear_replays_as_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert _bits_equal(static_out, block(static_x.clone()))
+
+
+def test_nvfp4_quantize_on_cuda_equals_the_cpu():
+    """The trainer quantizes its NVFP4 weights on the GPU, the export on the CPU: codes, block scales and the global
+    scale must be the same bits (session 18: ``amax / CPU scalar`` ran as a reciprocal multiply on CUDA and the check
+    mismatched at every token); the device decode gives the grid."""
+    from megatron_consistent.kernels.nvfp4 import E2M1_GRID, decode_e2m1, nvfp4_quantize
+
+    g = torch.Generator().manual_seed(13)
+    for rows, cols in [(512, 1024), (96, 40), (1, 7)]:
+        w = torch.randn(rows, cols, generator=g) * 0.05
+        got = nvfp4_quantize(w.to(DEV))
+        ref = nvfp4_quantize(w)
+        for a, b in zip(got, ref):
+            assert _bits_equal(a.cpu(), b), (rows, cols)
+    codes = torch.arange(16, dtype=torch.uint8, device=DEV)
+    grid = torch.tensor([*E2M1_GRID, *(-v for v in E2M1_GRID)], dtype=torch.float32)
+    assert _bits_equal(decode_e2m1(codes).cpu(), grid)

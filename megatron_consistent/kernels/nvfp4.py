@@ -66,7 +66,8 @@ def decode_e2m1(code: torch.Tensor) -> torch.Tensor:
     c = code.to(torch.int32)
     e = (c >> 1) & 3
     m = (c & 1).to(torch.float32)
-    mag = torch.where(e == 0, m * 0.5, (1.0 + m * 0.5) * torch.pow(2.0, (e - 1).to(torch.float32)))
+    power = (torch.ones_like(e) << (e - 1).clamp(min=0)).to(torch.float32)  # 2^(e-1) by a shift: exact on every device
+    mag = torch.where(e == 0, m * 0.5, (1.0 + m * 0.5) * power)
     return torch.where((c & 8) != 0, -mag, mag)
 
 
@@ -97,7 +98,9 @@ def nvfp4_quantize(x: torch.Tensor, block: int = 16) -> tuple[torch.Tensor, torc
     padded = torch.nn.functional.pad(xf.abs(), (0, cb * block - c)) if cb * block != c else xf.abs()
     amax_b = padded.reshape(r, cb, block).amax(-1)
     amax = xf.abs().amax()
-    g = amax / torch.tensor(E2M1_MAX * _E4M3_MAX, dtype=torch.float32)
+    # a divisor on the tensor's device: CUDA computes ``t / (CPU scalar)`` as ``t * (1 / scalar)`` (session 18: the
+    # trainer's NVFP4 weights quantized on the H200 differed from the export's, quantized on the CPU)
+    g = amax / torch.full_like(amax, E2M1_MAX * _E4M3_MAX)
     g = torch.where(g == 0, torch.ones_like(g), g)
     sb = (amax_b / torch.full_like(amax_b, E2M1_MAX)) / g
     sb = torch.where(amax_b == 0, torch.ones_like(sb), sb).clamp(0, _E4M3_MAX).to(torch.float8_e4m3fn)
