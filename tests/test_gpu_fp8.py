@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 if torch.cuda.is_available():
     from megatron_consistent.kernels.triton import fp8_linear as tf8
 
+from _cuda_graphs import capture
 from megatron_consistent.kernels import fp8
 from megatron_consistent.kernels.dispatch import implementation
 
@@ -290,14 +291,7 @@ def test_engine_fp8_ops_replay_as_a_cuda_graph():
                                              gate, *specs)
 
     static_x = _acts(T, H, seed=8)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: Triton compiles before the capture
-        block(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = block(static_x)
+    graph, static_out = capture(block, static_x)
     for seed in (9, 10):
         static_x.copy_(_acts(T, H, seed=seed))
         graph.replay()
@@ -318,11 +312,7 @@ def test_nvfp4_linear_replays_as_a_cuda_graph():
                                         fp8.NVFP4_WEIGHT.spec, "")
 
     static_x = _acts(24, 1024, seed=11)
-    block(static_x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = block(static_x)
+    graph, static_out = capture(block, static_x)
     static_x.copy_(_acts(24, 1024, seed=12))
     graph.replay()
     torch.cuda.synchronize()

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 if torch.cuda.is_available():
     from megatron_consistent.kernels.triton import moe as tmoe
 
+from _cuda_graphs import capture
 from megatron_consistent.kernels import linear
 from megatron_consistent.kernels import moe as kmoe
 from megatron_consistent.kernels.dispatch import implementation
@@ -194,14 +195,7 @@ def test_engine_moe_ops_replay_as_a_cuda_graph(top_k):
 
     g = torch.Generator().manual_seed(4)
     static_x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(DEV)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: Triton compiles before the capture
-        block(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = block(static_x)
+    graph, static_out = capture(block, static_x)
     for seed in (5, 6):
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEV)
         static_x.copy_(x)

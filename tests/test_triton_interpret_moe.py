@@ -216,6 +216,7 @@ def test_fp8_grouped_gemm_rows_are_fp8_gemm_per_expert(t, k, e_count, n, kdim, d
     """The grouped FP8 GEMM (tokens gathered through the sorted pairs, or sorted rows scattered to pair order), row for
     row == ``fp8_gemm`` of that row alone with its expert's weight: one split, and two uneven splits (K = 1152: 9
     groups as 5 + 4) with a ragged N edge."""
+    from megatron_consistent.kernels import fp8
     from megatron_consistent.kernels.triton import fp8_linear as tf8
 
     g = torch.Generator().manual_seed(t * 100 + n)
@@ -225,6 +226,14 @@ def test_fp8_grouped_gemm_rows_are_fp8_gemm_per_expert(t, k, e_count, n, kdim, d
     ref = _fp8_per_pair(x, experts, wq, wrows, dtype)
     pair_of_row, counts = tmoe.expert_sort(experts, e_count)
     xq, xs = tf8.quantize_activations(x)
+    # the per-pair reference is the FP8 GEMM's value: the float64 product of the dequantized operands, within 1e-3 of
+    # sum |x w| (tests/test_gpu_fp8.py's bound), so a wrong group, scale or split in the shared loop is seen here too
+    # (float32 out only: the interpreter does not round to bfloat16 to nearest)
+    xd = fp8.dequantize(xq, xs, fp8.E4M3_ACT_1x128).double()
+    for pair, e in enumerate(experts.reshape(-1).tolist() if dtype == torch.float32 else []):
+        wd = fp8.dequantize_rows(wq[e], wrows[e]).double()
+        exact = xd[pair // k] @ wd.T
+        assert ((ref[pair].double() - exact).abs() <= 1e-3 * (xd[pair // k].abs() @ wd.abs().T) + 1e-6).all()
     tiles = tmoe.tile_table(counts, tmoe.fp8_grouped_tiles(tf8.fp8_config(n, kdim), t * k, e_count)[0], t * k)
     gathered = tmoe.fp8_grouped_gemm(xq, xs, wq, wrows, tiles, pair_of_row, dtype, gather=True, slots=k)
     assert torch.equal(gathered, ref[pair_of_row])

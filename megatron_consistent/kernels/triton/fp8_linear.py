@@ -167,6 +167,26 @@ def _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K
     return acc
 
 
+@triton.jit
+def _serial_fp8_splits(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, M, N, K, stride_am, stride_bn, stride_asm, stride_bsn,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_GROUPS: tl.constexpr,
+                       SPLITS: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, SWS: tl.constexpr):
+    """One tile's every split in one program (contract step 4): one split taken as is, else the split partials
+    summed in split order from 0."""
+    n_groups_all = tl.cdiv(K, BK)
+    if SPLITS == 1:
+        total = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, 0, n_groups_all, M, N, K,
+                           stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
+    else:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.range(0, SPLITS):
+            g0 = s * SPLIT_GROUPS
+            acc = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, tl.minimum(SPLIT_GROUPS, n_groups_all - g0),
+                             M, N, K, stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
+            total = total + acc
+    return total
+
+
 @triton.jit(do_not_specialize=["M", "num_progs"])
 def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
                      M, N, K, stride_am, stride_bn, stride_asm, stride_bsn, stride_om, num_progs,
@@ -200,17 +220,8 @@ def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
             pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
             off_m = pid_m * BM
             off_n = pid_n * BN
-            if SPLITS == 1:
-                total = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, 0, n_groups_all, M, N, K,
-                                   stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
-            else:
-                total = tl.zeros((BM, BN), dtype=tl.float32)
-                for s in tl.range(0, SPLITS):
-                    g0 = s * SPLIT_GROUPS
-                    n_groups = tl.minimum(SPLIT_GROUPS, n_groups_all - g0)
-                    acc = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
-                                     stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
-                    total = total + acc
+            total = _serial_fp8_splits(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
+                                       stride_asm, stride_bsn, BM, BN, BK, SPLIT_GROUPS, SPLITS, USE_TMA, NUM_STAGES, SWS)
             _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
 
 

@@ -53,7 +53,7 @@ from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
 from ..fp8 import per_expert_fp8_outputs
 from ._common import next_pow2
-from .fp8_linear import GROUP, _split_acc, fp8_config, fp8_kernel_applies, quantize_activations
+from .fp8_linear import GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
 from .linear import _epilogue, _serial_splits, config_for
 
 
@@ -170,19 +170,11 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1
                          PRECISION: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, SLOTS: tl.constexpr):
     """Sorted row r of expert e: ``x[r] @ w[e].T`` into ``out[r]``; ``GATHER``: its operand row is the token of pair
     ``pair[r]`` (``x[pair[r] // SLOTS]``); ``SCATTER``: its result goes to ``out[pair[r]]`` (pair order)."""
-    pid = tl.program_id(0)
-    mt = pid // num_n
-    nt = pid % num_n
-    e = tl.load(tile_e_ptr + mt)
+    e, r0, r1, off_n, pair = _expert_tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pair_ptr, num_n, BM, BN,
+                                          GATHER or SCATTER)
     if e >= 0:
-        r0 = tl.load(tile_r0_ptr + mt)
-        r1 = tl.load(tile_r1_ptr + mt)  # rows [r0, r1) all belong to expert e
-        off_n = nt * BN
         w_e = w_ptr + e.to(tl.int64) * stride_we
         k_steps = tl.cdiv(K, BK)
-        rows = r0 + tl.arange(0, BM)
-        if GATHER or SCATTER:
-            pair = tl.load(pair_ptr + rows, mask=rows < r1, other=0).to(tl.int64)
         if GATHER:  # a column of row pointers: the linear's loads with a zero row stride
             a_src = x_ptr + (pair // SLOTS)[:, None] * stride_xm
             a_stride = 0
@@ -192,12 +184,37 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, tile_e_ptr, tile_r0_ptr, tile_r1
         # the Triton linear's serial path, rows masked to [r0, r1)
         total = _serial_splits(a_src, w_e, r0, off_n, k_steps, r1, N, K, a_stride, stride_wn,
                                BM, BN, BK, SPLIT_STEPS, SPLITS, False, NUM_STAGES, PRECISION)
-        if SCATTER:
-            cols = off_n + tl.arange(0, BN)
-            tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty),
-                     mask=(rows[:, None] < r1) & (cols[None, :] < N))
-        else:
-            _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
+        _store_expert_rows(total, out_ptr, pair, r0, r1, off_n, N, stride_om, BM, BN, SCATTER)
+
+
+@triton.jit
+def _expert_tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pair_ptr, num_n, BM: tl.constexpr, BN: tl.constexpr,
+                 PAIRS: tl.constexpr):
+    """This program's (expert or -1, first row, end row, first column, the pair of each row) from the tile table;
+    rows [r0, r1) all belong to the expert.  Without ``PAIRS`` the rows stand for themselves."""
+    pid = tl.program_id(0)
+    mt = pid // num_n
+    r0 = tl.load(tile_r0_ptr + mt)
+    r1 = tl.load(tile_r1_ptr + mt)
+    rows = r0 + tl.arange(0, BM)
+    if PAIRS:
+        pair = tl.load(pair_ptr + rows, mask=rows < r1, other=0).to(tl.int64)
+    else:
+        pair = rows.to(tl.int64)
+    return tl.load(tile_e_ptr + mt), r0, r1, (pid % num_n) * BN, pair
+
+
+@triton.jit
+def _store_expert_rows(total, out_ptr, pair, r0, r1, off_n, N, stride_om, BM: tl.constexpr, BN: tl.constexpr,
+                       SCATTER: tl.constexpr):
+    """Rows [r0, r1) of ``total`` into ``out`` (rounded once): at their pairs' rows with ``SCATTER``, else at r0 on."""
+    if SCATTER:
+        rows = r0 + tl.arange(0, BM)
+        cols = off_n + tl.arange(0, BN)
+        tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < r1) & (cols[None, :] < N))
+    else:
+        _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
 
 
 @triton.jit(do_not_specialize=["max_tiles"])
@@ -422,19 +439,11 @@ def _fp8_grouped_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, tile_e_ptr, 
     """Sorted row r of expert e: the FP8 GEMM of ``(xq[r], xs[r])`` with ``(wq[e], ws[e])`` into ``out[r]``;
     ``GATHER``: its operand row and scales are those of token ``pair[r] // SLOTS``; ``SCATTER``: its result goes to
     ``out[pair[r]]``."""
-    pid = tl.program_id(0)
-    mt = pid // num_n
-    nt = pid % num_n
-    e = tl.load(tile_e_ptr + mt)
+    e, r0, r1, off_n, pair = _expert_tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pair_ptr, num_n, BM, BN,
+                                          GATHER or SCATTER)
     if e >= 0:
-        r0 = tl.load(tile_r0_ptr + mt)
-        r1 = tl.load(tile_r1_ptr + mt)  # rows [r0, r1) all belong to expert e
-        off_n = nt * BN
         w_e = w_ptr + e.to(tl.int64) * stride_we
         ws_e = ws_ptr + e.to(tl.int64) * stride_wse
-        rows = r0 + tl.arange(0, BM)
-        if GATHER or SCATTER:
-            pair = tl.load(pair_ptr + rows, mask=rows < r1, other=0).to(tl.int64)
         if GATHER:  # columns of row pointers: fp8_gemm's loads with zero row strides
             token = pair // SLOTS
             a_src = x_ptr + token[:, None] * stride_xm
@@ -446,24 +455,10 @@ def _fp8_grouped_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, tile_e_ptr, 
             s_src = xs_ptr
             a_stride = stride_xm
             s_stride = stride_xsm
-        n_groups_all = tl.cdiv(K, BK)
-        # fp8_gemm's serial path (one split: its partial as is; else partials summed in split order from 0)
-        if SPLITS == 1:
-            total = _split_acc(a_src, w_e, s_src, ws_e, r0, off_n, 0, n_groups_all, r1, N, K, a_stride, stride_wn,
-                               s_stride, stride_wsn, BM, BN, BK, False, NUM_STAGES)
-        else:
-            total = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in tl.range(0, SPLITS):
-                g0 = s * SPLIT_GROUPS
-                acc = _split_acc(a_src, w_e, s_src, ws_e, r0, off_n, g0, tl.minimum(SPLIT_GROUPS, n_groups_all - g0),
-                                 r1, N, K, a_stride, stride_wn, s_stride, stride_wsn, BM, BN, BK, False, NUM_STAGES)
-                total = total + acc
-        if SCATTER:
-            cols = off_n + tl.arange(0, BN)
-            tl.store(out_ptr + pair[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty),
-                     mask=(rows[:, None] < r1) & (cols[None, :] < N))
-        else:
-            _epilogue(total, out_ptr, out_ptr, r0, off_n, r1, N, stride_om, BM, BN, False)
+        # fp8_gemm's serial path, rows masked to [r0, r1)
+        total = _serial_fp8_splits(a_src, w_e, s_src, ws_e, r0, off_n, r1, N, K, a_stride, stride_wn, s_stride,
+                                   stride_wsn, BM, BN, BK, SPLIT_GROUPS, SPLITS, False, NUM_STAGES, False)
+        _store_expert_rows(total, out_ptr, pair, r0, r1, off_n, N, stride_om, BM, BN, SCATTER)
 
 
 # rows per M tile of the grouped FP8 GEMM: 64 (one FP8 wgmma warp group) below the config's BM at few rows per expert
