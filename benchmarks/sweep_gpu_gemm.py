@@ -148,7 +148,7 @@ def make_cfg(bk: int, sps: int, tile: dict) -> dict:
     return cfg | {key: tile[key] for key in TREE_SCHEDULE_KEYS if key in tile}
 
 
-FP8_CANDS = [  # (name, (BM, BN, warps, stages, progs/SM, SWS))
+FP8_CANDS = [  # (name, (BM, BN, warps, stages, progs/SM, SWS[, FLAT]))
     ("128x64 w4 s4 p3", (128, 64, 4, 4, 3, False)),
     ("128x64 w4 s4 p3 sws", (128, 64, 4, 4, 3, True)),
     ("128x64 w4 s3 p3 sws", (128, 64, 4, 3, 3, True)),
@@ -157,6 +157,11 @@ FP8_CANDS = [  # (name, (BM, BN, warps, stages, progs/SM, SWS))
     ("128x128 w8 s3 p2 sws", (128, 128, 8, 3, 2, True)),
     ("256x64 w8 s3 p1 sws", (256, 64, 8, 3, 1, True)),
     ("64x64 w4 s6 p4 sws", (64, 64, 4, 6, 4, True)),
+    # the splits of a tile walked by one pipelined loop (fp8_linear._serial_fp8_splits, FLAT)
+    ("64x128 w4 s4 p2 sws flat", (64, 128, 4, 4, 2, True, True)),
+    ("128x64 w4 s4 p3 sws flat", (128, 64, 4, 4, 3, True, True)),
+    ("128x128 w8 s4 p1 sws flat", (128, 128, 8, 4, 1, True, True)),
+    ("128x128 w8 s3 p2 sws flat", (128, 128, 8, 3, 2, True, True)),
 ]
 
 
@@ -529,6 +534,7 @@ def main():
     ap.add_argument("--rep", type=int, default=10, help="ms of CUDA-graph replay per measurement")
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--no-fp8", action="store_true")
+    ap.add_argument("--only-fp8", action="store_true", help="the FP8 part alone (no bf16 tiles, no trees)")
     ap.add_argument("--no-odd", action="store_true", help="skip the bits-only odd-shape check")
     ap.add_argument("--quick", action="store_true", help="fewer groups / candidates")
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default all)")
@@ -566,14 +572,16 @@ def main():
 
     if tlin.M_CLASS_TABLE:
         log("note: an M-class table is installed; the 'default' column is that table")
+    if args.only_fp8:
+        args.no_odd = True
     jobs = []
     for dims in SHAPES.values():
         n, k, seg = shape_dims(dims)
-        for _, bk, sps in numerics_groups(n, k, args.quick, seg):
+        for _, bk, sps in ([] if args.only_fp8 else numerics_groups(n, k, args.quick, seg)):
             splits = 1 if sps >= NOSPLIT else math.ceil(k // bk / sps)
             for _, tile, _ in tile_candidates(splits, args.quick, tree=seg > 1):
                 jobs.append(("bf16", n, k, make_cfg(bk, sps, tile), seg))
-        if seg == 1:  # the installed default (M-class table if any, else CONFIG_TABLE); a tree compiles its own
+        if seg == 1 and not args.only_fp8:  # the installed default (M-class table if any, else CONFIG_TABLE); a tree compiles its own
             for m in MS:
                 jobs.append(("bf16", n, k, tlin.config_for(n, k, torch.bfloat16, m), 1))
         if not args.no_fp8 and seg == 1:
@@ -595,9 +603,9 @@ def main():
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1, default=str)
 
-    fp8_share = 0.0 if args.no_fp8 else 0.25  # of the time left after compiling
+    fp8_share = 0.0 if args.no_fp8 else 1.0 if args.only_fp8 else 0.25  # of the time left after compiling
     bf16_deadline = time.time() + (deadline - time.time()) * (1 - fp8_share)
-    out["bf16"] = sweep_bf16(args, bf16_deadline, log)
+    out["bf16"] = [] if args.only_fp8 else sweep_bf16(args, bf16_deadline, log)
     if not args.no_odd:
         out["odd_shapes_bits"] = odd_shape_bits(args, log)
         # a tile that changed bits on an odd shape is not trusted on the table shapes either

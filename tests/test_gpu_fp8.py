@@ -130,7 +130,8 @@ def test_fp8_linear_vs_float64_dequantized_reference(n, k):
 
 SWS_VARIANTS = [dict(BM=128, BN=64, W=4, S=4, P=3, SWS=True), dict(BM=64, BN=128, W=4, S=4, P=2, SWS=True),
                 dict(BM=128, BN=128, W=8, S=4, P=1, SWS=True), dict(BM=256, BN=64, W=8, S=3, P=1, SWS=True),
-                dict(BM=64, BN=64, W=4, S=6, P=4, SWS=True)]
+                dict(BM=64, BN=64, W=4, S=6, P=4, SWS=True), dict(BM=64, BN=128, W=4, S=4, P=2, SWS=True, FLAT=True),
+                dict(BM=128, BN=128, W=8, S=4, P=1, SWS=True, FLAT=True), dict(BM=128, BN=64, W=4, S=4, P=3, FLAT=True)]
 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (1000, 300), (4096, 14336)])
@@ -267,6 +268,27 @@ def test_grouped_fp8_experts_equal_the_per_expert_fp8_linears(t, k, e_count, h, 
     assert _bits_equal(got, ref), int((_bits(got) != _bits(ref)).sum())
     for i in sorted({0, t // 2, t - 1}):
         assert _bits_equal(tmoe._fp8_expert_outputs_cuda(hidden[i : i + 1], experts[i : i + 1], *args), got[i : i + 1])
+
+
+@pytest.mark.parametrize("flat,tile", [(True, ""), (True, "64:4"), (True, "128:8"), (False, "64:4")])
+@pytest.mark.parametrize("t", [1, 300, 2048])
+def test_grouped_fp8_launch_shapes_and_flat_walk_keep_the_bits(t, flat, tile, monkeypatch):
+    """The grouped FP8 experts with the splits walked in one loop (``FLAT``) and other (BN, warps) launch shapes
+    (``MC_FP8_GROUPED_TILE``) == the trainer's per-expert ``fp8_linear`` calls, bitwise, at Qwen3-30B-A3B's shapes
+    (the gate/up projection runs 4 splits)."""
+    from megatron_consistent.kernels.triton import moe as tmoe
+
+    monkeypatch.setattr(tmoe, "FLAT_DEFAULT", flat)
+    monkeypatch.setattr(tmoe, "_FP8_GROUPED_TILE", tile)
+    experts = _routes(t, 8, 128, seed=t)
+    hidden = _acts(t, 2048, seed=t + 1)
+    fc1_q, fc1_rows = _fp8_experts(128, 2 * 768, 2048, seed=1)
+    fc2_q, fc2_rows = _fp8_experts(128, 2048, 768, seed=2)
+    assert tf8.fp8_config(2 * 768, 2048)["SPLIT_GROUPS"] < 16
+    args = (fc1_q, fc1_rows, fc2_q, fc2_rows, fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)
+    got = tmoe._fp8_expert_outputs_cuda(hidden, experts, *args)
+    ref = fp8.per_expert_fp8_outputs(hidden, experts, *args)
+    assert _bits_equal(got, ref), int((_bits(got) != _bits(ref)).sum())
 
 
 def test_engine_fp8_ops_replay_as_a_cuda_graph():

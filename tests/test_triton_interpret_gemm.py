@@ -85,6 +85,27 @@ def test_fp8_scalar_weight_scale_in_interpreter():
                 assert torch.equal(y, ref[:m]), (cfg, path, m)
 
 
+@pytest.mark.parametrize("split_groups", [2, 5])
+def test_fp8_flat_split_walk_in_interpreter(split_groups):
+    """The flat walk (one pipelined loop over a tile's groups, a split's partial added to the total at its last
+    group) == the split-by-split loops, bit for bit, with uneven splits (9 groups as 5 + 4, or 2+2+2+2+1) and a ragged
+    N edge; the splits do change the float32 result (one split differs), so a walk that ignored them is caught."""
+    torch.manual_seed(3)
+    n, k = 72, 1152
+    wq, s = fp8.quantize(torch.randn(n, k) * 0.05, fp8.E4M3_WEIGHT_128)
+    rows = fp8.weight_row_scales(s, n)
+    xq, xs = fp8.quantize(torch.randn(9, k), fp8.E4M3_ACT_1x128)
+    xs = xs.contiguous()
+    split = tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=tf8._fp8_cfg(16, 32, 4, 2, 1),
+                         split_groups=split_groups, path="serial")
+    assert not torch.equal(split, tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=tf8._fp8_cfg(16, 32, 4, 2, 1),
+                                               split_groups=9, path="serial"))
+    for m in (1, 9):
+        flat = tf8.fp8_gemm(xq[:m], xs[:m], wq, rows, None, torch.float32, cfg=tf8._fp8_cfg(16, 32, 4, 2, 1, flat=True),
+                            split_groups=split_groups, path="serial")
+        assert torch.equal(flat, split[:m]), m
+
+
 # ------------------------------------------------------------------ row-parallel K-segment tree (issue #18)
 
 # (name, cfg): BLOCK_K 16; "split": SPLIT_STEPS 1 -> a segment of 2+ steps has 2+ splits (their partials summed in

@@ -49,13 +49,16 @@ from .linear import _epilogue
 GROUP = TENSOR_CORE_GROUP  # activation group = weight block column = BLOCK_K
 
 
-def _fp8_cfg(bm, bn, warps, stages, progs_per_sm, scalar_wscale=False):
+def _fp8_cfg(bm, bn, warps, stages, progs_per_sm, scalar_wscale=False, flat=False):
     """``scalar_wscale``: when the weight scales are constant over blocks of rows that hold whole BN tiles (128x128
     weight blocks, BN | 128), load one weight scale per (tile, group) instead of BN equal ones: the product
-    ``xs * ws`` is then BM multiplications instead of BM * BN, with the same float32 values (bits unchanged)."""
+    ``xs * ws`` is then BM multiplications instead of BM * BN, with the same float32 values (bits unchanged).
+    ``flat``: a tile's splits walked by one pipelined loop (:func:`_serial_fp8_splits`; bits unchanged)."""
     cfg = {"BM": bm, "BN": bn, "BK": GROUP, "W": warps, "S": stages, "G": 8, "P": progs_per_sm}
     if scalar_wscale:
         cfg["SWS"] = True
+    if flat:
+        cfg["FLAT"] = True
     return cfg
 
 
@@ -150,6 +153,19 @@ def _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_a
 
 
 @triton.jit
+def _group_term(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, acc, M, N, K, stride_am, stride_bn, stride_asm,
+                stride_bsn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
+                SWS: tl.constexpr):
+    """``fma(dot_g, sa * sb, acc)``: group ``g`` added to ``acc`` (contract steps 2-3)."""
+    a, b, sa, sb = _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_am,
+                               stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS)
+    p = tl.dot(a, b.T)
+    if SWS:
+        return tl.fma(p, tl.broadcast_to((sa * sb)[:, None], (BM, BN)), acc)
+    return tl.fma(p, sa[:, None] * sb[None, :], acc)
+
+
+@triton.jit
 def _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
                stride_am, stride_bn, stride_asm, stride_bsn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -157,26 +173,33 @@ def _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K
     """float32 ``sum_g fma(dot_g, sa*sb, acc)`` over ``n_groups`` groups from group ``g0``, acc from 0, in K order."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for gi in tl.range(0, n_groups, num_stages=NUM_STAGES):
-        a, b, sa, sb = _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0 + gi, M, N, K, stride_am,
-                                   stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS)
-        p = tl.dot(a, b.T)
-        if SWS:
-            acc = tl.fma(p, tl.broadcast_to((sa * sb)[:, None], (BM, BN)), acc)
-        else:
-            acc = tl.fma(p, sa[:, None] * sb[None, :], acc)
+        acc = _group_term(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0 + gi, acc, M, N, K, stride_am, stride_bn,
+                          stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS)
     return acc
 
 
 @triton.jit
 def _serial_fp8_splits(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, M, N, K, stride_am, stride_bn, stride_asm, stride_bsn,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_GROUPS: tl.constexpr,
-                       SPLITS: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, SWS: tl.constexpr):
+                       SPLITS: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, SWS: tl.constexpr,
+                       FLAT: tl.constexpr = False):
     """One tile's every split in one program (contract step 4): one split taken as is, else the split partials
-    summed in split order from 0."""
+    summed in split order from 0.  ``FLAT``: the same sums from one software-pipelined loop over all the tile's
+    groups -- at a split's last group its partial is added to the total and the partial restarts from 0 -- so the
+    loads stream across split boundaries instead of the pipeline draining and refilling at each (scheduling only)."""
     n_groups_all = tl.cdiv(K, BK)
     if SPLITS == 1:
         total = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, 0, n_groups_all, M, N, K,
                            stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
+    elif FLAT:
+        total = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for g in tl.range(0, n_groups_all, num_stages=NUM_STAGES):
+            acc = _group_term(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, acc, M, N, K, stride_am, stride_bn,
+                              stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS)
+            if ((g + 1) % SPLIT_GROUPS == 0) | (g == n_groups_all - 1):
+                total = total + acc
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
     else:
         total = tl.zeros((BM, BN), dtype=tl.float32)
         for s in tl.range(0, SPLITS):
@@ -193,7 +216,7 @@ def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      SPLIT_GROUPS: tl.constexpr, SPLITS: tl.constexpr, PARALLEL: tl.constexpr,
                      USE_TMA: tl.constexpr, HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     SWS: tl.constexpr = False):
+                     SWS: tl.constexpr = False, FLAT: tl.constexpr = False):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
@@ -221,7 +244,8 @@ def _fp8_gemm_kernel(a_src, b_src, as_ptr, bs_ptr, bias_ptr, out_ptr, ws_ptr,
             off_m = pid_m * BM
             off_n = pid_n * BN
             total = _serial_fp8_splits(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, M, N, K, stride_am, stride_bn,
-                                       stride_asm, stride_bsn, BM, BN, BK, SPLIT_GROUPS, SPLITS, USE_TMA, NUM_STAGES, SWS)
+                                       stride_asm, stride_bsn, BM, BN, BK, SPLIT_GROUPS, SPLITS, USE_TMA, NUM_STAGES, SWS,
+                                       FLAT)
             _epilogue(total, bias_ptr, out_ptr, off_m, off_n, M, N, stride_om, BM, BN, HAS_BIAS)
 
 
@@ -239,6 +263,8 @@ def _reduce_splits(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_B
 
 
 _FORCE_PATH = os.environ.get("MC_FP8_GEMM_PATH", "")  # "", "serial", "parallel" (numerics-neutral)
+# a config without "FLAT": whether its serial splits run as one pipelined loop (numerics-neutral; a benchmark knob)
+FLAT_DEFAULT = os.environ.get("MC_FP8_FLAT", "0") == "1"
 
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
@@ -288,7 +314,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
         a_src, b_src, xs, ws, bias if bias is not None else out, out, wsp,
         m, n, k, xq.stride(0), wq.stride(0), xs.stride(0), ws.stride(0), out.stride(0), grid,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["G"], SPLIT_GROUPS=split_groups, SPLITS=splits, PARALLEL=parallel,
-        USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"], SWS=sws, num_warps=cfg["W"],
+        USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"], SWS=sws, FLAT=bool(cfg.get("FLAT", FLAT_DEFAULT)),
+        num_warps=cfg["W"],
         num_stages=cfg["S"],
     )
     if parallel:

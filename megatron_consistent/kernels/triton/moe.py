@@ -42,6 +42,8 @@ not be batch-invariant.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -53,7 +55,7 @@ from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
 from ..fp8 import per_expert_fp8_outputs
 from ._common import next_pow2
-from .fp8_linear import GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
+from .fp8_linear import FLAT_DEFAULT, GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
 from .linear import _epilogue, _serial_splits, config_for
 
 
@@ -435,7 +437,8 @@ def _fp8_grouped_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, tile_e_ptr, 
                              N, K, stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
                              num_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              SPLIT_GROUPS: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
-                             GATHER: tl.constexpr, SCATTER: tl.constexpr, SLOTS: tl.constexpr):
+                             GATHER: tl.constexpr, SCATTER: tl.constexpr, SLOTS: tl.constexpr,
+                             FLAT: tl.constexpr = False):
     """Sorted row r of expert e: the FP8 GEMM of ``(xq[r], xs[r])`` with ``(wq[e], ws[e])`` into ``out[r]``;
     ``GATHER``: its operand row and scales are those of token ``pair[r] // SLOTS``; ``SCATTER``: its result goes to
     ``out[pair[r]]``."""
@@ -457,19 +460,26 @@ def _fp8_grouped_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, tile_e_ptr, 
             s_stride = stride_xsm
         # fp8_gemm's serial path, rows masked to [r0, r1)
         total = _serial_fp8_splits(a_src, w_e, s_src, ws_e, r0, off_n, r1, N, K, a_stride, stride_wn, s_stride,
-                                   stride_wsn, BM, BN, BK, SPLIT_GROUPS, SPLITS, False, NUM_STAGES, False)
+                                   stride_wsn, BM, BN, BK, SPLIT_GROUPS, SPLITS, False, NUM_STAGES, False, FLAT)
         _store_expert_rows(total, out_ptr, pair, r0, r1, off_n, N, stride_om, BM, BN, SCATTER)
 
 
 # rows per M tile of the grouped FP8 GEMM: 64 (one FP8 wgmma warp group) below the config's BM at few rows per expert
 FP8_GROUPED_SMALL_BM = 64
+# "BN:warps" for every grouped FP8 launch instead of the config's BN and the rule's warps ("" = none): a benchmark
+# knob, scheduling only (an element's groups, splits and their order do not depend on the tile)
+_FP8_GROUPED_TILE = os.environ.get("MC_FP8_GROUPED_TILE", "")
 
 
-def fp8_grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int]:
-    """(BM, warps) of the grouped FP8 GEMM (a function of the shapes only; ``wgmma`` tiles of 64 or more rows)."""
+def fp8_grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int, int]:
+    """(BM, BN, warps) of the grouped FP8 GEMM (a function of the shapes only; ``wgmma`` tiles of 64 or more rows)."""
     if rows / max(experts, 1) <= FP8_GROUPED_SMALL_BM and cfg["BM"] > FP8_GROUPED_SMALL_BM:
-        return FP8_GROUPED_SMALL_BM, 4
-    return cfg["BM"], cfg["W"]
+        bm, bn, warps = FP8_GROUPED_SMALL_BM, cfg["BN"], 4
+    else:
+        bm, bn, warps = cfg["BM"], cfg["BN"], cfg["W"]
+    if _FP8_GROUPED_TILE:
+        bn, warps = (int(v) for v in _FP8_GROUPED_TILE.split(":"))
+    return bm, bn, warps
 
 
 def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, tiles: tuple,
@@ -498,17 +508,17 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: t
     if p == 0 or n == 0:
         return out
     cfg = fp8_config(n, k)
-    bm, warps = fp8_grouped_tiles(cfg, p, e_count)
+    bm, bn, warps = fp8_grouped_tiles(cfg, p, e_count)
     tile_bm, tile_e, r0, r1, max_tiles = tiles
     if tile_bm != bm:
         raise ValueError(f"fp8_grouped_gemm: a tile table of {tile_bm} rows for tiles of {bm}")
     split_groups = min(cfg["SPLIT_GROUPS"], g_all)
-    num_n = triton.cdiv(n, cfg["BN"])
+    num_n = triton.cdiv(n, bn)
     _fp8_grouped_gemm_kernel[(max_tiles * num_n,)](
         xq, xs, wq, ws, out, tile_e, r0, r1, pair_of_row, n, k, xq.stride(0), xs.stride(0), wq.stride(0), wq.stride(1),
-        ws.stride(0), ws.stride(1), out.stride(0), num_n, BM=bm, BN=cfg["BN"], BK=GROUP, SPLIT_GROUPS=split_groups,
+        ws.stride(0), ws.stride(1), out.stride(0), num_n, BM=bm, BN=bn, BK=GROUP, SPLIT_GROUPS=split_groups,
         SPLITS=triton.cdiv(g_all, split_groups), NUM_STAGES=cfg["S"], GATHER=bool(gather), SCATTER=bool(scatter),
-        SLOTS=int(slots), num_warps=warps, num_stages=cfg["S"],
+        SLOTS=int(slots), FLAT=bool(cfg.get("FLAT", FLAT_DEFAULT)), num_warps=warps, num_stages=cfg["S"],
     )
     return out
 
@@ -524,8 +534,8 @@ def _fp8_expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, fc1_q:
     t, k = experts.shape
     e_count = fc1_q.shape[0]
     pair_of_row, counts = expert_sort(experts, e_count)
-    bm, _ = fp8_grouped_tiles(fp8_config(fc1_q.shape[1], fc1_q.shape[2]), t * k, e_count)
-    bm2, _ = fp8_grouped_tiles(fp8_config(fc2_q.shape[1], fc2_q.shape[2]), t * k, e_count)
+    bm = fp8_grouped_tiles(fp8_config(fc1_q.shape[1], fc1_q.shape[2]), t * k, e_count)[0]
+    bm2 = fp8_grouped_tiles(fp8_config(fc2_q.shape[1], fc2_q.shape[2]), t * k, e_count)[0]
     tiles = tile_table(counts, bm, t * k)
     tiles2 = tiles if bm2 == bm else tile_table(counts, bm2, t * k)
     xq, xs = quantize_activations(hidden, a_fmt)
