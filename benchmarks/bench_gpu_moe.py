@@ -26,6 +26,11 @@ one byte per expert weight.
 Each time is ``triton.testing.do_bench_cudagraph`` of one forward (the expert weights, 1.2 GB, are far past L2).
 Ratios are ``time(stock) / time(consistent)`` (> 1: consistent faster).  Writes JSON to ``--out``, prints a table and
 writes a PNG next to the JSON (time per forward against T, log-log, with the floor).
+
+``--fp8-variants flat flat:64:4 ...``: the grouped FP8 experts' scheduling knobs timed in the same run (``flat``: the
+splits walked by one loop; ``BN:warps``: the launch shape; ``base`` = neither), each output checked bit for bit
+against the default's (``torch.equal``).  ``--kernel-times``: per-kernel device time of one eager forward of each
+engine (median of 20, torch profiler), to see where a layer's time goes.
 """
 
 from __future__ import annotations
@@ -93,13 +98,58 @@ def read_bandwidth() -> float:
     return buf.numel() * buf.element_size() / (ms * 1e-3)
 
 
-def run(tokens, fp8: bool = False) -> dict:
+def _fp8_variant(spec: str):
+    """The module settings of a ``--fp8-variants`` entry: ``[flat|base][:BN:warps]``."""
+    name, _, tile = spec.partition(":")
+    if name not in ("flat", "base"):
+        raise SystemExit(f"--fp8-variants: {spec!r} is not flat|base[:BN:warps]")
+    return {"FLAT_DEFAULT": name == "flat", "_FP8_GROUPED_TILE": tile}
+
+
+def _with_settings(module, settings: dict, fn):
+    saved = {key: getattr(module, key) for key in settings}
+    for key, value in settings.items():
+        setattr(module, key, value)
+    try:
+        return fn()
+    finally:
+        for key, value in saved.items():
+            setattr(module, key, value)
+
+
+def kernel_times_us(fn, iters: int = 20) -> dict[str, float]:
+    """Median device time (us) per forward of each kernel ``fn`` launches (eager, torch profiler), by kernel name."""
+    import statistics
+    import tempfile
+
+    import torch
+
+    from kernel_trace import kernel_events
+
+    fn()
+    torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = kernel_events(trace)
+    per_name: dict[str, list[float]] = {}
+    for name, _, dur in events:
+        per_name.setdefault(name[:80], []).append(dur)
+    return {name: statistics.median(d) * len(d) / iters for name, d in per_name.items()}
+
+
+def run(tokens, fp8: bool = False, variants=(), kernel_times: bool = False) -> dict:
     import torch
     import triton
     import triton.testing
 
     from bench_gpu_attention import copy_bandwidth
     from megatron_consistent.kernels import inference_ops
+    from megatron_consistent.kernels.triton import moe as tmoe
     from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128
 
     dev = torch.device("cuda")
@@ -136,6 +186,7 @@ def run(tokens, fp8: bool = False) -> dict:
             w, e = route(x)
             hit = int(torch.unique(e).numel())
             y = consistent(x)
+            experts_ref = experts(x, w, e)
             row = {"T": t, "experts_hit": hit,
                    "floor_ms": (hit * expert_bytes + E * H * 2 + 2 * t * H * 2) / bw * 1e3,
                    "consistent_ms": triton.testing.do_bench_cudagraph(lambda: consistent(x), rep=100),
@@ -146,6 +197,16 @@ def run(tokens, fp8: bool = False) -> dict:
                 row["stock_ms"] = triton.testing.do_bench_cudagraph(lambda: stock(x), rep=100)
                 row["stock_over_consistent"] = row["stock_ms"] / row["consistent_ms"]
                 row["max_abs_vs_stock"] = (y.float() - ys.float()).abs().max().item()
+            for spec in variants:
+                settings = _fp8_variant(spec)
+                same = _with_settings(tmoe, settings, lambda: torch.equal(experts(x, w, e), experts_ref))
+                ms = _with_settings(tmoe, settings,
+                                    lambda: triton.testing.do_bench_cudagraph(lambda: experts(x, w, e), rep=100))
+                row.setdefault("variants", {})[spec] = {"experts_ms": ms, "bits_equal_default": same}
+            if kernel_times:
+                row["kernels_us"] = {"consistent": kernel_times_us(lambda: consistent(x))}
+                if stock is not None:
+                    row["kernels_us"]["stock"] = kernel_times_us(lambda: stock(x))
         row["floor_over_consistent"] = row["floor_ms"] / row["consistent_ms"]
         out["rows"].append(row)
         print("MOE", json.dumps(row), flush=True)
@@ -163,6 +224,19 @@ def table(res: dict) -> str:
         lines.append(f"| {r['T']} | {r['experts_hit']} | {s('consistent_ms')} | {s('route_ms')} | {s('experts_ms')} | "
                      f"{s('stock_ms')} | {s('stock_over_consistent', '{:.2f}')} | {s('floor_ms')} | "
                      f"{s('floor_over_consistent', '{:.2f}')} |")
+    specs = [spec for spec in res["rows"][0].get("variants", {})] if res["rows"] else []
+    if specs:
+        lines += ["", "experts ms by grouped-FP8 variant (bits equal to the default's: = / DIFF)",
+                  "| T | default | " + " | ".join(specs) + " |", "| --- " * (len(specs) + 2) + "|"]
+        for r in res["rows"]:
+            cells = [f"{v['experts_ms']:.4f} {'=' if v['bits_equal_default'] else 'DIFF'}"
+                     for v in (r["variants"][spec] for spec in specs)]
+            lines.append(f"| {r['T']} | {r['experts_ms']:.4f} | " + " | ".join(cells) + " |")
+    for r in res["rows"]:
+        for engine, times in r.get("kernels_us", {}).items():
+            top = sorted(times.items(), key=lambda kv: -kv[1])
+            lines.append(f"T={r['T']} {engine}: {sum(times.values()):.1f} us in kernels: "
+                         + ", ".join(f"{name[:40]} {us:.1f}" for name, us in top[:8]))
     return "\n".join(lines)
 
 
@@ -197,6 +271,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--fp8", action="store_true", help="block-FP8 experts on both sides")
     ap.add_argument("--plot", type=Path, help="only redraw the PNG of an earlier JSON")
+    ap.add_argument("--fp8-variants", nargs="*", default=[], help="with --fp8: flat|base[:BN:warps] timed beside")
+    ap.add_argument("--kernel-times", action="store_true", help="per-kernel device time of one forward per engine")
     args = ap.parse_args()
     if args.plot:
         res = json.loads(args.plot.read_text())
@@ -205,7 +281,11 @@ def main() -> None:
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    res = run(args.tokens, args.fp8)
+    if args.fp8_variants and not args.fp8:
+        raise SystemExit("--fp8-variants needs --fp8")
+    for spec in args.fp8_variants:
+        _fp8_variant(spec)
+    res = run(args.tokens, args.fp8, args.fp8_variants, args.kernel_times)
     print(table(res))
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))

@@ -356,8 +356,7 @@ def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
         y = implementation("fp8_moe_expert_outputs", hidden.device)(hidden, experts, fc1.q, fc1.rows, fc2.q, fc2.rows,
                                                                      w_fmt, a_fmt)
     else:
-        y = kmoe.per_expert_outputs(hidden, experts, fc2.q.shape[-2],
-                                    lambda e, x: fp8_expert_mlp(x, fc1.expert(e), fc2.expert(e), w_fmt, a_fmt))
+        y = _per_expert_mlps(hidden, experts, fc1, fc2, w_fmt, a_fmt)
     ys = gate = None
     if shared is not None:
         s_fc1, s_fc2, s_gate = shared
@@ -371,9 +370,13 @@ def per_expert_fp8_outputs(hidden: torch.Tensor, experts: torch.Tensor, fc1_q: t
                            fc2_q: torch.Tensor, fc2_rows: torch.Tensor, w_fmt: QuantFormat = E4M3_WEIGHT_128,
                            a_fmt: QuantFormat | None = E4M3_ACT_1x128) -> torch.Tensor:
     """``[T, k, H]``: one :func:`fp8_expert_mlp` call per routed expert (ascending index) on its pairs' rows."""
-    return kmoe.per_expert_outputs(
-        hidden, experts, fc2_q.shape[-2],
-        lambda e, x: fp8_expert_mlp(x, FP8Weights(fc1_q[e], fc1_rows[e]), FP8Weights(fc2_q[e], fc2_rows[e]), w_fmt, a_fmt))
+    return _per_expert_mlps(hidden, experts, FP8Weights(fc1_q, fc1_rows), FP8Weights(fc2_q, fc2_rows), w_fmt, a_fmt)
+
+
+def _per_expert_mlps(hidden, experts, fc1: FP8Weights, fc2: FP8Weights, w_fmt, a_fmt) -> torch.Tensor:
+    """``[T, k, H]``: :func:`fp8_expert_mlp` per routed expert on its pairs' rows (with or without masters)."""
+    return kmoe.per_expert_outputs(hidden, experts, fc2.q.shape[-2],
+                                   lambda e, x: fp8_expert_mlp(x, fc1.expert(e), fc2.expert(e), w_fmt, a_fmt))
 
 
 # ------------------------------------------------------------------------------------------- FP8 KV cache
