@@ -4,7 +4,8 @@
 
 The host code (``fp8_linear.fp8_gemm`` with TMA operands, as on the H200, and ``moe.fp8_grouped_gemm``) runs on CPU
 tensors with the kernels replaced by recorders, for the Llama-8B shapes of ``benchmarks/sweep_gpu_gemm.py`` and
-Qwen3-30B-A3B's expert projections, each with and without the flat split walk (``FLAT``); each distinct launch is
+Qwen3-30B-A3B's expert projections, each with and without the flat split walk (``FLAT``) and the experts' weights
+through a TMA descriptor (``W_TMA``); each distinct launch is
 compiled by :mod:`offline_compile`.  Shows whether the flat walk's loop is software-pipelined (its asynchronous copies)
 and what it costs in registers; says nothing about bits or speed.  Exit 1 on a compile error or a launch over the
 shared memory of a block.
@@ -58,14 +59,15 @@ def record_grouped():
                 x, xs = _zeros((rows, k)), torch.ones(rows, g)
                 pairs = torch.arange(rows, dtype=torch.int32)
                 for flat in (False, True):
-                    tmoe.FLAT_DEFAULT = flat
-                    tmoe.fp8_grouped_gemm(x, xs, w, ws, tiles, pairs, torch.bfloat16)
+                    for w_tma in (False, True):
+                        tmoe.FLAT_DEFAULT, tmoe.FP8_GROUPED_W_TMA = flat, w_tma
+                        tmoe.fp8_grouped_gemm(x, xs, w, ws, tiles, pairs, torch.bfloat16, w_block_rows=128)
 
-    saved = tmoe.FLAT_DEFAULT
+    saved = tmoe.FLAT_DEFAULT, tmoe.FP8_GROUPED_W_TMA
     try:
         launches = capture(tmoe, ("_fp8_grouped_gemm_kernel",), run)
     finally:
-        tmoe.FLAT_DEFAULT = saved
+        tmoe.FLAT_DEFAULT, tmoe.FP8_GROUPED_W_TMA = saved
     return distinct_launches(launches, {"_fp8_grouped_gemm_kernel": tmoe._fp8_grouped_gemm_kernel})
 
 
@@ -78,7 +80,7 @@ def main():
                                    ("grouped", tmoe._fp8_grouped_gemm_kernel, record_grouped())):
         for _, sig, attrs, const, warps, stages in launches:
             desc = (f"{name} {const['BM']}x{const['BN']} SPLIT_GROUPS {const['SPLIT_GROUPS']} SPLITS {const['SPLITS']} "
-                    f"FLAT {const.get('FLAT', False)} W{warps} S{stages}")
+                    f"FLAT {const.get('FLAT', False)} W_TMA {const.get('W_TMA', False)} W{warps} S{stages}")
             jobs.append((desc, kernel, sig, attrs, const, warps, stages))
     sys.exit(compile_report(jobs, args.ttgir_dir))
 

@@ -270,16 +270,18 @@ def test_grouped_fp8_experts_equal_the_per_expert_fp8_linears(t, k, e_count, h, 
         assert _bits_equal(tmoe._fp8_expert_outputs_cuda(hidden[i : i + 1], experts[i : i + 1], *args), got[i : i + 1])
 
 
-@pytest.mark.parametrize("flat,tile", [(True, ""), (True, "64:4"), (True, "128:8"), (False, "64:4")])
+@pytest.mark.parametrize("flat,tile,w_tma", [(True, "", False), (True, "", True), (False, "", True), (True, "64:4", True),
+                                             (True, "128:8", False), (False, "64:4", False)])
 @pytest.mark.parametrize("t", [1, 300, 2048])
-def test_grouped_fp8_launch_shapes_and_flat_walk_keep_the_bits(t, flat, tile, monkeypatch):
-    """The grouped FP8 experts with the splits walked in one loop (``FLAT``) and other (BN, warps) launch shapes
-    (``MC_FP8_GROUPED_TILE``) == the trainer's per-expert ``fp8_linear`` calls, bitwise, at Qwen3-30B-A3B's shapes
-    (the gate/up projection runs 4 splits)."""
+def test_grouped_fp8_launch_shapes_and_flat_walk_keep_the_bits(t, flat, tile, w_tma, monkeypatch):
+    """The grouped FP8 experts with the splits walked in one loop (``FLAT``), other (BN, warps) launch shapes
+    (``MC_FP8_GROUPED_TILE``) and the weights through a TMA descriptor (``FP8_GROUPED_W_TMA``) == the trainer's
+    per-expert ``fp8_linear`` calls, bitwise, at Qwen3-30B-A3B's shapes (the gate/up projection runs 4 splits)."""
     from megatron_consistent.kernels.triton import moe as tmoe
 
     monkeypatch.setattr(tmoe, "FLAT_DEFAULT", flat)
     monkeypatch.setattr(tmoe, "_FP8_GROUPED_TILE", tile)
+    monkeypatch.setattr(tmoe, "FP8_GROUPED_W_TMA", w_tma)
     experts = _routes(t, 8, 128, seed=t)
     hidden = _acts(t, 2048, seed=t + 1)
     fc1_q, fc1_rows = _fp8_experts(128, 2 * 768, 2048, seed=1)

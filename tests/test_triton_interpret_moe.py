@@ -210,13 +210,16 @@ def _fp8_per_pair(x, experts, wq, wrows, out_dtype):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("t,k,e_count,n,kdim,dtype,flat", [(1, 2, 3, 128, 384, torch.bfloat16, False),
-                                                          (5, 2, 3, 136, 1152, torch.float32, False),
-                                                          (5, 2, 3, 136, 1152, torch.float32, True)])
-def test_fp8_grouped_gemm_rows_are_fp8_gemm_per_expert(t, k, e_count, n, kdim, dtype, flat, monkeypatch):
+@pytest.mark.parametrize("t,k,e_count,n,kdim,dtype,flat,w_tma", [(1, 2, 3, 128, 384, torch.bfloat16, False, False),
+                                                                (1, 2, 3, 128, 384, torch.bfloat16, False, True),
+                                                                (5, 2, 3, 136, 1152, torch.float32, False, False),
+                                                                (5, 2, 3, 136, 1152, torch.float32, True, False),
+                                                                (5, 2, 3, 136, 1152, torch.float32, True, True)])
+def test_fp8_grouped_gemm_rows_are_fp8_gemm_per_expert(t, k, e_count, n, kdim, dtype, flat, w_tma, monkeypatch):
     """The grouped FP8 GEMM (tokens gathered through the sorted pairs, or sorted rows scattered to pair order), row for
     row == ``fp8_gemm`` of that row alone with its expert's weight: one split, and two uneven splits (K = 1152: 9
-    groups as 5 + 4) with a ragged N edge; ``flat``: the grouped GEMM walks the splits in one loop."""
+    groups as 5 + 4) with a ragged N edge; ``flat``: the grouped GEMM walks the splits in one loop; ``w_tma``: the
+    weights through a descriptor of the stacked experts (with N = 136 a tile's last rows are the next expert's)."""
     from megatron_consistent.kernels import fp8
     from megatron_consistent.kernels.triton import fp8_linear as tf8
 
@@ -237,6 +240,7 @@ def test_fp8_grouped_gemm_rows_are_fp8_gemm_per_expert(t, k, e_count, n, kdim, d
         assert ((ref[pair].double() - exact).abs() <= 1e-3 * (xd[pair // k].abs() @ wd.abs().T) + 1e-6).all()
     tiles = tmoe.tile_table(counts, tmoe.fp8_grouped_tiles(tf8.fp8_config(n, kdim), t * k, e_count)[0], t * k)
     monkeypatch.setattr(tmoe, "FLAT_DEFAULT", flat)
+    monkeypatch.setattr(tmoe, "FP8_GROUPED_W_TMA", w_tma)
     gathered = tmoe.fp8_grouped_gemm(xq, xs, wq, wrows, tiles, pair_of_row, dtype, gather=True, slots=k)
     assert torch.equal(gathered, ref[pair_of_row])
     scattered = tmoe.fp8_grouped_gemm(xq[pair_of_row // k], xs[pair_of_row // k], wq, wrows, tiles, pair_of_row,

@@ -131,7 +131,10 @@ def quantize_activations(x2d: torch.Tensor, a_fmt: QuantFormat = E4M3_ACT_1x128,
 # ---------------------------------------------------------------------------------------------- GEMM kernel
 @triton.jit
 def _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_am, stride_bn, stride_asm, stride_bsn,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, SWS: tl.constexpr = False):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, SWS: tl.constexpr = False,
+                W_TMA: tl.constexpr = False, b_row0=0):
+    """Group ``g``'s operand tiles and scales.  ``USE_TMA``: both operands from TMA descriptors; ``W_TMA``: only the
+    weight's, from a descriptor whose row ``b_row0 + n`` is the weight's row ``n`` (a stack of experts' weights)."""
     rm = off_m + tl.arange(0, BM)
     rn = off_n + tl.arange(0, BN)
     k = g * BK
@@ -142,8 +145,11 @@ def _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_a
         kk = k + tl.arange(0, BK)
         a = tl.load(a_src + rm[:, None].to(tl.int64) * stride_am + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + kk[None, :],
-                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        if W_TMA:  # rows past the weight's N (the next expert's) only reach columns that are never stored
+            b = b_src.load([b_row0 + off_n, k])
+        else:
+            b = tl.load(b_src + rn[:, None].to(tl.int64) * stride_bn + kk[None, :],
+                        mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
     sa = tl.load(as_ptr + rm.to(tl.int64) * stride_asm + g, mask=rm < M, other=0.0)
     if SWS:  # one weight scale for the whole tile (the tile lies inside one weight block of rows)
         sb = tl.load(bs_ptr + off_n.to(tl.int64) * stride_bsn + g)
@@ -155,10 +161,10 @@ def _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_a
 @triton.jit
 def _group_term(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, acc, M, N, K, stride_am, stride_bn, stride_asm,
                 stride_bsn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr,
-                SWS: tl.constexpr):
+                SWS: tl.constexpr, W_TMA: tl.constexpr = False, b_row0=0):
     """``fma(dot_g, sa * sb, acc)``: group ``g`` added to ``acc`` (contract steps 2-3)."""
     a, b, sa, sb = _load_group(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, M, N, K, stride_am,
-                               stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS)
+                               stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS, W_TMA, b_row0)
     p = tl.dot(a, b.T)
     if SWS:
         return tl.fma(p, tl.broadcast_to((sa * sb)[:, None], (BM, BN)), acc)
@@ -169,12 +175,12 @@ def _group_term(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, acc, M, N, K, str
 def _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K,
                stride_am, stride_bn, stride_asm, stride_bsn,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr,
-               SWS: tl.constexpr = False):
+               SWS: tl.constexpr = False, W_TMA: tl.constexpr = False, b_row0=0):
     """float32 ``sum_g fma(dot_g, sa*sb, acc)`` over ``n_groups`` groups from group ``g0``, acc from 0, in K order."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for gi in tl.range(0, n_groups, num_stages=NUM_STAGES):
         acc = _group_term(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0 + gi, acc, M, N, K, stride_am, stride_bn,
-                          stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS)
+                          stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS, W_TMA, b_row0)
     return acc
 
 
@@ -182,21 +188,23 @@ def _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, n_groups, M, N, K
 def _serial_fp8_splits(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, M, N, K, stride_am, stride_bn, stride_asm, stride_bsn,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_GROUPS: tl.constexpr,
                        SPLITS: tl.constexpr, USE_TMA: tl.constexpr, NUM_STAGES: tl.constexpr, SWS: tl.constexpr,
-                       FLAT: tl.constexpr = False):
+                       FLAT: tl.constexpr = False, W_TMA: tl.constexpr = False, b_row0=0):
     """One tile's every split in one program (contract step 4): one split taken as is, else the split partials
     summed in split order from 0.  ``FLAT``: the same sums from one software-pipelined loop over all the tile's
     groups -- at a split's last group its partial is added to the total and the partial restarts from 0 -- so the
-    loads stream across split boundaries instead of the pipeline draining and refilling at each (scheduling only)."""
+    loads stream across split boundaries instead of the pipeline draining and refilling at each (scheduling only).
+    ``W_TMA`` / ``b_row0``: as :func:`_load_group`."""
     n_groups_all = tl.cdiv(K, BK)
     if SPLITS == 1:
         total = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, 0, n_groups_all, M, N, K,
-                           stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
+                           stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS,
+                           W_TMA, b_row0)
     elif FLAT:
         total = tl.zeros((BM, BN), dtype=tl.float32)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for g in tl.range(0, n_groups_all, num_stages=NUM_STAGES):
             acc = _group_term(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g, acc, M, N, K, stride_am, stride_bn,
-                              stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS)
+                              stride_asm, stride_bsn, BM, BN, BK, USE_TMA, SWS, W_TMA, b_row0)
             if ((g + 1) % SPLIT_GROUPS == 0) | (g == n_groups_all - 1):
                 total = total + acc
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -205,7 +213,8 @@ def _serial_fp8_splits(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, M, N, K, stri
         for s in tl.range(0, SPLITS):
             g0 = s * SPLIT_GROUPS
             acc = _split_acc(a_src, b_src, as_ptr, bs_ptr, off_m, off_n, g0, tl.minimum(SPLIT_GROUPS, n_groups_all - g0),
-                             M, N, K, stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS)
+                             M, N, K, stride_am, stride_bn, stride_asm, stride_bsn, BM, BN, BK, USE_TMA, NUM_STAGES, SWS,
+                             W_TMA, b_row0)
             total = total + acc
     return total
 

@@ -54,7 +54,7 @@ from ..dispatch import register
 from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
 from ..fp8 import per_expert_fp8_outputs
-from ._common import next_pow2
+from ._common import TensorDescriptor, next_pow2, tma_ok
 from .fp8_linear import FLAT_DEFAULT, GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
 from .linear import _epilogue, _serial_splits, config_for
 
@@ -438,14 +438,18 @@ def _fp8_grouped_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, tile_e_ptr, 
                              num_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                              SPLIT_GROUPS: tl.constexpr, SPLITS: tl.constexpr, NUM_STAGES: tl.constexpr,
                              GATHER: tl.constexpr, SCATTER: tl.constexpr, SLOTS: tl.constexpr,
-                             FLAT: tl.constexpr = False):
+                             FLAT: tl.constexpr = False, W_TMA: tl.constexpr = False, SWS: tl.constexpr = False):
     """Sorted row r of expert e: the FP8 GEMM of ``(xq[r], xs[r])`` with ``(wq[e], ws[e])`` into ``out[r]``;
     ``GATHER``: its operand row and scales are those of token ``pair[r] // SLOTS``; ``SCATTER``: its result goes to
-    ``out[pair[r]]``."""
+    ``out[pair[r]]``; ``W_TMA``: ``w_ptr`` is a TMA descriptor of the stacked weights as ``[E * N, K]``; ``SWS``: one
+    weight scale per (tile, group), as in ``fp8_gemm``."""
     e, r0, r1, off_n, pair = _expert_tile(tile_e_ptr, tile_r0_ptr, tile_r1_ptr, pair_ptr, num_n, BM, BN,
                                           GATHER or SCATTER)
     if e >= 0:
-        w_e = w_ptr + e.to(tl.int64) * stride_we
+        if W_TMA:
+            w_e = w_ptr
+        else:
+            w_e = w_ptr + e.to(tl.int64) * stride_we
         ws_e = ws_ptr + e.to(tl.int64) * stride_wse
         if GATHER:  # columns of row pointers: fp8_gemm's loads with zero row strides
             token = pair // SLOTS
@@ -460,7 +464,8 @@ def _fp8_grouped_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, tile_e_ptr, 
             s_stride = stride_xsm
         # fp8_gemm's serial path, rows masked to [r0, r1)
         total = _serial_fp8_splits(a_src, w_e, s_src, ws_e, r0, off_n, r1, N, K, a_stride, stride_wn, s_stride,
-                                   stride_wsn, BM, BN, BK, SPLIT_GROUPS, SPLITS, False, NUM_STAGES, False, FLAT)
+                                   stride_wsn, BM, BN, BK, SPLIT_GROUPS, SPLITS, False, NUM_STAGES, SWS, FLAT,
+                                   W_TMA, e * N)
         _store_expert_rows(total, out_ptr, pair, r0, r1, off_n, N, stride_om, BM, BN, SCATTER)
 
 
@@ -469,6 +474,8 @@ FP8_GROUPED_SMALL_BM = 64
 # "BN:warps" for every grouped FP8 launch instead of the config's BN and the rule's warps ("" = none): a benchmark
 # knob, scheduling only (an element's groups, splits and their order do not depend on the tile)
 _FP8_GROUPED_TILE = os.environ.get("MC_FP8_GROUPED_TILE", "")
+# the weight operand through a TMA descriptor of the stacked experts (CUDA; loads only): a benchmark knob as above
+FP8_GROUPED_W_TMA = os.environ.get("MC_FP8_GROUPED_W_TMA", "0") == "1"
 
 
 def fp8_grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int, int]:
@@ -484,12 +491,13 @@ def fp8_grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int, int
 
 def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, tiles: tuple,
                      pair_of_row: torch.Tensor, out_dtype: torch.dtype, gather: bool = False, scatter: bool = False,
-                     slots: int = 1) -> torch.Tensor:
+                     slots: int = 1, w_block_rows: int = 0) -> torch.Tensor:
     """``y[rows of e] = fp8_gemm(xq[rows], xs[rows], wq[e], ws[e])`` for rows sorted by expert, one launch.
 
     ``xq [rows or tokens, K]`` e4m3 with per-row group scales ``xs [.., ceil(K/128)]``; ``wq [E, N, K]`` e4m3 with
     per-row scales ``ws [E, N, ceil(K/128)]``; ``tiles`` a :func:`tile_table` (its BM that of
-    :func:`fp8_grouped_tiles`); ``gather`` / ``scatter`` as in :func:`grouped_gemm`."""
+    :func:`fp8_grouped_tiles`); ``gather`` / ``scatter`` as in :func:`grouped_gemm`; ``w_block_rows`` as in
+    ``fp8_gemm`` (the weight scales constant over aligned blocks of that many rows: one scale per tile)."""
     rows_in, k = xq.shape
     p = pair_of_row.shape[0]
     e_count, n, k2 = wq.shape
@@ -514,11 +522,15 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: t
         raise ValueError(f"fp8_grouped_gemm: a tile table of {tile_bm} rows for tiles of {bm}")
     split_groups = min(cfg["SPLIT_GROUPS"], g_all)
     num_n = triton.cdiv(n, bn)
+    w_src, w_tma = wq, FP8_GROUPED_W_TMA and tma_ok(wq.view(e_count * n, k))
+    if w_tma:
+        w_src = TensorDescriptor.from_tensor(wq.view(e_count * n, k), [bn, GROUP])
     _fp8_grouped_gemm_kernel[(max_tiles * num_n,)](
-        xq, xs, wq, ws, out, tile_e, r0, r1, pair_of_row, n, k, xq.stride(0), xs.stride(0), wq.stride(0), wq.stride(1),
+        xq, xs, w_src, ws, out, tile_e, r0, r1, pair_of_row, n, k, xq.stride(0), xs.stride(0), wq.stride(0), wq.stride(1),
         ws.stride(0), ws.stride(1), out.stride(0), num_n, BM=bm, BN=bn, BK=GROUP, SPLIT_GROUPS=split_groups,
         SPLITS=triton.cdiv(g_all, split_groups), NUM_STAGES=cfg["S"], GATHER=bool(gather), SCATTER=bool(scatter),
-        SLOTS=int(slots), FLAT=bool(cfg.get("FLAT", FLAT_DEFAULT)), num_warps=warps, num_stages=cfg["S"],
+        SLOTS=int(slots), FLAT=bool(cfg.get("FLAT", FLAT_DEFAULT)), W_TMA=w_tma,
+        SWS=w_block_rows > 0 and w_block_rows % bn == 0, num_warps=warps, num_stages=cfg["S"],
     )
     return out
 
@@ -539,9 +551,11 @@ def _fp8_expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, fc1_q:
     tiles = tile_table(counts, bm, t * k)
     tiles2 = tiles if bm2 == bm else tile_table(counts, bm2, t * k)
     xq, xs = quantize_activations(hidden, a_fmt)
-    h = fp8_grouped_gemm(xq, xs, fc1_q, fc1_rows, tiles, pair_of_row, hidden.dtype, gather=True, slots=k)
+    h = fp8_grouped_gemm(xq, xs, fc1_q, fc1_rows, tiles, pair_of_row, hidden.dtype, gather=True, slots=k,
+                         w_block_rows=w_fmt.block[0])
     aq, as_ = quantize_activations(silu_and_mul(h), a_fmt)
-    y = fp8_grouped_gemm(aq, as_, fc2_q, fc2_rows, tiles2, pair_of_row, hidden.dtype, scatter=True, slots=k)
+    y = fp8_grouped_gemm(aq, as_, fc2_q, fc2_rows, tiles2, pair_of_row, hidden.dtype, scatter=True, slots=k,
+                         w_block_rows=w_fmt.block[0])
     return y.reshape(t, k, -1)
 
 
