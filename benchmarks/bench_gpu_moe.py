@@ -27,8 +27,8 @@ Each time is ``triton.testing.do_bench_cudagraph`` of one forward (the expert we
 Ratios are ``time(stock) / time(consistent)`` (> 1: consistent faster).  Writes JSON to ``--out``, prints a table and
 writes a PNG next to the JSON (time per forward against T, log-log, with the floor).
 
-``--fp8-variants flat flat+tma:64:4 ...``: the grouped FP8 experts' scheduling knobs timed in the same run (``flat``:
-the splits walked by one loop; ``+tma``: the weights through a TMA descriptor; ``BN:warps``: the launch shape;
+``--fp8-variants flat flat+tma:64:64:4 ...``: the grouped FP8 experts' scheduling knobs timed in the same run (``flat``:
+the splits walked by one loop; ``+tma``: the weights through a TMA descriptor; ``BM:BN:warps``: the launch shape;
 ``base`` = none), each output checked bit for bit against the default's (``torch.equal``).  ``--kernel-times``:
 per-kernel device time of one eager forward of each engine (median of 20, torch profiler): where a layer's time goes.
 """
@@ -100,11 +100,11 @@ def read_bandwidth() -> float:
 
 
 def _fp8_variant(spec: str):
-    """The module settings of a ``--fp8-variants`` entry: ``flat|base[+tma][:BN:warps]``."""
+    """The module settings of a ``--fp8-variants`` entry: ``flat|base[+tma][:BM:BN:warps]``."""
     name, _, tile = spec.partition(":")
     walk, _, tma = name.partition("+")
-    if walk not in ("flat", "base") or tma not in ("", "tma") or (tile and not re.fullmatch(r"\d+:\d+", tile)):
-        raise SystemExit(f"--fp8-variants: {spec!r} is not flat|base[+tma][:BN:warps]")
+    if walk not in ("flat", "base") or tma not in ("", "tma") or (tile and not re.fullmatch(r"\d+:\d+:\d+", tile)):
+        raise SystemExit(f"--fp8-variants: {spec!r} is not flat|base[+tma][:BM:BN:warps]")
     return {"FLAT_DEFAULT": walk == "flat", "_FP8_GROUPED_TILE": tile, "FP8_GROUPED_W_TMA": tma == "tma"}
 
 
@@ -273,7 +273,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--fp8", action="store_true", help="block-FP8 experts on both sides")
     ap.add_argument("--plot", type=Path, help="only redraw the PNG of an earlier JSON")
-    ap.add_argument("--fp8-variants", nargs="*", default=[], help="with --fp8: flat|base[+tma][:BN:warps] timed beside")
+    ap.add_argument("--fp8-variants", nargs="*", default=[], help="with --fp8: flat|base[+tma][:BM:BN:warps] timed beside")
     ap.add_argument("--kernel-times", action="store_true", help="per-kernel device time of one forward per engine")
     args = ap.parse_args()
     if args.plot:

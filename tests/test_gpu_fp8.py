@@ -270,11 +270,11 @@ def test_grouped_fp8_experts_equal_the_per_expert_fp8_linears(t, k, e_count, h, 
         assert _bits_equal(tmoe._fp8_expert_outputs_cuda(hidden[i : i + 1], experts[i : i + 1], *args), got[i : i + 1])
 
 
-@pytest.mark.parametrize("flat,tile,w_tma", [(True, "", False), (True, "", True), (False, "", True), (True, "64:4", True),
-                                             (True, "128:8", False), (False, "64:4", False)])
+@pytest.mark.parametrize("flat,tile,w_tma", [(True, "", False), (True, "", True), (False, "", True),
+                                             (True, "64:64:4", True), (True, "64:128:8", False), (False, "64:64:4", False)])
 @pytest.mark.parametrize("t", [1, 300, 2048])
 def test_grouped_fp8_launch_shapes_and_flat_walk_keep_the_bits(t, flat, tile, w_tma, monkeypatch):
-    """The grouped FP8 experts with the splits walked in one loop (``FLAT``), other (BN, warps) launch shapes
+    """The grouped FP8 experts with the splits walked in one loop (``FLAT``), other (BM, BN, warps) launch shapes
     (``MC_FP8_GROUPED_TILE``) and the weights through a TMA descriptor (``FP8_GROUPED_W_TMA``) == the trainer's
     per-expert ``fp8_linear`` calls, bitwise, at Qwen3-30B-A3B's shapes (the gate/up projection runs 4 splits)."""
     from megatron_consistent.kernels.triton import moe as tmoe

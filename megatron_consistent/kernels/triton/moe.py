@@ -471,8 +471,9 @@ def _fp8_grouped_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, tile_e_ptr, 
 
 # rows per M tile of the grouped FP8 GEMM: 64 (one FP8 wgmma warp group) below the config's BM at few rows per expert
 FP8_GROUPED_SMALL_BM = 64
-# "BN:warps" for every grouped FP8 launch instead of the config's BN and the rule's warps ("" = none): a benchmark
-# knob, scheduling only (an element's groups, splits and their order do not depend on the tile)
+# "BM:BN:warps" for every grouped FP8 launch instead of the rule's ("" = none): a benchmark knob, scheduling only (an
+# element's groups, splits and their order do not depend on the tile; whether a 16-row tile's FP8 mma.sync gives the
+# bits of wgmma is what the benchmark checks)
 _FP8_GROUPED_TILE = os.environ.get("MC_FP8_GROUPED_TILE", "")
 # the weight operand through a TMA descriptor of the stacked experts (CUDA; loads only): a benchmark knob as above
 FP8_GROUPED_W_TMA = os.environ.get("MC_FP8_GROUPED_W_TMA", "0") == "1"
@@ -485,7 +486,7 @@ def fp8_grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int, int
     else:
         bm, bn, warps = cfg["BM"], cfg["BN"], cfg["W"]
     if _FP8_GROUPED_TILE:
-        bn, warps = (int(v) for v in _FP8_GROUPED_TILE.split(":"))
+        bm, bn, warps = (int(v) for v in _FP8_GROUPED_TILE.split(":"))
     return bm, bn, warps
 
 
