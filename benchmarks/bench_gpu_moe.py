@@ -105,7 +105,7 @@ def _fp8_variant(spec: str):
     walk, _, tma = name.partition("+")
     if walk not in ("flat", "base") or tma not in ("", "tma") or (tile and not re.fullmatch(r"\d+:\d+:\d+", tile)):
         raise SystemExit(f"--fp8-variants: {spec!r} is not flat|base[+tma][:BM:BN:warps]")
-    return {"FLAT_DEFAULT": walk == "flat", "_FP8_GROUPED_TILE": tile, "FP8_GROUPED_W_TMA": tma == "tma"}
+    return {"FP8_GROUPED_FLAT": walk == "flat", "_FP8_GROUPED_TILE": tile, "FP8_GROUPED_W_TMA": tma == "tma"}
 
 
 def _with_settings(module, settings: dict, fn):

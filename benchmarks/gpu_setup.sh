@@ -7,3 +7,6 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || retu
 export PYTHONPATH=/tmp/vsite:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the bundle's vLLM lacks DeepGEMM's JIT headers (third_party/deep_gemm/include): its block-FP8 engine failed to start
+# with DeepGEMM on (session 19); vLLM's CUTLASS / Triton block-FP8 kernels run instead
+export VLLM_USE_DEEP_GEMM=0 VLLM_MOE_USE_DEEP_GEMM=0

@@ -60,14 +60,14 @@ def record_grouped():
                 pairs = torch.arange(rows, dtype=torch.int32)
                 for flat in (False, True):
                     for w_tma in (False, True):
-                        tmoe.FLAT_DEFAULT, tmoe.FP8_GROUPED_W_TMA = flat, w_tma
+                        tmoe.FP8_GROUPED_FLAT, tmoe.FP8_GROUPED_W_TMA = flat, w_tma
                         tmoe.fp8_grouped_gemm(x, xs, w, ws, tiles, pairs, torch.bfloat16, w_block_rows=128)
 
-    saved = tmoe.FLAT_DEFAULT, tmoe.FP8_GROUPED_W_TMA
+    saved = tmoe.FP8_GROUPED_FLAT, tmoe.FP8_GROUPED_W_TMA
     try:
         launches = capture(tmoe, ("_fp8_grouped_gemm_kernel",), run)
     finally:
-        tmoe.FLAT_DEFAULT, tmoe.FP8_GROUPED_W_TMA = saved
+        tmoe.FP8_GROUPED_FLAT, tmoe.FP8_GROUPED_W_TMA = saved
     return distinct_launches(launches, {"_fp8_grouped_gemm_kernel": tmoe._fp8_grouped_gemm_kernel})
 
 

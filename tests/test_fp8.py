@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from megatron_consistent.conversion.fp8 import QUANT_KEY, export_hf_fp8, quantized_parts
 from megatron_consistent.conversion.hf import _join, _plan
 from megatron_consistent.kernels.fp8 import (
-    E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, QuantFormat, block_amax, compute_scales, dequantize, dequantize_rows, fp8_linear,
-    fp8_linear_ste, quantize, weight_row_scales)
+    E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, QuantFormat, block_amax, compute_scales, constant_row_block, dequantize,
+    dequantize_rows, fp8_linear, fp8_linear_ste, quantize, row_block_of_parts, weight_row_scales)
 from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
 from megatron_consistent.layers.fp8 import enable_fp8
 from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
@@ -157,6 +157,37 @@ def test_exported_fp8_weights_are_the_trainer_forward_weights(fp8_model):
         assert torch.equal(y, fp8_linear(x, file_q, file_rows, module.bias))
         checked += 1
     assert checked == 4 * arch.num_layers
+
+
+def _longest_constant_run(rows: torch.Tensor, limit: int = 256) -> int:
+    """Brute force: the largest power of two P <= limit with ``rows`` (per-row scales) equal over aligned P-row runs."""
+    best, p = 1, 2
+    while p <= limit:
+        if not all(torch.equal(rows[i : i + p], rows[i : i + 1].expand_as(rows[i : i + p])) for i in range(0, rows.shape[0], p)):
+            break
+        best, p = p, 2 * p
+    return best
+
+
+def test_scale_block_runs_follow_the_quantized_parts(fp8_model):
+    """``w_block_rows`` (the CUDA FP8 GEMM loads one weight scale per tile of that many rows) is exactly the longest
+    aligned run of equal row scales of the weight the trainer's forward uses -- fused qkv interleaved per query group,
+    [gate; up] with parts not a multiple of 128 rows -- found by brute force on random weights (distinct block
+    scales); the format's block alone (128) would be wrong for parts of 64 rows."""
+    model, _ = fp8_model
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, module in model.named_modules():
+        if getattr(module, "fp8", None) is None or not hasattr(module.fp8, "kind"):
+            continue
+        _, rows = module.fp8.quantize_weight(params[name + ".weight"])
+        assert module.fp8.block_rows == _longest_constant_run(rows), (name, module.fp8.block_rows)
+        seen.add((module.fp8.kind, module.fp8.block_rows))
+    assert {kind for kind, _ in seen} == {"qkv", "copy", "fc1"}
+    assert row_block_of_parts((64, 64), 128) == 64 and row_block_of_parts((768, 768), 128) == 128
+    assert row_block_of_parts((4096, 1024, 1024), 128) == 128 and row_block_of_parts((96, 96), 128) == 32
+    assert constant_row_block(torch.tensor([0, 0, 1, 1, 1])) == 2 and constant_row_block(torch.tensor([0, 0, 0, 1])) == 1
+    assert constant_row_block(torch.zeros(5)) == 256
 
 
 def test_fp8_trainer_logprobs_batch_invariant_and_trainable(fp8_model):

@@ -23,6 +23,7 @@ from megatron_consistent.kernels.fp8 import (
 from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
 from megatron_consistent.layers.fp8 import enable_fp8
 from megatron_consistent.layers.moe import ConsistentMoELayer
+from test_fp8 import _longest_constant_run
 from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
 
 
@@ -96,6 +97,12 @@ def test_exported_experts_are_the_trainer_forward_weights(moe_fp8):
         assert torch.equal(_bits(mine.q), _bits(fc1.q)) and torch.equal(mine.rows, fc1.rows)
         mine2 = block.fp8.quantize_weight("experts_fc2", block.experts.linear_fc2.weight)
         assert torch.equal(_bits(mine2.q), _bits(fc2.q)) and torch.equal(mine2.rows, fc2.rows)
+        # the CUDA GEMM's one-scale-per-tile hint holds for every expert and is tight for some ([gate; up] quantized
+        # part by part: 64-row runs at I = 64, not the format's 128; an expert whose gate and up scales happen to be
+        # equal has longer runs)
+        for w8 in (mine, mine2):
+            runs = [_longest_constant_run(w8.rows[e]) for e in range(arch.num_experts)]
+            assert min(runs) == w8.block_rows, (runs, w8.block_rows)
         # the trainer block's output == fp8_moe_experts on the exported tensors (the vLLM plugin's computation)
         x = _rand(11, 1, arch.hidden_size, seed=i)
         y, _ = block(x)

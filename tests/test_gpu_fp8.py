@@ -245,22 +245,29 @@ def _fp8_experts(e_count, n, k, seed):
     return torch.stack([q for q, _ in qs]), torch.stack([r for _, r in qs])
 
 
+def _fp8_fc1(e_count, inter, h):
+    """[gate; up] per expert, each quantized on its own as an export does (scale blocks restart at row ``inter``)."""
+    (gq, gr), (uq, ur) = _fp8_experts(e_count, inter, h, seed=1), _fp8_experts(e_count, inter, h, seed=3)
+    return torch.cat([gq, uq], dim=1), torch.cat([gr, ur], dim=1)
+
+
 def _routes(t, k, e_count, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.stack([torch.randperm(e_count, generator=g)[:k] for _ in range(t)]).to(DEV)
 
 
 @pytest.mark.parametrize("t,k,e_count,h,inter", [(1, 8, 128, 2048, 768), (7, 8, 128, 2048, 768), (300, 8, 128, 2048, 768),
-                                                 (64, 2, 8, 1024, 1000), (2048, 8, 32, 2048, 768)])
+                                                 (64, 2, 8, 1024, 1000), (2048, 8, 32, 2048, 768), (64, 1, 8, 128, 64)])
 def test_grouped_fp8_experts_equal_the_per_expert_fp8_linears(t, k, e_count, h, inter):
     """The engine's grouped FP8 experts (one FP8 GEMM launch per projection, rows gathered / scattered through the
     sorted pairs) == the trainer's per-expert ``fp8_linear`` calls, bitwise (both BM classes: 64-row tiles at few
-    rows per expert, the config's at many; Qwen3-30B-A3B's shapes and a ragged one); a token alone == in the batch."""
+    rows per expert, the config's at many; Qwen3-30B-A3B's shapes, a ragged one, and 64-row gate / up parts whose
+    scale blocks split a 128-row tile); a token alone == in the batch."""
     from megatron_consistent.kernels.triton import moe as tmoe
 
     experts = _routes(t, k, e_count, seed=t)
     hidden = _acts(t, h, seed=t + 1)
-    fc1_q, fc1_rows = _fp8_experts(e_count, 2 * inter, h, seed=1)
+    fc1_q, fc1_rows = _fp8_fc1(e_count, inter, h)
     fc2_q, fc2_rows = _fp8_experts(e_count, h, inter, seed=2)
     args = (fc1_q, fc1_rows, fc2_q, fc2_rows, fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)
     got = tmoe._fp8_expert_outputs_cuda(hidden, experts, *args)
@@ -279,12 +286,12 @@ def test_grouped_fp8_launch_shapes_and_flat_walk_keep_the_bits(t, flat, tile, w_
     per-expert ``fp8_linear`` calls, bitwise, at Qwen3-30B-A3B's shapes (the gate/up projection runs 4 splits)."""
     from megatron_consistent.kernels.triton import moe as tmoe
 
-    monkeypatch.setattr(tmoe, "FLAT_DEFAULT", flat)
+    monkeypatch.setattr(tmoe, "FP8_GROUPED_FLAT", flat)
     monkeypatch.setattr(tmoe, "_FP8_GROUPED_TILE", tile)
     monkeypatch.setattr(tmoe, "FP8_GROUPED_W_TMA", w_tma)
     experts = _routes(t, 8, 128, seed=t)
     hidden = _acts(t, 2048, seed=t + 1)
-    fc1_q, fc1_rows = _fp8_experts(128, 2 * 768, 2048, seed=1)
+    fc1_q, fc1_rows = _fp8_fc1(128, 768, 2048)
     fc2_q, fc2_rows = _fp8_experts(128, 2048, 768, seed=2)
     assert tf8.fp8_config(2 * 768, 2048)["SPLIT_GROUPS"] < 16
     args = (fc1_q, fc1_rows, fc2_q, fc2_rows, fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)

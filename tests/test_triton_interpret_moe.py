@@ -239,7 +239,7 @@ def test_fp8_grouped_gemm_rows_are_fp8_gemm_per_expert(t, k, e_count, n, kdim, d
         exact = xd[pair // k] @ wd.T
         assert ((ref[pair].double() - exact).abs() <= 1e-3 * (xd[pair // k].abs() @ wd.abs().T) + 1e-6).all()
     tiles = tmoe.tile_table(counts, tmoe.fp8_grouped_tiles(tf8.fp8_config(n, kdim), t * k, e_count)[0], t * k)
-    monkeypatch.setattr(tmoe, "FLAT_DEFAULT", flat)
+    monkeypatch.setattr(tmoe, "FP8_GROUPED_FLAT", flat)
     monkeypatch.setattr(tmoe, "FP8_GROUPED_W_TMA", w_tma)
     gathered = tmoe.fp8_grouped_gemm(xq, xs, wq, wrows, tiles, pair_of_row, dtype, gather=True, slots=k)
     assert torch.equal(gathered, ref[pair_of_row])
@@ -251,7 +251,8 @@ def test_fp8_grouped_gemm_rows_are_fp8_gemm_per_expert(t, k, e_count, n, kdim, d
 def test_fp8_expert_outputs_are_the_per_expert_chain_and_a_changed_split_is_caught(monkeypatch):
     """The CUDA FP8 expert path (sort, quantize, grouped GEMM, ``silu_and_mul``, quantize, grouped GEMM) on CPU tensors
     == every pair through ``fp8_gemm`` -> ``silu_and_mul`` -> ``fp8_gemm`` alone (float32, where a changed summation
-    order shows); a grouped GEMM without ``fp8_config``'s split is caught."""
+    order shows), with gate and up quantized one by one (64-row scale blocks); a grouped GEMM without
+    ``fp8_config``'s split is caught, and so is one that takes one weight scale per 128-row tile."""
     from megatron_consistent.kernels import fp8, silu_and_mul
     from megatron_consistent.kernels.triton import fp8_linear as tf8
 
@@ -259,7 +260,10 @@ def test_fp8_expert_outputs_are_the_per_expert_chain_and_a_changed_split_is_caug
     g = torch.Generator().manual_seed(17)
     experts = torch.stack([torch.randperm(e_count, generator=g)[:k] for _ in range(t)])
     hidden = torch.randn(t, h, generator=g)
-    fc1_q, fc1_rows = _fp8_experts(e_count, 2 * inter, h, seed=1)
+    # [gate; up] quantized part by part as an export does: 64-row scale blocks, so a 128-row tile has two scales
+    gate_q, gate_rows = _fp8_experts(e_count, inter, h, seed=1)
+    up_q, up_rows = _fp8_experts(e_count, inter, h, seed=3)
+    fc1_q, fc1_rows = torch.cat([gate_q, up_q], dim=1), torch.cat([gate_rows, up_rows], dim=1)
     fc2_q, fc2_rows = _fp8_experts(e_count, 128, inter, seed=2)
     act = silu_and_mul(_fp8_per_pair(hidden, experts, fc1_q, fc1_rows, torch.float32))
     ref = torch.stack([tf8.fp8_gemm(*tf8.quantize_activations(act[p : p + 1]), fc2_q[e], fc2_rows[e], None,
@@ -267,5 +271,9 @@ def test_fp8_expert_outputs_are_the_per_expert_chain_and_a_changed_split_is_caug
     args = (hidden, experts, fc1_q, fc1_rows, fc2_q, fc2_rows, fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)
     assert tf8.fp8_config(2 * inter, h)["SPLIT_GROUPS"] < 8  # the first GEMM runs splits
     assert torch.equal(tmoe._fp8_expert_outputs_cuda(*args), ref.reshape(t, k, -1))
+    with monkeypatch.context() as m:
+        m.setattr(tmoe, "row_block_of_parts", lambda parts, block_rows: block_rows)  # the format's block, wrongly
+        assert tf8.fp8_config(2 * inter, h)["BN"] == 128
+        assert not torch.equal(tmoe._fp8_expert_outputs_cuda(*args), ref.reshape(t, k, -1))
     monkeypatch.setattr(tmoe, "fp8_config", lambda n, kk: {**tf8.fp8_config(n, kk), "SPLIT_GROUPS": 8})
     assert not torch.equal(tmoe._fp8_expert_outputs_cuda(*args), ref.reshape(t, k, -1))

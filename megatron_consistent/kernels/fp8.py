@@ -67,6 +67,8 @@ trainer's FP8 forward equals the engine's on each device.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -79,7 +81,8 @@ from .silu_and_mul import silu_and_mul
 
 __all__ = [
     "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "NVFP4_WEIGHT", "FP8LinearSTE", "FP8Weights", "QuantFormat", "VALUE_CODECS", "block_amax",
-    "compute_scales", "dequantize", "dequantize_rows", "fp8_expert_mlp", "fp8_linear", "fp8_linear_ste", "fp8_moe_experts", "quantize",
+    "compute_scales", "constant_row_block", "dequantize", "dequantize_rows", "fp8_expert_mlp", "fp8_linear", "fp8_linear_ste",
+    "fp8_moe_experts", "quantize", "row_block_of_parts",
     "weight_row_scales",
 ]
 
@@ -249,20 +252,52 @@ def _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt):
     return dequantize(xq, xs, a_fmt), dequantize_rows(w_q, w_row_scales, w_fmt)
 
 
+def constant_row_block(block_ids: torch.Tensor, limit: int = 256) -> int:
+    """The largest power of two ``P <= limit`` such that ``block_ids`` (the scale block of each weight row, in the
+    weight's row order) is constant over every aligned run of ``P`` rows (the last run may be short).  A GEMM tile of
+    ``BN | P`` rows then has one weight scale per group (``w_block_rows`` of the CUDA FP8 GEMM).  A fused weight's
+    parts are quantized one by one, so its blocks follow the parts' boundaries, not multiples of the format's block."""
+    ids = block_ids.reshape(-1)
+    p = 1
+    while 2 * p <= limit and ids.numel():
+        q = 2 * p
+        pad = (-ids.numel()) % q
+        runs = (torch.cat([ids, ids[-1:].expand(pad)]) if pad else ids).view(-1, q)
+        if not bool((runs == runs[:, :1]).all()):
+            break
+        p = q
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def row_block_of_parts(part_rows: tuple[int, ...], block_rows: int) -> int:
+    """:func:`constant_row_block` of parts of ``part_rows`` rows each, quantized one by one (blocks of
+    ``block_rows`` rows from each part's first row) and stacked in that order."""
+    ids, base = [], 0
+    for n in part_rows:
+        ids.append(torch.arange(n) // block_rows + base)
+        base += -(-n // block_rows)
+    return constant_row_block(torch.cat(ids))
+
+
 @register("fp8_linear", "cpu")
-def _fp8_linear_cpu(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt=E4M3_WEIGHT_128, a_fmt=E4M3_ACT_1x128):
+def _fp8_linear_cpu(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt=E4M3_WEIGHT_128, a_fmt=E4M3_ACT_1x128, w_block_rows=0):
+    """``w_block_rows`` (the CUDA GEMM's scale-load hint) does not enter the CPU arithmetic."""
     xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
     return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, *, w_fmt: QuantFormat = E4M3_WEIGHT_128,
-               a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
-    """Inference FP8 linear (no autograd): dynamic per-token activation quantization, then the batch-invariant linear."""
+               a_fmt: QuantFormat = E4M3_ACT_1x128, w_block_rows: int = 0) -> torch.Tensor:
+    """Inference FP8 linear (no autograd): dynamic per-token activation quantization, then the batch-invariant linear.
+    ``w_block_rows``: the row scales are constant over aligned runs of that many rows (:func:`constant_row_block`;
+    0 = unknown) -- lets the CUDA GEMM load one scale per tile; never changes a bit."""
     if x.shape[-1] != w_q.shape[-1]:
         raise ValueError(f"fp8_linear: input has {x.shape[-1]} features, weight expects {w_q.shape[-1]}")
     x2d = x.reshape(-1, x.shape[-1])
-    y = implementation("fp8_linear", x.device)(x2d, w_q, w_row_scales, bias, out_dtype or x.dtype, w_fmt, a_fmt)
+    y = implementation("fp8_linear", x.device)(x2d, w_q, w_row_scales, bias, out_dtype or x.dtype, w_fmt, a_fmt,
+                                               w_block_rows)
     return y.reshape(*x.shape[:-1], w_q.shape[0])
 
 
@@ -270,10 +305,10 @@ class FP8LinearSTE(torch.autograd.Function):
     """FP8 forward (as :func:`fp8_linear`) with a straight-through backward to the input and the master weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_q, w_row_scales, out_dtype, w_fmt, a_fmt):
+    def forward(ctx, x, weight, bias, w_q, w_row_scales, out_dtype, w_fmt, a_fmt, w_block_rows=0):
         x2d = x.reshape(-1, x.shape[-1])
         # the registered fp8_linear of the device: on CPU dequantize + linear, on CUDA the FP8 Triton GEMM
-        y = implementation("fp8_linear", x.device)(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt, a_fmt)
+        y = implementation("fp8_linear", x.device)(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt, a_fmt, w_block_rows)
         ctx.save_for_backward(x2d, w_q, w_row_scales)  # dequantized operands are recomputed in the backward
         ctx.fmts = (w_fmt, a_fmt)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -296,17 +331,18 @@ class FP8LinearSTE(torch.autograd.Function):
             grad_w = (g.t() @ xd.to(compute)).to(ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = g32.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def fp8_linear_ste(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_q: torch.Tensor, w_row_scales: torch.Tensor,
                    out_dtype: torch.dtype | None = None, *, w_fmt: QuantFormat = E4M3_WEIGHT_128,
-                   a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
+                   a_fmt: QuantFormat = E4M3_ACT_1x128, w_block_rows: int = 0) -> torch.Tensor:
     """Training FP8 linear: forward bitwise :func:`fp8_linear` on ``(w_q, w_row_scales)`` (the quantized ``weight``);
-    gradients flow to ``x``, the master ``weight`` and ``bias`` by the straight-through estimator."""
+    gradients flow to ``x``, the master ``weight`` and ``bias`` by the straight-through estimator; ``w_block_rows``
+    as in :func:`fp8_linear`."""
     if x.shape[-1] != w_q.shape[-1] or tuple(weight.shape) != tuple(w_q.shape):
         raise ValueError(f"fp8_linear_ste: shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, w_q {tuple(w_q.shape)} disagree")
-    return FP8LinearSTE.apply(x, weight, bias, w_q, w_row_scales, out_dtype or x.dtype, w_fmt, a_fmt)
+    return FP8LinearSTE.apply(x, weight, bias, w_q, w_row_scales, out_dtype or x.dtype, w_fmt, a_fmt, w_block_rows)
 
 
 # ------------------------------------------------------------------------------------------- FP8 MoE experts
@@ -318,15 +354,16 @@ class FP8Weights:
     q: torch.Tensor
     rows: torch.Tensor
     master: torch.Tensor | None = None
+    block_rows: int = 0  # the rows' scale blocks, as fp8_linear's w_block_rows
 
     def expert(self, e: int) -> "FP8Weights":
-        return FP8Weights(self.q[e], self.rows[e], None if self.master is None else self.master[e])
+        return FP8Weights(self.q[e], self.rows[e], None if self.master is None else self.master[e], self.block_rows)
 
 
 def _fp8_apply(x, w: FP8Weights, w_fmt, a_fmt):
     if w.master is None:
-        return fp8_linear(x, w.q, w.rows, w_fmt=w_fmt, a_fmt=a_fmt)
-    return fp8_linear_ste(x, w.master, None, w.q, w.rows, w_fmt=w_fmt, a_fmt=a_fmt)
+        return fp8_linear(x, w.q, w.rows, w_fmt=w_fmt, a_fmt=a_fmt, w_block_rows=w.block_rows)
+    return fp8_linear_ste(x, w.master, None, w.q, w.rows, w_fmt=w_fmt, a_fmt=a_fmt, w_block_rows=w.block_rows)
 
 
 def fp8_expert_mlp(x: torch.Tensor, fc1: FP8Weights, fc2: FP8Weights, w_fmt: QuantFormat = E4M3_WEIGHT_128,

@@ -33,9 +33,9 @@ Ops (``torch.ops.megatron_consistent.<name>``):
 * ``relu_squared(x)``, ``mamba_dt(dt_raw, dt_bias, dt_min, dt_max)``, ``gated_rms_norm(y, z, weight, group_size,
   eps)``: the Nemotron-H / Mamba-2 elementwise and norm ops (their CUDA forwards are torch code: wrapped so that
   Inductor cannot fuse and re-round them);
-* ``fp8_linear(x, w_q, w_row_scales, bias, w_fmt, a_fmt)``: :func:`..fp8.fp8_linear` (block-FP8 / NVFP4 weights,
-  ``x.dtype`` out); the formats as :attr:`..fp8.QuantFormat.spec` strings, ``a_fmt`` ``""`` for unquantized
-  activations (W4A16), NVFP4 codes unpacked one per byte;
+* ``fp8_linear(x, w_q, w_row_scales, bias, w_fmt, a_fmt, w_block_rows)``: :func:`..fp8.fp8_linear` (block-FP8 /
+  NVFP4 weights, ``x.dtype`` out); the formats as :attr:`..fp8.QuantFormat.spec` strings, ``a_fmt`` ``""`` for
+  unquantized activations (W4A16), NVFP4 codes unpacked one per byte, ``w_block_rows`` the row scales' constant runs;
 * ``fp8_moe_experts(hidden, experts, weights, fc1_q, fc1_rows, fc2_q, fc2_rows, shared_fc1_q, shared_fc1_rows,
   shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt, a_fmt)``: :func:`..fp8.fp8_moe_experts` without masters
   (E4M3 experts with per-row scales; CUDA: grouped FP8 GEMMs, no host read), ``[T, H]``;
@@ -167,13 +167,13 @@ def _gated_rms_norm_fake(y, z, weight, group_size, eps):
 
 @torch.library.custom_op("megatron_consistent::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None, w_fmt: str,
-               a_fmt: str) -> torch.Tensor:
+               a_fmt: str, w_block_rows: int = 0) -> torch.Tensor:
     return kfp8.fp8_linear(x, w_q, w_row_scales, bias, w_fmt=kfp8.QuantFormat.from_spec(w_fmt),
-                           a_fmt=kfp8.QuantFormat.from_spec(a_fmt) if a_fmt else None)
+                           a_fmt=kfp8.QuantFormat.from_spec(a_fmt) if a_fmt else None, w_block_rows=w_block_rows)
 
 
 @fp8_linear.register_fake
-def _fp8_linear_fake(x, w_q, w_row_scales, bias, w_fmt, a_fmt):
+def _fp8_linear_fake(x, w_q, w_row_scales, bias, w_fmt, a_fmt, w_block_rows=0):
     return x.new_empty(*x.shape[:-1], w_q.shape[0])
 
 
@@ -185,7 +185,9 @@ def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
                     a_fmt: str) -> torch.Tensor:
     shared = None
     if shared_fc1_q is not None:
-        shared = (kfp8.FP8Weights(shared_fc1_q, shared_fc1_rows), kfp8.FP8Weights(shared_fc2_q, shared_fc2_rows),
+        br, inter = kfp8.QuantFormat.from_spec(w_fmt).block[0], shared_fc1_q.shape[0] // 2
+        shared = (kfp8.FP8Weights(shared_fc1_q, shared_fc1_rows, block_rows=kfp8.row_block_of_parts((inter, inter), br)),
+                  kfp8.FP8Weights(shared_fc2_q, shared_fc2_rows, block_rows=kfp8.row_block_of_parts((shared_fc2_q.shape[0],), br)),
                   shared_gate)
     return kfp8.fp8_moe_experts(hidden, experts, weights, kfp8.FP8Weights(fc1_q, fc1_rows),
                                 kfp8.FP8Weights(fc2_q, fc2_rows), shared, w_fmt=kfp8.QuantFormat.from_spec(w_fmt),

@@ -25,10 +25,20 @@ from ..config import ArchConfig, UnsupportedConfigError
 from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
 from ..conversion.hf import _join, _plan
 from ..conversion.moe import MOE_KINDS
-from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, fp8_linear_ste, fp8_moe_experts,
-                           kv_round_trip, weight_row_scales)
+from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, constant_row_block,
+                           fp8_linear_ste, fp8_moe_experts, kv_round_trip, row_block_of_parts, weight_row_scales)
 
 __all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
+
+
+def _joined_row_block(arch: ArchConfig, kind: str, part_rows: list[int], fmt: QuantFormat) -> int:
+    """``w_block_rows`` of a Megatron fused weight whose HF parts (``part_rows`` rows each) were quantized one by one:
+    the parts' scale-block ids joined in Megatron's row order (interleaved per query group for qkv)."""
+    ids, base = [], 0
+    for n in part_rows:
+        ids.append(torch.arange(n) // fmt.block[0] + base)
+        base += -(-n // fmt.block[0])
+    return constant_row_block(_join(arch, kind, ids))
 
 
 class FP8Binding:
@@ -36,17 +46,20 @@ class FP8Binding:
 
     def __init__(self, arch: ArchConfig, kind: str, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128):
         self.arch, self.kind, self.w_fmt, self.a_fmt = arch, kind, w_fmt, a_fmt
+        self.block_rows = None  # of the joined row scales, from the parts' shapes at the first call
 
     def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w_q, row_scales)`` of the fused weight, in Megatron's row order."""
         parts = quantized_parts(self.arch, self.kind, weight, self.w_fmt)
+        if self.block_rows is None:
+            self.block_rows = _joined_row_block(self.arch, self.kind, [q.shape[0] for q, _ in parts], self.w_fmt)
         w_q = _join(self.arch, self.kind, [q for q, _ in parts])
         rows = _join(self.arch, self.kind, [weight_row_scales(s, q.shape[0], self.w_fmt) for q, s in parts])
         return w_q.contiguous(), rows.contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w_q, rows = self.quantize_weight(weight)
-        return fp8_linear_ste(x, weight, bias, w_q, rows, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
+        return fp8_linear_ste(x, weight, bias, w_q, rows, w_fmt=self.w_fmt, a_fmt=self.a_fmt, w_block_rows=self.block_rows)
 
 
 class FP8MoEBinding:
@@ -63,7 +76,8 @@ class FP8MoEBinding:
         parts = quantized_parts(self.arch, kind, weight, self.w_fmt)
         q = _join(self.arch, kind, [q for q, _ in parts]).contiguous()
         rows = _join(self.arch, kind, [weight_row_scales(s, q.shape[0], self.w_fmt) for q, s in parts]).contiguous()
-        return FP8Weights(q, rows, weight)
+        one = parts[: 2 if kind in ("experts_fc1", "fc1") else 1]  # one expert's rows: [gate; up] or the one tensor
+        return FP8Weights(q, rows, weight, row_block_of_parts(tuple(p.shape[0] for p, _ in one), self.w_fmt.block[0]))
 
     def __call__(self, block, h: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fc1 = self.quantize_weight("experts_fc1", block.experts.linear_fc1.weight)

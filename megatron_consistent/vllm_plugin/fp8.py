@@ -33,7 +33,7 @@ from torch import nn
 from ..config import ArchConfig, UnsupportedConfigError
 from ..conversion.fp8 import QUANT_KEY, check_fp8_arch, formats_from_entry
 from ..kernels import inference_ops
-from ..kernels.fp8 import weight_row_scales
+from ..kernels.fp8 import row_block_of_parts, weight_row_scales
 from ..kernels.nvfp4 import nvfp4_effective_scales, unpack_e2m1
 from .decoder_layer import ConsistentDecoderLayer
 from .moe import ConsistentMoEDecoderLayer
@@ -94,13 +94,14 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
 def _make_linear(layer, op: str):
     parts = _FUSED[op][1]
     formats = layer.format_specs
+    block_rows = row_block_of_parts(tuple(layer._rows[op]), layer.w_fmt.block[0])  # the parts' blocks, stacked
 
     def run(x, w_q, b=None):
         if layer.nvfp4:
             rows = torch.cat([nvfp4_effective_scales(getattr(layer, f"{s}_scale"), getattr(layer, f"{s}_scale_2")) for s in parts])
-            return inference_ops.fp8_linear(x, unpack_e2m1(w_q), rows, b, *formats)
+            return inference_ops.fp8_linear(x, unpack_e2m1(w_q), rows, b, *formats, block_rows)
         rows = torch.cat([weight_row_scales(getattr(layer, f"{s}_scale"), n, layer.w_fmt) for s, n in zip(parts, layer._rows[op])])
-        return inference_ops.fp8_linear(x, w_q, rows, b, *formats)
+        return inference_ops.fp8_linear(x, w_q, rows, b, *formats, block_rows)
 
     return run
 

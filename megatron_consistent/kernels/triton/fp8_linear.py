@@ -272,8 +272,6 @@ def _reduce_splits(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_B
 
 
 _FORCE_PATH = os.environ.get("MC_FP8_GEMM_PATH", "")  # "", "serial", "parallel" (numerics-neutral)
-# a config without "FLAT": whether its serial splits run as one pipelined loop (numerics-neutral; a benchmark knob)
-FLAT_DEFAULT = os.environ.get("MC_FP8_FLAT", "0") == "1"
 
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
@@ -323,7 +321,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
         a_src, b_src, xs, ws, bias if bias is not None else out, out, wsp,
         m, n, k, xq.stride(0), wq.stride(0), xs.stride(0), ws.stride(0), out.stride(0), grid,
         BM=bm, BN=bn, BK=bk, GROUP_M=cfg["G"], SPLIT_GROUPS=split_groups, SPLITS=splits, PARALLEL=parallel,
-        USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"], SWS=sws, FLAT=bool(cfg.get("FLAT", FLAT_DEFAULT)),
+        USE_TMA=use_tma, HAS_BIAS=bias is not None, NUM_STAGES=cfg["S"], SWS=sws, FLAT=bool(cfg.get("FLAT", False)),
         num_warps=cfg["W"],
         num_stages=cfg["S"],
     )
@@ -342,12 +340,14 @@ def fp8_kernel_applies(w_fmt: QuantFormat, a_fmt: QuantFormat | None, w_q: torch
 @register("fp8_linear", "cuda")
 def _fp8_linear_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None,
                      out_dtype: torch.dtype, w_fmt: QuantFormat = E4M3_WEIGHT_128,
-                     a_fmt: QuantFormat | None = E4M3_ACT_1x128) -> torch.Tensor:
+                     a_fmt: QuantFormat | None = E4M3_ACT_1x128, w_block_rows: int = 0) -> torch.Tensor:
     """E4M3 weights with 128-wide blocks and 1x128 E4M3 activations: the FP8 GEMM above.  Any other format the
     quantizer accepts (weight-only ``a_fmt=None``, other group sizes, other codecs): the CPU path's arithmetic —
-    float32 dequantized operands (per row) — through the batch-invariant Triton ``linear``."""
+    float32 dequantized operands (per row) — through the batch-invariant Triton ``linear``.  ``w_block_rows``: the
+    caller's statement of the row scales' constant runs (``kernels.fp8.constant_row_block``; 0 = unknown), never the
+    format's block alone: a fused weight's parts are quantized one by one."""
     if not fp8_kernel_applies(w_fmt, a_fmt, w_q):
         xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
         return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
     xq, xs = quantize_activations(x2d, a_fmt)
-    return fp8_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype, w_block_rows=w_fmt.block[0])
+    return fp8_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype, w_block_rows=w_block_rows)

@@ -53,9 +53,9 @@ from .. import numerics
 from ..dispatch import register
 from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
-from ..fp8 import per_expert_fp8_outputs
+from ..fp8 import per_expert_fp8_outputs, row_block_of_parts
 from ._common import TensorDescriptor, next_pow2, tma_ok
-from .fp8_linear import FLAT_DEFAULT, GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
+from .fp8_linear import GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
 from .linear import _epilogue, _serial_splits, config_for
 
 
@@ -475,8 +475,11 @@ FP8_GROUPED_SMALL_BM = 64
 # element's groups, splits and their order do not depend on the tile; whether a 16-row tile's FP8 mma.sync gives the
 # bits of wgmma is what the benchmark checks)
 _FP8_GROUPED_TILE = os.environ.get("MC_FP8_GROUPED_TILE", "")
-# the weight operand through a TMA descriptor of the stacked experts (CUDA; loads only): a benchmark knob as above
-FP8_GROUPED_W_TMA = os.environ.get("MC_FP8_GROUPED_W_TMA", "0") == "1"
+# the splits walked by one pipelined loop, and the weight operand through a TMA descriptor of the stacked experts:
+# scheduling and loads only (bits unchanged); both on by default since the H200 measured them faster at every T
+# (session 19, bench_gpu_moe.py --fp8-variants); "0" turns one off for a comparison
+FP8_GROUPED_FLAT = os.environ.get("MC_FP8_GROUPED_FLAT", "1") == "1"
+FP8_GROUPED_W_TMA = os.environ.get("MC_FP8_GROUPED_W_TMA", "1") == "1"
 
 
 def fp8_grouped_tiles(cfg: dict, rows: int, experts: int) -> tuple[int, int, int]:
@@ -530,7 +533,7 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: t
         xq, xs, w_src, ws, out, tile_e, r0, r1, pair_of_row, n, k, xq.stride(0), xs.stride(0), wq.stride(0), wq.stride(1),
         ws.stride(0), ws.stride(1), out.stride(0), num_n, BM=bm, BN=bn, BK=GROUP, SPLIT_GROUPS=split_groups,
         SPLITS=triton.cdiv(g_all, split_groups), NUM_STAGES=cfg["S"], GATHER=bool(gather), SCATTER=bool(scatter),
-        SLOTS=int(slots), FLAT=bool(cfg.get("FLAT", FLAT_DEFAULT)), W_TMA=w_tma,
+        SLOTS=int(slots), FLAT=FP8_GROUPED_FLAT, W_TMA=w_tma,
         SWS=w_block_rows > 0 and w_block_rows % bn == 0, num_warps=warps, num_stages=cfg["S"],
     )
     return out
@@ -552,11 +555,13 @@ def _fp8_expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, fc1_q:
     tiles = tile_table(counts, bm, t * k)
     tiles2 = tiles if bm2 == bm else tile_table(counts, bm2, t * k)
     xq, xs = quantize_activations(hidden, a_fmt)
+    # fc1 = [gate; up], each quantized on its own: its scale blocks restart at row I
+    inter = fc1_q.shape[1] // 2
     h = fp8_grouped_gemm(xq, xs, fc1_q, fc1_rows, tiles, pair_of_row, hidden.dtype, gather=True, slots=k,
-                         w_block_rows=w_fmt.block[0])
+                         w_block_rows=row_block_of_parts((inter, inter), w_fmt.block[0]))
     aq, as_ = quantize_activations(silu_and_mul(h), a_fmt)
     y = fp8_grouped_gemm(aq, as_, fc2_q, fc2_rows, tiles2, pair_of_row, hidden.dtype, scatter=True, slots=k,
-                         w_block_rows=w_fmt.block[0])
+                         w_block_rows=row_block_of_parts((fc2_q.shape[1],), w_fmt.block[0]))
     return y.reshape(t, k, -1)
 
 
