@@ -42,9 +42,7 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import triton
@@ -52,7 +50,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kernel_trace import kernel_events  # noqa: E402
+from kernel_trace import profiled_kernels  # noqa: E402
 from megatron_consistent.kernels.triton import attention as tattn
 from megatron_consistent.kernels.triton import paged_attention as tpa
 
@@ -117,16 +115,7 @@ SPLIT_VARIANTS = ([(f"merge stages {n}", {"MERGE_STAGES": n, "MERGE_DSPLIT": 1})
 def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:
     """Median device time (ms) of the split launch and of the merge launch of ``fn`` (one call on the split path,
     eager), from a torch-profiler trace: each call launches ``_attn_kernel`` twice, split then merge."""
-    fn()
-    torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        durs = [dur for name, _, dur in kernel_events(trace) if "_attn_kernel" in name]
+    durs = [dur for name, _, dur in profiled_kernels(fn, iters) if "_attn_kernel" in name]
     if len(durs) != 2 * iters:
         raise RuntimeError(f"expected {2 * iters} attention launches in the trace, found {len(durs)}")
     return statistics.median(durs[0::2]) / 1e3, statistics.median(durs[1::2]) / 1e3

@@ -122,24 +122,11 @@ def _with_settings(module, settings: dict, fn):
 def kernel_times_us(fn, iters: int = 20) -> dict[str, float]:
     """Median device time (us) per forward of each kernel ``fn`` launches (eager, torch profiler), by kernel name."""
     import statistics
-    import tempfile
 
-    import torch
+    from kernel_trace import profiled_kernels
 
-    from kernel_trace import kernel_events
-
-    fn()
-    torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                fn()
-            torch.cuda.synchronize()
-        trace = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        events = kernel_events(trace)
     per_name: dict[str, list[float]] = {}
-    for name, _, dur in events:
+    for name, _, dur in profiled_kernels(fn, iters):
         per_name.setdefault(name[:80], []).append(dur)
     return {name: statistics.median(d) * len(d) / iters for name, d in per_name.items()}
 

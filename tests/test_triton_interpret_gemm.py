@@ -70,13 +70,16 @@ def test_gemm_m_dependent_split_caught_in_interpreter():
     assert not torch.equal(one, full[:1])
 
 
-def test_fp8_scalar_weight_scale_in_interpreter():
-    torch.manual_seed(2)
-    n, k = 256, 384
+def _fp8_operands(n, k, m, seed):
+    """``(wq, row scales, xq, xs)``: a random ``[n, k]`` weight in 128 x 128 blocks, ``m`` activation rows."""
+    torch.manual_seed(seed)
     wq, s = fp8.quantize(torch.randn(n, k) * 0.05, fp8.E4M3_WEIGHT_128)
-    rows = fp8.weight_row_scales(s, n)
-    xq, xs = fp8.quantize(torch.randn(40, k), fp8.E4M3_ACT_1x128)
-    xs = xs.contiguous()
+    xq, xs = fp8.quantize(torch.randn(m, k), fp8.E4M3_ACT_1x128)
+    return wq, fp8.weight_row_scales(s, n), xq, xs.contiguous()
+
+
+def test_fp8_scalar_weight_scale_in_interpreter():
+    wq, rows, xq, xs = _fp8_operands(256, 384, 40, seed=2)
     ref = tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=tf8._fp8_cfg(16, 32, 4, 2, 1))
     for cfg in (tf8._fp8_cfg(16, 32, 4, 2, 1, True), tf8._fp8_cfg(32, 128, 4, 2, 1, True)):
         for path in ("serial", "parallel"):
@@ -90,12 +93,7 @@ def test_fp8_flat_split_walk_in_interpreter(split_groups):
     """The flat walk (one pipelined loop over a tile's groups, a split's partial added to the total at its last
     group) == the split-by-split loops, bit for bit, with uneven splits (9 groups as 5 + 4, or 2+2+2+2+1) and a ragged
     N edge; the splits do change the float32 result (one split differs), so a walk that ignored them is caught."""
-    torch.manual_seed(3)
-    n, k = 72, 1152
-    wq, s = fp8.quantize(torch.randn(n, k) * 0.05, fp8.E4M3_WEIGHT_128)
-    rows = fp8.weight_row_scales(s, n)
-    xq, xs = fp8.quantize(torch.randn(9, k), fp8.E4M3_ACT_1x128)
-    xs = xs.contiguous()
+    wq, rows, xq, xs = _fp8_operands(72, 1152, 9, seed=3)
     split = tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=tf8._fp8_cfg(16, 32, 4, 2, 1),
                          split_groups=split_groups, path="serial")
     assert not torch.equal(split, tf8.fp8_gemm(xq, xs, wq, rows, None, torch.float32, cfg=tf8._fp8_cfg(16, 32, 4, 2, 1),
