@@ -68,7 +68,6 @@ trainer's FP8 forward equals the engine's on each device.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -82,7 +81,7 @@ from .silu_and_mul import silu_and_mul
 __all__ = [
     "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "NVFP4_WEIGHT", "FP8LinearSTE", "FP8Weights", "QuantFormat", "VALUE_CODECS", "block_amax",
     "compute_scales", "constant_row_block", "dequantize", "dequantize_rows", "fp8_expert_mlp", "fp8_linear", "fp8_linear_ste",
-    "fp8_moe_experts", "quantize", "row_block_of_parts",
+    "fp8_moe_experts", "part_block_ids", "quantize", "row_block_of_parts",
     "weight_row_scales",
 ]
 
@@ -269,15 +268,20 @@ def constant_row_block(block_ids: torch.Tensor, limit: int = 256) -> int:
     return p
 
 
-@functools.lru_cache(maxsize=None)
-def row_block_of_parts(part_rows: tuple[int, ...], block_rows: int) -> int:
-    """:func:`constant_row_block` of parts of ``part_rows`` rows each, quantized one by one (blocks of
-    ``block_rows`` rows from each part's first row) and stacked in that order."""
+def part_block_ids(part_rows, block_rows: int) -> list[torch.Tensor]:
+    """Per part of ``part_rows`` rows, each quantized on its own (blocks of ``block_rows`` rows from its first row):
+    each row's scale-block id, distinct across parts."""
     ids, base = [], 0
     for n in part_rows:
         ids.append(torch.arange(n) // block_rows + base)
         base += -(-n // block_rows)
-    return constant_row_block(torch.cat(ids))
+    return ids
+
+
+@functools.lru_cache(maxsize=None)
+def row_block_of_parts(part_rows: tuple[int, ...], block_rows: int) -> int:
+    """:func:`constant_row_block` of the parts of :func:`part_block_ids` stacked in that order."""
+    return constant_row_block(torch.cat(part_block_ids(part_rows, block_rows)))
 
 
 @register("fp8_linear", "cpu")

@@ -26,7 +26,8 @@ from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
 from ..conversion.hf import _join, _plan
 from ..conversion.moe import MOE_KINDS
 from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, constant_row_block,
-                           fp8_linear_ste, fp8_moe_experts, kv_round_trip, row_block_of_parts, weight_row_scales)
+                           fp8_linear_ste, fp8_moe_experts, kv_round_trip, part_block_ids, row_block_of_parts,
+                           weight_row_scales)
 
 __all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
 
@@ -34,11 +35,7 @@ __all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
 def _joined_row_block(arch: ArchConfig, kind: str, part_rows: list[int], fmt: QuantFormat) -> int:
     """``w_block_rows`` of a Megatron fused weight whose HF parts (``part_rows`` rows each) were quantized one by one:
     the parts' scale-block ids joined in Megatron's row order (interleaved per query group for qkv)."""
-    ids, base = [], 0
-    for n in part_rows:
-        ids.append(torch.arange(n) // fmt.block[0] + base)
-        base += -(-n // fmt.block[0])
-    return constant_row_block(_join(arch, kind, ids))
+    return constant_row_block(_join(arch, kind, part_block_ids(part_rows, fmt.block[0])))
 
 
 class FP8Binding:

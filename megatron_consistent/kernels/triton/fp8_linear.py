@@ -50,8 +50,8 @@ GROUP = TENSOR_CORE_GROUP  # activation group = weight block column = BLOCK_K
 
 
 def _fp8_cfg(bm, bn, warps, stages, progs_per_sm, scalar_wscale=False, flat=False):
-    """``scalar_wscale``: when the weight scales are constant over blocks of rows that hold whole BN tiles (128x128
-    weight blocks, BN | 128), load one weight scale per (tile, group) instead of BN equal ones: the product
+    """``scalar_wscale``: when the caller states the weight scales constant over aligned runs of ``w_block_rows`` rows
+    and BN divides it, load one weight scale per (tile, group) instead of BN equal ones: the product
     ``xs * ws`` is then BM multiplications instead of BM * BN, with the same float32 values (bits unchanged).
     ``flat``: a tile's splits walked by one pipelined loop (:func:`_serial_fp8_splits`; bits unchanged)."""
     cfg = {"BM": bm, "BN": bn, "BK": GROUP, "W": warps, "S": stages, "G": 8, "P": progs_per_sm}
@@ -279,8 +279,9 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
              split_groups: int | None = None, cfg: dict | None = None, w_block_rows: int = 0) -> torch.Tensor:
     """``y = sum_g fma(dot(xq_g, wq_g), xs_g * ws_g)`` (contract steps 2-5).  ``split_groups`` overrides the
     (N, K) table — for tests only (a split that depends on M breaks batch invariance).  ``w_block_rows``: the row
-    scales ``ws`` are constant over aligned blocks of that many rows (the weight format's block; 0 = unknown) —
-    lets a ``SWS`` config load one scale per tile."""
+    scales ``ws`` are constant over aligned runs of that many rows (``kernels.fp8.constant_row_block`` of the
+    weight's quantized parts, not the format's block alone; 0 = unknown) — lets a ``SWS`` config load one scale per
+    tile."""
     m, k = xq.shape
     n = wq.shape[0]
     if xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn:

@@ -526,7 +526,7 @@ def fp8_grouped_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: t
         raise ValueError(f"fp8_grouped_gemm: a tile table of {tile_bm} rows for tiles of {bm}")
     split_groups = min(cfg["SPLIT_GROUPS"], g_all)
     num_n = triton.cdiv(n, bn)
-    w_src, w_tma = wq, FP8_GROUPED_W_TMA and tma_ok(wq.view(e_count * n, k))
+    w_src, w_tma = wq, FP8_GROUPED_W_TMA and wq.is_contiguous() and tma_ok(wq.view(e_count * n, k))
     if w_tma:
         w_src = TensorDescriptor.from_tensor(wq.view(e_count * n, k), [bn, GROUP])
     _fp8_grouped_gemm_kernel[(max_tiles * num_n,)](
