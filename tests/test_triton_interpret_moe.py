@@ -272,7 +272,7 @@ def test_fp8_expert_outputs_are_the_per_expert_chain_and_a_changed_split_is_caug
     assert tf8.fp8_config(2 * inter, h)["SPLIT_GROUPS"] < 8  # the first GEMM runs splits
     assert torch.equal(tmoe._fp8_expert_outputs_cuda(*args), ref.reshape(t, k, -1))
     with monkeypatch.context() as m:
-        m.setattr(tmoe, "row_block_of_parts", lambda parts, block_rows: block_rows)  # the format's block, wrongly
+        m.setattr(tmoe, "gate_up_block_rows", lambda rows, block_rows: block_rows)  # the format's block, wrongly
         assert tf8.fp8_config(2 * inter, h)["BN"] == 128
         assert not torch.equal(tmoe._fp8_expert_outputs_cuda(*args), ref.reshape(t, k, -1))
     monkeypatch.setattr(tmoe, "fp8_config", lambda n, kk: {**tf8.fp8_config(n, kk), "SPLIT_GROUPS": 8})

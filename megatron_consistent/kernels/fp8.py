@@ -81,7 +81,7 @@ from .silu_and_mul import silu_and_mul
 __all__ = [
     "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "NVFP4_WEIGHT", "FP8LinearSTE", "FP8Weights", "QuantFormat", "VALUE_CODECS", "block_amax",
     "compute_scales", "constant_row_block", "dequantize", "dequantize_rows", "fp8_expert_mlp", "fp8_linear", "fp8_linear_ste",
-    "fp8_moe_experts", "part_block_ids", "quantize", "row_block_of_parts",
+    "fp8_moe_experts", "gate_up_block_rows", "part_block_ids", "quantize", "row_block_of_parts",
     "weight_row_scales",
 ]
 
@@ -282,6 +282,11 @@ def part_block_ids(part_rows, block_rows: int) -> list[torch.Tensor]:
 def row_block_of_parts(part_rows: tuple[int, ...], block_rows: int) -> int:
     """:func:`constant_row_block` of the parts of :func:`part_block_ids` stacked in that order."""
     return constant_row_block(torch.cat(part_block_ids(part_rows, block_rows)))
+
+
+def gate_up_block_rows(rows: int, block_rows: int) -> int:
+    """:func:`row_block_of_parts` of an expert's fused ``[gate; up]`` weight of ``rows`` rows (two equal parts)."""
+    return row_block_of_parts((rows // 2, rows // 2), block_rows)
 
 
 @register("fp8_linear", "cpu")

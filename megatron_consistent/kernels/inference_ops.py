@@ -185,8 +185,8 @@ def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
                     a_fmt: str) -> torch.Tensor:
     shared = None
     if shared_fc1_q is not None:
-        br, inter = kfp8.QuantFormat.from_spec(w_fmt).block[0], shared_fc1_q.shape[0] // 2
-        shared = (kfp8.FP8Weights(shared_fc1_q, shared_fc1_rows, block_rows=kfp8.row_block_of_parts((inter, inter), br)),
+        br = kfp8.QuantFormat.from_spec(w_fmt).block[0]
+        shared = (kfp8.FP8Weights(shared_fc1_q, shared_fc1_rows, block_rows=kfp8.gate_up_block_rows(shared_fc1_q.shape[0], br)),
                   kfp8.FP8Weights(shared_fc2_q, shared_fc2_rows, block_rows=kfp8.row_block_of_parts((shared_fc2_q.shape[0],), br)),
                   shared_gate)
     return kfp8.fp8_moe_experts(hidden, experts, weights, kfp8.FP8Weights(fc1_q, fc1_rows),

@@ -26,7 +26,7 @@ from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
 from ..conversion.hf import _join, _plan
 from ..conversion.moe import MOE_KINDS
 from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, constant_row_block,
-                           fp8_linear_ste, fp8_moe_experts, kv_round_trip, part_block_ids, row_block_of_parts,
+                           fp8_linear_ste, fp8_moe_experts, gate_up_block_rows, kv_round_trip, part_block_ids, row_block_of_parts,
                            weight_row_scales)
 
 __all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
@@ -73,8 +73,9 @@ class FP8MoEBinding:
         parts = quantized_parts(self.arch, kind, weight, self.w_fmt)
         q = _join(self.arch, kind, [q for q, _ in parts]).contiguous()
         rows = _join(self.arch, kind, [weight_row_scales(s, q.shape[0], self.w_fmt) for q, s in parts]).contiguous()
-        one = parts[: 2 if kind in ("experts_fc1", "fc1") else 1]  # one expert's rows: [gate; up] or the one tensor
-        return FP8Weights(q, rows, weight, row_block_of_parts(tuple(p.shape[0] for p, _ in one), self.w_fmt.block[0]))
+        br = self.w_fmt.block[0]
+        block_rows = gate_up_block_rows(q.shape[-2], br) if kind in ("experts_fc1", "fc1") else row_block_of_parts((q.shape[-2],), br)
+        return FP8Weights(q, rows, weight, block_rows)
 
     def __call__(self, block, h: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fc1 = self.quantize_weight("experts_fc1", block.experts.linear_fc1.weight)

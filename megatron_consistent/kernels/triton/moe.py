@@ -53,7 +53,7 @@ from .. import numerics
 from ..dispatch import register
 from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
-from ..fp8 import per_expert_fp8_outputs, row_block_of_parts
+from ..fp8 import gate_up_block_rows, per_expert_fp8_outputs, row_block_of_parts
 from ._common import TensorDescriptor, next_pow2, tma_ok
 from .fp8_linear import GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
 from .linear import _epilogue, _serial_splits, config_for
@@ -556,9 +556,8 @@ def _fp8_expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, fc1_q:
     tiles2 = tiles if bm2 == bm else tile_table(counts, bm2, t * k)
     xq, xs = quantize_activations(hidden, a_fmt)
     # fc1 = [gate; up], each quantized on its own: its scale blocks restart at row I
-    inter = fc1_q.shape[1] // 2
     h = fp8_grouped_gemm(xq, xs, fc1_q, fc1_rows, tiles, pair_of_row, hidden.dtype, gather=True, slots=k,
-                         w_block_rows=row_block_of_parts((inter, inter), w_fmt.block[0]))
+                         w_block_rows=gate_up_block_rows(fc1_q.shape[1], w_fmt.block[0]))
     aq, as_ = quantize_activations(silu_and_mul(h), a_fmt)
     y = fp8_grouped_gemm(aq, as_, fc2_q, fc2_rows, tiles2, pair_of_row, hidden.dtype, scatter=True, slots=k,
                          w_block_rows=row_block_of_parts((fc2_q.shape[1],), w_fmt.block[0]))
