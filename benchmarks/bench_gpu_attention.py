@@ -51,6 +51,7 @@ import triton.testing
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kernel_trace import profiled_kernels  # noqa: E402
+from module_knobs import module_knobs  # noqa: E402
 from megatron_consistent.kernels.triton import attention as tattn
 from megatron_consistent.kernels.triton import paged_attention as tpa
 
@@ -154,16 +155,10 @@ def decode_case(b, ctx, bw, rows):
         ref = outs[0].clone()
         r["split_variants_ms"], r["split_variants_bits_equal"] = {}, {}
         for name, knobs in SPLIT_VARIANTS:
-            saved = {key: getattr(tattn, key) for key in knobs}
-            for key, value in knobs.items():
-                setattr(tattn, key, value)
-            try:
+            with module_knobs(tattn, knobs):
                 r["split_variants_ms"][name] = bench(ours(split=True))
                 ours(split=True)[0]()
                 r["split_variants_bits_equal"][name] = bool(torch.equal(outs[0], ref))
-            finally:
-                for key, value in saved.items():
-                    setattr(tattn, key, value)
     # SDPA on dense copies of the same size
     dense = [(torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16),
               torch.randn(b, HKV, ctx, D, device=DEV, dtype=torch.bfloat16)) for _ in range(min(copies, 4))]

@@ -108,17 +108,6 @@ def _fp8_variant(spec: str):
     return {"FP8_GROUPED_FLAT": walk == "flat", "_FP8_GROUPED_TILE": tile, "FP8_GROUPED_W_TMA": tma == "tma"}
 
 
-def _with_settings(module, settings: dict, fn):
-    saved = {key: getattr(module, key) for key in settings}
-    for key, value in settings.items():
-        setattr(module, key, value)
-    try:
-        return fn()
-    finally:
-        for key, value in saved.items():
-            setattr(module, key, value)
-
-
 def kernel_times_us(fn, iters: int = 20) -> dict[str, float]:
     """Median device time (us) per forward of each kernel ``fn`` launches (eager, torch profiler), by kernel name."""
     import statistics
@@ -137,6 +126,7 @@ def run(tokens, fp8: bool = False, variants=(), kernel_times: bool = False) -> d
     import triton.testing
 
     from bench_gpu_attention import copy_bandwidth
+    from module_knobs import module_knobs
     from megatron_consistent.kernels import inference_ops
     from megatron_consistent.kernels.triton import moe as tmoe
     from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128
@@ -189,9 +179,9 @@ def run(tokens, fp8: bool = False, variants=(), kernel_times: bool = False) -> d
             for spec in variants:
                 settings = _fp8_variant(spec)
                 try:
-                    same = _with_settings(tmoe, settings, lambda: torch.equal(experts(x, w, e), experts_ref))
-                    ms = _with_settings(tmoe, settings,
-                                        lambda: triton.testing.do_bench_cudagraph(lambda: experts(x, w, e), rep=100))
+                    with module_knobs(tmoe, settings):
+                        same = torch.equal(experts(x, w, e), experts_ref)
+                        ms = triton.testing.do_bench_cudagraph(lambda: experts(x, w, e), rep=100)
                     row.setdefault("variants", {})[spec] = {"experts_ms": ms, "bits_equal_default": same}
                 except Exception as exc:  # noqa: BLE001  (a launch shape that does not compile: say so, go on)
                     row.setdefault("variants", {})[spec] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
