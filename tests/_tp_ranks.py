@@ -1,10 +1,13 @@
 """The plugin's dense model at tensor-parallel size t, driven directly under a t-rank gloo group (tests/test_parallel_engine.py).
 
-``python tests/_tp_ranks.py MODEL_DIR OUT_DIR TP [--fault allreduce] [--update UPDATE.json]``
+``python tests/_tp_ranks.py MODEL_DIR OUT_DIR TP [--fault allreduce] [--update UPDATE.json]``, or
+``python tests/_tp_ranks.py --jobs JOBS.json TP`` (a JSON list of ``{"model_dir", "out_dir", "fault", "update"}``: every
+job in the same ``TP`` ranks, one after the other, each on a model of its own).
 
 Spawns ``TP`` processes (plain subprocesses: argv in, safetensors / JSON out, no pickle).  Each rank
 initialises vLLM's distributed state (``init_distributed_environment`` + ``initialize_model_parallel``,
-backend gloo), builds :class:`ConsistentForCausalLM` with ``tensor_parallel_size=TP``, loads the
+backend gloo) once; per job it builds a fresh :class:`ConsistentForCausalLM` with ``tensor_parallel_size=TP``
+(a ``VllmConfig`` of its own), loads the
 whole-tensor checkpoint ``MODEL_DIR/model.safetensors`` through ``load_weights`` (each rank keeps its
 part), optionally applies a weight update through the sync worker's ``mc_sync_apply`` (the update is a
 JSON schema naming a shared-memory file, :mod:`megatron_consistent.sync.protocol`), then runs one
@@ -38,15 +41,21 @@ def _free_port() -> int:
 
 
 def launch(model_dir: str, out_dir: str, tp: int, fault: str = "", update: str = "", timeout: float = 600) -> list[str]:
-    """Run the ``tp`` ranks; returns each rank's log text (raises ``RuntimeError`` with the logs on failure)."""
+    """Run the ``tp`` ranks on one job; returns each rank's log text (raises ``RuntimeError`` with the logs on failure)."""
+    return launch_jobs([{"model_dir": model_dir, "out_dir": out_dir, "fault": fault, "update": update}], tp, out_dir, timeout)
+
+
+def launch_jobs(jobs: list[dict], tp: int, log_dir: str, timeout: float = 600) -> list[str]:
+    """Run every job in one group of ``tp`` ranks (logs ``LOG_DIR/tp<TP>.rank<r>.log``); returns each rank's log text
+    (raises ``RuntimeError`` with the logs on failure)."""
     port = _free_port()
-    procs, logs = [], []
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    procs = []
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    jobs_file = Path(log_dir) / f"tp{tp}.jobs.json"
+    jobs_file.write_text(json.dumps([{"fault": "", "update": "", **j} for j in jobs]))
     for r in range(tp):
-        log = open(Path(out_dir) / f"tp{tp}.rank{r}.log", "w")
-        cmd = [sys.executable, __file__, "--rank", str(r), str(port), model_dir, out_dir, str(tp)]
-        cmd += ["--fault", fault] if fault else []
-        cmd += ["--update", update] if update else []
+        log = open(Path(log_dir) / f"tp{tp}.rank{r}.log", "w")
+        cmd = [sys.executable, __file__, "--rank", str(r), str(port), str(jobs_file), str(tp)]
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1",
                    VLLM_DIST_IDENT=f"mc-tp-{port}")  # vLLM's CPU communicator names its shared-memory group by it
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
@@ -59,7 +68,7 @@ def launch(model_dir: str, out_dir: str, tp: int, fault: str = "", update: str =
                 q.kill()
             codes.append(-9)
         log.close()
-    logs = [(Path(out_dir) / f"tp{tp}.rank{r}.log").read_text() for r in range(tp)]
+    logs = [(Path(log_dir) / f"tp{tp}.rank{r}.log").read_text() for r in range(tp)]
     if any(codes):
         raise RuntimeError(f"TP={tp} ranks exited with {codes}:\n" + "\n".join(t[-3000:] for t in logs))
     return logs
@@ -101,25 +110,40 @@ class _Worker:
         self.vllm_config = vllm_config
 
 
-def rank_main(rank: int, port: int, model_dir: str, out_dir: str, tp: int, fault: str, update: str) -> None:
+def rank_main(rank: int, port: int, jobs_file: str, tp: int) -> None:
     import torch
-    from safetensors.torch import load_file, save_file
     from vllm.config import CompilationConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from megatron_consistent import vllm_plugin
-    from megatron_consistent.kernels import log_softmax
-    from megatron_consistent.sync.worker import WeightSyncExtension
 
     vllm_plugin.register()
     torch.set_num_threads(1)
-    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256)
-    vc = VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
-                    load_config=LoadConfig(load_format="dummy"), compilation_config=CompilationConfig(mode=0))
-    with set_current_vllm_config(vc):
+    jobs = json.loads(Path(jobs_file).read_text())
+
+    def config(model_dir: str) -> VllmConfig:
+        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256)
+        return VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                          load_config=LoadConfig(load_format="dummy"), compilation_config=CompilationConfig(mode=0))
+
+    with set_current_vllm_config(config(jobs[0]["model_dir"])):
         init_distributed_environment(world_size=tp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                      local_rank=rank, backend="gloo")
         initialize_model_parallel(tensor_model_parallel_size=tp, backend="gloo")
+    for job in jobs:
+        _run_job(rank, tp, config(job["model_dir"]), job["model_dir"], job["out_dir"], job["fault"], job["update"])
+
+
+def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, update: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm.config import set_current_vllm_config
+
+    from megatron_consistent.kernels import log_softmax
+    from megatron_consistent.sync.worker import WeightSyncExtension
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with set_current_vllm_config(vc):
         from megatron_consistent.vllm_plugin.model import ConsistentForCausalLM
 
         model = ConsistentForCausalLM(vllm_config=vc)
@@ -166,9 +190,11 @@ def rank_main(rank: int, port: int, model_dir: str, out_dir: str, tp: int, fault
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    fault = a[a.index("--fault") + 1] if "--fault" in a else ""
-    upd = a[a.index("--update") + 1] if "--update" in a else ""
     if a[0] == "--rank":
-        rank_main(int(a[1]), int(a[2]), a[3], a[4], int(a[5]), fault, upd)
+        rank_main(int(a[1]), int(a[2]), a[3], int(a[4]))
+    elif a[0] == "--jobs":
+        launch_jobs(json.loads(Path(a[1]).read_text()), int(a[2]), str(Path(a[1]).parent))
     else:
+        fault = a[a.index("--fault") + 1] if "--fault" in a else ""
+        upd = a[a.index("--update") + 1] if "--update" in a else ""
         launch(a[0], a[1], int(a[2]), fault, upd)

