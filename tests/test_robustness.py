@@ -45,7 +45,9 @@ def test_moe_engine_starts_with_poisoned_attention_output(tmp_path):
 
     arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir("tiny-qwen3moe-top1")))
     export_hf(build_consistent_gpt_model(arch, seed=0), arch, tmp_path / "model")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1", **{POISON_ENV: "1"})
+    # the engine core in this process (as check's CPU engines run): the warm-up profile forward is the same model-runner
+    # code either way, without vLLM's two extra processes to start
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **{POISON_ENV: "1"})
     run = subprocess.run([sys.executable, str(Path(__file__).parent / "_warmup_engine.py"), str(tmp_path / "model")], env=env,
                          capture_output=True, text=True, timeout=600)
     log = run.stdout + run.stderr
