@@ -14,6 +14,9 @@ exit 0 only when every shape gave zero mismatch.  ``--device cpu`` runs the same
 run of the script with small settings; the GPU kernels are what it is for).
 
     python benchmarks/check_shapes_gpu.py --shapes a b d b8 d8 --layers 4 --out benchmarks/results/check_shapes.json
+    python benchmarks/check_shapes_gpu.py --shapes b d --layers 4 --engine-tp 2 --trainer-tp 2   # two GPUs (issue #19)
+
+``--engine-tp`` / ``--trainer-tp`` pass through to ``check`` (its refusals apply: FP8 at TP > 1 is refused by name).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rollout_gpu import SHAPES, write_model  # noqa: E402
 
-COLUMNS = ("shape", "layers", "quantization", "tokens", "max_abs", "exact_fraction", "routing_agreement", "gen_tokens_per_s",
-           "wall_s")
+COLUMNS = ("shape", "layers", "quantization", "engine_tp", "trainer_tp", "tokens", "max_abs", "exact_fraction",
+           "routing_agreement", "gen_tokens_per_s", "wall_s")
 
 
 def shape_dims(key: str, layers: int) -> dict:
@@ -61,13 +64,16 @@ def run_shape(key: str, args, work: Path) -> dict:
     config = work / f"check-{key}.yaml"
     config.write_text(json.dumps(settings))  # JSON is YAML
     report_path = work / f"check-{key}.json"
+    report_path.unlink(missing_ok=True)  # a report left in --work by an earlier run must not pass for this one
     quantization = SHAPES[key].get("quantization", "")
     cmd = [sys.executable, "-m", "megatron_consistent.cli", "check", "--config", str(config), "--hf-config", str(folder),
            "--out-dir", str(work / f"run-{key}"), "--json", str(report_path)]
     if quantization:
         cmd += ["--quantization", quantization]
+    cmd += ["--engine-tp", str(args.engine_tp), "--trainer-tp", str(args.trainer_tp)]
     log = work / f"check-{key}.log"
-    row = {"shape": key, "layers": dims["num_hidden_layers"], "quantization": quantization or "bf16"}
+    row = {"shape": key, "layers": dims["num_hidden_layers"], "quantization": quantization or "bf16",
+           "engine_tp": args.engine_tp, "trainer_tp": args.trainer_tp}
     start = time.perf_counter()
     with open(log, "w") as out:
         try:
@@ -118,6 +124,8 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a smoke run of this script on vLLM's CPU platform (block size a multiple of 32)")
+    ap.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor_parallel_size (one GPU a rank)")
+    ap.add_argument("--trainer-tp", type=int, default=1, help="the Megatron recompute's TP size (NCCL ranks, one GPU each)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one shape's check may take")
     ap.add_argument("--out", default="benchmarks/results/check_shapes_gpu.json")
     ap.add_argument("--work", default="", help="folder for models, logs and reports (default: a temporary one)")

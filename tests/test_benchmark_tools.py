@@ -183,3 +183,70 @@ def test_a_failed_engine_reports_its_root_cause_above_the_last_lines(tmp_path):
     lines = _load("bench_rollout_gpu").failure_lines(log)
     assert lines[0] == "ValueError: block-FP8 kernel not found"
     assert lines[-1].startswith("RuntimeError: Engine core initialization failed") and len(lines) == 16
+
+
+def _fake_check(tmp_path: Path, monkeypatch, report: dict | None, rc: int = 0, hang: bool = False) -> tuple:
+    """``check_shapes_gpu`` with ``subprocess.run`` replaced: the stand-in writes ``report`` where ``--json`` says
+    (or times out); returns the module and the commands it was given."""
+    import subprocess
+
+    mod = _load("check_shapes_gpu")
+    seen = []
+
+    def fake_run(cmd, stdout, stderr, timeout):
+        seen.append(cmd)
+        stdout.write("engine log line\n")
+        if hang:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+        if report is not None:
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(report))
+        return subprocess.CompletedProcess(cmd, rc)
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    return mod, seen
+
+
+def _shape_args(mod, *extra):
+    import argparse
+
+    args = argparse.Namespace(layers=2, num_prompts=4, max_tokens=8, min_prompt_len=8, max_prompt_len=40,
+                              max_num_batched_tokens=64, block_size=32, recompute_batch=2, gpu_memory_utilization=0.3,
+                              device="cpu", timeout=5.0, engine_tp=1, trainer_tp=1)
+    for key, value in extra:
+        setattr(args, key, value)
+    return args
+
+
+@pytest.mark.parametrize("key", ["a", "b", "d", "b8", "d8"])
+def test_check_shapes_configs_are_the_rollout_shapes_and_valid_check_settings(tmp_path, monkeypatch, key):
+    from megatron_consistent.config import ArchConfig, load_hf_config
+    from megatron_consistent.verify.check import load_check_config
+
+    zero = {"consistent": {"tokens": 32, "max_abs": 0.0, "exact_fraction": 1.0}, "zero_mismatch": True}
+    mod, seen = _fake_check(tmp_path, monkeypatch, zero)
+    args = _shape_args(mod)
+    row = mod.run_shape(key, args, tmp_path)
+    folder = Path(seen[0][seen[0].index("--hf-config") + 1])
+    cfg = json.loads((folder / "config.json").read_text())
+    shape = mod.SHAPES[key]["model"]
+    assert cfg["num_hidden_layers"] == 2 and all(cfg[k] == v for k, v in shape.items() if k != "num_hidden_layers")
+    assert ArchConfig.from_hf(load_hf_config(str(folder))).is_moe == bool(shape.get("num_experts"))
+    settings = load_check_config(seen[0][seen[0].index("--config") + 1])  # the check's own validation
+    assert settings.max_model_len >= settings.max_prompt_len + settings.max_tokens and settings.mode == "consistent"
+    assert ("--quantization" in seen[0]) == key.endswith("8")
+    assert row["zero_mismatch"] and row["layers"] == 2 and "ZERO MISMATCH" in mod.render([row])
+    mod.run_shape(key, _shape_args(mod, ("engine_tp", 2), ("trainer_tp", 4)), tmp_path)
+    assert seen[1][seen[1].index("--engine-tp") + 1] == "2" and seen[1][seen[1].index("--trainer-tp") + 1] == "4"
+
+
+def test_check_shapes_reports_a_mismatch_and_a_hung_check(tmp_path, monkeypatch):
+    mismatch = {"consistent": {"tokens": 32, "max_abs": 0.01, "exact_fraction": 0.5,
+                               "first_divergence": {"request": 3, "response_token": 0}}, "zero_mismatch": False}
+    mod, _ = _fake_check(tmp_path, monkeypatch, mismatch, rc=1)
+    row = mod.run_shape("a", _shape_args(mod), tmp_path)
+    assert not row["zero_mismatch"] and row["first_divergence"]["request"] == 3 and row["max_abs"] == 0.01
+    assert "MISMATCH / rc 1" in mod.render([row]) and "engine log line" in mod.render([row])
+    (tmp_path / "check-d.json").write_text(json.dumps({"consistent": {"tokens": 32}, "zero_mismatch": True}))  # stale
+    mod, _ = _fake_check(tmp_path, monkeypatch, None, hang=True)
+    row = mod.run_shape("d", _shape_args(mod), tmp_path)
+    assert row["rc"] is None and not row["zero_mismatch"] and "timed out" in mod.render([row])
