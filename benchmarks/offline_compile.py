@@ -81,11 +81,12 @@ def distinct_launches(captured, kernels) -> list[tuple[str, dict, dict, dict, in
     return [tuple(json.loads(k)) for k in seen]
 
 
-def compile_sm90(kernel, sig, const, warps, stages, attrs=None) -> tuple[int, int, int, int, str]:
+def compile_sm90(kernel, sig, const, warps, stages, attrs=None, source=ASTSource) -> tuple[int, int, int, int, str]:
     """``(registers, stack bytes, shared memory bytes, asynchronous global-to-shared copies, TTGIR)`` of ``kernel``
-    compiled for sm_90a (attrs as :func:`launch_key` gives them, keys as strings)."""
+    compiled for sm_90a (attrs as :func:`launch_key` gives them, keys as strings; ``source``: Triton's ``ASTSource``,
+    or Gluon's ``GluonASTSource`` for a ``gluon.jit`` kernel)."""
     attrs = {(int(i),): v for i, v in (attrs or {}).items()}
-    k = triton.compile(ASTSource(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+    k = triton.compile(source(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

@@ -1,0 +1,230 @@
+"""A candidate for the row-parallel K-segment tree at large M, written in Gluon (Triton 3.6's explicit-layout dialect).
+
+Why (docs/benchmarks.md, "Row-parallel K-segment tree"): at M >= 1024 the committed tree kernel
+(``kernels/triton/segment_tree.py``) runs at 0.53-0.87 of cuBLAS where the pre-tree GEMM runs at 0.9-1.0, and ten
+sessions of schedules in ``triton.language`` did not close it: each segment restarts the software pipeline (its loads
+drain and refill) and the partials of the tree cost registers.  Gluon exposes what ``tl`` hides: here ONE ring of TMA
+loads runs through all segments and all tiles of a persistent program (a load is issued ``STAGES - 1`` steps ahead,
+across segment and tile boundaries), the tensor-core chain of a segment runs asynchronously (one ``wgmma`` in flight
+while the next step's load is issued), and the tree's partials sit in two float32 tiles of shared memory and, for the
+last segment but one, in registers, so a segment boundary costs one wait and one combine, not a pipeline restart.
+
+Numerics (the tree kernel's contract, so the bits must equal ``segment_tree.segment_tree_gemm``): segment ``s`` is the
+``wgmma`` chain over its ``K_seg`` columns in K order, from nothing (``use_acc=False`` on its first step) -- the tensor
+core's own k16 steps in K order, independent of BM / BN / BK; the segment partials are summed as
+``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))`` in float32 (fewer segments: the same tree's left part); then
+``+ bias`` in float32 and one rounding to the output dtype (float32 output: the subtree, for a tensor-parallel rank).
+
+Status: a candidate, not used by the package.  Compiled for sm_90a without a GPU (``--offline``: registers, spills,
+shared memory); its bits and speed are measured by ``bench_gpu_row_parallel.py --gluon`` on the H200 (bits against the
+committed tree, ``torch.equal``; time against cuBLAS and the pre-tree GEMM in the same run).
+
+    PYTHONPATH=$PWD python benchmarks/gluon_segment_tree.py --offline
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+TILE = (128, 128, 64)  # BM, BN, BK: 8 warps, two warp groups of 64 rows; a float32 tile is 64 registers a thread
+STAGES = 3  # operand ring: 3 x 32 KB, next to the tree's two 64 KB float32 levels (224 KB of the 227 KB a block has)
+WARPS = 8
+
+
+@gluon.jit
+def _issue_load(g, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
+                STEPS: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of the program's global step ``g`` (tile ``g // STEPS`` of its own, K step ``g % STEPS``) into ring
+    slot ``g % STAGES``; nothing past ``total``."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    live = g < total
+    tile = pid + (g // STEPS) * nprog
+    k = (g % STEPS) * BK
+    slot = g % STAGES
+    bar = bars.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
+    tma.async_copy_global_to_shared(a_desc, [(tile % num_pid_m) * BM, k], bar, a_bufs.index(slot), live)
+    tma.async_copy_global_to_shared(b_desc, [(tile // num_pid_m) * BN, k], bar, b_bufs.index(slot), live)
+
+
+@gluon.jit
+def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
+                 SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 num_warps: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    level_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    levels = gl.allocate_shared_memory(gl.float32, [2, BM, BN], level_layout)  # the tree's partials A and B
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BM)
+    num_tiles = num_pid_m * gl.cdiv(N, BN)
+    my_tiles = gl.cdiv(num_tiles - pid, nprog)
+    total = my_tiles * STEPS
+    for i in gl.static_range(STAGES - 1):
+        _issue_load(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    acc = gl.zeros((BM, BN), gl.float32, acc_layout)
+    g = 0
+    for t in range(my_tiles):
+        tile = pid + t * nprog
+        off_m = (tile % num_pid_m) * BM
+        off_n = (tile // num_pid_m) * BN
+        held = acc  # segment 6's partial while segment 7 runs (a name until then: nothing is kept)
+        for seg in gl.static_range(SEGMENTS):
+            for ks in range(SEG_STEPS):
+                slot = g % STAGES
+                mbarrier.wait(bars.index(slot), (g // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=ks > 0,
+                                    is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # step g - 1's MMA is done: its slot takes step g - 1 + STAGES
+                _issue_load(g + STAGES - 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
+                            STEPS, STAGES)
+                g += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            # the tree of neighbours with two float32 tiles of shared memory (A, B) and one of registers:
+            # s0 -> A; A + s1 -> B; s2 -> A; B + (A + s3) -> B; s4 -> A; A + s5 -> A; s6 -> registers;
+            # B + (A + (s6 + s7)) -- ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), at most two tiles in
+            # registers at a time (fewer segments: the tree's left part, ending at segment SEGMENTS - 1)
+            if seg == SEGMENTS - 1:
+                if seg == 0:
+                    total_tile = acc
+                elif seg == 1:
+                    total_tile = levels.index(0).load(acc_layout) + acc
+                elif seg == 3:
+                    total_tile = levels.index(1).load(acc_layout) + (levels.index(0).load(acc_layout) + acc)
+                else:
+                    total_tile = levels.index(1).load(acc_layout) + (levels.index(0).load(acc_layout) + (held + acc))
+            elif seg == 0:
+                tma.store_wait(pendings=0)  # the previous tile's output has left A's memory
+                levels.index(0).store(acc)
+            elif seg == 1:
+                levels.index(1).store(levels.index(0).load(acc_layout) + acc)
+            elif seg == 3:
+                levels.index(1).store(levels.index(1).load(acc_layout) + (levels.index(0).load(acc_layout) + acc))
+            elif seg == 5:
+                levels.index(0).store(levels.index(0).load(acc_layout) + acc)
+            elif seg == 6:
+                held = acc
+            else:  # segments 2 and 4
+                levels.index(0).store(acc)
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + off_n + cols, mask=off_n + cols < N, other=0.0).to(gl.float32)
+            total_tile = total_tile + bias[None, :]
+        # the output through A's memory (free until the next tile's first segment) and a TMA store
+        out_smem = levels.index(0)._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        out_smem.store(total_tile.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile=TILE):
+    """TMA descriptors of ``x [M, K]`` (blocks BM x BK), ``w [N, K]`` (BN x BK) and ``out [M, N]`` (BM x BN)."""
+    bm, bn, bk = tile
+
+    def desc(t, block):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, _GL[t.dtype]))
+
+    return desc(x, [bm, bk]), desc(w, [bn, bk]), desc(out, [bm, bn])
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None, out: torch.Tensor, sms: int,
+           kernel=None, tile=TILE, stages=STAGES, warps=WARPS):
+    """Launch ``kernel`` (default: the tree kernel) on ``out``: its grid and arguments, one persistent program an SM."""
+    bm, bn, bk = tile
+    m, k = x.shape
+    n = w.shape[0]
+    if k % segments or (k // segments) % bk:
+        raise ValueError(f"K = {k} in {segments} segments of whole {bk}-column steps: not possible")
+    a_desc, b_desc, out_desc = descriptors(x, w, out, tile)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    (kernel or _tree_kernel)[(min(sms, tiles),)](
+        a_desc, b_desc, out_desc, bias if bias is not None else out, m, n,
+        SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages, HAS_BIAS=bias is not None, num_warps=warps)
+    return out
+
+
+def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` as the K-segment tree (module docstring), on CUDA."""
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    return launch(x, w, segments, bias, out, torch.cuda.get_device_properties(x.device).multi_processor_count)
+
+
+def offline_jobs():
+    """``(description, signature, constexprs)`` of the launches the row-parallel benchmark's shapes make (o_proj and
+    down of the 1B and 8B Llama), bf16 out, at TP = 1 (8 segments) and the float32 subtree of TP = 2 (4)."""
+    from triton.runtime.jit import mangle_type
+
+    jobs = []
+    for n, k in ((4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)):
+        for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32)):
+            k_local = k * segments // 8
+            x = torch.zeros(4096, k_local, dtype=torch.bfloat16)
+            w = torch.zeros(n, k_local, dtype=torch.bfloat16)
+            out = torch.zeros(4096, n, dtype=out_dtype)
+            a_desc, b_desc, out_desc = descriptors(x, w, out)
+            sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
+                   "bias_ptr": mangle_type(out), "M": "i32", "N": "i32"}
+            const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // TILE[2], "STAGES": STAGES,
+                     "HAS_BIAS": False, "num_warps": WARPS}
+            sig.update({name: "constexpr" for name in const})
+            jobs.append((f"N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}", sig, const))
+    return jobs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--offline", action="store_true", help="compile for sm_90a without a GPU: registers, spills, smem")
+    args = ap.parse_args()
+    if not args.offline:
+        ap.error("bits and speed: python benchmarks/bench_gpu_row_parallel.py --gluon (on a GPU)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from offline_compile import SMEM_MAX, compile_sm90
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bad = 0
+    for desc, sig, const in offline_jobs():
+        try:
+            regs, stack, smem, _, _ = compile_sm90(_tree_kernel, sig, const, WARPS, 1, source=GluonASTSource)
+        except Exception as e:  # noqa: BLE001
+            bad += 1
+            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            continue
+        flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
+        bad += smem > SMEM_MAX
+        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d}  {desc}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
