@@ -27,7 +27,8 @@ of the installed table for shapes not swept are carried over into the written fi
 FP8 part (``fp8_gemm`` on pre-quantized operands vs cuBLAS block-scaled ``torch._scaled_mm``): tile candidates
 (with and without one weight scale per tile, ``SWS``), each checked bitwise against the current table's tile at
 1, 7, 300, 2048 rows, timed at M = 256, 1024, 4096; the fastest bit-identical tile per (N, K) goes to
-``FP8_TILE_OVERRIDES``.
+``FP8_TILE_OVERRIDES``.  ``--gluon`` adds the Gluon candidate kernel (``gluon_fp8_gemm.py``) to the FP8 part, checked and
+timed the same way (never recommended for the table: it is another kernel, not a tile).
 
 Triton compiles all candidates first in parallel worker processes (same on-disk cache), so the timed process only
 loads binaries.  ``--budget`` (seconds, whole script) stops timing new candidates when spent; what was skipped is
@@ -434,12 +435,19 @@ def sweep_fp8(args, deadline, log):
             except Exception as e:  # noqa: BLE001
                 sr["scaled_mm_ms"][m] = None
                 sr["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for cname, t in FP8_CANDS:
-            cfg = fp8_cfg(t)
+        runners = [(cname, fp8_cfg(t), lambda xq_, xs_, q, r, dt, cfg=fp8_cfg(t): tf8.fp8_gemm(
+            xq_, xs_, q, r, None, dt, cfg=cfg, w_block_rows=128)) for cname, t in FP8_CANDS]
+        if args.gluon:  # a candidate kernel, not a table entry (cfg None: never recommended)
+            from gluon_fp8_gemm import gluon_fp8_gemm
+
+            split = tf8.fp8_config(n, k)["SPLIT_GROUPS"]
+            runners.append(("gluon candidate", None, lambda xq_, xs_, q, r, dt: gluon_fp8_gemm(
+                xq_, xs_, q, r, None, dt, split, w_block_rows=128)))
+        for cname, cfg, run in runners:
             rec = {"name": cname, "cfg": cfg, "ms": {}}
             try:
-                rec["bits_bad_ms"] = check_rows(lambda sl: tf8.fp8_gemm(xqb[sl], xsb[sl], wq0, rows0, None, torch.float32,
-                                                                        cfg=cfg, w_block_rows=128), ref, FP8_BITS_MS)
+                rec["bits_bad_ms"] = check_rows(lambda sl: run(xqb[sl], xsb[sl], wq0, rows0, torch.float32), ref,
+                                                FP8_BITS_MS)
                 rec["bit_identical"] = not rec["bits_bad_ms"]
             except Exception as e:  # noqa: BLE001
                 rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -451,8 +459,7 @@ def sweep_fp8(args, deadline, log):
                 if time.time() > deadline:
                     rec.setdefault("skipped_ms", []).append(m)
                     continue
-                rec["ms"][m] = bench(lambda m=m, cfg=cfg: [tf8.fp8_gemm(xq[m], xsc[m], q, r, None, torch.bfloat16,
-                                                                        cfg=cfg, w_block_rows=128) for q, r, _ in wf],
+                rec["ms"][m] = bench(lambda m=m, run=run: [run(xq[m], xsc[m], q, r, torch.bfloat16) for q, r, _ in wf],
                                      args.rep) / len(wf)
             rec["ratio"] = {m: (sr["scaled_mm_ms"][m] / v if sr["scaled_mm_ms"].get(m) else None)
                             for m, v in rec["ms"].items()}
@@ -468,7 +475,7 @@ def sweep_fp8(args, deadline, log):
 def recommend_fp8(results):
     recs = {}
     for sr in results:
-        opts = [c for c in sr["candidates"] if c.get("bit_identical") and 4096 in c["ms"]]
+        opts = [c for c in sr["candidates"] if c.get("bit_identical") and 4096 in c["ms"] and c["cfg"] is not None]
         if not opts:
             continue
         best = min(opts, key=lambda c: c["ms"][4096])
@@ -536,6 +543,8 @@ def main():
     ap.add_argument("--no-fp8", action="store_true")
     ap.add_argument("--only-fp8", action="store_true", help="the FP8 part alone (no bf16 tiles, no trees)")
     ap.add_argument("--no-odd", action="store_true", help="skip the bits-only odd-shape check")
+    ap.add_argument("--gluon", action="store_true",
+                    help="FP8 part: also the Gluon candidate kernel (gluon_fp8_gemm.py): bits vs the table tile, time")
     ap.add_argument("--quick", action="store_true", help="fewer groups / candidates")
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default all)")
     ap.add_argument("--cpu-smoke", action="store_true", help="TRITON_INTERPRET=1 plumbing test on tiny CPU shapes")
