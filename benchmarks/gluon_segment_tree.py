@@ -136,6 +136,8 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
             total_tile = total_tile + bias[None, :]
         # the output through A's memory (free until the next tile's first segment) and a TMA store
         out_smem = levels.index(0)._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        if SEGMENTS == 1:
+            tma.store_wait(pendings=0)  # (more segments: waited for before segment 0 wrote A)
         out_smem.store(total_tile.to(out_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
@@ -182,12 +184,12 @@ def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: to
 
 def offline_jobs():
     """``(description, signature, constexprs)`` of the launches the row-parallel benchmark's shapes make (o_proj and
-    down of the 1B and 8B Llama), bf16 out, at TP = 1 (8 segments) and the float32 subtree of TP = 2 (4)."""
+    down of the 1B and 8B Llama), bf16 out at TP = 1 (8 segments), the float32 subtrees of TP = 2, 4, 8 (4, 2, 1)."""
     from triton.runtime.jit import mangle_type
 
     jobs = []
     for n, k in ((4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)):
-        for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32)):
+        for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32), (2, torch.float32), (1, torch.float32)):
             k_local = k * segments // 8
             x = torch.zeros(4096, k_local, dtype=torch.bfloat16)
             w = torch.zeros(n, k_local, dtype=torch.bfloat16)
