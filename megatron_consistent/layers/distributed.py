@@ -1,7 +1,8 @@
 """Running the consistent model at a TP x PP layout — CPU ranks (gloo) or GPU ranks (NCCL) — and recomputing
 token log-probs there.
 
-* :func:`spawn_ranks` — ``TP * PP`` processes (``torch.multiprocessing`` spawn), each with
+* :func:`spawn_ranks` — ``TP * PP`` processes (CPU: forked from one spawned launcher that imported the
+  modules once; CUDA: ``torch.multiprocessing`` spawn), each with
   ``torch.distributed`` (a ``FileStore`` in a work folder: no TCP port) and one thread;
   ``device="cpu"``: gloo; ``device="cuda"``: NCCL, rank r on ``cuda:r`` (NVLink multicast off:
   :data:`NVLINK_MULTICAST_OFF`).  Nothing is pickled but the worker function's name and plain
@@ -185,9 +186,15 @@ def _rank_main(rank: int, worker, workdir: str, world: int, device: str, args: t
 
 
 def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None:
-    """Run ``worker(rank, workdir, *args)`` in ``world`` spawned processes (FileStore in ``workdir``): gloo on the CPU
+    """Run ``worker(rank, workdir, *args)`` in ``world`` processes (FileStore in ``workdir``): gloo on the CPU
     (``device="cpu"``), or NCCL with rank r on ``cuda:r`` (``device="cuda"``: ``world`` CUDA devices must be visible;
     NVLink multicast off in every rank).
+
+    CPU: one spawned process imports this module and the worker's (Megatron-Core: seconds each) once, then forks the
+    ``world`` ranks from that clean state (no thread pool started, no tensor computed there), so a job pays the imports
+    once instead of once per rank; the ranks run the same code, so the bits are the same.  CUDA: each rank spawned
+    (a fork must not inherit a CUDA context).  A failing rank raises ``torch.multiprocessing``'s
+    ``ProcessRaisedException`` / ``ProcessExitedException`` (its message carries the rank's traceback) either way.
 
     ``worker`` must be importable by name (module level); ``args``: plain values (str / int / float / bool).
     """
@@ -200,8 +207,38 @@ def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None
     store = Path(workdir) / "store"
     if store.exists():
         store.unlink()
-    mp.start_processes(_rank_main, args=(worker, str(workdir), world, device, args), nprocs=world, join=True,
-                       start_method="spawn")
+    if device == "cuda":
+        mp.start_processes(_rank_main, args=(worker, str(workdir), world, device, args), nprocs=world, join=True,
+                           start_method="spawn")
+        return
+    failure = Path(workdir) / "ranks.failure.json"
+    failure.unlink(missing_ok=True)
+    launcher = mp.get_context("spawn").Process(target=_fork_ranks, args=(worker, str(workdir), world, args, str(failure)))
+    launcher.start()
+    launcher.join()
+    if failure.exists():
+        f = json.loads(failure.read_text())
+        if f["kind"] == "exited":
+            raise mp.ProcessExitedException(f["msg"], f["index"], f["pid"], f["exit_code"], f["signal_name"])
+        raise mp.ProcessRaisedException(f["msg"], f["index"], f["pid"])
+    if launcher.exitcode != 0:
+        raise mp.ProcessExitedException(f"the rank launcher exited with code {launcher.exitcode}", 0, launcher.pid,
+                                        launcher.exitcode, None)
+
+
+def _fork_ranks(worker, workdir: str, world: int, args: tuple, failure: str) -> None:
+    """In the launcher process of :func:`spawn_ranks` (CPU): fork the ranks, join them; a failure is written to
+    ``failure`` (JSON) for the caller to raise."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(_rank_main, args=(worker, workdir, world, "cpu", args), nprocs=world, join=True,
+                           start_method="fork")
+    except mp.ProcessExitedException as e:
+        Path(failure).write_text(json.dumps({"kind": "exited", "msg": str(e), "index": e.error_index, "pid": e.error_pid,
+                                             "exit_code": e.exit_code, "signal_name": e.signal_name}))
+    except mp.ProcessRaisedException as e:
+        Path(failure).write_text(json.dumps({"kind": "raised", "msg": str(e), "index": e.error_index, "pid": e.error_pid}))
 
 
 def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
