@@ -77,7 +77,7 @@ def soak_model(cfg: SoakConfig, name: str) -> dict:
     from ..layers import build_consistent_gpt_model
     from ..vllm_plugin import ENV_VAR
     from .check import recompute
-    from .rollout import run_module
+    from .rollout import cpu_engine_in_process, run_module
 
     t0 = time.perf_counter()
     arch = ArchConfig.from_hf(load_hf_config(_model_path(name)))
@@ -87,7 +87,9 @@ def soak_model(cfg: SoakConfig, name: str) -> dict:
     model = build_consistent_gpt_model(arch, seed=cfg.seed)
     export_hf(model, arch, out / "model")
     request = {**asdict(cfg), "model_dir": str(out / "model"), "dtype": arch.dtype, "vocab_size": arch.vocab_size}
-    res = run_module("megatron_consistent.verify.soak_engine", request, out / "engines", "soak", {ENV_VAR: "1"})
+    # a CPU engine runs its engine core in the soak's engine process, as check's do (the same kernels and scheduler)
+    res = run_module("megatron_consistent.verify.soak_engine", request, out / "engines", "soak",
+                     {ENV_VAR: "1", **cpu_engine_in_process(1)})
     if "error" in res:
         raise RuntimeError(f"{name}: soak engine failed: {res['error']} (log: {res['log']})")
     if not res["plugin_active"]:
