@@ -23,7 +23,6 @@ the committed kernel with ``torch.equal``, time against ``_scaled_mm`` in the sa
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -33,30 +32,15 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gluon_ring import descriptor, issue_loads  # noqa: E402
 
 GROUP = 128  # the activation group = the weight block's columns = one K step
 TILE = (128, 128)  # BM, BN: 8 warps, two warp groups of 64 rows
 STAGES = 4  # 4 x 32 KB of operands, next to the 64 KB float32 tile of the split sums
 WARPS = 8
-
-
-@gluon.jit
-def _issue_load(c, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
-                G_ALL: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of the program's global step ``c`` (its tile ``c // G_ALL``, group ``c % G_ALL``) into slot
-    ``c % STAGES``; nothing past ``total_steps``."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    live = c < total_steps
-    tile = pid + (c // G_ALL) * nprog
-    k = (c % G_ALL) * BK
-    slot = c % STAGES
-    bar = bars.index(slot)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
-    tma.async_copy_global_to_shared(a_desc, [(tile % num_pid_m) * BM, k], bar, a_bufs.index(slot), live)
-    tma.async_copy_global_to_shared(b_desc, [(tile // num_pid_m) * BN, k], bar, b_bufs.index(slot), live)
 
 
 @gluon.jit
@@ -112,7 +96,7 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
     num_tiles = num_pid_m * gl.cdiv(N, BN)
     total_steps = gl.cdiv(num_tiles - pid, nprog) * G_ALL
     for i in gl.static_range(STAGES):
-        _issue_load(i, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, G_ALL, STAGES)
+        issue_loads(i, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, G_ALL, STAGES)
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     pending = _issue_mma(0, total_steps, bars, a_bufs, b_bufs, acc_layout, STAGES)  # step 0's chain, in flight
@@ -127,7 +111,7 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
                                         SWS)
                 nxt = _issue_mma(c + 1, total_steps, bars, a_bufs, b_bufs, acc_layout, STAGES)  # the next group's
                 p = warpgroup_mma_wait(num_outstanding=1, deps=(pending,))  # this group's chain is done ...
-                _issue_load(c + STAGES, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
+                issue_loads(c + STAGES, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
                             G_ALL, STAGES)  # ... so its slot takes the load STAGES steps ahead
                 acc = _scaled_fma(p, sa, sb, acc, SWS)  # while the tensor cores run the next group
                 pending = nxt
@@ -156,18 +140,10 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
         mbarrier.invalidate(bars.index(i))
 
 
-_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
-       torch.float8_e4m3fn: gl.float8e4nv}
-
-
 def descriptors(xq, wq, out, tile=TILE):
     """TMA descriptors of ``xq [M, K]`` (BM x 128), ``wq [N, K]`` (BN x 128) and ``out [M, N]`` (BM x BN)."""
     bm, bn = tile
-
-    def desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, _GL[t.dtype]))
-
-    return desc(xq, [bm, GROUP]), desc(wq, [bn, GROUP]), desc(out, [bm, bn])
+    return descriptor(xq, [bm, GROUP]), descriptor(wq, [bn, GROUP]), descriptor(out, [bm, bn])
 
 
 def launch_args(xq, xs, wq, ws, bias, out, split_groups: int, sws: bool, tile=TILE, stages=STAGES, warps=WARPS):
@@ -221,27 +197,9 @@ def offline_jobs():
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--offline", action="store_true", help="compile for sm_90a without a GPU: registers, spills, smem")
-    args = ap.parse_args()
-    if not args.offline:
-        ap.error("bits and speed: python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon (on a GPU)")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from offline_compile import SMEM_MAX, compile_sm90
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from offline_compile import gluon_candidate_main
 
-    bad = 0
-    for desc, sig, const in offline_jobs():
-        try:
-            regs, stack, smem, _, _ = compile_sm90(_fp8_kernel, sig, const, WARPS, 1, source=GluonASTSource)
-        except Exception as e:  # noqa: BLE001
-            bad += 1
-            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:3000]}", flush=True)
-            continue
-        flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
-        bad += smem > SMEM_MAX
-        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d}  {desc}", flush=True)
-    return 1 if bad else 0
+    return gluon_candidate_main(__doc__, _fp8_kernel, offline_jobs, WARPS, "python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ committed tree, ``torch.equal``; time against cuBLAS and the pre-tree GEMM in th
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -34,29 +33,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gluon_ring import descriptor, issue_loads  # noqa: E402
 
 TILE = (128, 128, 64)  # BM, BN, BK: 8 warps, two warp groups of 64 rows; a float32 tile is 64 registers a thread
 STAGES = 3  # operand ring: 3 x 32 KB, next to the tree's two 64 KB float32 levels (224 KB of the 227 KB a block has)
 WARPS = 8
-
-
-@gluon.jit
-def _issue_load(g, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
-                STEPS: gl.constexpr, STAGES: gl.constexpr):
-    """TMA loads of the program's global step ``g`` (tile ``g // STEPS`` of its own, K step ``g % STEPS``) into ring
-    slot ``g % STAGES``; nothing past ``total``."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    live = g < total
-    tile = pid + (g // STEPS) * nprog
-    k = (g % STEPS) * BK
-    slot = g % STAGES
-    bar = bars.index(slot)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
-    tma.async_copy_global_to_shared(a_desc, [(tile % num_pid_m) * BM, k], bar, a_bufs.index(slot), live)
-    tma.async_copy_global_to_shared(b_desc, [(tile // num_pid_m) * BN, k], bar, b_bufs.index(slot), live)
 
 
 @gluon.jit
@@ -83,7 +67,7 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     my_tiles = gl.cdiv(num_tiles - pid, nprog)
     total = my_tiles * STEPS
     for i in gl.static_range(STAGES - 1):
-        _issue_load(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+        issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
 
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     acc = gl.zeros((BM, BN), gl.float32, acc_layout)
@@ -101,7 +85,7 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
                                     is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 # step g - 1's MMA is done: its slot takes step g - 1 + STAGES
-                _issue_load(g + STAGES - 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
+                issue_loads(g + STAGES - 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
                             STEPS, STAGES)
                 g += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -146,17 +130,10 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
         mbarrier.invalidate(bars.index(i))
 
 
-_GL = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-
-
 def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile=TILE):
     """TMA descriptors of ``x [M, K]`` (blocks BM x BK), ``w [N, K]`` (BN x BK) and ``out [M, N]`` (BM x BN)."""
     bm, bn, bk = tile
-
-    def desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, _GL[t.dtype]))
-
-    return desc(x, [bm, bk]), desc(w, [bn, bk]), desc(out, [bm, bn])
+    return descriptor(x, [bm, bk]), descriptor(w, [bn, bk]), descriptor(out, [bm, bn])
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None, out: torch.Tensor, sms: int,
@@ -205,27 +182,9 @@ def offline_jobs():
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--offline", action="store_true", help="compile for sm_90a without a GPU: registers, spills, smem")
-    args = ap.parse_args()
-    if not args.offline:
-        ap.error("bits and speed: python benchmarks/bench_gpu_row_parallel.py --gluon (on a GPU)")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from offline_compile import SMEM_MAX, compile_sm90
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from offline_compile import gluon_candidate_main
 
-    bad = 0
-    for desc, sig, const in offline_jobs():
-        try:
-            regs, stack, smem, _, _ = compile_sm90(_tree_kernel, sig, const, WARPS, 1, source=GluonASTSource)
-        except Exception as e:  # noqa: BLE001
-            bad += 1
-            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-            continue
-        flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
-        bad += smem > SMEM_MAX
-        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d}  {desc}", flush=True)
-    return 1 if bad else 0
+    return gluon_candidate_main(__doc__, _tree_kernel, offline_jobs, WARPS, "python benchmarks/bench_gpu_row_parallel.py --gluon")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ synchronous before device time is spent; it says nothing about bits or speed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -111,21 +112,25 @@ def normalized_ttgir(ttgir: str) -> str:
     return "\n".join(consts + [x for x in lines if "arith.constant" not in x]) + "\n"
 
 
-def compile_report(jobs, ttgir_dir: str | None = None) -> int:
+def compile_report(jobs, ttgir_dir: str | None = None, source=ASTSource) -> int:
     """Compile every ``(description, kernel, signature, attrs, constexprs, warps, stages)`` for sm_90a and print its
     registers, spills, shared memory and async copies; returns the exit status (1 on any compile error or launch over
     the shared memory a block may have).  With ``ttgir_dir``, each launch's :func:`normalized_ttgir` is written there
     (``diff -r`` two such folders, e.g. of the tree before and after a change, to see which launches compile to other
-    ops)."""
+    ops).  ``source``: as :func:`compile_sm90`."""
     errors = flagged = over_smem = 0
     if ttgir_dir:
         os.makedirs(ttgir_dir, exist_ok=True)
     for desc, kernel, sig, attrs, const, warps, stages in jobs:
         try:
-            regs, stack, smem, copies, ttgir = compile_sm90(kernel, sig, const, warps, stages, attrs)
+            regs, stack, smem, copies, ttgir = compile_sm90(kernel, sig, const, warps, stages, attrs, source)
         except Exception as e:  # noqa: BLE001
             errors += 1
-            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            cause = e
+            while cause.__cause__ is not None:  # the compiler's own message, not only the source line it points at
+                cause = cause.__cause__
+            print(f"COMPILE ERROR {desc}: {type(e).__name__}: {str(e)[:300]}"
+                  + (f" -- {type(cause).__name__}: {str(cause)[-600:]}" if cause is not e else ""), flush=True)
             continue
         if ttgir_dir:
             with open(os.path.join(ttgir_dir, re.sub(r"[^\w.-]+", "_", desc) + ".ttgir"), "w") as f:
@@ -137,3 +142,16 @@ def compile_report(jobs, ttgir_dir: str | None = None) -> int:
     print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory "
           f"({over_smem} over the {SMEM_MAX} bytes a block may have: such a launch fails on the GPU)")
     return 1 if errors or over_smem else 0
+
+
+def gluon_candidate_main(doc: str, kernel, jobs, warps: int, measured_by: str) -> int:
+    """The command line of a Gluon candidate kernel (``benchmarks/gluon_*.py``): ``--offline`` compiles its
+    ``jobs()`` -- ``(description, signature, constexprs)`` -- for sm_90a through Gluon's AST source and reports them
+    as :func:`compile_report`; without it, says which GPU benchmark measures the candidate (``measured_by``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--offline", action="store_true", help="compile for sm_90a without a GPU: registers, spills, smem")
+    if not ap.parse_args().offline:
+        ap.error(f"bits and speed: {measured_by} (on a GPU)")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    return compile_report([(desc, kernel, sig, {}, const, warps, 1) for desc, sig, const in jobs()], source=GluonASTSource)

@@ -1,0 +1,42 @@
+"""What the Gluon candidate kernels (``gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) share: TMA descriptors and the
+ring of operand loads of a persistent program.
+
+A persistent program takes the output tiles ``pid, pid + nprog, ...`` (M fastest, so neighbouring programs share a
+weight tile in L2) and walks ``STEPS`` K steps of each; its global step ``c`` is tile ``c // STEPS``, K step
+``c % STEPS``, and its operands go to ring slot ``c % STAGES``, completing that slot's mbarrier.  The loads of a step
+depend on nothing but ``c``, so a program can issue them any number of steps ahead, across tile boundaries.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+             torch.float8_e4m3fn: gl.float8e4nv}
+
+
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor of the 2-D tensor ``t`` in blocks of ``block``, in the default swizzled shared layout."""
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype]))
+
+
+@gluon.jit
+def issue_loads(c, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
+                STEPS: gl.constexpr, STAGES: gl.constexpr):
+    """TMA loads of the program's global step ``c`` (x rows of its tile, w rows of its tile, the step's K columns)
+    into ring slot ``c % STAGES``; nothing at or past ``total_steps``."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    live = c < total_steps
+    tile = pid + (c // STEPS) * nprog
+    k = (c % STEPS) * BK
+    slot = c % STAGES
+    bar = bars.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
+    tma.async_copy_global_to_shared(a_desc, [(tile % num_pid_m) * BM, k], bar, a_bufs.index(slot), live)
+    tma.async_copy_global_to_shared(b_desc, [(tile // num_pid_m) * BN, k], bar, b_bufs.index(slot), live)
