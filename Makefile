@@ -51,14 +51,14 @@ INTERPRET_FAST := tests/test_triton_interpret_moe.py tests/test_triton_interpret
 # built once); most of an engine test is single-threaded start-up, so two workers on two cores take about 20 % off
 # (session 17: 19.7 against 24.7 min).  TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-# The longest files first (per-file seconds on the 2-core CPU machine, session 18: parallel engine ~600, parallel
-# trainer 510, robustness 400, parallel check 250, fp8 230, vllm check 190, hybrid lifecycle 175, ...): the workers
-# take files in this order, so the last ones to start are short and both workers finish close together.  The files
-# that start several gloo rank processes (test_parallel_*) alternate with single-engine ones, so two of them rarely
-# share the two cores.
+# The longest files first (per-file seconds of test time in `make test` on the 2-core CPU machine, session 20: parallel
+# engine ~250, robustness ~200, parallel trainer ~150, parallel check ~130, hybrid lifecycle ~100, vllm check ~95,
+# lifecycle ~80, vllm hybrid ~65, integration ~60, sync ~60, fp8 ~45): the workers take files in this order, so the
+# last ones to start are short and both workers finish close together.  The files that start several gloo rank
+# processes (test_parallel_*) alternate with single-engine ones, so two of them rarely share the two cores.
 SLOW_TEST_FILES := tests/test_parallel_engine.py tests/test_robustness.py tests/test_parallel_trainer.py \
-	tests/test_vllm_check.py tests/test_parallel_check.py tests/test_fp8.py tests/test_hybrid_lifecycle.py \
-	tests/test_vllm_hybrid.py tests/test_lifecycle.py
+	tests/test_vllm_check.py tests/test_parallel_check.py tests/test_hybrid_lifecycle.py tests/test_lifecycle.py \
+	tests/test_vllm_hybrid.py tests/test_integration.py tests/test_sync.py tests/test_fp8.py
 TEST_FILES := $(SLOW_TEST_FILES) $(filter-out $(SLOW_TEST_FILES),$(sort $(wildcard tests/test_*.py)))
 
 test: setup
