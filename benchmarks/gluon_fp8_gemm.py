@@ -88,7 +88,8 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    sums = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    # 32-byte vectors XOR-swizzled by row: no bank conflicts for the accumulator's fragments (asserted below)
+    sums = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
 
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -99,6 +100,7 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
         issue_loads(i, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, G_ALL, STAGES)
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    gl.static_assert(gl.bank_conflicts(gl.zeros((BM, BN), gl.float32, acc_layout).type, sums.type) == 0)
     pending = _issue_mma(0, total_steps, bars, a_bufs, b_bufs, acc_layout, STAGES)  # step 0's chain, in flight
     c = 0
     for tile in range(pid, num_tiles, nprog):

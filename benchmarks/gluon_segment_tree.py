@@ -52,7 +52,9 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 16])
-    level_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    # 32-byte vectors XOR-swizzled by row: the accumulator's fragments (a quad of lanes = 32 bytes of one row, eight
+    # rows a warp) reach the tile without bank conflicts (asserted below; unswizzled: 3 excess accesses a wavefront)
+    level_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -71,6 +73,7 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
 
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     acc = gl.zeros((BM, BN), gl.float32, acc_layout)
+    gl.static_assert(gl.bank_conflicts(acc.type, levels.index(0).type) == 0)
     g = 0
     for t in range(my_tiles):
         tile = pid + t * nprog
