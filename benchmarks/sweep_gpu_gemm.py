@@ -60,7 +60,10 @@ SHAPES = {"4096x4096": (4096, 4096), "qkv 4096->6144": (6144, 4096), "gate/up 40
           # the row-parallel K-segment tree (issue #18) of o_proj / down, 8 segments: swept as the whole tree, its
           # entry keyed by the segment's (N, K / 8), which is what segment_tree.segment_config looks up
           "8B o_proj tree": (4096, 4096, 8), "8B down tree": (4096, 14336, 8),
-          "1B o_proj tree": (2048, 2048, 8), "1B down tree": (2048, 8192, 8)}
+          "1B o_proj tree": (2048, 2048, 8), "1B down tree": (2048, 8192, 8),
+          # Qwen3-30B-A3B's dense GEMMs (rollout shape d): qkv, the o_proj tree, the router (float32 logits; at M = 1
+          # its one 128-wide tile streams the whole weight through one SM); not yet swept (`--shapes` picks them)
+          "A3B qkv 2048->5120": (5120, 2048), "A3B o_proj tree": (2048, 4096, 8), "A3B router 2048->128": (128, 2048)}
 MS = [1, 16, 64, 256, 1024, 4096]
 BITS_MS = [1, 7, 16, 64, 300, 2048]
 SMALL, MID, LARGE = (1, 16, 64), (64, 256, 1024), (256, 1024, 4096)
