@@ -173,7 +173,14 @@ def run(shapes, ms, variants, rep, gluon=False):
             for name in fns:
                 if name in VARIANTS:
                     bits_ok = bits_ok and torch.equal(fns[name](x, ws[0]).view(torch.int16), tree.view(torch.int16))
-            gluon_bits = torch.equal(fns["gluon"](x, ws[0]).view(torch.int16), tree.view(torch.int16)) if "gluon" in fns else None
+            gluon_bits = None
+            if "gluon" in fns:  # TP = 1 (bf16 out) and a TP = 2 rank's float32 subtree (its half of K, 4 segments)
+                from gluon_segment_tree import gluon_segment_tree
+
+                xh, wh = x[:, : k // 2].contiguous(), ws[0][:, : k // 2].contiguous()
+                gluon_bits = (torch.equal(fns["gluon"](x, ws[0]).view(torch.int16), tree.view(torch.int16))
+                              and torch.equal(gluon_segment_tree(xh, wh, SEGMENTS // 2, None, torch.float32),
+                                              tst.segment_tree_gemm(xh, wh, SEGMENTS // 2, None, torch.float32)))
             p = tst.plan(m, n, k, SEGMENTS, torch.bfloat16, sms=sms)
             flops = 2.0 * m * n * k
             best = min((t, nm) for nm, t in times.items() if nm == "tree" or nm in VARIANTS)

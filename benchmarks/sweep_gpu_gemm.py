@@ -444,8 +444,9 @@ def sweep_fp8(args, deadline, log):
             from gluon_fp8_gemm import gluon_fp8_gemm
 
             split = tf8.fp8_config(n, k)["SPLIT_GROUPS"]
-            runners.append(("gluon candidate", None, lambda xq_, xs_, q, r, dt: gluon_fp8_gemm(
-                xq_, xs_, q, r, None, dt, split, w_block_rows=128)))
+            for cname, block_rows in (("gluon candidate", 128), ("gluon candidate column scales", 0)):
+                runners.append((cname, None, lambda xq_, xs_, q, r, dt, br=block_rows: gluon_fp8_gemm(
+                    xq_, xs_, q, r, None, dt, split, w_block_rows=br)))
         for cname, cfg, run in runners:
             rec = {"name": cname, "cfg": cfg, "ms": {}}
             try:
