@@ -52,8 +52,8 @@ INTERPRET_FAST := tests/test_triton_interpret_moe.py tests/test_triton_interpret
 # (session 17: 19.7 against 24.7 min).  TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 # The longest files first (per-file seconds of test time in `make test` on the 2-core CPU machine, session 20: parallel
-# engine ~250, robustness ~200, parallel trainer ~150, parallel check ~130, hybrid lifecycle ~100, vllm check ~95,
-# lifecycle ~80, vllm hybrid ~65, integration ~60, sync ~60, fp8 ~45): the workers take files in this order, so the
+# engine 258, robustness 226, parallel trainer 142, hybrid lifecycle 106, parallel check 104, lifecycle 64, integration
+# 64, sync 60, vllm check 56, vllm hybrid 39, fp8 38; 11.7 min in all): the workers take files in this order, so the
 # last ones to start are short and both workers finish close together.  The files that start several gloo rank
 # processes (test_parallel_*) alternate with single-engine ones, so two of them rarely share the two cores.
 SLOW_TEST_FILES := tests/test_parallel_engine.py tests/test_robustness.py tests/test_parallel_trainer.py \
