@@ -33,7 +33,10 @@ def test_dummy_run_attention_writes_zeros(monkeypatch):
 def test_moe_engine_starts_with_poisoned_attention_output(tmp_path):
     """Every attention forward in the engine NaN-fills its output buffer first (stand-in for unwritten memory); the
     engine start runs vLLM's warm-up profile forward (attn_metadata None), whose output reaches the MoE router: the
-    engine must come up and sample finite log-probs.  Before the fix it died with 'router scores contain NaN'."""
+    engine must come up and sample finite log-probs.  It first died with 'router scores contain NaN'; since the engine
+    routes with device ops only (``moe_select_experts``: a NaN score still gives valid experts, no host read), the
+    warm-up's zeros are proven by ``test_dummy_run_attention_writes_zeros`` and this test catches real rows the
+    attention leaves unwritten (a forward that skips the decode rows fails it: NaN log-probs)."""
     import subprocess
     import sys
     from pathlib import Path
