@@ -54,7 +54,8 @@ VARIANTS = {"serial r1": ("serial", 1), "serial r2": ("serial", 2), "flat r1": (
             "serial r2 lanes2": ("serial", 2, None, 2), "serial r4 lanes2": ("serial", 4, None, 2),
             "serial r2 lanes2 s3": ("serial", 2, (128, 128, 8, 3), 2), "parallel r2 lanes2": ("parallel", 2, None, 2)}
 PARALLEL_MAX_M = 256
-GLUON_MIN_M = 256  # the Gluon candidate (gluon_segment_tree.py) is for prefill sizes: 128 x 128 tiles, one program an SM
+GLUON_MIN_M = 256  # the Gluon candidates (gluon_segment_tree.py) are for prefill sizes: 128-row tiles, one program an SM
+GLUON_NAMES = ("gluon smem", "gluon regs")  # "gluon <schedule>": gluon_segment_tree.SCHEDULES
 DEV = torch.device("cuda")  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful times)
 
 
@@ -65,7 +66,7 @@ def _variants_for(m, enabled):
 
 
 def _fns(x, w, variants, gluon=False):
-    """name -> callable(x, w) returning the bf16 output (``gluon``: also the Gluon candidate, from GLUON_MIN_M rows)."""
+    """name -> callable(x, w) returning the bf16 output (``gluon``: also the Gluon candidates, from GLUON_MIN_M rows)."""
     from megatron_consistent.kernels.numerics import adjacent_tree_sum
     from megatron_consistent.kernels.triton import linear as tlin
     from megatron_consistent.kernels.triton import segment_tree as tst
@@ -88,7 +89,9 @@ def _fns(x, w, variants, gluon=False):
     if gluon and x.shape[0] >= GLUON_MIN_M:
         from gluon_segment_tree import gluon_segment_tree
 
-        fns["gluon"] = lambda xx, ww: gluon_segment_tree(xx, ww, SEGMENTS, None, torch.bfloat16)
+        for name in GLUON_NAMES:
+            fns[name] = (lambda sch: lambda xx, ww: gluon_segment_tree(xx, ww, SEGMENTS, None, torch.bfloat16, sch))(
+                name.split()[1])
     return fns
 
 
@@ -100,7 +103,7 @@ def _warm(job):
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     x = torch.randn(max(ms), k, device=dev, dtype=torch.bfloat16)
     for m in ms:
-        fn = _fns(x[:m], w, _variants_for(m, variants), gluon=name == "gluon").get(name)
+        fn = _fns(x[:m], w, _variants_for(m, variants), gluon=name in GLUON_NAMES).get(name)
         if fn is None:
             continue
         try:
@@ -159,7 +162,7 @@ def run(shapes, ms, variants, rep, gluon=False):
                 try:
                     times[name] = bench(lambda f=fn: [f(x, w) for w in ws], rep) / len(ws)
                 except Exception as e:  # noqa: BLE001 -- a forced variant that does not fit this GPU (resources)
-                    if name not in VARIANTS and name != "gluon":
+                    if name not in VARIANTS and name not in GLUON_NAMES:
                         raise
                     print(f"  {shape} M={m} {name}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
                     del fns[name]
@@ -173,14 +176,15 @@ def run(shapes, ms, variants, rep, gluon=False):
             for name in fns:
                 if name in VARIANTS:
                     bits_ok = bits_ok and torch.equal(fns[name](x, ws[0]).view(torch.int16), tree.view(torch.int16))
-            gluon_bits = None
-            if "gluon" in fns:  # TP = 1 (bf16 out) and a TP = 2 rank's float32 subtree (its half of K, 4 segments)
+            gluon_bits = {}
+            for name in (n for n in GLUON_NAMES if n in fns):  # TP = 1 (bf16) and a TP = 2 rank's float32 subtree
                 from gluon_segment_tree import gluon_segment_tree
 
                 xh, wh = x[:, : k // 2].contiguous(), ws[0][:, : k // 2].contiguous()
-                gluon_bits = (torch.equal(fns["gluon"](x, ws[0]).view(torch.int16), tree.view(torch.int16))
-                              and torch.equal(gluon_segment_tree(xh, wh, SEGMENTS // 2, None, torch.float32),
-                                              tst.segment_tree_gemm(xh, wh, SEGMENTS // 2, None, torch.float32)))
+                gluon_bits[name] = (torch.equal(fns[name](x, ws[0]).view(torch.int16), tree.view(torch.int16))
+                                    and torch.equal(gluon_segment_tree(xh, wh, SEGMENTS // 2, None, torch.float32,
+                                                                       name.split()[1]),
+                                                    tst.segment_tree_gemm(xh, wh, SEGMENTS // 2, None, torch.float32)))
             p = tst.plan(m, n, k, SEGMENTS, torch.bfloat16, sms=sms)
             flops = 2.0 * m * n * k
             best = min((t, nm) for nm, t in times.items() if nm == "tree" or nm in VARIANTS)
@@ -190,17 +194,17 @@ def run(shapes, ms, variants, rep, gluon=False):
                  "naive_vs_gemm": times["gemm"] / times["naive"], "gemm_vs_cublas": times["cublas"] / times["gemm"],
                  "best_variant": best[1], "best_vs_gemm": times["gemm"] / best[0],
                  "plan": {"path": p["path"], "REG": p["REG"], "cfg": p["cfg"]}, "bits_ok": bits_ok}
-            if "gluon" in times:
-                r.update({"gluon_vs_cublas": times["cublas"] / times["gluon"], "gluon_vs_gemm": times["gemm"] / times["gluon"],
-                          "gluon_vs_tree": times["tree"] / times["gluon"], "gluon_bits_ok": gluon_bits})
+            r["gluon"] = {name: {"vs_cublas": times["cublas"] / times[name], "vs_gemm": times["gemm"] / times[name],
+                                 "vs_tree": times["tree"] / times[name], "bits_ok": gluon_bits[name]}
+                          for name in GLUON_NAMES if name in times}
             rows.append(r)
             var = "  ".join(f"{nm} {times['gemm'] / t:.3f}" for nm, t in times.items() if nm in VARIANTS)
             print(f"{shape:22s} M={m:5d}  cuBLAS {times['cublas'] * 1e3:8.1f} us  gemm {times['gemm'] * 1e3:8.1f}  "
                   f"naive {times['naive'] * 1e3:8.1f}  tree {times['tree'] * 1e3:8.1f} us [{p['path']} r{p['REG']}]  "
                   f"tree/cuBLAS {r['tree_vs_cublas']:.3f}  tree/gemm {r['tree_vs_gemm']:.3f}  bits {'ok' if bits_ok else 'DIFFER'}"
                   + (f"  | vs gemm: {var}" if var else "")
-                  + (f"  | gluon {times['gluon'] * 1e3:8.1f} us /cuBLAS {r['gluon_vs_cublas']:.3f} /gemm "
-                     f"{r['gluon_vs_gemm']:.3f} bits {'ok' if gluon_bits else 'DIFFER'}" if "gluon" in times else ""),
+                  + "".join(f"  | {nm} {times[nm] * 1e3:8.1f} us /cuBLAS {g['vs_cublas']:.3f} /gemm {g['vs_gemm']:.3f} "
+                            f"bits {'ok' if g['bits_ok'] else 'DIFFER'}" for nm, g in r["gluon"].items()),
                   flush=True)
         ws = xs = None
         if DEV.type == "cuda":
@@ -218,10 +222,10 @@ def table(rows) -> str:
                      f"{t['naive'] * 1e3:.1f} | {t['tree'] * 1e3:.1f} | {r['plan']['path']} r{r['plan']['REG']} | "
                      f"{r['tree_vs_cublas']:.3f} | {r['tree_vs_gemm']:.3f} | {r['naive_vs_gemm']:.3f} | "
                      f"{r['best_variant']} ({r['best_vs_gemm']:.3f}) | {'ok' if r['bits_ok'] else 'DIFFER'} |")
-    for r in (r for r in rows if "gluon_vs_gemm" in r):
-        lines.append(f"| {r['shape']} | {r['M']} | gluon candidate | | | {r['ms']['gluon'] * 1e3:.1f} | | "
-                     f"{r['gluon_vs_cublas']:.3f} | {r['gluon_vs_gemm']:.3f} | | | "
-                     f"{'ok' if r['gluon_bits_ok'] else 'DIFFER'} (vs tree) |")
+    for r in rows:
+        for nm, g in r.get("gluon", {}).items():
+            lines.append(f"| {r['shape']} | {r['M']} | {nm} candidate | | | {r['ms'][nm] * 1e3:.1f} | | "
+                         f"{g['vs_cublas']:.3f} | {g['vs_gemm']:.3f} | | | {'ok' if g['bits_ok'] else 'DIFFER'} (vs tree) |")
     worst = min(rows, key=lambda r: r["tree_vs_gemm"])
     lines += ["", f"worst tree/gemm: {worst['tree_vs_gemm']:.3f} ({worst['shape']}, M={worst['M']}); "
               f"target >= 0.97 everywhere: {'met' if worst['tree_vs_gemm'] >= 0.97 else 'NOT met'}; "
@@ -238,7 +242,7 @@ def main():
     ap.add_argument("--rep", type=int, default=20, help="ms of CUDA-graph replays per timing")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--gluon", action="store_true",
-                    help="also the Gluon candidate (gluon_segment_tree.py) at M >= GLUON_MIN_M: bits vs the tree, time")
+                    help="also the Gluon candidates (gluon_segment_tree.py) at M >= GLUON_MIN_M: bits vs the tree, time")
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global DEV
@@ -260,7 +264,7 @@ def main():
         for v in list(VARIANTS):
             if v not in keep:
                 del VARIANTS[v]
-    names = ["gemm", "naive", "tree"] + (list(VARIANTS) if variants else []) + (["gluon"] if args.gluon else [])
+    names = ["gemm", "naive", "tree"] + (list(VARIANTS) if variants else []) + (list(GLUON_NAMES) if args.gluon else [])
     jobs = [(*SHAPES[s], ms, variants, nm) for s in shapes for nm in names]
     errors = [] if args.cpu_smoke else precompile(jobs, max(1, min(args.workers, len(jobs))))
     import triton

@@ -175,7 +175,7 @@ def gluon_fp8_gemm(xq, xs, wq, ws, bias, out_dtype, split_groups: int, w_block_r
 
 
 def offline_jobs():
-    """``(description, signature, constexprs)`` for the Llama-8B FP8 shapes at M = 4096, bf16 out, the (N, K)
+    """``(description, kernel, signature, constexprs)`` for the Llama-8B FP8 shapes at M = 4096, bf16 out, the (N, K)
     table's splits, with one weight scale per tile and without."""
     from triton.runtime.jit import mangle_type
 
@@ -194,14 +194,14 @@ def offline_jobs():
             names = _fp8_kernel.arg_names
             sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32" for name, a in zip(names, args)}
             sig.update({name: "constexpr" for name in const})
-            jobs.append((f"N={n} K={k} splits={const['SPLITS']} sws={sws}", sig, const))
+            jobs.append((f"N={n} K={k} splits={const['SPLITS']} sws={sws}", _fp8_kernel, sig, const))
     return jobs
 
 
 def main() -> int:
     from offline_compile import gluon_candidate_main
 
-    return gluon_candidate_main(__doc__, _fp8_kernel, offline_jobs, WARPS, "python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon")
+    return gluon_candidate_main(__doc__, offline_jobs, WARPS, "python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,25 @@ from gluon_ring import descriptor, issue_loads  # noqa: E402
 TILE = (128, 128, 64)  # BM, BN, BK: 8 warps, two warp groups of 64 rows; a float32 tile is 64 registers a thread
 STAGES = 3  # operand ring: 3 x 32 KB, next to the tree's two 64 KB float32 levels (224 KB of the 227 KB a block has)
 WARPS = 8
+# name -> (kernel, tile, stages): "smem" the partials in shared memory; "regs" in registers (but the first quad),
+# the segment boundaries hidden behind the next segment's first wgmma
+SCHEDULES = {"smem": ("_tree_kernel", TILE, STAGES), "regs": ("_register_tree_kernel", (128, 64, 64), 7)}
+
+
+@gluon.jit
+def _chain(acc, g, ks0, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
+           SEG_STEPS: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr):
+    """K steps ``ks0 .. SEG_STEPS - 1`` of a segment's chain on ``acc`` (step 0 from nothing), one ``wgmma`` in flight:
+    each step waits for its loads, and once the step before it has finished, issues the loads ``STAGES - 1`` steps
+    ahead into that step's slot.  Returns the chain (its last ``wgmma`` may still run) and the next global step."""
+    for ks in range(ks0, SEG_STEPS):
+        slot = g % STAGES
+        mbarrier.wait(bars.index(slot), (g // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=ks > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        issue_loads(g + STAGES - 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+        g += 1
+    return acc, g
 
 
 @gluon.jit
@@ -81,16 +100,8 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
         off_n = (tile // num_pid_m) * BN
         held = acc  # segment 6's partial while segment 7 runs (a name until then: nothing is kept)
         for seg in gl.static_range(SEGMENTS):
-            for ks in range(SEG_STEPS):
-                slot = g % STAGES
-                mbarrier.wait(bars.index(slot), (g // STAGES) & 1)
-                acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=ks > 0,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                # step g - 1's MMA is done: its slot takes step g - 1 + STAGES
-                issue_loads(g + STAGES - 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
+            acc, g = _chain(acc, g, 0, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, SEG_STEPS,
                             STEPS, STAGES)
-                g += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             # the tree of neighbours with two float32 tiles of shared memory (A, B) and one of registers:
             # s0 -> A; A + s1 -> B; s2 -> A; B + (A + s3) -> B; s4 -> A; A + s5 -> A; s6 -> registers;
@@ -133,6 +144,84 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
         mbarrier.invalidate(bars.index(i))
 
 
+@gluon.jit
+def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
+                          SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr,
+                          HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    """The tree with its partials in registers (128 x 64 tiles: 32 registers a float32 tile; the first quad's value
+    in shared memory while segments 4-7 run), and each segment boundary hidden: the next segment's first ``wgmma`` is
+    issued (into a fresh accumulator) before the previous segment's chain is waited for and added to the tree; a deep
+    operand ring (7 x 24 KB)."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+    # the first quad's value waits out segments 4-7 in shared memory (in registers it made the 8-segment tree spill)
+    top_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BM)
+    num_tiles = num_pid_m * gl.cdiv(N, BN)
+    total = gl.cdiv(num_tiles - pid, nprog) * STEPS
+    for i in gl.static_range(STAGES - 1):
+        issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    acc = gl.zeros((BM, BN), gl.float32, acc_layout)
+    gl.static_assert(gl.bank_conflicts(acc.type, top_smem.type) == 0)
+    g = 0
+    for tile in range(pid, num_tiles, nprog):
+        off_m = (tile % num_pid_m) * BM
+        off_n = (tile // num_pid_m) * BN
+        for seg in gl.static_range(SEGMENTS):
+            slot = g % STAGES
+            mbarrier.wait(bars.index(slot), (g // STAGES) & 1)
+            fresh = gl.zeros((BM, BN), gl.float32, acc_layout)  # registers of its own: the previous chain is still live
+            new = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), fresh, use_acc=False,
+                                is_async=True)
+            if seg == 0:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(new,))
+            else:  # the previous segment's chain is done (the new one runs on): onto the tree while the tensor cores work
+                prev, acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, new))
+                if (seg - 1) % 2 == 0:  # level 0: one segment
+                    low = prev
+                elif (seg - 1) % 4 == 1:  # level 1: a pair
+                    mid = low + prev
+                else:  # level 2: the first quad (segment 3)
+                    top_smem.store(mid + (low + prev))
+            issue_loads(g + STAGES - 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS,
+                        STAGES)
+            g += 1
+            acc, g = _chain(acc, g, 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, SEG_STEPS,
+                            STEPS, STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if SEGMENTS == 1:
+            total_tile = acc
+        elif SEGMENTS == 2:
+            total_tile = low + acc
+        elif SEGMENTS == 4:
+            total_tile = mid + (low + acc)
+        else:
+            total_tile = top_smem.load(acc_layout) + (mid + (low + acc))
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + off_n + cols, mask=off_n + cols < N, other=0.0).to(gl.float32)
+            total_tile = total_tile + bias[None, :]
+        tma.store_wait(pendings=0)  # the previous tile's output has left the staging tile
+        out_smem.store(total_tile.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
 def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile=TILE):
     """TMA descriptors of ``x [M, K]`` (blocks BM x BK), ``w [N, K]`` (BN x BK) and ``out [M, N]`` (BM x BN)."""
     bm, bn, bk = tile
@@ -156,38 +245,43 @@ def launch(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor |
 
 
 def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
-                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T`` as the K-segment tree (module docstring), on CUDA."""
+                       out_dtype: torch.dtype | None = None, schedule: str = "smem") -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` as the K-segment tree (module docstring), on CUDA, by one of :data:`SCHEDULES`."""
+    kernel, tile, stages = SCHEDULES[schedule]
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
-    return launch(x, w, segments, bias, out, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    return launch(x, w, segments, bias, out, torch.cuda.get_device_properties(x.device).multi_processor_count,
+                  globals()[kernel], tile, stages)
 
 
 def offline_jobs():
-    """``(description, signature, constexprs)`` of the launches the row-parallel benchmark's shapes make (o_proj and
-    down of the 1B and 8B Llama), bf16 out at TP = 1 (8 segments), the float32 subtrees of TP = 2, 4, 8 (4, 2, 1)."""
+    """``(description, kernel, signature, constexprs)`` of the launches the row-parallel benchmark's shapes make
+    (o_proj and down of the 1B and 8B Llama) by each schedule: bf16 out at TP = 1 (8 segments), the float32 subtrees
+    of TP = 2, 4, 8 (4, 2, 1 segments)."""
     from triton.runtime.jit import mangle_type
 
     jobs = []
-    for n, k in ((4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)):
-        for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32), (2, torch.float32), (1, torch.float32)):
-            k_local = k * segments // 8
-            x = torch.zeros(4096, k_local, dtype=torch.bfloat16)
-            w = torch.zeros(n, k_local, dtype=torch.bfloat16)
-            out = torch.zeros(4096, n, dtype=out_dtype)
-            a_desc, b_desc, out_desc = descriptors(x, w, out)
-            sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
-                   "bias_ptr": mangle_type(out), "M": "i32", "N": "i32"}
-            const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // TILE[2], "STAGES": STAGES,
-                     "HAS_BIAS": False, "num_warps": WARPS}
-            sig.update({name: "constexpr" for name in const})
-            jobs.append((f"N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}", sig, const))
+    for schedule, (kernel, tile, stages) in SCHEDULES.items():
+        for n, k in ((4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)):
+            for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32), (2, torch.float32), (1, torch.float32)):
+                k_local = k * segments // 8
+                x = torch.zeros(4096, k_local, dtype=torch.bfloat16)
+                w = torch.zeros(n, k_local, dtype=torch.bfloat16)
+                out = torch.zeros(4096, n, dtype=out_dtype)
+                a_desc, b_desc, out_desc = descriptors(x, w, out, tile)
+                sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
+                       "bias_ptr": mangle_type(out), "M": "i32", "N": "i32"}
+                const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // tile[2], "STAGES": stages,
+                         "HAS_BIAS": False, "num_warps": WARPS}
+                sig.update({name: "constexpr" for name in const})
+                jobs.append((f"{schedule} N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}",
+                             globals()[kernel], sig, const))
     return jobs
 
 
 def main() -> int:
     from offline_compile import gluon_candidate_main
 
-    return gluon_candidate_main(__doc__, _tree_kernel, offline_jobs, WARPS, "python benchmarks/bench_gpu_row_parallel.py --gluon")
+    return gluon_candidate_main(__doc__, offline_jobs, WARPS, "python benchmarks/bench_gpu_row_parallel.py --gluon")
 
 
 if __name__ == "__main__":
