@@ -30,12 +30,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_ring import descriptor, issue_loads  # noqa: E402
+from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, store_tile  # noqa: E402
 
 GROUP = 128  # the activation group = the weight block's columns = one K step
 TILE = (128, 128)  # BM, BN: 8 warps, two warp groups of 64 rows
@@ -83,11 +82,7 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
     BN: gl.constexpr = b_desc.block_type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 32])
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
     # 32-byte vectors XOR-swizzled by row: no bank conflicts for the accumulator's fragments (asserted below)
     sums = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
 
@@ -127,19 +122,13 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
                 final = sums.load(acc_layout) + acc
             else:
                 sums.store(sums.load(acc_layout) + acc)
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + off_n + cols, mask=off_n + cols < N, other=0.0).to(gl.float32)
-            final = final + gl.expand_dims(bias, 0)
         if SPLITS == 1:
-            tma.store_wait(pendings=0)
-        out_smem = sums._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-        out_smem.store(final.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
-    warpgroup_mma_wait(num_outstanding=0, deps=(pending,))  # the one past the end never ran: nothing to wait for
-    tma.store_wait(pendings=0)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+            tma.store_wait(pendings=0)  # (more splits: waited for before split 0 wrote the sums)
+        store_tile(final, out_desc, sums._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout),
+                   bias_ptr, off_m, off_n, N, HAS_BIAS)
+    # the chain issued past the last step (on a slot no load refilled; its result is never read) must end first
+    warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
+    release_ring(bars, STAGES)
 
 
 def descriptors(xq, wq, out, tile=TILE):

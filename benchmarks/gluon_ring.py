@@ -1,5 +1,5 @@
-"""What the Gluon candidate kernels (``gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) share: TMA descriptors and the
-ring of operand loads of a persistent program.
+"""What the Gluon candidate kernels (``gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) share: TMA descriptors, the
+ring of operand loads of a persistent program, and the output tile's store.
 
 A persistent program takes the output tiles ``pid, pid + nprog, ...`` (M fastest, so neighbouring programs share a
 weight tile in L2) and walks ``STEPS`` K steps of each; its global step ``c`` is tile ``c // STEPS``, K step
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
@@ -40,3 +40,34 @@ def issue_loads(c, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
     tma.async_copy_global_to_shared(a_desc, [(tile % num_pid_m) * BM, k], bar, a_bufs.index(slot), live)
     tma.async_copy_global_to_shared(b_desc, [(tile // num_pid_m) * BN, k], bar, b_bufs.index(slot), live)
+
+
+@gluon.jit
+def operand_ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """``STAGES`` slots of x and w tiles in shared memory and one mbarrier a slot (initialised)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    return a_bufs, b_bufs, bars
+
+
+@gluon.jit
+def store_tile(value, out_desc, out_smem, bias_ptr, off_m, off_n, N, HAS_BIAS: gl.constexpr):
+    """The float32 tile ``value`` (+ bias, float32), rounded once to the output dtype, through ``out_smem`` and a TMA
+    store to ``[off_m, off_n]`` (rows and columns past the output are clipped by the TMA unit)."""
+    if HAS_BIAS:
+        cols = off_n + gl.arange(0, value.shape[1], layout=gl.SliceLayout(0, value.type.layout))
+        value = value + gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+    out_smem.store(value.to(out_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
+
+
+@gluon.jit
+def release_ring(bars, STAGES: gl.constexpr):
+    """At the program's end: its last output stores done, the ring's mbarriers invalidated."""
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))

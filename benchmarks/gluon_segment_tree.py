@@ -31,12 +31,11 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_ring import descriptor, issue_loads  # noqa: E402
+from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, store_tile  # noqa: E402
 
 TILE = (128, 128, 64)  # BM, BN, BK: 8 warps, two warp groups of 64 rows; a float32 tile is 64 registers a thread
 STAGES = 3  # operand ring: 3 x 32 KB, next to the tree's two 64 KB float32 levels (224 KB of the 227 KB a block has)
@@ -74,11 +73,7 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     # 32-byte vectors XOR-swizzled by row: the accumulator's fragments (a quad of lanes = 32 bytes of one row, eight
     # rows a warp) reach the tile without bank conflicts (asserted below; unswizzled: 3 excess accesses a wavefront)
     level_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
     levels = gl.allocate_shared_memory(gl.float32, [2, BM, BN], level_layout)  # the tree's partials A and B
 
     pid = gl.program_id(0)
@@ -90,7 +85,6 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     for i in gl.static_range(STAGES - 1):
         issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
 
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     acc = gl.zeros((BM, BN), gl.float32, acc_layout)
     gl.static_assert(gl.bank_conflicts(acc.type, levels.index(0).type) == 0)
     g = 0
@@ -129,19 +123,12 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
                 held = acc
             else:  # segments 2 and 4
                 levels.index(0).store(acc)
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + off_n + cols, mask=off_n + cols < N, other=0.0).to(gl.float32)
-            total_tile = total_tile + bias[None, :]
         # the output through A's memory (free until the next tile's first segment) and a TMA store
-        out_smem = levels.index(0)._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
         if SEGMENTS == 1:
             tma.store_wait(pendings=0)  # (more segments: waited for before segment 0 wrote A)
-        out_smem.store(total_tile.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
-    tma.store_wait(pendings=0)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+        store_tile(total_tile, out_desc, levels.index(0)._reinterpret(out_desc.dtype, out_desc.block_type.shape,
+                                                                      out_desc.layout), bias_ptr, off_m, off_n, N, HAS_BIAS)
+    release_ring(bars, STAGES)
 
 
 @gluon.jit
@@ -157,11 +144,7 @@ def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 16])
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
     out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
     # the first quad's value waits out segments 4-7 in shared memory (in registers it made the 8-segment tree spill)
     top_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
@@ -173,7 +156,6 @@ def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     total = gl.cdiv(num_tiles - pid, nprog) * STEPS
     for i in gl.static_range(STAGES - 1):
         issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     acc = gl.zeros((BM, BN), gl.float32, acc_layout)
     gl.static_assert(gl.bank_conflicts(acc.type, top_smem.type) == 0)
     g = 0
@@ -210,16 +192,9 @@ def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
             total_tile = mid + (low + acc)
         else:
             total_tile = top_smem.load(acc_layout) + (mid + (low + acc))
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + off_n + cols, mask=off_n + cols < N, other=0.0).to(gl.float32)
-            total_tile = total_tile + bias[None, :]
         tma.store_wait(pendings=0)  # the previous tile's output has left the staging tile
-        out_smem.store(total_tile.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_smem)
-    tma.store_wait(pendings=0)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+        store_tile(total_tile, out_desc, out_smem, bias_ptr, off_m, off_n, N, HAS_BIAS)
+    release_ring(bars, STAGES)
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile=TILE):
@@ -271,9 +246,10 @@ def offline_jobs():
                 sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
                        "bias_ptr": mangle_type(out), "M": "i32", "N": "i32"}
                 const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // tile[2], "STAGES": stages,
-                         "HAS_BIAS": False, "num_warps": WARPS}
+                         "HAS_BIAS": segments == 8 and n == 2048, "num_warps": WARPS}  # a bias: the 1B shapes
                 sig.update({name: "constexpr" for name in const})
-                jobs.append((f"{schedule} N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}",
+                jobs.append((f"{schedule} N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}"
+                             + (" bias" if const["HAS_BIAS"] else ""),
                              globals()[kernel], sig, const))
     return jobs
 
