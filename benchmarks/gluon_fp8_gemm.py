@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, store_tile  # noqa: E402
+from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, start_program, store_tile  # noqa: E402
 
 GROUP = 128  # the activation group = the weight block's columns = one K step
 TILE = (128, 128)  # BM, BN: 8 warps, two warp groups of 64 rows
@@ -86,13 +86,8 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
     # 32-byte vectors XOR-swizzled by row: no bank conflicts for the accumulator's fragments (asserted below)
     sums = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
 
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M, BM)
-    num_tiles = num_pid_m * gl.cdiv(N, BN)
-    total_steps = gl.cdiv(num_tiles - pid, nprog) * G_ALL
-    for i in gl.static_range(STAGES):
-        issue_loads(i, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, G_ALL, STAGES)
+    pid, nprog, num_pid_m, num_tiles, total_steps = start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, G_ALL,
+                                                                  STAGES, STAGES)
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     gl.static_assert(gl.bank_conflicts(gl.zeros((BM, BN), gl.float32, acc_layout).type, sums.type) == 0)

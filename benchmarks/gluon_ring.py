@@ -71,3 +71,20 @@ def release_ring(bars, STAGES: gl.constexpr):
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, STEPS: gl.constexpr, STAGES: gl.constexpr,
+                  AHEAD: gl.constexpr):
+    """The persistent program's work -- ``(pid, nprog, num_pid_m, num_tiles, total steps)``; its tiles are
+    ``range(pid, num_tiles, nprog)`` -- with the loads of its first ``AHEAD`` steps issued."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BM)
+    num_tiles = num_pid_m * gl.cdiv(N, BN)
+    total = gl.cdiv(num_tiles - pid, nprog) * STEPS
+    for i in gl.static_range(AHEAD):
+        issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+    return pid, nprog, num_pid_m, num_tiles, total

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, store_tile  # noqa: E402
+from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, start_program, store_tile  # noqa: E402
 
 TILE = (128, 128, 64)  # BM, BN, BK: 8 warps, two warp groups of 64 rows; a float32 tile is 64 registers a thread
 STAGES = 3  # operand ring: 3 x 32 KB, next to the tree's two 64 KB float32 levels (224 KB of the 227 KB a block has)
@@ -76,20 +76,13 @@ def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
     levels = gl.allocate_shared_memory(gl.float32, [2, BM, BN], level_layout)  # the tree's partials A and B
 
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M, BM)
-    num_tiles = num_pid_m * gl.cdiv(N, BN)
-    my_tiles = gl.cdiv(num_tiles - pid, nprog)
-    total = my_tiles * STEPS
-    for i in gl.static_range(STAGES - 1):
-        issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+    pid, nprog, num_pid_m, num_tiles, total = start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, STEPS, STAGES,
+                                                            STAGES - 1)
 
     acc = gl.zeros((BM, BN), gl.float32, acc_layout)
     gl.static_assert(gl.bank_conflicts(acc.type, levels.index(0).type) == 0)
     g = 0
-    for t in range(my_tiles):
-        tile = pid + t * nprog
+    for tile in range(pid, num_tiles, nprog):
         off_m = (tile % num_pid_m) * BM
         off_n = (tile // num_pid_m) * BN
         held = acc  # segment 6's partial while segment 7 runs (a name until then: nothing is kept)
@@ -149,13 +142,8 @@ def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     # the first quad's value waits out segments 4-7 in shared memory (in registers it made the 8-segment tree spill)
     top_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
 
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M, BM)
-    num_tiles = num_pid_m * gl.cdiv(N, BN)
-    total = gl.cdiv(num_tiles - pid, nprog) * STEPS
-    for i in gl.static_range(STAGES - 1):
-        issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+    pid, nprog, num_pid_m, num_tiles, total = start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, STEPS, STAGES,
+                                                            STAGES - 1)
     acc = gl.zeros((BM, BN), gl.float32, acc_layout)
     gl.static_assert(gl.bank_conflicts(acc.type, top_smem.type) == 0)
     g = 0
