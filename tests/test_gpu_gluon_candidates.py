@@ -1,0 +1,70 @@
+"""The Gluon candidate kernels of ``benchmarks/`` (session 20) against the committed kernels, bitwise, on a Hopper GPU.
+
+``benchmarks/gluon_segment_tree.py`` (both schedules) must give the bits of ``segment_tree.segment_tree_gemm`` and
+``benchmarks/gluon_fp8_gemm.py`` those of ``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and
+clipping), with a bias, and for a tensor-parallel rank's float32 subtree -- before either could replace them.  The
+benchmarks check the same at their own shapes and time them; these cases are the edges.  Skipped without a
+Hopper GPU (``wgmma``, TMA) or without Gluon.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) CUDA GPU: the candidates use wgmma and TMA")]
+
+if _hopper():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    gluon_tree = pytest.importorskip("gluon_segment_tree", reason="Triton without Gluon")
+    gluon_fp8 = pytest.importorskip("gluon_fp8_gemm", reason="Triton without Gluon")
+    from megatron_consistent.kernels import fp8
+    from megatron_consistent.kernels.triton import fp8_linear as tf8
+    from megatron_consistent.kernels.triton import segment_tree as tst
+
+DEV = "cuda"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("schedule", ["smem", "regs"])
+@pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 2048, 2048), (300, 4096, 14336), (129, 2048, 8192)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
+    g = torch.Generator(device=DEV).manual_seed(m + n + k)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=g) * 0.02
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=g) if with_bias else None
+    ref = tst.segment_tree_gemm(x, w, 8, bias, torch.bfloat16)
+    assert torch.equal(_bits(gluon_tree.gluon_segment_tree(x, w, 8, bias, torch.bfloat16, schedule)), _bits(ref))
+    for segments in (4, 2, 1):  # the float32 subtree of a rank at TP = 8 / segments
+        xs, ws = x[:, : k * segments // 8].contiguous(), w[:, : k * segments // 8].contiguous()
+        assert torch.equal(_bits(gluon_tree.gluon_segment_tree(xs, ws, segments, None, torch.float32, schedule)),
+                           _bits(tst.segment_tree_gemm(xs, ws, segments, None, torch.float32))), segments
+
+
+@pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 4096, 14336), (300, 6144, 4096)])
+@pytest.mark.parametrize("block_rows", [128, 0])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_bias):
+    g = torch.Generator(device=DEV).manual_seed(m + n + k)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
+    wq, w_scales = fp8.quantize(torch.randn(n, k, device=DEV, generator=g) * 0.02, fp8.E4M3_WEIGHT_128)
+    ws = fp8.weight_row_scales(w_scales, n).contiguous()
+    xq, xs = tf8.quantize_activations(x)
+    bias = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=g) if with_bias else None
+    ref = tf8.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, w_block_rows=block_rows)
+    out = gluon_fp8.gluon_fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, tf8.fp8_config(n, k)["SPLIT_GROUPS"],
+                                   w_block_rows=block_rows)
+    assert torch.equal(_bits(out), _bits(ref))
