@@ -37,12 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, start_program, store_tile  # noqa: E402
 
-TILE = (128, 128, 64)  # BM, BN, BK: 8 warps, two warp groups of 64 rows; a float32 tile is 64 registers a thread
-STAGES = 3  # operand ring: 3 x 32 KB, next to the tree's two 64 KB float32 levels (224 KB of the 227 KB a block has)
-WARPS = 8
-# name -> (kernel, tile, stages): "smem" the partials in shared memory; "regs" in registers (but the first quad),
-# the segment boundaries hidden behind the next segment's first wgmma
-SCHEDULES = {"smem": ("_tree_kernel", TILE, STAGES), "regs": ("_register_tree_kernel", (128, 64, 64), 7)}
+WARPS = 8  # two warp groups of 64 rows
 
 
 @gluon.jit
@@ -185,35 +180,34 @@ def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     release_ring(bars, STAGES)
 
 
-def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile=TILE):
+# name -> (kernel, (BM, BN, BK), stages).  "smem": the partials in shared memory, 128 x 128 tiles (a float32 tile is 64
+# registers a thread), a 3 x 32 KB operand ring next to the two 64 KB partial tiles; "regs": in registers (but the first
+# quad), 128 x 64 tiles, a 7 x 24 KB ring, the segment boundaries hidden behind the next segment's first wgmma
+SCHEDULES = {"smem": (_tree_kernel, (128, 128, 64), 3), "regs": (_register_tree_kernel, (128, 64, 64), 7)}
+
+
+def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile):
     """TMA descriptors of ``x [M, K]`` (blocks BM x BK), ``w [N, K]`` (BN x BK) and ``out [M, N]`` (BM x BN)."""
     bm, bn, bk = tile
     return descriptor(x, [bm, bk]), descriptor(w, [bn, bk]), descriptor(out, [bm, bn])
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None, out: torch.Tensor, sms: int,
-           kernel=None, tile=TILE, stages=STAGES, warps=WARPS):
-    """Launch ``kernel`` (default: the tree kernel) on ``out``: its grid and arguments, one persistent program an SM."""
-    bm, bn, bk = tile
+def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None, schedule: str = "smem") -> torch.Tensor:
+    """``x [M, K] @ w [N, K]^T`` as the K-segment tree (module docstring), on CUDA, by one of :data:`SCHEDULES`: one
+    persistent program an SM."""
+    kernel, (bm, bn, bk), stages = SCHEDULES[schedule]
     m, k = x.shape
     n = w.shape[0]
     if k % segments or (k // segments) % bk:
         raise ValueError(f"K = {k} in {segments} segments of whole {bk}-column steps: not possible")
-    a_desc, b_desc, out_desc = descriptors(x, w, out, tile)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    (kernel or _tree_kernel)[(min(sms, tiles),)](
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    a_desc, b_desc, out_desc = descriptors(x, w, out, (bm, bn, bk))
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    kernel[(min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)](
         a_desc, b_desc, out_desc, bias if bias is not None else out, m, n,
-        SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages, HAS_BIAS=bias is not None, num_warps=warps)
+        SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages, HAS_BIAS=bias is not None, num_warps=WARPS)
     return out
-
-
-def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
-                       out_dtype: torch.dtype | None = None, schedule: str = "smem") -> torch.Tensor:
-    """``x [M, K] @ w [N, K]^T`` as the K-segment tree (module docstring), on CUDA, by one of :data:`SCHEDULES`."""
-    kernel, tile, stages = SCHEDULES[schedule]
-    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype, device=x.device)
-    return launch(x, w, segments, bias, out, torch.cuda.get_device_properties(x.device).multi_processor_count,
-                  globals()[kernel], tile, stages)
 
 
 def offline_jobs():
@@ -237,8 +231,7 @@ def offline_jobs():
                          "HAS_BIAS": segments == 8 and n == 2048, "num_warps": WARPS}  # a bias: the 1B shapes
                 sig.update({name: "constexpr" for name in const})
                 jobs.append((f"{schedule} N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}"
-                             + (" bias" if const["HAS_BIAS"] else ""),
-                             globals()[kernel], sig, const))
+                             + (" bias" if const["HAS_BIAS"] else ""), kernel, sig, const))
     return jobs
 
 
