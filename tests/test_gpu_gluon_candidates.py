@@ -38,6 +38,18 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
 
 
+def _where_they_differ(out: torch.Tensor, ref: torch.Tensor) -> str:
+    """Where two results differ (which rows / columns, how far), for the assertion message: a wrong K order spreads
+    over every element, a wrong zero fill or clip sits at the ragged edge, a wrong tree combine moves low bits."""
+    if out.shape != ref.shape:
+        return f"shapes {tuple(out.shape)} vs {tuple(ref.shape)}"
+    bad = _bits(out) != _bits(ref)
+    rows, cols = bad.any(1).nonzero().flatten(), bad.any(0).nonzero().flatten()
+    span = lambda i: f"{i.numel()} ({int(i[0])}..{int(i[-1])})" if i.numel() else "0"  # noqa: E731
+    return (f"{int(bad.sum())} of {bad.numel()} elements differ; rows {span(rows)} of {out.shape[0]}, columns "
+            f"{span(cols)} of {out.shape[1]}; max |diff| {(out.float() - ref.float()).abs().max().item():.3g}")
+
+
 @pytest.mark.parametrize("schedule", ["smem", "regs"])
 @pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 2048, 2048), (300, 4096, 14336), (129, 2048, 8192)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -47,11 +59,13 @@ def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16, generator=g) * 0.02
     bias = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=g) if with_bias else None
     ref = tst.segment_tree_gemm(x, w, 8, bias, torch.bfloat16)
-    assert torch.equal(_bits(gluon_tree.gluon_segment_tree(x, w, 8, bias, torch.bfloat16, schedule)), _bits(ref))
+    out = gluon_tree.gluon_segment_tree(x, w, 8, bias, torch.bfloat16, schedule)
+    assert torch.equal(_bits(out), _bits(ref)), _where_they_differ(out, ref)
     for segments in (4, 2, 1):  # the float32 subtree of a rank at TP = 8 / segments
         xs, ws = x[:, : k * segments // 8].contiguous(), w[:, : k * segments // 8].contiguous()
-        assert torch.equal(_bits(gluon_tree.gluon_segment_tree(xs, ws, segments, None, torch.float32, schedule)),
-                           _bits(tst.segment_tree_gemm(xs, ws, segments, None, torch.float32))), segments
+        out = gluon_tree.gluon_segment_tree(xs, ws, segments, None, torch.float32, schedule)
+        ref = tst.segment_tree_gemm(xs, ws, segments, None, torch.float32)
+        assert torch.equal(_bits(out), _bits(ref)), f"{segments} segments: {_where_they_differ(out, ref)}"
 
 
 @pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 4096, 14336), (300, 6144, 4096)])
@@ -67,4 +81,4 @@ def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_
     ref = tf8.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, w_block_rows=block_rows)
     out = gluon_fp8.gluon_fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, tf8.fp8_config(n, k)["SPLIT_GROUPS"],
                                    w_block_rows=block_rows)
-    assert torch.equal(_bits(out), _bits(ref))
+    assert torch.equal(_bits(out), _bits(ref)), _where_they_differ(out, ref)
