@@ -56,6 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_trace import kernel_events  # noqa: E402
 
+from megatron_consistent.verify.processes import kill_group, run_group  # noqa: E402
+
 SHAPES = {
     "a": {"model": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                         intermediate_size=8192, vocab_size=32000),
@@ -260,13 +262,14 @@ def failure_lines(log: Path) -> list[str]:
     return errors[:20] + lines[-15:]
 
 
-def run_engine(name: str, request: dict, work: Path, engine_env: dict) -> dict:
+def run_engine(name: str, request: dict, work: Path, engine_env: dict, timeout_s: float) -> dict:
+    """One engine process (started, timed, stopped); past ``timeout_s`` it is killed with the processes it started."""
     req, res, log = work / f"{name}.req.json", work / f"{name}.res.json", work / f"{name}.log"
     req.write_text(json.dumps(request))
     env = dict(os.environ, **engine_caches(name, work), **engine_env)
-    with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, __file__, "--worker", str(req), str(res)], env=env, stdout=f,
-                            stderr=subprocess.STDOUT).returncode
+    rc = run_group([sys.executable, __file__, "--worker", str(req), str(res)], log, timeout_s, env)
+    if rc is None:
+        return {"error": f"no result in {timeout_s:.0f} s (killed)", "log_tail": failure_lines(log)}
     if rc != 0 or not res.exists():
         return {"error": f"exit {rc}", "log_tail": failure_lines(log)}
     out = json.loads(res.read_text())
@@ -288,6 +291,12 @@ def _next_event(events: Path, seen: int, proc: subprocess.Popen, name: str, time
         time.sleep(0.1)
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """An engine process and whatever is left of its process group (vLLM's engine core, compile workers): killed."""
+    kill_group(proc.pid)
+    proc.wait()
+
+
 def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: int, timeout_s: float,
                command=None) -> dict[str, dict]:
     """Every engine started once, one after another (each sizes its memory on what the others left), then ``rounds``
@@ -305,7 +314,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
             logs.append(open(work / f"{name}.log", "w"))
             env = dict(os.environ, **engine_caches(name, work), **engine_env)
             procs[name] = subprocess.Popen(command(req, events[name]), env=env, text=True, stdin=subprocess.PIPE,
-                                           stdout=logs[-1], stderr=subprocess.STDOUT)
+                                           stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 ready = _next_event(events[name], 0, procs[name], name, timeout_s)
                 results[name] = {"startup_s": ready["startup_s"], "warmup_s": ready.get("warmup_s"),
@@ -313,7 +322,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                                  "round_passes": [], "round_new_binaries": []}
             except RuntimeError as e:
                 results[name] = {"error": str(e)}
-                procs.pop(name).kill()
+                _stop(procs.pop(name))
             print(f"  {name}: {json.dumps(results[name])[:200]}", flush=True)
         names = [n for n in engine_envs if n in procs]
         for r in range(rounds):
@@ -327,7 +336,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                     event = _next_event(events[name], 1 + len(res["round_tokens"]), procs[name], name, timeout_s)
                 except (RuntimeError, OSError) as e:
                     results[name] = {"error": str(e)}
-                    procs.pop(name).kill()
+                    _stop(procs.pop(name))
                     continue
                 res["round_tokens"].append(event["tokens"])
                 res["round_seconds"].append(event["seconds"])
@@ -342,7 +351,8 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                 proc.stdin.close()
                 proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
+                pass
+            _stop(proc)
         for f in logs:
             f.close()
     for name, res in results.items():
@@ -428,7 +438,8 @@ def main() -> int:
                     help="start every engine once, side by side (each with --gpu-memory-utilization / engines), then "
                          "ROUNDS rounds each (passes until --min-seconds) in alternating order; ratios also per round")
     ap.add_argument("--engine-timeout", type=float, default=900.0,
-                    help="--interleave: seconds an engine may take to start or to finish a round")
+                    help="seconds an engine may take (one run; --interleave: to start or to finish a round); past it "
+                    "the engine is killed with the processes it started")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -475,7 +486,7 @@ def main() -> int:
             for name, engine_env in ({} if args.interleave else engine_envs).items():
                 if args.profile:
                     request["profile_dir"] = str(Path(tmp) / f"profile-{key}-{name}")
-                row[name] = run_engine(name, request, Path(tmp), engine_env)
+                row[name] = run_engine(name, request, Path(tmp), engine_env, args.engine_timeout)
                 print(f"[{key}] {name}: {json.dumps(row[name])[:300]}", flush=True)
                 report["shapes"][key] = row
                 Path(args.out).write_text(json.dumps(report, indent=1))  # kept if a later engine is cut short

@@ -8,7 +8,8 @@ random models of ``bench_rollout_gpu.SHAPES`` (the same table; ``--layers`` keep
 the kernels, the depth does not), with prompts long enough and a batched-token budget large enough that the engine's
 prefill runs the large-M classes, its decode steps the small ones, and the trainer's recompute yet another M.
 
-One ``check`` process per shape (GPU memory freed in between, a hung engine cut by ``--timeout``); FP8 shapes (b8,
+One ``check`` process per shape (GPU memory freed in between, a hung check cut by ``--timeout``
+with the engine processes it started); FP8 shapes (b8,
 d8) pass ``--quantization fp8``.  Prints one table row per shape, writes the JSON (every shape's report inside);
 exit 0 only when every shape gave zero mismatch.  ``--device cpu`` runs the same on vLLM's CPU platform (a smoke
 run of the script with small settings; the GPU kernels are what it is for).
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_rollout_gpu import SHAPES, write_model  # noqa: E402
+
+from megatron_consistent.verify.processes import run_group  # noqa: E402
 
 COLUMNS = ("shape", "layers", "quantization", "engine_tp", "trainer_tp", "tokens", "max_abs", "exact_fraction",
            "routing_agreement", "gen_tokens_per_s", "wall_s")
@@ -75,11 +77,7 @@ def run_shape(key: str, args, work: Path) -> dict:
     row = {"shape": key, "layers": dims["num_hidden_layers"], "quantization": quantization or "bf16",
            "engine_tp": args.engine_tp, "trainer_tp": args.trainer_tp}
     start = time.perf_counter()
-    with open(log, "w") as out:
-        try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+    rc = run_group(cmd, log, args.timeout)  # None: timed out; the check and its engines were killed
     row["wall_s"] = round(time.perf_counter() - start, 1)
     row["rc"] = rc
     report = json.loads(report_path.read_text()) if report_path.exists() else {}

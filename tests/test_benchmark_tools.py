@@ -186,23 +186,21 @@ def test_a_failed_engine_reports_its_root_cause_above_the_last_lines(tmp_path):
 
 
 def _fake_check(tmp_path: Path, monkeypatch, report: dict | None, rc: int = 0, hang: bool = False) -> tuple:
-    """``check_shapes_gpu`` with ``subprocess.run`` replaced: the stand-in writes ``report`` where ``--json`` says
-    (or times out); returns the module and the commands it was given."""
-    import subprocess
-
+    """``check_shapes_gpu`` with ``run_group`` replaced: the stand-in writes ``report`` where ``--json`` says (or
+    times out: None); returns the module and the commands it was given."""
     mod = _load("check_shapes_gpu")
     seen = []
 
-    def fake_run(cmd, stdout, stderr, timeout):
+    def fake_run_group(cmd, log_path, timeout_s):
         seen.append(cmd)
-        stdout.write("engine log line\n")
+        Path(log_path).write_text("engine log line\n")
         if hang:
-            raise subprocess.TimeoutExpired(cmd, timeout)
+            return None
         if report is not None:
             Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(report))
-        return subprocess.CompletedProcess(cmd, rc)
+        return rc
 
-    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    monkeypatch.setattr(mod, "run_group", fake_run_group)
     return mod, seen
 
 

@@ -162,6 +162,7 @@ def _cases(tmp_path):
         "check": [
             (["--temperature", "-1"], "--temperature must be a finite number > 0"),
             (["--temperature", "nan"], "--temperature must be a finite number > 0"),
+            (["--engine-timeout-s", "0"], "--engine-timeout-s must be a finite number > 0"),
             (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
             (["--num-prompts", "0"], "--num-prompts must be >= 1"),
             (["--max-tokens", "-5"], "--max-tokens must be >= 1"),

@@ -61,6 +61,7 @@ class CheckConfig:
     json: str = ""
     device: str = "auto"  # auto: cuda when available (engines and trainer on the GPU), else cpu
     gpu_memory_utilization: float = 0.3
+    engine_timeout_s: float = 3600.0  # an engine run past this is killed with its processes and reported unavailable
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -98,6 +99,7 @@ class CheckConfig:
         integer("--trainer-pp", self.trainer_pp)
         integer("--shared-prefix-len", self.shared_prefix_len, 0)
         positive_float("--temperature", self.temperature)
+        positive_float("--engine-timeout-s", self.engine_timeout_s)
         if not 0 < positive_float("--gpu-memory-utilization", self.gpu_memory_utilization) <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.min_prompt_len > self.max_prompt_len:
@@ -396,7 +398,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
             else:
                 req.stock_routes_dir = str(routes_dir.resolve())
         report["settings"].setdefault("engine_modes", {})[mode] = "eager" if eager(req) else "compiled + CUDA graphs (vLLM default)"
-        roll = run_in_subprocess(req, out / "engines", mode)
+        roll = run_in_subprocess(req, out / "engines", mode, cfg.engine_timeout_s)
         if "error" in roll:
             report[mode] = {"unavailable": roll["error"], "log": roll["log"]}
             continue

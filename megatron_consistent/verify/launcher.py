@@ -32,6 +32,7 @@ def _context():
 
 
 def _run(module: str, argv: list[str], env: dict, cwd: str, log_path: str) -> None:
+    os.setsid()  # its own process group: run_forked kills what is left of it (verify/processes.py)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -50,9 +51,15 @@ def _run(module: str, argv: list[str], env: dict, cwd: str, log_path: str) -> No
     sys.exit(code)
 
 
-def run_forked(module: str, argv: list[str], env: dict, log_path: str) -> int:
-    """``module.main(argv)`` in a process forked from the warm launcher; its exit code."""
+def run_forked(module: str, argv: list[str], env: dict, log_path: str, timeout_s: float | None) -> int | None:
+    """``module.main(argv)`` in a process forked from the warm launcher: its exit code, or None when it ran past
+    ``timeout_s`` seconds.  Either way, every process still in its group afterwards is killed."""
+    from .processes import kill_group
+
     proc = _context().Process(target=_run, args=(module, argv, dict(env), os.getcwd(), str(log_path)))
     proc.start()
+    proc.join(timeout_s)
+    timed_out = proc.exitcode is None
+    kill_group(proc.pid)
     proc.join()
-    return proc.exitcode
+    return None if timed_out else proc.exitcode

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .processes import run_group
 
 __all__ = ["LifecycleConfig", "SCENARIOS_MODULE", "check_checkpoint_restore", "check_weight_update"]
 
@@ -77,12 +78,8 @@ def _run(kind: str, cfg) -> dict:
     res.unlink(missing_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run([sys.executable, "-m", SCENARIOS_MODULE, kind, str(req), str(res)], env=env, stdout=f,
-                                stderr=subprocess.STDOUT, timeout=cfg.timeout_s).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+    rc = run_group([sys.executable, "-m", SCENARIOS_MODULE, kind, str(req), str(res)], log, cfg.timeout_s, env)
+    rc = "timeout" if rc is None else rc
     seconds = time.perf_counter() - t0
     if res.is_file():
         out = json.loads(res.read_text())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -196,10 +195,15 @@ def cpu_engine_in_process(tp: int) -> dict:
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict) -> dict:
+ENGINE_TIMEOUT_S = 3600.0  # one engine run (start, compile, generate) may take this long before it counts as hung
+
+
+def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict,
+               timeout_s: float = ENGINE_TIMEOUT_S) -> dict:
     """``python -m module REQUEST.json RESULT.json`` in a fresh process (``HF_HUB_OFFLINE=1`` + ``env`` added to
     this environment; an engine that runs in that one process is forked from the warm launcher, ``launcher.py``);
-    the result dict with ``plugin_active`` and ``log``, or ``{"error", "log"}`` with the log's tail."""
+    the result dict with ``plugin_active`` and ``log``, or ``{"error", "log"}`` with the log's tail.  The process
+    leads its own group: past ``timeout_s`` seconds it and the engine processes it spawned are killed (verify/processes.py)."""
     import torch
 
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -210,12 +214,15 @@ def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict)
     if full_env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and not torch.cuda.is_available():
         from .launcher import run_forked  # a CPU engine entirely in this one process: forked warm
 
-        returncode = run_forked(module, [str(req_path), str(res_path)], full_env, log_path)
+        returncode = run_forked(module, [str(req_path), str(res_path)], full_env, log_path, timeout_s)
     else:
-        with open(log_path, "w") as log:
-            returncode = subprocess.run([sys.executable, "-m", module, str(req_path), str(res_path)], env=full_env,
-                                        stdout=log, stderr=subprocess.STDOUT).returncode
+        from .processes import run_group
+
+        returncode = run_group([sys.executable, "-m", module, str(req_path), str(res_path)], log_path, timeout_s, full_env)
     text = log_path.read_text(errors="replace")
+    if returncode is None:
+        return {"error": f"engine run {name!r} gave no result in {timeout_s:.0f} s: killed with the processes it "
+                         f"started (log {log_path})", "log": str(log_path)}
     if returncode != 0 or not res_path.exists():
         return {"error": _failure_reason(text), "log": str(log_path)}
     result = json.loads(res_path.read_text())
@@ -224,15 +231,16 @@ def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict)
     return result
 
 
-def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str) -> dict:
-    """Run the request in a fresh process; returns the result or ``{"error": ...}`` with the log's tail."""
+def run_in_subprocess(req: RolloutRequest, work_dir: Path, name: str, timeout_s: float = ENGINE_TIMEOUT_S) -> dict:
+    """Run the request in a fresh process; returns the result or ``{"error": ...}`` with the log's tail (also when it
+    runs past ``timeout_s`` seconds: then it is killed with the engine processes it started)."""
     env = {ENV_VAR: "1" if req.consistent else "0"}
     if req.batch_invariant:
         env["VLLM_BATCH_INVARIANT"] = "1"
     if req.routes_dir:  # the recorder changes the compiled graph; vLLM's compile-cache key does not see it
         env.update(MEGATRON_CONSISTENT_ROUTES=req.routes_dir, VLLM_DISABLE_COMPILE_CACHE="1")
     env.update(cpu_tp_binding(req.tensor_parallel_size), **cpu_engine_in_process(req.tensor_parallel_size))
-    return run_module(__name__, asdict(req), work_dir, name, env)
+    return run_module(__name__, asdict(req), work_dir, name, env, timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:
