@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_trace import kernel_events  # noqa: E402
 
-from megatron_consistent.verify.processes import kill_group, run_group  # noqa: E402
+from megatron_consistent.verify.processes import run_group, stop_group  # noqa: E402
 
 SHAPES = {
     "a": {"model": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -291,12 +291,6 @@ def _next_event(events: Path, seen: int, proc: subprocess.Popen, name: str, time
         time.sleep(0.1)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """An engine process and whatever is left of its process group (vLLM's engine core, compile workers): killed."""
-    kill_group(proc.pid)
-    proc.wait()
-
-
 def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: int, timeout_s: float,
                command=None) -> dict[str, dict]:
     """Every engine started once, one after another (each sizes its memory on what the others left), then ``rounds``
@@ -322,7 +316,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                                  "round_passes": [], "round_new_binaries": []}
             except RuntimeError as e:
                 results[name] = {"error": str(e)}
-                _stop(procs.pop(name))
+                stop_group(procs.pop(name))
             print(f"  {name}: {json.dumps(results[name])[:200]}", flush=True)
         names = [n for n in engine_envs if n in procs]
         for r in range(rounds):
@@ -336,7 +330,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                     event = _next_event(events[name], 1 + len(res["round_tokens"]), procs[name], name, timeout_s)
                 except (RuntimeError, OSError) as e:
                     results[name] = {"error": str(e)}
-                    _stop(procs.pop(name))
+                    stop_group(procs.pop(name))
                     continue
                 res["round_tokens"].append(event["tokens"])
                 res["round_seconds"].append(event["seconds"])
@@ -352,7 +346,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                 proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-            _stop(proc)
+            stop_group(proc)
         for f in logs:
             f.close()
     for name, res in results.items():

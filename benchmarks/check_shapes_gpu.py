@@ -8,10 +8,9 @@ random models of ``bench_rollout_gpu.SHAPES`` (the same table; ``--layers`` keep
 the kernels, the depth does not), with prompts long enough and a batched-token budget large enough that the engine's
 prefill runs the large-M classes, its decode steps the small ones, and the trainer's recompute yet another M.
 
-One ``check`` process per shape (GPU memory freed in between, a hung check cut by ``--timeout``
-with the engine processes it started); FP8 shapes (b8,
-d8) pass ``--quantization fp8``.  Prints one table row per shape, writes the JSON (every shape's report inside);
-exit 0 only when every shape gave zero mismatch.  ``--device cpu`` runs the same on vLLM's CPU platform (a smoke
+One ``check`` process per shape (GPU memory freed in between; a hung check cut by ``--timeout`` with the engine
+processes it started); FP8 shapes (b8, d8) pass ``--quantization fp8``.  Prints one table row per shape, writes the
+JSON (every shape's report inside); exit 0 only when every shape gave zero mismatch.  ``--device cpu`` runs the same on vLLM's CPU platform (a smoke
 run of the script with small settings; the GPU kernels are what it is for).
 
     python benchmarks/check_shapes_gpu.py --shapes a b d b8 d8 --layers 4 --out benchmarks/results/check_shapes.json

@@ -23,6 +23,12 @@ def kill_group(pgid: int) -> None:
         pass
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """A process started with ``start_new_session=True`` and whatever is left of its group: killed and reaped."""
+    kill_group(proc.pid)
+    proc.wait()
+
+
 def run_group(argv: list[str], log_path: str | Path, timeout_s: float | None, env: dict | None = None) -> int | None:
     """``argv`` in its own process group, stdout and stderr to ``log_path``: its exit code, or None when it ran past
     ``timeout_s`` seconds.  Either way, every process still in its group afterwards is killed."""
@@ -33,5 +39,4 @@ def run_group(argv: list[str], log_path: str | Path, timeout_s: float | None, en
         except subprocess.TimeoutExpired:
             return None
         finally:
-            kill_group(proc.pid)
-            proc.wait()
+            stop_group(proc)
