@@ -73,6 +73,13 @@ SHAPES = {
                         intermediate_size=6144, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
                         moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
           "prompts": 256, "min_len": 64, "max_len": 1024, "max_tokens": 512},
+    "h": {"model": dict(architectures=["NemotronHForCausalLM"], model_type="nemotron_h", hidden_size=4096,
+                        num_hidden_layers=52, hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=21504,
+                        mlp_hidden_act="relu2", mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8,
+                        conv_kernel=4, chunk_size=128, use_conv_bias=True, mamba_proj_bias=False, use_bias=False,
+                        layer_norm_epsilon=1e-5, vocab_size=131072),  # Nemotron-H 8B's widths (Mamba-2, attention, MLP)
+          "prompts": 256, "min_len": 64, "max_len": 1024, "max_tokens": 512},
 }
 # b8 / d8: shapes b and d with block-FP8 weights (E4M3, 128 x 128 weight blocks, dynamic 1 x 128 activations): stock
 # vLLM runs its own block-FP8 methods from the standard quantization_config, the plugin its FP8 kernels

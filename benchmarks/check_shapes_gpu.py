@@ -14,6 +14,7 @@ JSON (every shape's report inside); exit 0 only when every shape gave zero misma
 run of the script with small settings; the GPU kernels are what it is for).
 
     python benchmarks/check_shapes_gpu.py --shapes a b d b8 d8 --layers 4 --out benchmarks/results/check_shapes.json
+    python benchmarks/check_shapes_gpu.py --shapes h --layers 4       # Nemotron-H 8B's widths: Mamba-2 + attention + MLP
     python benchmarks/check_shapes_gpu.py --shapes b d --layers 4 --engine-tp 2 --trainer-tp 2   # two GPUs (issue #19)
 
 ``--engine-tp`` / ``--trainer-tp`` pass through to ``check`` (its refusals apply: FP8 at TP > 1 is refused by name).
@@ -40,10 +41,16 @@ COLUMNS = ("shape", "layers", "quantization", "engine_tp", "trainer_tp", "tokens
 
 
 def shape_dims(key: str, layers: int) -> dict:
-    """The model dimensions of shape ``key``, with ``layers`` decoder layers (0: the shape's own)."""
+    """The model dimensions of shape ``key``, with ``layers`` decoder layers (0: the shape's own).  A hybrid keeps
+    every kind of its layers: a Mamba-2 mixer, attention and an MLP first (``M*-``), then Mamba / MLP pairs."""
     dims = dict(SHAPES[key]["model"])
     if layers:
         dims["num_hidden_layers"] = layers
+        if "hybrid_override_pattern" in dims:
+            if layers < 3:
+                raise SystemExit(f"--layers {layers}: shape {key} is a hybrid, its Mamba-2, attention and MLP layers "
+                                 "need at least 3")
+            dims["hybrid_override_pattern"] = "M*-" + ("M-" * layers)[: layers - 3]
     return dims
 
 
@@ -129,6 +136,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.layers < 0:
         raise SystemExit(f"--layers {args.layers}: must be >= 0")
+    for key in args.shapes:  # a hybrid with too few layers is refused here, before any shape runs
+        shape_dims(key, args.layers)
     if args.min_prompt_len > args.max_prompt_len:
         raise SystemExit(f"--min-prompt-len {args.min_prompt_len} > --max-prompt-len {args.max_prompt_len}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # fail on a bad path before any work

@@ -207,7 +207,7 @@ def _fake_check(tmp_path: Path, monkeypatch, report: dict | None, rc: int = 0, h
 def _shape_args(mod, *extra):
     import argparse
 
-    args = argparse.Namespace(layers=2, num_prompts=4, max_tokens=8, min_prompt_len=8, max_prompt_len=40,
+    args = argparse.Namespace(layers=4, num_prompts=4, max_tokens=8, min_prompt_len=8, max_prompt_len=40,
                               max_num_batched_tokens=64, block_size=32, recompute_batch=2, gpu_memory_utilization=0.3,
                               device="cpu", timeout=5.0, engine_tp=1, trainer_tp=1)
     for key, value in extra:
@@ -215,26 +215,38 @@ def _shape_args(mod, *extra):
     return args
 
 
-@pytest.mark.parametrize("key", ["a", "b", "d", "b8", "d8"])
+@pytest.mark.parametrize("key", ["a", "b", "d", "b8", "d8", "h"])
 def test_check_shapes_configs_are_the_rollout_shapes_and_valid_check_settings(tmp_path, monkeypatch, key):
     from megatron_consistent.config import ArchConfig, load_hf_config
     from megatron_consistent.verify.check import load_check_config
 
     zero = {"consistent": {"tokens": 32, "max_abs": 0.0, "exact_fraction": 1.0}, "zero_mismatch": True}
     mod, seen = _fake_check(tmp_path, monkeypatch, zero)
-    args = _shape_args(mod)
-    row = mod.run_shape(key, args, tmp_path)
+    row = mod.run_shape(key, _shape_args(mod), tmp_path)
     folder = Path(seen[0][seen[0].index("--hf-config") + 1])
     cfg = json.loads((folder / "config.json").read_text())
     shape = mod.SHAPES[key]["model"]
-    assert cfg["num_hidden_layers"] == 2 and all(cfg[k] == v for k, v in shape.items() if k != "num_hidden_layers")
-    assert ArchConfig.from_hf(load_hf_config(str(folder))).is_moe == bool(shape.get("num_experts"))
+    kept = {"num_hidden_layers", "hybrid_override_pattern"}
+    assert cfg["num_hidden_layers"] == 4 and all(cfg[k] == v for k, v in shape.items() if k not in kept)
+    arch = ArchConfig.from_hf(load_hf_config(str(folder)))
+    assert arch.is_moe == bool(shape.get("num_experts")) and arch.is_hybrid == (key == "h")
+    if arch.is_hybrid:  # 4 of the 52 layers, every kind kept: Mamba-2, attention, MLP
+        assert set(arch.hybrid_pattern) == {"M", "*", "-"} and len(arch.hybrid_pattern) == 4
     settings = load_check_config(seen[0][seen[0].index("--config") + 1])  # the check's own validation
     assert settings.max_model_len >= settings.max_prompt_len + settings.max_tokens and settings.mode == "consistent"
     assert ("--quantization" in seen[0]) == key.endswith("8")
-    assert row["zero_mismatch"] and row["layers"] == 2 and "ZERO MISMATCH" in mod.render([row])
+    assert row["zero_mismatch"] and row["layers"] == 4 and "ZERO MISMATCH" in mod.render([row])
     mod.run_shape(key, _shape_args(mod, ("engine_tp", 2), ("trainer_tp", 4)), tmp_path)
     assert seen[1][seen[1].index("--engine-tp") + 1] == "2" and seen[1][seen[1].index("--trainer-tp") + 1] == "4"
+
+
+def test_check_shapes_refuses_a_hybrid_too_short_for_its_layer_kinds(tmp_path, monkeypatch):
+    mod, seen = _fake_check(tmp_path, monkeypatch, None)
+    monkeypatch.setattr(sys, "argv", ["check_shapes_gpu.py", "--shapes", "a", "h", "--layers", "2",
+                                      "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="shape h is a hybrid"):
+        mod.main()
+    assert not seen and not (tmp_path / "r.json").exists()  # nothing ran, shape a included
 
 
 def test_check_shapes_reports_a_mismatch_and_a_hung_check(tmp_path, monkeypatch):
