@@ -108,3 +108,18 @@ def test_quantized_models_compile_on_cuda_unless_their_experts_read_the_host(mod
         vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
         with pytest.raises(UnsupportedConfigError, match="runs eager on CUDA"):
             check_engine_config(arch, vllm_config)
+
+
+def test_cuda_attention_takes_manager_blocks_vllm_cuts_into_its_pages():
+    """A hybrid's attention block is raised to hold a Mamba state (hundreds of tokens at real widths); vLLM 0.26 cuts
+    a manager block into kernel pages of the largest listed size dividing it, so the backend must accept every
+    multiple of a served page -- and only those (refused: vLLM then names the block size)."""
+    from megatron_consistent.kernels.triton.paged_attention import PAGE_SIZES
+    from megatron_consistent.vllm_plugin.cuda_attention import ConsistentCudaAttentionBackend as backend
+
+    assert backend.get_supported_kernel_block_sizes() == list(PAGE_SIZES)
+    for block in range(1, 2049):
+        pages = [p for p in backend.get_supported_kernel_block_sizes() if block % p == 0]
+        assert backend.supports_block_size(block) == bool(pages), block
+    assert backend.supports_block_size(528) and backend.supports_block_size(None)  # 528 = 33 pages of 16
+    assert not backend.supports_block_size(24) and not backend.supports_block_size(1000)

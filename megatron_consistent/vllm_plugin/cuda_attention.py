@@ -18,7 +18,7 @@ reproduces that round trip).
 
 No launch path synchronises with the host, so vLLM captures the whole
 forward of uniform decode batches as one CUDA graph and the rest piecewise.
-Block sizes the kernel cannot serve are refused by name.
+Manager blocks that are no multiple of a page the kernel serves are refused by name.
 """
 
 from __future__ import annotations
@@ -149,7 +149,11 @@ class ConsistentCudaAttentionBackend(TritonAttentionBackend):
 
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
-        return block_size is None or block_size in PAGE_SIZES
+        """vLLM's KV-manager block: any multiple of a page the kernel serves.  vLLM's runner cuts a manager block
+        into kernel pages of the largest :meth:`get_supported_kernel_block_sizes` entry that divides it, which is
+        how hybrid models run: their attention block is raised to hold a Mamba state's page (hundreds of tokens at
+        Nemotron-H 8B's widths).  The page size does not enter a row's bits (the kernel walks absolute key blocks)."""
+        return block_size is None or any(block_size % page == 0 for page in PAGE_SIZES)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
