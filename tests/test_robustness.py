@@ -633,6 +633,7 @@ def test_soak_bad_input_exits_2(tmp_path, capsys, no_engines):
 
     for argv, message in [(["--requests", "0"], "--requests must be >= 1"), (["--kv-blocks", "2"], "cannot hold one sequence"),
                           (["--abort-probability", "1.5"], "--abort-probability must be in"),
+                          (["--engine-timeout-s", "-1"], "--engine-timeout-s must be a finite number > 0"),
                           (["--models", "tiny-mamba2"], "hybrid models refuse prefix caching")]:
         rc = main(["soak", "--out-dir", str(tmp_path), *argv])
         err = capsys.readouterr().err.strip()

@@ -40,6 +40,7 @@ class SoakConfig:
     recompute_batch: int = 16
     seed: int = 0
     out_dir: str = "runs/soak"
+    engine_timeout_s: float = 3600.0  # the engine run past this is killed with its processes (verify/processes.py)
 
     def validate(self) -> None:
         from .inputs import integer, positive_float
@@ -49,6 +50,7 @@ class SoakConfig:
             integer("--" + name.replace("_", "-"), getattr(self, name))
         integer("--seed", self.seed, 0)
         integer("--prefix-len", self.prefix_len, 0)
+        positive_float("--engine-timeout-s", self.engine_timeout_s)
         for t in self.temperatures:
             positive_float("temperature", t)
         if not 0 <= self.abort_probability < 1:
@@ -89,7 +91,7 @@ def soak_model(cfg: SoakConfig, name: str) -> dict:
     request = {**asdict(cfg), "model_dir": str(out / "model"), "dtype": arch.dtype, "vocab_size": arch.vocab_size}
     # a CPU engine runs its engine core in the soak's engine process, as check's do (the same kernels and scheduler)
     res = run_module("megatron_consistent.verify.soak_engine", request, out / "engines", "soak",
-                     {ENV_VAR: "1", **cpu_engine_in_process(1)})
+                     {ENV_VAR: "1", **cpu_engine_in_process(1)}, cfg.engine_timeout_s)
     if "error" in res:
         raise RuntimeError(f"{name}: soak engine failed: {res['error']} (log: {res['log']})")
     if not res["plugin_active"]:
@@ -146,6 +148,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-blocks", dest="kv_blocks", type=int, default=16, help="KV cache blocks (x 32 tokens): small forces preemption")
     p.add_argument("--abort-probability", dest="abort_probability", type=float, default=0.15, help="per engine step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-timeout-s", dest="engine_timeout_s", type=float, default=3600.0,
+                   help="seconds the engine run of one model may take; past it it is killed with its processes")
     p.add_argument("--out-dir", dest="out_dir", default="runs/soak")
     p.add_argument("--json", default="", help="write the JSON report here (default: OUT_DIR/soak.json)")
 
@@ -155,7 +159,7 @@ def run(args) -> int:
 
     cfg = SoakConfig(models=[m.strip() for m in args.models.split(",") if m.strip()], requests=args.requests,
                      max_tokens=args.max_tokens, kv_blocks=args.kv_blocks, abort_probability=args.abort_probability,
-                     seed=args.seed, out_dir=args.out_dir)
+                     seed=args.seed, out_dir=args.out_dir, engine_timeout_s=args.engine_timeout_s)
     cfg.validate()
     for m in cfg.models:
         if hf_arch(_model_path(m)).is_hybrid:
