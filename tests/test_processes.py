@@ -62,8 +62,7 @@ def test_run_module_reports_a_hung_engine_and_kills_it(tmp_path, monkeypatch):
     (tmp_path / "hung_engine_module.py").write_text(
         "import subprocess, sys, time\n"
         "def main(argv=None):\n"
-        "    argv = argv or sys.argv[1:]\n"
-        f"    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
         f"    open({str(tmp_path / 'pid')!r}, 'w').write(str(child.pid))\n"
         "    time.sleep(300)\n"
         "if __name__ == '__main__':\n"

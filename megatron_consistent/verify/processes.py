@@ -19,7 +19,7 @@ def kill_group(pgid: int) -> None:
     """SIGKILL every process left in group ``pgid`` (none left: nothing to do)."""
     try:
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is empty (PermissionError: macOS, a zombie leader)
+    except (ProcessLookupError, PermissionError):  # no process left in the group
         pass
 
 
