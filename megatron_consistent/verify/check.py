@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from ..config import ArchConfig, builtin_model_dir, load_hf_config
 from .metrics import first_divergence, format_table, is_zero_mismatch, mismatch_metrics
+from .processes import ENGINE_TIMEOUT_S
 from .rollout import RolloutRequest, eager, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
@@ -61,7 +62,7 @@ class CheckConfig:
     json: str = ""
     device: str = "auto"  # auto: cuda when available (engines and trainer on the GPU), else cpu
     gpu_memory_utilization: float = 0.3
-    engine_timeout_s: float = 3600.0  # an engine run past this is killed with its processes and reported unavailable
+    engine_timeout_s: float = ENGINE_TIMEOUT_S  # an engine run past this is killed with its processes and reported unavailable
 
     def resolved_device(self) -> str:
         if self.device != "auto":

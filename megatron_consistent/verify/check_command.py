@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from .processes import ENGINE_TIMEOUT_S
+
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
          "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
          "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp", "trainer_pp", "engine_timeout_s"]
@@ -30,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", dest="block_size", type=int, help="KV cache block size (CPU: multiple of 32; CUDA: 16/32/64/128)")
     p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
     p.add_argument("--engine-timeout-s", dest="engine_timeout_s", type=float,
-                   help="seconds one engine run may take (default 3600); past it the engine is killed with its processes")
+                   help=f"seconds one engine run may take (default {ENGINE_TIMEOUT_S:.0f}); past it the engine is killed with its processes")
     p.add_argument("--engine-tp", dest="engine_tp", type=int,
                    help="vLLM tensor_parallel_size of the engines (dense and MoE models; 1, 2, 4 or 8; default 1)")
     p.add_argument("--trainer-tp", dest="trainer_tp", type=int,

@@ -17,6 +17,8 @@ import multiprocessing as mp
 import os
 import sys
 
+from .processes import kill_group
+
 PRELOAD = ["vllm.entrypoints.llm", "megatron_consistent.verify.rollout", "megatron_consistent.verify.capture",
            "megatron_consistent.verify.gates", "megatron_consistent.verify.soak_engine"]
 _CONTEXT = None
@@ -54,8 +56,6 @@ def _run(module: str, argv: list[str], env: dict, cwd: str, log_path: str) -> No
 def run_forked(module: str, argv: list[str], env: dict, log_path: str, timeout_s: float | None) -> int | None:
     """``module.main(argv)`` in a process forked from the warm launcher: its exit code, or None when it ran past
     ``timeout_s`` seconds.  Either way, every process still in its group afterwards is killed."""
-    from .processes import kill_group
-
     proc = _context().Process(target=_run, args=(module, argv, dict(env), os.getcwd(), str(log_path)))
     proc.start()
     proc.join(timeout_s)

@@ -14,6 +14,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+ENGINE_TIMEOUT_S = 3600.0  # one engine run (start, compile, generate) may take this long before it counts as hung
+
 
 def kill_group(pgid: int) -> None:
     """SIGKILL every process left in group ``pgid`` (none left: nothing to do)."""

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..vllm_plugin import ENV_VAR
+from .processes import ENGINE_TIMEOUT_S, run_group
 
 
 @dataclass
@@ -195,9 +196,6 @@ def cpu_engine_in_process(tp: int) -> dict:
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-ENGINE_TIMEOUT_S = 3600.0  # one engine run (start, compile, generate) may take this long before it counts as hung
-
-
 def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict,
                timeout_s: float = ENGINE_TIMEOUT_S) -> dict:
     """``python -m module REQUEST.json RESULT.json`` in a fresh process (``HF_HUB_OFFLINE=1`` + ``env`` added to
@@ -216,8 +214,6 @@ def run_module(module: str, request: dict, work_dir: Path, name: str, env: dict,
 
         returncode = run_forked(module, [str(req_path), str(res_path)], full_env, log_path, timeout_s)
     else:
-        from .processes import run_group
-
         returncode = run_group([sys.executable, "-m", module, str(req_path), str(res_path)], log_path, timeout_s, full_env)
     text = log_path.read_text(errors="replace")
     if returncode is None:

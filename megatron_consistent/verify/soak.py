@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .processes import ENGINE_TIMEOUT_S
+
 SOAK_MODELS = ["tiny-llama", "tiny-qwen3moe-top1"]
 COLUMNS = ["model", "requests", "samples", "tokens", "preemptions", "aborts", "mismatched_tokens", "mismatched_samples",
            "engine_s", "recompute_s", "wall_s"]
@@ -40,7 +42,7 @@ class SoakConfig:
     recompute_batch: int = 16
     seed: int = 0
     out_dir: str = "runs/soak"
-    engine_timeout_s: float = 3600.0  # the engine run past this is killed with its processes (verify/processes.py)
+    engine_timeout_s: float = ENGINE_TIMEOUT_S  # the engine run past this is killed with its processes (verify/processes.py)
 
     def validate(self) -> None:
         from .inputs import integer, positive_float
@@ -148,7 +150,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-blocks", dest="kv_blocks", type=int, default=16, help="KV cache blocks (x 32 tokens): small forces preemption")
     p.add_argument("--abort-probability", dest="abort_probability", type=float, default=0.15, help="per engine step")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine-timeout-s", dest="engine_timeout_s", type=float, default=3600.0,
+    p.add_argument("--engine-timeout-s", dest="engine_timeout_s", type=float, default=ENGINE_TIMEOUT_S,
                    help="seconds the engine run of one model may take; past it it is killed with its processes")
     p.add_argument("--out-dir", dest="out_dir", default="runs/soak")
     p.add_argument("--json", default="", help="write the JSON report here (default: OUT_DIR/soak.json)")
