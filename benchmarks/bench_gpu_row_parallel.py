@@ -55,7 +55,7 @@ VARIANTS = {"serial r1": ("serial", 1), "serial r2": ("serial", 2), "flat r1": (
             "serial r2 lanes2 s3": ("serial", 2, (128, 128, 8, 3), 2), "parallel r2 lanes2": ("parallel", 2, None, 2)}
 PARALLEL_MAX_M = 256
 GLUON_MIN_M = 256  # the Gluon candidates (gluon_segment_tree.py) are for prefill sizes: 128-row tiles, one program an SM
-GLUON_NAMES = ("gluon smem", "gluon regs")  # "gluon <schedule>": gluon_segment_tree.SCHEDULES
+GLUON_NAMES = ("gluon smem", "gluon regs", "gluon ws")  # "gluon <schedule>": gluon_segment_tree.SCHEDULES
 DEV = torch.device("cuda")  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful times)
 
 
@@ -91,7 +91,7 @@ def _fns(x, w, variants, gluon=False):
 
         for name in GLUON_NAMES:
             fns[name] = (lambda sch: lambda xx, ww: gluon_segment_tree(xx, ww, SEGMENTS, None, torch.bfloat16, sch))(
-                name.split()[1])
+                name.split(maxsplit=1)[1])
     return fns
 
 
@@ -183,7 +183,7 @@ def run(shapes, ms, variants, rep, gluon=False):
                 xh, wh = x[:, : k // 2].contiguous(), ws[0][:, : k // 2].contiguous()
                 gluon_bits[name] = (torch.equal(fns[name](x, ws[0]).view(torch.int16), tree.view(torch.int16))
                                     and torch.equal(gluon_segment_tree(xh, wh, SEGMENTS // 2, None, torch.float32,
-                                                                       name.split()[1]),
+                                                                       name.split(maxsplit=1)[1]),
                                                     tst.segment_tree_gemm(xh, wh, SEGMENTS // 2, None, torch.float32)))
             p = tst.plan(m, n, k, SEGMENTS, torch.bfloat16, sms=sms)
             flops = 2.0 * m * n * k

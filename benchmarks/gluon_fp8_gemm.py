@@ -14,6 +14,13 @@ with the two scales multiplied first, groups in K order, ``acc`` from 0; the spl
 (N, K) table's) summed in split order from 0 (one split: taken as is); + bias in float32, one rounding.  ``SWS``: one
 weight scale per (tile, group), as the committed kernel's ``SWS`` (the same float32 values).
 
+Schedules (:data:`SCHEDULES`): ``pipelined`` (session 20) -- 8 warps issue the loads, the chains and the scaling of
+128 x 128 tiles; ``ws`` (session 22) -- warp-specialised: a producer warp runs the ring of loads, two consumer warp
+groups take a tile's upper and lower 64 rows and release a slot once their chain on it is done, with nothing else
+synchronising them, so one group's scaling and split sums run while the other's ``wgmma`` chain runs (session 21
+measured ``pipelined`` at 0.55-0.74 of ``_scaled_mm``, the committed ``tl`` tiles at 0.71-0.76).  Same arithmetic,
+same bits.
+
 Status: a candidate, not used by the package.  ``--offline`` compiles it for sm_90a without a GPU (registers, spills,
 shared memory); bits and speed: ``python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` on the H200 (bits against
 the committed kernel with ``torch.equal``, time against ``_scaled_mm`` in the same run).
@@ -34,23 +41,31 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, start_program, store_tile  # noqa: E402
+from gluon_ring import (descriptor, issue_loads, operand_ring, program_work, release_barriers,  # noqa: E402
+                        release_ring, release_slot, ring_producer, start_program, store_tile)
 
 GROUP = 128  # the activation group = the weight block's columns = one K step
-TILE = (128, 128)  # BM, BN: 8 warps, two warp groups of 64 rows
-STAGES = 4  # 4 x 32 KB of operands, next to the 64 KB float32 tile of the split sums
-WARPS = 8
+TILE = (128, 128)  # BM, BN: two warp groups of 64 rows
+# registers a thread of the warp-specialised kernel's consumer warp groups (three 64 x 128 float32 tiles live: the
+# scaled sum, the finished chain, the next chain) and of its producer warp
+WS_CONSUMER_REGS: gl.constexpr = gl.constexpr(240)
+WS_PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
 
 
 @gluon.jit
-def _issue_mma(c, total_steps, bars, a_bufs, b_bufs, p_layout: gl.constexpr, STAGES: gl.constexpr):
-    """Group chain of global step ``c``, from nothing, asynchronously (its loads waited for first)."""
-    BM: gl.constexpr = a_bufs.type.shape[1]
+def _issue_mma(c, total_steps, bars, a_bufs, b_bufs, p_layout: gl.constexpr, STAGES: gl.constexpr,
+               ROW0: gl.constexpr = 0, ROWS: gl.constexpr = 0):
+    """Group chain of global step ``c``, from nothing, asynchronously (its loads waited for first); ``ROWS``: only the
+    tile's rows ``ROW0 ..`` (a warp-specialised consumer's), else all."""
+    BM: gl.constexpr = a_bufs.type.shape[1] if ROWS == 0 else ROWS
     BN: gl.constexpr = b_bufs.type.shape[1]
     slot = c % STAGES
     mbarrier.wait(bars.index(slot), (c // STAGES) & 1, pred=c < total_steps)
+    a = a_bufs.index(slot)
+    if ROWS != 0:
+        a = a.slice(ROW0, ROWS)
     p = gl.zeros((BM, BN), gl.float32, p_layout)
-    return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), p, use_acc=False, is_async=True)
+    return warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), p, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -126,35 +141,116 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
     release_ring(bars, STAGES)
 
 
-def descriptors(xq, wq, out, tile=TILE):
-    """TMA descriptors of ``xq [M, K]`` (BM x 128), ``wq [N, K]`` (BN x 128) and ``out [M, N]`` (BM x BN)."""
+@gluon.jit
+def _ws_consumer(a_bufs, b_bufs, ready, empty, sums, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
+                 WG: gl.constexpr, G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr,
+                 STAGES: gl.constexpr, SWS: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Consumer ``WG`` (one warp group) of the warp-specialised kernel: rows ``WG * BM / 2 ..`` of every tile of the
+    program, the same arithmetic as :func:`_fp8_kernel` (group ``c + 1``'s chain issued before group ``c``'s is
+    scaled); it releases a slot once its chain on it is done, and stores its half tile itself."""
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    ROWS: gl.constexpr = BM // 2
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 32])
+    own = sums.index(WG)
+    pid, nprog, num_pid_m, num_tiles, total_steps = program_work(BM, BN, M, N, G_ALL)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+    pending = _issue_mma(0, total_steps, ready, a_bufs, b_bufs, acc_layout, STAGES, WG * ROWS, ROWS)
+    c = 0
+    for tile in range(pid, num_tiles, nprog):
+        off_m = (tile % num_pid_m) * BM + WG * ROWS
+        off_n = (tile // num_pid_m) * BN
+        for s in gl.static_range(SPLITS):
+            acc = gl.zeros((ROWS, BN), gl.float32, acc_layout)
+            for g in range(s * SPLIT_GROUPS, min(G_ALL, (s + 1) * SPLIT_GROUPS)):
+                sa, sb = _scale_vectors(as_ptr, bs_ptr, off_m, off_n, g, M, N, stride_asm, stride_bsn, rows, cols,
+                                        SWS)
+                nxt = _issue_mma(c + 1, total_steps, ready, a_bufs, b_bufs, acc_layout, STAGES, WG * ROWS, ROWS)
+                p = warpgroup_mma_wait(num_outstanding=1, deps=(pending,))
+                release_slot(c, empty, STAGES)
+                acc = _scaled_fma(p, sa, sb, acc, SWS)
+                pending = nxt
+                c += 1
+            if SPLITS == 1:
+                final = acc
+            elif s == 0:
+                tma.store_wait(pendings=0)
+                own.store(acc + 0.0)
+            elif s == SPLITS - 1:
+                final = own.load(acc_layout) + acc
+            else:
+                own.store(own.load(acc_layout) + acc)
+        if SPLITS == 1:
+            tma.store_wait(pendings=0)
+        store_tile(final, out_desc, own._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout),
+                   bias_ptr, off_m, off_n, N, HAS_BIAS)
+    warpgroup_mma_wait(num_outstanding=0, deps=(pending,))  # the chain issued past the last step (never read)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
+                   G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
+                   SWS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+    """Warp-specialised: a producer warp runs the ring (``gluon_ring.ring_producer``), two consumer warp groups
+    (:func:`_ws_consumer`; the first is the default partition) take the upper and lower 64 rows of each tile with no
+    synchronisation between them but the ring's, so one's group scaling runs while the other's ``wgmma`` runs."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    a_bufs, b_bufs, ready = operand_ring(a_desc, b_desc, STAGES)
+    empty = release_barriers(STAGES, 2)
+    sums = gl.allocate_shared_memory(gl.float32, [2, BM // 2, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+    gl.warp_specialize([(_ws_consumer, (a_bufs, b_bufs, ready, empty, sums, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
+                                        stride_asm, stride_bsn, 0, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS)),
+                        (_ws_consumer, (a_bufs, b_bufs, ready, empty, sums, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
+                                        stride_asm, stride_bsn, 1, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS)),
+                        (ring_producer, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, G_ALL, STAGES))],
+                       [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# name -> (kernel, stages, warps of the launch, output block rows): "pipelined": 8 warps on a 128 x 128 tile, 4 x 32 KB
+# of operands next to the 64 KB float32 split sums; "ws": the warp-specialised kernel (4 warps launched, + 4 + 1 in
+# the partitions), a 5 x 32 KB ring and one 32 KB float32 tile of split sums a consumer
+SCHEDULES = {"pipelined": (_fp8_kernel, 4, 8, TILE[0]), "ws": (_fp8_ws_kernel, 5, 4, TILE[0] // 2)}
+
+
+def descriptors(xq, wq, out, out_rows: int, tile=TILE):
+    """TMA descriptors of ``xq [M, K]`` (BM x 128), ``wq [N, K]`` (BN x 128) and ``out [M, N]`` (out_rows x BN)."""
     bm, bn = tile
-    return descriptor(xq, [bm, GROUP]), descriptor(wq, [bn, GROUP]), descriptor(out, [bm, bn])
+    return descriptor(xq, [bm, GROUP]), descriptor(wq, [bn, GROUP]), descriptor(out, [out_rows, bn])
 
 
-def launch_args(xq, xs, wq, ws, bias, out, split_groups: int, sws: bool, tile=TILE, stages=STAGES, warps=WARPS):
-    """``(args, constexprs)`` of one launch of the kernel."""
+def launch_args(xq, xs, wq, ws, bias, out, split_groups: int, sws: bool, schedule: str = "pipelined"):
+    """``(kernel, args, constexprs)`` of one launch of ``schedule``'s kernel."""
+    kernel, stages, warps, out_rows = SCHEDULES[schedule]
     m, k = xq.shape
     if k % GROUP:
         raise ValueError(f"K = {k}: the candidate takes whole 128-column groups only")
     g_all = k // GROUP
-    a_desc, b_desc, out_desc = descriptors(xq, wq, out, tile)
+    a_desc, b_desc, out_desc = descriptors(xq, wq, out, out_rows)
     args = (a_desc, b_desc, out_desc, xs, ws, bias if bias is not None else out, m, wq.shape[0], xs.stride(0),
             ws.stride(0))
     const = {"G_ALL": g_all, "SPLIT_GROUPS": split_groups, "SPLITS": triton.cdiv(g_all, split_groups),
              "STAGES": stages, "SWS": sws, "HAS_BIAS": bias is not None, "num_warps": warps}
-    return args, const
+    return kernel, args, const
 
 
-def gluon_fp8_gemm(xq, xs, wq, ws, bias, out_dtype, split_groups: int, w_block_rows: int = 0):
-    """``fp8_linear.fp8_gemm``'s result (module docstring) on CUDA; ``split_groups``: the (N, K) table's."""
+def gluon_fp8_gemm(xq, xs, wq, ws, bias, out_dtype, split_groups: int, w_block_rows: int = 0,
+                   schedule: str = "pipelined"):
+    """``fp8_linear.fp8_gemm``'s result (module docstring) on CUDA by one of :data:`SCHEDULES`; ``split_groups``: the
+    (N, K) table's."""
     out = torch.empty(xq.shape[0], wq.shape[0], dtype=out_dtype, device=xq.device)
     sws = bool(w_block_rows) and w_block_rows % TILE[1] == 0
-    args, const = launch_args(xq, xs, wq, ws, bias, out, split_groups, sws)
+    kernel, args, const = launch_args(xq, xs, wq, ws, bias, out, split_groups, sws, schedule)
     tiles = triton.cdiv(xq.shape[0], TILE[0]) * triton.cdiv(wq.shape[0], TILE[1])
     sms = torch.cuda.get_device_properties(xq.device).multi_processor_count
-    _fp8_kernel[(min(sms, tiles),)](*args, **{k: v for k, v in const.items() if k != "num_warps"},
-                                    num_warps=const["num_warps"])
+    kernel[(min(sms, tiles),)](*args, **{k: v for k, v in const.items() if k != "num_warps"},
+                               num_warps=const["num_warps"])
     return out
 
 
@@ -172,20 +268,20 @@ def offline_jobs():
         xq = torch.zeros(4096, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         wq = torch.zeros(n, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         out = torch.zeros(4096, n, dtype=torch.bfloat16)
-        for sws in (True, False):
-            args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
-                                      fp8_config(n, k)["SPLIT_GROUPS"], sws)
-            names = _fp8_kernel.arg_names
-            sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32" for name, a in zip(names, args)}
+        for schedule, sws in (("pipelined", True), ("pipelined", False), ("ws", True), ("ws", False)):
+            kernel, args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
+                                              fp8_config(n, k)["SPLIT_GROUPS"], sws, schedule)
+            sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32"
+                   for name, a in zip(kernel.arg_names, args)}
             sig.update({name: "constexpr" for name in const})
-            jobs.append((f"N={n} K={k} splits={const['SPLITS']} sws={sws}", _fp8_kernel, sig, const))
+            jobs.append((f"{schedule} N={n} K={k} splits={const['SPLITS']} sws={sws}", kernel, sig, const))
     return jobs
 
 
 def main() -> int:
     from offline_compile import gluon_candidate_main
 
-    return gluon_candidate_main(__doc__, offline_jobs, WARPS, "python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon")
+    return gluon_candidate_main(__doc__, offline_jobs, "python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon")
 
 
 if __name__ == "__main__":

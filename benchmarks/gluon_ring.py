@@ -74,17 +74,56 @@ def release_ring(bars, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, STEPS: gl.constexpr, STAGES: gl.constexpr,
-                  AHEAD: gl.constexpr):
-    """The persistent program's work -- ``(pid, nprog, num_pid_m, num_tiles, total steps)``; its tiles are
-    ``range(pid, num_tiles, nprog)`` -- with the loads of its first ``AHEAD`` steps issued."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
+def program_work(BM: gl.constexpr, BN: gl.constexpr, M, N, STEPS: gl.constexpr):
+    """The persistent program's work: ``(pid, nprog, num_pid_m, num_tiles, total steps)``; its tiles are
+    ``range(pid, num_tiles, nprog)``, M fastest."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     num_pid_m = gl.cdiv(M, BM)
     num_tiles = num_pid_m * gl.cdiv(N, BN)
-    total = gl.cdiv(num_tiles - pid, nprog) * STEPS
+    return pid, nprog, num_pid_m, num_tiles, gl.cdiv(num_tiles - pid, nprog) * STEPS
+
+
+@gluon.jit
+def start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, STEPS: gl.constexpr, STAGES: gl.constexpr,
+                  AHEAD: gl.constexpr):
+    """:func:`program_work`, with the loads of the program's first ``AHEAD`` steps issued."""
+    pid, nprog, num_pid_m, num_tiles, total = program_work(a_desc.block_type.shape[0], b_desc.block_type.shape[0],
+                                                           M, N, STEPS)
     for i in gl.static_range(AHEAD):
         issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
     return pid, nprog, num_pid_m, num_tiles, total
+
+
+# ---------------------------------------------------------------------------------- warp-specialised programs
+# A producer partition (one warp) runs the ring: it refills slot ``c % STAGES`` with step ``c``'s operands once every
+# consumer partition has released the step that slot held before (``empty``: one arrival a consumer), and the loads
+# complete ``ready``.  The consumers (warp groups) wait for ``ready``, run their tensor-core chains, and release.
+# Nothing else synchronises them: a consumer's segment / group boundary (a drained chain, a combine) runs while
+# another's ``wgmma`` chain keeps the tensor cores busy.
+
+
+@gluon.jit
+def release_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """``STAGES`` mbarriers a slot is released on, each completing once all ``CONSUMERS`` partitions arrived."""
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return empty
+
+
+@gluon.jit
+def ring_producer(a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, STEPS: gl.constexpr, STAGES: gl.constexpr):
+    """The producer partition: every step of the program (:func:`program_work`), in order, into the ring."""
+    pid, nprog, num_pid_m, num_tiles, total = program_work(a_desc.block_type.shape[0], b_desc.block_type.shape[0],
+                                                           M, N, STEPS)
+    for c in range(total):
+        # a fresh barrier is in phase 0, so the first pass over the ring waits for nothing (parity 1)
+        mbarrier.wait(empty.index(c % STAGES), ((c // STAGES) & 1) ^ 1)
+        issue_loads(c, total, a_desc, b_desc, ready, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+
+
+@gluon.jit
+def release_slot(c, empty, STAGES: gl.constexpr):
+    """A consumer is done with step ``c``'s operands (its chain reading them has completed)."""
+    mbarrier.arrive(empty.index(c % STAGES), count=1)

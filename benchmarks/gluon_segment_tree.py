@@ -15,6 +15,12 @@ core's own k16 steps in K order, independent of BM / BN / BK; the segment partia
 ``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))`` in float32 (fewer segments: the same tree's left part); then
 ``+ bias`` in float32 and one rounding to the output dtype (float32 output: the subtree, for a tensor-parallel rank).
 
+Schedules (:data:`SCHEDULES`): ``smem`` and ``regs`` (session 20; 0.51-0.61 of cuBLAS in session 21, below the
+committed tree's 0.68-0.84); ``ws`` (session 22), warp-specialised: a producer warp runs the ring, two consumer warp
+groups take a tile's upper and lower 64 rows, each hides its segment boundaries behind its next segment's first
+``wgmma``, and the two meet only at the ring's slots, so one group's tile end (drain, tree top, store) runs while the
+other's chain keeps the tensor cores busy -- the structure the session-21 measurements pointed to.
+
 Status: a candidate, not used by the package.  Compiled for sm_90a without a GPU (``--offline``: registers, spills,
 shared memory); its bits and speed are measured by ``bench_gpu_row_parallel.py --gluon`` on the H200 (bits against the
 committed tree, ``torch.equal``; time against cuBLAS and the pre-tree GEMM in the same run).
@@ -35,9 +41,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_ring import descriptor, issue_loads, operand_ring, release_ring, start_program, store_tile  # noqa: E402
+from gluon_ring import (descriptor, issue_loads, operand_ring, program_work, release_barriers,  # noqa: E402
+                        release_ring, release_slot, ring_producer, start_program, store_tile)
 
-WARPS = 8  # two warp groups of 64 rows
+# registers a thread of the warp-specialised schedule's consumer warp groups (three 64 x 128 float32 tiles live: the
+# running chain, the next segment's first step, the tree's lowest level) and of its producer warp
+WS_CONSUMER_REGS: gl.constexpr = gl.constexpr(240)
+WS_PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
 
 
 @gluon.jit
@@ -180,33 +190,150 @@ def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
     release_ring(bars, STAGES)
 
 
-# name -> (kernel, (BM, BN, BK), stages).  "smem": the partials in shared memory, 128 x 128 tiles (a float32 tile is 64
-# registers a thread), a 3 x 32 KB operand ring next to the two 64 KB partial tiles; "regs": in registers (but the first
-# quad), 128 x 64 tiles, a 7 x 24 KB ring, the segment boundaries hidden behind the next segment's first wgmma
-SCHEDULES = {"smem": (_tree_kernel, (128, 128, 64), 3), "regs": (_register_tree_kernel, (128, 64, 64), 7)}
+@gluon.jit
+def _ws_tree_push(v, low, mid, top, seg: gl.constexpr):
+    """Segment ``seg``'s finished chain ``v`` onto one consumer's tree (module docstring), unless it is the last one:
+    the lowest level in registers (``low``, returned), the pair's and the first quad's in shared memory (``mid``,
+    ``top``; ``top`` also stages the output, so the previous tile's store must have left it first).  A level is
+    loaded only once the sum it is added to is formed (fewer live tiles: the next segment's chain runs meanwhile)."""
+    if seg % 2 == 0:
+        low = v
+    elif seg % 4 == 1:
+        mid.store(low + v)
+    else:  # segment 3 of 8: the first quad
+        pair = low + v
+        quad = mid.load(v.type.layout) + pair
+        tma.store_wait(pendings=0)
+        top.store(quad)
+    return low
 
 
-def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile):
-    """TMA descriptors of ``x [M, K]`` (blocks BM x BK), ``w [N, K]`` (BN x BK) and ``out [M, N]`` (BM x BN)."""
+@gluon.jit
+def _ws_tree_total(v, low, mid, top, SEGMENTS: gl.constexpr):
+    """The tree's value, ``v`` the last segment's chain (:func:`_ws_tree_push` took the others)."""
+    if SEGMENTS == 1:
+        total = v
+    else:
+        total = low + v
+        if SEGMENTS >= 4:
+            total = mid.load(v.type.layout) + total
+        if SEGMENTS == 8:
+            total = top.load(v.type.layout) + total
+    return total
+
+
+@gluon.jit
+def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, M, N, WG: gl.constexpr,
+                      SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Consumer ``WG`` (one warp group): rows ``WG * BM / 2 ..`` of every tile of the program.  A segment's first
+    ``wgmma`` is issued (into fresh registers) before the previous segment's chain is waited for and put on the tree,
+    so inside a tile its tensor-core work never waits for a boundary; the other consumer's chain covers its tile end
+    (drain, tree top, store)."""
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    ROWS: gl.constexpr = BM // 2
+    BN: gl.constexpr = b_bufs.type.shape[1]
+    STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    mid = levels.index(2 * WG)
+    top = levels.index(2 * WG + 1)
+    pid, nprog, num_pid_m, num_tiles, total_steps = program_work(BM, BN, M, N, STEPS)
+    acc = gl.zeros((ROWS, BN), gl.float32, acc_layout)
+    gl.static_assert(gl.bank_conflicts(acc.type, top.type) == 0)
+    low = acc
+    c = 0
+    for tile in range(pid, num_tiles, nprog):
+        off_m = (tile % num_pid_m) * BM + WG * ROWS
+        off_n = (tile // num_pid_m) * BN
+        for seg in gl.static_range(SEGMENTS):
+            slot = c % STAGES
+            mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+            new = warpgroup_mma(a_bufs.index(slot).slice(WG * ROWS, ROWS), b_bufs.index(slot).permute((1, 0)),
+                                gl.zeros((ROWS, BN), gl.float32, acc_layout), use_acc=False, is_async=True)
+            if seg == 0:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(new,))  # (nothing to wait for: it runs on)
+            else:  # the previous segment's chain is done, the new one runs on
+                prev, acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, new))
+                release_slot(c - 1, empty, STAGES)
+                low = _ws_tree_push(prev, low, mid, top, seg - 1)
+            c += 1
+            for ks in range(1, SEG_STEPS):
+                slot = c % STAGES
+                mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+                acc = warpgroup_mma(a_bufs.index(slot).slice(WG * ROWS, ROWS), b_bufs.index(slot).permute((1, 0)),
+                                    acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                release_slot(c - 1, empty, STAGES)
+                c += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        release_slot(c - 1, empty, STAGES)
+        total_tile = _ws_tree_total(acc, low, mid, top, SEGMENTS)
+        if SEGMENTS != 8:  # (eight: waited for before segment 3 wrote ``top``)
+            tma.store_wait(pendings=0)
+        store_tile(total_tile, out_desc, top._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout),
+                   bias_ptr, off_m, off_n, N, HAS_BIAS)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
+                    SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """Warp-specialised: a producer warp runs the ring (``gluon_ring.ring_producer``) and two consumer warp groups
+    (:func:`_ws_tree_consumer`; the first is the default partition) take the upper and lower 64 rows of each tile,
+    synchronised only through the ring."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    a_bufs, b_bufs, ready = operand_ring(a_desc, b_desc, STAGES)
+    empty = release_barriers(STAGES, 2)
+    # a consumer's pair and first quad (the quad's tile also stages the output)
+    levels = gl.allocate_shared_memory(gl.float32, [4, BM // 2, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+    gl.warp_specialize([(_ws_tree_consumer, (a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, M, N, 0,
+                                             SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS)),
+                        (_ws_tree_consumer, (a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, M, N, 1,
+                                             SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS)),
+                        (ring_producer, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, SEGMENTS * SEG_STEPS,
+                                         STAGES))],
+                       [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# name -> (kernel, (BM, BN, BK), stages, warps of the launch, output block rows, extra constexprs).  "smem": the
+# partials in shared memory, 128 x 128 tiles on 8 warps (a float32 tile is 64 registers a thread), a 3 x 32 KB operand
+# ring next to the two 64 KB partial tiles; "regs": in registers (but the first quad), 128 x 64 tiles, a 7 x 24 KB
+# ring, the segment boundaries hidden behind the next segment's first wgmma; "ws": warp-specialised (4 warps
+# launched, + 4 + 1 in the partitions), 128 x 128 tiles in two 64-row halves, boundaries hidden in each half, a
+# 3 x 32 KB ring next to four 32 KB float32 tiles (two a consumer).  (Without hiding the boundaries inside a half,
+# the pair could stay in registers and the ring take 5 stages, but the offline compile spills 112-512 bytes there.)
+SCHEDULES = {"smem": (_tree_kernel, (128, 128, 64), 3, 8, 128, {}),
+             "regs": (_register_tree_kernel, (128, 64, 64), 7, 8, 128, {}),
+             "ws": (_ws_tree_kernel, (128, 128, 64), 3, 4, 64, {})}
+
+
+def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile, out_rows: int):
+    """TMA descriptors of ``x [M, K]`` (blocks BM x BK), ``w [N, K]`` (BN x BK) and ``out [M, N]`` (out_rows x BN)."""
     bm, bn, bk = tile
-    return descriptor(x, [bm, bk]), descriptor(w, [bn, bk]), descriptor(out, [bm, bn])
+    return descriptor(x, [bm, bk]), descriptor(w, [bn, bk]), descriptor(out, [out_rows, bn])
 
 
 def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
                        out_dtype: torch.dtype | None = None, schedule: str = "smem") -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` as the K-segment tree (module docstring), on CUDA, by one of :data:`SCHEDULES`: one
     persistent program an SM."""
-    kernel, (bm, bn, bk), stages = SCHEDULES[schedule]
+    kernel, (bm, bn, bk), stages, warps, out_rows, extra = SCHEDULES[schedule]
     m, k = x.shape
     n = w.shape[0]
     if k % segments or (k // segments) % bk:
         raise ValueError(f"K = {k} in {segments} segments of whole {bk}-column steps: not possible")
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    a_desc, b_desc, out_desc = descriptors(x, w, out, (bm, bn, bk))
+    a_desc, b_desc, out_desc = descriptors(x, w, out, (bm, bn, bk), out_rows)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     kernel[(min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)](
         a_desc, b_desc, out_desc, bias if bias is not None else out, m, n,
-        SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages, HAS_BIAS=bias is not None, num_warps=WARPS)
+        SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages, HAS_BIAS=bias is not None, num_warps=warps,
+        **extra)
     return out
 
 
@@ -217,18 +344,18 @@ def offline_jobs():
     from triton.runtime.jit import mangle_type
 
     jobs = []
-    for schedule, (kernel, tile, stages) in SCHEDULES.items():
+    for schedule, (kernel, tile, stages, warps, out_rows, extra) in SCHEDULES.items():
         for n, k in ((4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)):
             for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32), (2, torch.float32), (1, torch.float32)):
                 k_local = k * segments // 8
                 x = torch.zeros(4096, k_local, dtype=torch.bfloat16)
                 w = torch.zeros(n, k_local, dtype=torch.bfloat16)
                 out = torch.zeros(4096, n, dtype=out_dtype)
-                a_desc, b_desc, out_desc = descriptors(x, w, out, tile)
+                a_desc, b_desc, out_desc = descriptors(x, w, out, tile, out_rows)
                 sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
                        "bias_ptr": mangle_type(out), "M": "i32", "N": "i32"}
                 const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // tile[2], "STAGES": stages,
-                         "HAS_BIAS": segments == 8 and n == 2048, "num_warps": WARPS}  # a bias: the 1B shapes
+                         "HAS_BIAS": segments == 8 and n == 2048, "num_warps": warps, **extra}  # a bias: the 1B shapes
                 sig.update({name: "constexpr" for name in const})
                 jobs.append((f"{schedule} N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}"
                              + (" bias" if const["HAS_BIAS"] else ""), kernel, sig, const))
@@ -238,7 +365,7 @@ def offline_jobs():
 def main() -> int:
     from offline_compile import gluon_candidate_main
 
-    return gluon_candidate_main(__doc__, offline_jobs, WARPS, "python benchmarks/bench_gpu_row_parallel.py --gluon")
+    return gluon_candidate_main(__doc__, offline_jobs, "python benchmarks/bench_gpu_row_parallel.py --gluon")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""The Gluon candidate kernels of ``benchmarks/`` (session 20) against the committed kernels, bitwise, on a Hopper GPU.
+"""The Gluon candidate kernels of ``benchmarks/`` (sessions 20 and 22) against the committed kernels, bitwise, on a
+Hopper GPU.
 
-``benchmarks/gluon_segment_tree.py`` (both schedules) must give the bits of ``segment_tree.segment_tree_gemm`` and
-``benchmarks/gluon_fp8_gemm.py`` those of ``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and
+``benchmarks/gluon_segment_tree.py`` (every schedule, the warp-specialised one too) must give the bits of
+``segment_tree.segment_tree_gemm`` and ``benchmarks/gluon_fp8_gemm.py`` (both schedules) those of
+``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and
 clipping), with a bias, and for a tensor-parallel rank's float32 subtree -- before either could replace them.  The
 benchmarks check the same at their own shapes and time them; these cases are the edges.  Skipped without a
 Hopper GPU (``wgmma``, TMA) or without Gluon.
@@ -50,7 +52,7 @@ def _where_they_differ(out: torch.Tensor, ref: torch.Tensor) -> str:
             f"{span(cols)} of {out.shape[1]}; max |diff| {(out.float() - ref.float()).abs().max().item():.3g}")
 
 
-@pytest.mark.parametrize("schedule", ["smem", "regs"])
+@pytest.mark.parametrize("schedule", ["smem", "regs", "ws"])
 @pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 2048, 2048), (300, 4096, 14336), (129, 2048, 8192)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
@@ -71,7 +73,8 @@ def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
 @pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 4096, 14336), (300, 6144, 4096)])
 @pytest.mark.parametrize("block_rows", [128, 0])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_bias):
+@pytest.mark.parametrize("schedule", ["pipelined", "ws"])
+def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_bias, schedule):
     g = torch.Generator(device=DEV).manual_seed(m + n + k)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
     wq, w_scales = fp8.quantize(torch.randn(n, k, device=DEV, generator=g) * 0.02, fp8.E4M3_WEIGHT_128)
@@ -80,5 +83,5 @@ def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_
     bias = torch.randn(n, device=DEV, dtype=torch.bfloat16, generator=g) if with_bias else None
     ref = tf8.fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, w_block_rows=block_rows)
     out = gluon_fp8.gluon_fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, tf8.fp8_config(n, k)["SPLIT_GROUPS"],
-                                   w_block_rows=block_rows)
+                                   w_block_rows=block_rows, schedule=schedule)
     assert torch.equal(_bits(out), _bits(ref)), _where_they_differ(out, ref)
