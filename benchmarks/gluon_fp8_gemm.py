@@ -18,8 +18,10 @@ Schedules (:data:`SCHEDULES`): ``pipelined`` (session 20) -- 8 warps issue the l
 128 x 128 tiles; ``ws`` (session 22) -- warp-specialised: a producer warp runs the ring of loads, two consumer warp
 groups take a tile's upper and lower 64 rows and release a slot once their chain on it is done, with nothing else
 synchronising them, so one group's scaling and split sums run while the other's ``wgmma`` chain runs (session 21
-measured ``pipelined`` at 0.55-0.74 of ``_scaled_mm``, the committed ``tl`` tiles at 0.71-0.76).  Same arithmetic,
-same bits.
+measured ``pipelined`` at 0.55-0.74 of ``_scaled_mm``, the committed ``tl`` tiles at 0.71-0.76; session 22 ``ws`` at
+0.66-0.78, ahead of the tiles where the reduction has one or two splits); ``ws regs`` (session 22, not measured yet)
+-- ``ws`` without issuing the next chain ahead, the split sums in registers instead of shared memory (where ``ws``
+lost: four splits; but the offline compile spills 432 bytes there).  Same arithmetic, same bits.
 
 Status: a candidate, not used by the package.  ``--offline`` compiles it for sm_90a without a GPU (registers, spills,
 shared memory); bits and speed: ``python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` on the H200 (bits against
@@ -142,22 +144,26 @@ def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride
 
 
 @gluon.jit
-def _ws_consumer(a_bufs, b_bufs, ready, empty, sums, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
+def _ws_consumer(a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
                  WG: gl.constexpr, G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr,
-                 STAGES: gl.constexpr, SWS: gl.constexpr, HAS_BIAS: gl.constexpr):
+                 STAGES: gl.constexpr, SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr):
     """Consumer ``WG`` (one warp group) of the warp-specialised kernel: rows ``WG * BM / 2 ..`` of every tile of the
-    program, the same arithmetic as :func:`_fp8_kernel` (group ``c + 1``'s chain issued before group ``c``'s is
-    scaled); it releases a slot once its chain on it is done, and stores its half tile itself."""
+    program, the arithmetic of :func:`_fp8_kernel`; it releases a slot once its chain on it is done, and stores its
+    half tile itself through ``smem.index(WG)``.  ``LOOKAHEAD``: group ``c + 1``'s chain is issued before group
+    ``c``'s is scaled (three float32 tiles live), the split sums in ``smem`` (float32); else each chain is waited for
+    right away -- the other consumer's chain keeps the tensor cores busy meanwhile -- and the split sums stay in
+    registers (``smem`` only stages the output)."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     ROWS: gl.constexpr = BM // 2
     BN: gl.constexpr = b_bufs.type.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 32])
-    own = sums.index(WG)
+    own = smem.index(WG)
     pid, nprog, num_pid_m, num_tiles, total_steps = program_work(BM, BN, M, N, G_ALL)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-    pending = _issue_mma(0, total_steps, ready, a_bufs, b_bufs, acc_layout, STAGES, WG * ROWS, ROWS)
+    if LOOKAHEAD:
+        pending = _issue_mma(0, total_steps, ready, a_bufs, b_bufs, acc_layout, STAGES, WG * ROWS, ROWS)
     c = 0
     for tile in range(pid, num_tiles, nprog):
         off_m = (tile % num_pid_m) * BM + WG * ROWS
@@ -167,14 +173,25 @@ def _ws_consumer(a_bufs, b_bufs, ready, empty, sums, out_desc, as_ptr, bs_ptr, b
             for g in range(s * SPLIT_GROUPS, min(G_ALL, (s + 1) * SPLIT_GROUPS)):
                 sa, sb = _scale_vectors(as_ptr, bs_ptr, off_m, off_n, g, M, N, stride_asm, stride_bsn, rows, cols,
                                         SWS)
-                nxt = _issue_mma(c + 1, total_steps, ready, a_bufs, b_bufs, acc_layout, STAGES, WG * ROWS, ROWS)
-                p = warpgroup_mma_wait(num_outstanding=1, deps=(pending,))
+                if LOOKAHEAD:
+                    nxt = _issue_mma(c + 1, total_steps, ready, a_bufs, b_bufs, acc_layout, STAGES, WG * ROWS, ROWS)
+                    p = warpgroup_mma_wait(num_outstanding=1, deps=(pending,))
+                    pending = nxt
+                else:
+                    p = warpgroup_mma_wait(num_outstanding=0, deps=(_issue_mma(
+                        c, total_steps, ready, a_bufs, b_bufs, acc_layout, STAGES, WG * ROWS, ROWS),))
                 release_slot(c, empty, STAGES)
                 acc = _scaled_fma(p, sa, sb, acc, SWS)
-                pending = nxt
                 c += 1
             if SPLITS == 1:
                 final = acc
+            elif not LOOKAHEAD:  # the split partials summed in split order from 0, in registers
+                if s == 0:
+                    sums = acc + 0.0
+                elif s == SPLITS - 1:
+                    final = sums + acc
+                else:
+                    sums = sums + acc
             elif s == 0:
                 tma.store_wait(pendings=0)
                 own.store(acc + 0.0)
@@ -182,18 +199,23 @@ def _ws_consumer(a_bufs, b_bufs, ready, empty, sums, out_desc, as_ptr, bs_ptr, b
                 final = own.load(acc_layout) + acc
             else:
                 own.store(own.load(acc_layout) + acc)
-        if SPLITS == 1:
+        if LOOKAHEAD:
+            if SPLITS == 1:
+                tma.store_wait(pendings=0)
+            staging = own._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        else:
             tma.store_wait(pendings=0)
-        store_tile(final, out_desc, own._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout),
-                   bias_ptr, off_m, off_n, N, HAS_BIAS)
-    warpgroup_mma_wait(num_outstanding=0, deps=(pending,))  # the chain issued past the last step (never read)
+            staging = own
+        store_tile(final, out_desc, staging, bias_ptr, off_m, off_n, N, HAS_BIAS)
+    if LOOKAHEAD:
+        warpgroup_mma_wait(num_outstanding=0, deps=(pending,))  # the chain issued past the last step (never read)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
                    G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
-                   SWS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
+                   SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised: a producer warp runs the ring (``gluon_ring.ring_producer``), two consumer warp groups
     (:func:`_ws_consumer`; the first is the default partition) take the upper and lower 64 rows of each tile with no
     synchronisation between them but the ring's, so one's group scaling runs while the other's ``wgmma`` runs."""
@@ -201,11 +223,16 @@ def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, str
     BN: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs, b_bufs, ready = operand_ring(a_desc, b_desc, STAGES)
     empty = release_barriers(STAGES, 2)
-    sums = gl.allocate_shared_memory(gl.float32, [2, BM // 2, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
-    gl.warp_specialize([(_ws_consumer, (a_bufs, b_bufs, ready, empty, sums, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
-                                        stride_asm, stride_bsn, 0, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS)),
-                        (_ws_consumer, (a_bufs, b_bufs, ready, empty, sums, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
-                                        stride_asm, stride_bsn, 1, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS)),
+    if LOOKAHEAD:  # a consumer's float32 split sums, also its output staging
+        smem = gl.allocate_shared_memory(gl.float32, [2, BM // 2, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+    else:  # a consumer's output staging
+        smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    gl.warp_specialize([(_ws_consumer, (a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
+                                        stride_asm, stride_bsn, 0, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS,
+                                        LOOKAHEAD)),
+                        (_ws_consumer, (a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
+                                        stride_asm, stride_bsn, 1, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS,
+                                        LOOKAHEAD)),
                         (ring_producer, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, G_ALL, STAGES))],
                        [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
     for i in gl.static_range(STAGES):
@@ -213,10 +240,14 @@ def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, str
         mbarrier.invalidate(empty.index(i))
 
 
-# name -> (kernel, stages, warps of the launch, output block rows): "pipelined": 8 warps on a 128 x 128 tile, 4 x 32 KB
-# of operands next to the 64 KB float32 split sums; "ws": the warp-specialised kernel (4 warps launched, + 4 + 1 in
-# the partitions), a 5 x 32 KB ring and one 32 KB float32 tile of split sums a consumer
-SCHEDULES = {"pipelined": (_fp8_kernel, 4, 8, TILE[0]), "ws": (_fp8_ws_kernel, 5, 4, TILE[0] // 2)}
+# name -> (kernel, stages by output element size, warps of the launch, output block rows, extra constexprs):
+# "pipelined": 8 warps on a 128 x 128 tile, 4 x 32 KB of operands next to the 64 KB float32 split sums; "ws": the
+# warp-specialised kernel (4 warps launched, + 4 + 1 in the partitions) with the next group's chain issued ahead, a
+# 5 x 32 KB ring and one 32 KB float32 tile of split sums a consumer; "ws regs": the same without the chain ahead, the
+# split sums in registers, so only the output is staged and the ring takes 6 stages (5 for a float32 output)
+SCHEDULES = {"pipelined": (_fp8_kernel, {2: 4, 4: 4}, 8, TILE[0], {}),
+             "ws": (_fp8_ws_kernel, {2: 5, 4: 5}, 4, TILE[0] // 2, {"LOOKAHEAD": True}),
+             "ws regs": (_fp8_ws_kernel, {2: 6, 4: 5}, 4, TILE[0] // 2, {"LOOKAHEAD": False})}
 
 
 def descriptors(xq, wq, out, out_rows: int, tile=TILE):
@@ -227,7 +258,7 @@ def descriptors(xq, wq, out, out_rows: int, tile=TILE):
 
 def launch_args(xq, xs, wq, ws, bias, out, split_groups: int, sws: bool, schedule: str = "pipelined"):
     """``(kernel, args, constexprs)`` of one launch of ``schedule``'s kernel."""
-    kernel, stages, warps, out_rows = SCHEDULES[schedule]
+    kernel, stages, warps, out_rows, extra = SCHEDULES[schedule]
     m, k = xq.shape
     if k % GROUP:
         raise ValueError(f"K = {k}: the candidate takes whole 128-column groups only")
@@ -236,7 +267,8 @@ def launch_args(xq, xs, wq, ws, bias, out, split_groups: int, sws: bool, schedul
     args = (a_desc, b_desc, out_desc, xs, ws, bias if bias is not None else out, m, wq.shape[0], xs.stride(0),
             ws.stride(0))
     const = {"G_ALL": g_all, "SPLIT_GROUPS": split_groups, "SPLITS": triton.cdiv(g_all, split_groups),
-             "STAGES": stages, "SWS": sws, "HAS_BIAS": bias is not None, "num_warps": warps}
+             "STAGES": stages[out.element_size()], "SWS": sws, "HAS_BIAS": bias is not None, "num_warps": warps,
+             **extra}
     return kernel, args, const
 
 
@@ -268,7 +300,8 @@ def offline_jobs():
         xq = torch.zeros(4096, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         wq = torch.zeros(n, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         out = torch.zeros(4096, n, dtype=torch.bfloat16)
-        for schedule, sws in (("pipelined", True), ("pipelined", False), ("ws", True), ("ws", False)):
+        for schedule, sws in (("pipelined", True), ("pipelined", False), ("ws", True), ("ws", False),
+                              ("ws regs", True)):
             kernel, args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
                                               fp8_config(n, k)["SPLIT_GROUPS"], sws, schedule)
             sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32"

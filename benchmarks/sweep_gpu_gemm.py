@@ -27,7 +27,7 @@ of the installed table for shapes not swept are carried over into the written fi
 FP8 part (``fp8_gemm`` on pre-quantized operands vs cuBLAS block-scaled ``torch._scaled_mm``): tile candidates
 (with and without one weight scale per tile, ``SWS``), each checked bitwise against the current table's tile at
 1, 7, 300, 2048 rows, timed at M = 256, 1024, 4096; the fastest bit-identical tile per (N, K) goes to
-``FP8_TILE_OVERRIDES``.  ``--gluon`` adds the Gluon candidate kernel (``gluon_fp8_gemm.py``, both schedules) to the FP8 part, checked and
+``FP8_TILE_OVERRIDES``.  ``--gluon`` adds the Gluon candidate kernel (``gluon_fp8_gemm.py``, every schedule) to the FP8 part, checked and
 timed the same way (never recommended for the table: it is another kernel, not a tile).
 
 Triton compiles all candidates first in parallel worker processes (same on-disk cache), so the timed process only
@@ -446,7 +446,8 @@ def sweep_fp8(args, deadline, log):
             split = tf8.fp8_config(n, k)["SPLIT_GROUPS"]
             for cname, block_rows, schedule in (("gluon candidate", 128, "pipelined"),
                                                 ("gluon candidate column scales", 0, "pipelined"),
-                                                ("gluon warp-specialised", 128, "ws")):
+                                                ("gluon warp-specialised", 128, "ws"),
+                                                ("gluon warp-specialised regs", 128, "ws regs")):
                 runners.append((cname, None, lambda xq_, xs_, q, r, dt, br=block_rows, sch=schedule: gluon_fp8_gemm(
                     xq_, xs_, q, r, None, dt, split, w_block_rows=br, schedule=sch)))
         for cname, cfg, run in runners:

@@ -2,7 +2,7 @@
 Hopper GPU.
 
 ``benchmarks/gluon_segment_tree.py`` (every schedule, the warp-specialised one too) must give the bits of
-``segment_tree.segment_tree_gemm`` and ``benchmarks/gluon_fp8_gemm.py`` (both schedules) those of
+``segment_tree.segment_tree_gemm`` and ``benchmarks/gluon_fp8_gemm.py`` (every schedule) those of
 ``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and
 clipping), with a bias, and for a tensor-parallel rank's float32 subtree -- before either could replace them.  The
 benchmarks check the same at their own shapes and time them; these cases are the edges.  Skipped without a
@@ -73,7 +73,7 @@ def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
 @pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 4096, 14336), (300, 6144, 4096)])
 @pytest.mark.parametrize("block_rows", [128, 0])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("schedule", ["pipelined", "ws"])
+@pytest.mark.parametrize("schedule", ["pipelined", "ws", "ws regs"])
 def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_bias, schedule):
     g = torch.Generator(device=DEV).manual_seed(m + n + k)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
