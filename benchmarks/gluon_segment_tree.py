@@ -19,7 +19,10 @@ Schedules (:data:`SCHEDULES`): ``smem`` and ``regs`` (session 20; 0.51-0.61 of c
 committed tree's 0.68-0.84); ``ws`` (session 22), warp-specialised: a producer warp runs the ring, two consumer warp
 groups take a tile's upper and lower 64 rows, each hides its segment boundaries behind its next segment's first
 ``wgmma``, and the two meet only at the ring's slots, so one group's tile end (drain, tree top, store) runs while the
-other's chain keeps the tensor cores busy -- the structure the session-21 measurements pointed to.
+other's chain keeps the tensor cores busy -- the structure the session-21 measurements pointed to (session 22:
+0.70 of cuBLAS on the 8B o_proj, +4 % over the committed tree, but 0.70-0.74 on down, -11-13 %); ``ws deep``
+(session 22, not measured yet): ``ws`` with the first quad's tile in a float32 slot in global memory, so a 5-stage
+ring instead of 3 for down's long segments.
 
 Status: a candidate, not used by the package.  Compiled for sm_90a without a GPU (``--offline``: registers, spills,
 shared memory); its bits and speed are measured by ``bench_gpu_row_parallel.py --gluon`` on the H200 (bits against the
@@ -191,25 +194,32 @@ def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
 
 
 @gluon.jit
-def _ws_tree_push(v, low, mid, top, seg: gl.constexpr):
+def _ws_tree_push(v, low, mid, top, seg: gl.constexpr, TOP_IN_GLOBAL: gl.constexpr):
     """Segment ``seg``'s finished chain ``v`` onto one consumer's tree (module docstring), unless it is the last one:
-    the lowest level in registers (``low``, returned), the pair's and the first quad's in shared memory (``mid``,
-    ``top``; ``top`` also stages the output, so the previous tile's store must have left it first).  A level is
-    loaded only once the sum it is added to is formed (fewer live tiles: the next segment's chain runs meanwhile)."""
+    the lowest level in registers (``low``, returned), the pair's in shared memory (``mid``), the first quad's in
+    shared memory or, ``TOP_IN_GLOBAL``, in the program's float32 slot in global memory (``top``: a tile of
+    pointers).  The output is staged in ``mid`` (``TOP_IN_GLOBAL``) or ``top``, so the previous tile's store must have
+    left it before it is written.  A level is loaded only once the sum it is added to is formed (fewer live tiles:
+    the next segment's chain runs meanwhile)."""
     if seg % 2 == 0:
         low = v
     elif seg % 4 == 1:
+        if TOP_IN_GLOBAL:
+            tma.store_wait(pendings=0)
         mid.store(low + v)
     else:  # segment 3 of 8: the first quad
         pair = low + v
         quad = mid.load(v.type.layout) + pair
-        tma.store_wait(pendings=0)
-        top.store(quad)
+        if TOP_IN_GLOBAL:
+            gl.store(top, quad)
+        else:
+            tma.store_wait(pendings=0)
+            top.store(quad)
     return low
 
 
 @gluon.jit
-def _ws_tree_total(v, low, mid, top, SEGMENTS: gl.constexpr):
+def _ws_tree_total(v, low, mid, top, SEGMENTS: gl.constexpr, TOP_IN_GLOBAL: gl.constexpr):
     """The tree's value, ``v`` the last segment's chain (:func:`_ws_tree_push` took the others)."""
     if SEGMENTS == 1:
         total = v
@@ -218,28 +228,38 @@ def _ws_tree_total(v, low, mid, top, SEGMENTS: gl.constexpr):
         if SEGMENTS >= 4:
             total = mid.load(v.type.layout) + total
         if SEGMENTS == 8:
-            total = top.load(v.type.layout) + total
+            total = (gl.load(top) if TOP_IN_GLOBAL else top.load(v.type.layout)) + total
     return total
 
 
 @gluon.jit
-def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, M, N, WG: gl.constexpr,
-                      SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
+def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, top_ptr, M, N, WG: gl.constexpr,
+                      SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      TOP_IN_GLOBAL: gl.constexpr):
     """Consumer ``WG`` (one warp group): rows ``WG * BM / 2 ..`` of every tile of the program.  A segment's first
     ``wgmma`` is issued (into fresh registers) before the previous segment's chain is waited for and put on the tree,
     so inside a tile its tensor-core work never waits for a boundary; the other consumer's chain covers its tile end
-    (drain, tree top, store)."""
+    (drain, tree top, store).  ``levels``: its pair's tile, and without ``TOP_IN_GLOBAL`` its first quad's."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     ROWS: gl.constexpr = BM // 2
     BN: gl.constexpr = b_bufs.type.shape[1]
     STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    mid = levels.index(2 * WG)
-    top = levels.index(2 * WG + 1)
     pid, nprog, num_pid_m, num_tiles, total_steps = program_work(BM, BN, M, N, STEPS)
+    if TOP_IN_GLOBAL:
+        mid = levels.index(WG)
+        rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+        top = (top_ptr + (pid * 2 + WG).to(gl.int64) * (ROWS * BN) + gl.expand_dims(rows, 1) * BN
+               + gl.expand_dims(cols, 0))
+        staging = mid
+    else:
+        mid = levels.index(2 * WG)
+        top = levels.index(2 * WG + 1)
+        staging = top
     acc = gl.zeros((ROWS, BN), gl.float32, acc_layout)
-    gl.static_assert(gl.bank_conflicts(acc.type, top.type) == 0)
+    gl.static_assert(gl.bank_conflicts(acc.type, mid.type) == 0)
     low = acc
     c = 0
     for tile in range(pid, num_tiles, nprog):
@@ -255,7 +275,7 @@ def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, 
             else:  # the previous segment's chain is done, the new one runs on
                 prev, acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, new))
                 release_slot(c - 1, empty, STAGES)
-                low = _ws_tree_push(prev, low, mid, top, seg - 1)
+                low = _ws_tree_push(prev, low, mid, top, seg - 1, TOP_IN_GLOBAL)
             c += 1
             for ks in range(1, SEG_STEPS):
                 slot = c % STAGES
@@ -267,31 +287,33 @@ def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, 
                 c += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         release_slot(c - 1, empty, STAGES)
-        total_tile = _ws_tree_total(acc, low, mid, top, SEGMENTS)
-        if SEGMENTS != 8:  # (eight: waited for before segment 3 wrote ``top``)
+        total_tile = _ws_tree_total(acc, low, mid, top, SEGMENTS, TOP_IN_GLOBAL)
+        if SEGMENTS < (4 if TOP_IN_GLOBAL else 8):  # (else waited for before the staging tile was written)
             tma.store_wait(pendings=0)
-        store_tile(total_tile, out_desc, top._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout),
-                   bias_ptr, off_m, off_n, N, HAS_BIAS)
+        store_tile(total_tile, out_desc, staging._reinterpret(out_desc.dtype, out_desc.block_type.shape,
+                                                              out_desc.layout), bias_ptr, off_m, off_n, N, HAS_BIAS)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _ws_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
+def _ws_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, top_ptr, M, N,
                     SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    TOP_IN_GLOBAL: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised: a producer warp runs the ring (``gluon_ring.ring_producer``) and two consumer warp groups
     (:func:`_ws_tree_consumer`; the first is the default partition) take the upper and lower 64 rows of each tile,
-    synchronised only through the ring."""
+    synchronised only through the ring.  ``TOP_IN_GLOBAL``: the first quad's tiles go to ``top_ptr`` (a float32 slot
+    of two 64 x BN tiles a program), which leaves shared memory for a deeper ring."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs, b_bufs, ready = operand_ring(a_desc, b_desc, STAGES)
     empty = release_barriers(STAGES, 2)
-    # a consumer's pair and first quad (the quad's tile also stages the output)
-    levels = gl.allocate_shared_memory(gl.float32, [4, BM // 2, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
-    gl.warp_specialize([(_ws_tree_consumer, (a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, M, N, 0,
-                                             SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS)),
-                        (_ws_tree_consumer, (a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, M, N, 1,
-                                             SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS)),
+    # a consumer's pair and (in shared memory) first quad; the last of them also stages the output
+    levels = gl.allocate_shared_memory(gl.float32, [2 if TOP_IN_GLOBAL else 4, BM // 2, BN],
+                                       gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
+    gl.warp_specialize([(_ws_tree_consumer, (a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, top_ptr, M, N,
+                                             0, SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS, TOP_IN_GLOBAL)),
+                        (_ws_tree_consumer, (a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, top_ptr, M, N,
+                                             1, SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS, TOP_IN_GLOBAL)),
                         (ring_producer, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, SEGMENTS * SEG_STEPS,
                                          STAGES))],
                        [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
@@ -305,11 +327,14 @@ def _ws_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
 # ring next to the two 64 KB partial tiles; "regs": in registers (but the first quad), 128 x 64 tiles, a 7 x 24 KB
 # ring, the segment boundaries hidden behind the next segment's first wgmma; "ws": warp-specialised (4 warps
 # launched, + 4 + 1 in the partitions), 128 x 128 tiles in two 64-row halves, boundaries hidden in each half, a
-# 3 x 32 KB ring next to four 32 KB float32 tiles (two a consumer).  (Without hiding the boundaries inside a half,
-# the pair could stay in registers and the ring take 5 stages, but the offline compile spills 112-512 bytes there.)
+# 3 x 32 KB ring next to four 32 KB float32 tiles (two a consumer); "ws deep": the same with the first quad in a
+# float32 slot in global memory (written and read once a tile), so a 5 x 32 KB ring (session 22: "ws" lost on the
+# long segments of the 8B down projection, where prefetch depth counts more than boundaries).  (Without hiding the
+# boundaries the pair could stay in registers, but the offline compile spills 112-512 bytes there.)
 SCHEDULES = {"smem": (_tree_kernel, (128, 128, 64), 3, 8, 128, {}),
              "regs": (_register_tree_kernel, (128, 64, 64), 7, 8, 128, {}),
-             "ws": (_ws_tree_kernel, (128, 128, 64), 3, 4, 64, {})}
+             "ws": (_ws_tree_kernel, (128, 128, 64), 3, 4, 64, {"TOP_IN_GLOBAL": False}),
+             "ws deep": (_ws_tree_kernel, (128, 128, 64), 5, 4, 64, {"TOP_IN_GLOBAL": True})}
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile, out_rows: int):
@@ -329,11 +354,13 @@ def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: to
         raise ValueError(f"K = {k} in {segments} segments of whole {bk}-column steps: not possible")
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     a_desc, b_desc, out_desc = descriptors(x, w, out, (bm, bn, bk), out_rows)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    kernel[(min(sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)),)](
-        a_desc, b_desc, out_desc, bias if bias is not None else out, m, n,
-        SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages, HAS_BIAS=bias is not None, num_warps=warps,
-        **extra)
+    grid = min(torch.cuda.get_device_properties(x.device).multi_processor_count, triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    args = [a_desc, b_desc, out_desc, bias if bias is not None else out]
+    if "TOP_IN_GLOBAL" in extra:  # the warp-specialised kernel: the first quad's slots (or a placeholder)
+        args.append(torch.empty(grid * bm * bn, dtype=torch.float32, device=x.device) if extra["TOP_IN_GLOBAL"]
+                    else out)
+    kernel[(grid,)](*args, m, n, SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages,
+                    HAS_BIAS=bias is not None, num_warps=warps, **extra)
     return out
 
 
@@ -353,7 +380,10 @@ def offline_jobs():
                 out = torch.zeros(4096, n, dtype=out_dtype)
                 a_desc, b_desc, out_desc = descriptors(x, w, out, tile, out_rows)
                 sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
-                       "bias_ptr": mangle_type(out), "M": "i32", "N": "i32"}
+                       "bias_ptr": mangle_type(out)}
+                if "TOP_IN_GLOBAL" in extra:
+                    sig["top_ptr"] = "*fp32"
+                sig.update({"M": "i32", "N": "i32"})
                 const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // tile[2], "STAGES": stages,
                          "HAS_BIAS": segments == 8 and n == 2048, "num_warps": warps, **extra}  # a bias: the 1B shapes
                 sig.update({name: "constexpr" for name in const})
