@@ -1,11 +1,13 @@
-"""A candidate for the block-FP8 GEMM on Hopper, written in Gluon: the per-group scaling overlaps the tensor cores.
+"""A candidate for the block-FP8 GEMM on Hopper, written in Gluon: warp-specialised, so the per-group scaling and the
+split sums overlap the tensor cores.
 
 Why (docs/fp8.md, docs/benchmarks.md): the committed kernel (``kernels/triton/fp8_linear.py``) is 0.69-0.75 of cuBLAS
 block-FP8 ``_scaled_mm`` at M = 4096 (issue #15 asks 0.75), and the reason is structural in ``triton.language`` 3.6:
 each group's ``tl.dot`` starts from 0 (the contract), so its ``wgmma`` is waited for right after it is issued and the
-``fma`` with the group's scales never overlaps a tensor-core chain.  Here group ``c + 1``'s ``wgmma`` chain is issued
-(asynchronously) BEFORE group ``c``'s result is waited for and scaled, so the scaling runs while the tensor cores work
-on the next group; one ring of TMA loads runs through all groups, splits and tiles of a persistent program.
+``fma`` with the group's scales never overlaps a tensor-core chain.  Here a producer warp runs one ring of TMA loads
+through all groups, splits and tiles of a persistent program, and two consumer warp groups take a tile's upper and
+lower 64 rows, each releasing a slot once its chain on it is done, with nothing else synchronising them: one group's
+scaling and split sums run while the other's ``wgmma`` chain runs.
 
 Numerics: the contract of ``fp8_linear`` (steps 2-5 of its docstring), so the bits must equal
 ``fp8_linear.fp8_gemm``: ``p_g`` = the FP8 ``wgmma`` chain over group g's 128 products from nothing
@@ -14,14 +16,12 @@ with the two scales multiplied first, groups in K order, ``acc`` from 0; the spl
 (N, K) table's) summed in split order from 0 (one split: taken as is); + bias in float32, one rounding.  ``SWS``: one
 weight scale per (tile, group), as the committed kernel's ``SWS`` (the same float32 values).
 
-Schedules (:data:`SCHEDULES`): ``pipelined`` (session 20) -- 8 warps issue the loads, the chains and the scaling of
-128 x 128 tiles; ``ws`` (session 22) -- warp-specialised: a producer warp runs the ring of loads, two consumer warp
-groups take a tile's upper and lower 64 rows and release a slot once their chain on it is done, with nothing else
-synchronising them, so one group's scaling and split sums run while the other's ``wgmma`` chain runs (session 21
-measured ``pipelined`` at 0.55-0.74 of ``_scaled_mm``, the committed ``tl`` tiles at 0.71-0.76; session 22 ``ws`` at
-0.66-0.78, ahead of the tiles where the reduction has one or two splits); ``ws regs`` (session 22, not measured yet)
--- ``ws`` without issuing the next chain ahead, the split sums in registers instead of shared memory (where ``ws``
-lost: four splits; but the offline compile spills 432 bytes there).  Same arithmetic, same bits.
+Schedules (:data:`SCHEDULES`): ``ws`` -- each consumer issues group ``c + 1``'s chain before it waits for group
+``c``'s and scales it, the split sums in shared memory (session 22: 0.66-0.78 of ``_scaled_mm`` at M = 4096, ahead of
+the best ``tl`` tile where the reduction has one or two splits, behind at four; session 20's single-warp-group
+pipelined kernel, 0.55-0.74, was removed as slower everywhere); ``ws regs`` (not measured yet) -- without the chain
+issued ahead, the split sums in registers (where ``ws`` lost: four splits; but the offline compile spills 432 bytes
+there).  Same arithmetic, same bits.
 
 Status: a candidate, not used by the package.  ``--offline`` compiles it for sm_90a without a GPU (registers, spills,
 shared memory); bits and speed: ``python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` on the H200 (bits against
@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_ring import (descriptor, issue_loads, operand_ring, program_work, release_barriers,  # noqa: E402
-                        release_ring, release_slot, ring_producer, start_program, store_tile)
+from gluon_ring import (descriptor, operand_ring, program_work, release_barriers, release_slot,  # noqa: E402
+                        ring_producer, store_tile)
 
 GROUP = 128  # the activation group = the weight block's columns = one K step
 TILE = (128, 128)  # BM, BN: two warp groups of 64 rows
@@ -55,19 +55,16 @@ WS_PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
 
 
 @gluon.jit
-def _issue_mma(c, total_steps, bars, a_bufs, b_bufs, p_layout: gl.constexpr, STAGES: gl.constexpr,
-               ROW0: gl.constexpr = 0, ROWS: gl.constexpr = 0):
-    """Group chain of global step ``c``, from nothing, asynchronously (its loads waited for first); ``ROWS``: only the
-    tile's rows ``ROW0 ..`` (a warp-specialised consumer's), else all."""
-    BM: gl.constexpr = a_bufs.type.shape[1] if ROWS == 0 else ROWS
+def _issue_mma(c, total_steps, bars, a_bufs, b_bufs, p_layout: gl.constexpr, STAGES: gl.constexpr, ROW0: gl.constexpr,
+               ROWS: gl.constexpr):
+    """Group chain of global step ``c`` for the tile's rows ``ROW0 .. ROW0 + ROWS`` (a consumer's half), from nothing,
+    asynchronously (its loads waited for first; past the program's last step nothing is waited for)."""
     BN: gl.constexpr = b_bufs.type.shape[1]
     slot = c % STAGES
     mbarrier.wait(bars.index(slot), (c // STAGES) & 1, pred=c < total_steps)
-    a = a_bufs.index(slot)
-    if ROWS != 0:
-        a = a.slice(ROW0, ROWS)
-    p = gl.zeros((BM, BN), gl.float32, p_layout)
-    return warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), p, use_acc=False, is_async=True)
+    p = gl.zeros((ROWS, BN), gl.float32, p_layout)
+    return warpgroup_mma(a_bufs.index(slot).slice(ROW0, ROWS), b_bufs.index(slot).permute((1, 0)), p, use_acc=False,
+                         is_async=True)
 
 
 @gluon.jit
@@ -89,58 +86,6 @@ def _scaled_fma(p, sa, sb, acc, SWS: gl.constexpr):
     else:
         scale, p = gl.broadcast(gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0), p)
     return gl.fma(p, scale, acc)
-
-
-@gluon.jit
-def _fp8_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
-                G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
-                SWS: gl.constexpr, HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BN, 32])
-    a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
-    # 32-byte vectors XOR-swizzled by row: no bank conflicts for the accumulator's fragments (asserted below)
-    sums = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
-
-    pid, nprog, num_pid_m, num_tiles, total_steps = start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, G_ALL,
-                                                                  STAGES, STAGES)
-    rows = gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
-    gl.static_assert(gl.bank_conflicts(gl.zeros((BM, BN), gl.float32, acc_layout).type, sums.type) == 0)
-    pending = _issue_mma(0, total_steps, bars, a_bufs, b_bufs, acc_layout, STAGES)  # step 0's chain, in flight
-    c = 0
-    for tile in range(pid, num_tiles, nprog):
-        off_m = (tile % num_pid_m) * BM
-        off_n = (tile // num_pid_m) * BN
-        for s in gl.static_range(SPLITS):
-            acc = gl.zeros((BM, BN), gl.float32, acc_layout)
-            for g in range(s * SPLIT_GROUPS, min(G_ALL, (s + 1) * SPLIT_GROUPS)):
-                sa, sb = _scale_vectors(as_ptr, bs_ptr, off_m, off_n, g, M, N, stride_asm, stride_bsn, rows, cols,
-                                        SWS)
-                nxt = _issue_mma(c + 1, total_steps, bars, a_bufs, b_bufs, acc_layout, STAGES)  # the next group's
-                p = warpgroup_mma_wait(num_outstanding=1, deps=(pending,))  # this group's chain is done ...
-                issue_loads(c + STAGES, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
-                            G_ALL, STAGES)  # ... so its slot takes the load STAGES steps ahead
-                acc = _scaled_fma(p, sa, sb, acc, SWS)  # while the tensor cores run the next group
-                pending = nxt
-                c += 1
-            if SPLITS == 1:
-                final = acc
-            elif s == 0:
-                tma.store_wait(pendings=0)  # the previous tile's output has left this memory
-                sums.store(acc + 0.0)  # the split partials summed from 0
-            elif s == SPLITS - 1:
-                final = sums.load(acc_layout) + acc
-            else:
-                sums.store(sums.load(acc_layout) + acc)
-        if SPLITS == 1:
-            tma.store_wait(pendings=0)  # (more splits: waited for before split 0 wrote the sums)
-        store_tile(final, out_desc, sums._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout),
-                   bias_ptr, off_m, off_n, N, HAS_BIAS)
-    # the chain issued past the last step (on a slot no load refilled; its result is never read) must end first
-    warpgroup_mma_wait(num_outstanding=0, deps=(pending,))
-    release_ring(bars, STAGES)
 
 
 @gluon.jit
@@ -240,49 +185,47 @@ def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, str
         mbarrier.invalidate(empty.index(i))
 
 
-# name -> (kernel, stages by output element size, warps of the launch, output block rows, extra constexprs):
-# "pipelined": 8 warps on a 128 x 128 tile, 4 x 32 KB of operands next to the 64 KB float32 split sums; "ws": the
-# warp-specialised kernel (4 warps launched, + 4 + 1 in the partitions) with the next group's chain issued ahead, a
-# 5 x 32 KB ring and one 32 KB float32 tile of split sums a consumer; "ws regs": the same without the chain ahead, the
-# split sums in registers, so only the output is staged and the ring takes 6 stages (5 for a float32 output)
-SCHEDULES = {"pipelined": (_fp8_kernel, {2: 4, 4: 4}, 8, TILE[0], {}),
-             "ws": (_fp8_ws_kernel, {2: 5, 4: 5}, 4, TILE[0] // 2, {"LOOKAHEAD": True}),
-             "ws regs": (_fp8_ws_kernel, {2: 6, 4: 5}, 4, TILE[0] // 2, {"LOOKAHEAD": False})}
+# name -> (stages by output element size, extra constexprs) of the warp-specialised kernel (4 warps launched, + 4 + 1
+# in the partitions; output blocks of 64 rows): "ws": the next group's chain issued ahead, a 5 x 32 KB ring and one
+# 32 KB float32 tile of split sums a consumer; "ws regs": without the chain ahead, the split sums in registers, so only
+# the output is staged and the ring takes 6 stages (5 for a float32 output)
+SCHEDULES = {"ws": ({2: 5, 4: 5}, {"LOOKAHEAD": True}), "ws regs": ({2: 6, 4: 5}, {"LOOKAHEAD": False})}
+WARPS = 4
+OUT_ROWS = TILE[0] // 2
 
 
-def descriptors(xq, wq, out, out_rows: int, tile=TILE):
-    """TMA descriptors of ``xq [M, K]`` (BM x 128), ``wq [N, K]`` (BN x 128) and ``out [M, N]`` (out_rows x BN)."""
+def descriptors(xq, wq, out, tile=TILE):
+    """TMA descriptors of ``xq [M, K]`` (BM x 128), ``wq [N, K]`` (BN x 128) and ``out [M, N]`` (BM / 2 x BN)."""
     bm, bn = tile
-    return descriptor(xq, [bm, GROUP]), descriptor(wq, [bn, GROUP]), descriptor(out, [out_rows, bn])
+    return descriptor(xq, [bm, GROUP]), descriptor(wq, [bn, GROUP]), descriptor(out, [OUT_ROWS, bn])
 
 
-def launch_args(xq, xs, wq, ws, bias, out, split_groups: int, sws: bool, schedule: str = "pipelined"):
-    """``(kernel, args, constexprs)`` of one launch of ``schedule``'s kernel."""
-    kernel, stages, warps, out_rows, extra = SCHEDULES[schedule]
+def launch_args(xq, xs, wq, ws, bias, out, split_groups: int, sws: bool, schedule: str = "ws"):
+    """``(args, constexprs)`` of one launch of :func:`_fp8_ws_kernel` by ``schedule``."""
+    stages, extra = SCHEDULES[schedule]
     m, k = xq.shape
     if k % GROUP:
         raise ValueError(f"K = {k}: the candidate takes whole 128-column groups only")
     g_all = k // GROUP
-    a_desc, b_desc, out_desc = descriptors(xq, wq, out, out_rows)
+    a_desc, b_desc, out_desc = descriptors(xq, wq, out)
     args = (a_desc, b_desc, out_desc, xs, ws, bias if bias is not None else out, m, wq.shape[0], xs.stride(0),
             ws.stride(0))
     const = {"G_ALL": g_all, "SPLIT_GROUPS": split_groups, "SPLITS": triton.cdiv(g_all, split_groups),
-             "STAGES": stages[out.element_size()], "SWS": sws, "HAS_BIAS": bias is not None, "num_warps": warps,
+             "STAGES": stages[out.element_size()], "SWS": sws, "HAS_BIAS": bias is not None, "num_warps": WARPS,
              **extra}
-    return kernel, args, const
+    return args, const
 
 
-def gluon_fp8_gemm(xq, xs, wq, ws, bias, out_dtype, split_groups: int, w_block_rows: int = 0,
-                   schedule: str = "pipelined"):
+def gluon_fp8_gemm(xq, xs, wq, ws, bias, out_dtype, split_groups: int, w_block_rows: int = 0, schedule: str = "ws"):
     """``fp8_linear.fp8_gemm``'s result (module docstring) on CUDA by one of :data:`SCHEDULES`; ``split_groups``: the
     (N, K) table's."""
     out = torch.empty(xq.shape[0], wq.shape[0], dtype=out_dtype, device=xq.device)
     sws = bool(w_block_rows) and w_block_rows % TILE[1] == 0
-    kernel, args, const = launch_args(xq, xs, wq, ws, bias, out, split_groups, sws, schedule)
+    args, const = launch_args(xq, xs, wq, ws, bias, out, split_groups, sws, schedule)
     tiles = triton.cdiv(xq.shape[0], TILE[0]) * triton.cdiv(wq.shape[0], TILE[1])
     sms = torch.cuda.get_device_properties(xq.device).multi_processor_count
-    kernel[(min(sms, tiles),)](*args, **{k: v for k, v in const.items() if k != "num_warps"},
-                               num_warps=const["num_warps"])
+    _fp8_ws_kernel[(min(sms, tiles),)](*args, **{k: v for k, v in const.items() if k != "num_warps"},
+                                       num_warps=WARPS)
     return out
 
 
@@ -300,14 +243,13 @@ def offline_jobs():
         xq = torch.zeros(4096, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         wq = torch.zeros(n, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         out = torch.zeros(4096, n, dtype=torch.bfloat16)
-        for schedule, sws in (("pipelined", True), ("pipelined", False), ("ws", True), ("ws", False),
-                              ("ws regs", True)):
-            kernel, args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
-                                              fp8_config(n, k)["SPLIT_GROUPS"], sws, schedule)
+        for schedule, sws in (("ws", True), ("ws", False), ("ws regs", True)):
+            args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
+                                      fp8_config(n, k)["SPLIT_GROUPS"], sws, schedule)
             sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32"
-                   for name, a in zip(kernel.arg_names, args)}
+                   for name, a in zip(_fp8_ws_kernel.arg_names, args)}
             sig.update({name: "constexpr" for name in const})
-            jobs.append((f"{schedule} N={n} K={k} splits={const['SPLITS']} sws={sws}", kernel, sig, const))
+            jobs.append((f"{schedule} N={n} K={k} splits={const['SPLITS']} sws={sws}", _fp8_ws_kernel, sig, const))
     return jobs
 
 

@@ -1,10 +1,14 @@
-"""What the Gluon candidate kernels (``gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) share: TMA descriptors, the
-ring of operand loads of a persistent program, and the output tile's store.
+"""What the Gluon candidate kernels (``gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) share: TMA descriptors, a
+warp-specialised persistent program's ring of operand loads, and the output tile's store.
 
 A persistent program takes the output tiles ``pid, pid + nprog, ...`` (M fastest, so neighbouring programs share a
 weight tile in L2) and walks ``STEPS`` K steps of each; its global step ``c`` is tile ``c // STEPS``, K step
-``c % STEPS``, and its operands go to ring slot ``c % STAGES``, completing that slot's mbarrier.  The loads of a step
-depend on nothing but ``c``, so a program can issue them any number of steps ahead, across tile boundaries.
+``c % STEPS``, and its operands go to ring slot ``c % STAGES``.  A producer partition (one warp) runs the ring: it
+refills slot ``c % STAGES`` with step ``c``'s operands once every consumer partition has released the step that slot
+held before (``empty``: one arrival a consumer), and the loads complete the slot's ``ready`` barrier.  The consumers
+(warp groups) wait for ``ready``, run their tensor-core chains, and release.  Nothing else synchronises them: a
+consumer's segment / group boundary (a drained chain, a combine) runs while another's ``wgmma`` chain keeps the
+tensor cores busy.
 """
 
 from __future__ import annotations
@@ -25,26 +29,25 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 @gluon.jit
-def issue_loads(c, total_steps, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
-                STEPS: gl.constexpr, STAGES: gl.constexpr):
+def issue_loads(c, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS: gl.constexpr,
+                STAGES: gl.constexpr):
     """TMA loads of the program's global step ``c`` (x rows of its tile, w rows of its tile, the step's K columns)
-    into ring slot ``c % STAGES``; nothing at or past ``total_steps``."""
+    into ring slot ``c % STAGES``, completing that slot's mbarrier in ``bars``."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    live = c < total_steps
     tile = pid + (c // STEPS) * nprog
     k = (c % STEPS) * BK
     slot = c % STAGES
     bar = bars.index(slot)
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=live)
-    tma.async_copy_global_to_shared(a_desc, [(tile % num_pid_m) * BM, k], bar, a_bufs.index(slot), live)
-    tma.async_copy_global_to_shared(b_desc, [(tile // num_pid_m) * BN, k], bar, b_bufs.index(slot), live)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [(tile % num_pid_m) * BM, k], bar, a_bufs.index(slot))
+    tma.async_copy_global_to_shared(b_desc, [(tile // num_pid_m) * BN, k], bar, b_bufs.index(slot))
 
 
 @gluon.jit
 def operand_ring(a_desc, b_desc, STAGES: gl.constexpr):
-    """``STAGES`` slots of x and w tiles in shared memory and one mbarrier a slot (initialised)."""
+    """``STAGES`` slots of x and w tiles in shared memory and their ``ready`` mbarriers (initialised)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -66,14 +69,6 @@ def store_tile(value, out_desc, out_smem, bias_ptr, off_m, off_n, N, HAS_BIAS: g
 
 
 @gluon.jit
-def release_ring(bars, STAGES: gl.constexpr):
-    """At the program's end: its last output stores done, the ring's mbarriers invalidated."""
-    tma.store_wait(pendings=0)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-
-
-@gluon.jit
 def program_work(BM: gl.constexpr, BN: gl.constexpr, M, N, STEPS: gl.constexpr):
     """The persistent program's work: ``(pid, nprog, num_pid_m, num_tiles, total steps)``; its tiles are
     ``range(pid, num_tiles, nprog)``, M fastest."""
@@ -82,25 +77,6 @@ def program_work(BM: gl.constexpr, BN: gl.constexpr, M, N, STEPS: gl.constexpr):
     num_pid_m = gl.cdiv(M, BM)
     num_tiles = num_pid_m * gl.cdiv(N, BN)
     return pid, nprog, num_pid_m, num_tiles, gl.cdiv(num_tiles - pid, nprog) * STEPS
-
-
-@gluon.jit
-def start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, STEPS: gl.constexpr, STAGES: gl.constexpr,
-                  AHEAD: gl.constexpr):
-    """:func:`program_work`, with the loads of the program's first ``AHEAD`` steps issued."""
-    pid, nprog, num_pid_m, num_tiles, total = program_work(a_desc.block_type.shape[0], b_desc.block_type.shape[0],
-                                                           M, N, STEPS)
-    for i in gl.static_range(AHEAD):
-        issue_loads(i, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
-    return pid, nprog, num_pid_m, num_tiles, total
-
-
-# ---------------------------------------------------------------------------------- warp-specialised programs
-# A producer partition (one warp) runs the ring: it refills slot ``c % STAGES`` with step ``c``'s operands once every
-# consumer partition has released the step that slot held before (``empty``: one arrival a consumer), and the loads
-# complete ``ready``.  The consumers (warp groups) wait for ``ready``, run their tensor-core chains, and release.
-# Nothing else synchronises them: a consumer's segment / group boundary (a drained chain, a combine) runs while
-# another's ``wgmma`` chain keeps the tensor cores busy.
 
 
 @gluon.jit
@@ -120,7 +96,7 @@ def ring_producer(a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, STEPS: gl.
     for c in range(total):
         # a fresh barrier is in phase 0, so the first pass over the ring waits for nothing (parity 1)
         mbarrier.wait(empty.index(c % STAGES), ((c // STAGES) & 1) ^ 1)
-        issue_loads(c, total, a_desc, b_desc, ready, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+        issue_loads(c, a_desc, b_desc, ready, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
 
 
 @gluon.jit

@@ -1,13 +1,14 @@
-"""A candidate for the row-parallel K-segment tree at large M, written in Gluon (Triton 3.6's explicit-layout dialect).
+"""A candidate for the row-parallel K-segment tree at large M, written in Gluon (Triton 3.6's explicit-layout dialect),
+warp-specialised.
 
 Why (docs/benchmarks.md, "Row-parallel K-segment tree"): at M >= 1024 the committed tree kernel
 (``kernels/triton/segment_tree.py``) runs at 0.53-0.87 of cuBLAS where the pre-tree GEMM runs at 0.9-1.0, and ten
 sessions of schedules in ``triton.language`` did not close it: each segment restarts the software pipeline (its loads
-drain and refill) and the partials of the tree cost registers.  Gluon exposes what ``tl`` hides: here ONE ring of TMA
-loads runs through all segments and all tiles of a persistent program (a load is issued ``STAGES - 1`` steps ahead,
-across segment and tile boundaries), the tensor-core chain of a segment runs asynchronously (one ``wgmma`` in flight
-while the next step's load is issued), and the tree's partials sit in two float32 tiles of shared memory and, for the
-last segment but one, in registers, so a segment boundary costs one wait and one combine, not a pipeline restart.
+drain and refill) and the partials of the tree cost registers.  Here a producer warp runs ONE ring of TMA loads
+through all segments and all tiles of a persistent program, and two consumer warp groups take a tile's upper and lower
+64 rows; each issues a segment's first ``wgmma`` (into fresh registers) before it waits for the previous segment's
+chain and puts it on the tree, and the two meet only at the ring's slots, so one group's tile end (drain, tree top,
+store) runs while the other's chain keeps the tensor cores busy.
 
 Numerics (the tree kernel's contract, so the bits must equal ``segment_tree.segment_tree_gemm``): segment ``s`` is the
 ``wgmma`` chain over its ``K_seg`` columns in K order, from nothing (``use_acc=False`` on its first step) -- the tensor
@@ -15,14 +16,11 @@ core's own k16 steps in K order, independent of BM / BN / BK; the segment partia
 ``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))`` in float32 (fewer segments: the same tree's left part); then
 ``+ bias`` in float32 and one rounding to the output dtype (float32 output: the subtree, for a tensor-parallel rank).
 
-Schedules (:data:`SCHEDULES`): ``smem`` and ``regs`` (session 20; 0.51-0.61 of cuBLAS in session 21, below the
-committed tree's 0.68-0.84); ``ws`` (session 22), warp-specialised: a producer warp runs the ring, two consumer warp
-groups take a tile's upper and lower 64 rows, each hides its segment boundaries behind its next segment's first
-``wgmma``, and the two meet only at the ring's slots, so one group's tile end (drain, tree top, store) runs while the
-other's chain keeps the tensor cores busy -- the structure the session-21 measurements pointed to (session 22:
-0.70 of cuBLAS on the 8B o_proj, +4 % over the committed tree, but 0.70-0.74 on down, -11-13 %); ``ws deep``
-(session 22, not measured yet): ``ws`` with the first quad's tile in a float32 slot in global memory, so a 5-stage
-ring instead of 3 for down's long segments.
+Schedules (:data:`SCHEDULES`): ``ws`` -- the tree's pair and first quad in shared memory, a 3-stage ring (session 22:
+0.70 of cuBLAS on the 8B o_proj at M = 1024 / 4096, +4 % over the committed tree, but 0.70-0.74 on down, -11-13 %;
+session 20's single-issuer schedules ``smem`` / ``regs``, 0.50-0.61, were removed as slower everywhere); ``ws deep``
+(not measured yet) -- the first quad's tile in a float32 slot in global memory, so a 5-stage ring for down's long
+segments.
 
 Status: a candidate, not used by the package.  Compiled for sm_90a without a GPU (``--offline``: registers, spills,
 shared memory); its bits and speed are measured by ``bench_gpu_row_parallel.py --gluon`` on the H200 (bits against the
@@ -44,153 +42,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gluon_ring import (descriptor, issue_loads, operand_ring, program_work, release_barriers,  # noqa: E402
-                        release_ring, release_slot, ring_producer, start_program, store_tile)
+from gluon_ring import (descriptor, operand_ring, program_work, release_barriers, release_slot,  # noqa: E402
+                        ring_producer, store_tile)
 
 # registers a thread of the warp-specialised schedule's consumer warp groups (three 64 x 128 float32 tiles live: the
 # running chain, the next segment's first step, the tree's lowest level) and of its producer warp
 WS_CONSUMER_REGS: gl.constexpr = gl.constexpr(240)
 WS_PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
-
-
-@gluon.jit
-def _chain(acc, g, ks0, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m,
-           SEG_STEPS: gl.constexpr, STEPS: gl.constexpr, STAGES: gl.constexpr):
-    """K steps ``ks0 .. SEG_STEPS - 1`` of a segment's chain on ``acc`` (step 0 from nothing), one ``wgmma`` in flight:
-    each step waits for its loads, and once the step before it has finished, issues the loads ``STAGES - 1`` steps
-    ahead into that step's slot.  Returns the chain (its last ``wgmma`` may still run) and the next global step."""
-    for ks in range(ks0, SEG_STEPS):
-        slot = g % STAGES
-        mbarrier.wait(bars.index(slot), (g // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc, use_acc=ks > 0, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        issue_loads(g + STAGES - 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
-        g += 1
-    return acc, g
-
-
-@gluon.jit
-def _tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
-                 SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 num_warps: gl.constexpr):
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BN, 16])
-    # 32-byte vectors XOR-swizzled by row: the accumulator's fragments (a quad of lanes = 32 bytes of one row, eight
-    # rows a warp) reach the tile without bank conflicts (asserted below; unswizzled: 3 excess accesses a wavefront)
-    level_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
-    a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
-    levels = gl.allocate_shared_memory(gl.float32, [2, BM, BN], level_layout)  # the tree's partials A and B
-
-    pid, nprog, num_pid_m, num_tiles, total = start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, STEPS, STAGES,
-                                                            STAGES - 1)
-
-    acc = gl.zeros((BM, BN), gl.float32, acc_layout)
-    gl.static_assert(gl.bank_conflicts(acc.type, levels.index(0).type) == 0)
-    g = 0
-    for tile in range(pid, num_tiles, nprog):
-        off_m = (tile % num_pid_m) * BM
-        off_n = (tile // num_pid_m) * BN
-        held = acc  # segment 6's partial while segment 7 runs (a name until then: nothing is kept)
-        for seg in gl.static_range(SEGMENTS):
-            acc, g = _chain(acc, g, 0, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, SEG_STEPS,
-                            STEPS, STAGES)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            # the tree of neighbours with two float32 tiles of shared memory (A, B) and one of registers:
-            # s0 -> A; A + s1 -> B; s2 -> A; B + (A + s3) -> B; s4 -> A; A + s5 -> A; s6 -> registers;
-            # B + (A + (s6 + s7)) -- ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), at most two tiles in
-            # registers at a time (fewer segments: the tree's left part, ending at segment SEGMENTS - 1)
-            if seg == SEGMENTS - 1:
-                if seg == 0:
-                    total_tile = acc
-                elif seg == 1:
-                    total_tile = levels.index(0).load(acc_layout) + acc
-                elif seg == 3:
-                    total_tile = levels.index(1).load(acc_layout) + (levels.index(0).load(acc_layout) + acc)
-                else:
-                    total_tile = levels.index(1).load(acc_layout) + (levels.index(0).load(acc_layout) + (held + acc))
-            elif seg == 0:
-                tma.store_wait(pendings=0)  # the previous tile's output has left A's memory
-                levels.index(0).store(acc)
-            elif seg == 1:
-                levels.index(1).store(levels.index(0).load(acc_layout) + acc)
-            elif seg == 3:
-                levels.index(1).store(levels.index(1).load(acc_layout) + (levels.index(0).load(acc_layout) + acc))
-            elif seg == 5:
-                levels.index(0).store(levels.index(0).load(acc_layout) + acc)
-            elif seg == 6:
-                held = acc
-            else:  # segments 2 and 4
-                levels.index(0).store(acc)
-        # the output through A's memory (free until the next tile's first segment) and a TMA store
-        if SEGMENTS == 1:
-            tma.store_wait(pendings=0)  # (more segments: waited for before segment 0 wrote A)
-        store_tile(total_tile, out_desc, levels.index(0)._reinterpret(out_desc.dtype, out_desc.block_type.shape,
-                                                                      out_desc.layout), bias_ptr, off_m, off_n, N, HAS_BIAS)
-    release_ring(bars, STAGES)
-
-
-@gluon.jit
-def _register_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, M, N,
-                          SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr,
-                          HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):
-    """The tree with its partials in registers (128 x 64 tiles: 32 registers a float32 tile; the first quad's value
-    in shared memory while segments 4-7 run), and each segment boundary hidden: the next segment's first ``wgmma`` is
-    issued (into a fresh accumulator) before the previous segment's chain is waited for and added to the tree; a deep
-    operand ring (7 x 24 KB)."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BN: gl.constexpr = b_desc.block_type.shape[0]
-    STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                         instr_shape=[16, BN, 16])
-    a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
-    out_smem = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-    # the first quad's value waits out segments 4-7 in shared memory (in registers it made the 8-segment tree spill)
-    top_smem = gl.allocate_shared_memory(gl.float32, [BM, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
-
-    pid, nprog, num_pid_m, num_tiles, total = start_program(a_desc, b_desc, bars, a_bufs, b_bufs, M, N, STEPS, STAGES,
-                                                            STAGES - 1)
-    acc = gl.zeros((BM, BN), gl.float32, acc_layout)
-    gl.static_assert(gl.bank_conflicts(acc.type, top_smem.type) == 0)
-    g = 0
-    for tile in range(pid, num_tiles, nprog):
-        off_m = (tile % num_pid_m) * BM
-        off_n = (tile // num_pid_m) * BN
-        for seg in gl.static_range(SEGMENTS):
-            slot = g % STAGES
-            mbarrier.wait(bars.index(slot), (g // STAGES) & 1)
-            fresh = gl.zeros((BM, BN), gl.float32, acc_layout)  # registers of its own: the previous chain is still live
-            new = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), fresh, use_acc=False,
-                                is_async=True)
-            if seg == 0:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(new,))
-            else:  # the previous segment's chain is done (the new one runs on): onto the tree while the tensor cores work
-                prev, acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, new))
-                if (seg - 1) % 2 == 0:  # level 0: one segment
-                    low = prev
-                elif (seg - 1) % 4 == 1:  # level 1: a pair
-                    mid = low + prev
-                else:  # level 2: the first quad (segment 3)
-                    top_smem.store(mid + (low + prev))
-            issue_loads(g + STAGES - 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS,
-                        STAGES)
-            g += 1
-            acc, g = _chain(acc, g, 1, total, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, SEG_STEPS,
-                            STEPS, STAGES)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if SEGMENTS == 1:
-            total_tile = acc
-        elif SEGMENTS == 2:
-            total_tile = low + acc
-        elif SEGMENTS == 4:
-            total_tile = mid + (low + acc)
-        else:
-            total_tile = top_smem.load(acc_layout) + (mid + (low + acc))
-        tma.store_wait(pendings=0)  # the previous tile's output has left the staging tile
-        store_tile(total_tile, out_desc, out_smem, bias_ptr, off_m, off_n, N, HAS_BIAS)
-    release_ring(bars, STAGES)
 
 
 @gluon.jit
@@ -322,45 +180,41 @@ def _ws_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, top_ptr, M, N,
         mbarrier.invalidate(empty.index(i))
 
 
-# name -> (kernel, (BM, BN, BK), stages, warps of the launch, output block rows, extra constexprs).  "smem": the
-# partials in shared memory, 128 x 128 tiles on 8 warps (a float32 tile is 64 registers a thread), a 3 x 32 KB operand
-# ring next to the two 64 KB partial tiles; "regs": in registers (but the first quad), 128 x 64 tiles, a 7 x 24 KB
-# ring, the segment boundaries hidden behind the next segment's first wgmma; "ws": warp-specialised (4 warps
-# launched, + 4 + 1 in the partitions), 128 x 128 tiles in two 64-row halves, boundaries hidden in each half, a
-# 3 x 32 KB ring next to four 32 KB float32 tiles (two a consumer); "ws deep": the same with the first quad in a
-# float32 slot in global memory (written and read once a tile), so a 5 x 32 KB ring (session 22: "ws" lost on the
-# long segments of the 8B down projection, where prefetch depth counts more than boundaries).  (Without hiding the
-# boundaries the pair could stay in registers, but the offline compile spills 112-512 bytes there.)
-SCHEDULES = {"smem": (_tree_kernel, (128, 128, 64), 3, 8, 128, {}),
-             "regs": (_register_tree_kernel, (128, 64, 64), 7, 8, 128, {}),
-             "ws": (_ws_tree_kernel, (128, 128, 64), 3, 4, 64, {"TOP_IN_GLOBAL": False}),
-             "ws deep": (_ws_tree_kernel, (128, 128, 64), 5, 4, 64, {"TOP_IN_GLOBAL": True})}
+# name -> (stages, extra constexprs) of the warp-specialised kernel (4 warps launched, + 4 + 1 in the partitions;
+# 128 x 128 x 64 steps in two 64-row halves, boundaries hidden in each half): "ws": a 3 x 32 KB ring next to four 32 KB
+# float32 tiles (a consumer's pair and first quad); "ws deep": the first quad in a float32 slot in global memory
+# (written and read once a tile), so a 5 x 32 KB ring (session 22: "ws" lost on the long segments of the 8B down
+# projection, where prefetch depth counts more than boundaries).  (Without hiding the boundaries the pair could stay
+# in registers, but the offline compile spills 112-512 bytes there.)
+SCHEDULES = {"ws": (3, {"TOP_IN_GLOBAL": False}), "ws deep": (5, {"TOP_IN_GLOBAL": True})}
+TILE = (128, 128, 64)  # BM, BN, BK
+WARPS = 4
+OUT_ROWS = TILE[0] // 2
 
 
-def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tile, out_rows: int):
-    """TMA descriptors of ``x [M, K]`` (blocks BM x BK), ``w [N, K]`` (BN x BK) and ``out [M, N]`` (out_rows x BN)."""
-    bm, bn, bk = tile
-    return descriptor(x, [bm, bk]), descriptor(w, [bn, bk]), descriptor(out, [out_rows, bn])
+def descriptors(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor):
+    """TMA descriptors of ``x [M, K]`` (blocks BM x BK), ``w [N, K]`` (BN x BK) and ``out [M, N]`` (BM / 2 x BN)."""
+    bm, bn, bk = TILE
+    return descriptor(x, [bm, bk]), descriptor(w, [bn, bk]), descriptor(out, [OUT_ROWS, bn])
 
 
 def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
-                       out_dtype: torch.dtype | None = None, schedule: str = "smem") -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None, schedule: str = "ws") -> torch.Tensor:
     """``x [M, K] @ w [N, K]^T`` as the K-segment tree (module docstring), on CUDA, by one of :data:`SCHEDULES`: one
     persistent program an SM."""
-    kernel, (bm, bn, bk), stages, warps, out_rows, extra = SCHEDULES[schedule]
+    stages, extra = SCHEDULES[schedule]
+    bm, bn, bk = TILE
     m, k = x.shape
     n = w.shape[0]
     if k % segments or (k // segments) % bk:
         raise ValueError(f"K = {k} in {segments} segments of whole {bk}-column steps: not possible")
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    a_desc, b_desc, out_desc = descriptors(x, w, out, (bm, bn, bk), out_rows)
     grid = min(torch.cuda.get_device_properties(x.device).multi_processor_count, triton.cdiv(m, bm) * triton.cdiv(n, bn))
-    args = [a_desc, b_desc, out_desc, bias if bias is not None else out]
-    if "TOP_IN_GLOBAL" in extra:  # the warp-specialised kernel: the first quad's slots (or a placeholder)
-        args.append(torch.empty(grid * bm * bn, dtype=torch.float32, device=x.device) if extra["TOP_IN_GLOBAL"]
-                    else out)
-    kernel[(grid,)](*args, m, n, SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages,
-                    HAS_BIAS=bias is not None, num_warps=warps, **extra)
+    # the first quad's slots in global memory (or, in shared memory, a placeholder)
+    top = torch.empty(grid * bm * bn, dtype=torch.float32, device=x.device) if extra["TOP_IN_GLOBAL"] else out
+    _ws_tree_kernel[(grid,)](*descriptors(x, w, out), bias if bias is not None else out, top, m, n,
+                             SEGMENTS=segments, SEG_STEPS=k // segments // bk, STAGES=stages,
+                             HAS_BIAS=bias is not None, num_warps=WARPS, **extra)
     return out
 
 
@@ -371,24 +225,22 @@ def offline_jobs():
     from triton.runtime.jit import mangle_type
 
     jobs = []
-    for schedule, (kernel, tile, stages, warps, out_rows, extra) in SCHEDULES.items():
+    for schedule, (stages, extra) in SCHEDULES.items():
         for n, k in ((4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)):
             for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32), (2, torch.float32), (1, torch.float32)):
                 k_local = k * segments // 8
                 x = torch.zeros(4096, k_local, dtype=torch.bfloat16)
                 w = torch.zeros(n, k_local, dtype=torch.bfloat16)
                 out = torch.zeros(4096, n, dtype=out_dtype)
-                a_desc, b_desc, out_desc = descriptors(x, w, out, tile, out_rows)
+                a_desc, b_desc, out_desc = descriptors(x, w, out)
                 sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
-                       "bias_ptr": mangle_type(out)}
-                if "TOP_IN_GLOBAL" in extra:
-                    sig["top_ptr"] = "*fp32"
-                sig.update({"M": "i32", "N": "i32"})
-                const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // tile[2], "STAGES": stages,
-                         "HAS_BIAS": segments == 8 and n == 2048, "num_warps": warps, **extra}  # a bias: the 1B shapes
+                       "bias_ptr": mangle_type(out), "top_ptr": "*fp32" if extra["TOP_IN_GLOBAL"] else mangle_type(out),
+                       "M": "i32", "N": "i32"}
+                const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // TILE[2], "STAGES": stages,
+                         "HAS_BIAS": segments == 8 and n == 2048, "num_warps": WARPS, **extra}  # a bias: the 1B shapes
                 sig.update({name: "constexpr" for name in const})
                 jobs.append((f"{schedule} N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}"
-                             + (" bias" if const["HAS_BIAS"] else ""), kernel, sig, const))
+                             + (" bias" if const["HAS_BIAS"] else ""), _ws_tree_kernel, sig, const))
     return jobs
 
 

@@ -444,10 +444,8 @@ def sweep_fp8(args, deadline, log):
             from gluon_fp8_gemm import gluon_fp8_gemm
 
             split = tf8.fp8_config(n, k)["SPLIT_GROUPS"]
-            for cname, block_rows, schedule in (("gluon candidate", 128, "pipelined"),
-                                                ("gluon candidate column scales", 0, "pipelined"),
-                                                ("gluon warp-specialised", 128, "ws"),
-                                                ("gluon warp-specialised regs", 128, "ws regs")):
+            for cname, block_rows, schedule in (("gluon ws", 128, "ws"), ("gluon ws column scales", 0, "ws"),
+                                                ("gluon ws regs", 128, "ws regs")):
                 runners.append((cname, None, lambda xq_, xs_, q, r, dt, br=block_rows, sch=schedule: gluon_fp8_gemm(
                     xq_, xs_, q, r, None, dt, split, w_block_rows=br, schedule=sch)))
         for cname, cfg, run in runners:
