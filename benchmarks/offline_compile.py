@@ -68,7 +68,7 @@ def launch_key(kernel, args, kw) -> tuple[dict, dict, dict, int, int]:
         if aligned and name not in kernel.do_not_specialize:
             attrs[str(i)] = [["tt.divisibility", 16]]
     for k, v in kw.items():
-        if k not in ("num_warps", "num_stages"):
+        if k not in ("num_warps", "num_stages", "enable_fp_fusion"):  # (the fusion option: compiled with the default)
             sig[k], const[k] = "constexpr", v
     return sig, attrs, const, kw["num_warps"], kw.get("num_stages", 1)
 

@@ -156,6 +156,45 @@ def test_ssd_cuda_vs_cpu_and_f64(dtype, c):
     print(f"ssd {dtype}: {float((y == y_cpu).float().mean()):.3f} of the GPU outputs equal the CPU bits")
 
 
+@FEW
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(c=ssd_cases(), data=st.data())
+def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
+    """``MC_SSD_OUTPUTS=triton``'s kernel (kernels/triton/ssd_outputs.py) against the torch evaluation of the same
+    contract on the same GPU, bitwise: whole scans, a replay's positions only, one batch row alone."""
+    from megatron_consistent.kernels import ssd
+    from megatron_consistent.kernels.triton.ssd_outputs import ssd_outputs
+
+    inp = _dev(ssd_inputs(c, dtype, lead=(2,)))
+    x, dt, A, B, C, D = _args(inp)
+    s0 = inp["S0"] if inp["S0"] is not None else torch.zeros(2, c["nh"], c["hp"], c["ns"], device=DEV)
+    ops = ssd._ssd_chunk_states(x, dt, A, B, C, c["chunk"], s0)[:6]
+    first_out = data.draw(st.integers(0, c["t"] - 1))
+    for start in (0, first_out):
+        ref = ssd._ssd_outputs(*ops, D, start, c["t"], dtype)
+        out = ssd_outputs(*ops, D, start, c["t"], dtype)
+        assert torch.equal(out, ref), f"first_out {start}: {(out != ref).sum().item()} of {out.numel()} differ"
+    alone = ssd_outputs(*ssd._ssd_chunk_states(x[1:], dt[1:], A, B[1:], C[1:], c["chunk"], s0[1:])[:6], D, 0, c["t"], dtype)
+    assert torch.equal(alone, ssd_outputs(*ops, D, 0, c["t"], dtype)[1:])
+
+
+@pytest.mark.parametrize("nh,hp,ng,ns,chunk", [(128, 64, 8, 128, 128), (80, 64, 1, 128, 256)])
+def test_ssd_triton_outputs_at_real_widths(nh, hp, ng, ns, chunk):
+    """Nemotron-H 8B's and Mamba-2 2.7B's mixer widths (the launches of benchmarks/offline_compile_ssd.py): a prefill
+    with a partial last chunk and a decode replay's last position, bitwise the torch evaluation."""
+    from megatron_consistent.kernels import ssd
+    from megatron_consistent.kernels.triton.ssd_outputs import ssd_outputs
+
+    c = dict(seed=nh + chunk, t=chunk + 37, nh=nh, ng=ng, hp=hp, ns=ns, chunk=chunk, with_state=True)
+    inp = _dev(ssd_inputs(c, BF16))
+    x, dt, A, B, C, D = _args(inp)
+    ops = ssd._ssd_chunk_states(x[None], dt[None], A, B[None], C[None], chunk, inp["S0"][None])[:6]
+    for start in (0, c["t"] - 1):
+        ref = ssd._ssd_outputs(*ops, D, start, c["t"], BF16)
+        out = ssd_outputs(*ops, D, start, c["t"], BF16)
+        assert torch.equal(out, ref), f"first_out {start}: {(out != ref).sum().item()} of {out.numel()} differ"
+
+
 def _ssd_term_magnitudes(inp, gy, gs, boundary) -> dict:
     """Per element, the sum of the magnitudes of the terms of grad x, B, C, D, S0 (as tests/test_ssm_kernels.py)."""
     names = ("x", "B", "C", "D", "S0")

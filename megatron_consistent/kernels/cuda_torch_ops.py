@@ -17,19 +17,40 @@ whole or token by token.  Reference speed, not a tuned kernel (the SSD scan mate
 (CUDA's float64 ``exp`` / ``floor`` / division need not round like the CPU's); tests compare
 them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float32 recompute
 (cumsum / einsum; correct, not batch-invariant), as on the CPU.
+
+``MC_SSD_OUTPUTS=triton`` evaluates the SSD scan's outputs (contract steps 2-4, the bulk of its work) by the fused
+Triton kernel :mod:`.triton.ssd_outputs` instead: the same IEEE operations in the same order, so the same bits as the
+torch evaluation (checked bitwise in Triton's interpreter on the CPU; on the GPU by tests/test_gpu_ssm.py), not yet
+the default because that GPU check and its speed (``benchmarks/bench_gpu_ssd.py``) have not run on a GPU.  Set it
+for the trainer and the engine alike (an environment variable both inherit).
 """
 
 from __future__ import annotations
+
+import os
 
 from .causal_conv1d import _causal_conv1d_cpu
 from .dispatch import register
 from .gated_rms_norm import _gated_rms_norm_cpu
 from .relu_squared import _relu_squared_cpu
-from .ssd import _mamba_dt_cpu, _ssd_cpu
+from .ssd import _mamba_dt_cpu, _ssd_cpu, ssd_scan_by
+
+
+def _ssd_scan():
+    """The ``ssd_scan`` implementation that ``MC_SSD_OUTPUTS`` names (module docstring)."""
+    choice = os.environ.get("MC_SSD_OUTPUTS", "torch")
+    if choice == "torch":
+        return _ssd_cpu
+    if choice == "triton":
+        from .triton.ssd_outputs import ssd_outputs
+
+        return ssd_scan_by(ssd_outputs)
+    raise ValueError(f"MC_SSD_OUTPUTS={choice!r}: expected 'torch' or 'triton'")
+
 
 OPS = {
     "mamba_dt": _mamba_dt_cpu,
-    "ssd_scan": _ssd_cpu,
+    "ssd_scan": _ssd_scan(),
     "causal_conv1d": _causal_conv1d_cpu,
     "gated_rms_norm": _gated_rms_norm_cpu,
     "relu_squared": _relu_squared_cpu,

@@ -165,11 +165,13 @@ def _chunked(v, n_chunks: int, L: int):
     return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
 
 
-def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
-    """Contract forward. Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32.
+def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state):
+    """Contract steps 1 and 5.  Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32.
 
-    Returns (y [b, T - first_out, H, P] in x.dtype, state after the last complete chunk).
-    Work tensors put the reduced axis first (speed only: every element is computed by the same ops).
+    Returns the chunked float32 operands ``xc [b,c,L,H,P]``, ``dtc [b,c,L,H]``, ``bc`` / ``cc [b,c,L,G,N]`` (zero rows
+    past T), the prefix sums ``cum [b,c,L,H]``, the states at the chunk starts ``[N,b,k+1,H,P]`` (``k`` complete
+    chunks: the last entry is the state after them) and that last state again as ``[b,H,P,N]``.  Work tensors put
+    the reduced axis first (speed only: every element is computed by the same ops).
     """
     bsz, t_len, nh, hp = x.shape
     ng, ns = B.shape[-2:]
@@ -183,7 +185,6 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         return _chunked(v.to(torch.float32), n_chunks, L)
 
     xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(B), chunks(C)   # [b,c,L,...]
-    d32 = D.to(torch.float32)
     cum = _prefix_sum(dtc * A.to(torch.float32), dim=2)              # [b,c,L,H]
 
     # 5. states at chunk boundaries: per-chunk contributions in blocks of chunks, then the
@@ -206,10 +207,17 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         for j in range(contrib.shape[2]):
             s = decay[None, :, j, :, None] * s + contrib[:, :, j]
             states.append(s)
-    boundary = s.permute(1, 2, 3, 0).contiguous()
+    return xc, dtc, bc, cc, cum, torch.stack(states, dim=2), s.permute(1, 2, 3, 0).contiguous()
 
-    # 2-4. outputs for positions first_out..T-1, in blocks of positions
-    all_states = torch.stack(states, dim=2)                           # [N,b,c+1,H,P]
+
+def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, first_out: int, t_len: int, out_dtype):
+    """Contract steps 2-4 for positions ``first_out .. t_len - 1`` from :func:`_ssd_chunk_states`' tensors, in blocks
+    of positions; ``y [b, t_len - first_out, H, P]`` in ``out_dtype``."""
+    bsz, _, L, nh, hp = xc.shape
+    ng, ns = bc.shape[-2:]
+    dev = xc.device
+    heads = torch.arange(nh, device=dev) // (nh // ng)
+    d32 = D.to(torch.float32)
     ys = []
     per_pos = nh * hp * max(L, ns) + L * ng * ns                    # largest work tensors per position
     block = max(1, _WORK_ELEMENTS // (bsz * per_pos))
@@ -228,11 +236,22 @@ def _ssd_cpu(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         intra = _tree_sum0(w.permute(2, 0, 1, 3)[..., None] * xc[:, ci].permute(2, 0, 1, 3, 4).contiguous())  # [b,o,H,P]
         inter = _tree_sum0(c_t[..., heads][..., None] * all_states[:, :, ci]) * e[:, :, L, :, None]
         x_t = xc[:, ci, ri]                                           # [b,o,H,P]
-        ys.append(((intra + inter) + d32[:, None] * x_t).to(x.dtype))
-    y = torch.cat(ys, dim=1) if ys else x.new_zeros(bsz, 0, nh, hp)
-    return y, boundary
+        ys.append(((intra + inter) + d32[:, None] * x_t).to(out_dtype))
+    return torch.cat(ys, dim=1) if ys else xc.new_zeros(bsz, 0, nh, hp, dtype=out_dtype)
 
 
+def ssd_scan_by(outputs):
+    """The contract forward (``ssd_scan``'s signature) with steps 2-4 evaluated by ``outputs`` (:func:`_ssd_outputs`'
+    signature): returns ``(y [b, T - first_out, H, P] in x.dtype, state after the last complete chunk)``."""
+
+    def scan(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
+        xc, dtc, bc, cc, cum, all_states, boundary = _ssd_chunk_states(x, dt, A, B, C, chunk_size, state)
+        return outputs(xc, dtc, bc, cc, cum, all_states, D, first_out, x.shape[1], x.dtype), boundary
+
+    return scan
+
+
+_ssd_cpu = ssd_scan_by(_ssd_outputs)
 register("ssd_scan", "cpu")(_ssd_cpu)
 
 

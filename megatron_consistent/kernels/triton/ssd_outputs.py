@@ -1,0 +1,142 @@
+"""Mamba-2 SSD outputs on CUDA (Triton): steps 2-4 of :mod:`megatron_consistent.kernels.ssd`'s contract, fused.
+
+One program a (sequence position, head) evaluates, from the chunked float32 operands and the states at chunk
+boundaries that :func:`kernels.ssd._ssd_chunk_states` computed (step 1, the prefix sums ``cum``, and step 5, the
+states, stay torch ops), exactly the contract's expressions for ``y_t``:
+
+* ``cb[s] = tree_N(C_t[n] * B_s[n])`` for every row ``s`` of ``t``'s chunk (the chunk's zero-padded rows included);
+* ``seg[s] = cum_t - cum_s`` for ``s <= t`` else ``+0``; ``e = exp(seg)``, ``e_L = exp(cum_t)`` by the contract's
+  float64 ``exp`` (:func:`numerics.exp`: clamp, range reduction, Horner order, one rounding);
+* ``w[s] = (cb[s] * e[s]) * dt_s`` for ``s <= t`` else ``+0``; ``intra[p] = tree_L(w[s] * x_s[p])``;
+* ``inter[p] = tree_N(C_t[n] * S_c[n, p]) * e_L``; ``y_t[p] = round((intra + inter) + D * x_t[p])``.
+
+Every tree is :func:`numerics.tree_sum`'s (zero-padded to a power of two, element ``i`` paired with ``i + n/2``,
+level by level): the halves of a register tile are split apart (``reshape`` / ``permute`` / ``split``) and added.
+Each operation is a separate IEEE operation (the launch disables Triton's mul-add fusion), so a row's bits are those
+of the torch evaluation on the same device -- Triton's interpreter on CPU tensors gives ``_ssd_cpu``'s bits
+(tests/test_triton_interpret_ssd.py) -- and, as there, depend on nothing but ``t``'s chunk up to ``t`` and the
+state at its start: not on the batch, on ``T`` or on how the sequence reached the kernel (prefill, chunked prefill,
+decode replay).  Work per position: ``L x N + L x P + N x P`` products in registers, where the torch evaluation
+materialises them in memory, a few kernels per position block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..numerics import EXP_COEFFS, LN2, LOG2E
+
+_EXP_C: tl.constexpr = tl.constexpr(tuple(EXP_COEFFS))
+_EXP_DEGREE: tl.constexpr = tl.constexpr(len(EXP_COEFFS) - 1)
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)
+_LN2: tl.constexpr = tl.constexpr(LN2)
+_MAX_LEVELS: tl.constexpr = tl.constexpr(16)  # trees over up to 2**16 elements
+
+
+def launch_warps(bl: int, bn: int) -> int:
+    """Warps of a program whose largest tile is ``bl x bn`` (chunk rows x state size): from the offline sm_90a compile
+    (``benchmarks/offline_compile_ssd.py``), the fewest with no spills -- 128 x 128 spills 88 bytes on 8 warps, none
+    on 16; 256 x 128 none on 8 (its trees go through shared memory), 312 bytes on 16.  Scheduling only: the bits do
+    not depend on it."""
+    if bl * bn <= 4096:
+        return 4
+    return 16 if bl * bn <= 16384 else 8
+
+
+@triton.jit
+def _exp(x):
+    """float32 ``exp`` by :func:`numerics.exp`'s arithmetic: float64 clamp to [-110, 90], ``n = floor(x log2 e + 0.5)``,
+    ``r = x - n ln 2``, Horner (highest degree first, a multiply then an add), times ``2**n`` (exponent bits), one
+    rounding to float32; NaN stays NaN."""
+    xd = tl.minimum(tl.maximum(x.to(tl.float64), -110.0), 90.0)
+    n = tl.floor(xd * _LOG2E + 0.5)
+    r = xd - n * _LN2
+    p = tl.full(xd.shape, _EXP_C[_EXP_DEGREE], tl.float64)
+    for j in tl.static_range(_EXP_DEGREE):
+        p = p * r
+        p = p + _EXP_C[_EXP_DEGREE - 1 - j]
+    two_n = ((n.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+    y = (p * two_n).to(tl.float32)
+    return tl.where(x != x, x, y)
+
+
+@triton.jit
+def _tree_rows(v, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``tree_sum`` over axis 0 of ``v [ROWS, COLS]`` (ROWS a power of two): row ``i`` + row ``i + ROWS/2``, level by
+    level; returns ``[COLS]``."""
+    for level in tl.static_range(_MAX_LEVELS):
+        if (ROWS >> level) > 1:
+            lo, hi = tl.split(tl.permute(tl.reshape(v, (2, ROWS >> (level + 1), COLS)), (1, 2, 0)))
+            v = lo + hi
+    return tl.reshape(v, (COLS,))
+
+
+@triton.jit
+def _tree_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``tree_sum`` over axis 1 of ``v [ROWS, COLS]`` (COLS a power of two); returns ``[ROWS]``."""
+    for level in tl.static_range(_MAX_LEVELS):
+        if (COLS >> level) > 1:
+            lo, hi = tl.split(tl.permute(tl.reshape(v, (ROWS, 2, COLS >> (level + 1))), (0, 2, 1)))
+            v = lo + hi
+    return tl.reshape(v, (ROWS,))
+
+
+@triton.jit
+def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, n_out, first_out, n_chunks, n_starts, nb, L, H, P, G, N,
+                        HEADS_PER_GROUP, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+    o = tl.program_id(0)  # (sequence, position) of the output
+    h = tl.program_id(1)
+    b = o // n_out
+    t = first_out + o % n_out
+    ci = t // L
+    ri = t % L
+    g = h // HEADS_PER_GROUP
+    s = tl.arange(0, BL)
+    p = tl.arange(0, BP)
+    n = tl.arange(0, BN)
+    s_in, p_in, n_in = s < L, p < P, n < N
+    chunk = (b * n_chunks + ci).to(tl.int64)  # row offsets of [b, c, L, ...] tensors
+    rows = chunk * L + s  # [BL]: the chunk's rows
+
+    cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
+    cum_t = tl.load(CUM + (chunk * L + ri) * H + h)
+    dt_s = tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
+    c_t = tl.load(CC + ((chunk * L + ri) * G + g) * N + n, mask=n_in, other=0.0)  # [BN]
+    b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
+    cb = _tree_cols(c_t[None, :] * b_sn, BL, BN)  # [BL]
+
+    causal = s <= ri
+    e = _exp(tl.where(causal, cum_t - cum_s, 0.0))
+    w = tl.where(causal, (cb * e) * dt_s, 0.0)
+    x_sp = tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :], other=0.0)
+    intra = _tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
+
+    # states [N, nb, n_starts, H, P]: chunk ci's starting state
+    st = tl.load(STATES + (((n[:, None].to(tl.int64) * nb + b) * n_starts + ci) * H + h) * P + p[None, :],
+                 mask=n_in[:, None] & p_in[None, :], other=0.0)
+    inter = _tree_rows(c_t[:, None] * st, BN, BP) * _exp(cum_t)
+    x_t = tl.load(XC + ((chunk * L + ri) * H + h) * P + p, mask=p_in, other=0.0)
+    y = (intra + inter) + tl.load(D + h) * x_t
+    tl.store(Y + (o.to(tl.int64) * H + h) * P + p, y.to(Y.dtype.element_ty), mask=p_in)
+
+
+def ssd_outputs(xc, dtc, bc, cc, cum, states, D, first_out: int, t_len: int, out_dtype) -> torch.Tensor:
+    """``y [b, t_len - first_out, H, P]`` (``out_dtype``) of the positions ``first_out .. t_len - 1`` from the chunked
+    float32 operands ``xc [b, c, L, H, P]``, ``dtc`` / ``cum [b, c, L, H]``, ``bc`` / ``cc [b, c, L, G, N]``, the
+    states at the chunk starts ``states [N, b, starts, H, P]`` (a state for every chunk start, and one after the last
+    chunk when it is complete) and ``D [H]`` (module docstring)."""
+    nb, n_chunks, L, H, P = xc.shape
+    G, N = bc.shape[-2:]
+    n_out = t_len - first_out
+    y = torch.empty(nb, n_out, H, P, dtype=out_dtype, device=xc.device)
+    if n_out == 0 or nb == 0:
+        return y
+    ops = [v.contiguous() for v in (xc, dtc, bc, cc, cum, states)]
+    bl, bn = triton.next_power_of_2(L), triton.next_power_of_2(N)
+    _ssd_outputs_kernel[(nb * n_out, H)](*ops, D.to(torch.float32).contiguous(), y, n_out, first_out, n_chunks,
+                                         states.shape[2], nb, L, H, P, G, N, H // G, BL=bl,
+                                         BP=triton.next_power_of_2(P), BN=bn, num_warps=launch_warps(bl, bn),
+                                         enable_fp_fusion=False)
+    return y

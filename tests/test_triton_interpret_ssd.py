@@ -1,0 +1,90 @@
+"""The CUDA SSD outputs kernel (``kernels/triton/ssd_outputs.py``) in Triton's interpreter (CPU tensors): the bits of
+the contract's torch evaluation (``kernels/ssd.py``'s ``_ssd_outputs``).
+
+Runs only with ``TRITON_INTERPRET=1`` and Triton importable, like the other ``test_triton_interpret_*`` files.  The
+interpreter runs each Triton operation as one numpy operation, IEEE like torch's CPU elementwise ops, so the kernel
+must give ``_ssd_cpu``'s bits exactly: its trees must pair as ``numerics.tree_sum`` does, its ``exp`` must be
+``numerics.exp``'s arithmetic, its masks and zero padding (chunk rows past T, head dims and state sizes that are not
+powers of two, chunk sizes that are not) must match.  The interpreter rounds float32 to bfloat16 by truncation where
+torch rounds to nearest, so the bf16 cases compare the float32 outputs of bf16 operands; on the GPU the kernel is
+launched without mul-add fusion (``enable_fp_fusion=False``) for the same reason torch's separate kernels have none.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
+pytest.importorskip("triton")
+
+from megatron_consistent.kernels import ssd
+from megatron_consistent.kernels.triton import ssd_outputs as tssd
+
+
+def _inputs(seed, bsz, t_len, nh, hp, ng, ns, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(bsz, t_len, nh, hp, generator=g).to(dtype)
+    dt = torch.rand(bsz, t_len, nh, generator=g) * 0.5 + 0.01
+    a = -torch.rand(nh, generator=g) * 2 - 0.1
+    b = torch.randn(bsz, t_len, ng, ns, generator=g).to(dtype)
+    c = torch.randn(bsz, t_len, ng, ns, generator=g).to(dtype)
+    d = torch.randn(nh, generator=g)
+    state = torch.randn(bsz, nh, hp, ns, generator=g) * 0.5
+    return x, dt, a, b, c, d, state
+
+
+# (T, chunk, H, P, G, N): partial last chunks, one position, non-power-of-two chunk / head dim / state size
+SHAPES = [(13, 8, 4, 4, 2, 8), (16, 8, 2, 8, 1, 16), (1, 4, 2, 4, 2, 4), (11, 6, 3, 6, 3, 5), (20, 16, 4, 2, 2, 8)]
+
+
+@pytest.mark.parametrize("t_len,chunk,nh,hp,ng,ns", SHAPES)
+def test_scan_equals_the_torch_contract(t_len, chunk, nh, hp, ng, ns):
+    x, dt, a, b, c, d, state = _inputs(t_len * 7 + hp, 2, t_len, nh, hp, ng, ns, torch.float32)
+    y_ref, s_ref = ssd._ssd_cpu(x, dt, a, b, c, d, chunk, state, 0)
+    y, s = ssd.ssd_scan_by(tssd.ssd_outputs)(x, dt, a, b, c, d, chunk, state, 0)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(y, y_ref), f"{(y != y_ref).sum().item()} of {y.numel()} outputs differ"
+
+
+@pytest.mark.parametrize("first_out", [0, 5, 12])
+def test_replayed_positions_and_bf16_operands(first_out):
+    """``first_out``: a decode / chunked-prefill replay's positions only (the pending tokens of its chunk are
+    recomputed, not output); bf16 operands, float32 outputs (see the module docstring)."""
+    x, dt, a, b, c, d, state = _inputs(first_out, 3, 13, 4, 4, 2, 8, torch.bfloat16)
+    ops = ssd._ssd_chunk_states(x, dt, a, b, c, 8, state)[:6]
+    ref = ssd._ssd_outputs(*ops, d, first_out, 13, torch.float32)
+    out = tssd.ssd_outputs(*ops, d, first_out, 13, torch.float32)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} outputs differ"
+
+
+def test_a_row_alone_equals_the_row_in_a_batch():
+    x, dt, a, b, c, d, state = _inputs(3, 4, 13, 4, 4, 2, 8, torch.float32)
+    scan = ssd.ssd_scan_by(tssd.ssd_outputs)
+    y, _ = scan(x, dt, a, b, c, d, 8, state, 0)
+    for i in (0, 2):
+        alone, _ = scan(x[i:i + 1], dt[i:i + 1], a, b[i:i + 1], c[i:i + 1], d, 8, state[i:i + 1], 0)
+        assert torch.equal(alone, y[i:i + 1])
+
+
+def test_exp_is_the_contract_exp():
+    """The kernel's ``exp`` alone, over the range the SSD feeds it (``cum_t - cum_s <= 0``, ``cum_t``) and beyond
+    (the clamps at -110 / 90, NaN)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(X, Y, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(Y + i, tssd._exp(tl.load(X + i, mask=i < n, other=0.0)), mask=i < n)
+
+    from megatron_consistent.kernels import numerics
+
+    v = torch.cat([torch.linspace(-120, 95, 997), torch.randn(500) * 3, torch.tensor([0.0, -0.0, float("nan")])])
+    out = torch.empty_like(v)
+    _probe[(1,)](v, out, v.numel(), BLOCK=2048)
+    ref = numerics.exp(v)
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
