@@ -1,15 +1,15 @@
-"""The Mamba-2 SSD scan on CUDA: its outputs (contract steps 2-4) by the torch evaluation (the default) against the
-fused Triton kernel (``MC_SSD_OUTPUTS=triton``, ``kernels/triton/ssd_outputs.py``), bitwise and timed in one run.
+"""The Mamba-2 SSD scan on CUDA: the torch evaluation (the default) against the fused Triton kernels
+(``MC_SSD_SCAN=triton``, ``kernels/triton/ssd_scan.py``), bitwise and timed in one run.
 
     python benchmarks/bench_gpu_ssd.py [--out benchmarks/results/ssd_gpu.json]
 
 Cases at Nemotron-H 8B's mixer widths (128 heads x 64, 8 groups, state 128, chunk 128): a prefill of one sequence
 (T = 1024 / 4096) and a decode step of 64 sequences (1 new token after 64 pending tokens of the chunk, so each replays
-65 positions and outputs one).  Per case: the outputs step alone (the part the kernel replaces; the prefix sums and the
-chunk states are torch ops in both) and the whole scan, each ratio = torch time / Triton time; the floor = the bytes
-the outputs step must move at least (its float32 operands read once, its output written once) over the device's
-measured copy bandwidth.  Timing: ``triton.testing.do_bench`` (CUDA
-events, median), the torch path having host loops.
+65 positions and outputs one).  Per case and part -- the outputs (steps 2-4), the chunks' state terms (step 5's
+bulk; prefill only), the whole scan (the prefix sums and the state recurrence are torch ops in both) -- the ratio
+torch time / Triton time, and for the two kernels the HBM floor: the bytes they must move at least (float32 operands
+read once, the result written once) over the device's measured copy bandwidth (their float32 arithmetic is not in
+it).  Timing: ``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_consistent.kernels import ssd  # noqa: E402
-from megatron_consistent.kernels.triton.ssd_outputs import ssd_outputs  # noqa: E402
+from megatron_consistent.kernels.triton.ssd_scan import chunk_contributions, ssd_outputs  # noqa: E402
 
 DEV = torch.device("cuda")
 H, P, G, N, L = 128, 64, 8, 128, 128  # Nemotron-H 8B's mixer
@@ -49,30 +49,40 @@ def inputs(bsz: int, t_len: int, seed: int = 0):
     return [v.to(DEV) for v in (x, dt, a, b, c, d, state)]
 
 
-def floor_bytes(ops, out: torch.Tensor) -> int:
-    """The bytes the outputs step must move at least: each of its float32 operands read once, its output written once
-    (HBM floor; its float32 arithmetic -- L x N + L x P + N x P products and sums a position and head -- is not in it)."""
-    return sum(v.numel() * v.element_size() for v in ops) + out.numel() * out.element_size()
+def floor_bytes(operands, result: torch.Tensor) -> int:
+    """The bytes a kernel must move at least: each operand read once, its result written once."""
+    return sum(v.numel() * v.element_size() for v in operands) + result.numel() * result.element_size()
 
 
 def run_case(name: str, bsz: int, t_len: int, first_out: int, bw: float) -> dict:
     x, dt, a, b, c, d, state = inputs(bsz, t_len)
     ops = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:6]
+    xc, dtc, bc, _, cum = ops[:5]
+    n_complete = t_len // L
     torch_out = ssd._ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)
     triton_out = ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)
-    scan_torch, scan_triton = ssd.ssd_scan_by(ssd._ssd_outputs), ssd.ssd_scan_by(ssd_outputs)
+    scan_triton = ssd.ssd_scan_by(ssd_outputs, chunk_contributions)
+    bits = {"outputs": torch.equal(torch_out, triton_out),
+            "scan": all(torch.equal(u, v) for u, v in zip(ssd._ssd_cpu(x, dt, a, b, c, d, L, state, first_out),
+                                                          scan_triton(x, dt, a, b, c, d, L, state, first_out)))}
     times = {
         "outputs torch": triton.testing.do_bench(lambda: ssd._ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)),
         "outputs triton": triton.testing.do_bench(lambda: ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)),
-        "scan torch": triton.testing.do_bench(lambda: scan_torch(x, dt, a, b, c, d, L, state, first_out)),
+        "scan torch": triton.testing.do_bench(lambda: ssd._ssd_cpu(x, dt, a, b, c, d, L, state, first_out)),
         "scan triton": triton.testing.do_bench(lambda: scan_triton(x, dt, a, b, c, d, L, state, first_out)),
     }
-    floor_ms = floor_bytes(ops, triton_out) / bw * 1e3
-    return {"case": name, "batch": bsz, "T": t_len, "first_out": first_out, "ms": times, "floor_ms": floor_ms,
-            "outputs_speedup": times["outputs torch"] / times["outputs triton"],
-            "scan_speedup": times["scan torch"] / times["scan triton"],
-            "triton_outputs_vs_floor": floor_ms / times["outputs triton"],
-            "bits_equal": torch.equal(torch_out, triton_out)}
+    floors = {"outputs": floor_bytes(ops, triton_out) / bw * 1e3}
+    if n_complete:
+        terms = chunk_contributions(xc, dtc, bc, cum, n_complete)
+        bits["chunk terms"] = torch.equal(terms, ssd._chunk_contributions(xc, dtc, bc, cum, n_complete))
+        times["chunk terms torch"] = triton.testing.do_bench(lambda: ssd._chunk_contributions(xc, dtc, bc, cum,
+                                                                                               n_complete))
+        times["chunk terms triton"] = triton.testing.do_bench(lambda: chunk_contributions(xc, dtc, bc, cum, n_complete))
+        floors["chunk terms"] = floor_bytes((xc, dtc, bc, cum), terms) / bw * 1e3
+    speedups = {part: times[f"{part} torch"] / times[f"{part} triton"] for part in ("outputs", "chunk terms", "scan")
+                if f"{part} torch" in times}
+    return {"case": name, "batch": bsz, "T": t_len, "first_out": first_out, "ms": times, "floor_ms": floors,
+            "speedup": speedups, "bits_equal": bits}
 
 
 def main() -> int:
@@ -87,21 +97,22 @@ def main() -> int:
     for name, bsz, t_len, first_out in cases:
         rows.append(run_case(name, bsz, t_len, first_out, bw))
         r = rows[-1]
-        print(f"{name:22s} outputs: torch {r['ms']['outputs torch']:8.3f} ms  triton {r['ms']['outputs triton']:8.3f} ms"
-              f"  x{r['outputs_speedup']:6.1f}  floor {r['floor_ms']:.3f} ms ({r['triton_outputs_vs_floor']:.2f})"
-              f"  | scan: x{r['scan_speedup']:5.2f}  bits {'equal' if r['bits_equal'] else 'DIFFER'}", flush=True)
-    print("\n| case | outputs torch ms | outputs Triton ms | speedup | floor ms | Triton / floor | scan speedup | bits |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        print(f"{name:22s} " + "  ".join(f"{part}: x{v:.1f}" for part, v in r["speedup"].items())
+              + f"  bits {r['bits_equal']}", flush=True)
+    print("\n| case | part | torch ms | Triton ms | speedup | HBM floor ms | floor / Triton | bits |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
-        print(f"| {r['case']} | {r['ms']['outputs torch']:.3f} | {r['ms']['outputs triton']:.3f} | "
-              f"{r['outputs_speedup']:.1f} | {r['floor_ms']:.3f} | {r['triton_outputs_vs_floor']:.2f} | "
-              f"{r['scan_speedup']:.2f} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
+        for part, v in r["speedup"].items():
+            floor, ours = r["floor_ms"].get(part), r["ms"][part + " triton"]
+            floor_cells = "| |" if floor is None else f"{floor:.3f} | {floor / ours:.2f} |"
+            print(f"| {r['case']} | {part} | {r['ms'][part + ' torch']:.3f} | {ours:.3f} | {v:.1f} | {floor_cells} "
+                  f"{'equal' if r['bits_equal'][part] else 'DIFFER'} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":
                    {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows}, f, indent=1)
     print(f"results: {args.out}")
-    return 0 if all(r["bits_equal"] for r in rows) else 1
+    return 0 if all(all(r["bits_equal"].values()) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Compile the CUDA SSD outputs kernel (``kernels/triton/ssd_outputs.py``) for sm_90a WITHOUT a GPU: errors, registers,
-spills, shared memory.
+"""Compile the CUDA SSD scan kernels (``kernels/triton/ssd_scan.py``: the outputs, the chunks' state terms) for sm_90a
+WITHOUT a GPU: errors, registers, spills, shared memory.
 
     PYTHONPATH=$PWD python benchmarks/offline_compile_ssd.py
 
-The host code runs on CPU tensors with the kernel replaced by a recorder, for the Mamba-2 shapes of the tests and of
+The host code runs on CPU tensors with the kernels replaced by recorders, for the Mamba-2 shapes of the tests and of
 real models (Nemotron-H 8B: 128 heads x 64, 8 groups, state 128, chunk 128; Mamba-2 2.7B: 80 heads x 64, state 128,
 chunk 256), at prefill and at a decode replay; each distinct launch is compiled by :mod:`offline_compile`.  Says
 nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from offline_compile import capture, compile_report, distinct_launches  # noqa: E402
 
 from megatron_consistent.kernels import ssd  # noqa: E402
-from megatron_consistent.kernels.triton import ssd_outputs as tssd  # noqa: E402
+from megatron_consistent.kernels.triton import ssd_scan as tssd  # noqa: E402
 
+KERNELS = ("_ssd_outputs_kernel", "_chunk_contributions_kernel")
 # (name, H, P, G, N, chunk, T, first_out)
 SHAPES = [("tests", 4, 4, 2, 8, 8, 13, 0), ("Nemotron-H 8B prefill", 128, 64, 8, 128, 128, 300, 0),
           ("Nemotron-H 8B decode", 128, 64, 8, 128, 128, 77, 76), ("Mamba-2 2.7B prefill", 80, 64, 1, 128, 256, 300, 0)]
@@ -34,16 +35,16 @@ def record_launches():
         for _, nh, hp, ng, ns, chunk, t_len, first_out in SHAPES:
             x = torch.zeros(1, t_len, nh, hp, dtype=torch.bfloat16)
             b = torch.zeros(1, t_len, ng, ns, dtype=torch.bfloat16)
-            ops = ssd._ssd_chunk_states(x, torch.zeros(1, t_len, nh), torch.zeros(nh), b, b, chunk,
-                                        torch.zeros(1, nh, hp, ns))[:6]
-            tssd.ssd_outputs(*ops, torch.zeros(nh), first_out, t_len, torch.bfloat16)
+            ssd.ssd_scan_by(tssd.ssd_outputs, tssd.chunk_contributions)(
+                x, torch.zeros(1, t_len, nh), torch.zeros(nh), b, b, torch.zeros(nh), chunk, torch.zeros(1, nh, hp, ns),
+                first_out)
 
-    return distinct_launches(capture(tssd, ("_ssd_outputs_kernel",), run), {"_ssd_outputs_kernel": tssd._ssd_outputs_kernel})
+    return distinct_launches(capture(tssd, KERNELS, run), {name: getattr(tssd, name) for name in KERNELS})
 
 
 def main():
-    jobs = [(f"{const} W{warps}", tssd._ssd_outputs_kernel, sig, attrs, const, warps, stages)
-            for _, sig, attrs, const, warps, stages in record_launches()]
+    jobs = [(f"{name} {const} W{warps}", getattr(tssd, name), sig, attrs, const, warps, stages)
+            for name, sig, attrs, const, warps, stages in record_launches()]
     sys.exit(compile_report(jobs))
 
 

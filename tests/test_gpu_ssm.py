@@ -160,10 +160,11 @@ def test_ssd_cuda_vs_cpu_and_f64(dtype, c):
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(c=ssd_cases(), data=st.data())
 def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
-    """``MC_SSD_OUTPUTS=triton``'s kernel (kernels/triton/ssd_outputs.py) against the torch evaluation of the same
-    contract on the same GPU, bitwise: whole scans, a replay's positions only, one batch row alone."""
+    """``MC_SSD_SCAN=triton``'s kernels (kernels/triton/ssd_scan.py) against the torch evaluation of the same
+    contract on the same GPU, bitwise: whole scans, a replay's positions only, one batch row alone, the chunks' state
+    terms."""
     from megatron_consistent.kernels import ssd
-    from megatron_consistent.kernels.triton.ssd_outputs import ssd_outputs
+    from megatron_consistent.kernels.triton.ssd_scan import chunk_contributions, ssd_outputs
 
     inp = _dev(ssd_inputs(c, dtype, lead=(2,)))
     x, dt, A, B, C, D = _args(inp)
@@ -176,14 +177,23 @@ def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
         assert torch.equal(out, ref), f"first_out {start}: {(out != ref).sum().item()} of {out.numel()} differ"
     alone = ssd_outputs(*ssd._ssd_chunk_states(x[1:], dt[1:], A, B[1:], C[1:], c["chunk"], s0[1:])[:6], D, 0, c["t"], dtype)
     assert torch.equal(alone, ssd_outputs(*ops, D, 0, c["t"], dtype)[1:])
+    xc, dtc, bc, _, cum = ops[:5]
+    n_complete = c["t"] // c["chunk"]
+    assert torch.equal(chunk_contributions(xc, dtc, bc, cum, n_complete),
+                       ssd._chunk_contributions(xc, dtc, bc, cum, n_complete))
+    scan = ssd.ssd_scan_by(ssd_outputs, chunk_contributions)
+    y, s = scan(x, dt, A, B, C, D, c["chunk"], s0, 0)
+    y_ref, s_ref = ssd._ssd_cpu(x, dt, A, B, C, D, c["chunk"], s0, 0)
+    assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
 
 
 @pytest.mark.parametrize("nh,hp,ng,ns,chunk", [(128, 64, 8, 128, 128), (80, 64, 1, 128, 256)])
 def test_ssd_triton_outputs_at_real_widths(nh, hp, ng, ns, chunk):
     """Nemotron-H 8B's and Mamba-2 2.7B's mixer widths (the launches of benchmarks/offline_compile_ssd.py): a prefill
-    with a partial last chunk and a decode replay's last position, bitwise the torch evaluation."""
+    with a partial last chunk and a decode replay's last position, and the complete chunk's state terms, bitwise the
+    torch evaluation."""
     from megatron_consistent.kernels import ssd
-    from megatron_consistent.kernels.triton.ssd_outputs import ssd_outputs
+    from megatron_consistent.kernels.triton.ssd_scan import chunk_contributions, ssd_outputs
 
     c = dict(seed=nh + chunk, t=chunk + 37, nh=nh, ng=ng, hp=hp, ns=ns, chunk=chunk, with_state=True)
     inp = _dev(ssd_inputs(c, BF16))
@@ -193,6 +203,8 @@ def test_ssd_triton_outputs_at_real_widths(nh, hp, ng, ns, chunk):
         ref = ssd._ssd_outputs(*ops, D, start, c["t"], BF16)
         out = ssd_outputs(*ops, D, start, c["t"], BF16)
         assert torch.equal(out, ref), f"first_out {start}: {(out != ref).sum().item()} of {out.numel()} differ"
+    xc, dtc, bc, _, cum = ops[:5]
+    assert torch.equal(chunk_contributions(xc, dtc, bc, cum, 1), ssd._chunk_contributions(xc, dtc, bc, cum, 1))
 
 
 def _ssd_term_magnitudes(inp, gy, gs, boundary) -> dict:

@@ -679,16 +679,16 @@ def test_cuda_backend_registers_the_ssm_torch_ops():
         assert _IMPLEMENTATIONS[(op, "cuda")] is fn
 
 
-def test_cuda_ssd_outputs_choice_is_refused_by_name(monkeypatch):
-    """``MC_SSD_OUTPUTS`` picks the CUDA scan's outputs step (kernels/cuda_torch_ops.py): the torch evaluation by
-    default, the fused Triton kernel when asked, anything else refused with the variable's name before any work."""
+def test_cuda_ssd_scan_choice_is_refused_by_name(monkeypatch):
+    """``MC_SSD_SCAN`` picks the CUDA scan's evaluation (kernels/cuda_torch_ops.py): the torch one by default, the
+    fused Triton kernels when asked, anything else refused with the variable's name before any work."""
     from megatron_consistent.kernels import cuda_torch_ops, ssd
 
-    monkeypatch.delenv("MC_SSD_OUTPUTS", raising=False)
+    monkeypatch.delenv("MC_SSD_SCAN", raising=False)
     assert cuda_torch_ops._ssd_scan() is ssd._ssd_cpu
-    monkeypatch.setenv("MC_SSD_OUTPUTS", "cuda")
-    with pytest.raises(ValueError, match="MC_SSD_OUTPUTS='cuda'"):
+    monkeypatch.setenv("MC_SSD_SCAN", "cuda")
+    with pytest.raises(ValueError, match="MC_SSD_SCAN='cuda'"):
         cuda_torch_ops._ssd_scan()
     pytest.importorskip("triton")
-    monkeypatch.setenv("MC_SSD_OUTPUTS", "triton")
+    monkeypatch.setenv("MC_SSD_SCAN", "triton")
     assert cuda_torch_ops._ssd_scan() is not ssd._ssd_cpu

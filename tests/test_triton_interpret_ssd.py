@@ -1,13 +1,14 @@
-"""The CUDA SSD outputs kernel (``kernels/triton/ssd_outputs.py``) in Triton's interpreter (CPU tensors): the bits of
-the contract's torch evaluation (``kernels/ssd.py``'s ``_ssd_outputs``).
+"""The CUDA SSD scan kernels (``kernels/triton/ssd_scan.py``: the outputs and the chunks' state terms) in Triton's
+interpreter (CPU tensors): the bits of the contract's torch evaluation (``kernels/ssd.py``).
 
 Runs only with ``TRITON_INTERPRET=1`` and Triton importable, like the other ``test_triton_interpret_*`` files.  The
-interpreter runs each Triton operation as one numpy operation, IEEE like torch's CPU elementwise ops, so the kernel
-must give ``_ssd_cpu``'s bits exactly: its trees must pair as ``numerics.tree_sum`` does, its ``exp`` must be
-``numerics.exp``'s arithmetic, its masks and zero padding (chunk rows past T, head dims and state sizes that are not
-powers of two, chunk sizes that are not) must match.  The interpreter rounds float32 to bfloat16 by truncation where
-torch rounds to nearest, so the bf16 cases compare the float32 outputs of bf16 operands; on the GPU the kernel is
-launched without mul-add fusion (``enable_fp_fusion=False``) for the same reason torch's separate kernels have none.
+interpreter runs each Triton operation as one numpy operation, IEEE like torch's CPU elementwise ops, so the kernels
+must give ``_ssd_cpu``'s bits exactly: their trees must pair as ``numerics.tree_sum`` does, their ``exp`` must be
+``numerics.exp``'s arithmetic, their masks and zero padding (chunk rows past T, head dims and state sizes that are
+not powers of two, chunk sizes that are not) must match.  The interpreter rounds float32 to bfloat16 by truncation
+where torch rounds to nearest, so the bf16 cases compare the float32 outputs of bf16 operands; on the GPU the kernels
+are launched without mul-add fusion (``enable_fp_fusion=False``) for the same reason torch's separate kernels have
+none.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
 pytest.importorskip("triton")
 
 from megatron_consistent.kernels import ssd
-from megatron_consistent.kernels.triton import ssd_outputs as tssd
+from megatron_consistent.kernels.triton import ssd_scan as tssd
+
+TRITON_SCAN = ssd.ssd_scan_by(tssd.ssd_outputs, tssd.chunk_contributions)
 
 
 def _inputs(seed, bsz, t_len, nh, hp, ng, ns, dtype):
@@ -45,7 +48,7 @@ SHAPES = [(13, 8, 4, 4, 2, 8), (16, 8, 2, 8, 1, 16), (1, 4, 2, 4, 2, 4), (11, 6,
 def test_scan_equals_the_torch_contract(t_len, chunk, nh, hp, ng, ns):
     x, dt, a, b, c, d, state = _inputs(t_len * 7 + hp, 2, t_len, nh, hp, ng, ns, torch.float32)
     y_ref, s_ref = ssd._ssd_cpu(x, dt, a, b, c, d, chunk, state, 0)
-    y, s = ssd.ssd_scan_by(tssd.ssd_outputs)(x, dt, a, b, c, d, chunk, state, 0)
+    y, s = TRITON_SCAN(x, dt, a, b, c, d, chunk, state, 0)
     assert torch.equal(s, s_ref)
     assert torch.equal(y, y_ref), f"{(y != y_ref).sum().item()} of {y.numel()} outputs differ"
 
@@ -61,9 +64,21 @@ def test_replayed_positions_and_bf16_operands(first_out):
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} outputs differ"
 
 
+@pytest.mark.parametrize("t_len,chunk,nh,hp,ng,ns", SHAPES + [(40, 8, 2, 12, 1, 24), (33, 16, 2, 16, 2, 40)])
+def test_chunk_state_terms_equal_the_torch_contract(t_len, chunk, nh, hp, ng, ns):
+    """Step 5's per-chunk terms alone (the state recurrence uses them in chunk order), bf16 operands; head dims and
+    state sizes spanning several of the kernel's P x N blocks."""
+    x, dt, a, b, c, _, _ = _inputs(t_len + ns, 2, t_len, nh, hp, ng, ns, torch.bfloat16)
+    xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, chunk, torch.zeros(2, nh, hp, ns))[:5]
+    n_complete = t_len // chunk
+    ref = ssd._chunk_contributions(xc, dtc, bc, cum, n_complete)
+    out = tssd.chunk_contributions(xc, dtc, bc, cum, n_complete)
+    assert out.shape == ref.shape and torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
+
+
 def test_a_row_alone_equals_the_row_in_a_batch():
     x, dt, a, b, c, d, state = _inputs(3, 4, 13, 4, 4, 2, 8, torch.float32)
-    scan = ssd.ssd_scan_by(tssd.ssd_outputs)
+    scan = TRITON_SCAN
     y, _ = scan(x, dt, a, b, c, d, 8, state, 0)
     for i in (0, 2):
         alone, _ = scan(x[i:i + 1], dt[i:i + 1], a, b[i:i + 1], c[i:i + 1], d, 8, state[i:i + 1], 0)

@@ -18,11 +18,11 @@ whole or token by token.  Reference speed, not a tuned kernel (the SSD scan mate
 them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float32 recompute
 (cumsum / einsum; correct, not batch-invariant), as on the CPU.
 
-``MC_SSD_OUTPUTS=triton`` evaluates the SSD scan's outputs (contract steps 2-4, the bulk of its work) by the fused
-Triton kernel :mod:`.triton.ssd_outputs` instead: the same IEEE operations in the same order, so the same bits as the
-torch evaluation (checked bitwise in Triton's interpreter on the CPU; on the GPU by tests/test_gpu_ssm.py), not yet
-the default because that GPU check and its speed (``benchmarks/bench_gpu_ssd.py``) have not run on a GPU.  Set it
-for the trainer and the engine alike (an environment variable both inherit).
+``MC_SSD_SCAN=triton`` evaluates the SSD scan's bulk (the outputs, contract steps 2-4, and the chunks' state terms of
+step 5) by the fused Triton kernels of :mod:`.triton.ssd_scan` instead: the same IEEE operations in the same order,
+so the same bits as the torch evaluation (checked bitwise in Triton's interpreter on the CPU; on the GPU by
+tests/test_gpu_ssm.py), not yet the default because that GPU check and its speed (``benchmarks/bench_gpu_ssd.py``)
+have not run on a GPU.  Set it for the trainer and the engine alike (an environment variable both inherit).
 """
 
 from __future__ import annotations
@@ -37,15 +37,15 @@ from .ssd import _mamba_dt_cpu, _ssd_cpu, ssd_scan_by
 
 
 def _ssd_scan():
-    """The ``ssd_scan`` implementation that ``MC_SSD_OUTPUTS`` names (module docstring)."""
-    choice = os.environ.get("MC_SSD_OUTPUTS", "torch")
+    """The ``ssd_scan`` implementation that ``MC_SSD_SCAN`` names (module docstring)."""
+    choice = os.environ.get("MC_SSD_SCAN", "torch")
     if choice == "torch":
         return _ssd_cpu
     if choice == "triton":
-        from .triton.ssd_outputs import ssd_outputs
+        from .triton.ssd_scan import chunk_contributions, ssd_outputs
 
-        return ssd_scan_by(ssd_outputs)
-    raise ValueError(f"MC_SSD_OUTPUTS={choice!r}: expected 'torch' or 'triton'")
+        return ssd_scan_by(ssd_outputs, chunk_contributions)
+    raise ValueError(f"MC_SSD_SCAN={choice!r}: expected 'torch' or 'triton'")
 
 
 OPS = {

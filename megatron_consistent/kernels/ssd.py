@@ -165,19 +165,38 @@ def _chunked(v, n_chunks: int, L: int):
     return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
 
 
-def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state):
-    """Contract steps 1 and 5.  Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32.
+def _chunk_contributions(xc, dtc, bc, cum, n_complete: int):
+    """Contract step 5's per-chunk term for the ``n_complete`` complete chunks, ``[N,b,k,H,P]``:
+    ``tree_sum_{s=0..L-1}((u[s,h] * x_s[h,p]) * B_s[g(h),n])`` with ``u[s,h] = exp(cum_{L-1} - cum_s) * dt_s``, in
+    blocks of chunks and heads (memory only: every element is computed by the same ops)."""
+    bsz, _, L, nh, hp = xc.shape
+    ng, ns = bc.shape[-2:]
+    heads = torch.arange(nh, device=xc.device) // (nh // ng)
+    per_chunk = bsz * nh * hp * ns * L
+    cblock = max(1, (4 * _WORK_ELEMENTS) // per_chunk)               # chunks per block (then heads per block)
+    parts = []
+    for c0 in range(0, n_complete, cblock):
+        cs = slice(c0, min(n_complete, c0 + cblock))
+        last = cum[:, cs, L - 1]                                      # [b,k,H]
+        u = (exp(last[:, :, None, :] - cum[:, cs]) * dtc[:, cs]).permute(2, 0, 1, 3)   # [L,b,k,H]
+        ux = u[..., None] * xc[:, cs].permute(2, 0, 1, 3, 4).contiguous()            # [L,b,k,H,P]
+        bh = bc[:, cs][:, :, :, heads, :].permute(2, 4, 0, 1, 3).contiguous()      # [L,N,b,k,H]
+        hblock = max(1, (_WORK_ELEMENTS // 4) // (per_chunk // nh * ux.shape[2]))   # heads per work tensor
+        parts.append(torch.cat([_tree_sum0(ux[:, None, ..., h0:h0 + hblock, :] * bh[..., h0:h0 + hblock, None])
+                                for h0 in range(0, nh, hblock)], dim=3))  # [N,b,k,H,P]
+    return torch.cat(parts, dim=2) if parts else xc.new_zeros(ns, bsz, 0, nh, hp)
+
+
+def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, contributions=_chunk_contributions):
+    """Contract steps 1 and 5.  Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32;
+    ``contributions``: step 5's per-chunk terms (:func:`_chunk_contributions`' signature).
 
     Returns the chunked float32 operands ``xc [b,c,L,H,P]``, ``dtc [b,c,L,H]``, ``bc`` / ``cc [b,c,L,G,N]`` (zero rows
     past T), the prefix sums ``cum [b,c,L,H]``, the states at the chunk starts ``[N,b,k+1,H,P]`` (``k`` complete
-    chunks: the last entry is the state after them) and that last state again as ``[b,H,P,N]``.  Work tensors put
-    the reduced axis first (speed only: every element is computed by the same ops).
+    chunks: the last entry is the state after them) and that last state again as ``[b,H,P,N]``.
     """
-    bsz, t_len, nh, hp = x.shape
-    ng, ns = B.shape[-2:]
+    t_len = x.shape[1]
     L = chunk_size
-    dev = x.device                                                   # index/mask tensors live with the data
-    heads = torch.arange(nh, device=dev) // (nh // ng)
     n_chunks = -(-t_len // L)
     n_complete = t_len // L
 
@@ -187,24 +206,13 @@ def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state):
     xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(B), chunks(C)   # [b,c,L,...]
     cum = _prefix_sum(dtc * A.to(torch.float32), dim=2)              # [b,c,L,H]
 
-    # 5. states at chunk boundaries: per-chunk contributions in blocks of chunks, then the
-    #    sequential recurrence S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c.  Kept as [N, b, H, P].
+    # 5. states at chunk boundaries: S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c, in chunk order.  Kept as [N,b,H,P].
     s = state.permute(3, 0, 1, 2).contiguous()
     states = [s]
-    per_chunk = bsz * nh * hp * ns * L
-    cblock = max(1, (4 * _WORK_ELEMENTS) // per_chunk)               # chunks per block (then heads per block)
-    for c0 in range(0, n_complete, cblock):
-        cs = slice(c0, min(n_complete, c0 + cblock))
-        last = cum[:, cs, L - 1]                                      # [b,k,H]
-        e = exp(torch.cat([last[:, :, None, :] - cum[:, cs], last[:, :, None, :]], dim=2))   # [b,k,L+1,H]
-        u = (e[:, :, :L] * dtc[:, cs]).permute(2, 0, 1, 3)            # [L,b,k,H]
-        ux = u[..., None] * xc[:, cs].permute(2, 0, 1, 3, 4).contiguous()            # [L,b,k,H,P]
-        bh = bc[:, cs][:, :, :, heads, :].permute(2, 4, 0, 1, 3).contiguous()      # [L,N,b,k,H]
-        hblock = max(1, (_WORK_ELEMENTS // 4) // (per_chunk // nh * ux.shape[2]))   # heads per work tensor
-        contrib = torch.cat([_tree_sum0(ux[:, None, ..., h0:h0 + hblock, :] * bh[..., h0:h0 + hblock, None])
-                             for h0 in range(0, nh, hblock)], dim=3)  # [N,b,k,H,P]
-        decay = e[:, :, L]                                            # [b,k,H]
-        for j in range(contrib.shape[2]):
+    if n_complete:
+        contrib = contributions(xc, dtc, bc, cum, n_complete)       # [N,b,k,H,P]
+        decay = exp(cum[:, :n_complete, L - 1])                       # [b,k,H]
+        for j in range(n_complete):
             s = decay[None, :, j, :, None] * s + contrib[:, :, j]
             states.append(s)
     return xc, dtc, bc, cc, cum, torch.stack(states, dim=2), s.permute(1, 2, 3, 0).contiguous()
@@ -240,18 +248,19 @@ def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, first_out: int, t_len: int
     return torch.cat(ys, dim=1) if ys else xc.new_zeros(bsz, 0, nh, hp, dtype=out_dtype)
 
 
-def ssd_scan_by(outputs):
+def ssd_scan_by(outputs, contributions):
     """The contract forward (``ssd_scan``'s signature) with steps 2-4 evaluated by ``outputs`` (:func:`_ssd_outputs`'
-    signature): returns ``(y [b, T - first_out, H, P] in x.dtype, state after the last complete chunk)``."""
+    signature) and step 5's per-chunk terms by ``contributions`` (:func:`_chunk_contributions`'): returns
+    ``(y [b, T - first_out, H, P] in x.dtype, state after the last complete chunk)``."""
 
     def scan(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
-        xc, dtc, bc, cc, cum, all_states, boundary = _ssd_chunk_states(x, dt, A, B, C, chunk_size, state)
+        xc, dtc, bc, cc, cum, all_states, boundary = _ssd_chunk_states(x, dt, A, B, C, chunk_size, state, contributions)
         return outputs(xc, dtc, bc, cc, cum, all_states, D, first_out, x.shape[1], x.dtype), boundary
 
     return scan
 
 
-_ssd_cpu = ssd_scan_by(_ssd_outputs)
+_ssd_cpu = ssd_scan_by(_ssd_outputs, _chunk_contributions)
 register("ssd_scan", "cpu")(_ssd_cpu)
 
 

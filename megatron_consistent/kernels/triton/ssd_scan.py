@@ -1,23 +1,26 @@
-"""Mamba-2 SSD outputs on CUDA (Triton): steps 2-4 of :mod:`megatron_consistent.kernels.ssd`'s contract, fused.
+"""Mamba-2 SSD scan on CUDA (Triton): the two bulk steps of :mod:`megatron_consistent.kernels.ssd`'s contract, fused.
 
-One program a (sequence position, head) evaluates, from the chunked float32 operands and the states at chunk
-boundaries that :func:`kernels.ssd._ssd_chunk_states` computed (step 1, the prefix sums ``cum``, and step 5, the
-states, stay torch ops), exactly the contract's expressions for ``y_t``:
+:func:`kernels.ssd._ssd_chunk_states` keeps the prefix sums ``cum`` (step 1) and the sequential state recurrence
+``S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c`` as torch ops; two kernels evaluate the rest, the terms that make the
+work ``L x N x P`` a chunk and ``L x (N + P) + N x P`` an output:
 
-* ``cb[s] = tree_N(C_t[n] * B_s[n])`` for every row ``s`` of ``t``'s chunk (the chunk's zero-padded rows included);
-* ``seg[s] = cum_t - cum_s`` for ``s <= t`` else ``+0``; ``e = exp(seg)``, ``e_L = exp(cum_t)`` by the contract's
-  float64 ``exp`` (:func:`numerics.exp`: clamp, range reduction, Horner order, one rounding);
-* ``w[s] = (cb[s] * e[s]) * dt_s`` for ``s <= t`` else ``+0``; ``intra[p] = tree_L(w[s] * x_s[p])``;
-* ``inter[p] = tree_N(C_t[n] * S_c[n, p]) * e_L``; ``y_t[p] = round((intra + inter) + D * x_t[p])``.
+* :func:`chunk_contributions` (step 5's per-chunk term), one program a (complete chunk, head, block of the state's
+  ``P x N``): ``u_s = exp(cum_{L-1} - cum_s) * dt_s``, ``contrib[n, p] = tree_L((u_s * x_s[p]) * B_s[n])``;
+* :func:`ssd_outputs` (steps 2-4), one program a (sequence position ``t``, head):
+  ``cb[s] = tree_N(C_t[n] * B_s[n])`` for every row ``s`` of ``t``'s chunk (zero-padded rows included);
+  ``e[s] = exp(cum_t - cum_s)`` for ``s <= t`` else ``exp(+0)``; ``w[s] = (cb[s] * e[s]) * dt_s`` for ``s <= t``
+  else ``+0``; ``intra[p] = tree_L(w[s] * x_s[p])``; ``inter[p] = tree_N(C_t[n] * S_c[n, p]) * exp(cum_t)``;
+  ``y_t[p] = round((intra + inter) + D * x_t[p])``.
 
-Every tree is :func:`numerics.tree_sum`'s (zero-padded to a power of two, element ``i`` paired with ``i + n/2``,
-level by level): the halves of a register tile are split apart (``reshape`` / ``permute`` / ``split``) and added.
-Each operation is a separate IEEE operation (the launch disables Triton's mul-add fusion), so a row's bits are those
-of the torch evaluation on the same device -- Triton's interpreter on CPU tensors gives ``_ssd_cpu``'s bits
-(tests/test_triton_interpret_ssd.py) -- and, as there, depend on nothing but ``t``'s chunk up to ``t`` and the
-state at its start: not on the batch, on ``T`` or on how the sequence reached the kernel (prefill, chunked prefill,
-decode replay).  Work per position: ``L x N + L x P + N x P`` products in registers, where the torch evaluation
-materialises them in memory, a few kernels per position block.
+``exp`` is :func:`numerics.exp`'s float64 arithmetic (clamp, range reduction, Horner order, one rounding), every tree
+is :func:`numerics.tree_sum`'s (zero-padded to a power of two, element ``i`` paired with ``i + n/2``, level by level:
+the halves of a register tile are split apart with ``reshape`` / ``permute`` / ``split`` and added), and each
+operation is a separate IEEE operation (the launches disable Triton's mul-add fusion).  So these are not a new
+contract but another evaluation of the torch one, with its bits on the same device: in Triton's interpreter on CPU
+tensors they give ``_ssd_cpu``'s bits (tests/test_triton_interpret_ssd.py), on the GPU those of the torch evaluation
+there (tests/test_gpu_ssm.py).  As there, an output depends on nothing but its chunk up to ``t`` and the state at the
+chunk's start: not on the batch, on ``T`` or on how the sequence reached the kernel (prefill, chunked prefill,
+decode replay).  The products stay in registers, where the torch evaluation materialises them in memory.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ _MAX_LEVELS: tl.constexpr = tl.constexpr(16)  # trees over up to 2**16 elements
 
 
 def launch_warps(bl: int, bn: int) -> int:
-    """Warps of a program whose largest tile is ``bl x bn`` (chunk rows x state size): from the offline sm_90a compile
+    """Warps of a program whose largest tile is ``bl x bn`` (chunk rows x 128 at most): from the offline sm_90a compile
     (``benchmarks/offline_compile_ssd.py``), the fewest with no spills -- 128 x 128 spills 88 bytes on 8 warps, none
     on 16; 256 x 128 none on 8 (its trees go through shared memory), 312 bytes on 16.  Scheduling only: the bits do
     not depend on it."""
@@ -120,6 +123,55 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, n_out, first_out, n_
     x_t = tl.load(XC + ((chunk * L + ri) * H + h) * P + p, mask=p_in, other=0.0)
     y = (intra + inter) + tl.load(D + h) * x_t
     tl.store(Y + (o.to(tl.int64) * H + h) * P + p, y.to(Y.dtype.element_ty), mask=p_in)
+
+
+@triton.jit
+def _chunk_contributions_kernel(XC, DTC, BC, CUM, OUT, n_chunks, n_complete, nb, L, H, P, G, N, HEADS_PER_GROUP,
+                                BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+    chunk_id = tl.program_id(0)  # (sequence, complete chunk)
+    h = tl.program_id(1)
+    n_blocks = tl.cdiv(N, BN)
+    p0 = (tl.program_id(2) // n_blocks) * BP
+    n0 = (tl.program_id(2) % n_blocks) * BN
+    b = chunk_id // n_complete
+    k = chunk_id % n_complete
+    g = h // HEADS_PER_GROUP
+    s = tl.arange(0, BL)
+    p = p0 + tl.arange(0, BP)
+    n = n0 + tl.arange(0, BN)
+    s_in, p_in, n_in = s < L, p < P, n < N
+    rows = (b * n_chunks + k).to(tl.int64) * L + s  # [BL]: the chunk's rows of the [b, c, L, ...] tensors
+
+    last = tl.load(CUM + ((b * n_chunks + k).to(tl.int64) * L + L - 1) * H + h)
+    cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
+    u = _exp(last - cum_s) * tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
+    ux = u[:, None] * tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
+                              other=0.0)  # [BL, BP]
+    b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
+    prod = tl.reshape(ux[:, :, None] * b_sn[:, None, :], (BL, BP * BN))
+    contrib = tl.reshape(_tree_rows(prod, BL, BP * BN), (BP, BN))
+    # OUT [N, nb, n_complete, H, P]
+    out = OUT + (((n[None, :].to(tl.int64) * nb + b) * n_complete + k) * H + h) * P + p[:, None]
+    tl.store(out, contrib, mask=p_in[:, None] & n_in[None, :])
+
+
+def chunk_contributions(xc, dtc, bc, cum, n_complete: int) -> torch.Tensor:
+    """Step 5's per-chunk terms ``[N, b, n_complete, H, P]`` of the first ``n_complete`` chunks (module docstring),
+    from :func:`kernels.ssd._ssd_chunk_states`' chunked float32 operands (its ``contributions`` argument)."""
+    nb, n_chunks, L, H, P = xc.shape
+    G, N = bc.shape[-2:]
+    out = torch.empty(N, nb, n_complete, H, P, dtype=torch.float32, device=xc.device)
+    if n_complete == 0 or nb == 0:
+        return out
+    bl, bp = triton.next_power_of_2(L), min(8, triton.next_power_of_2(P))
+    # a product tile of 8192 elements at most, 4 warps (8 for 256-row chunks); offline sm_90a compile: chunk 128 no
+    # spills (128 x 128 on 16 warps spilled), chunk 256 80 bytes (256 x 64 on 4 / 8 / 16 warps: 128 to 968)
+    bn = min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp)))
+    grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
+    _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)), out, n_chunks, n_complete, nb,
+                                      L, H, P, G, N, H // G, BL=bl, BP=bp, BN=bn, num_warps=4 if bl <= 128 else 8,
+                                      enable_fp_fusion=False)
+    return out
 
 
 def ssd_outputs(xc, dtc, bc, cc, cum, states, D, first_out: int, t_len: int, out_dtype) -> torch.Tensor:
