@@ -64,7 +64,8 @@ def test_replayed_positions_and_bf16_operands(first_out):
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} outputs differ"
 
 
-@pytest.mark.parametrize("t_len,chunk,nh,hp,ng,ns", SHAPES + [(40, 8, 2, 12, 1, 24), (33, 16, 2, 16, 2, 40)])
+@pytest.mark.parametrize("t_len,chunk,nh,hp,ng,ns", [v for v in SHAPES if v[0] >= v[1]] + [(40, 8, 2, 12, 1, 24),
+                                                                                          (33, 16, 2, 16, 2, 40)])
 def test_chunk_state_terms_equal_the_torch_contract(t_len, chunk, nh, hp, ng, ns):
     """Step 5's per-chunk terms alone (the state recurrence uses them in chunk order), bf16 operands; head dims and
     state sizes spanning several of the kernel's P x N blocks."""

@@ -166,7 +166,7 @@ def _chunked(v, n_chunks: int, L: int):
 
 
 def _chunk_contributions(xc, dtc, bc, cum, n_complete: int):
-    """Contract step 5's per-chunk term for the ``n_complete`` complete chunks, ``[N,b,k,H,P]``:
+    """Contract step 5's per-chunk term for the ``n_complete >= 1`` complete chunks, ``[N,b,k,H,P]``:
     ``tree_sum_{s=0..L-1}((u[s,h] * x_s[h,p]) * B_s[g(h),n])`` with ``u[s,h] = exp(cum_{L-1} - cum_s) * dt_s``, in
     blocks of chunks and heads (memory only: every element is computed by the same ops)."""
     bsz, _, L, nh, hp = xc.shape
@@ -184,7 +184,7 @@ def _chunk_contributions(xc, dtc, bc, cum, n_complete: int):
         hblock = max(1, (_WORK_ELEMENTS // 4) // (per_chunk // nh * ux.shape[2]))   # heads per work tensor
         parts.append(torch.cat([_tree_sum0(ux[:, None, ..., h0:h0 + hblock, :] * bh[..., h0:h0 + hblock, None])
                                 for h0 in range(0, nh, hblock)], dim=3))  # [N,b,k,H,P]
-    return torch.cat(parts, dim=2) if parts else xc.new_zeros(ns, bsz, 0, nh, hp)
+    return torch.cat(parts, dim=2)
 
 
 def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, contributions=_chunk_contributions):

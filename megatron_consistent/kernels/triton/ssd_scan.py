@@ -39,10 +39,10 @@ _MAX_LEVELS: tl.constexpr = tl.constexpr(16)  # trees over up to 2**16 elements
 
 
 def launch_warps(bl: int, bn: int) -> int:
-    """Warps of a program whose largest tile is ``bl x bn`` (chunk rows x 128 at most): from the offline sm_90a compile
-    (``benchmarks/offline_compile_ssd.py``), the fewest with no spills -- 128 x 128 spills 88 bytes on 8 warps, none
-    on 16; 256 x 128 none on 8 (its trees go through shared memory), 312 bytes on 16.  Scheduling only: the bits do
-    not depend on it."""
+    """Warps of an outputs program whose largest tile is ``bl x bn`` (chunk rows x state size): from the offline sm_90a
+    compile (``benchmarks/offline_compile_ssd.py``), the fewest with no spills -- 128 x 128 spills 88 bytes on 8
+    warps, none on 16; 256 x 128 none on 8 (its trees go through shared memory), 312 bytes on 16.  Scheduling only:
+    the bits do not depend on it."""
     if bl * bn <= 4096:
         return 4
     return 16 if bl * bn <= 16384 else 8
