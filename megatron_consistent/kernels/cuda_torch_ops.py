@@ -22,7 +22,8 @@ them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float
 step 5) by the fused Triton kernels of :mod:`.triton.ssd_scan` instead: the same IEEE operations in the same order,
 so the same bits as the torch evaluation (checked bitwise in Triton's interpreter on the CPU; on the GPU by
 tests/test_gpu_ssm.py), not yet the default because that GPU check and its speed (``benchmarks/bench_gpu_ssd.py``)
-have not run on a GPU.  Set it for the trainer and the engine alike (an environment variable both inherit).
+have not run on a GPU.  It is read once, when the CUDA backend is imported (the first CUDA tensor of a process); the
+trainer and the engine processes inherit it alike.
 """
 
 from __future__ import annotations
