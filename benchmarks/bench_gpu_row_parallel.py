@@ -55,7 +55,7 @@ VARIANTS = {"serial r1": ("serial", 1), "serial r2": ("serial", 2), "flat r1": (
             "serial r2 lanes2 s3": ("serial", 2, (128, 128, 8, 3), 2), "parallel r2 lanes2": ("parallel", 2, None, 2)}
 PARALLEL_MAX_M = 256
 GLUON_MIN_M = 256  # the Gluon candidates (gluon_segment_tree.py) are for prefill sizes: 128-row tiles, one program an SM
-GLUON_NAMES = ("gluon ws", "gluon ws deep")  # "gluon <schedule>": gluon_segment_tree.SCHEDULES
+GLUON_NAMES = ("gluon ws", "gluon ws deep", "gluon ws grouped")  # "gluon <schedule>": gluon_segment_tree.SCHEDULES
 DEV = torch.device("cuda")  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful times)
 
 

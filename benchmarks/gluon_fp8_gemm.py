@@ -21,7 +21,8 @@ Schedules (:data:`SCHEDULES`): ``ws`` -- each consumer issues group ``c + 1``'s 
 the best ``tl`` tile where the reduction has one or two splits, behind at four; session 20's single-warp-group
 pipelined kernel, 0.55-0.74, was removed as slower everywhere); ``ws regs`` (not measured yet) -- without the chain
 issued ahead, the split sums in registers (where ``ws`` lost: four splits; but the offline compile spills 432 bytes
-there).  Same arithmetic, same bits.
+there); ``ws grouped`` (not measured yet) -- ``ws`` in the committed kernels' grouped tile order.  Same arithmetic,
+same bits.
 
 Status: a candidate, not used by the package.  ``--offline`` compiles it for sm_90a without a GPU (registers, spills,
 shared memory); bits and speed: ``python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` on the H200 (bits against
@@ -44,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gluon_ring import (descriptor, operand_ring, program_work, release_barriers, release_slot,  # noqa: E402
-                        ring_producer, store_tile)
+                        ring_producer, store_tile, tile_origin)
 
 GROUP = 128  # the activation group = the weight block's columns = one K step
 TILE = (128, 128)  # BM, BN: two warp groups of 64 rows
@@ -91,7 +92,8 @@ def _scaled_fma(p, sa, sb, acc, SWS: gl.constexpr):
 @gluon.jit
 def _ws_consumer(a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
                  WG: gl.constexpr, G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr,
-                 STAGES: gl.constexpr, SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr):
+                 STAGES: gl.constexpr, SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr,
+                 GROUP_M: gl.constexpr):
     """Consumer ``WG`` (one warp group) of the warp-specialised kernel: rows ``WG * BM / 2 ..`` of every tile of the
     program, the arithmetic of :func:`_fp8_kernel`; it releases a slot once its chain on it is done, and stores its
     half tile itself through ``smem.index(WG)``.  ``LOOKAHEAD``: group ``c + 1``'s chain is issued before group
@@ -104,15 +106,15 @@ def _ws_consumer(a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, b
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 32])
     own = smem.index(WG)
-    pid, nprog, num_pid_m, num_tiles, total_steps = program_work(BM, BN, M, N, G_ALL)
+    pid, nprog, num_pid_m, num_pid_n, total_steps = program_work(BM, BN, M, N, G_ALL)
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
     if LOOKAHEAD:
         pending = _issue_mma(0, total_steps, ready, a_bufs, b_bufs, acc_layout, STAGES, WG * ROWS, ROWS)
     c = 0
-    for tile in range(pid, num_tiles, nprog):
-        off_m = (tile % num_pid_m) * BM + WG * ROWS
-        off_n = (tile // num_pid_m) * BN
+    for tile in range(pid, num_pid_m * num_pid_n, nprog):
+        off_m, off_n = tile_origin(tile, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+        off_m += WG * ROWS
         for s in gl.static_range(SPLITS):
             acc = gl.zeros((ROWS, BN), gl.float32, acc_layout)
             for g in range(s * SPLIT_GROUPS, min(G_ALL, (s + 1) * SPLIT_GROUPS)):
@@ -160,7 +162,8 @@ def _ws_consumer(a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, b
 @gluon.jit
 def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
                    G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
-                   SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr, num_warps: gl.constexpr):
+                   SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr, GROUP_M: gl.constexpr,
+                   num_warps: gl.constexpr):
     """Warp-specialised: a producer warp runs the ring (``gluon_ring.ring_producer``), two consumer warp groups
     (:func:`_ws_consumer`; the first is the default partition) take the upper and lower 64 rows of each tile with no
     synchronisation between them but the ring's, so one's group scaling runs while the other's ``wgmma`` runs."""
@@ -174,11 +177,11 @@ def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, str
         smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     gl.warp_specialize([(_ws_consumer, (a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
                                         stride_asm, stride_bsn, 0, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS,
-                                        LOOKAHEAD)),
+                                        LOOKAHEAD, GROUP_M)),
                         (_ws_consumer, (a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
                                         stride_asm, stride_bsn, 1, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS,
-                                        LOOKAHEAD)),
-                        (ring_producer, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, G_ALL, STAGES))],
+                                        LOOKAHEAD, GROUP_M)),
+                        (ring_producer, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, G_ALL, STAGES, GROUP_M))],
                        [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -187,9 +190,13 @@ def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, str
 
 # name -> (stages by output element size, extra constexprs) of the warp-specialised kernel (4 warps launched, + 4 + 1
 # in the partitions; output blocks of 64 rows): "ws": the next group's chain issued ahead, a 5 x 32 KB ring and one
-# 32 KB float32 tile of split sums a consumer; "ws regs": without the chain ahead, the split sums in registers, so only
-# the output is staged and the ring takes 6 stages (5 for a float32 output)
-SCHEDULES = {"ws": ({2: 5, 4: 5}, {"LOOKAHEAD": True}), "ws regs": ({2: 6, 4: 5}, {"LOOKAHEAD": False})}
+# 32 KB float32 tile of split sums a consumer, tiles M fastest; "ws grouped": the same in the committed kernels'
+# grouped tile order (bands of 8 M tiles; session 22's "ws" lost at K = 14336, where the activations stream from HBM
+# once per weight column); "ws regs": without the chain ahead, the split sums in registers, so only the output is
+# staged and the ring takes 6 stages (5 for a float32 output)
+SCHEDULES = {"ws": ({2: 5, 4: 5}, {"LOOKAHEAD": True, "GROUP_M": 0}),
+             "ws grouped": ({2: 5, 4: 5}, {"LOOKAHEAD": True, "GROUP_M": 8}),
+             "ws regs": ({2: 6, 4: 5}, {"LOOKAHEAD": False, "GROUP_M": 0})}
 WARPS = 4
 OUT_ROWS = TILE[0] // 2
 
@@ -243,7 +250,7 @@ def offline_jobs():
         xq = torch.zeros(4096, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         wq = torch.zeros(n, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         out = torch.zeros(4096, n, dtype=torch.bfloat16)
-        for schedule, sws in (("ws", True), ("ws", False), ("ws regs", True)):
+        for schedule, sws in (("ws", True), ("ws", False), ("ws grouped", True), ("ws regs", True)):
             args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
                                       fp8_config(n, k)["SPLIT_GROUPS"], sws, schedule)
             sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32"

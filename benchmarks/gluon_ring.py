@@ -1,8 +1,8 @@
 """What the Gluon candidate kernels (``gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) share: TMA descriptors, a
 warp-specialised persistent program's ring of operand loads, and the output tile's store.
 
-A persistent program takes the output tiles ``pid, pid + nprog, ...`` (M fastest, so neighbouring programs share a
-weight tile in L2) and walks ``STEPS`` K steps of each; its global step ``c`` is tile ``c // STEPS``, K step
+A persistent program takes the output tiles ``pid, pid + nprog, ...`` (placed M fastest or in grouped bands,
+:func:`tile_origin`) and walks ``STEPS`` K steps of each; its global step ``c`` is tile ``c // STEPS``, K step
 ``c % STEPS``, and its operands go to ring slot ``c % STAGES``.  A producer partition (one warp) runs the ring: it
 refills slot ``c % STAGES`` with step ``c``'s operands once every consumer partition has released the step that slot
 held before (``empty``: one arrival a consumer), and the loads complete the slot's ``ready`` barrier.  The consumers
@@ -29,20 +29,33 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 
 
 @gluon.jit
-def issue_loads(c, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS: gl.constexpr,
-                STAGES: gl.constexpr):
+def tile_origin(tile, num_pid_m, num_pid_n, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """``(first row, first column)`` of output tile ``tile``: M fastest (``GROUP_M`` 0: consecutive tiles share a
+    weight tile), or in bands of ``GROUP_M`` M tiles walked column by column (the committed kernels' grouped order:
+    an activation tile is reused across a band's columns while it is in L2)."""
+    if GROUP_M == 0:
+        return (tile % num_pid_m) * BM, (tile // num_pid_m) * BN
+    band = GROUP_M * num_pid_n
+    first_m = (tile // band) * GROUP_M
+    rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return (first_m + (tile % band) % rows) * BM, ((tile % band) // rows) * BN
+
+
+@gluon.jit
+def issue_loads(c, a_desc, b_desc, bars, a_bufs, b_bufs, pid, nprog, num_pid_m, num_pid_n, STEPS: gl.constexpr,
+                STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """TMA loads of the program's global step ``c`` (x rows of its tile, w rows of its tile, the step's K columns)
     into ring slot ``c % STAGES``, completing that slot's mbarrier in ``bars``."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
-    tile = pid + (c // STEPS) * nprog
+    off_m, off_n = tile_origin(pid + (c // STEPS) * nprog, num_pid_m, num_pid_n, BM, BN, GROUP_M)
     k = (c % STEPS) * BK
     slot = c % STAGES
     bar = bars.index(slot)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [(tile % num_pid_m) * BM, k], bar, a_bufs.index(slot))
-    tma.async_copy_global_to_shared(b_desc, [(tile // num_pid_m) * BN, k], bar, b_bufs.index(slot))
+    tma.async_copy_global_to_shared(a_desc, [off_m, k], bar, a_bufs.index(slot))
+    tma.async_copy_global_to_shared(b_desc, [off_n, k], bar, b_bufs.index(slot))
 
 
 @gluon.jit
@@ -70,13 +83,13 @@ def store_tile(value, out_desc, out_smem, bias_ptr, off_m, off_n, N, HAS_BIAS: g
 
 @gluon.jit
 def program_work(BM: gl.constexpr, BN: gl.constexpr, M, N, STEPS: gl.constexpr):
-    """The persistent program's work: ``(pid, nprog, num_pid_m, num_tiles, total steps)``; its tiles are
-    ``range(pid, num_tiles, nprog)``, M fastest."""
+    """The persistent program's work: ``(pid, nprog, num_pid_m, num_pid_n, total steps)``; its tiles are
+    ``range(pid, num_pid_m * num_pid_n, nprog)`` (placed by :func:`tile_origin`)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     num_pid_m = gl.cdiv(M, BM)
-    num_tiles = num_pid_m * gl.cdiv(N, BN)
-    return pid, nprog, num_pid_m, num_tiles, gl.cdiv(num_tiles - pid, nprog) * STEPS
+    num_pid_n = gl.cdiv(N, BN)
+    return pid, nprog, num_pid_m, num_pid_n, gl.cdiv(num_pid_m * num_pid_n - pid, nprog) * STEPS
 
 
 @gluon.jit
@@ -89,14 +102,15 @@ def release_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
 
 
 @gluon.jit
-def ring_producer(a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, STEPS: gl.constexpr, STAGES: gl.constexpr):
+def ring_producer(a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, STEPS: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP_M: gl.constexpr):
     """The producer partition: every step of the program (:func:`program_work`), in order, into the ring."""
-    pid, nprog, num_pid_m, num_tiles, total = program_work(a_desc.block_type.shape[0], b_desc.block_type.shape[0],
+    pid, nprog, num_pid_m, num_pid_n, total = program_work(a_desc.block_type.shape[0], b_desc.block_type.shape[0],
                                                            M, N, STEPS)
     for c in range(total):
         # a fresh barrier is in phase 0, so the first pass over the ring waits for nothing (parity 1)
         mbarrier.wait(empty.index(c % STAGES), ((c // STAGES) & 1) ^ 1)
-        issue_loads(c, a_desc, b_desc, ready, a_bufs, b_bufs, pid, nprog, num_pid_m, STEPS, STAGES)
+        issue_loads(c, a_desc, b_desc, ready, a_bufs, b_bufs, pid, nprog, num_pid_m, num_pid_n, STEPS, STAGES, GROUP_M)
 
 
 @gluon.jit

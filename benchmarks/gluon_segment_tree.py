@@ -20,7 +20,7 @@ Schedules (:data:`SCHEDULES`): ``ws`` -- the tree's pair and first quad in share
 0.70 of cuBLAS on the 8B o_proj at M = 1024 / 4096, +4 % over the committed tree, but 0.70-0.74 on down, -11-13 %;
 session 20's single-issuer schedules ``smem`` / ``regs``, 0.50-0.61, were removed as slower everywhere); ``ws deep``
 (not measured yet) -- the first quad's tile in a float32 slot in global memory, so a 5-stage ring for down's long
-segments.
+segments; ``ws grouped`` (not measured yet) -- ``ws`` in the committed kernels' grouped tile order.
 
 Status: a candidate, not used by the package.  Compiled for sm_90a without a GPU (``--offline``: registers, spills,
 shared memory); its bits and speed are measured by ``bench_gpu_row_parallel.py --gluon`` on the H200 (bits against the
@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gluon_ring import (descriptor, operand_ring, program_work, release_barriers, release_slot,  # noqa: E402
-                        ring_producer, store_tile)
+                        ring_producer, store_tile, tile_origin)
 
 # registers a thread of the warp-specialised schedule's consumer warp groups (three 64 x 128 float32 tiles live: the
 # running chain, the next segment's first step, the tree's lowest level) and of its producer warp
@@ -93,7 +93,7 @@ def _ws_tree_total(v, low, mid, top, SEGMENTS: gl.constexpr, TOP_IN_GLOBAL: gl.c
 @gluon.jit
 def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, top_ptr, M, N, WG: gl.constexpr,
                       SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                      TOP_IN_GLOBAL: gl.constexpr):
+                      TOP_IN_GLOBAL: gl.constexpr, GROUP_M: gl.constexpr):
     """Consumer ``WG`` (one warp group): rows ``WG * BM / 2 ..`` of every tile of the program.  A segment's first
     ``wgmma`` is issued (into fresh registers) before the previous segment's chain is waited for and put on the tree,
     so inside a tile its tensor-core work never waits for a boundary; the other consumer's chain covers its tile end
@@ -104,7 +104,7 @@ def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, 
     STEPS: gl.constexpr = SEGMENTS * SEG_STEPS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
-    pid, nprog, num_pid_m, num_tiles, total_steps = program_work(BM, BN, M, N, STEPS)
+    pid, nprog, num_pid_m, num_pid_n, total_steps = program_work(BM, BN, M, N, STEPS)
     if TOP_IN_GLOBAL:
         mid = levels.index(WG)
         rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
@@ -120,9 +120,9 @@ def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, 
     gl.static_assert(gl.bank_conflicts(acc.type, mid.type) == 0)
     low = acc
     c = 0
-    for tile in range(pid, num_tiles, nprog):
-        off_m = (tile % num_pid_m) * BM + WG * ROWS
-        off_n = (tile // num_pid_m) * BN
+    for tile in range(pid, num_pid_m * num_pid_n, nprog):
+        off_m, off_n = tile_origin(tile, num_pid_m, num_pid_n, BM, BN, GROUP_M)
+        off_m += WG * ROWS
         for seg in gl.static_range(SEGMENTS):
             slot = c % STAGES
             mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
@@ -156,7 +156,7 @@ def _ws_tree_consumer(a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, 
 @gluon.jit
 def _ws_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, top_ptr, M, N,
                     SEGMENTS: gl.constexpr, SEG_STEPS: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    TOP_IN_GLOBAL: gl.constexpr, num_warps: gl.constexpr):
+                    TOP_IN_GLOBAL: gl.constexpr, GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised: a producer warp runs the ring (``gluon_ring.ring_producer``) and two consumer warp groups
     (:func:`_ws_tree_consumer`; the first is the default partition) take the upper and lower 64 rows of each tile,
     synchronised only through the ring.  ``TOP_IN_GLOBAL``: the first quad's tiles go to ``top_ptr`` (a float32 slot
@@ -169,11 +169,11 @@ def _ws_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, top_ptr, M, N,
     levels = gl.allocate_shared_memory(gl.float32, [2 if TOP_IN_GLOBAL else 4, BM // 2, BN],
                                        gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
     gl.warp_specialize([(_ws_tree_consumer, (a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, top_ptr, M, N,
-                                             0, SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS, TOP_IN_GLOBAL)),
+                                             0, SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS, TOP_IN_GLOBAL, GROUP_M)),
                         (_ws_tree_consumer, (a_bufs, b_bufs, ready, empty, levels, out_desc, bias_ptr, top_ptr, M, N,
-                                             1, SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS, TOP_IN_GLOBAL)),
+                                             1, SEGMENTS, SEG_STEPS, STAGES, HAS_BIAS, TOP_IN_GLOBAL, GROUP_M)),
                         (ring_producer, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, SEGMENTS * SEG_STEPS,
-                                         STAGES))],
+                                         STAGES, GROUP_M))],
                        [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -182,11 +182,13 @@ def _ws_tree_kernel(a_desc, b_desc, out_desc, bias_ptr, top_ptr, M, N,
 
 # name -> (stages, extra constexprs) of the warp-specialised kernel (4 warps launched, + 4 + 1 in the partitions;
 # 128 x 128 x 64 steps in two 64-row halves, boundaries hidden in each half): "ws": a 3 x 32 KB ring next to four 32 KB
-# float32 tiles (a consumer's pair and first quad); "ws deep": the first quad in a float32 slot in global memory
-# (written and read once a tile), so a 5 x 32 KB ring (session 22: "ws" lost on the long segments of the 8B down
-# projection, where prefetch depth counts more than boundaries).  (Without hiding the boundaries the pair could stay
-# in registers, but the offline compile spills 112-512 bytes there.)
-SCHEDULES = {"ws": (3, {"TOP_IN_GLOBAL": False}), "ws deep": (5, {"TOP_IN_GLOBAL": True})}
+# float32 tiles (a consumer's pair and first quad), tiles M fastest; "ws deep": the first quad in a float32 slot in
+# global memory (written and read once a tile), so a 5 x 32 KB ring (session 22: "ws" lost on the long segments of
+# the 8B down projection, where prefetch depth counts more than boundaries); "ws grouped": "ws" in the committed
+# kernels' grouped tile order (bands of 8 M tiles, an activation tile reused across a band's columns).  (Without
+# hiding the boundaries the pair could stay in registers, but the offline compile spills 112-512 bytes there.)
+SCHEDULES = {"ws": (3, {"TOP_IN_GLOBAL": False, "GROUP_M": 0}), "ws deep": (5, {"TOP_IN_GLOBAL": True, "GROUP_M": 0}),
+             "ws grouped": (3, {"TOP_IN_GLOBAL": False, "GROUP_M": 8})}
 TILE = (128, 128, 64)  # BM, BN, BK
 WARPS = 4
 OUT_ROWS = TILE[0] // 2

@@ -52,7 +52,7 @@ def _where_they_differ(out: torch.Tensor, ref: torch.Tensor) -> str:
             f"{span(cols)} of {out.shape[1]}; max |diff| {(out.float() - ref.float()).abs().max().item():.3g}")
 
 
-@pytest.mark.parametrize("schedule", ["ws", "ws deep"])
+@pytest.mark.parametrize("schedule", ["ws", "ws deep", "ws grouped"])
 @pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 2048, 2048), (300, 4096, 14336), (129, 2048, 8192)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
@@ -73,7 +73,7 @@ def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
 @pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 4096, 14336), (300, 6144, 4096)])
 @pytest.mark.parametrize("block_rows", [128, 0])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("schedule", ["ws", "ws regs"])
+@pytest.mark.parametrize("schedule", ["ws", "ws grouped", "ws regs"])
 def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_bias, schedule):
     g = torch.Generator(device=DEV).manual_seed(m + n + k)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)
