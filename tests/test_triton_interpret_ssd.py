@@ -77,6 +77,27 @@ def test_chunk_state_terms_equal_the_torch_contract(t_len, chunk, nh, hp, ng, ns
     assert out.shape == ref.shape and torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
 
 
+@pytest.mark.parametrize("heads", ["all of the group", "two"])
+def test_several_heads_a_program(monkeypatch, heads):
+    """A program that takes several heads of a group (``heads_per_program``: at large position counts) forms
+    ``C_t . B_s`` once for them; every head's outputs keep their bits."""
+    x, dt, a, b, c, d, state = _inputs(11, 2, 13, 8, 4, 2, 8, torch.float32)
+    ops = ssd._ssd_chunk_states(x, dt, a, b, c, 8, state)[:6]
+    ref = ssd._ssd_outputs(*ops, d, 0, 13, torch.float32)
+    monkeypatch.setattr(tssd, "heads_per_program", lambda positions, nh, ng: nh // ng if heads != "two" else 2)
+    out = tssd.ssd_outputs(*ops, d, 0, 13, torch.float32)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} outputs differ"
+
+
+def test_heads_per_program_divides_the_group_and_keeps_programs():
+    assert tssd.heads_per_program(4096, 128, 8) == 16  # a prefill: a whole group a program
+    assert tssd.heads_per_program(64, 128, 8) == 8  # a decode step of 64 sequences: 64 x 16 programs
+    assert tssd.heads_per_program(1, 80, 1) == 1  # one position: every head a program of its own
+    for positions, nh, ng in ((7, 24, 3), (300, 80, 1), (1, 4, 4)):
+        hpp = tssd.heads_per_program(positions, nh, ng)
+        assert (nh // ng) % hpp == 0
+
+
 def test_a_row_alone_equals_the_row_in_a_batch():
     x, dt, a, b, c, d, state = _inputs(3, 4, 13, 4, 4, 2, 8, torch.float32)
     scan = TRITON_SCAN

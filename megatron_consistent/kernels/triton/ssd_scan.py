@@ -6,7 +6,7 @@ work ``L x N x P`` a chunk and ``L x (N + P) + N x P`` an output:
 
 * :func:`chunk_contributions` (step 5's per-chunk term), one program a (complete chunk, head, block of the state's
   ``P x N``): ``u_s = exp(cum_{L-1} - cum_s) * dt_s``, ``contrib[n, p] = tree_L((u_s * x_s[p]) * B_s[n])``;
-* :func:`ssd_outputs` (steps 2-4), one program a (sequence position ``t``, head):
+* :func:`ssd_outputs` (steps 2-4), one program a (sequence position ``t``, heads of one group, :func:`heads_per_program`):
   ``cb[s] = tree_N(C_t[n] * B_s[n])`` for every row ``s`` of ``t``'s chunk (zero-padded rows included);
   ``e[s] = exp(cum_t - cum_s)`` for ``s <= t`` else ``exp(+0)``; ``w[s] = (cb[s] * e[s]) * dt_s`` for ``s <= t``
   else ``+0``; ``intra[p] = tree_L(w[s] * x_s[p])``; ``inter[p] = tree_N(C_t[n] * S_c[n, p]) * exp(cum_t)``;
@@ -40,12 +40,9 @@ _MAX_LEVELS: tl.constexpr = tl.constexpr(16)  # trees over up to 2**16 elements
 
 def launch_warps(bl: int, bn: int) -> int:
     """Warps of an outputs program whose largest tile is ``bl x bn`` (chunk rows x state size): from the offline sm_90a
-    compile (``benchmarks/offline_compile_ssd.py``), the fewest with no spills -- 128 x 128 spills 88 bytes on 8
-    warps, none on 16; 256 x 128 none on 8 (its trees go through shared memory), 312 bytes on 16.  Scheduling only:
-    the bits do not depend on it."""
-    if bl * bn <= 4096:
-        return 4
-    return 16 if bl * bn <= 16384 else 8
+    compile (``benchmarks/offline_compile_ssd.py``), none spilling -- 128 x 128 on 4 warps (8 spill 4.3 KB, 16 2.4
+    KB), 256 x 128 on 8.  Scheduling only: the bits do not depend on it."""
+    return 4 if bl * bn <= 16384 else 8
 
 
 @triton.jit
@@ -88,14 +85,14 @@ def _tree_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, n_out, first_out, n_chunks, n_starts, nb, L, H, P, G, N,
-                        HEADS_PER_GROUP, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+                        HEADS_PER_GROUP, HEADS_PER_PROGRAM, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     o = tl.program_id(0)  # (sequence, position) of the output
-    h = tl.program_id(1)
+    h0 = tl.program_id(1) * HEADS_PER_PROGRAM  # the program's heads h0 .., all of one group
     b = o // n_out
     t = first_out + o % n_out
     ci = t // L
     ri = t % L
-    g = h // HEADS_PER_GROUP
+    g = h0 // HEADS_PER_GROUP
     s = tl.arange(0, BL)
     p = tl.arange(0, BP)
     n = tl.arange(0, BN)
@@ -103,26 +100,27 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, n_out, first_out, n_
     chunk = (b * n_chunks + ci).to(tl.int64)  # row offsets of [b, c, L, ...] tensors
     rows = chunk * L + s  # [BL]: the chunk's rows
 
-    cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
-    cum_t = tl.load(CUM + (chunk * L + ri) * H + h)
-    dt_s = tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
+    # the group's C_t . B_s, once for the program's heads
     c_t = tl.load(CC + ((chunk * L + ri) * G + g) * N + n, mask=n_in, other=0.0)  # [BN]
     b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
     cb = _tree_cols(c_t[None, :] * b_sn, BL, BN)  # [BL]
-
     causal = s <= ri
-    e = _exp(tl.where(causal, cum_t - cum_s, 0.0))
-    w = tl.where(causal, (cb * e) * dt_s, 0.0)
-    x_sp = tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :], other=0.0)
-    intra = _tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
-
-    # states [N, nb, n_starts, H, P]: chunk ci's starting state
-    st = tl.load(STATES + (((n[:, None].to(tl.int64) * nb + b) * n_starts + ci) * H + h) * P + p[None, :],
-                 mask=n_in[:, None] & p_in[None, :], other=0.0)
-    inter = _tree_rows(c_t[:, None] * st, BN, BP) * _exp(cum_t)
-    x_t = tl.load(XC + ((chunk * L + ri) * H + h) * P + p, mask=p_in, other=0.0)
-    y = (intra + inter) + tl.load(D + h) * x_t
-    tl.store(Y + (o.to(tl.int64) * H + h) * P + p, y.to(Y.dtype.element_ty), mask=p_in)
+    for j in range(HEADS_PER_PROGRAM):
+        h = h0 + j
+        cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
+        cum_t = tl.load(CUM + (chunk * L + ri) * H + h)
+        dt_s = tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
+        e = _exp(tl.where(causal, cum_t - cum_s, 0.0))
+        w = tl.where(causal, (cb * e) * dt_s, 0.0)
+        x_sp = tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :], other=0.0)
+        intra = _tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
+        # states [N, nb, n_starts, H, P]: chunk ci's starting state
+        st = tl.load(STATES + (((n[:, None].to(tl.int64) * nb + b) * n_starts + ci) * H + h) * P + p[None, :],
+                     mask=n_in[:, None] & p_in[None, :], other=0.0)
+        inter = _tree_rows(c_t[:, None] * st, BN, BP) * _exp(cum_t)
+        x_t = tl.load(XC + ((chunk * L + ri) * H + h) * P + p, mask=p_in, other=0.0)
+        y = (intra + inter) + tl.load(D + h) * x_t
+        tl.store(Y + (o.to(tl.int64) * H + h) * P + p, y.to(Y.dtype.element_ty), mask=p_in)
 
 
 @triton.jit
@@ -187,8 +185,20 @@ def ssd_outputs(xc, dtc, bc, cc, cum, states, D, first_out: int, t_len: int, out
         return y
     ops = [v.contiguous() for v in (xc, dtc, bc, cc, cum, states)]
     bl, bn = triton.next_power_of_2(L), triton.next_power_of_2(N)
-    _ssd_outputs_kernel[(nb * n_out, H)](*ops, D.to(torch.float32).contiguous(), y, n_out, first_out, n_chunks,
-                                         states.shape[2], nb, L, H, P, G, N, H // G, BL=bl,
-                                         BP=triton.next_power_of_2(P), BN=bn, num_warps=launch_warps(bl, bn),
-                                         enable_fp_fusion=False)
+    hpp = heads_per_program(nb * n_out, H, G)
+    _ssd_outputs_kernel[(nb * n_out, H // hpp)](*ops, D.to(torch.float32).contiguous(), y, n_out, first_out, n_chunks,
+                                                states.shape[2], nb, L, H, P, G, N, H // G, hpp, BL=bl,
+                                                BP=triton.next_power_of_2(P), BN=bn, num_warps=launch_warps(bl, bn),
+                                                enable_fp_fusion=False)
     return y
+
+
+def heads_per_program(positions: int, H: int, G: int, programs: int = 1024) -> int:
+    """Heads an outputs program takes (all of one group, so ``C_t . B_s`` is formed once for them): the largest
+    divisor of the group's heads that leaves at least ``programs`` programs (about 8 an SM), else 1.  Scheduling only:
+    every head's arithmetic is the same whichever program runs it."""
+    per_group = H // G
+    for hpp in range(per_group, 0, -1):
+        if per_group % hpp == 0 and positions * (H // hpp) >= programs:
+            return hpp
+    return 1
