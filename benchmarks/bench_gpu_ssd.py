@@ -5,9 +5,9 @@
 
 Cases at Nemotron-H 8B's mixer widths (128 heads x 64, 8 groups, state 128, chunk 128): a prefill of one sequence
 (T = 1024 / 4096) and a decode step of 64 sequences (1 new token after 64 pending tokens of the chunk, so each replays
-65 positions and outputs one).  Per case and part -- the outputs (steps 2-4), the chunks' state terms (step 5's
-bulk; prefill only), the whole scan (the prefix sums and the state recurrence are torch ops in both) -- the ratio
-torch time / Triton time, and for the two kernels the HBM floor: the bytes they must move at least (float32 operands
+65 positions and outputs one).  Per case and part -- the prefix sums (step 1), the outputs (steps 2-4), the chunks'
+state terms (step 5's bulk; prefill only), the whole scan (the chunk padding and the state recurrence are torch ops
+in both) -- the ratio torch time / Triton time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands
 read once, the result written once) over the device's measured copy bandwidth (their float32 arithmetic is not in
 it).  Timing: ``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).
 """
@@ -25,7 +25,8 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_consistent.kernels import ssd  # noqa: E402
-from megatron_consistent.kernels.triton.ssd_scan import chunk_contributions, ssd_outputs  # noqa: E402
+from megatron_consistent.kernels.triton.ssd_scan import (TRITON_STEPS, chunk_contributions,  # noqa: E402
+                                                         chunk_prefix_sums, ssd_outputs)
 
 DEV = torch.device("cuda")
 H, P, G, N, L = 128, 64, 8, 128, 128  # Nemotron-H 8B's mixer
@@ -61,17 +62,20 @@ def run_case(name: str, bsz: int, t_len: int, first_out: int, bw: float) -> dict
     n_complete = t_len // L
     torch_out = ssd._ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)
     triton_out = ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)
-    scan_triton = ssd.ssd_scan_by(ssd_outputs, chunk_contributions)
+    scan_triton = ssd.ssd_scan_by(TRITON_STEPS)
     bits = {"outputs": torch.equal(torch_out, triton_out),
+            "prefix sums": torch.equal(chunk_prefix_sums(dtc, a), cum),
             "scan": all(torch.equal(u, v) for u, v in zip(ssd._ssd_cpu(x, dt, a, b, c, d, L, state, first_out),
                                                           scan_triton(x, dt, a, b, c, d, L, state, first_out)))}
     times = {
         "outputs torch": triton.testing.do_bench(lambda: ssd._ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)),
         "outputs triton": triton.testing.do_bench(lambda: ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)),
+        "prefix sums torch": triton.testing.do_bench(lambda: ssd._chunk_prefix_sums(dtc, a)),
+        "prefix sums triton": triton.testing.do_bench(lambda: chunk_prefix_sums(dtc, a)),
         "scan torch": triton.testing.do_bench(lambda: ssd._ssd_cpu(x, dt, a, b, c, d, L, state, first_out)),
         "scan triton": triton.testing.do_bench(lambda: scan_triton(x, dt, a, b, c, d, L, state, first_out)),
     }
-    floors = {"outputs": floor_bytes(ops, triton_out) / bw * 1e3}
+    floors = {"outputs": floor_bytes(ops, triton_out) / bw * 1e3, "prefix sums": floor_bytes((dtc,), cum) / bw * 1e3}
     if n_complete:
         terms = chunk_contributions(xc, dtc, bc, cum, n_complete)
         bits["chunk terms"] = torch.equal(terms, ssd._chunk_contributions(xc, dtc, bc, cum, n_complete))
@@ -79,7 +83,8 @@ def run_case(name: str, bsz: int, t_len: int, first_out: int, bw: float) -> dict
                                                                                                n_complete))
         times["chunk terms triton"] = triton.testing.do_bench(lambda: chunk_contributions(xc, dtc, bc, cum, n_complete))
         floors["chunk terms"] = floor_bytes((xc, dtc, bc, cum), terms) / bw * 1e3
-    speedups = {part: times[f"{part} torch"] / times[f"{part} triton"] for part in ("outputs", "chunk terms", "scan")
+    speedups = {part: times[f"{part} torch"] / times[f"{part} triton"]
+                for part in ("prefix sums", "outputs", "chunk terms", "scan")
                 if f"{part} torch" in times}
     return {"case": name, "batch": bsz, "T": t_len, "first_out": first_out, "ms": times, "floor_ms": floors,
             "speedup": speedups, "bits_equal": bits}

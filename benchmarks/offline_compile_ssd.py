@@ -1,5 +1,5 @@
-"""Compile the CUDA SSD scan kernels (``kernels/triton/ssd_scan.py``: the outputs, the chunks' state terms) for sm_90a
-WITHOUT a GPU: errors, registers, spills, shared memory.
+"""Compile the CUDA SSD scan kernels (``kernels/triton/ssd_scan.py``: the prefix sums, the outputs, the chunks' state
+terms) for sm_90a WITHOUT a GPU: errors, registers, spills, shared memory.
 
     PYTHONPATH=$PWD python benchmarks/offline_compile_ssd.py
 
@@ -23,7 +23,7 @@ from offline_compile import capture, compile_report, distinct_launches  # noqa: 
 from megatron_consistent.kernels import ssd  # noqa: E402
 from megatron_consistent.kernels.triton import ssd_scan as tssd  # noqa: E402
 
-KERNELS = ("_ssd_outputs_kernel", "_chunk_contributions_kernel")
+KERNELS = ("_chunk_prefix_sums_kernel", "_ssd_outputs_kernel", "_chunk_contributions_kernel")
 # (name, H, P, G, N, chunk, T, first_out)
 SHAPES = [("tests", 4, 4, 2, 8, 8, 13, 0), ("Nemotron-H 8B prefill", 128, 64, 8, 128, 128, 300, 0),
           ("Nemotron-H 8B decode", 128, 64, 8, 128, 128, 77, 76), ("Mamba-2 2.7B prefill", 80, 64, 1, 128, 256, 300, 0)]
@@ -35,7 +35,7 @@ def record_launches():
         for _, nh, hp, ng, ns, chunk, t_len, first_out in SHAPES:
             x = torch.zeros(1, t_len, nh, hp, dtype=torch.bfloat16)
             b = torch.zeros(1, t_len, ng, ns, dtype=torch.bfloat16)
-            ssd.ssd_scan_by(tssd.ssd_outputs, tssd.chunk_contributions)(
+            ssd.ssd_scan_by(tssd.TRITON_STEPS)(
                 x, torch.zeros(1, t_len, nh), torch.zeros(nh), b, b, torch.zeros(nh), chunk, torch.zeros(1, nh, hp, ns),
                 first_out)
 

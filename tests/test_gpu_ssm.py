@@ -162,9 +162,10 @@ def test_ssd_cuda_vs_cpu_and_f64(dtype, c):
 def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
     """``MC_SSD_SCAN=triton``'s kernels (kernels/triton/ssd_scan.py) against the torch evaluation of the same
     contract on the same GPU, bitwise: whole scans, a replay's positions only, one batch row alone, the chunks' state
-    terms."""
+    terms, the prefix sums."""
     from megatron_consistent.kernels import ssd
-    from megatron_consistent.kernels.triton.ssd_scan import chunk_contributions, ssd_outputs
+    from megatron_consistent.kernels.triton.ssd_scan import (TRITON_STEPS, chunk_contributions, chunk_prefix_sums,
+                                                             ssd_outputs)
 
     inp = _dev(ssd_inputs(c, dtype, lead=(2,)))
     x, dt, A, B, C, D = _args(inp)
@@ -182,8 +183,8 @@ def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
     if n_complete:
         assert torch.equal(chunk_contributions(xc, dtc, bc, cum, n_complete),
                            ssd._chunk_contributions(xc, dtc, bc, cum, n_complete))
-    scan = ssd.ssd_scan_by(ssd_outputs, chunk_contributions)
-    y, s = scan(x, dt, A, B, C, D, c["chunk"], s0, 0)
+    assert torch.equal(chunk_prefix_sums(dtc, A), cum)
+    y, s = ssd.ssd_scan_by(TRITON_STEPS)(x, dt, A, B, C, D, c["chunk"], s0, 0)
     y_ref, s_ref = ssd._ssd_cpu(x, dt, A, B, C, D, c["chunk"], s0, 0)
     assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
 

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 from megatron_consistent.kernels import ssd
 from megatron_consistent.kernels.triton import ssd_scan as tssd
 
-TRITON_SCAN = ssd.ssd_scan_by(tssd.ssd_outputs, tssd.chunk_contributions)
+TRITON_SCAN = ssd.ssd_scan_by(tssd.TRITON_STEPS)
 
 
 def _inputs(seed, bsz, t_len, nh, hp, ng, ns, dtype):
@@ -75,6 +75,17 @@ def test_chunk_state_terms_equal_the_torch_contract(t_len, chunk, nh, hp, ng, ns
     ref = ssd._chunk_contributions(xc, dtc, bc, cum, n_complete)
     out = tssd.chunk_contributions(xc, dtc, bc, cum, n_complete)
     assert out.shape == ref.shape and torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
+
+
+@pytest.mark.parametrize("chunk,nh", [(8, 4), (6, 3), (16, 40), (1, 2), (128, 5)])
+def test_prefix_sums_equal_the_doubling_scan(chunk, nh):
+    """Step 1 alone: chunk sizes that are and are not powers of two, more heads than a program's block."""
+    g = torch.Generator().manual_seed(chunk + nh)
+    dtc = torch.rand(3, 2, chunk, nh, generator=g) * 0.5
+    a = -torch.rand(nh, generator=g) * 4
+    ref = ssd._chunk_prefix_sums(dtc, a)
+    out = tssd.chunk_prefix_sums(dtc, a)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
 
 
 @pytest.mark.parametrize("heads", ["all of the group", "two"])

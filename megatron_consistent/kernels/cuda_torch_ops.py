@@ -18,8 +18,8 @@ whole or token by token.  Reference speed, not a tuned kernel (the SSD scan mate
 them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float32 recompute
 (cumsum / einsum; correct, not batch-invariant), as on the CPU.
 
-``MC_SSD_SCAN=triton`` evaluates the SSD scan's bulk (the outputs, contract steps 2-4, and the chunks' state terms of
-step 5) by the fused Triton kernels of :mod:`.triton.ssd_scan` instead: the same IEEE operations in the same order,
+``MC_SSD_SCAN=triton`` evaluates the SSD scan's bulk (the prefix sums, the outputs and the chunks' state terms) by the
+fused Triton kernels of :mod:`.triton.ssd_scan` instead: the same IEEE operations in the same order,
 so the same bits as the torch evaluation (checked bitwise in Triton's interpreter on the CPU; on the GPU by
 tests/test_gpu_ssm.py), not yet the default because that GPU check and its speed (``benchmarks/bench_gpu_ssd.py``)
 have not run on a GPU.  It is read once, when the CUDA backend is imported (the first CUDA tensor of a process); the
@@ -43,9 +43,9 @@ def _ssd_scan():
     if choice == "torch":
         return _ssd_cpu
     if choice == "triton":
-        from .triton.ssd_scan import chunk_contributions, ssd_outputs
+        from .triton.ssd_scan import TRITON_STEPS
 
-        return ssd_scan_by(ssd_outputs, chunk_contributions)
+        return ssd_scan_by(TRITON_STEPS)
     raise ValueError(f"MC_SSD_SCAN={choice!r}: expected 'torch' or 'triton'")
 
 

@@ -43,6 +43,7 @@ as masked cumsums so ``grad A`` stays accurate when decays are tiny) + ``torch.a
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -187,9 +188,24 @@ def _chunk_contributions(xc, dtc, bc, cum, n_complete: int):
     return torch.cat(parts, dim=2)
 
 
-def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, contributions=_chunk_contributions):
+def _chunk_prefix_sums(dtc, A):
+    """Contract step 1: ``cum [b,c,L,H]`` = the doubling-scan prefix sums of ``a = dt * A`` within each chunk."""
+    return _prefix_sum(dtc * A.to(torch.float32), dim=2)
+
+
+class SSDSteps(NamedTuple):
+    """How the scan's bulk steps are evaluated (each the contract's operations in its order, so the same bits):
+    ``prefix_sums`` (:func:`_chunk_prefix_sums`' signature), ``contributions`` (:func:`_chunk_contributions`'),
+    ``outputs`` (:func:`_ssd_outputs`')."""
+
+    prefix_sums: Callable
+    contributions: Callable
+    outputs: Callable
+
+
+def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, steps: SSDSteps | None = None):
     """Contract steps 1 and 5.  Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32;
-    ``contributions``: step 5's per-chunk terms (:func:`_chunk_contributions`' signature).
+    ``steps``: how steps 1 and 5's per-chunk terms are evaluated (default: :data:`TORCH_STEPS`).
 
     Returns the chunked float32 operands ``xc [b,c,L,H,P]``, ``dtc [b,c,L,H]``, ``bc`` / ``cc [b,c,L,G,N]`` (zero rows
     past T), the prefix sums ``cum [b,c,L,H]``, the states at the chunk starts ``[N,b,k+1,H,P]`` (``k`` complete
@@ -203,14 +219,15 @@ def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, contributions=_chu
     def chunks(v):
         return _chunked(v.to(torch.float32), n_chunks, L)
 
+    steps = steps or TORCH_STEPS
     xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(B), chunks(C)   # [b,c,L,...]
-    cum = _prefix_sum(dtc * A.to(torch.float32), dim=2)              # [b,c,L,H]
+    cum = steps.prefix_sums(dtc, A)                                  # [b,c,L,H]
 
     # 5. states at chunk boundaries: S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c, in chunk order.  Kept as [N,b,H,P].
     s = state.permute(3, 0, 1, 2).contiguous()
     states = [s]
     if n_complete:
-        contrib = contributions(xc, dtc, bc, cum, n_complete)       # [N,b,k,H,P]
+        contrib = steps.contributions(xc, dtc, bc, cum, n_complete)  # [N,b,k,H,P]
         decay = exp(cum[:, :n_complete, L - 1])                       # [b,k,H]
         for j in range(n_complete):
             s = decay[None, :, j, :, None] * s + contrib[:, :, j]
@@ -248,19 +265,19 @@ def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, first_out: int, t_len: int
     return torch.cat(ys, dim=1) if ys else xc.new_zeros(bsz, 0, nh, hp, dtype=out_dtype)
 
 
-def ssd_scan_by(outputs, contributions):
-    """The contract forward (``ssd_scan``'s signature) with steps 2-4 evaluated by ``outputs`` (:func:`_ssd_outputs`'
-    signature) and step 5's per-chunk terms by ``contributions`` (:func:`_chunk_contributions`'): returns
+def ssd_scan_by(steps: SSDSteps):
+    """The contract forward (``ssd_scan``'s registered signature) with its bulk steps evaluated by ``steps``: returns
     ``(y [b, T - first_out, H, P] in x.dtype, state after the last complete chunk)``."""
 
     def scan(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
-        xc, dtc, bc, cc, cum, all_states, boundary = _ssd_chunk_states(x, dt, A, B, C, chunk_size, state, contributions)
-        return outputs(xc, dtc, bc, cc, cum, all_states, D, first_out, x.shape[1], x.dtype), boundary
+        xc, dtc, bc, cc, cum, all_states, boundary = _ssd_chunk_states(x, dt, A, B, C, chunk_size, state, steps)
+        return steps.outputs(xc, dtc, bc, cc, cum, all_states, D, first_out, x.shape[1], x.dtype), boundary
 
     return scan
 
 
-_ssd_cpu = ssd_scan_by(_ssd_outputs, _chunk_contributions)
+TORCH_STEPS = SSDSteps(_chunk_prefix_sums, _chunk_contributions, _ssd_outputs)
+_ssd_cpu = ssd_scan_by(TORCH_STEPS)
 register("ssd_scan", "cpu")(_ssd_cpu)
 
 

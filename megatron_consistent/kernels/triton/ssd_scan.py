@@ -1,9 +1,12 @@
 """Mamba-2 SSD scan on CUDA (Triton): the two bulk steps of :mod:`megatron_consistent.kernels.ssd`'s contract, fused.
 
-:func:`kernels.ssd._ssd_chunk_states` keeps the prefix sums ``cum`` (step 1) and the sequential state recurrence
-``S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c`` as torch ops; two kernels evaluate the rest, the terms that make the
-work ``L x N x P`` a chunk and ``L x (N + P) + N x P`` an output:
+:data:`TRITON_STEPS` are :class:`kernels.ssd.SSDSteps`: :func:`kernels.ssd._ssd_chunk_states` keeps the chunk
+padding and the sequential state recurrence ``S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c`` as torch ops; three kernels
+evaluate the rest -- the terms that make the work ``L x N x P`` a chunk and ``L x (N + P) + N x P`` an output, and the
+prefix sums (one launch where the torch evaluation takes three ops a doubling level):
 
+* :func:`chunk_prefix_sums` (step 1), one program a (chunk, block of heads): ``a = dt * A``, then
+  ``cum_i = cum_i + cum_{i-k}`` for ``i >= k``, ``k = 1, 2, 4, ...`` (every row reads, a barrier, every row writes);
 * :func:`chunk_contributions` (step 5's per-chunk term), one program a (complete chunk, head, block of the state's
   ``P x N``): ``u_s = exp(cum_{L-1} - cum_s) * dt_s``, ``contrib[n, p] = tree_L((u_s * x_s[p]) * B_s[n])``;
 * :func:`ssd_outputs` (steps 2-4), one program a (sequence position ``t``, heads of one group, :func:`heads_per_program`):
@@ -30,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..numerics import EXP_COEFFS, LN2, LOG2E
+from ..ssd import SSDSteps
 
 _EXP_C: tl.constexpr = tl.constexpr(tuple(EXP_COEFFS))
 _EXP_DEGREE: tl.constexpr = tl.constexpr(len(EXP_COEFFS) - 1)
@@ -124,6 +128,41 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, n_out, first_out, n_
 
 
 @triton.jit
+def _chunk_prefix_sums_kernel(DTC, A, CUM, L, H, BL: tl.constexpr, BH: tl.constexpr):
+    chunk = tl.program_id(0)  # (sequence, chunk)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    s = tl.arange(0, BL)
+    mask = (s < L)[:, None] & (h < H)[None, :]
+    at = CUM + chunk.to(tl.int64) * L * H + s[:, None] * H + h[None, :]
+    a = tl.load(DTC + chunk.to(tl.int64) * L * H + s[:, None] * H + h[None, :], mask=mask, other=0.0)
+    tl.store(at, a * tl.load(A + h, mask=h < H, other=0.0)[None, :], mask=mask)
+    k = 1
+    while k < L:  # the doubling scan through the output: every row reads, then every row writes
+        tl.debug_barrier()
+        later = s[:, None] >= k
+        cur = tl.load(at, mask=mask, other=0.0)
+        earlier = tl.load(at - k * H, mask=mask & later, other=0.0)
+        tl.debug_barrier()
+        tl.store(at, cur + earlier, mask=mask & later)
+        k *= 2
+
+
+def chunk_prefix_sums(dtc, A) -> torch.Tensor:
+    """Step 1, ``cum [b, c, L, H]``: ``a = dt * A``, then the doubling scan (``cum_i + cum_{i-k}`` for ``i >= k``,
+    ``k = 1, 2, 4, ...``) within each chunk, one program a (chunk, block of heads), the levels through the output
+    (its :func:`kernels.ssd._chunk_prefix_sums` in one launch instead of three torch ops a level)."""
+    nb, n_chunks, L, H = dtc.shape
+    cum = torch.empty(nb, n_chunks, L, H, dtype=torch.float32, device=dtc.device)
+    if nb * n_chunks == 0:
+        return cum
+    bh = min(32, triton.next_power_of_2(H))
+    _chunk_prefix_sums_kernel[(nb * n_chunks, triton.cdiv(H, bh))](
+        dtc.contiguous(), A.to(torch.float32).contiguous(), cum, L, H, BL=triton.next_power_of_2(L), BH=bh,
+        num_warps=4, enable_fp_fusion=False)
+    return cum
+
+
+@triton.jit
 def _chunk_contributions_kernel(XC, DTC, BC, CUM, OUT, n_chunks, n_complete, nb, L, H, P, G, N, HEADS_PER_GROUP,
                                 BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     chunk_id = tl.program_id(0)  # (sequence, complete chunk)
@@ -202,3 +241,6 @@ def heads_per_program(positions: int, H: int, G: int, programs: int = 1024) -> i
         if per_group % hpp == 0 and positions * (H // hpp) >= programs:
             return hpp
     return 1
+
+
+TRITON_STEPS = SSDSteps(chunk_prefix_sums, chunk_contributions, ssd_outputs)
