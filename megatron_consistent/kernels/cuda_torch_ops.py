@@ -1,4 +1,4 @@
-"""CUDA registrations of the Mamba-2 / Nemotron-H ops: the CPU contract code run on GPU tensors (no Triton).
+"""CUDA registrations of the Mamba-2 / Nemotron-H ops: the CPU contract code run on GPU tensors (Triton: opt-in below).
 
 Part of the CUDA backend (:data:`.dispatch.LAZY_BACKENDS`, imported on the first CUDA tensor beside :mod:`.triton`).
 

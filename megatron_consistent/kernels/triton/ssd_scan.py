@@ -1,4 +1,4 @@
-"""Mamba-2 SSD scan on CUDA (Triton): the two bulk steps of :mod:`megatron_consistent.kernels.ssd`'s contract, fused.
+"""Mamba-2 SSD scan on CUDA (Triton): the bulk of :mod:`megatron_consistent.kernels.ssd`'s contract in three kernels.
 
 :data:`TRITON_STEPS` are :class:`kernels.ssd.SSDSteps`: :func:`kernels.ssd._ssd_chunk_states` keeps the chunk
 padding and the sequential state recurrence ``S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c`` as torch ops; three kernels
