@@ -438,6 +438,8 @@ def main() -> int:
     ap.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
                     help="start every engine once, side by side (each with --gpu-memory-utilization / engines), then "
                          "ROUNDS rounds each (passes until --min-seconds) in alternating order; ratios also per round")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="prompts per pass instead of the shape's own count (a first, bounded run of a new shape)")
     ap.add_argument("--engine-timeout", type=float, default=900.0,
                     help="seconds an engine may take (one run; --interleave: to start or to finish a round); past it "
                     "the engine is killed with the processes it started")
@@ -446,6 +448,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.interleave and args.profile:
         raise SystemExit("--interleave and --profile: profile in a sequential run (engines share the GPU when interleaved)")
+    if args.prompts is not None and args.prompts < 1:
+        raise SystemExit(f"--prompts {args.prompts}: at least one prompt")
     if args.interleave < 0:
         raise SystemExit(f"--interleave {args.interleave}: the number of rounds must be >= 1")
     engine_envs = {name: ENGINES[name] for name in args.engines} | dict(parse_variant(v) for v in args.variant)
@@ -469,7 +473,7 @@ def main() -> int:
     report = {"settings": vars(args), "shapes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for key in args.shapes:
-            shape = SHAPES[key]
+            shape = SHAPES[key] | ({"prompts": args.prompts} if args.prompts else {})
             model_dir = Path(tmp) / f"llama-{key}"
             max_len = shape["max_len"] + shape["max_tokens"]
             write_model(model_dir, shape["model"], max_len, shape.get("quantization", ""))
