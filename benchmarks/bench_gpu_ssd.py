@@ -1,15 +1,17 @@
-"""The Mamba-2 SSD scan on CUDA: the torch evaluation (the default) against the fused Triton kernels
-(``MC_SSD_SCAN=triton``, ``kernels/triton/ssd_scan.py``), bitwise and timed in one run.
+"""The Mamba-2 SSD scan on CUDA: the torch evaluation (``MC_SSD_SCAN=torch``) against the fused Triton kernels
+(the default, ``kernels/triton/ssd_scan.py``), bitwise and timed in one run.
 
     python benchmarks/bench_gpu_ssd.py [--out benchmarks/results/ssd_gpu.json]
 
-Cases at Nemotron-H 8B's mixer widths (128 heads x 64, 8 groups, state 128, chunk 128): a prefill of one sequence
-(T = 1024 / 4096) and a decode step of 64 sequences (1 new token after 64 pending tokens of the chunk, so each replays
-65 positions and outputs one).  Per case and part -- the prefix sums (step 1), the outputs (steps 2-4), the chunks'
-state terms (step 5's bulk; prefill only), the whole scan (the chunk padding and the state recurrence are torch ops
-in both) -- the ratio torch time / Triton time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands
-read once, the result written once) over the device's measured copy bandwidth (their float32 arithmetic is not in
-it).  Timing: ``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).
+Cases at Nemotron-H 8B's mixer widths (128 heads x 64, 8 groups, state 128, chunk 128): a prefill of one sequence (T
+= 1024 / 4096), a decode step of 64 sequences (1 new token after 64 pending tokens of the chunk, so each replays 65
+positions and outputs one) and the engine's decode step of 64 sequences at ragged positions (each replays its
+pending tokens, zero-padded to the longest, and outputs its own position only: ``ssd_outputs_at``).  Per case and
+part -- the prefix sums (step 1), the outputs (steps 2-4), the chunks' state terms (step 5's bulk; prefill only),
+the whole scan (the chunk padding and the state recurrence are torch ops in both) -- the ratio torch time / Triton
+time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands read once, the result
+written once) over the device's measured copy bandwidth (their float32 arithmetic is not in it).  Timing:
+``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).
 """
 
 from __future__ import annotations
@@ -55,25 +57,30 @@ def floor_bytes(operands, result: torch.Tensor) -> int:
     return sum(v.numel() * v.element_size() for v in operands) + result.numel() * result.element_size()
 
 
-def run_case(name: str, bsz: int, t_len: int, first_out: int, bw: float) -> dict:
+def run_case(name: str, bsz: int, t_len: int, pos: torch.Tensor, bw: float) -> dict:
+    """One case: ``pos [bsz, o]`` the positions whose outputs are asked (a scan's ``first_out ..`` or a decode
+    step's one position a sequence)."""
     x, dt, a, b, c, d, state = inputs(bsz, t_len)
     ops = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:6]
     xc, dtc, bc, _, cum = ops[:5]
     n_complete = t_len // L
-    torch_out = ssd._ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)
-    triton_out = ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)
-    scan_triton = ssd.ssd_scan_by(TRITON_STEPS)
+    torch_out = ssd._ssd_outputs(*ops, d, pos, torch.bfloat16)
+    triton_out = ssd_outputs(*ops, d, pos, torch.bfloat16)
+
+    def scan(steps):  # what ssd_scan / ssd_outputs_at run: the chunk states, then the asked outputs
+        *chunked, boundary = ssd._ssd_chunk_states(x, dt, a, b, c, L, state, steps)
+        return steps.outputs(*chunked, d, pos, x.dtype), boundary
+
     bits = {"outputs": torch.equal(torch_out, triton_out),
             "prefix sums": torch.equal(chunk_prefix_sums(dtc, a), cum),
-            "scan": all(torch.equal(u, v) for u, v in zip(ssd._ssd_cpu(x, dt, a, b, c, d, L, state, first_out),
-                                                          scan_triton(x, dt, a, b, c, d, L, state, first_out)))}
+            "scan": all(torch.equal(u, v) for u, v in zip(scan(ssd.TORCH_STEPS), scan(TRITON_STEPS)))}
     times = {
-        "outputs torch": triton.testing.do_bench(lambda: ssd._ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)),
-        "outputs triton": triton.testing.do_bench(lambda: ssd_outputs(*ops, d, first_out, t_len, torch.bfloat16)),
+        "outputs torch": triton.testing.do_bench(lambda: ssd._ssd_outputs(*ops, d, pos, torch.bfloat16)),
+        "outputs triton": triton.testing.do_bench(lambda: ssd_outputs(*ops, d, pos, torch.bfloat16)),
         "prefix sums torch": triton.testing.do_bench(lambda: ssd._chunk_prefix_sums(dtc, a)),
         "prefix sums triton": triton.testing.do_bench(lambda: chunk_prefix_sums(dtc, a)),
-        "scan torch": triton.testing.do_bench(lambda: ssd._ssd_cpu(x, dt, a, b, c, d, L, state, first_out)),
-        "scan triton": triton.testing.do_bench(lambda: scan_triton(x, dt, a, b, c, d, L, state, first_out)),
+        "scan torch": triton.testing.do_bench(lambda: scan(ssd.TORCH_STEPS)),
+        "scan triton": triton.testing.do_bench(lambda: scan(TRITON_STEPS)),
     }
     floors = {"outputs": floor_bytes(ops, triton_out) / bw * 1e3, "prefix sums": floor_bytes((dtc,), cum) / bw * 1e3}
     if n_complete:
@@ -86,7 +93,7 @@ def run_case(name: str, bsz: int, t_len: int, first_out: int, bw: float) -> dict
     speedups = {part: times[f"{part} torch"] / times[f"{part} triton"]
                 for part in ("prefix sums", "outputs", "chunk terms", "scan")
                 if f"{part} torch" in times}
-    return {"case": name, "batch": bsz, "T": t_len, "first_out": first_out, "ms": times, "floor_ms": floors,
+    return {"case": name, "batch": bsz, "T": t_len, "positions": pos[:, :1].flatten().tolist(), "ms": times, "floor_ms": floors,
             "speedup": speedups, "bits_equal": bits}
 
 
@@ -97,10 +104,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     bw = copy_bandwidth()
-    cases = [("prefill 1 x 1024", 1, 1024, 0), ("prefill 1 x 4096", 1, 4096, 0), ("decode 64 x (64 + 1)", 64, 65, 64)]
+    ragged = torch.randint(0, L - 1, (64, 1), generator=torch.Generator().manual_seed(0)).to(DEV)
+    cases = [("prefill 1 x 1024", 1, 1024, ssd.output_positions(1, 0, 1024, DEV)),
+             ("prefill 1 x 4096", 1, 4096, ssd.output_positions(1, 0, 4096, DEV)),
+             ("decode 64 x (64 + 1)", 64, 65, ssd.output_positions(64, 64, 65, DEV)),
+             ("decode step 64, ragged", 64, L - 1, ragged)]
     rows = []
-    for name, bsz, t_len, first_out in cases:
-        rows.append(run_case(name, bsz, t_len, first_out, bw))
+    for name, bsz, t_len, pos in cases:
+        rows.append(run_case(name, bsz, t_len, pos, bw))
         r = rows[-1]
         print(f"{name:22s} " + "  ".join(f"{part}: x{v:.1f}" for part, v in r["speedup"].items())
               + f"  bits {r['bits_equal']}", flush=True)

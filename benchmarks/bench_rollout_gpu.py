@@ -122,6 +122,15 @@ def write_model(folder: Path, dims: dict, max_len: int, quantization: str = "") 
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
+def fewer_layers(model: dict, layers: int) -> dict:
+    """``model`` with its first ``layers`` decoder layers (a hybrid: the first ``layers`` of its pattern)."""
+    if layers > model["num_hidden_layers"]:
+        raise SystemExit(f"--layers {layers}: the shape has {model['num_hidden_layers']}")
+    if "hybrid_override_pattern" in model:
+        return model | {"num_hidden_layers": layers, "hybrid_override_pattern": model["hybrid_override_pattern"][:layers]}
+    return model | {"num_hidden_layers": layers}
+
+
 def prompts_for(shape: dict, vocab: int, seed: int = 0) -> list[list[int]]:
     import random
 
@@ -440,6 +449,9 @@ def main() -> int:
                          "ROUNDS rounds each (passes until --min-seconds) in alternating order; ratios also per round")
     ap.add_argument("--prompts", type=int, default=None,
                     help="prompts per pass instead of the shape's own count (a first, bounded run of a new shape)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="decoder layers (0: the shape's own); a hybrid keeps the first LAYERS of its own pattern, so "
+                    "its mix of Mamba-2, attention and MLP layers")
     ap.add_argument("--engine-timeout", type=float, default=900.0,
                     help="seconds an engine may take (one run; --interleave: to start or to finish a round); past it "
                     "the engine is killed with the processes it started")
@@ -450,6 +462,8 @@ def main() -> int:
         raise SystemExit("--interleave and --profile: profile in a sequential run (engines share the GPU when interleaved)")
     if args.prompts is not None and args.prompts < 1:
         raise SystemExit(f"--prompts {args.prompts}: at least one prompt")
+    if args.layers < 0:
+        raise SystemExit(f"--layers {args.layers}: must be >= 0")
     if args.interleave < 0:
         raise SystemExit(f"--interleave {args.interleave}: the number of rounds must be >= 1")
     engine_envs = {name: ENGINES[name] for name in args.engines} | dict(parse_variant(v) for v in args.variant)
@@ -474,6 +488,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for key in args.shapes:
             shape = SHAPES[key] | ({"prompts": args.prompts} if args.prompts else {})
+            if args.layers:
+                shape = shape | {"model": fewer_layers(shape["model"], args.layers)}
             model_dir = Path(tmp) / f"llama-{key}"
             max_len = shape["max_len"] + shape["max_tokens"]
             write_model(model_dir, shape["model"], max_len, shape.get("quantization", ""))

@@ -161,8 +161,8 @@ def test_ssd_cuda_vs_cpu_and_f64(dtype, c):
 @given(c=ssd_cases(), data=st.data())
 def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
     """``MC_SSD_SCAN=triton``'s kernels (kernels/triton/ssd_scan.py) against the torch evaluation of the same
-    contract on the same GPU, bitwise: whole scans, a replay's positions only, one batch row alone, the chunks' state
-    terms, the prefix sums."""
+    contract on the same GPU, bitwise: whole scans, a replay's positions only, one position a sequence (a decode
+    step's), one batch row alone, the chunks' state terms, the prefix sums."""
     from megatron_consistent.kernels import ssd
     from megatron_consistent.kernels.triton.ssd_scan import (TRITON_STEPS, chunk_contributions, chunk_prefix_sums,
                                                              ssd_outputs)
@@ -172,12 +172,16 @@ def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
     s0 = inp["S0"] if inp["S0"] is not None else torch.zeros(2, c["nh"], c["hp"], c["ns"], device=DEV)
     ops = ssd._ssd_chunk_states(x, dt, A, B, C, c["chunk"], s0)[:6]
     first_out = data.draw(st.integers(0, c["t"] - 1))
-    for start in (0, first_out):
-        ref = ssd._ssd_outputs(*ops, D, start, c["t"], dtype)
-        out = ssd_outputs(*ops, D, start, c["t"], dtype)
-        assert torch.equal(out, ref), f"first_out {start}: {(out != ref).sum().item()} of {out.numel()} differ"
-    alone = ssd_outputs(*ssd._ssd_chunk_states(x[1:], dt[1:], A, B[1:], C[1:], c["chunk"], s0[1:])[:6], D, 0, c["t"], dtype)
-    assert torch.equal(alone, ssd_outputs(*ops, D, 0, c["t"], dtype)[1:])
+    ragged = torch.tensor([[data.draw(st.integers(0, c["t"] - 1))] for _ in range(2)], device=DEV)
+    for pos in (ssd.output_positions(2, 0, c["t"], DEV), ssd.output_positions(2, first_out, c["t"], DEV), ragged):
+        ref = ssd._ssd_outputs(*ops, D, pos, dtype)
+        out = ssd_outputs(*ops, D, pos, dtype)
+        assert torch.equal(out, ref), f"positions {pos[:, 0].tolist()}..: {(out != ref).sum().item()} of {out.numel()} differ"
+    whole = ssd_outputs(*ops, D, ssd.output_positions(2, 0, c["t"], DEV), dtype)
+    assert torch.equal(ssd_outputs(*ops, D, ragged, dtype)[:, 0], whole[torch.arange(2), ragged[:, 0]])
+    alone = ssd_outputs(*ssd._ssd_chunk_states(x[1:], dt[1:], A, B[1:], C[1:], c["chunk"], s0[1:])[:6], D,
+                        ssd.output_positions(1, 0, c["t"], DEV), dtype)
+    assert torch.equal(alone, whole[1:])
     xc, dtc, bc, _, cum = ops[:5]
     n_complete = c["t"] // c["chunk"]
     if n_complete:
@@ -202,8 +206,9 @@ def test_ssd_triton_outputs_at_real_widths(nh, hp, ng, ns, chunk):
     x, dt, A, B, C, D = _args(inp)
     ops = ssd._ssd_chunk_states(x[None], dt[None], A, B[None], C[None], chunk, inp["S0"][None])[:6]
     for start in (0, c["t"] - 1):
-        ref = ssd._ssd_outputs(*ops, D, start, c["t"], BF16)
-        out = ssd_outputs(*ops, D, start, c["t"], BF16)
+        pos = ssd.output_positions(1, start, c["t"], DEV)
+        ref = ssd._ssd_outputs(*ops, D, pos, BF16)
+        out = ssd_outputs(*ops, D, pos, BF16)
         assert torch.equal(out, ref), f"first_out {start}: {(out != ref).sum().item()} of {out.numel()} differ"
     xc, dtc, bc, _, cum = ops[:5]
     assert torch.equal(chunk_contributions(xc, dtc, bc, cum, 1), ssd._chunk_contributions(xc, dtc, bc, cum, 1))

@@ -65,6 +65,7 @@ from megatron_consistent.kernels import (
     mamba_dt,
     relu_squared,
     ssd_continue,
+    ssd_outputs_at,
     ssd_scan,
 )
 from megatron_consistent.kernels.numerics import exp, tree_sum
@@ -368,6 +369,17 @@ def test_ssd_work_blocking_is_memory_only(case, work):
     assert _differences(whole, blocked) is None
 
 
+@given(case=ssd_cases(max_t=40), data=st.data())
+def test_ssd_outputs_at_are_the_scan_outputs(case, data):
+    """``ssd_outputs_at`` (the engine's decode step: one position a sequence, ragged) gives the whole scan's
+    outputs at those positions, bitwise."""
+    inp = ssd_inputs(case, (3,))
+    args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D")]
+    y, _ = ssd_scan(*args, case.chunk, inp["S0"])
+    pos = torch.tensor(data.draw(st.lists(st.integers(0, case.t - 1), min_size=3, max_size=3)))
+    assert torch.equal(ssd_outputs_at(*args, case.chunk, inp["S0"], pos), y[torch.arange(3), pos])
+
+
 @given(seed=seeds, n=st.integers(1, 40), tail=st.sampled_from(((), (3,), (2, 5))))
 def test_leading_axis_tree_is_numerics_tree_sum(seed, n, tail):
     """The kernel's fast tree over axis 0 is numerics.tree_sum (same pairing, same bits)."""
@@ -661,6 +673,8 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match="pending tokens, must be fewer than chunk_size"):
         B2 = torch.zeros(5, 2, 2)
         ssd_continue(None, (x, dt, B2, B2), x, dt, B2, B2, A, D, 4)
+    with pytest.raises(ValueError, match=r"ssd_outputs_at: positions \(2,\) is not \(\)"):
+        ssd_outputs_at(x, dt, A, torch.zeros(5, 2, 2), torch.zeros(5, 2, 2), D, 4, None, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="state must be float32"):
         ssd_scan(x, dt, A, torch.zeros(5, 2, 2), torch.zeros(5, 2, 2), D, 4, torch.zeros(4, 2, 2, dtype=BF16))
     with pytest.raises(ValueError, match="unsupported activation 'gelu'"):
@@ -680,15 +694,17 @@ def test_cuda_backend_registers_the_ssm_torch_ops():
 
 
 def test_cuda_ssd_scan_choice_is_refused_by_name(monkeypatch):
-    """``MC_SSD_SCAN`` picks the CUDA scan's evaluation (kernels/cuda_torch_ops.py): the torch one by default, the
-    fused Triton kernels when asked, anything else refused with the variable's name before any work."""
+    """``MC_SSD_SCAN`` picks the CUDA scan's evaluation (kernels/cuda_torch_ops.py): the fused Triton kernels by
+    default, the torch one when asked, anything else refused with the variable's name before any work."""
     from megatron_consistent.kernels import cuda_torch_ops, ssd
 
-    monkeypatch.delenv("MC_SSD_SCAN", raising=False)
-    assert cuda_torch_ops._ssd_scan() is ssd._ssd_cpu
+    monkeypatch.setenv("MC_SSD_SCAN", "torch")
+    assert cuda_torch_ops._ssd_steps() is ssd.TORCH_STEPS
     monkeypatch.setenv("MC_SSD_SCAN", "cuda")
     with pytest.raises(ValueError, match="MC_SSD_SCAN='cuda'"):
-        cuda_torch_ops._ssd_scan()
+        cuda_torch_ops._ssd_steps()
     pytest.importorskip("triton")
-    monkeypatch.setenv("MC_SSD_SCAN", "triton")
-    assert cuda_torch_ops._ssd_scan() is not ssd._ssd_cpu
+    monkeypatch.delenv("MC_SSD_SCAN", raising=False)
+    from megatron_consistent.kernels.triton.ssd_scan import TRITON_STEPS
+
+    assert cuda_torch_ops._ssd_steps() is TRITON_STEPS

@@ -59,8 +59,9 @@ def test_replayed_positions_and_bf16_operands(first_out):
     recomputed, not output); bf16 operands, float32 outputs (see the module docstring)."""
     x, dt, a, b, c, d, state = _inputs(first_out, 3, 13, 4, 4, 2, 8, torch.bfloat16)
     ops = ssd._ssd_chunk_states(x, dt, a, b, c, 8, state)[:6]
-    ref = ssd._ssd_outputs(*ops, d, first_out, 13, torch.float32)
-    out = tssd.ssd_outputs(*ops, d, first_out, 13, torch.float32)
+    pos = ssd.output_positions(3, first_out, 13, "cpu")
+    ref = ssd._ssd_outputs(*ops, d, pos, torch.float32)
+    out = tssd.ssd_outputs(*ops, d, pos, torch.float32)
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} outputs differ"
 
 
@@ -94,10 +95,22 @@ def test_several_heads_a_program(monkeypatch, heads):
     ``C_t . B_s`` once for them; every head's outputs keep their bits."""
     x, dt, a, b, c, d, state = _inputs(11, 2, 13, 8, 4, 2, 8, torch.float32)
     ops = ssd._ssd_chunk_states(x, dt, a, b, c, 8, state)[:6]
-    ref = ssd._ssd_outputs(*ops, d, 0, 13, torch.float32)
+    pos = ssd.output_positions(2, 0, 13, "cpu")
+    ref = ssd._ssd_outputs(*ops, d, pos, torch.float32)
     monkeypatch.setattr(tssd, "heads_per_program", lambda positions, nh, ng: nh // ng if heads != "two" else 2)
-    out = tssd.ssd_outputs(*ops, d, 0, 13, torch.float32)
+    out = tssd.ssd_outputs(*ops, d, pos, torch.float32)
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} outputs differ"
+
+
+def test_one_position_a_sequence():
+    """A decode step asks each sequence for one position of its own (``positions [b, 1]``, ragged): the outputs
+    are the whole scan's at those positions, bitwise."""
+    x, dt, a, b, c, d, state = _inputs(5, 4, 13, 4, 4, 2, 8, torch.float32)
+    ops = ssd._ssd_chunk_states(x, dt, a, b, c, 8, state)[:6]
+    whole = ssd._ssd_outputs(*ops, d, ssd.output_positions(4, 0, 13, "cpu"), torch.float32)
+    pos = torch.tensor([[12], [0], [7], [8]])
+    out = tssd.ssd_outputs(*ops, d, pos, torch.float32)
+    assert torch.equal(out[:, 0], whole[torch.arange(4), pos[:, 0]])
 
 
 def test_heads_per_program_divides_the_group_and_keeps_programs():

@@ -2,8 +2,9 @@
 
 Part of the CUDA backend (:data:`.dispatch.LAZY_BACKENDS`, imported on the first CUDA tensor beside :mod:`.triton`).
 
-``mamba_dt``, ``ssd_scan`` (hence ``ssd_continue``), ``causal_conv1d``, ``gated_rms_norm`` and
-``relu_squared`` are registered for ``"cuda"`` with the very functions registered for ``"cpu"``:
+``mamba_dt``, ``causal_conv1d``, ``gated_rms_norm`` and ``relu_squared`` are registered for ``"cuda"`` with the
+very functions registered for ``"cpu"``, and the SSD scan's steps (``ssd_steps``: hence ``ssd_scan``,
+``ssd_continue``, ``ssd_outputs_at``) with the fused Triton kernels by default (below):
 their forwards use only elementwise torch ops, fixed-shape slicing / gathers, the float64
 :mod:`.numerics` ``exp`` / ``log`` and fixed-length :func:`.numerics.tree_sum` trees — no
 matmul / einsum, no cumsum, no scatter / index_add, no reduction over a length that varies.
@@ -18,12 +19,13 @@ whole or token by token.  Reference speed, not a tuned kernel (the SSD scan mate
 them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float32 recompute
 (cumsum / einsum; correct, not batch-invariant), as on the CPU.
 
-``MC_SSD_SCAN=triton`` evaluates the SSD scan's bulk (the prefix sums, the outputs and the chunks' state terms) by the
-fused Triton kernels of :mod:`.triton.ssd_scan` instead: the same IEEE operations in the same order,
-so the same bits as the torch evaluation (checked bitwise in Triton's interpreter on the CPU; on the GPU by
-tests/test_gpu_ssm.py), not yet the default because that GPU check and its speed (``benchmarks/bench_gpu_ssd.py``)
-have not run on a GPU.  It is read once, when the CUDA backend is imported (the first CUDA tensor of a process); the
-trainer and the engine processes inherit it alike.
+The SSD scan's bulk (the prefix sums, the outputs and the chunks' state terms) is evaluated by the fused Triton
+kernels of :mod:`.triton.ssd_scan` (``MC_SSD_SCAN=triton``, the default): the same IEEE operations in the same
+order, so the same bits as the torch evaluation (bitwise in Triton's interpreter on the CPU; on the H200 by
+tests/test_gpu_ssm.py, ``benchmarks/bench_gpu_ssd.py`` at Nemotron-H 8B's widths and the whole ``check`` at shape
+``h``, session 23), 100-260 times faster at prefill.  ``MC_SSD_SCAN=torch`` runs the torch evaluation instead (the
+reference, minutes per step at real widths).  It is read once, when the CUDA backend is imported (the first CUDA
+tensor of a process); the trainer and the engine processes inherit it alike.
 """
 
 from __future__ import annotations
@@ -34,24 +36,24 @@ from .causal_conv1d import _causal_conv1d_cpu
 from .dispatch import register
 from .gated_rms_norm import _gated_rms_norm_cpu
 from .relu_squared import _relu_squared_cpu
-from .ssd import _mamba_dt_cpu, _ssd_cpu, ssd_scan_by
+from .ssd import TORCH_STEPS, _mamba_dt_cpu
 
 
-def _ssd_scan():
-    """The ``ssd_scan`` implementation that ``MC_SSD_SCAN`` names (module docstring)."""
-    choice = os.environ.get("MC_SSD_SCAN", "torch")
+def _ssd_steps():
+    """The SSD scan's steps that ``MC_SSD_SCAN`` names (module docstring)."""
+    choice = os.environ.get("MC_SSD_SCAN", "triton")
     if choice == "torch":
-        return _ssd_cpu
+        return TORCH_STEPS
     if choice == "triton":
         from .triton.ssd_scan import TRITON_STEPS
 
-        return ssd_scan_by(TRITON_STEPS)
+        return TRITON_STEPS
     raise ValueError(f"MC_SSD_SCAN={choice!r}: expected 'torch' or 'triton'")
 
 
 OPS = {
     "mamba_dt": _mamba_dt_cpu,
-    "ssd_scan": _ssd_scan(),
+    "ssd_steps": _ssd_steps(),
     "causal_conv1d": _causal_conv1d_cpu,
     "gated_rms_norm": _gated_rms_norm_cpu,
     "relu_squared": _relu_squared_cpu,

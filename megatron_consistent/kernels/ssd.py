@@ -235,9 +235,16 @@ def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, steps: SSDSteps | 
     return xc, dtc, bc, cc, cum, torch.stack(states, dim=2), s.permute(1, 2, 3, 0).contiguous()
 
 
-def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, first_out: int, t_len: int, out_dtype):
-    """Contract steps 2-4 for positions ``first_out .. t_len - 1`` from :func:`_ssd_chunk_states`' tensors, in blocks
-    of positions; ``y [b, t_len - first_out, H, P]`` in ``out_dtype``."""
+def output_positions(bsz: int, first_out: int, t_len: int, device) -> torch.Tensor:
+    """``[b, t_len - first_out]`` int64: positions ``first_out .. t_len - 1`` for each of ``b`` sequences (the
+    ``positions`` argument of :func:`_ssd_outputs` for a scan's outputs)."""
+    return torch.arange(first_out, t_len, device=device).expand(bsz, t_len - first_out)
+
+
+def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, positions, out_dtype):
+    """Contract steps 2-4 from :func:`_ssd_chunk_states`' tensors at ``positions [b, o]`` (int64: sequence ``i``'s
+    outputs are those of its positions ``positions[i]``), in blocks of output columns; ``y [b, o, H, P]`` in
+    ``out_dtype``.  Gathers move values only: an output's bits do not depend on which positions are asked beside it."""
     bsz, _, L, nh, hp = xc.shape
     ng, ns = bc.shape[-2:]
     dev = xc.device
@@ -247,38 +254,41 @@ def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, first_out: int, t_len: int
     per_pos = nh * hp * max(L, ns) + L * ng * ns                    # largest work tensors per position
     block = max(1, _WORK_ELEMENTS // (bsz * per_pos))
     rows = torch.arange(L, device=dev)
-    for start in range(first_out, t_len, block):
-        pos = torch.arange(start, min(t_len, start + block), device=dev)
+    seqs = torch.arange(bsz, device=dev)[:, None]
+    for start in range(0, positions.shape[1], block):
+        pos = positions[:, start:start + block]                       # [b,o]
         ci, ri = pos // L, pos % L
-        cum_c = cum[:, ci]                                            # [b,o,L,H]
-        cum_t = cum_c[:, torch.arange(len(pos), device=dev), ri]                  # [b,o,H]
-        c_t = cc[:, ci, ri].permute(3, 0, 1, 2)                       # [N,b,o,G]
-        cb = _tree_sum0(c_t[:, :, :, None, :] * bc[:, ci].permute(4, 0, 1, 2, 3).contiguous())  # [b,o,L,G]
-        mask = (rows[None, :] <= ri[:, None])[None, :, :, None]       # [1,o,L,1]
+        cum_c = cum[seqs, ci]                                         # [b,o,L,H]
+        cum_t = cum_c[seqs, torch.arange(pos.shape[1], device=dev)[None, :], ri]   # [b,o,H]
+        c_t = cc[seqs, ci, ri].permute(3, 0, 1, 2)                    # [N,b,o,G]
+        cb = _tree_sum0(c_t[:, :, :, None, :] * bc[seqs, ci].permute(4, 0, 1, 2, 3).contiguous())  # [b,o,L,G]
+        mask = (rows[None, None, :] <= ri[:, :, None])[..., None]     # [b,o,L,1]
         seg = torch.where(mask, cum_t[:, :, None, :] - cum_c, 0.0)
         e = exp(torch.cat([seg, cum_t[:, :, None, :]], dim=2))        # [b,o,L+1,H]
-        w = torch.where(mask, (cb[..., heads] * e[:, :, :L]) * dtc[:, ci], 0.0)   # [b,o,L,H]
-        intra = _tree_sum0(w.permute(2, 0, 1, 3)[..., None] * xc[:, ci].permute(2, 0, 1, 3, 4).contiguous())  # [b,o,H,P]
-        inter = _tree_sum0(c_t[..., heads][..., None] * all_states[:, :, ci]) * e[:, :, L, :, None]
-        x_t = xc[:, ci, ri]                                           # [b,o,H,P]
+        w = torch.where(mask, (cb[..., heads] * e[:, :, :L]) * dtc[seqs, ci], 0.0)   # [b,o,L,H]
+        intra = _tree_sum0(w.permute(2, 0, 1, 3)[..., None] * xc[seqs, ci].permute(2, 0, 1, 3, 4).contiguous())  # [b,o,H,P]
+        inter = _tree_sum0(c_t[..., heads][..., None] * all_states[:, seqs, ci]) * e[:, :, L, :, None]
+        x_t = xc[seqs, ci, ri]                                        # [b,o,H,P]
         ys.append(((intra + inter) + d32[:, None] * x_t).to(out_dtype))
     return torch.cat(ys, dim=1) if ys else xc.new_zeros(bsz, 0, nh, hp, dtype=out_dtype)
 
 
 def ssd_scan_by(steps: SSDSteps):
-    """The contract forward (``ssd_scan``'s registered signature) with its bulk steps evaluated by ``steps``: returns
-    ``(y [b, T - first_out, H, P] in x.dtype, state after the last complete chunk)``."""
+    """The contract forward (``ssd_scan``'s signature after ``D``: ``chunk_size, state, first_out``) with its bulk
+    steps evaluated by ``steps``: returns ``(y [b, T - first_out, H, P] in x.dtype, state after the last complete
+    chunk)``."""
 
     def scan(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         xc, dtc, bc, cc, cum, all_states, boundary = _ssd_chunk_states(x, dt, A, B, C, chunk_size, state, steps)
-        return steps.outputs(xc, dtc, bc, cc, cum, all_states, D, first_out, x.shape[1], x.dtype), boundary
+        positions = output_positions(x.shape[0], first_out, x.shape[1], x.device)
+        return steps.outputs(xc, dtc, bc, cc, cum, all_states, D, positions, x.dtype), boundary
 
     return scan
 
 
 TORCH_STEPS = SSDSteps(_chunk_prefix_sums, _chunk_contributions, _ssd_outputs)
 _ssd_cpu = ssd_scan_by(TORCH_STEPS)
-register("ssd_scan", "cpu")(_ssd_cpu)
+register("ssd_steps", "cpu")(TORCH_STEPS)
 
 
 def _ssd_autograd(x, dt, A, B, C, D, chunk_size: int, state):
@@ -332,7 +342,7 @@ class SSDScanFunction(torch.autograd.Function):
     def forward(ctx, x, dt, A, B, C, D, state, chunk_size, first_out):
         ctx.save_for_backward(x, dt, A, B, C, D, state)
         ctx.chunk_size, ctx.first_out = chunk_size, first_out
-        return implementation("ssd_scan", x.device)(x, dt, A, B, C, D, chunk_size, state, first_out)
+        return ssd_scan_by(implementation("ssd_steps", x.device))(x, dt, A, B, C, D, chunk_size, state, first_out)
 
     @staticmethod
     def backward(ctx, grad_y, grad_state):
@@ -399,6 +409,26 @@ def ssd_scan(x, dt, A, B, C, D, chunk_size: int, initial_state=None):
     """
     _check(x, dt, A, B, C, D, chunk_size, initial_state)
     return _scan(x, dt, A, B, C, D, chunk_size, initial_state, 0)
+
+
+def ssd_outputs_at(x, dt, A, B, C, D, chunk_size: int, initial_state, positions: torch.Tensor) -> torch.Tensor:
+    """``y [..., H, P]``: the output :func:`ssd_scan` gives at position ``positions[i]`` of sequence ``i`` (same
+    bits), and no other (inference only: no backward).  ``positions`` ``[...]`` int64, each ``< T``.  The states
+    of every complete chunk are still formed: a decode step keeps ``T`` within its chunk (``T < chunk_size``)."""
+    _check(x, dt, A, B, C, D, chunk_size, initial_state)
+    lead, (t_len, nh, hp), (ng, ns) = x.shape[:-3], x.shape[-3:], B.shape[-2:]
+    if positions.shape != lead:
+        raise ValueError(f"ssd_outputs_at: positions {tuple(positions.shape)} is not {tuple(lead)}")
+    nb = positions.numel()
+    if initial_state is None:
+        initial_state = torch.zeros(*lead, nh, hp, ns, dtype=torch.float32, device=x.device)
+    steps = implementation("ssd_steps", x.device)
+    with torch.no_grad():
+        ops = _ssd_chunk_states(x.reshape(nb, t_len, nh, hp), dt.reshape(nb, t_len, nh), A,
+                                B.reshape(nb, t_len, ng, ns), C.reshape(nb, t_len, ng, ns), chunk_size,
+                                initial_state.reshape(nb, nh, hp, ns), steps)[:6]
+        y = steps.outputs(*ops, D, positions.reshape(nb, 1).to(torch.int64), x.dtype)
+    return y.reshape(*lead, nh, hp)
 
 
 def empty_pending(x_like_shape, nh, hp, ng, ns, dtype, device=None):

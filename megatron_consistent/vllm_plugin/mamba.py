@@ -22,7 +22,7 @@ with ``p = num_computed_tokens % L`` pending tokens.  Every prefill piece and ev
 decode step calls :func:`kernels.ssd_continue` from the boundary state with the pending
 tokens, so each output has the bits of the whole-sequence :func:`kernels.ssd_scan`
 whatever the chunked-prefill cut, the decode step or the batch (one-token steps of the
-batch are replayed together in one zero-padded scan, :meth:`ConsistentMambaMixer._step`).  A request's
+batch are replayed together, zero-padded, each asking its own row only: :meth:`ConsistentMambaMixer._step`).  A request's
 ``num_computed_tokens`` comes from vLLM's metadata (``seq_lens - query_len``); a request
 with none computed starts from zeros.  Requests with the same (new tokens, pending) sizes
 are run as one batched call (the kernels are batch-invariant).
@@ -59,7 +59,7 @@ from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend, Mamba
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import causal_conv1d, inference_ops, ssd_continue, ssd_scan, ssm_decay_rate
+from ..kernels import causal_conv1d, inference_ops, ssd_continue, ssd_outputs_at, ssm_decay_rate
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
 
@@ -213,37 +213,54 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
     def _step(self, xbc: torch.Tensor, dt: torch.Tensor, slots: list[int], computed: list[int]) -> torch.Tensor:
         """One new token for each of ``b`` requests (any pending counts ``p``): ``xbc [b, conv_dim]``, ``dt [b, H]``.
 
-        One :func:`kernels.ssd_scan` over ``[b, max(p) + 1]`` rows: request ``i``'s row ``r`` is its
-        pending token ``r`` (``r < p_i``), its new token (``r == p_i``) or zero (``r > p_i``) —
-        exactly the zero padding the scan gives a partial chunk, so row ``p_i`` has the bits of
-        :func:`kernels.ssd_continue`.  Returns ``y [b, H, P]``.
+        Request ``i``'s replay is ``[max(p) + 1]`` rows: its pending token ``r`` (``r < p_i``), its new token
+        (``r == p_i``) or zero (``r > p_i``) -- exactly the zero padding the scan gives a partial chunk, so its output
+        at row ``p_i`` has the bits of :func:`kernels.ssd_continue`.  The requests whose token leaves the chunk open
+        (``p_i < L - 1``) take one :func:`kernels.ssd_outputs_at` (their own row only, no state); those whose token
+        completes it also form the new boundary state, by one :func:`kernels.ssd_continue` for them alone.  Only
+        their slots' states are written (and a first token's slot zeroed).  Returns ``y [b, H, P]``.
         """
         s = self.ssm
         b = xbc.shape[0]
         L, d, gn = s.chunk_size, s.d_inner, s.n_groups * s.state_size
         ssm_c, dt_c, conv_c, xbc_c = self.kv_cache
         dev = xbc.device
+        pending = [c % L for c in computed]
         idx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        p = torch.tensor([c % L for c in computed], dtype=torch.int64, device=dev)
-        fresh = torch.tensor([c == 0 for c in computed], device=dev)
-        conv_state = torch.where(fresh[:, None, None], 0, conv_c[idx])
-        boundary = torch.where(fresh[:, None, None, None], 0.0, ssm_c[idx])
+        p = torch.tensor(pending, dtype=torch.int64, device=dev)
+        fresh = [slot for slot, c in zip(slots, computed) if c == 0]
+        if fresh:  # a first token: its slot starts from zeros, and its boundary state stays there until the chunk completes
+            first = torch.tensor(fresh, dtype=torch.int64, device=dev)
+            ssm_c[first], conv_c[first] = 0.0, 0
+        conv_state, boundary = conv_c[idx], ssm_c[idx]
         new_xbc, new_conv = causal_conv1d(xbc[:, None], self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
-        t = max(c % L for c in computed) + 1
+        t = max(pending) + 1
         r = torch.arange(t, device=dev)[None, :]
         seg = torch.where((r < p[:, None])[..., None], xbc_c[idx, :t], 0)
         seg = torch.where((r == p[:, None])[..., None], new_xbc, seg)
         seg_dt = torch.where((r < p[:, None])[..., None], dt_c[idx, :t], 0.0)
         seg_dt = torch.where((r == p[:, None])[..., None], dt[:, None].to(torch.float32), seg_dt)
         x, B, C = seg.split([d, gn, gn], dim=-1)
-        y, state = ssd_scan(x.reshape(b, t, s.num_heads, s.head_dim), seg_dt, ssm_decay_rate(self.A_log),
-                            B.reshape(b, t, s.n_groups, s.state_size), C.reshape(b, t, s.n_groups, s.state_size), self.D, L, boundary)
-        done = p == L - 1  # this token completes the chunk: the scan's boundary state is this request's
-        ssm_c[idx] = torch.where(done[:, None, None, None], state, boundary)
+        x, B, C = (x.reshape(b, t, s.num_heads, s.head_dim), B.reshape(b, t, s.n_groups, s.state_size),
+                   C.reshape(b, t, s.n_groups, s.state_size))
+        A = ssm_decay_rate(self.A_log)
+        y = torch.empty(b, s.num_heads, s.head_dim, dtype=x.dtype, device=dev)
+        open_rows = [i for i, q in enumerate(pending) if q < L - 1]
+        closing = [i for i, q in enumerate(pending) if q == L - 1]
+        if open_rows:
+            rows, t_open = torch.tensor(open_rows, device=dev), max(pending[i] for i in open_rows) + 1
+            y[rows] = ssd_outputs_at(x[rows, :t_open], seg_dt[rows, :t_open], A, B[rows, :t_open], C[rows, :t_open],
+                                     self.D, L, boundary[rows], p[rows])
+        if closing:  # t == L: the pending L - 1 tokens, then the new one
+            rows = torch.tensor(closing, device=dev)
+            y_c, state, _ = ssd_continue(boundary[rows], (x[rows, :-1], seg_dt[rows, :-1], B[rows, :-1], C[rows, :-1]),
+                                         x[rows, -1:], seg_dt[rows, -1:], B[rows, -1:], C[rows, -1:], A, self.D, L)
+            y[rows] = y_c[:, 0]
+            ssm_c[idx[rows]] = state
         conv_c[idx] = new_conv
         xbc_c[idx, p] = new_xbc[:, 0]
         dt_c[idx, p] = dt.to(torch.float32)
-        return y[torch.arange(b, device=dev), p]
+        return y
 
     def _run(self, xbc: torch.Tensor, dt: torch.Tensor, cache) -> torch.Tensor:
         """Conv + SSD of ``b`` requests of equal (new, pending) sizes; ``xbc [b, n, conv_dim]``, ``dt [b, n, H]``.

@@ -9,7 +9,7 @@ prefix sums (one launch where the torch evaluation takes three ops a doubling le
   ``cum_i = cum_i + cum_{i-k}`` for ``i >= k``, ``k = 1, 2, 4, ...`` (every row reads, a barrier, every row writes);
 * :func:`chunk_contributions` (step 5's per-chunk term), one program a (complete chunk, head, block of the state's
   ``P x N``): ``u_s = exp(cum_{L-1} - cum_s) * dt_s``, ``contrib[n, p] = tree_L((u_s * x_s[p]) * B_s[n])``;
-* :func:`ssd_outputs` (steps 2-4), one program a (sequence position ``t``, heads of one group, :func:`heads_per_program`):
+* :func:`ssd_outputs` (steps 2-4), one program a (sequence, asked position ``t``, heads of one group, :func:`heads_per_program`):
   ``cb[s] = tree_N(C_t[n] * B_s[n])`` for every row ``s`` of ``t``'s chunk (zero-padded rows included);
   ``e[s] = exp(cum_t - cum_s)`` for ``s <= t`` else ``exp(+0)``; ``w[s] = (cb[s] * e[s]) * dt_s`` for ``s <= t``
   else ``+0``; ``intra[p] = tree_L(w[s] * x_s[p])``; ``inter[p] = tree_N(C_t[n] * S_c[n, p]) * exp(cum_t)``;
@@ -88,12 +88,12 @@ def _tree_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, n_out, first_out, n_chunks, n_starts, nb, L, H, P, G, N,
+def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks, n_starts, nb, L, H, P, G, N,
                         HEADS_PER_GROUP, HEADS_PER_PROGRAM, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
-    o = tl.program_id(0)  # (sequence, position) of the output
+    o = tl.program_id(0)  # (sequence, output column)
     h0 = tl.program_id(1) * HEADS_PER_PROGRAM  # the program's heads h0 .., all of one group
     b = o // n_out
-    t = first_out + o % n_out
+    t = tl.load(POS + o)  # the position of that output
     ci = t // L
     ri = t % L
     g = h0 // HEADS_PER_GROUP
@@ -211,21 +211,23 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int) -> torch.Tensor:
     return out
 
 
-def ssd_outputs(xc, dtc, bc, cc, cum, states, D, first_out: int, t_len: int, out_dtype) -> torch.Tensor:
-    """``y [b, t_len - first_out, H, P]`` (``out_dtype``) of the positions ``first_out .. t_len - 1`` from the chunked
-    float32 operands ``xc [b, c, L, H, P]``, ``dtc`` / ``cum [b, c, L, H]``, ``bc`` / ``cc [b, c, L, G, N]``, the
-    states at the chunk starts ``states [N, b, starts, H, P]`` (a state for every chunk start, and one after the last
-    chunk when it is complete) and ``D [H]`` (module docstring)."""
+def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.Tensor:
+    """``y [b, o, H, P]`` (``out_dtype``) at ``positions [b, o]`` (int64: sequence ``i``'s positions ``positions[i]``)
+    from the chunked float32 operands ``xc [b, c, L, H, P]``, ``dtc`` / ``cum [b, c, L, H]``, ``bc`` / ``cc [b, c, L,
+    G, N]``, the states at the chunk starts ``states [N, b, starts, H, P]`` (a state for every chunk start, and one
+    after the last chunk when it is complete) and ``D [H]`` (module docstring; :func:`kernels.ssd._ssd_outputs`'
+    signature)."""
     nb, n_chunks, L, H, P = xc.shape
     G, N = bc.shape[-2:]
-    n_out = t_len - first_out
+    n_out = positions.shape[1]
     y = torch.empty(nb, n_out, H, P, dtype=out_dtype, device=xc.device)
     if n_out == 0 or nb == 0:
         return y
     ops = [v.contiguous() for v in (xc, dtc, bc, cc, cum, states)]
     bl, bn = triton.next_power_of_2(L), triton.next_power_of_2(N)
     hpp = heads_per_program(nb * n_out, H, G)
-    _ssd_outputs_kernel[(nb * n_out, H // hpp)](*ops, D.to(torch.float32).contiguous(), y, n_out, first_out, n_chunks,
+    _ssd_outputs_kernel[(nb * n_out, H // hpp)](*ops, D.to(torch.float32).contiguous(),
+                                                positions.to(torch.int64).contiguous(), y, n_out, n_chunks,
                                                 states.shape[2], nb, L, H, P, G, N, H // G, hpp, BL=bl,
                                                 BP=triton.next_power_of_2(P), BN=bn, num_warps=launch_warps(bl, bn),
                                                 enable_fp_fusion=False)
