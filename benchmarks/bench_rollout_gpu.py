@@ -278,6 +278,15 @@ def failure_lines(log: Path) -> list[str]:
     return errors[:20] + lines[-15:]
 
 
+def failed(name: str, error: str, log: Path, flush_first=None) -> dict:
+    """An engine's failure with its last words, printed at once (the run may be cut before its table)."""
+    if flush_first is not None:
+        flush_first.flush()
+    result = {"error": error, "log_tail": failure_lines(log)}
+    print(f"  {name} failed: {error}\n" + "\n".join(f"    | {line[:200]}" for line in result["log_tail"]), flush=True)
+    return result
+
+
 def run_engine(name: str, request: dict, work: Path, engine_env: dict, timeout_s: float) -> dict:
     """One engine process (started, timed, stopped); past ``timeout_s`` it is killed with the processes it started."""
     req, res, log = work / f"{name}.req.json", work / f"{name}.res.json", work / f"{name}.log"
@@ -285,9 +294,9 @@ def run_engine(name: str, request: dict, work: Path, engine_env: dict, timeout_s
     env = dict(os.environ, **engine_caches(name, work), **engine_env)
     rc = run_group([sys.executable, __file__, "--worker", str(req), str(res)], log, timeout_s, env)
     if rc is None:
-        return {"error": f"no result in {timeout_s:.0f} s (killed)", "log_tail": failure_lines(log)}
+        return failed(name, f"no result in {timeout_s:.0f} s (killed)", log)
     if rc != 0 or not res.exists():
-        return {"error": f"exit {rc}", "log_tail": failure_lines(log)}
+        return failed(name, f"exit {rc}", log)
     out = json.loads(res.read_text())
     out["plugin_active"] = "megatron-consistent plugin active" in log.read_text(errors="replace")
     return out
@@ -316,23 +325,24 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
     that exits or hangs past ``timeout_s`` gets ``{"error": ...}`` and is left out of later rounds.
     ``command(req, events)``: the engine process's argv (default: this script's ``--worker REQ EVENTS --serve``)."""
     command = command or (lambda req, events: [sys.executable, __file__, "--worker", str(req), str(events), "--serve"])
-    procs, events, results, logs = {}, {}, {}, []
+    procs, events, results, logs = {}, {}, {}, {}
     try:
         for name, engine_env in engine_envs.items():
             req, events[name] = work / f"{name}.req.json", work / f"{name}.events.jsonl"
             req.write_text(json.dumps(request))
-            logs.append(open(work / f"{name}.log", "w"))
+            logs[name] = open(work / f"{name}.log", "w")
             env = dict(os.environ, **engine_caches(name, work), **engine_env)
             procs[name] = subprocess.Popen(command(req, events[name]), env=env, text=True, stdin=subprocess.PIPE,
-                                           stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
+                                           stdout=logs[name], stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 ready = _next_event(events[name], 0, procs[name], name, timeout_s)
                 results[name] = {"startup_s": ready["startup_s"], "warmup_s": ready.get("warmup_s"),
                                  "package_dir": ready["package_dir"], "round_tokens": [], "round_seconds": [],
                                  "round_passes": [], "round_new_binaries": []}
             except RuntimeError as e:
-                results[name] = {"error": str(e)}
                 stop_group(procs.pop(name))
+                results[name] = failed(name, str(e), work / f"{name}.log", logs[name])
+                continue
             print(f"  {name}: {json.dumps(results[name])[:200]}", flush=True)
         names = [n for n in engine_envs if n in procs]
         for r in range(rounds):
@@ -345,8 +355,8 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
                     procs[name].stdin.flush()
                     event = _next_event(events[name], 1 + len(res["round_tokens"]), procs[name], name, timeout_s)
                 except (RuntimeError, OSError) as e:
-                    results[name] = {"error": str(e)}
                     stop_group(procs.pop(name))
+                    results[name] = failed(name, str(e), work / f"{name}.log", logs[name])
                     continue
                 res["round_tokens"].append(event["tokens"])
                 res["round_seconds"].append(event["seconds"])
@@ -363,7 +373,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
             except (OSError, subprocess.TimeoutExpired):
                 pass
             stop_group(proc)
-        for f in logs:
+        for f in logs.values():
             f.close()
     for name, res in results.items():
         if res.get("round_tokens"):
@@ -373,7 +383,7 @@ def interleave(engine_envs: dict[str, dict], request: dict, work: Path, rounds: 
             res["plugin_active"] = "megatron-consistent plugin active" in (work / f"{name}.log").read_text(errors="replace")
         elif "error" not in res:
             res["error"] = "no timed pass"
-        if "error" in res:  # the engine's last words (its log lives in a temporary folder)
+        if "error" in res and "log_tail" not in res:  # the engine's last words (its log lives in a temporary folder)
             res["log_tail"] = failure_lines(work / f"{name}.log")
     return results
 

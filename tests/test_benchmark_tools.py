@@ -76,7 +76,7 @@ def test_rounds_alternate_order_and_report_each_pass(tmp_path):
     assert json.loads((tmp_path / "consistent.req.json").read_text()) == {"prompts": []}
 
 
-def test_an_engine_that_dies_is_reported_and_the_others_go_on(tmp_path):
+def test_an_engine_that_dies_is_reported_and_the_others_go_on(tmp_path, capsys):
     results, order = _run(tmp_path, {"a": {"FAKE_TPS": "1"}, "b": {"FAKE_TPS": "1", "FAKE_DIE_AFTER": "1"},
                                      "c": {"FAKE_TPS": "1"}}, rounds=3)
     assert "exited with status 3" in results["b"]["error"]
@@ -85,6 +85,8 @@ def test_an_engine_that_dies_is_reported_and_the_others_go_on(tmp_path):
     assert "passes" not in results["b"]
     assert results["a"]["passes"] == results["c"]["passes"] == 3
     assert order == ["a", "b", "c", "c", "a", "a", "c"]
+    printed = capsys.readouterr().out  # at once, with its last words: a run cut short still shows why
+    assert "b failed: engine b exited with status 3" in printed and "| fake engine: out of resource" in printed
 
 
 def test_an_engine_that_hangs_is_cut_off_after_the_timeout(tmp_path):

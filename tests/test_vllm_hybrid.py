@@ -138,8 +138,26 @@ def _check_schedule(monkeypatch, sched, seed, device="cpu"):
         assert torch.equal(w, o)
 
 
+def test_decode_batch_with_closing_open_and_first_tokens(monkeypatch):
+    """One decode batch where a token completes its chunk (a new boundary state), another leaves it open and a third
+    is a request's first token; the next steps read the states they left: bitwise the one-pass forward."""
+    arch = _arch(chunk=4)
+    mixer = _mixer(arch, slots=4, seed=5)
+    g = torch.Generator().manual_seed(6)
+    hidden = [torch.randn(n, arch.hidden_size, generator=g).to(torch.bfloat16) for n in (6, 5, 2)]
+    whole = [_forward(monkeypatch, mixer, None, h) for h in hidden]
+    steps = [[(0, 0, 3), (1, 0, 2)],
+             [(0, 3, 1), (1, 2, 1), (2, 0, 1)],  # closes its chunk, leaves it open, a first token
+             [(0, 4, 1), (1, 3, 1), (2, 1, 1)],  # after the closure; the second closes now
+             [(0, 5, 1), (1, 4, 1)]]
+    got = _run_schedule(monkeypatch, mixer, hidden, steps, [3, 0, 2])
+    for w, o in zip(whole, got):
+        assert torch.equal(w, o)
+
+
 def test_mixer_without_pending_tokens_is_caught(monkeypatch):
-    """A replay that forgets the tokens since the last boundary (a plausible bug) must differ."""
+    """A replay that forgets the tokens since the last boundary (a plausible bug) must differ: in a prefill piece and
+    in a decode step."""
     from megatron_consistent.vllm_plugin import mamba as mod
 
     arch = _arch(chunk=4)
@@ -152,6 +170,15 @@ def test_mixer_without_pending_tokens_is_caught(monkeypatch):
     monkeypatch.setattr(mod, "ssd_continue", lambda b, p, *a: real(b, None, *a))
     broken = _run_schedule(monkeypatch, mixer, [h], steps, [1])[0]
     assert torch.equal(broken[:6], whole[:6]) and not torch.equal(broken[6:], whole[6:])
+    monkeypatch.setattr(mod, "ssd_continue", real)
+    real_at = mod.ssd_outputs_at  # a decode step that forgets them: only the new token, from the boundary state
+
+    def new_token_only(x, dt, A, B, C, D, chunk, state, pos):
+        return real_at(x[:, -1:], dt[:, -1:], A, B[:, -1:], C[:, -1:], D, chunk, state, torch.zeros_like(pos))
+
+    monkeypatch.setattr(mod, "ssd_outputs_at", new_token_only)
+    broken = _run_schedule(monkeypatch, mixer, [h], steps, [1])[0]
+    assert torch.equal(broken[:6], whole[:6]) and not torch.equal(broken[6], whole[6])
 
 
 # ---------------------------------------------------------------------------------------------- compile + CUDA graphs (host side)

@@ -158,16 +158,21 @@ def _tree_sum0(x: torch.Tensor) -> torch.Tensor:
     return x[0]
 
 
-def _chunked(v, n_chunks: int, L: int):
-    """``[b, T, ...] -> [b, n_chunks, L, ...]``, zero rows appended up to ``n_chunks * L``."""
-    pad = n_chunks * L - v.shape[1]
-    if pad:
-        v = torch.cat([v, v.new_zeros(v.shape[0], pad, *v.shape[2:])], dim=1)
-    return v.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
+def _chunked(v, n_chunks: int, L: int, dtype: torch.dtype | None = None):
+    """``[b, T, ...] -> [b, n_chunks, L, ...]`` in ``dtype`` (default ``v``'s, an exact conversion), zero rows
+    appended up to ``n_chunks * L``: ``v`` read once, written once."""
+    t_len = v.shape[1]
+    if n_chunks * L == t_len:
+        out = v.to(dtype or v.dtype)
+    else:
+        out = v.new_empty(v.shape[0], n_chunks * L, *v.shape[2:], dtype=dtype or v.dtype)
+        out[:, :t_len] = v
+        out[:, t_len:] = 0
+    return out.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
 
 
 def _chunk_contributions(xc, dtc, bc, cum, n_complete: int):
-    """Contract step 5's per-chunk term for the ``n_complete >= 1`` complete chunks, ``[N,b,k,H,P]``:
+    """Contract step 5's per-chunk term for the ``n_complete >= 1`` complete chunks, ``[b,k,H,P,N]`` (a view):
     ``tree_sum_{s=0..L-1}((u[s,h] * x_s[h,p]) * B_s[g(h),n])`` with ``u[s,h] = exp(cum_{L-1} - cum_s) * dt_s``, in
     blocks of chunks and heads (memory only: every element is computed by the same ops)."""
     bsz, _, L, nh, hp = xc.shape
@@ -185,7 +190,7 @@ def _chunk_contributions(xc, dtc, bc, cum, n_complete: int):
         hblock = max(1, (_WORK_ELEMENTS // 4) // (per_chunk // nh * ux.shape[2]))   # heads per work tensor
         parts.append(torch.cat([_tree_sum0(ux[:, None, ..., h0:h0 + hblock, :] * bh[..., h0:h0 + hblock, None])
                                 for h0 in range(0, nh, hblock)], dim=3))  # [N,b,k,H,P]
-    return torch.cat(parts, dim=2)
+    return torch.cat(parts, dim=2).permute(1, 2, 3, 4, 0)
 
 
 def _chunk_prefix_sums(dtc, A):
@@ -208,8 +213,9 @@ def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, steps: SSDSteps | 
     ``steps``: how steps 1 and 5's per-chunk terms are evaluated (default: :data:`TORCH_STEPS`).
 
     Returns the chunked float32 operands ``xc [b,c,L,H,P]``, ``dtc [b,c,L,H]``, ``bc`` / ``cc [b,c,L,G,N]`` (zero rows
-    past T), the prefix sums ``cum [b,c,L,H]``, the states at the chunk starts ``[N,b,k+1,H,P]`` (``k`` complete
-    chunks: the last entry is the state after them) and that last state again as ``[b,H,P,N]``.
+    past T), the prefix sums ``cum [b,c,L,H]``, the states at the chunk starts ``[b,k+1,H,P,N]`` (``k`` complete
+    chunks: the last entry is the state after them; with none, a view of ``state``) and that last state again as
+    ``[b,H,P,N]`` (the state layout throughout: no copies of it in another order).
     """
     t_len = x.shape[1]
     L = chunk_size
@@ -217,22 +223,23 @@ def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, steps: SSDSteps | 
     n_complete = t_len // L
 
     def chunks(v):
-        return _chunked(v.to(torch.float32), n_chunks, L)
+        return _chunked(v, n_chunks, L, torch.float32)
 
     steps = steps or TORCH_STEPS
     xc, dtc, bc, cc = chunks(x), chunks(dt), chunks(B), chunks(C)   # [b,c,L,...]
     cum = steps.prefix_sums(dtc, A)                                  # [b,c,L,H]
 
-    # 5. states at chunk boundaries: S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c, in chunk order.  Kept as [N,b,H,P].
-    s = state.permute(3, 0, 1, 2).contiguous()
+    # 5. states at chunk boundaries: S_{c+1} = exp(cum_{L-1}) * S_c + contrib_c, in chunk order, as [b,H,P,N].
+    s = state
+    if not n_complete:
+        return xc, dtc, bc, cc, cum, s[:, None], s
     states = [s]
-    if n_complete:
-        contrib = steps.contributions(xc, dtc, bc, cum, n_complete)  # [N,b,k,H,P]
-        decay = exp(cum[:, :n_complete, L - 1])                       # [b,k,H]
-        for j in range(n_complete):
-            s = decay[None, :, j, :, None] * s + contrib[:, :, j]
-            states.append(s)
-    return xc, dtc, bc, cc, cum, torch.stack(states, dim=2), s.permute(1, 2, 3, 0).contiguous()
+    contrib = steps.contributions(xc, dtc, bc, cum, n_complete)      # [b,k,H,P,N]
+    decay = exp(cum[:, :n_complete, L - 1])                           # [b,k,H]
+    for j in range(n_complete):
+        s = decay[:, j, :, None, None] * s + contrib[:, j]
+        states.append(s)
+    return xc, dtc, bc, cc, cum, torch.stack(states, dim=1), s
 
 
 def output_positions(bsz: int, first_out: int, t_len: int, device) -> torch.Tensor:
@@ -267,7 +274,7 @@ def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, positions, out_dtype):
         e = exp(torch.cat([seg, cum_t[:, :, None, :]], dim=2))        # [b,o,L+1,H]
         w = torch.where(mask, (cb[..., heads] * e[:, :, :L]) * dtc[seqs, ci], 0.0)   # [b,o,L,H]
         intra = _tree_sum0(w.permute(2, 0, 1, 3)[..., None] * xc[seqs, ci].permute(2, 0, 1, 3, 4).contiguous())  # [b,o,H,P]
-        inter = _tree_sum0(c_t[..., heads][..., None] * all_states[:, seqs, ci]) * e[:, :, L, :, None]
+        inter = _tree_sum0(c_t[..., heads][..., None] * all_states[seqs, ci].permute(4, 0, 1, 2, 3)) * e[:, :, L, :, None]
         x_t = xc[seqs, ci, ri]                                        # [b,o,H,P]
         ys.append(((intra + inter) + d32[:, None] * x_t).to(out_dtype))
     return torch.cat(ys, dim=1) if ys else xc.new_zeros(bsz, 0, nh, hp, dtype=out_dtype)

@@ -49,7 +49,7 @@ graph's batch) are zeros.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -117,6 +117,55 @@ def _f32(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
 
 
+class DecodePlan(NamedTuple):
+    """A step's one-token requests as :meth:`ConsistentMambaMixer._step` takes them (device index tensors)."""
+
+    rows: torch.Tensor  # their tokens' rows of the step
+    slots: torch.Tensor  # their state slots
+    pending: torch.Tensor  # their pending counts p = computed % L (the new token's row of the replay)
+    replay: int  # max(p) + 1: the replay's rows
+    fresh_slots: torch.Tensor | None  # slots of first tokens (computed == 0), None: none
+    open_rows: torch.Tensor | None  # (with closing_rows) those whose token leaves the chunk open, None: none
+    open_replay: int  # their max(p) + 1
+    closing_rows: torch.Tensor | None  # those whose token completes the chunk (p == L - 1), None: none
+
+
+class StepPlan(NamedTuple):
+    """The host's reading of one step's metadata, shared by every mixer of the step."""
+
+    decode: DecodePlan | None
+    prefills: list[tuple[torch.Tensor, list[int], list[int]]]  # pieces of equal (new, pending): rows [k, n], slots, computed
+
+
+def step_plan(requests: list[tuple[int, int, int, int]], chunk_size: int, device) -> StepPlan:
+    """:class:`StepPlan` of ``requests`` ((first row, new tokens, state slot, computed tokens) each): the one-token
+    requests in one :class:`DecodePlan`, the others grouped by (new tokens, pending count)."""
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    steps = [(first, slot, c) for first, n, slot, c in requests if n == 1]
+    groups: dict[tuple[int, int], list] = {}
+    for first, n, slot, c in requests:
+        if n > 1:
+            groups.setdefault((n, c % chunk_size), []).append((first, slot, c))
+    prefills = [(tensor([r[0] for r in reqs])[:, None] + torch.arange(n, device=device)[None, :], [r[1] for r in reqs],
+                 [r[2] for r in reqs]) for (n, _), reqs in groups.items()]
+    if not steps:
+        return StepPlan(None, prefills)
+    pending = [c % chunk_size for _, _, c in steps]
+    fresh = [slot for _, slot, c in steps if c == 0]
+    open_rows = [i for i, q in enumerate(pending) if q < chunk_size - 1]
+    closing = len(open_rows) < len(steps)
+    decode = DecodePlan(
+        rows=tensor([r[0] for r in steps]), slots=tensor([r[1] for r in steps]), pending=tensor(pending),
+        replay=max(pending) + 1, fresh_slots=tensor(fresh) if fresh else None,
+        open_rows=tensor(open_rows) if closing and open_rows else None,
+        open_replay=max([pending[i] for i in open_rows], default=0) + 1,
+        closing_rows=tensor([i for i, q in enumerate(pending) if q == chunk_size - 1]) if closing else None)
+    return StepPlan(decode, prefills)
+
+
 class ConsistentMambaMixer(MambaBase, nn.Module):
     """The Mamba-2 mixer of one layer (input: the layer's normed hidden states ``[T, hidden]``).
 
@@ -124,6 +173,8 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
     are held in float32 — every kernel reads them as float32, so this is bit-neutral and
     loads a float32 or a bf16 checkpoint exactly.
     """
+
+    _last_plan: ClassVar[tuple] = (None, None)  # (metadata, its StepPlan): the step's plan, for the step's other mixers
 
     def __init__(self, arch: ArchConfig, vllm_config, prefix: str):
         nn.Module.__init__(self)
@@ -177,21 +228,22 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
             y.copy_(self._run(xbc[None], dt[None], None).reshape(t, s.d_inner))
             return
         y.zero_()
-        groups: dict[tuple[int, int], list] = {}
-        steps = []  # one-token requests (decodes): one batched replay
-        for first, n, slot, computed in self._requests(meta):
-            if n == 1:
-                steps.append((first, slot, computed))
-            else:
-                groups.setdefault((n, computed % s.chunk_size), []).append((first, slot, computed))
-        if steps:
-            rows = torch.tensor([r[0] for r in steps], device=xbc.device)
-            out = self._step(xbc[rows], dt[rows], [r[1] for r in steps], [r[2] for r in steps])
-            y[rows] = out.reshape(-1, s.d_inner)
-        for (n, _), reqs in groups.items():
-            rows = torch.tensor([r[0] for r in reqs], device=xbc.device)[:, None] + torch.arange(n, device=xbc.device)[None, :]
-            out = self._run(xbc[rows], dt[rows], ([r[1] for r in reqs], [r[2] for r in reqs]))
+        plan = self._plan(meta, xbc.device)
+        if plan.decode is not None:
+            out = self._step(xbc[plan.decode.rows], dt[plan.decode.rows], plan.decode)
+            y[plan.decode.rows] = out.reshape(-1, s.d_inner)
+        for rows, slots, computed in plan.prefills:
+            out = self._run(xbc[rows], dt[rows], (slots, computed))
             y[rows.reshape(-1)] = out.reshape(-1, s.d_inner)
+
+    def _plan(self, meta, device: torch.device) -> StepPlan:
+        """The step's :class:`StepPlan`, built by the first mixer that reads this metadata and reused by the others
+        (every mixer of a step reads the same metadata: its host reads and index copies happen once a step)."""
+        last_meta, plan = ConsistentMambaMixer._last_plan
+        if last_meta is not meta:
+            plan = step_plan(self._requests(meta), self.ssm.chunk_size, device)
+            ConsistentMambaMixer._last_plan = (meta, plan)
+        return plan
 
     @staticmethod
     def _requests(meta) -> list[tuple[int, int, int, int]]:
@@ -210,7 +262,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
                 reqs.append((qsl[j], n, slots_p[j], seq_lens[nd + j] - n))
         return reqs
 
-    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, slots: list[int], computed: list[int]) -> torch.Tensor:
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """One new token for each of ``b`` requests (any pending counts ``p``): ``xbc [b, conv_dim]``, ``dt [b, H]``.
 
         Request ``i``'s replay is ``[max(p) + 1]`` rows: its pending token ``r`` (``r < p_i``), its new token
@@ -225,41 +277,35 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         L, d, gn = s.chunk_size, s.d_inner, s.n_groups * s.state_size
         ssm_c, dt_c, conv_c, xbc_c = self.kv_cache
         dev = xbc.device
-        pending = [c % L for c in computed]
-        idx = torch.tensor(slots, dtype=torch.int64, device=dev)
-        p = torch.tensor(pending, dtype=torch.int64, device=dev)
-        fresh = [slot for slot, c in zip(slots, computed) if c == 0]
-        if fresh:  # a first token: its slot starts from zeros, and its boundary state stays there until the chunk completes
-            first = torch.tensor(fresh, dtype=torch.int64, device=dev)
-            ssm_c[first], conv_c[first] = 0.0, 0
+        idx, p, t = plan.slots, plan.pending, plan.replay
+        if plan.fresh_slots is not None:  # a first token: its slot starts from zeros, its boundary state stays there
+            ssm_c[plan.fresh_slots], conv_c[plan.fresh_slots] = 0.0, 0
         conv_state, boundary = conv_c[idx], ssm_c[idx]
         new_xbc, new_conv = causal_conv1d(xbc[:, None], self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
-        t = max(pending) + 1
         r = torch.arange(t, device=dev)[None, :]
         seg = torch.where((r < p[:, None])[..., None], xbc_c[idx, :t], 0)
         seg = torch.where((r == p[:, None])[..., None], new_xbc, seg)
         seg_dt = torch.where((r < p[:, None])[..., None], dt_c[idx, :t], 0.0)
         seg_dt = torch.where((r == p[:, None])[..., None], dt[:, None].to(torch.float32), seg_dt)
+        conv_c[idx] = new_conv  # the cache's new token (the replay above holds its own copies)
+        xbc_c[idx, p] = new_xbc[:, 0]
+        dt_c[idx, p] = dt.to(torch.float32)
         x, B, C = seg.split([d, gn, gn], dim=-1)
         x, B, C = (x.reshape(b, t, s.num_heads, s.head_dim), B.reshape(b, t, s.n_groups, s.state_size),
                    C.reshape(b, t, s.n_groups, s.state_size))
         A = ssm_decay_rate(self.A_log)
+        if plan.closing_rows is None:  # every token leaves its chunk open (t < L)
+            return ssd_outputs_at(x, seg_dt, A, B, C, self.D, L, boundary, p)
         y = torch.empty(b, s.num_heads, s.head_dim, dtype=x.dtype, device=dev)
-        open_rows = [i for i, q in enumerate(pending) if q < L - 1]
-        closing = [i for i, q in enumerate(pending) if q == L - 1]
-        if open_rows:
-            rows, t_open = torch.tensor(open_rows, device=dev), max(pending[i] for i in open_rows) + 1
-            y[rows] = ssd_outputs_at(x[rows, :t_open], seg_dt[rows, :t_open], A, B[rows, :t_open], C[rows, :t_open],
-                                     self.D, L, boundary[rows], p[rows])
-        if closing:  # t == L: the pending L - 1 tokens, then the new one
-            rows = torch.tensor(closing, device=dev)
-            y_c, state, _ = ssd_continue(boundary[rows], (x[rows, :-1], seg_dt[rows, :-1], B[rows, :-1], C[rows, :-1]),
-                                         x[rows, -1:], seg_dt[rows, -1:], B[rows, -1:], C[rows, -1:], A, self.D, L)
-            y[rows] = y_c[:, 0]
-            ssm_c[idx[rows]] = state
-        conv_c[idx] = new_conv
-        xbc_c[idx, p] = new_xbc[:, 0]
-        dt_c[idx, p] = dt.to(torch.float32)
+        if plan.open_rows is not None:
+            rows, u = plan.open_rows, plan.open_replay
+            y[rows] = ssd_outputs_at(x[rows, :u], seg_dt[rows, :u], A, B[rows, :u], C[rows, :u], self.D, L,
+                                     boundary[rows], p[rows])
+        rows = plan.closing_rows  # t == L: the pending L - 1 tokens, then the new one
+        y_c, state, _ = ssd_continue(boundary[rows], (x[rows, :-1], seg_dt[rows, :-1], B[rows, :-1], C[rows, :-1]),
+                                     x[rows, -1:], seg_dt[rows, -1:], B[rows, -1:], C[rows, -1:], A, self.D, L)
+        y[rows] = y_c[:, 0]
+        ssm_c[idx[rows]] = state
         return y
 
     def _run(self, xbc: torch.Tensor, dt: torch.Tensor, cache) -> torch.Tensor:

@@ -44,8 +44,9 @@ _MAX_LEVELS: tl.constexpr = tl.constexpr(16)  # trees over up to 2**16 elements
 
 def launch_warps(bl: int, bn: int) -> int:
     """Warps of an outputs program whose largest tile is ``bl x bn`` (chunk rows x state size): from the offline sm_90a
-    compile (``benchmarks/offline_compile_ssd.py``), none spilling -- 128 x 128 on 4 warps (8 spill 4.3 KB, 16 2.4
-    KB), 256 x 128 on 8.  Scheduling only: the bits do not depend on it."""
+    compile (``benchmarks/offline_compile_ssd.py``) -- 128 x 128 on 4 warps (24 bytes spilled since the states are
+    read in their own ``[P, N]`` layout; 8 warps spill 7.9 KB), 256 x 128 on 8 (none).  Scheduling only: the bits do
+    not depend on it."""
     return 4 if bl * bn <= 16384 else 8
 
 
@@ -88,7 +89,7 @@ def _tree_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks, n_starts, nb, L, H, P, G, N,
+def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks, n_starts, L, H, P, G, N,
                         HEADS_PER_GROUP, HEADS_PER_PROGRAM, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     o = tl.program_id(0)  # (sequence, output column)
     h0 = tl.program_id(1) * HEADS_PER_PROGRAM  # the program's heads h0 .., all of one group
@@ -118,10 +119,10 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks
         w = tl.where(causal, (cb * e) * dt_s, 0.0)
         x_sp = tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :], other=0.0)
         intra = _tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
-        # states [N, nb, n_starts, H, P]: chunk ci's starting state
-        st = tl.load(STATES + (((n[:, None].to(tl.int64) * nb + b) * n_starts + ci) * H + h) * P + p[None, :],
-                     mask=n_in[:, None] & p_in[None, :], other=0.0)
-        inter = _tree_rows(c_t[:, None] * st, BN, BP) * _exp(cum_t)
+        # states [nb, n_starts, H, P, N]: chunk ci's starting state, a [P, N] tile
+        st = tl.load(STATES + (((b.to(tl.int64) * n_starts + ci) * H + h) * P + p[:, None]) * N + n[None, :],
+                     mask=p_in[:, None] & n_in[None, :], other=0.0)
+        inter = _tree_cols(c_t[None, :] * st, BP, BN) * _exp(cum_t)
         x_t = tl.load(XC + ((chunk * L + ri) * H + h) * P + p, mask=p_in, other=0.0)
         y = (intra + inter) + tl.load(D + h) * x_t
         tl.store(Y + (o.to(tl.int64) * H + h) * P + p, y.to(Y.dtype.element_ty), mask=p_in)
@@ -163,7 +164,7 @@ def chunk_prefix_sums(dtc, A) -> torch.Tensor:
 
 
 @triton.jit
-def _chunk_contributions_kernel(XC, DTC, BC, CUM, OUT, n_chunks, n_complete, nb, L, H, P, G, N, HEADS_PER_GROUP,
+def _chunk_contributions_kernel(XC, DTC, BC, CUM, OUT, n_chunks, n_complete, L, H, P, G, N, HEADS_PER_GROUP,
                                 BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     chunk_id = tl.program_id(0)  # (sequence, complete chunk)
     h = tl.program_id(1)
@@ -187,25 +188,25 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, OUT, n_chunks, n_complete, nb,
     b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
     prod = tl.reshape(ux[:, :, None] * b_sn[:, None, :], (BL, BP * BN))
     contrib = tl.reshape(_tree_rows(prod, BL, BP * BN), (BP, BN))
-    # OUT [N, nb, n_complete, H, P]
-    out = OUT + (((n[None, :].to(tl.int64) * nb + b) * n_complete + k) * H + h) * P + p[:, None]
+    # OUT [nb, n_complete, H, P, N]
+    out = OUT + (((b.to(tl.int64) * n_complete + k) * H + h) * P + p[:, None]) * N + n[None, :]
     tl.store(out, contrib, mask=p_in[:, None] & n_in[None, :])
 
 
 def chunk_contributions(xc, dtc, bc, cum, n_complete: int) -> torch.Tensor:
-    """Step 5's per-chunk terms ``[N, b, n_complete, H, P]`` of the first ``n_complete`` chunks (module docstring),
+    """Step 5's per-chunk terms ``[b, n_complete, H, P, N]`` of the first ``n_complete`` chunks (module docstring),
     from :func:`kernels.ssd._ssd_chunk_states`' chunked float32 operands (its ``contributions`` argument)."""
     nb, n_chunks, L, H, P = xc.shape
     G, N = bc.shape[-2:]
-    out = torch.empty(N, nb, n_complete, H, P, dtype=torch.float32, device=xc.device)
+    out = torch.empty(nb, n_complete, H, P, N, dtype=torch.float32, device=xc.device)
     if n_complete == 0 or nb == 0:
         return out
     bl, bp = triton.next_power_of_2(L), min(8, triton.next_power_of_2(P))
     # a product tile of 8192 elements at most, 4 warps (8 for 256-row chunks); offline sm_90a compile: chunk 128 no
-    # spills (128 x 128 on 16 warps spilled), chunk 256 80 bytes (256 x 64 on 4 / 8 / 16 warps: 128 to 968)
+    # spills (128 x 128 on 16 warps spilled), chunk 256 240 bytes (the [P, N] store; 80 with the former [N, P])
     bn = min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp)))
     grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
-    _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)), out, n_chunks, n_complete, nb,
+    _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)), out, n_chunks, n_complete,
                                       L, H, P, G, N, H // G, BL=bl, BP=bp, BN=bn, num_warps=4 if bl <= 128 else 8,
                                       enable_fp_fusion=False)
     return out
@@ -214,7 +215,7 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int) -> torch.Tensor:
 def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.Tensor:
     """``y [b, o, H, P]`` (``out_dtype``) at ``positions [b, o]`` (int64: sequence ``i``'s positions ``positions[i]``)
     from the chunked float32 operands ``xc [b, c, L, H, P]``, ``dtc`` / ``cum [b, c, L, H]``, ``bc`` / ``cc [b, c, L,
-    G, N]``, the states at the chunk starts ``states [N, b, starts, H, P]`` (a state for every chunk start, and one
+    G, N]``, the states at the chunk starts ``states [b, starts, H, P, N]`` (a state for every chunk start, and one
     after the last chunk when it is complete) and ``D [H]`` (module docstring; :func:`kernels.ssd._ssd_outputs`'
     signature)."""
     nb, n_chunks, L, H, P = xc.shape
@@ -228,7 +229,7 @@ def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.
     hpp = heads_per_program(nb * n_out, H, G)
     _ssd_outputs_kernel[(nb * n_out, H // hpp)](*ops, D.to(torch.float32).contiguous(),
                                                 positions.to(torch.int64).contiguous(), y, n_out, n_chunks,
-                                                states.shape[2], nb, L, H, P, G, N, H // G, hpp, BL=bl,
+                                                states.shape[1], L, H, P, G, N, H // G, hpp, BL=bl,
                                                 BP=triton.next_power_of_2(P), BN=bn, num_warps=launch_warps(bl, bn),
                                                 enable_fp_fusion=False)
     return y
