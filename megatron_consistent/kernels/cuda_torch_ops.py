@@ -1,19 +1,19 @@
-"""CUDA registrations of the Mamba-2 / Nemotron-H ops: the CPU contract code run on GPU tensors (Triton: opt-in below).
+"""CUDA registrations of the Mamba-2 / Nemotron-H ops: the CPU contract code run on GPU tensors, the SSD scan's bulk by
+Triton kernels (below).
 
 Part of the CUDA backend (:data:`.dispatch.LAZY_BACKENDS`, imported on the first CUDA tensor beside :mod:`.triton`).
 
-``mamba_dt``, ``causal_conv1d``, ``gated_rms_norm`` and ``relu_squared`` are registered for ``"cuda"`` with the
-very functions registered for ``"cpu"``, and the SSD scan's steps (``ssd_steps``: hence ``ssd_scan``,
-``ssd_continue``, ``ssd_outputs_at``) with the fused Triton kernels by default (below):
-their forwards use only elementwise torch ops, fixed-shape slicing / gathers, the float64
-:mod:`.numerics` ``exp`` / ``log`` and fixed-length :func:`.numerics.tree_sum` trees — no
-matmul / einsum, no cumsum, no scatter / index_add, no reduction over a length that varies.
-Index and mask tensors are created on the data's device.
+``mamba_dt``, ``causal_conv1d``, ``gated_rms_norm`` and ``relu_squared`` are registered for ``"cuda"`` with the very
+functions registered for ``"cpu"``, and the SSD scan's steps (``ssd_steps``: hence ``ssd_scan``, ``ssd_continue``,
+``ssd_outputs_at``) with the fused Triton kernels by default (below).  The torch forwards use only elementwise torch
+ops, fixed-shape slicing / gathers, the float64 :mod:`.numerics` ``exp`` / ``log`` and fixed-length
+:func:`.numerics.tree_sum` trees — no matmul / einsum, no cumsum, no scatter / index_add, no reduction over a length
+that varies. Index and mask tensors are created on the data's device.
 
 Contract on the GPU: deterministic and batch-invariant torch ops on the GPU (each element is
 computed by the same sequence of separate IEEE kernels whatever the batch, the sequence length
 or the prefill / decode split), so a sequence's outputs are the same bits alone or in a batch,
-whole or token by token.  Reference speed, not a tuned kernel (the SSD scan materialises
+whole or token by token.  Reference speed, not tuned kernels (the SSD scan's torch evaluation materialises
 ``[L, ...]`` work tensors per position block).  GPU bits are not required to equal CPU bits
 (CUDA's float64 ``exp`` / ``floor`` / division need not round like the CPU's); tests compare
 them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float32 recompute
