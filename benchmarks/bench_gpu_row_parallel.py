@@ -54,7 +54,7 @@ VARIANTS = {"serial r1": ("serial", 1), "serial r2": ("serial", 2), "flat r1": (
             "serial r2 lanes2": ("serial", 2, None, 2), "serial r4 lanes2": ("serial", 4, None, 2),
             "serial r2 lanes2 s3": ("serial", 2, (128, 128, 8, 3), 2), "parallel r2 lanes2": ("parallel", 2, None, 2)}
 PARALLEL_MAX_M = 256
-GLUON_MIN_M = 256  # the Gluon candidates (gluon_segment_tree.py) are for prefill sizes: 128-row tiles, one program an SM
+GLUON_MIN_M = 256  # the Gluon tree (kernels/triton/gluon_segment_tree.py) is for prefill sizes: 128-row tiles, one program an SM
 GLUON_NAMES = ("gluon ws", "gluon ws deep", "gluon ws grouped")  # "gluon <schedule>": gluon_segment_tree.SCHEDULES
 DEV = torch.device("cuda")  # "cpu" with --cpu-smoke (TRITON_INTERPRET=1: plumbing only, no meaningful times)
 
@@ -87,7 +87,7 @@ def _fns(x, w, variants, gluon=False):
         fns[name] = (lambda p, r, c, ln: lambda xx, ww: tst.segment_tree_gemm(
             xx, ww, SEGMENTS, None, torch.bfloat16, cfg=c, path=p, reg_segments=r, lanes=ln))(path, reg, cfg, lanes)
     if gluon and x.shape[0] >= GLUON_MIN_M:
-        from gluon_segment_tree import gluon_segment_tree
+        from megatron_consistent.kernels.triton.gluon_segment_tree import gluon_segment_tree
 
         for name in GLUON_NAMES:
             fns[name] = (lambda sch: lambda xx, ww: gluon_segment_tree(xx, ww, SEGMENTS, None, torch.bfloat16, sch))(
@@ -178,7 +178,7 @@ def run(shapes, ms, variants, rep, gluon=False):
                     bits_ok = bits_ok and torch.equal(fns[name](x, ws[0]).view(torch.int16), tree.view(torch.int16))
             gluon_bits = {}
             for name in (n for n in GLUON_NAMES if n in fns):  # TP = 1 (bf16) and a TP = 2 rank's float32 subtree
-                from gluon_segment_tree import gluon_segment_tree
+                from megatron_consistent.kernels.triton.gluon_segment_tree import gluon_segment_tree
 
                 xh, wh = x[:, : k // 2].contiguous(), ws[0][:, : k // 2].contiguous()
                 gluon_bits[name] = (torch.equal(fns[name](x, ws[0]).view(torch.int16), tree.view(torch.int16))
@@ -242,7 +242,7 @@ def main():
     ap.add_argument("--rep", type=int, default=20, help="ms of CUDA-graph replays per timing")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--gluon", action="store_true",
-                    help="also the Gluon candidates (gluon_segment_tree.py) at M >= GLUON_MIN_M: bits vs the tree, time")
+                    help="also the Gluon tree (kernels/triton/gluon_segment_tree.py) at M >= GLUON_MIN_M: bits vs the tree, time")
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global DEV

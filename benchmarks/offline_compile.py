@@ -11,7 +11,6 @@ synchronous before device time is spent; it says nothing about bits or speed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -142,18 +141,3 @@ def compile_report(jobs, ttgir_dir: str | None = None, source=ASTSource) -> int:
     print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory "
           f"({over_smem} over the {SMEM_MAX} bytes a block may have: such a launch fails on the GPU)")
     return 1 if errors or over_smem else 0
-
-
-def gluon_candidate_main(doc: str, jobs, measured_by: str) -> int:
-    """The command line of a Gluon candidate kernel (``benchmarks/gluon_*.py``): ``--offline`` compiles its
-    ``jobs()`` -- ``(description, kernel, signature, constexprs)``, the launch's warps in ``constexprs["num_warps"]``
-    -- for sm_90a through Gluon's AST source and reports them as :func:`compile_report`; without it, says which GPU
-    benchmark measures the candidate (``measured_by``)."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--offline", action="store_true", help="compile for sm_90a without a GPU: registers, spills, smem")
-    if not ap.parse_args().offline:
-        ap.error(f"bits and speed: {measured_by} (on a GPU)")
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    return compile_report([(desc, kernel, sig, {}, const, const["num_warps"], 1) for desc, kernel, sig, const in jobs()],
-                          source=GluonASTSource)

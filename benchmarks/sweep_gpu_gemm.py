@@ -27,7 +27,7 @@ of the installed table for shapes not swept are carried over into the written fi
 FP8 part (``fp8_gemm`` on pre-quantized operands vs cuBLAS block-scaled ``torch._scaled_mm``): tile candidates
 (with and without one weight scale per tile, ``SWS``), each checked bitwise against the current table's tile at
 1, 7, 300, 2048 rows, timed at M = 256, 1024, 4096; the fastest bit-identical tile per (N, K) goes to
-``FP8_TILE_OVERRIDES``.  ``--gluon`` adds the Gluon candidate kernel (``gluon_fp8_gemm.py``, every schedule) to the FP8 part, checked and
+``FP8_TILE_OVERRIDES``.  ``--gluon`` adds the Gluon kernel (``kernels/triton/gluon_fp8_gemm.py``, every schedule) to the FP8 part, checked and
 timed the same way (never recommended for the table: it is another kernel, not a tile).
 
 Triton compiles all candidates first in parallel worker processes (same on-disk cache), so the timed process only
@@ -441,7 +441,7 @@ def sweep_fp8(args, deadline, log):
         runners = [(cname, fp8_cfg(t), lambda xq_, xs_, q, r, dt, cfg=fp8_cfg(t): tf8.fp8_gemm(
             xq_, xs_, q, r, None, dt, cfg=cfg, w_block_rows=128)) for cname, t in FP8_CANDS]
         if args.gluon:  # a candidate kernel, not a table entry (cfg None: never recommended)
-            from gluon_fp8_gemm import gluon_fp8_gemm
+            from megatron_consistent.kernels.triton.gluon_fp8_gemm import gluon_fp8_gemm
 
             split = tf8.fp8_config(n, k)["SPLIT_GROUPS"]
             for cname, block_rows, schedule in (("gluon ws", 128, "ws"), ("gluon ws column scales", 0, "ws"),
@@ -550,7 +550,7 @@ def main():
     ap.add_argument("--only-fp8", action="store_true", help="the FP8 part alone (no bf16 tiles, no trees)")
     ap.add_argument("--no-odd", action="store_true", help="skip the bits-only odd-shape check")
     ap.add_argument("--gluon", action="store_true",
-                    help="FP8 part: also the Gluon candidate kernel (gluon_fp8_gemm.py): bits vs the table tile, time")
+                    help="FP8 part: also the Gluon kernel (kernels/triton/gluon_fp8_gemm.py): bits vs the table tile, time")
     ap.add_argument("--quick", action="store_true", help="fewer groups / candidates")
     ap.add_argument("--shapes", default="", help="comma-separated subset of shape names (default all)")
     ap.add_argument("--cpu-smoke", action="store_true", help="TRITON_INTERPRET=1 plumbing test on tiny CPU shapes")

@@ -1,18 +1,15 @@
-"""The Gluon candidate kernels of ``benchmarks/`` (sessions 20 and 22) against the committed kernels, bitwise, on a
-Hopper GPU.
+"""The Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``; opt-in ``MC_GLUON=1``)
+against the committed kernels, bitwise, on a Hopper GPU.
 
-``benchmarks/gluon_segment_tree.py`` (every schedule) must give the bits of
-``segment_tree.segment_tree_gemm`` and ``benchmarks/gluon_fp8_gemm.py`` (every schedule) those of
-``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and
-clipping), with a bias, and for a tensor-parallel rank's float32 subtree -- before either could replace them.  The
-benchmarks check the same at their own shapes and time them; these cases are the edges.  Skipped without a
-Hopper GPU (``wgmma``, TMA) or without Gluon.
+Every schedule of the Gluon tree must give the bits of ``segment_tree.segment_tree_gemm`` and every schedule of the
+Gluon FP8 GEMM those of ``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and clipping), with a
+bias, and for a tensor-parallel rank's float32 subtree; and with ``MC_GLUON`` on, the registered CUDA ops (what the
+trainer and the engine call) route the calls the rules give them to the Gluon kernels with those bits.  The
+benchmarks check the same at their own shapes and time them; these cases are the edges.  Skipped without a Hopper
+GPU (``wgmma``, TMA) or without Gluon.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 import pytest
 import torch
@@ -23,13 +20,14 @@ def _hopper() -> bool:
 
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) CUDA GPU: the candidates use wgmma and TMA")]
+              pytest.mark.skipif(not _hopper(), reason="needs a Hopper (sm_90) CUDA GPU: the kernels use wgmma and TMA")]
 
 if _hopper():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-    gluon_tree = pytest.importorskip("gluon_segment_tree", reason="Triton without Gluon")
-    gluon_fp8 = pytest.importorskip("gluon_fp8_gemm", reason="Triton without Gluon")
+    gluon_tree = pytest.importorskip("megatron_consistent.kernels.triton.gluon_segment_tree",
+                                     reason="Triton without Gluon")
+    gluon_fp8 = pytest.importorskip("megatron_consistent.kernels.triton.gluon_fp8_gemm", reason="Triton without Gluon")
     from megatron_consistent.kernels import fp8
+    from megatron_consistent.kernels.dispatch import implementation
     from megatron_consistent.kernels.triton import fp8_linear as tf8
     from megatron_consistent.kernels.triton import segment_tree as tst
 
@@ -85,3 +83,29 @@ def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_
     out = gluon_fp8.gluon_fp8_gemm(xq, xs, wq, ws, bias, torch.bfloat16, tf8.fp8_config(n, k)["SPLIT_GROUPS"],
                                    w_block_rows=block_rows, schedule=schedule)
     assert torch.equal(_bits(out), _bits(ref)), _where_they_differ(out, ref)
+
+
+def test_registered_ops_route_to_the_gluon_kernels_with_the_committed_bits(monkeypatch):
+    """``MC_GLUON`` on: the CUDA ops the trainer and the engine call take the Gluon kernels where the rules say (and
+    give the committed bits); below the rules' M they keep the committed kernels."""
+    calls = []
+    real_tree, real_fp8 = gluon_tree.gluon_segment_tree, gluon_fp8.gluon_fp8_gemm
+    monkeypatch.setattr(gluon_tree, "gluon_segment_tree", lambda *a: calls.append("tree") or real_tree(*a))
+    monkeypatch.setattr(gluon_fp8, "gluon_fp8_gemm", lambda *a: calls.append("fp8") or real_fp8(*a))
+    monkeypatch.setattr(tst, "GLUON", True)
+    monkeypatch.setattr(tf8, "GLUON", True)
+    g = torch.Generator(device=DEV).manual_seed(7)
+    for m in (tst.GLUON_TREE_MIN_M + 3, 64):
+        x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(4096, 4096, device=DEV, dtype=torch.bfloat16, generator=g) * 0.02
+        out = implementation("linear_segment_tree", torch.device(DEV))(x, w, 8, None, torch.bfloat16)
+        assert torch.equal(_bits(out), _bits(tst.segment_tree_gemm(x, w, 8, None, torch.bfloat16)))
+    assert calls == ["tree"]
+    for m in (tf8.GLUON_FP8_MIN_M + 5, 16):
+        x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16, generator=g)
+        wq, w_scales = fp8.quantize(torch.randn(6144, 4096, device=DEV, generator=g) * 0.02, fp8.E4M3_WEIGHT_128)
+        ws = fp8.weight_row_scales(w_scales, 6144).contiguous()
+        out = implementation("fp8_linear", torch.device(DEV))(x, wq, ws, None, torch.bfloat16, w_block_rows=128)
+        xq, xs = tf8.quantize_activations(x)
+        assert torch.equal(_bits(out), _bits(tf8.fp8_gemm(xq, xs, wq, ws, None, torch.bfloat16, w_block_rows=128)))
+    assert calls == ["tree", "fp8"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -12,6 +13,24 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except Exception:  # pragma: no cover
     TensorDescriptor = None
+
+def gluon_requested(value: str) -> bool:
+    """``MC_GLUON``: ``"1"`` lets the Gluon kernels (:mod:`.gluon_segment_tree`, :mod:`.gluon_fp8_gemm`: Hopper,
+    warp-specialised, the committed kernels' bits) take the calls they are measured ahead on; ``"0"`` or unset: off
+    (the default until they pass the engine check and a rollout); anything else is refused by name."""
+    if value not in ("", "0", "1"):
+        raise ValueError(f"MC_GLUON={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+GLUON = gluon_requested(os.environ.get("MC_GLUON", ""))  # read once, when the CUDA backend is imported
+
+
+@functools.lru_cache(maxsize=None)
+def is_hopper(device_index: int) -> bool:
+    """Whether the device is sm_90 (``wgmma``, TMA, warp specialisation: what the Gluon kernels are written for)."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:

@@ -1,4 +1,4 @@
-"""What the Gluon candidate kernels (``gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) share: TMA descriptors, a
+"""What the Gluon kernels (``gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) share: TMA descriptors, a
 warp-specialised persistent program's ring of operand loads, and the output tile's store.
 
 A persistent program takes the output tiles ``pid, pid + nprog, ...`` (placed M fastest or in grouped bands,

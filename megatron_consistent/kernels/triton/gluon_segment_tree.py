@@ -1,4 +1,4 @@
-"""A candidate for the row-parallel K-segment tree at large M, written in Gluon (Triton 3.6's explicit-layout dialect),
+"""The row-parallel K-segment tree at large M written in Gluon (opt-in, ``MC_GLUON=1``) (Triton 3.6's explicit-layout dialect),
 warp-specialised.
 
 Why (docs/benchmarks.md, "Row-parallel K-segment tree"): at M >= 1024 the committed tree kernel
@@ -19,20 +19,19 @@ core's own k16 steps in K order, independent of BM / BN / BK; the segment partia
 Schedules (:data:`SCHEDULES`): ``ws`` -- the tree's pair and first quad in shared memory, a 3-stage ring (session 22:
 0.70 of cuBLAS on the 8B o_proj at M = 1024 / 4096, +4 % over the committed tree, but 0.70-0.74 on down, -11-13 %;
 session 20's single-issuer schedules ``smem`` / ``regs``, 0.50-0.61, were removed as slower everywhere); ``ws deep``
-(not measured yet) -- the first quad's tile in a float32 slot in global memory, so a 5-stage ring for down's long
-segments; ``ws grouped`` (not measured yet) -- ``ws`` in the committed kernels' grouped tile order.
+-- the first quad's tile in a float32 slot in global memory, so a 5-stage ring (session 23: 0.82 / 0.79 of cuBLAS on
+the 8B o_proj at M = 1024 / 4096, 0.90 / 0.83 on down, ahead of the committed tree's 0.69 / 0.68 and 0.83 / 0.83);
+``ws grouped`` -- ``ws`` in the committed kernels' grouped tile order (session 23: no better than ``ws``).
 
-Status: a candidate, not used by the package.  Compiled for sm_90a without a GPU (``--offline``: registers, spills,
-shared memory); its bits and speed are measured by ``bench_gpu_row_parallel.py --gluon`` on the H200 (bits against the
-committed tree, ``torch.equal``; time against cuBLAS and the pre-tree GEMM in the same run).
-
-    PYTHONPATH=$PWD python benchmarks/gluon_segment_tree.py --offline
+Use: with ``MC_GLUON=1`` the registered ``linear_segment_tree`` op (``segment_tree._linear_segment_tree_cuda``) runs
+``ws deep`` on a Hopper GPU where ``segment_tree.gluon_tree_applies`` says (bf16, M >= 1024, no split inside a
+segment); off by default until it has passed the engine check and a rollout.  Bits and speed:
+``bench_gpu_row_parallel.py --gluon`` on the H200 (``torch.equal`` against the committed tree; time against cuBLAS
+and the pre-tree GEMM in the same run); the edges: ``tests/test_gpu_gluon_candidates.py``; sm_90a compile without a
+GPU: ``benchmarks/offline_compile_gluon.py``.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 import torch
 import triton
@@ -40,9 +39,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from gluon_ring import (descriptor, operand_ring, program_work, release_barriers, release_slot,  # noqa: E402
+from .gluon_ring import (descriptor, operand_ring, program_work, release_barriers, release_slot,
                         ring_producer, store_tile, tile_origin)
 
 # registers a thread of the warp-specialised schedule's consumer warp groups (three 64 x 128 float32 tiles live: the
@@ -219,38 +216,3 @@ def gluon_segment_tree(x: torch.Tensor, w: torch.Tensor, segments: int, bias: to
                              HAS_BIAS=bias is not None, num_warps=WARPS, **extra)
     return out
 
-
-def offline_jobs():
-    """``(description, kernel, signature, constexprs)`` of the launches the row-parallel benchmark's shapes make
-    (o_proj and down of the 1B and 8B Llama) by each schedule: bf16 out at TP = 1 (8 segments), the float32 subtrees
-    of TP = 2, 4, 8 (4, 2, 1 segments)."""
-    from triton.runtime.jit import mangle_type
-
-    jobs = []
-    for schedule, (stages, extra) in SCHEDULES.items():
-        for n, k in ((4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)):
-            for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32), (2, torch.float32), (1, torch.float32)):
-                k_local = k * segments // 8
-                x = torch.zeros(4096, k_local, dtype=torch.bfloat16)
-                w = torch.zeros(n, k_local, dtype=torch.bfloat16)
-                out = torch.zeros(4096, n, dtype=out_dtype)
-                a_desc, b_desc, out_desc = descriptors(x, w, out)
-                sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
-                       "bias_ptr": mangle_type(out), "top_ptr": "*fp32" if extra["TOP_IN_GLOBAL"] else mangle_type(out),
-                       "M": "i32", "N": "i32"}
-                const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // TILE[2], "STAGES": stages,
-                         "HAS_BIAS": segments == 8 and n == 2048, "num_warps": WARPS, **extra}  # a bias: the 1B shapes
-                sig.update({name: "constexpr" for name in const})
-                jobs.append((f"{schedule} N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}"
-                             + (" bias" if const["HAS_BIAS"] else ""), _ws_tree_kernel, sig, const))
-    return jobs
-
-
-def main() -> int:
-    from offline_compile import gluon_candidate_main
-
-    return gluon_candidate_main(__doc__, offline_jobs, "python benchmarks/bench_gpu_row_parallel.py --gluon")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""A candidate for the block-FP8 GEMM on Hopper, written in Gluon: warp-specialised, so the per-group scaling and the
+"""The block-FP8 GEMM on Hopper written in Gluon (opt-in, ``MC_GLUON=1``): warp-specialised, so the per-group scaling and the
 split sums overlap the tensor cores.
 
 Why (docs/fp8.md, docs/benchmarks.md): the committed kernel (``kernels/triton/fp8_linear.py``) is 0.69-0.75 of cuBLAS
@@ -19,22 +19,19 @@ weight scale per (tile, group), as the committed kernel's ``SWS`` (the same floa
 Schedules (:data:`SCHEDULES`): ``ws`` -- each consumer issues group ``c + 1``'s chain before it waits for group
 ``c``'s and scales it, the split sums in shared memory (session 22: 0.66-0.78 of ``_scaled_mm`` at M = 4096, ahead of
 the best ``tl`` tile where the reduction has one or two splits, behind at four; session 20's single-warp-group
-pipelined kernel, 0.55-0.74, was removed as slower everywhere); ``ws regs`` (not measured yet) -- without the chain
-issued ahead, the split sums in registers (where ``ws`` lost: four splits; but the offline compile spills 432 bytes
-there); ``ws grouped`` (not measured yet) -- ``ws`` in the committed kernels' grouped tile order.  Same arithmetic,
-same bits.
+pipelined kernel, 0.55-0.74, was removed as slower everywhere); ``ws regs`` -- without the chain issued ahead, the
+split sums in registers (session 23: 0.80-0.97 at M = 256-4096 on the 8B qkv / gate/up, one or two splits; 0.35-0.38
+at four, where the offline compile spills 432 bytes); ``ws grouped`` -- ``ws`` in the committed kernels' grouped
+tile order (session 23: no better than ``ws``).  Same arithmetic, same bits.
 
-Status: a candidate, not used by the package.  ``--offline`` compiles it for sm_90a without a GPU (registers, spills,
-shared memory); bits and speed: ``python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` on the H200 (bits against
-the committed kernel with ``torch.equal``, time against ``_scaled_mm`` in the same run).
-
-    PYTHONPATH=$PWD python benchmarks/gluon_fp8_gemm.py --offline
+Use: with ``MC_GLUON=1`` the registered ``fp8_linear`` op (``fp8_linear._fp8_linear_cuda``) runs ``ws regs`` on a
+Hopper GPU where ``fp8_linear.gluon_fp8_applies`` says (M >= 256, at most two splits, one weight scale per 128-row tile); off by default until it has
+passed the engine check and a rollout.  Bits and speed: ``python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon``
+on the H200 (``torch.equal`` against the committed kernel, time against ``_scaled_mm`` in the same run); the edges:
+``tests/test_gpu_gluon_candidates.py``; sm_90a compile without a GPU: ``benchmarks/offline_compile_gluon.py``.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 import torch
 import triton
@@ -42,9 +39,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from gluon_ring import (descriptor, operand_ring, program_work, release_barriers, release_slot,  # noqa: E402
+from .gluon_ring import (descriptor, operand_ring, program_work, release_barriers, release_slot,
                         ring_producer, store_tile, tile_origin)
 
 GROUP = 128  # the activation group = the weight block's columns = one K step
@@ -212,7 +207,7 @@ def launch_args(xq, xs, wq, ws, bias, out, split_groups: int, sws: bool, schedul
     stages, extra = SCHEDULES[schedule]
     m, k = xq.shape
     if k % GROUP:
-        raise ValueError(f"K = {k}: the candidate takes whole 128-column groups only")
+        raise ValueError(f"K = {k}: the Gluon FP8 GEMM takes whole 128-column groups only")
     g_all = k // GROUP
     a_desc, b_desc, out_desc = descriptors(xq, wq, out)
     args = (a_desc, b_desc, out_desc, xs, ws, bias if bias is not None else out, m, wq.shape[0], xs.stride(0),
@@ -235,36 +230,3 @@ def gluon_fp8_gemm(xq, xs, wq, ws, bias, out_dtype, split_groups: int, w_block_r
                                        num_warps=WARPS)
     return out
 
-
-def offline_jobs():
-    """``(description, kernel, signature, constexprs)`` for the Llama-8B FP8 shapes at M = 4096, bf16 out, the (N, K)
-    table's splits, with one weight scale per tile and without."""
-    from triton.runtime.jit import mangle_type
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from megatron_consistent.kernels.triton.fp8_linear import fp8_config
-
-    jobs = []
-    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):
-        g = k // GROUP
-        xq = torch.zeros(4096, k, dtype=torch.float32).to(torch.float8_e4m3fn)
-        wq = torch.zeros(n, k, dtype=torch.float32).to(torch.float8_e4m3fn)
-        out = torch.zeros(4096, n, dtype=torch.bfloat16)
-        for schedule, sws in (("ws", True), ("ws", False), ("ws grouped", True), ("ws regs", True)):
-            args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
-                                      fp8_config(n, k)["SPLIT_GROUPS"], sws, schedule)
-            sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32"
-                   for name, a in zip(_fp8_ws_kernel.arg_names, args)}
-            sig.update({name: "constexpr" for name in const})
-            jobs.append((f"{schedule} N={n} K={k} splits={const['SPLITS']} sws={sws}", _fp8_ws_kernel, sig, const))
-    return jobs
-
-
-def main() -> int:
-    from offline_compile import gluon_candidate_main
-
-    return gluon_candidate_main(__doc__, offline_jobs, "python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Compile the Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) for sm_90a WITHOUT a
+GPU: errors, registers, spills, shared memory, at the launches the benchmarks make.
+
+    PYTHONPATH=/tmp/tritonsite:$PWD python benchmarks/offline_compile_gluon.py [--only tree|fp8]
+
+(Triton 3.6, the H200's, in ``/tmp/tritonsite``: ``pip install --target /tmp/tritonsite --no-deps triton==3.6.0``.)
+Bits and speed on the H200: ``python benchmarks/bench_gpu_row_parallel.py --gluon`` (tree) and ``python
+benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` (FP8), each against the committed kernel with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from offline_compile import compile_report  # noqa: E402
+
+
+def tree_jobs():
+    """``(description, kernel, signature, constexprs)`` of the launches the row-parallel benchmark's shapes make
+    (o_proj and down of the 1B and 8B Llama) by each schedule: bf16 out at TP = 1 (8 segments), the float32 subtrees
+    of TP = 2, 4, 8 (4, 2, 1 segments)."""
+    from triton.runtime.jit import mangle_type
+
+    from megatron_consistent.kernels.triton.gluon_segment_tree import SCHEDULES, TILE, WARPS, _ws_tree_kernel, descriptors
+
+    jobs = []
+    for schedule, (stages, extra) in SCHEDULES.items():
+        for n, k in ((4096, 4096), (4096, 14336), (2048, 2048), (2048, 8192)):
+            for segments, out_dtype in ((8, torch.bfloat16), (4, torch.float32), (2, torch.float32), (1, torch.float32)):
+                k_local = k * segments // 8
+                x = torch.zeros(4096, k_local, dtype=torch.bfloat16)
+                w = torch.zeros(n, k_local, dtype=torch.bfloat16)
+                out = torch.zeros(4096, n, dtype=out_dtype)
+                a_desc, b_desc, out_desc = descriptors(x, w, out)
+                sig = {"a_desc": mangle_type(a_desc), "b_desc": mangle_type(b_desc), "out_desc": mangle_type(out_desc),
+                       "bias_ptr": mangle_type(out), "top_ptr": "*fp32" if extra["TOP_IN_GLOBAL"] else mangle_type(out),
+                       "M": "i32", "N": "i32"}
+                const = {"SEGMENTS": segments, "SEG_STEPS": k_local // segments // TILE[2], "STAGES": stages,
+                         "HAS_BIAS": segments == 8 and n == 2048, "num_warps": WARPS, **extra}  # a bias: the 1B shapes
+                sig.update({name: "constexpr" for name in const})
+                jobs.append((f"tree {schedule} N={n} K={k} segments={segments} out={str(out_dtype).split('.')[-1]}"
+                             + (" bias" if const["HAS_BIAS"] else ""), _ws_tree_kernel, sig, const))
+    return jobs
+
+
+def fp8_jobs():
+    """``(description, kernel, signature, constexprs)`` for the Llama-8B FP8 shapes at M = 4096, bf16 out, the (N, K)
+    table's splits, with one weight scale per tile and without."""
+    from triton.runtime.jit import mangle_type
+
+    from megatron_consistent.kernels.triton.fp8_linear import fp8_config
+    from megatron_consistent.kernels.triton.gluon_fp8_gemm import GROUP, _fp8_ws_kernel, launch_args
+
+    jobs = []
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):
+        g = k // GROUP
+        xq = torch.zeros(4096, k, dtype=torch.float32).to(torch.float8_e4m3fn)
+        wq = torch.zeros(n, k, dtype=torch.float32).to(torch.float8_e4m3fn)
+        out = torch.zeros(4096, n, dtype=torch.bfloat16)
+        for schedule, sws in (("ws", True), ("ws", False), ("ws grouped", True), ("ws regs", True)):
+            args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
+                                      fp8_config(n, k)["SPLIT_GROUPS"], sws, schedule)
+            sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32"
+                   for name, a in zip(_fp8_ws_kernel.arg_names, args)}
+            sig.update({name: "constexpr" for name in const})
+            jobs.append((f"fp8 {schedule} N={n} K={k} splits={const['SPLITS']} sws={sws}", _fp8_ws_kernel, sig, const))
+    return jobs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=("tree", "fp8"), help="one kernel's launches")
+    args = ap.parse_args()
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    jobs = (tree_jobs() if args.only != "fp8" else []) + (fp8_jobs() if args.only != "tree" else [])
+    return compile_report([(desc, kernel, sig, {}, const, const["num_warps"], 1) for desc, kernel, sig, const in jobs],
+                          source=GluonASTSource)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

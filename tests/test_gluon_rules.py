@@ -1,0 +1,67 @@
+"""Which calls ``MC_GLUON=1`` hands to the Gluon kernels (kernels/triton/_common.py, segment_tree.py,
+fp8_linear.py): off by default, only where they are measured ahead and give the committed bits, a bad value refused by
+name.  The kernels themselves run on a Hopper GPU only (tests/test_gpu_gluon_candidates.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from megatron_consistent.kernels.triton import _common, fp8_linear, segment_tree  # noqa: E402
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def test_the_knob_is_off_unless_asked_and_refuses_other_values():
+    assert not _common.gluon_requested("") and not _common.gluon_requested("0")
+    assert _common.gluon_requested("1")
+    with pytest.raises(ValueError, match="MC_GLUON='yes': expected 0 or 1"):
+        _common.gluon_requested("yes")
+
+
+def test_off_means_no_call_goes_to_gluon(monkeypatch):
+    monkeypatch.setattr(segment_tree, "GLUON", False)
+    monkeypatch.setattr(fp8_linear, "GLUON", False)
+    assert not segment_tree.gluon_tree_applies(4096, 4096, 4096, 8, BF16, BF16)
+    assert not fp8_linear.gluon_fp8_applies(4096, 6144, 4096, BF16, 128)
+
+
+def test_tree_rule(monkeypatch):
+    monkeypatch.setattr(segment_tree, "GLUON", True)
+    applies = segment_tree.gluon_tree_applies
+    big = segment_tree.GLUON_TREE_MIN_M
+    assert applies(big, 4096, 4096, 8, BF16, BF16)  # 8B o_proj, TP = 1
+    assert applies(big, 4096, 14336 // 2, 4, BF16, F32)  # 8B down, a TP = 2 rank's float32 subtree
+    assert not applies(big - 1, 4096, 4096, 8, BF16, BF16)  # decode / small prefill: the committed kernel
+    assert not applies(big, 4096, 4096, 8, F32, F32)  # float32 operands: not written for them
+    assert not applies(big, 4096, 8 * 96, 8, BF16, BF16)  # 96-column segments: not whole 64-column steps
+    assert not applies(big, 4100, 4096, 8, BF16, BF16)  # output rows not 16-byte aligned for TMA
+
+
+def test_tree_rule_refuses_a_split_segment(monkeypatch):
+    """A segment the committed table splits (its chain restarts at the split) is not the Gluon kernel's one chain:
+    different bits, so never routed."""
+    monkeypatch.setattr(segment_tree, "GLUON", True)
+    k_seg = 4096
+    cfg = segment_tree.segment_config(4096, 8 * k_seg, 8, BF16, 4096)
+    monkeypatch.setattr(segment_tree, "segment_config", lambda *a: {**cfg, "SPLIT_STEPS": k_seg // cfg["BK"] // 2})
+    assert not segment_tree.gluon_tree_applies(4096, 4096, 8 * k_seg, 8, BF16, BF16)
+    monkeypatch.setattr(segment_tree, "segment_config", lambda *a: {**cfg, "SPLIT_STEPS": k_seg // cfg["BK"]})
+    assert segment_tree.gluon_tree_applies(4096, 4096, 8 * k_seg, 8, BF16, BF16)
+
+
+def test_fp8_rule(monkeypatch):
+    monkeypatch.setattr(fp8_linear, "GLUON", True)
+    applies = fp8_linear.gluon_fp8_applies
+    m = fp8_linear.GLUON_FP8_MIN_M
+    for n, k in ((6144, 4096), (28672, 4096)):  # 8B qkv (2 splits), gate/up (1): measured ahead
+        assert applies(m, n, k, BF16, 128), (n, k)
+        assert not applies(m - 1, n, k, BF16, 128)
+        assert not applies(m, n, k, BF16, 0)  # per-column weight scales (unknown row blocks): spills, 0.2
+        assert not applies(m, n, k, BF16, 64)
+    for n, k in ((4096, 4096), (4096, 14336)):  # four splits: the register split sums spill, slower
+        assert fp8_linear.fp8_config(n, k)["SPLIT_GROUPS"] * 2 < k // fp8_linear.GROUP
+        assert not applies(m, n, k, BF16, 128), (n, k)
+    assert not applies(m, 6144, 4096 + 64, BF16, 128)  # not whole 128-column groups
