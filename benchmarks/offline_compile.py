@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 SMEM_MAX = 232448  # H100 / H200 opt-in shared memory per block
-_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64",
+_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64",
        torch.float8_e4m3fn: "fp8e4nv"}
 
 

@@ -38,6 +38,9 @@ def record_launches():
             ssd.ssd_scan_by(tssd.TRITON_STEPS)(
                 x, torch.zeros(1, t_len, nh), torch.zeros(nh), b, b, torch.zeros(nh), chunk, torch.zeros(1, nh, hp, ns),
                 first_out)
+            if t_len >= chunk:  # a decode step's chunk closures (the state terms of the active rows only)
+                ssd._ssd_chunk_states(x[:, :chunk], torch.zeros(1, chunk, nh), torch.zeros(nh), b[:, :chunk], b[:, :chunk],
+                                      chunk, torch.zeros(1, nh, hp, ns), tssd.TRITON_STEPS, active=torch.ones(1, dtype=torch.bool))
 
     return distinct_launches(capture(tssd, KERNELS, run), {name: getattr(tssd, name) for name in KERNELS})
 

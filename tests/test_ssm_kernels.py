@@ -64,6 +64,7 @@ from megatron_consistent.kernels import (
     gated_rms_norm,
     mamba_dt,
     relu_squared,
+    ssd_chunk_end_state,
     ssd_continue,
     ssd_outputs_at,
     ssd_scan,
@@ -369,15 +370,34 @@ def test_ssd_work_blocking_is_memory_only(case, work):
     assert _differences(whole, blocked) is None
 
 
-@given(case=ssd_cases(max_t=40), data=st.data())
+@given(case=ssd_cases(max_t=16), data=st.data())
 def test_ssd_outputs_at_are_the_scan_outputs(case, data):
-    """``ssd_outputs_at`` (the engine's decode step: one position a sequence, ragged) gives the whole scan's
-    outputs at those positions, bitwise."""
+    """``ssd_outputs_at`` (the engine's decode step: one position a sequence, ragged, within one chunk) gives the
+    whole scan's outputs at those positions, bitwise."""
     inp = ssd_inputs(case, (3,))
     args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D")]
+    t = min(case.t, case.chunk)
+    part = [v[:, :t] if v.dim() > 1 else v for v in args]
     y, _ = ssd_scan(*args, case.chunk, inp["S0"])
-    pos = torch.tensor(data.draw(st.lists(st.integers(0, case.t - 1), min_size=3, max_size=3)))
-    assert torch.equal(ssd_outputs_at(*args, case.chunk, inp["S0"], pos), y[torch.arange(3), pos])
+    pos = torch.tensor(data.draw(st.lists(st.integers(0, t - 1), min_size=3, max_size=3)))
+    assert torch.equal(ssd_outputs_at(*part, case.chunk, inp["S0"], pos), y[torch.arange(3), pos])
+
+
+@given(case=ssd_cases(max_t=16), closing=st.lists(st.booleans(), min_size=3, max_size=3))
+def test_ssd_chunk_end_state_is_the_scan_boundary_state(case, closing):
+    """``ssd_chunk_end_state`` over one complete chunk gives ``ssd_scan``'s boundary state, bitwise; rows not
+    closing get their state back unchanged."""
+    inp = ssd_inputs(case, (3,))
+    args = [inp[k] for k in ("x", "dt", "A", "B", "C", "D")]
+    if case.t < case.chunk:
+        return
+    one = [v[:, :case.chunk] if v.dim() > 1 else v for v in args]
+    state = inp["S0"] if inp["S0"] is not None else torch.zeros(3, case.nh, case.hp, case.ns)
+    _, boundary = ssd_scan(*one, case.chunk, state)
+    assert torch.equal(ssd_chunk_end_state(*one[:5], case.chunk, state), boundary)
+    mask = torch.tensor(closing)
+    got = ssd_chunk_end_state(*one[:5], case.chunk, state, mask)
+    assert torch.equal(got, torch.where(mask[:, None, None, None], boundary, state))
 
 
 @given(seed=seeds, n=st.integers(1, 40), tail=st.sampled_from(((), (3,), (2, 5))))
@@ -675,6 +695,10 @@ def test_bad_input_is_refused_by_name():
         ssd_continue(None, (x, dt, B2, B2), x, dt, B2, B2, A, D, 4)
     with pytest.raises(ValueError, match=r"ssd_outputs_at: positions \(2,\) is not \(\)"):
         ssd_outputs_at(x, dt, A, torch.zeros(5, 2, 2), torch.zeros(5, 2, 2), D, 4, None, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"ssd_outputs_at: 5 tokens, at most one chunk \(4\)"):
+        ssd_outputs_at(x, dt, A, torch.zeros(5, 2, 2), torch.zeros(5, 2, 2), D, 4, None, torch.zeros((), dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"ssd_chunk_end_state: 5 tokens, not one chunk \(4\)"):
+        ssd_chunk_end_state(x, dt, A, torch.zeros(5, 2, 2), torch.zeros(5, 2, 2), 4, torch.zeros(4, 2, 2))
     with pytest.raises(ValueError, match="state must be float32"):
         ssd_scan(x, dt, A, torch.zeros(5, 2, 2), torch.zeros(5, 2, 2), D, 4, torch.zeros(4, 2, 2, dtype=BF16))
     with pytest.raises(ValueError, match="unsupported activation 'gelu'"):

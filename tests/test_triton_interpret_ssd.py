@@ -78,6 +78,21 @@ def test_chunk_state_terms_equal_the_torch_contract(t_len, chunk, nh, hp, ng, ns
     assert out.shape == ref.shape and torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
 
 
+def test_chunk_state_terms_of_the_active_rows_only():
+    """A decode step's closing rows (``active``): their terms are the contract's, the others' programs return at
+    once (the end state keeps those rows' states, ``ssd_chunk_end_state``)."""
+    x, dt, a, b, c, _, state = _inputs(4, 4, 8, 4, 4, 2, 8, torch.float32)
+    xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, 8, state)[:5]
+    active = torch.tensor([True, False, False, True])
+    ref = ssd._chunk_contributions(xc, dtc, bc, cum, 1)
+    out = tssd.chunk_contributions(xc, dtc, bc, cum, 1, active)
+    assert torch.equal(out[active], ref[active])
+    end = ssd._ssd_chunk_states(x, dt, a, b, c, 8, state, tssd.TRITON_STEPS, active=active)[6]
+    assert torch.equal(torch.where(active[:, None, None, None], end, state),
+                       torch.where(active[:, None, None, None], ssd._ssd_cpu(x, dt, a, b, c, torch.zeros(4), 8, state, 7)[1],
+                                   state))
+
+
 @pytest.mark.parametrize("chunk,nh", [(8, 4), (6, 3), (16, 40), (1, 2), (128, 5)])
 def test_prefix_sums_equal_the_doubling_scan(chunk, nh):
     """Step 1 alone: chunk sizes that are and are not powers of two, more heads than a program's block."""

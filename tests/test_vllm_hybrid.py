@@ -155,6 +155,52 @@ def test_decode_batch_with_closing_open_and_first_tokens(monkeypatch):
         assert torch.equal(w, o)
 
 
+@settings(max_examples=15, suppress_health_check=[HealthCheck.large_base_example], deadline=None)
+@given(sched=_schedules(), seed=st.integers(0, 2**16))
+def test_device_only_decode_step_any_schedule_equals_whole_sequence(sched, seed):
+    """``MC_HYBRID_DECODE_GRAPHS=1``: decode-only steps run on the device alone (a whole chunk replayed, every slot
+    written back, the closures masked on the device) -- still bitwise the one-pass forward, mixed with host-planned
+    prefill steps."""
+    from megatron_consistent.vllm_plugin import mamba as mod
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mod, "DECODE_GRAPHS", True)
+        calls = []
+        real = mod.ConsistentMambaMixer._step_graphed
+        mp.setattr(mod.ConsistentMambaMixer, "_step_graphed", lambda *a: calls.append(1) or real(*a))
+        _check_schedule(mp, sched, seed)
+        decode_only = [st_ for st_ in sched[1] if all(k == 1 and c > 0 for _, c, k in st_)]
+        assert len(calls) == len(decode_only)
+
+
+def test_device_only_decode_step_with_a_captured_batch_padding(monkeypatch):
+    """A captured decode graph's batch is padded: extra rows with the null block (slot 0) and length 0.  The real
+    requests keep their bits, now and at their next steps (the padding reads and writes slot 0 only)."""
+    from megatron_consistent.vllm_plugin import mamba as mod
+
+    monkeypatch.setattr(mod, "DECODE_GRAPHS", True)
+    arch = _arch(chunk=4)
+    mixer = _mixer(arch, slots=4, seed=8)
+    g = torch.Generator().manual_seed(9)
+    hidden = [torch.randn(n, arch.hidden_size, generator=g).to(torch.bfloat16) for n in (7, 6)]
+    whole = [_forward(monkeypatch, mixer, None, h) for h in hidden]
+    got = _run_schedule(monkeypatch, mixer, hidden, [[(0, 0, 3), (1, 0, 5)]], [2, 3])
+    for c0, c1 in ((3, 5), (4, None), (5, None), (6, None)):
+        batch = [(2, c0, 1)] + ([(3, c1, 1)] if c1 is not None else [])
+        _, meta = _meta(batch)
+        pads = 3
+        meta.state_indices_tensor_d = torch.cat([meta.state_indices_tensor_d, torch.zeros(pads, 1, dtype=torch.int32)])
+        meta.seq_lens = torch.cat([meta.seq_lens, torch.zeros(pads, dtype=torch.int32)])
+        x = torch.cat([hidden[0][c0:c0 + 1]] + ([hidden[1][c1:c1 + 1]] if c1 is not None else [])
+                      + [torch.randn(pads, arch.hidden_size, generator=g).to(torch.bfloat16)])
+        y = _forward(monkeypatch, mixer, meta, x)
+        got[0][c0] = y[0]
+        if c1 is not None:
+            got[1][c1] = y[1]
+    for w, o in zip(whole, got):
+        assert torch.equal(w, o)
+
+
 def test_mixer_without_pending_tokens_is_caught(monkeypatch):
     """A replay that forgets the tokens since the last boundary (a plausible bug) must differ: in a prefill piece and
     in a decode step."""
@@ -189,7 +235,10 @@ def test_mixer_resolves_default_graphs_to_piecewise_with_the_mixer_split_off(plu
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
     from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
 
+    from megatron_consistent.vllm_plugin import mamba
     from megatron_consistent.vllm_plugin.mamba import MIXER_OP, ConsistentMamba2Backend, run_mixer_between_graphs
+
+    assert not mamba.DECODE_GRAPHS  # the default
 
     cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
     cc.set_splitting_ops_for_v1("allgather_reducescatter")
@@ -202,6 +251,24 @@ def test_mixer_resolves_default_graphs_to_piecewise_with_the_mixer_split_off(plu
     unsplit = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=[])
     run_mixer_between_graphs(unsplit)
     assert unsplit.splitting_ops == []  # one unsplit graph asked for: left alone (vLLM refuses full graphs itself)
+
+
+def test_decode_graphs_opt_in_keeps_full_decode_graphs(monkeypatch):
+    """``MC_HYBRID_DECODE_GRAPHS=1``: the plugin's backend declares vLLM's own Mamba-2 support, so the default
+    FULL_AND_PIECEWISE stays (decode-only steps in full graphs, the mixer split off for the rest); other values are
+    refused by name."""
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    from megatron_consistent.vllm_plugin import mamba as mod
+
+    monkeypatch.setattr(mod, "DECODE_GRAPHS", True)
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    cc.set_splitting_ops_for_v1("allgather_reducescatter")
+    mod.run_mixer_between_graphs(cc)
+    support = mod.ConsistentMamba2Backend.get_builder_cls().get_cudagraph_support(None, None)
+    assert cc.resolve_cudagraph_mode_and_sizes(support, "mamba") == CUDAGraphMode.FULL_AND_PIECEWISE
+    with pytest.raises(ValueError, match="MC_HYBRID_DECODE_GRAPHS='on': expected 0 or 1"):
+        mod.decode_graphs_requested("on")
 
 
 def test_mixer_is_one_splitting_node_of_the_compiled_layer(monkeypatch):

@@ -171,10 +171,11 @@ def _chunked(v, n_chunks: int, L: int, dtype: torch.dtype | None = None):
     return out.reshape(v.shape[0], n_chunks, L, *v.shape[2:])
 
 
-def _chunk_contributions(xc, dtc, bc, cum, n_complete: int):
+def _chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None):
     """Contract step 5's per-chunk term for the ``n_complete >= 1`` complete chunks, ``[b,k,H,P,N]`` (a view):
     ``tree_sum_{s=0..L-1}((u[s,h] * x_s[h,p]) * B_s[g(h),n])`` with ``u[s,h] = exp(cum_{L-1} - cum_s) * dt_s``, in
-    blocks of chunks and heads (memory only: every element is computed by the same ops)."""
+    blocks of chunks and heads (memory only: every element is computed by the same ops).  Every row is computed
+    (``active``, the rows whose terms are used, is for kernels that skip the others)."""
     bsz, _, L, nh, hp = xc.shape
     ng, ns = bc.shape[-2:]
     heads = torch.arange(nh, device=xc.device) // (nh // ng)
@@ -208,9 +209,13 @@ class SSDSteps(NamedTuple):
     outputs: Callable
 
 
-def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, steps: SSDSteps | None = None):
+def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, steps: SSDSteps | None = None,
+                      complete_chunks: int | None = None, active=None):
     """Contract steps 1 and 5.  Shapes flattened: x [b,T,H,P], dt [b,T,H], B/C [b,T,G,N], state [b,H,P,N] fp32;
-    ``steps``: how steps 1 and 5's per-chunk terms are evaluated (default: :data:`TORCH_STEPS`).
+    ``steps``: how steps 1 and 5's per-chunk terms are evaluated (default: :data:`TORCH_STEPS`);
+    ``complete_chunks``: the end states formed (default: of every complete chunk; fewer when no output needs them);
+    ``active`` ``[b]`` bool: the rows whose new states are used (the others' state terms may be skipped by a kernel:
+    their new states are then not the contract's).
 
     Returns the chunked float32 operands ``xc [b,c,L,H,P]``, ``dtc [b,c,L,H]``, ``bc`` / ``cc [b,c,L,G,N]`` (zero rows
     past T), the prefix sums ``cum [b,c,L,H]``, the states at the chunk starts ``[b,k+1,H,P,N]`` (``k`` complete
@@ -220,7 +225,7 @@ def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, steps: SSDSteps | 
     t_len = x.shape[1]
     L = chunk_size
     n_chunks = -(-t_len // L)
-    n_complete = t_len // L
+    n_complete = t_len // L if complete_chunks is None else min(complete_chunks, t_len // L)
 
     def chunks(v):
         return _chunked(v, n_chunks, L, torch.float32)
@@ -234,7 +239,7 @@ def _ssd_chunk_states(x, dt, A, B, C, chunk_size: int, state, steps: SSDSteps | 
     if not n_complete:
         return xc, dtc, bc, cc, cum, s[:, None], s
     states = [s]
-    contrib = steps.contributions(xc, dtc, bc, cum, n_complete)      # [b,k,H,P,N]
+    contrib = steps.contributions(xc, dtc, bc, cum, n_complete, active)   # [b,k,H,P,N]
     decay = exp(cum[:, :n_complete, L - 1])                           # [b,k,H]
     for j in range(n_complete):
         s = decay[:, j, :, None, None] * s + contrib[:, j]
@@ -380,8 +385,8 @@ def _check(x, dt, A, B, C, D, chunk_size, state):
     ng = B.shape[-2]
     if ng < 1 or nh % ng:
         raise ValueError(f"ssd: {nh} heads cannot be split over {ng} groups")
-    if A.shape != (nh,) or D.shape != (nh,):
-        raise ValueError(f"ssd: A {tuple(A.shape)} and D {tuple(D.shape)} must be [H={nh}]")
+    if A.shape != (nh,) or (D is not None and D.shape != (nh,)):
+        raise ValueError(f"ssd: A {tuple(A.shape)} and D {None if D is None else tuple(D.shape)} must be [H={nh}]")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"ssd: chunk_size must be a positive int, got {chunk_size!r}")
     if state is not None and state.shape != (*lead, nh, hp, B.shape[-1]):
@@ -420,12 +425,15 @@ def ssd_scan(x, dt, A, B, C, D, chunk_size: int, initial_state=None):
 
 def ssd_outputs_at(x, dt, A, B, C, D, chunk_size: int, initial_state, positions: torch.Tensor) -> torch.Tensor:
     """``y [..., H, P]``: the output :func:`ssd_scan` gives at position ``positions[i]`` of sequence ``i`` (same
-    bits), and no other (inference only: no backward).  ``positions`` ``[...]`` int64, each ``< T``.  The states
-    of every complete chunk are still formed: a decode step keeps ``T`` within its chunk (``T < chunk_size``)."""
+    bits), and no other, for a segment of at most one chunk (``T <= chunk_size``: a decode step's replay) from the
+    state at its start; no state is formed (:func:`ssd_chunk_end_state`).  ``positions`` ``[...]`` int64, each
+    ``< T``.  Inference only (no backward)."""
     _check(x, dt, A, B, C, D, chunk_size, initial_state)
     lead, (t_len, nh, hp), (ng, ns) = x.shape[:-3], x.shape[-3:], B.shape[-2:]
     if positions.shape != lead:
         raise ValueError(f"ssd_outputs_at: positions {tuple(positions.shape)} is not {tuple(lead)}")
+    if t_len > chunk_size:
+        raise ValueError(f"ssd_outputs_at: {t_len} tokens, at most one chunk ({chunk_size})")
     nb = positions.numel()
     if initial_state is None:
         initial_state = torch.zeros(*lead, nh, hp, ns, dtype=torch.float32, device=x.device)
@@ -433,9 +441,33 @@ def ssd_outputs_at(x, dt, A, B, C, D, chunk_size: int, initial_state, positions:
     with torch.no_grad():
         ops = _ssd_chunk_states(x.reshape(nb, t_len, nh, hp), dt.reshape(nb, t_len, nh), A,
                                 B.reshape(nb, t_len, ng, ns), C.reshape(nb, t_len, ng, ns), chunk_size,
-                                initial_state.reshape(nb, nh, hp, ns), steps)[:6]
+                                initial_state.reshape(nb, nh, hp, ns), steps, complete_chunks=0)[:6]
         y = steps.outputs(*ops, D, positions.reshape(nb, 1).to(torch.int64), x.dtype)
     return y.reshape(*lead, nh, hp)
+
+
+def ssd_chunk_end_state(x, dt, A, B, C, chunk_size: int, state, closing: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 state ``[..., H, P, N]`` after one complete chunk (``T == chunk_size`` tokens) from ``state`` at its
+    start: :func:`ssd_scan`'s boundary state, same bits.  ``closing`` ``[...]`` bool: only those rows' new states
+    (the others get ``state`` back, and a kernel may skip their work); None: every row.  Inference only."""
+    _check(x, dt, A, B, C, None, chunk_size, state)
+    lead, (t_len, nh, hp), (ng, ns) = x.shape[:-3], x.shape[-3:], B.shape[-2:]
+    if t_len != chunk_size:
+        raise ValueError(f"ssd_chunk_end_state: {t_len} tokens, not one chunk ({chunk_size})")
+    if closing is not None and closing.shape != lead:
+        raise ValueError(f"ssd_chunk_end_state: closing {tuple(closing.shape)} is not {tuple(lead)}")
+    nb = 1
+    for n in lead:
+        nb *= n
+    flat_state = state.reshape(nb, nh, hp, ns)
+    active = None if closing is None else closing.reshape(nb)
+    with torch.no_grad():
+        end = _ssd_chunk_states(x.reshape(nb, t_len, nh, hp), dt.reshape(nb, t_len, nh), A,
+                                B.reshape(nb, t_len, ng, ns), C.reshape(nb, t_len, ng, ns), chunk_size, flat_state,
+                                implementation("ssd_steps", x.device), active=active)[6]
+        if active is not None:
+            end = torch.where(active[:, None, None, None], end, flat_state)
+    return end.reshape(*lead, nh, hp, ns)
 
 
 def empty_pending(x_like_shape, nh, hp, ng, ns, dtype, device=None):

@@ -28,10 +28,9 @@ with none computed starts from zeros.  Requests with the same (new tokens, pendi
 are run as one batched call (the kernels are batch-invariant).
 
 torch.compile and CUDA graphs (vLLM 0.26 on CUDA).  The mixer core reads vLLM's metadata on the host (request
-sizes, state slots, pending counts) and groups requests by them: data-dependent Python that no CUDA graph can
-replay.  Making the decode step graph-safe instead would need every request's pending count on the device and a
-scan padded to the chunk length for every decode, ``L`` rows of work per token instead of ``p + 1`` — so the core
-stays host-driven and is fenced off the way vLLM fences its own ``mamba_mixer2``:
+sizes, state slots, pending counts; once a step, :class:`StepPlan`) and groups requests by them: data-dependent
+Python that no CUDA graph can replay.  So by default it is fenced off the way vLLM fences its own
+``mamba_mixer2``:
 
 * it is one opaque custom op, ``megatron_consistent::mamba_mixer`` (:data:`MIXER_OP`), writing ``y`` into a buffer
   the compiled graph allocates (a piecewise graph reads it at its captured address), and
@@ -45,10 +44,18 @@ stays host-driven and is fenced off the way vLLM fences its own ``mamba_mixer2``
 Everything else of the layer (in/out projections, ``mamba_dt``, the gated norm) is compiled and captured, each
 an opaque op of :mod:`..kernels.inference_ops`.  Rows the mixer does not compute (the padding of a piecewise
 graph's batch) are zeros.
+
+``MC_HYBRID_DECODE_GRAPHS=1`` (opt-in, not yet measured on a GPU): a decode-only step runs on the device alone
+(:meth:`ConsistentMambaMixer._step_graphed`: every request's pending count from ``seq_lens`` on the device, the
+whole chunk replayed -- the outputs kernel reads a chunk's rows whatever ``p`` is --, the new boundary states of the
+closing requests only, masked on the device), and the backend declares vLLM's own Mamba-2 support
+(``UNIFORM_BATCH``): vLLM then captures decode-only steps in full CUDA graphs, mixer included, and keeps the
+piecewise graphs with the host-planned mixer for steps with prefills.  Same bits either way.
 """
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -59,15 +66,32 @@ from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend, Mamba
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import causal_conv1d, inference_ops, ssd_continue, ssd_outputs_at, ssm_decay_rate
+from ..kernels import (causal_conv1d, inference_ops, ssd_chunk_end_state, ssd_continue, ssd_outputs_at,
+                       ssm_decay_rate)
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
 
 
-class ConsistentMamba2MetadataBuilder(Mamba2AttentionMetadataBuilder):
-    """vLLM's Mamba-2 metadata, declaring no full-CUDA-graph support: the mixer core reads it on the host."""
+def decode_graphs_requested(value: str) -> bool:
+    """``MC_HYBRID_DECODE_GRAPHS``: ``"1"`` runs a decode-only step's mixer on the device alone
+    (:meth:`ConsistentMambaMixer._step_graphed`) and lets vLLM capture such steps in full CUDA graphs; ``"0"`` or
+    unset: the host-planned step between piecewise graphs (the default until it is measured on a GPU); anything else
+    is refused by name."""
+    if value not in ("", "0", "1"):
+        raise ValueError(f"MC_HYBRID_DECODE_GRAPHS={value!r}: expected 0 or 1")
+    return value == "1"
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+DECODE_GRAPHS = decode_graphs_requested(os.environ.get("MC_HYBRID_DECODE_GRAPHS", ""))
+
+
+class ConsistentMamba2MetadataBuilder(Mamba2AttentionMetadataBuilder):
+    """vLLM's Mamba-2 metadata, declaring no full-CUDA-graph support (the mixer core reads it on the host), or with
+    ``MC_HYBRID_DECODE_GRAPHS=1`` vLLM's own (uniform decode batches: the device-only step)."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.UNIFORM_BATCH if DECODE_GRAPHS else AttentionCGSupport.NEVER
 
 
 class ConsistentMamba2Backend(Mamba2AttentionBackend):
@@ -125,8 +149,6 @@ class DecodePlan(NamedTuple):
     pending: torch.Tensor  # their pending counts p = computed % L (the new token's row of the replay)
     replay: int  # max(p) + 1: the replay's rows
     fresh_slots: torch.Tensor | None  # slots of first tokens (computed == 0), None: none
-    open_rows: torch.Tensor | None  # (with closing_rows) those whose token leaves the chunk open, None: none
-    open_replay: int  # their max(p) + 1
     closing_rows: torch.Tensor | None  # those whose token completes the chunk (p == L - 1), None: none
 
 
@@ -155,14 +177,11 @@ def step_plan(requests: list[tuple[int, int, int, int]], chunk_size: int, device
         return StepPlan(None, prefills)
     pending = [c % chunk_size for _, _, c in steps]
     fresh = [slot for _, slot, c in steps if c == 0]
-    open_rows = [i for i, q in enumerate(pending) if q < chunk_size - 1]
-    closing = len(open_rows) < len(steps)
+    closing = [i for i, q in enumerate(pending) if q == chunk_size - 1]
     decode = DecodePlan(
         rows=tensor([r[0] for r in steps]), slots=tensor([r[1] for r in steps]), pending=tensor(pending),
         replay=max(pending) + 1, fresh_slots=tensor(fresh) if fresh else None,
-        open_rows=tensor(open_rows) if closing and open_rows else None,
-        open_replay=max([pending[i] for i in open_rows], default=0) + 1,
-        closing_rows=tensor([i for i, q in enumerate(pending) if q == chunk_size - 1]) if closing else None)
+        closing_rows=tensor(closing) if closing else None)
     return StepPlan(decode, prefills)
 
 
@@ -228,6 +247,11 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
             y.copy_(self._run(xbc[None], dt[None], None).reshape(t, s.d_inner))
             return
         y.zero_()
+        if DECODE_GRAPHS and meta.num_prefills == 0:  # decode only: on the device alone (a full graph may hold it)
+            slots = meta.state_indices_tensor_d[:, 0]
+            b = slots.shape[0]  # a captured batch's padded rows included
+            y[:b] = self._step_graphed(xbc[:b], dt[:b], slots, meta.seq_lens[:b]).reshape(b, s.d_inner)
+            return
         plan = self._plan(meta, xbc.device)
         if plan.decode is not None:
             out = self._step(xbc[plan.decode.rows], dt[plan.decode.rows], plan.decode)
@@ -267,46 +291,63 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
 
         Request ``i``'s replay is ``[max(p) + 1]`` rows: its pending token ``r`` (``r < p_i``), its new token
         (``r == p_i``) or zero (``r > p_i``) -- exactly the zero padding the scan gives a partial chunk, so its output
-        at row ``p_i`` has the bits of :func:`kernels.ssd_continue`.  The requests whose token leaves the chunk open
-        (``p_i < L - 1``) take one :func:`kernels.ssd_outputs_at` (their own row only, no state); those whose token
-        completes it also form the new boundary state, by one :func:`kernels.ssd_continue` for them alone.  Only
-        their slots' states are written (and a first token's slot zeroed).  Returns ``y [b, H, P]``.
+        at row ``p_i`` has the bits of :func:`kernels.ssd_continue`.  One :func:`kernels.ssd_outputs_at` asks each
+        request for its own row; the requests whose token completes the chunk also form their new boundary state
+        (:func:`kernels.ssd_chunk_end_state`, for them alone), and only their slots' states are written (and a first
+        token's slot zeroed).  Returns ``y [b, H, P]``.
         """
+        ssm_c = self.kv_cache[0]
+        if plan.fresh_slots is not None:  # a first token: its slot starts from zeros, its boundary state stays there
+            ssm_c[plan.fresh_slots], self.kv_cache[2][plan.fresh_slots] = 0.0, 0
+        x, dt_seg, B, C, boundary = self._replay(xbc, dt, plan.slots, plan.pending, plan.replay)
+        A, L = ssm_decay_rate(self.A_log), self.ssm.chunk_size
+        y = ssd_outputs_at(x, dt_seg, A, B, C, self.D, L, boundary, plan.pending)
+        if plan.closing_rows is not None:  # their replay is the whole chunk (max(p) + 1 == L)
+            rows = plan.closing_rows
+            ssm_c[plan.slots[rows]] = ssd_chunk_end_state(x[rows], dt_seg[rows], A, B[rows], C[rows], L, boundary[rows])
+        return y
+
+    def _step_graphed(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor):
+        """:meth:`_step` with every request's state slot and length on the device and fixed shapes (a whole chunk
+        replayed, every slot's state written back, the new boundary states masked by the device's ``p == L - 1``):
+        no host reads, so vLLM can capture a decode step in a full CUDA graph (``MC_HYBRID_DECODE_GRAPHS=1``).  Rows
+        vLLM pads a captured batch with read and write its null block (slot 0, never a request's).  Same bits as
+        :meth:`_step` for every real request (tests/test_vllm_hybrid.py)."""
+        ssm_c = self.kv_cache[0]
+        L = self.ssm.chunk_size
+        computed = seq_lens.to(torch.int64) - 1
+        p = torch.remainder(computed, L)
+        fresh = computed == 0
+        x, dt_seg, B, C, boundary = self._replay(xbc, dt, slots, p, L, fresh)
+        A = ssm_decay_rate(self.A_log)
+        y = ssd_outputs_at(x, dt_seg, A, B, C, self.D, L, boundary, p)
+        ssm_c[slots] = ssd_chunk_end_state(x, dt_seg, A, B, C, L, boundary, p == L - 1)
+        return y
+
+    def _replay(self, xbc, dt, slots, p, t: int, fresh=None):
+        """The decode step's common part: the conv of the new tokens, their chunk's replay ``[b, t]`` (pending rows
+        from the cache, the new token at row ``p``, zeros after), the cache's new token written, and the states at
+        the chunk starts (``fresh`` rows: zeros).  Returns ``(x, dt, B, C, boundary)`` shaped for the scan."""
         s = self.ssm
         b = xbc.shape[0]
-        L, d, gn = s.chunk_size, s.d_inner, s.n_groups * s.state_size
+        d, gn = s.d_inner, s.n_groups * s.state_size
         ssm_c, dt_c, conv_c, xbc_c = self.kv_cache
-        dev = xbc.device
-        idx, p, t = plan.slots, plan.pending, plan.replay
-        if plan.fresh_slots is not None:  # a first token: its slot starts from zeros, its boundary state stays there
-            ssm_c[plan.fresh_slots], conv_c[plan.fresh_slots] = 0.0, 0
-        conv_state, boundary = conv_c[idx], ssm_c[idx]
+        conv_state, boundary = conv_c[slots], ssm_c[slots]
+        if fresh is not None:
+            conv_state = torch.where(fresh[:, None, None], 0, conv_state)
+            boundary = torch.where(fresh[:, None, None, None], 0.0, boundary)
         new_xbc, new_conv = causal_conv1d(xbc[:, None], self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
-        r = torch.arange(t, device=dev)[None, :]
-        seg = torch.where((r < p[:, None])[..., None], xbc_c[idx, :t], 0)
+        r = torch.arange(t, device=xbc.device)[None, :]
+        seg = torch.where((r < p[:, None])[..., None], xbc_c[slots, :t], 0)
         seg = torch.where((r == p[:, None])[..., None], new_xbc, seg)
-        seg_dt = torch.where((r < p[:, None])[..., None], dt_c[idx, :t], 0.0)
+        seg_dt = torch.where((r < p[:, None])[..., None], dt_c[slots, :t], 0.0)
         seg_dt = torch.where((r == p[:, None])[..., None], dt[:, None].to(torch.float32), seg_dt)
-        conv_c[idx] = new_conv  # the cache's new token (the replay above holds its own copies)
-        xbc_c[idx, p] = new_xbc[:, 0]
-        dt_c[idx, p] = dt.to(torch.float32)
+        conv_c[slots] = new_conv  # the cache's new token (the replay above holds its own copies)
+        xbc_c[slots, p] = new_xbc[:, 0]
+        dt_c[slots, p] = dt.to(torch.float32)
         x, B, C = seg.split([d, gn, gn], dim=-1)
-        x, B, C = (x.reshape(b, t, s.num_heads, s.head_dim), B.reshape(b, t, s.n_groups, s.state_size),
-                   C.reshape(b, t, s.n_groups, s.state_size))
-        A = ssm_decay_rate(self.A_log)
-        if plan.closing_rows is None:  # every token leaves its chunk open (t < L)
-            return ssd_outputs_at(x, seg_dt, A, B, C, self.D, L, boundary, p)
-        y = torch.empty(b, s.num_heads, s.head_dim, dtype=x.dtype, device=dev)
-        if plan.open_rows is not None:
-            rows, u = plan.open_rows, plan.open_replay
-            y[rows] = ssd_outputs_at(x[rows, :u], seg_dt[rows, :u], A, B[rows, :u], C[rows, :u], self.D, L,
-                                     boundary[rows], p[rows])
-        rows = plan.closing_rows  # t == L: the pending L - 1 tokens, then the new one
-        y_c, state, _ = ssd_continue(boundary[rows], (x[rows, :-1], seg_dt[rows, :-1], B[rows, :-1], C[rows, :-1]),
-                                     x[rows, -1:], seg_dt[rows, -1:], B[rows, -1:], C[rows, -1:], A, self.D, L)
-        y[rows] = y_c[:, 0]
-        ssm_c[idx[rows]] = state
-        return y
+        return (x.reshape(b, t, s.num_heads, s.head_dim), seg_dt, B.reshape(b, t, s.n_groups, s.state_size),
+                C.reshape(b, t, s.n_groups, s.state_size), boundary)
 
     def _run(self, xbc: torch.Tensor, dt: torch.Tensor, cache) -> torch.Tensor:
         """Conv + SSD of ``b`` requests of equal (new, pending) sizes; ``xbc [b, n, conv_dim]``, ``dt [b, n, H]``.

@@ -164,8 +164,8 @@ def chunk_prefix_sums(dtc, A) -> torch.Tensor:
 
 
 @triton.jit
-def _chunk_contributions_kernel(XC, DTC, BC, CUM, OUT, n_chunks, n_complete, L, H, P, G, N, HEADS_PER_GROUP,
-                                BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+def _chunk_contributions_kernel(XC, DTC, BC, CUM, ACTIVE, OUT, n_chunks, n_complete, L, H, P, G, N, HEADS_PER_GROUP,
+                                BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_ACTIVE: tl.constexpr):
     chunk_id = tl.program_id(0)  # (sequence, complete chunk)
     h = tl.program_id(1)
     n_blocks = tl.cdiv(N, BN)
@@ -173,6 +173,9 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, OUT, n_chunks, n_complete, L, 
     n0 = (tl.program_id(2) % n_blocks) * BN
     b = chunk_id // n_complete
     k = chunk_id % n_complete
+    if HAS_ACTIVE:
+        if tl.load(ACTIVE + b) == 0:  # a row whose new state is not used: its terms are left unwritten
+            return
     g = h // HEADS_PER_GROUP
     s = tl.arange(0, BL)
     p = p0 + tl.arange(0, BP)
@@ -193,9 +196,10 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, OUT, n_chunks, n_complete, L, 
     tl.store(out, contrib, mask=p_in[:, None] & n_in[None, :])
 
 
-def chunk_contributions(xc, dtc, bc, cum, n_complete: int) -> torch.Tensor:
+def chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None) -> torch.Tensor:
     """Step 5's per-chunk terms ``[b, n_complete, H, P, N]`` of the first ``n_complete`` chunks (module docstring),
-    from :func:`kernels.ssd._ssd_chunk_states`' chunked float32 operands (its ``contributions`` argument)."""
+    from :func:`kernels.ssd._ssd_chunk_states`' chunked float32 operands (its ``contributions`` argument);
+    ``active`` ``[b]`` bool: only those rows' terms (the others' are left unwritten, their programs return at once)."""
     nb, n_chunks, L, H, P = xc.shape
     G, N = bc.shape[-2:]
     out = torch.empty(nb, n_complete, H, P, N, dtype=torch.float32, device=xc.device)
@@ -206,8 +210,10 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int) -> torch.Tensor:
     # spills (128 x 128 on 16 warps spilled), chunk 256 240 bytes (the [P, N] store; 80 with the former [N, P])
     bn = min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp)))
     grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
-    _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)), out, n_chunks, n_complete,
-                                      L, H, P, G, N, H // G, BL=bl, BP=bp, BN=bn, num_warps=4 if bl <= 128 else 8,
+    _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)),
+                                      out if active is None else active.to(torch.int8).contiguous(), out, n_chunks,
+                                      n_complete, L, H, P, G, N, H // G, BL=bl, BP=bp, BN=bn,
+                                      HAS_ACTIVE=active is not None, num_warps=4 if bl <= 128 else 8,
                                       enable_fp_fusion=False)
     return out
 
