@@ -250,7 +250,8 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         if DECODE_GRAPHS and meta.num_prefills == 0:  # decode only: on the device alone (a full graph may hold it)
             slots = meta.state_indices_tensor_d[:, 0]
             b = slots.shape[0]  # a captured batch's padded rows included
-            y[:b] = self._step_graphed(xbc[:b], dt[:b], slots, meta.seq_lens[:b]).reshape(b, s.d_inner)
+            if b:
+                y[:b] = self._step_graphed(xbc[:b], dt[:b], slots, meta.seq_lens[:b]).reshape(b, s.d_inner)
             return
         plan = self._plan(meta, xbc.device)
         if plan.decode is not None:
@@ -296,9 +297,9 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         (:func:`kernels.ssd_chunk_end_state`, for them alone), and only their slots' states are written (and a first
         token's slot zeroed).  Returns ``y [b, H, P]``.
         """
-        ssm_c = self.kv_cache[0]
+        ssm_c, _, conv_c, _ = self.kv_cache
         if plan.fresh_slots is not None:  # a first token: its slot starts from zeros, its boundary state stays there
-            ssm_c[plan.fresh_slots], self.kv_cache[2][plan.fresh_slots] = 0.0, 0
+            ssm_c[plan.fresh_slots], conv_c[plan.fresh_slots] = 0.0, 0
         x, dt_seg, B, C, boundary = self._replay(xbc, dt, plan.slots, plan.pending, plan.replay)
         A, L = ssm_decay_rate(self.A_log), self.ssm.chunk_size
         y = ssd_outputs_at(x, dt_seg, A, B, C, self.D, L, boundary, plan.pending)
