@@ -454,11 +454,11 @@ def ssd_chunk_end_state(x, dt, A, B, C, chunk_size: int, state, closing: torch.T
     lead, (t_len, nh, hp), (ng, ns) = x.shape[:-3], x.shape[-3:], B.shape[-2:]
     if t_len != chunk_size:
         raise ValueError(f"ssd_chunk_end_state: {t_len} tokens, not one chunk ({chunk_size})")
+    if state is None:
+        raise ValueError("ssd_chunk_end_state: the state at the chunk's start is required")
     if closing is not None and closing.shape != lead:
         raise ValueError(f"ssd_chunk_end_state: closing {tuple(closing.shape)} is not {tuple(lead)}")
-    nb = 1
-    for n in lead:
-        nb *= n
+    nb = math.prod(lead)
     flat_state = state.reshape(nb, nh, hp, ns)
     active = None if closing is None else closing.reshape(nb)
     with torch.no_grad():
