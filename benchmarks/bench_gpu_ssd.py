@@ -6,7 +6,8 @@
 Cases at Nemotron-H 8B's mixer widths (128 heads x 64, 8 groups, state 128, chunk 128): a prefill of one sequence (T
 = 1024 / 4096), a decode step of 64 sequences (1 new token after 64 pending tokens of the chunk, so each replays 65
 positions and outputs one) and the engine's decode step of 64 sequences at ragged positions (each replays its
-pending tokens, zero-padded to the longest, and outputs its own position only: ``ssd_outputs_at``).  Per case and
+pending tokens, zero-padded to the longest, and outputs its own position only: ``ssd_outputs_at``); then the two
+decode steps of the engine at the SSD level (host-planned, and device-only for full CUDA graphs), bits and time.  Per case and
 part -- the prefix sums (step 1), the outputs (steps 2-4), the chunks' state terms (step 5's bulk; prefill only),
 the whole scan (the chunk padding and the state recurrence are torch ops in both) -- the ratio torch time / Triton
 time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands read once, the result
@@ -97,6 +98,32 @@ def run_case(name: str, bsz: int, t_len: int, pos: torch.Tensor, bw: float) -> d
             "speedup": speedups, "bits_equal": bits}
 
 
+def decode_step_paths(bsz: int = 64, seed: int = 1) -> dict:
+    """The engine's two decode steps at the SSD level (the default kernels): the host-planned one (a replay of
+    ``max(p) + 1`` rows, the closing requests' end states for them alone) and the device-only one of
+    ``MC_HYBRID_DECODE_GRAPHS=1`` (the whole chunk replayed, the end states masked on the device), one request in
+    ``L`` closing its chunk; their outputs and new states bitwise, their times."""
+    x, dt, a, b, c, d, state = inputs(bsz, L, seed)
+    p = torch.randint(0, L - 1, (bsz,), generator=torch.Generator().manual_seed(seed)).to(DEV)
+    p[0] = L - 1  # one closing request
+    closing = p == L - 1
+    t = int(p.max()) + 1
+
+    def host():
+        y = ssd.ssd_outputs_at(x[:, :t], dt[:, :t], a, b[:, :t], c[:, :t], d, L, state, p)
+        rows = closing.nonzero().flatten()
+        return y, ssd.ssd_chunk_end_state(x[rows], dt[rows], a, b[rows], c[rows], L, state[rows])
+
+    def device_only():
+        return (ssd.ssd_outputs_at(x, dt, a, b, c, d, L, state, p),
+                ssd.ssd_chunk_end_state(x, dt, a, b, c, L, state, closing))
+
+    (y_h, s_h), (y_d, s_d) = host(), device_only()
+    equal = torch.equal(y_h, y_d) and torch.equal(s_h, s_d[closing]) and torch.equal(s_d[~closing], state[~closing])
+    return {"batch": bsz, "host ms": triton.testing.do_bench(host), "device-only ms": triton.testing.do_bench(device_only),
+            "bits_equal": equal}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/ssd_gpu.json")
@@ -123,12 +150,15 @@ def main() -> int:
             floor_cells = "| |" if floor is None else f"{floor:.3f} | {floor / ours:.2f} |"
             print(f"| {r['case']} | {part} | {r['ms'][part + ' torch']:.3f} | {ours:.3f} | {v:.1f} | {floor_cells} "
                   f"{'equal' if r['bits_equal'][part] else 'DIFFER'} |")
+    steps = decode_step_paths()
+    print(f"\ndecode step, {steps['batch']} sequences (SSD only): host-planned {steps['host ms']:.3f} ms, device-only "
+          f"(MC_HYBRID_DECODE_GRAPHS=1) {steps['device-only ms']:.3f} ms, bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":
-                   {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows}, f, indent=1)
+                   {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows, "decode_step_paths": steps}, f, indent=1)
     print(f"results: {args.out}")
-    return 0 if all(all(r["bits_equal"].values()) for r in rows) else 1
+    return 0 if all(all(r["bits_equal"].values()) for r in rows) and steps["bits_equal"] else 1
 
 
 if __name__ == "__main__":
