@@ -64,7 +64,7 @@ def fp8_jobs():
         xq = torch.zeros(4096, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         wq = torch.zeros(n, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         out = torch.zeros(4096, n, dtype=torch.bfloat16)
-        for schedule, sws in (("ws", True), ("ws", False), ("ws grouped", True), ("ws regs", True)):
+        for schedule, sws in (("ws", True), ("ws", False), ("ws grouped", True), ("ws regs", True), ("ws smem sums", True)):
             args, const = launch_args(xq, torch.ones(4096, g), wq, torch.ones(n, g), None, out,
                                       fp8_config(n, k)["SPLIT_GROUPS"], sws, schedule)
             sig = {name: mangle_type(a, True) if not isinstance(a, int) else "i32"

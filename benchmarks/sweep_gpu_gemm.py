@@ -446,7 +446,8 @@ def sweep_fp8(args, deadline, log):
             split = tf8.fp8_config(n, k)["SPLIT_GROUPS"]
             for cname, block_rows, schedule in (("gluon ws", 128, "ws"), ("gluon ws column scales", 0, "ws"),
                                                 ("gluon ws grouped", 128, "ws grouped"),
-                                                ("gluon ws regs", 128, "ws regs")):
+                                                ("gluon ws regs", 128, "ws regs"),
+                                                ("gluon ws smem sums", 128, "ws smem sums")):
                 runners.append((cname, None, lambda xq_, xs_, q, r, dt, br=block_rows, sch=schedule: gluon_fp8_gemm(
                     xq_, xs_, q, r, None, dt, split, w_block_rows=br, schedule=sch)))
         for cname, cfg, run in runners:

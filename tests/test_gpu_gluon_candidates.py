@@ -71,7 +71,7 @@ def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
 @pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 4096, 14336), (300, 6144, 4096)])
 @pytest.mark.parametrize("block_rows", [128, 0])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("schedule", ["ws", "ws grouped", "ws regs"])
+@pytest.mark.parametrize("schedule", ["ws", "ws grouped", "ws regs", "ws smem sums"])
 def test_gluon_fp8_gemm_equals_the_committed_fp8_gemm(m, n, k, block_rows, with_bias, schedule):
     g = torch.Generator(device=DEV).manual_seed(m + n + k)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16, generator=g)

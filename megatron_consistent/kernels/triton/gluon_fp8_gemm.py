@@ -88,13 +88,13 @@ def _scaled_fma(p, sa, sb, acc, SWS: gl.constexpr):
 def _ws_consumer(a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
                  WG: gl.constexpr, G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr,
                  STAGES: gl.constexpr, SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                 GROUP_M: gl.constexpr):
+                 SUMS_IN_SMEM: gl.constexpr, GROUP_M: gl.constexpr):
     """Consumer ``WG`` (one warp group) of the warp-specialised kernel: rows ``WG * BM / 2 ..`` of every tile of the
     program, the arithmetic of :func:`_fp8_kernel`; it releases a slot once its chain on it is done, and stores its
     half tile itself through ``smem.index(WG)``.  ``LOOKAHEAD``: group ``c + 1``'s chain is issued before group
-    ``c``'s is scaled (three float32 tiles live), the split sums in ``smem`` (float32); else each chain is waited for
-    right away -- the other consumer's chain keeps the tensor cores busy meanwhile -- and the split sums stay in
-    registers (``smem`` only stages the output)."""
+    ``c``'s is scaled (three float32 tiles live); else each chain is waited for right away -- the other consumer's
+    chain keeps the tensor cores busy meanwhile.  ``SUMS_IN_SMEM``: the split sums in ``smem`` (float32, also the
+    output's staging); else in registers (``smem`` only stages the output)."""
     BM: gl.constexpr = a_bufs.type.shape[1]
     ROWS: gl.constexpr = BM // 2
     BN: gl.constexpr = b_bufs.type.shape[1]
@@ -127,7 +127,7 @@ def _ws_consumer(a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, b
                 c += 1
             if SPLITS == 1:
                 final = acc
-            elif not LOOKAHEAD:  # the split partials summed in split order from 0, in registers
+            elif not SUMS_IN_SMEM:  # the split partials summed in split order from 0, in registers
                 if s == 0:
                     sums = acc + 0.0
                 elif s == SPLITS - 1:
@@ -141,7 +141,7 @@ def _ws_consumer(a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, b
                 final = own.load(acc_layout) + acc
             else:
                 own.store(own.load(acc_layout) + acc)
-        if LOOKAHEAD:
+        if SUMS_IN_SMEM:
             if SPLITS == 1:
                 tma.store_wait(pendings=0)
             staging = own._reinterpret(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -157,8 +157,8 @@ def _ws_consumer(a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, b
 @gluon.jit
 def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, stride_asm, stride_bsn,
                    G_ALL: gl.constexpr, SPLIT_GROUPS: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
-                   SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr, GROUP_M: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   SWS: gl.constexpr, HAS_BIAS: gl.constexpr, LOOKAHEAD: gl.constexpr, SUMS_IN_SMEM: gl.constexpr,
+                   GROUP_M: gl.constexpr, num_warps: gl.constexpr):
     """Warp-specialised: a producer warp runs the ring (``gluon_ring.ring_producer``), two consumer warp groups
     (:func:`_ws_consumer`; the first is the default partition) take the upper and lower 64 rows of each tile with no
     synchronisation between them but the ring's, so one's group scaling runs while the other's ``wgmma`` runs."""
@@ -166,16 +166,16 @@ def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, str
     BN: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs, b_bufs, ready = operand_ring(a_desc, b_desc, STAGES)
     empty = release_barriers(STAGES, 2)
-    if LOOKAHEAD:  # a consumer's float32 split sums, also its output staging
+    if SUMS_IN_SMEM:  # a consumer's float32 split sums, also its output staging
         smem = gl.allocate_shared_memory(gl.float32, [2, BM // 2, BN], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
     else:  # a consumer's output staging
         smem = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
     gl.warp_specialize([(_ws_consumer, (a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
                                         stride_asm, stride_bsn, 0, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS,
-                                        LOOKAHEAD, GROUP_M)),
+                                        LOOKAHEAD, SUMS_IN_SMEM, GROUP_M)),
                         (_ws_consumer, (a_bufs, b_bufs, ready, empty, smem, out_desc, as_ptr, bs_ptr, bias_ptr, M, N,
                                         stride_asm, stride_bsn, 1, G_ALL, SPLIT_GROUPS, SPLITS, STAGES, SWS, HAS_BIAS,
-                                        LOOKAHEAD, GROUP_M)),
+                                        LOOKAHEAD, SUMS_IN_SMEM, GROUP_M)),
                         (ring_producer, (a_desc, b_desc, ready, empty, a_bufs, b_bufs, M, N, G_ALL, STAGES, GROUP_M))],
                        [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
     for i in gl.static_range(STAGES):
@@ -188,10 +188,12 @@ def _fp8_ws_kernel(a_desc, b_desc, out_desc, as_ptr, bs_ptr, bias_ptr, M, N, str
 # 32 KB float32 tile of split sums a consumer, tiles M fastest; "ws grouped": the same in the committed kernels'
 # grouped tile order (bands of 8 M tiles; session 22's "ws" lost at K = 14336, where the activations stream from HBM
 # once per weight column); "ws regs": without the chain ahead, the split sums in registers, so only the output is
-# staged and the ring takes 6 stages (5 for a float32 output)
-SCHEDULES = {"ws": ({2: 5, 4: 5}, {"LOOKAHEAD": True, "GROUP_M": 0}),
-             "ws grouped": ({2: 5, 4: 5}, {"LOOKAHEAD": True, "GROUP_M": 8}),
-             "ws regs": ({2: 6, 4: 5}, {"LOOKAHEAD": False, "GROUP_M": 0})}
+# staged and the ring takes 6 stages (5 for a float32 output); "ws smem sums": without the chain ahead, the split sums
+# in shared memory (for four splits, where the register sums of "ws regs" spill; 5 stages beside the 64 KB of sums)
+SCHEDULES = {"ws": ({2: 5, 4: 5}, {"LOOKAHEAD": True, "SUMS_IN_SMEM": True, "GROUP_M": 0}),
+             "ws grouped": ({2: 5, 4: 5}, {"LOOKAHEAD": True, "SUMS_IN_SMEM": True, "GROUP_M": 8}),
+             "ws regs": ({2: 6, 4: 5}, {"LOOKAHEAD": False, "SUMS_IN_SMEM": False, "GROUP_M": 0}),
+             "ws smem sums": ({2: 5, 4: 5}, {"LOOKAHEAD": False, "SUMS_IN_SMEM": True, "GROUP_M": 0})}
 WARPS = 4
 OUT_ROWS = TILE[0] // 2
 
