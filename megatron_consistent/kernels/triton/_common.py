@@ -14,6 +14,7 @@ try:  # host-side TMA descriptors (Triton >= 3.4)
 except Exception:  # pragma: no cover
     TensorDescriptor = None
 
+
 def gluon_requested(value: str) -> bool:
     """``MC_GLUON``: ``"1"`` lets the Gluon kernels (:mod:`.gluon_segment_tree`, :mod:`.gluon_fp8_gemm`: Hopper,
     warp-specialised, the committed kernels' bits) take the calls they are measured ahead on; ``"0"`` or unset: off

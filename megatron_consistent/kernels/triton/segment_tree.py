@@ -55,9 +55,9 @@ LANES_MAX_STEPS = 8  # the planner's default LANES is 2 up to this many BLOCK_K 
 WAVE_FILL = 0.9  # parallel path: fewer, longer units unless the last wave of units would leave > 10 % of SMs idle
 _FORCE_TREE_PATH = os.environ.get("MC_TREE_PATH", "")  # "", "serial", "parallel", "flat": every call (scheduling only)
 _SERIAL_PATH = os.environ.get("MC_TREE_SERIAL", "serial")  # the many-tiles schedule: "serial" or "flat"
-_FORCE_LANES = int(os.environ.get("MC_TREE_LANES", "0"))
+_FORCE_LANES = int(os.environ.get("MC_TREE_LANES", "0"))  # 1, 2 or 4: every call (scheduling only); 0: the planner's
 GLUON_TREE_MIN_M = 1024  # MC_GLUON=1: the Gluon tree from here (session 23, 8B o_proj / down: 0.82-0.90 of cuBLAS vs 0.69-0.83)
-GLUON_TREE_SCHEDULE = "ws deep"  # 1, 2 or 4: every call (scheduling only); 0: the planner's
+GLUON_TREE_SCHEDULE = "ws deep"  # its schedule (gluon_segment_tree.SCHEDULES): the first quad's tile in a global slot
 
 
 @triton.jit
