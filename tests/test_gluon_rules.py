@@ -9,16 +9,23 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_consistent.kernels.triton import _common, fp8_linear, segment_tree  # noqa: E402
+from megatron_consistent.kernels.triton import fp8_linear, segment_tree  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def test_the_knob_is_off_unless_asked_and_refuses_other_values():
-    assert not _common.gluon_requested("") and not _common.gluon_requested("0")
-    assert _common.gluon_requested("1")
+def test_the_knob_is_off_unless_asked_and_refuses_other_values(monkeypatch):
+    from megatron_consistent.kernels.dispatch import env_switch
+
+    monkeypatch.delenv("MC_GLUON", raising=False)
+    assert not env_switch("MC_GLUON")
+    monkeypatch.setenv("MC_GLUON", "0")
+    assert not env_switch("MC_GLUON")
+    monkeypatch.setenv("MC_GLUON", "1")
+    assert env_switch("MC_GLUON")
+    monkeypatch.setenv("MC_GLUON", "yes")
     with pytest.raises(ValueError, match="MC_GLUON='yes': expected 0 or 1"):
-        _common.gluon_requested("yes")
+        env_switch("MC_GLUON")
 
 
 def test_off_means_no_call_goes_to_gluon(monkeypatch):

@@ -267,8 +267,9 @@ def test_decode_graphs_opt_in_keeps_full_decode_graphs(monkeypatch):
     mod.run_mixer_between_graphs(cc)
     support = mod.ConsistentMamba2Backend.get_builder_cls().get_cudagraph_support(None, None)
     assert cc.resolve_cudagraph_mode_and_sizes(support, "mamba") == CUDAGraphMode.FULL_AND_PIECEWISE
+    monkeypatch.setenv("MC_HYBRID_DECODE_GRAPHS", "on")
     with pytest.raises(ValueError, match="MC_HYBRID_DECODE_GRAPHS='on': expected 0 or 1"):
-        mod.decode_graphs_requested("on")
+        mod.env_switch("MC_HYBRID_DECODE_GRAPHS")
 
 
 def test_mixer_is_one_splitting_node_of_the_compiled_layer(monkeypatch):

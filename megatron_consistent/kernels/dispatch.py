@@ -11,6 +11,7 @@ path.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Callable
 
 import torch
@@ -45,3 +46,12 @@ def implementation(op: str, device: torch.device) -> Callable:
         raise NoConsistentKernelError(
             f"megatron-consistent has no {device.type} implementation of '{op}'"
         ) from None
+
+
+def env_switch(variable: str) -> bool:
+    """An on / off switch between evaluations of the same contract, from the environment: ``"1"`` on, ``"0"`` or unset
+    off; anything else is refused by name (``MC_GLUON``, ``MC_HYBRID_DECODE_GRAPHS``; docs/gpu.md)."""
+    value = os.environ.get(variable, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{variable}={value!r}: expected 0 or 1")
+    return value == "1"

@@ -55,7 +55,6 @@ piecewise graphs with the host-planned mixer for steps with prefills.  Same bits
 
 from __future__ import annotations
 
-import os
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -68,21 +67,15 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from ..config import ArchConfig, SSMConfig
 from ..kernels import (causal_conv1d, inference_ops, ssd_chunk_end_state, ssd_continue, ssd_outputs_at,
                        ssm_decay_rate)
+from ..kernels.dispatch import env_switch
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
 
 
-def decode_graphs_requested(value: str) -> bool:
-    """``MC_HYBRID_DECODE_GRAPHS``: ``"1"`` runs a decode-only step's mixer on the device alone
-    (:meth:`ConsistentMambaMixer._step_graphed`) and lets vLLM capture such steps in full CUDA graphs; ``"0"`` or
-    unset: the host-planned step between piecewise graphs (the default until it is measured on a GPU); anything else
-    is refused by name."""
-    if value not in ("", "0", "1"):
-        raise ValueError(f"MC_HYBRID_DECODE_GRAPHS={value!r}: expected 0 or 1")
-    return value == "1"
-
-
-DECODE_GRAPHS = decode_graphs_requested(os.environ.get("MC_HYBRID_DECODE_GRAPHS", ""))
+# MC_HYBRID_DECODE_GRAPHS=1: a decode-only step's mixer on the device alone (ConsistentMambaMixer._step_graphed), and
+# vLLM may capture such steps in full CUDA graphs; off: the host-planned step between piecewise graphs (the default
+# until it is measured on a GPU)
+DECODE_GRAPHS = env_switch("MC_HYBRID_DECODE_GRAPHS")
 
 
 class ConsistentMamba2MetadataBuilder(Mamba2AttentionMetadataBuilder):

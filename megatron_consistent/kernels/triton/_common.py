@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ..dispatch import env_switch
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -15,16 +16,10 @@ except Exception:  # pragma: no cover
     TensorDescriptor = None
 
 
-def gluon_requested(value: str) -> bool:
-    """``MC_GLUON``: ``"1"`` lets the Gluon kernels (:mod:`.gluon_segment_tree`, :mod:`.gluon_fp8_gemm`: Hopper,
-    warp-specialised, the committed kernels' bits) take the calls they are measured ahead on; ``"0"`` or unset: off
-    (the default until they pass the engine check and a rollout); anything else is refused by name."""
-    if value not in ("", "0", "1"):
-        raise ValueError(f"MC_GLUON={value!r}: expected 0 or 1")
-    return value == "1"
-
-
-GLUON = gluon_requested(os.environ.get("MC_GLUON", ""))  # read once, when the CUDA backend is imported
+# MC_GLUON=1: the Gluon kernels (.gluon_segment_tree, .gluon_fp8_gemm: Hopper, warp-specialised, the committed kernels'
+# bits) take the calls they are measured ahead on; off by default until they pass the engine check and a rollout.
+# Read once, when the CUDA backend is imported.
+GLUON = env_switch("MC_GLUON")
 
 
 @functools.lru_cache(maxsize=None)
