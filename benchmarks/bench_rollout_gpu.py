@@ -278,10 +278,11 @@ def failure_lines(log: Path) -> list[str]:
     return errors[:20] + lines[-15:]
 
 
-def failed(name: str, error: str, log: Path, flush_first=None) -> dict:
-    """An engine's failure with its last words, printed at once (the run may be cut before its table)."""
-    if flush_first is not None:
-        flush_first.flush()
+def failed(name: str, error: str, log: Path, open_log=None) -> dict:
+    """An engine's failure with its last words, printed at once (the run may be cut before its table); ``open_log``:
+    the file the engine still writes ``log`` through, flushed first."""
+    if open_log is not None:
+        open_log.flush()
     result = {"error": error, "log_tail": failure_lines(log)}
     print(f"  {name} failed: {error}\n" + "\n".join(f"    | {line[:200]}" for line in result["log_tail"]), flush=True)
     return result
