@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu_attention.py --out /tmp/attn.json [--quick]
     python benchmarks/bench_gpu_attention.py --out /tmp/tiles.json --tiles   # launch shapes only
+    python benchmarks/bench_gpu_attention.py --out /tmp/gluon.json --gluon   # the Gluon prefill candidate
 
 * decode: B in {1, 4, 16, 64} x context in {4k, 8k, 32k}, and B = 8 at 16k (the long tail of the rollout
   benchmark's shape (c)); GQA 32/8, D 128, bf16:
@@ -198,16 +199,63 @@ def paged_copy(ks, vs, page):
     return kv, tab
 
 
+def _prefill_inputs(t, hkv, d=D):
+    """Input copies (enough to exceed L2) of one causal sequence of ``t`` tokens: ``(copies, qs, ks, vs, positions,
+    key lengths, causal FLOPs)``."""
+    per = 2 * t * (HQ + 2 * hkv) * d
+    copies = max(1, min(4, math.ceil(L2_FLUSH_BYTES / per)))
+    qs = [torch.randn(1, t, HQ, d, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    ks = [torch.randn(1, t, hkv, d, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    vs = [torch.randn(1, t, hkv, d, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
+    return (copies, qs, ks, vs, torch.arange(t, device=DEV)[None], torch.full((1,), t, device=DEV),
+            2.0 * t * (t + 1) * HQ * d)
+
+
+def _fa3_prefill_ms(qs, ks, vs, t, scale, copies):
+    """vLLM's FA3 on the same dense causal sequences (NaN without vLLM)."""
+    if not _FA:
+        return float("nan")
+    cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
+    return _try(lambda: bench([lambda i=i: flash_attn_varlen_func(
+        q=qs[i][0], k=ks[i][0], v=vs[i][0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t, max_seqlen_k=t,
+        softmax_scale=scale, causal=True, fa_version=3) for i in range(copies)]))
+
+
+def gluon_prefill_case(t, hkv, d, rows):
+    """Dense prefill: each schedule of the Gluon candidate (``gluon_attention``) against the committed kernel (bits
+    and time), SDPA and FA3, one run."""
+    from megatron_consistent.kernels.triton.gluon_attention import SCHEDULES, gluon_attention_fwd
+
+    scale = d ** -0.5
+    copies, qs, ks, vs, pos, kl, flops = _prefill_inputs(t, hkv, d)
+    ref = tattn.attention_fwd(qs[0], ks[0], vs[0], pos, kl, scale)
+    ours_ms = bench([lambda i=i: tattn.attention_fwd(qs[i], ks[i], vs[i], pos, kl, scale) for i in range(copies)])
+    sq, sk, sv = ([x.transpose(1, 2) for x in xs] for xs in (qs, ks, vs))
+    sdpa_ms = _try(lambda: bench([lambda i=i: _sdpa(sq[i], sk[i], sv[i], True, hkv != HQ) for i in range(copies)]))
+    fa3_ms = _fa3_prefill_ms(qs, ks, vs, t, scale, copies)
+    for schedule in SCHEDULES:
+        got = _try(lambda: gluon_attention_fwd(qs[0], ks[0], vs[0], pos, kl, scale, schedule))
+        r = {"kind": "gluon prefill", "schedule": schedule, "T": t, "Hq": HQ, "Hkv": hkv, "D": d,
+             "bits_equal": isinstance(got, tuple) and torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]),
+             "ours_dense_ms": ours_ms, "sdpa_ms": sdpa_ms, "fa3_ms": fa3_ms,
+             "gluon_ms": _try(lambda: bench([lambda i=i: gluon_attention_fwd(qs[i], ks[i], vs[i], pos, kl, scale,
+                                                                             schedule) for i in range(copies)]))}
+        for k in ("ours_dense", "gluon", "sdpa", "fa3"):
+            r[f"{k}_tflops"] = flops / r[f"{k}_ms"] * 1e-9
+        r["gluon_vs_ours"] = ours_ms / r["gluon_ms"]
+        r["gluon_vs_fa3"] = fa3_ms / r["gluon_ms"]
+        r["ours_vs_fa3"] = fa3_ms / ours_ms
+        rows.append(r)
+        print(f"prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d} D={d:3d} {schedule:13s} TFLOP/s: committed "
+              f"{r['ours_dense_tflops']:6.1f}  gluon {r['gluon_tflops']:6.1f}  sdpa {r['sdpa_tflops']:6.1f}  fa3 "
+              f"{r['fa3_tflops']:6.1f}   gluon x committed {r['gluon_vs_ours']:.2f}  gluon x fa3 "
+              f"{r['gluon_vs_fa3']:.2f}  committed x fa3 {r['ours_vs_fa3']:.2f}  "
+              f"bits {'equal' if r['bits_equal'] else 'DIFFER'}", flush=True)
+
+
 def prefill_case(t, hkv, rows):
     scale = D ** -0.5
-    per = 2 * t * (HQ + 2 * hkv) * D
-    copies = max(1, min(4, math.ceil(L2_FLUSH_BYTES / per)))
-    qs = [torch.randn(1, t, HQ, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
-    ks = [torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
-    vs = [torch.randn(1, t, hkv, D, device=DEV, dtype=torch.bfloat16) for _ in range(copies)]
-    pos = torch.arange(t, device=DEV)[None]
-    kl = torch.full((1,), t, device=DEV)
-    flops = 2.0 * t * (t + 1) * HQ * D
+    copies, qs, ks, vs, pos, kl, flops = _prefill_inputs(t, hkv)
     r = {"kind": "prefill", "T": t, "Hq": HQ, "Hkv": hkv}
     r["ours_dense_ms"] = bench([lambda i=i: tattn.attention_fwd(qs[i], ks[i], vs[i], pos, kl, scale) for i in range(copies)])
     # paged: the same K/V in a page-16 cache and in a page-64 cache (one key block per page), pages shuffled; called
@@ -232,13 +280,7 @@ def prefill_case(t, hkv, rows):
     sk = [x.transpose(1, 2) for x in ks]
     sv = [x.transpose(1, 2) for x in vs]
     r["sdpa_ms"] = _try(lambda: bench([lambda i=i: _sdpa(sq[i], sk[i], sv[i], True, hkv != HQ) for i in range(copies)]))
-    if _FA:
-        cu = torch.tensor([0, t], device=DEV, dtype=torch.int32)
-        r["fa3_ms"] = _try(lambda: bench([lambda i=i: flash_attn_varlen_func(
-            q=pq[i], k=ks[i][0], v=vs[i][0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=t, max_seqlen_k=t,
-            softmax_scale=scale, causal=True, fa_version=3) for i in range(copies)]))
-    else:
-        r["fa3_ms"] = float("nan")
+    r["fa3_ms"] = _fa3_prefill_ms(qs, ks, vs, t, scale, copies)
     for k in ("ours_dense", "ours_paged", "ours_paged64", "ours_paged_cache_only", "sdpa", "fa3"):
         r[f"{k}_tflops"] = flops / r[f"{k}_ms"] * 1e-9
     r["ratio_dense_vs_sdpa"] = r["sdpa_ms"] / r["ours_dense_ms"]
@@ -466,6 +508,8 @@ def main():
     ap.add_argument("--tiles", action="store_true", help="only the launch-shape sweep (ATTN_TILES candidates)")
     ap.add_argument("--decode-only", action="store_true", help="with --tiles: the decode cases only")
     ap.add_argument("--contract-probe", action="store_true", help="only the key block / partition probe (dense)")
+    ap.add_argument("--gluon", action="store_true", help="only dense prefill: the Gluon candidate against the "
+                    "committed kernel (bits, time), SDPA and FA3")
     ap.add_argument("--write-table", metavar="ATTENTION_PY", help="with --tiles: put the faster bit-equal tiles "
                     "into this copy of kernels/triton/attention.py")
     args = ap.parse_args()
@@ -482,6 +526,16 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "fa3": _FA, "rows": rows,
                        "wall_s": time.time() - t0}, f, indent=1, default=float)
+        print(f"wrote {args.out}  ({time.time() - t0:.0f} s)")
+        return
+    if args.gluon:
+        for t in ((4096,) if args.quick else (4096, 16384)):
+            for hkv, d in ((8, 128), (32, 128), (8, 64)):
+                gluon_prefill_case(t, hkv, d, rows)
+                torch.cuda.empty_cache()
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "fa3": _FA, "rows": rows, "wall_s": time.time() - t0},
+                      f, indent=1, default=float)
         print(f"wrote {args.out}  ({time.time() - t0:.0f} s)")
         return
     if args.tiles:

@@ -1,11 +1,12 @@
-"""Compile the Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``) for sm_90a WITHOUT a
-GPU: errors, registers, spills, shared memory, at the launches the benchmarks make.
+"""Compile the Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``, ``gluon_attention.py``)
+for sm_90a WITHOUT a GPU: errors, registers, spills, shared memory, at the launches the benchmarks make.
 
-    PYTHONPATH=/tmp/tritonsite:$PWD python benchmarks/offline_compile_gluon.py [--only tree|fp8]
+    PYTHONPATH=/tmp/tritonsite:$PWD python benchmarks/offline_compile_gluon.py [--only tree|fp8|attention]
 
 (Triton 3.6, the H200's, in ``/tmp/tritonsite``: ``pip install --target /tmp/tritonsite --no-deps triton==3.6.0``.)
 Bits and speed on the H200: ``python benchmarks/bench_gpu_row_parallel.py --gluon`` (tree) and ``python
-benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` (FP8), each against the committed kernel with ``torch.equal``.
+benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` (FP8), ``python benchmarks/bench_gpu_attention.py --gluon``
+(attention), each against the committed kernel with ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -74,13 +75,41 @@ def fp8_jobs():
     return jobs
 
 
+def attention_jobs():
+    """``(description, kernel, signature, constexprs)`` of the dense prefill launches ``bench_gpu_attention.py --gluon``
+    makes: GQA 32/8 and MHA, head dims 64 and 128, bf16."""
+    from triton.runtime.jit import mangle_type
+
+    from megatron_consistent.kernels.triton.gluon_attention import (PART_BLOCKS, SCHEDULES, STAGES, WARPS,
+                                                                    _gluon_attn_kernel, kv_descriptor)
+
+    jobs = []
+    for hq, hkv in ((32, 8), (32, 32)):
+        for d in (128, 64):
+            k = torch.zeros(1, 4096, hkv, d, dtype=torch.bfloat16)
+            q = torch.zeros(1, 4096, hq, d, dtype=torch.bfloat16)
+            qpos = torch.zeros(1, 4096, dtype=torch.int64)
+            lse = torch.zeros(1, hq, 4096)
+            args = (kv_descriptor(k), kv_descriptor(k), q, qpos, qpos[0, :1], q, lse, 1.0, 4096, 4096, hq, hkv,
+                    *q.stride()[:3], *qpos.stride(), *q.stride()[:3])
+            sig = {name: "fp32" if isinstance(a, float) else "i32" if isinstance(a, int) else mangle_type(a, True)
+                   for name, a in zip(_gluon_attn_kernel.arg_names, args)}
+            for schedule, lookahead in SCHEDULES.items():
+                const = {"G": hq // hkv, "PART_BLOCKS": PART_BLOCKS, "STAGES": STAGES, "STORE_LSE": True,
+                         "LOOKAHEAD": lookahead, "num_warps": WARPS}
+                jobs.append((f"attention {schedule} Hq={hq} Hkv={hkv} D={d}", _gluon_attn_kernel,
+                             {**sig, **{name: "constexpr" for name in const}}, const))
+    return jobs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=("tree", "fp8"), help="one kernel's launches")
+    ap.add_argument("--only", choices=("tree", "fp8", "attention"), help="one kernel's launches")
     args = ap.parse_args()
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    jobs = (tree_jobs() if args.only != "fp8" else []) + (fp8_jobs() if args.only != "tree" else [])
+    pick = {"tree": tree_jobs, "fp8": fp8_jobs, "attention": attention_jobs}
+    jobs = [job for name, make in pick.items() if args.only in (None, name) for job in make()]
     return compile_report([(desc, kernel, sig, {}, const, const["num_warps"], 1) for desc, kernel, sig, const in jobs],
                           source=GluonASTSource)
 

@@ -1,5 +1,6 @@
-"""The Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``; opt-in ``MC_GLUON=1``)
-against the committed kernels, bitwise, on a Hopper GPU.
+"""The Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``; opt-in ``MC_GLUON=1``; and
+the prefill candidate ``gluon_attention.py``, routed by no op yet) against the committed kernels, bitwise, on a Hopper
+GPU.
 
 Every schedule of the Gluon tree must give the bits of ``segment_tree.segment_tree_gemm`` and every schedule of the
 Gluon FP8 GEMM those of ``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and clipping), with a
@@ -26,6 +27,8 @@ if _hopper():
     gluon_tree = pytest.importorskip("megatron_consistent.kernels.triton.gluon_segment_tree",
                                      reason="Triton without Gluon")
     gluon_fp8 = pytest.importorskip("megatron_consistent.kernels.triton.gluon_fp8_gemm", reason="Triton without Gluon")
+    gluon_attn = pytest.importorskip("megatron_consistent.kernels.triton.gluon_attention", reason="Triton without Gluon")
+    from megatron_consistent.kernels.triton import attention as tattn
     from megatron_consistent.kernels import fp8
     from megatron_consistent.kernels.dispatch import implementation
     from megatron_consistent.kernels.triton import fp8_linear as tf8
@@ -109,3 +112,54 @@ def test_registered_ops_route_to_the_gluon_kernels_with_the_committed_bits(monke
         xq, xs = tf8.quantize_activations(x)
         assert torch.equal(_bits(out), _bits(tf8.fp8_gemm(xq, xs, wq, ws, None, torch.bfloat16, w_block_rows=128)))
     assert calls == ["tree", "fp8"]
+
+
+def _attention_inputs(b, tq, tk, hq, hkv, d, pad, fused, seed):
+    """q, k, v (``fused``: strided views of one qkv projection, as a model makes them), positions (a chunk over a
+    cached prefix when ``tq < tk``; the last sequence's last ``pad`` rows padding, its keys ``pad`` shorter)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    if fused:
+        assert tq == tk
+        qkv = torch.randn(b, tq, (hq + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16, generator=g)
+        q = qkv[..., : hq * d].unflatten(-1, (hq, d))
+        k = qkv[..., hq * d: (hq + hkv) * d].unflatten(-1, (hkv, d))
+        v = qkv[..., (hq + hkv) * d:].unflatten(-1, (hkv, d))
+    else:
+        q = torch.randn(b, tq, hq, d, device=DEV, dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, tk, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, tk, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g)
+    pos = (tk - tq + torch.arange(tq, device=DEV)).repeat(b, 1)
+    kl = torch.full((b,), tk, device=DEV)
+    if pad:
+        pos[-1, tq - pad:] = -1
+        kl[-1] = tk - pad
+    return q, k, v, pos, kl
+
+
+# (B, Tq, Tk, Hq, Hkv, D, padding rows, fused qkv)
+ATTENTION_CASES = [(1, 1000, 1000, 32, 8, 128, 0, False),  # two partitions, a ragged last block
+                   (2, 777, 777, 8, 8, 64, 0, True),  # MHA, head dim 64, strided views, two sequences
+                   (3, 300, 900, 16, 4, 128, 0, False),  # a chunk over a 600-token prefix
+                   (2, 600, 600, 32, 8, 128, 37, True),  # keys shorter than Tk, padding rows
+                   (1, 33, 33, 32, 8, 128, 0, False),  # 132 packed rows: a second tile of 4
+                   (1, 4096, 4096, 32, 8, 128, 0, False)]  # eight partitions
+
+
+@pytest.mark.parametrize("b,tq,tk,hq,hkv,d,pad,fused", ATTENTION_CASES)
+@pytest.mark.parametrize("schedule", ["ws", "ws lookahead"])
+def test_gluon_attention_equals_the_committed_attention(b, tq, tk, hq, hkv, d, pad, fused, schedule):
+    q, k, v, pos, kl = _attention_inputs(b, tq, tk, hq, hkv, d, pad, fused, seed=tq + tk + d)
+    ref_out, ref_lse = tattn.attention_fwd(q, k, v, pos, kl, d ** -0.5)
+    out, lse = gluon_attn.gluon_attention_fwd(q, k, v, pos, kl, d ** -0.5, schedule)
+    assert torch.equal(_bits(out), _bits(ref_out)), _where_they_differ(out.reshape(-1, hq * d), ref_out.reshape(-1, hq * d))
+    assert torch.equal(_bits(lse), _bits(ref_lse))
+
+
+def test_gluon_attention_with_another_partition_is_caught(monkeypatch):
+    """The comparison can fail: 256-key partitions (four blocks, not eight) merge at other keys and change bits."""
+    q, k, v, pos, kl = _attention_inputs(1, 1000, 1000, 32, 8, 128, 0, False, seed=1)
+    ref_out, _ = tattn.attention_fwd(q, k, v, pos, kl, 128 ** -0.5)
+    monkeypatch.setattr(gluon_attn, "PART_BLOCKS", 4)
+    for schedule in gluon_attn.SCHEDULES:
+        out, _ = gluon_attn.gluon_attention_fwd(q, k, v, pos, kl, 128 ** -0.5, schedule)
+        assert not torch.equal(_bits(out), _bits(ref_out)), schedule
