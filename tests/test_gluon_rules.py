@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_consistent.kernels.triton import fp8_linear, segment_tree  # noqa: E402
+from megatron_consistent.kernels.triton import attention, fp8_linear, segment_tree  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -33,6 +33,8 @@ def test_off_means_no_call_goes_to_gluon(monkeypatch):
     monkeypatch.setattr(fp8_linear, "GLUON", False)
     assert not segment_tree.gluon_tree_applies(4096, 4096, 4096, 8, BF16, BF16)
     assert not fp8_linear.gluon_fp8_applies(4096, 6144, 4096, BF16, 128)
+    q, k = torch.empty(1, 4096, 32, 128, dtype=BF16), torch.empty(1, 4096, 8, 128, dtype=BF16)
+    assert not attention.gluon_attention_applies(q, k)
 
 
 def test_tree_rule(monkeypatch):
@@ -68,7 +70,27 @@ def test_fp8_rule(monkeypatch):
         assert not applies(m - 1, n, k, BF16, 128)
         assert not applies(m, n, k, BF16, 0)  # per-column weight scales (unknown row blocks): spills, 0.2
         assert not applies(m, n, k, BF16, 64)
-    for n, k in ((4096, 4096), (4096, 14336)):  # four splits: the register split sums spill, slower
+        assert fp8_linear.gluon_fp8_schedule(n, k) == "ws regs"
+    for n, k in ((4096, 4096), (4096, 14336)):  # four splits: the split sums in shared memory (in registers they spill)
         assert fp8_linear.fp8_config(n, k)["SPLIT_GROUPS"] * 2 < k // fp8_linear.GROUP
-        assert not applies(m, n, k, BF16, 128), (n, k)
+        assert applies(m, n, k, BF16, 128), (n, k)
+        assert fp8_linear.gluon_fp8_schedule(n, k) == "ws smem sums"
     assert not applies(m, 6144, 4096 + 64, BF16, 128)  # not whole 128-column groups
+
+
+def test_attention_rule(monkeypatch):
+    """Prefill-sized dense calls (more than 64 packed query rows) in bf16 / fp16 with head dim 64 or 128; decode and
+    other head dims keep the committed kernel."""
+    monkeypatch.setattr(attention, "GLUON", True)
+    applies = attention.gluon_attention_applies
+
+    def qk(t, hq, hkv, d, dtype=BF16):
+        return torch.empty(1, t, hq, d, dtype=dtype), torch.empty(1, t, hkv, d, dtype=dtype)
+
+    assert applies(*qk(4096, 32, 8, 128))  # 8B prefill
+    assert applies(*qk(17, 32, 8, 64))  # 68 packed rows, head dim 64
+    assert applies(*qk(1000, 16, 16, 128, torch.float16))
+    assert not applies(*qk(16, 32, 8, 128))  # 64 packed rows: the committed kernel's 64-row tiles
+    assert not applies(*qk(1, 32, 8, 128))  # decode: the split path
+    assert not applies(*qk(4096, 32, 8, 256))  # head dim 256: not written for it
+    assert not applies(*qk(4096, 32, 8, 128, F32))

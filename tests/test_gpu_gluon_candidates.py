@@ -112,6 +112,15 @@ def test_registered_ops_route_to_the_gluon_kernels_with_the_committed_bits(monke
         xq, xs = tf8.quantize_activations(x)
         assert torch.equal(_bits(out), _bits(tf8.fp8_gemm(xq, xs, wq, ws, None, torch.bfloat16, w_block_rows=128)))
     assert calls == ["tree", "fp8"]
+    real_attn = gluon_attn.gluon_attention_fwd
+    monkeypatch.setattr(gluon_attn, "gluon_attention_fwd", lambda *a: calls.append("attention") or real_attn(*a))
+    monkeypatch.setattr(tattn, "GLUON", True)
+    for t in (300, 2):  # prefill, then decode-sized (the committed kernel)
+        q, k, v, pos, kl = _attention_inputs(1, t, t, 32, 8, 128, 0, False, seed=t)
+        out, lse = implementation("attention", torch.device(DEV))(q, k, v, pos, kl, 128 ** -0.5)
+        ref_out, ref_lse = tattn.attention_fwd(q, k, v, pos, kl, 128 ** -0.5)
+        assert torch.equal(_bits(out), _bits(ref_out)) and torch.equal(_bits(lse), _bits(ref_lse))
+    assert calls == ["tree", "fp8", "attention"]
 
 
 def _attention_inputs(b, tq, tk, hq, hkv, d, pad, fused, seed):

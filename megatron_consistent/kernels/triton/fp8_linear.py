@@ -272,9 +272,16 @@ def _reduce_splits(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_B
 
 
 _FORCE_PATH = os.environ.get("MC_FP8_GEMM_PATH", "")  # "", "serial", "parallel" (numerics-neutral)
-GLUON_FP8_MIN_M = 256  # MC_GLUON=1: the Gluon GEMM from here where the (N, K) table has one or two splits
-GLUON_FP8_MAX_SPLITS = 2  # session 23, 8B qkv / gate/up: 0.80-0.97 of _scaled_mm at M = 256-4096 (the Triton tile's
-GLUON_FP8_SCHEDULE = "ws regs"  # 0.69-0.81); at four splits its register split sums spill (0.35-0.38)
+GLUON_FP8_MIN_M = 256  # MC_GLUON=1: the Gluon GEMM from here (gluon_fp8_schedule: which schedule by the splits)
+
+
+def gluon_fp8_schedule(n: int, k: int) -> str:
+    """The Gluon GEMM's schedule (:data:`.gluon_fp8_gemm.SCHEDULES`) for the (N, K) table's split count: ``ws regs``
+    up to two splits (session 23, 8B qkv / gate/up: 0.80-0.97 of ``_scaled_mm`` at M = 256-4096, the best Triton tile
+    0.69-0.81), ``ws smem sums`` beyond, where the register split sums spill (session 24, 4096 x 4096, four splits:
+    0.77 / 0.80 / 0.91 at M = 256 / 1024 / 4096 against ``ws regs`` 0.35-0.36 and the Triton tile 0.61-0.70; the 8B
+    down projection's four splits: the same bits, not yet timed)."""
+    return "ws regs" if triton.cdiv(k // GROUP, fp8_config(n, k)["SPLIT_GROUPS"]) <= 2 else "ws smem sums"
 
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, bias: torch.Tensor | None,
@@ -337,15 +344,13 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
 
 
 def gluon_fp8_applies(m: int, n: int, k: int, out_dtype: torch.dtype, w_block_rows: int) -> bool:
-    """Whether ``MC_GLUON=1``'s Gluon GEMM (:mod:`.gluon_fp8_gemm`, :data:`GLUON_FP8_SCHEDULE`) takes a call of these
-    sizes (the caller checks the device and the operands' alignment): M >= GLUON_FP8_MIN_M, whole 128-column groups,
-    one weight scale per 128-row tile (``w_block_rows``; per-column scales spill there: 0.2 of ``_scaled_mm``), at
-    most GLUON_FP8_MAX_SPLITS splits in the (N, K) table (the same contract, the same bits: module docstrings)."""
+    """Whether ``MC_GLUON=1``'s Gluon GEMM (:mod:`.gluon_fp8_gemm`, in :func:`gluon_fp8_schedule`'s schedule) takes a
+    call of these sizes (the caller checks the device and the operands' alignment): M >= GLUON_FP8_MIN_M, whole
+    128-column groups, one weight scale per 128-row tile (``w_block_rows``; per-column scales spill there: 0.2 of
+    ``_scaled_mm``); the same contract, the same bits (module docstrings)."""
     if not GLUON or m < GLUON_FP8_MIN_M or k % GROUP or n % 8 or out_dtype not in (torch.bfloat16, torch.float32):
         return False
-    if w_block_rows <= 0 or w_block_rows % 128:
-        return False
-    return triton.cdiv(k // GROUP, fp8_config(n, k)["SPLIT_GROUPS"]) <= GLUON_FP8_MAX_SPLITS
+    return w_block_rows > 0 and w_block_rows % 128 == 0
 
 
 def fp8_kernel_applies(w_fmt: QuantFormat, a_fmt: QuantFormat | None, w_q: torch.Tensor) -> bool:
@@ -371,5 +376,5 @@ def _fp8_linear_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.T
         from .gluon_fp8_gemm import gluon_fp8_gemm
 
         return gluon_fp8_gemm(xq, xs.to(torch.float32), w_q, w_row_scales.to(torch.float32), bias, out_dtype,
-                              fp8_config(n, k)["SPLIT_GROUPS"], w_block_rows, GLUON_FP8_SCHEDULE)
+                              fp8_config(n, k)["SPLIT_GROUPS"], w_block_rows, gluon_fp8_schedule(n, k))
     return fp8_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype, w_block_rows=w_block_rows)

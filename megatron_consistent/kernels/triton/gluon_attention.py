@@ -1,5 +1,5 @@
 """Dense causal GQA attention (training, prefill) on Hopper written in Gluon: the committed kernel's per-row arithmetic
-with two warp groups taking turns on the tensor cores -- a candidate, not routed by any op.
+with two warp groups taking turns on the tensor cores -- opt-in (``MC_GLUON=1``).
 
 Why (docs/benchmarks.md, issue #15): the committed Triton kernel (``kernels/triton/attention.py``) runs dense prefill
 at 0.57-0.66 of vLLM's FA3 on the H200.  Triton 3.6 waits for each ``wgmma`` right after issuing it and its warp
@@ -20,9 +20,13 @@ alpha)``; partitions merged in order with the same ``fma`` formula, an empty one
 l)``, ``lse = fma(M, c, log2 L) * ln2``.  Keys past the key tensor's length read as 0 (the TMA unit fills them), as
 the committed kernel's masked loads.
 
-Bits and speed: ``tests/test_gpu_gluon_attention.py`` (``torch.equal`` against ``attention_fwd``) and ``python
-benchmarks/bench_gpu_attention.py --gluon`` on the H200; sm_90a compile without a GPU:
-``benchmarks/offline_compile_gluon.py --only attention``.
+Use: with ``MC_GLUON=1`` the registered ``("attention", "cuda")`` op (the trainer's attention) runs ``ws lookahead``
+where ``attention.gluon_attention_applies`` says (prefill-sized bf16 / fp16 calls, head dim 64 or 128, Hopper).  The
+engine's paged prefill keeps the Triton kernel.  Bits and speed (session 24, H200: bits equal in every case, dense
+prefill T = 4k / 16k 1.07-1.24x the committed kernel, 0.63-0.79 of FA3): ``tests/test_gpu_gluon_candidates.py -k
+attention`` (``torch.equal`` against ``attention_fwd``: partitions, ragged blocks, chunks over a prefix, padding,
+strided views, GQA / MHA, D 64 / 128; a wrong partition caught) and ``python benchmarks/bench_gpu_attention.py
+--gluon``; sm_90a compile without a GPU: ``benchmarks/offline_compile_gluon.py --only attention``.
 """
 
 from __future__ import annotations
@@ -36,11 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..numerics import LOG2E
-from .attention import KV_BLOCK_GPU, PART_BLOCKS
+from .attention import GLUON_ATTENTION_HEAD_DIMS, KV_BLOCK_GPU, PART_BLOCKS
 from .gluon_ring import GL_DTYPES
 
 BLOCK_M = 128  # a tile's packed query rows: two consumer warp groups of 64
-HEAD_DIMS = (64, 128)
 STAGES = 4  # ring slots of one key block's K and V (4 x 32 KB at D = 128)
 # name -> LOOKAHEAD: "ws" -- each consumer waits for every chain right after issuing it (the other consumer keeps
 # the tensor cores busy meanwhile); "ws lookahead" -- block j + 1's scores issued before block j's two chains, whose
@@ -264,17 +267,11 @@ def kv_descriptor(x: torch.Tensor) -> TensorDescriptor:
                             gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype]))
 
 
-def gluon_attention_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Where this kernel serves ``attention_fwd``'s call: bf16 / fp16, head dim 64 or 128, prefill-sized (more than
-    64 packed query rows: the committed kernel's 128-row tiles)."""
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in HEAD_DIMS and \
-        q.shape[1] * (q.shape[2] // k.shape[2]) > 64
-
-
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with its last dim contiguous and its heads adjacent (a TMA row is one token's heads), copied if not."""
-    return x if x.stride(-1) == 1 and x.stride(2) == x.shape[3] and all(s % 8 == 0 for s in x.stride()[:2]) \
-        else x.contiguous()
+    """``x`` as a TMA descriptor takes it (last dim contiguous, heads adjacent, 16-byte aligned base and rows), copied
+    if not."""
+    aligned = x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:2])
+    return x if aligned and x.stride(-1) == 1 and x.stride(2) == x.shape[3] else x.contiguous()
 
 
 def gluon_attention_fwd(q, k, v, q_positions, k_lengths, scale, schedule: str = "ws"):
@@ -285,8 +282,8 @@ def gluon_attention_fwd(q, k, v, q_positions, k_lengths, scale, schedule: str = 
     tk, hkv = k.shape[1], k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"gluon attention: q, k, v must share a bf16 / fp16 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"gluon attention: head dim {d}; this kernel serves {HEAD_DIMS}")
+    if d not in GLUON_ATTENTION_HEAD_DIMS:
+        raise ValueError(f"gluon attention: head dim {d}; this kernel serves {GLUON_ATTENTION_HEAD_DIMS}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     k, v = _heads_contiguous(k), _heads_contiguous(v)
     out = torch.empty((b, tq, hq, d), dtype=q.dtype, device=q.device)

@@ -22,10 +22,13 @@ the best ``tl`` tile where the reduction has one or two splits, behind at four; 
 pipelined kernel, 0.55-0.74, was removed as slower everywhere); ``ws regs`` -- without the chain issued ahead, the
 split sums in registers (session 23: 0.80-0.97 at M = 256-4096 on the 8B qkv / gate/up, one or two splits; 0.35-0.38
 at four, where the offline compile spills 432 bytes); ``ws grouped`` -- ``ws`` in the committed kernels' grouped
-tile order (session 23: no better than ``ws``).  Same arithmetic, same bits.
+tile order (session 23: no better than ``ws``); ``ws smem sums`` -- without the chain ahead, the split sums in shared
+memory (session 24: 0.77 / 0.80 / 0.91 at M = 256 / 1024 / 4096 on 4096 x 4096, four splits).  Same arithmetic, same
+bits.
 
 Use: with ``MC_GLUON=1`` the registered ``fp8_linear`` op (``fp8_linear._fp8_linear_cuda``) runs ``ws regs`` on a
-Hopper GPU where ``fp8_linear.gluon_fp8_applies`` says (M >= 256, at most two splits, one weight scale per 128-row tile); off by default until it has
+Hopper GPU where ``fp8_linear.gluon_fp8_applies`` says (M >= 256, one weight scale per 128-row tile), ``ws smem sums`` instead
+where the (N, K) table has more than two splits (``fp8_linear.gluon_fp8_schedule``); off by default until it has
 passed the engine check and a rollout.  Bits and speed: ``python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon``
 on the H200 (``torch.equal`` against the committed kernel, time against ``_scaled_mm`` in the same run); the edges:
 ``tests/test_gpu_gluon_candidates.py``; sm_90a compile without a GPU: ``benchmarks/offline_compile_gluon.py``.
