@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu_attention.py --out /tmp/attn.json [--quick]
     python benchmarks/bench_gpu_attention.py --out /tmp/tiles.json --tiles   # launch shapes only
-    python benchmarks/bench_gpu_attention.py --out /tmp/gluon.json --gluon   # the Gluon prefill candidate
+    python benchmarks/bench_gpu_attention.py --out /tmp/gluon.json --gluon   # the Gluon prefill kernels
 
 * decode: B in {1, 4, 16, 64} x context in {4k, 8k, 32k}, and B = 8 at 16k (the long tail of the rollout
   benchmark's shape (c)); GQA 32/8, D 128, bf16:
@@ -222,8 +222,8 @@ def _fa3_prefill_ms(qs, ks, vs, t, scale, copies):
 
 
 def gluon_prefill_case(t, hkv, d, rows):
-    """Dense prefill: each schedule of the Gluon candidate (``gluon_attention``) against the committed kernel (bits
-    and time), SDPA and FA3, one run."""
+    """Dense prefill: each schedule of the Gluon kernel (``gluon_attention``) against the committed kernel (bits and
+    time), SDPA and FA3, one run; then the paged prefill (:func:`paged_gluon_prefill`)."""
     from megatron_consistent.kernels.triton.gluon_attention import SCHEDULES, gluon_attention_fwd
 
     scale = d ** -0.5
@@ -251,6 +251,40 @@ def gluon_prefill_case(t, hkv, d, rows):
               f"{r['fa3_tflops']:6.1f}   gluon x committed {r['gluon_vs_ours']:.2f}  gluon x fa3 "
               f"{r['gluon_vs_fa3']:.2f}  committed x fa3 {r['ours_vs_fa3']:.2f}  "
               f"bits {'equal' if r['bits_equal'] else 'DIFFER'}", flush=True)
+    if d == D:  # the engine's paged prefill (one sequence, its K / V as the step's tensors at pages under 64 keys)
+        paged_gluon_prefill(t, hkv, qs, ks, vs, copies, flops, fa3_ms, rows)
+
+
+def paged_gluon_prefill(t, hkv, qs, ks, vs, copies, flops, fa3_ms, rows):
+    """Paged prefill as the engine calls it, pages of 16 and 64 keys: the Gluon paged kernel (``ws lookahead``)
+    against the committed ``paged_attention`` (bits and time) and FA3, one run."""
+    from megatron_consistent.kernels.triton.gluon_attention import gluon_paged_attention
+
+    scale = D ** -0.5
+    qsl = torch.tensor([0, t], device=DEV, dtype=torch.int32)
+    seq = torch.tensor([t], device=DEV, dtype=torch.int32)
+    pq = [x[0] for x in qs]
+    outs = [torch.empty_like(x) for x in pq]
+    for page in (PAGE, 64):
+        kv, tab = paged_copy(ks, vs, page)
+        step = [(ks[i][0], vs[i][0]) if page < 64 else (None, None) for i in range(copies)]
+        committed_ms = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(
+            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768, k_new=step[i][0], v_new=step[i][1])
+            for i in range(copies)])
+        ref = outs[0].clone()
+        gluon_ms = _try(lambda kv=kv, tab=tab: bench([lambda i=i: gluon_paged_attention(
+            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], *step[i], "ws lookahead") for i in range(copies)]))
+        r = {"kind": "gluon paged prefill", "schedule": "ws lookahead", "T": t, "Hq": HQ, "Hkv": hkv, "D": D,
+             "page": page, "bits_equal": bool(torch.equal(ref, outs[0])), "committed_ms": committed_ms,
+             "gluon_ms": gluon_ms, "fa3_ms": fa3_ms, "committed_tflops": flops / committed_ms * 1e-9,
+             "gluon_tflops": flops / gluon_ms * 1e-9, "gluon_vs_committed": committed_ms / gluon_ms,
+             "gluon_vs_fa3": fa3_ms / gluon_ms, "committed_vs_fa3": fa3_ms / committed_ms}
+        rows.append(r)
+        print(f"paged prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d} page {page:3d} TFLOP/s: committed "
+              f"{r['committed_tflops']:6.1f}  gluon {r['gluon_tflops']:6.1f}   gluon x committed "
+              f"{r['gluon_vs_committed']:.2f}  gluon x fa3 {r['gluon_vs_fa3']:.2f}  committed x fa3 "
+              f"{r['committed_vs_fa3']:.2f}  bits {'equal' if r['bits_equal'] else 'DIFFER'}", flush=True)
+        del kv
 
 
 def prefill_case(t, hkv, rows):
@@ -508,8 +542,8 @@ def main():
     ap.add_argument("--tiles", action="store_true", help="only the launch-shape sweep (ATTN_TILES candidates)")
     ap.add_argument("--decode-only", action="store_true", help="with --tiles: the decode cases only")
     ap.add_argument("--contract-probe", action="store_true", help="only the key block / partition probe (dense)")
-    ap.add_argument("--gluon", action="store_true", help="only dense prefill: the Gluon candidate against the "
-                    "committed kernel (bits, time), SDPA and FA3")
+    ap.add_argument("--gluon", action="store_true", help="only prefill, dense and paged: the Gluon kernels against "
+                    "the committed ones (bits, time), SDPA and FA3")
     ap.add_argument("--write-table", metavar="ATTENTION_PY", help="with --tiles: put the faster bit-equal tiles "
                     "into this copy of kernels/triton/attention.py")
     args = ap.parse_args()

@@ -77,7 +77,8 @@ def fp8_jobs():
 
 def attention_jobs():
     """``(description, kernel, signature, constexprs)`` of the dense prefill launches ``bench_gpu_attention.py --gluon``
-    makes: GQA 32/8 and MHA, head dims 64 and 128, bf16."""
+    makes (GQA 32/8 and MHA, head dims 64 and 128, bf16) and of the paged kernel at pages of 16 and 64 keys, with and
+    without the step's K / V (the engine's layouts)."""
     from triton.runtime.jit import mangle_type
 
     from megatron_consistent.kernels.triton.gluon_attention import (PART_BLOCKS, SCHEDULES, STAGES, WARPS,
@@ -99,6 +100,29 @@ def attention_jobs():
                          "LOOKAHEAD": lookahead, "num_warps": WARPS}
                 jobs.append((f"attention {schedule} Hq={hq} Hkv={hkv} D={d}", _gluon_attn_kernel,
                              {**sig, **{name: "constexpr" for name in const}}, const))
+    from megatron_consistent.kernels.triton.gluon_attention import (_gluon_paged_attn_kernel, paged_cache_descriptor,
+                                                                    step_kv_descriptor)
+
+    hq, hkv, d, t = 32, 8, 128, 4096
+    q = torch.zeros(t, hq, d, dtype=torch.bfloat16)
+    qkv = torch.zeros(t, (hq + 2 * hkv) * d, dtype=torch.bfloat16)
+    k_new = qkv[:, hq * d: (hq + hkv) * d].unflatten(-1, (hkv, d))  # as the engine's projection gives it
+    tab = torch.zeros(4, 256, dtype=torch.int32)
+    for page in (16, 64):
+        kv = torch.zeros(1024, hkv, page, 2 * d, dtype=torch.bfloat16).transpose(1, 2)  # vLLM's Triton-backend layout
+        k_cache = kv[..., :d]
+        for new_kv in (True, False):
+            kd = paged_cache_descriptor(k_cache)
+            knd = step_kv_descriptor(k_new) if new_kv else kd
+            args = (kd, kd, knd, knd, q, tab, tab[0], tab[0], q, 1.0, 4, hq, *q.stride()[:2], *q.stride()[:2],
+                    tab.stride(0))
+            sig = {name: "fp32" if isinstance(a, float) else "i32" if isinstance(a, int) else mangle_type(a, True)
+                   for name, a in zip(_gluon_paged_attn_kernel.arg_names, args)}
+            for schedule, lookahead in SCHEDULES.items():
+                const = {"G": hq // hkv, "PART_BLOCKS": PART_BLOCKS, "STAGES": STAGES, "PAGE": page,
+                         "NEW_KV": new_kv, "LOOKAHEAD": lookahead, "num_warps": WARPS}
+                jobs.append((f"paged attention {schedule} page={page} new_kv={new_kv} Hq={hq} Hkv={hkv} D={d}",
+                             _gluon_paged_attn_kernel, {**sig, **{name: "constexpr" for name in const}}, const))
     return jobs
 
 

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from megatron_consistent.kernels.triton import attention, fp8_linear, segment_tree  # noqa: E402
+from megatron_consistent.kernels.triton import attention, fp8_linear, paged_attention, segment_tree  # noqa: E402
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -35,6 +35,7 @@ def test_off_means_no_call_goes_to_gluon(monkeypatch):
     assert not fp8_linear.gluon_fp8_applies(4096, 6144, 4096, BF16, 128)
     q, k = torch.empty(1, 4096, 32, 128, dtype=BF16), torch.empty(1, 4096, 8, 128, dtype=BF16)
     assert not attention.gluon_attention_applies(q, k)
+    assert not paged_attention.gluon_paged_applies(q[0], torch.empty(64, 16, 8, 128, dtype=BF16), 4096, 4096)
 
 
 def test_tree_rule(monkeypatch):
@@ -94,3 +95,19 @@ def test_attention_rule(monkeypatch):
     assert not applies(*qk(1, 32, 8, 128))  # decode: the split path
     assert not applies(*qk(4096, 32, 8, 256))  # head dim 256: not written for it
     assert not applies(*qk(4096, 32, 8, 128, F32))
+
+
+def test_paged_attention_rule(monkeypatch):
+    """Engine steps of prefills only (the engine's shortest-query hint above 1) with a cache in q's dtype, head dim
+    64 or 128, and enough rows for a 128-row tile; decodes, mixed steps, an unknown hint and an FP8 cache keep the
+    committed kernel."""
+    monkeypatch.setattr(paged_attention, "GLUON", True)
+    applies = paged_attention.gluon_paged_applies
+    q = torch.empty(4096, 32, 128, dtype=BF16)
+    cache = torch.empty(64, 16, 8, 128, dtype=BF16)
+    assert applies(q, cache, 4096, 17)  # prefill chunks
+    assert not applies(q, cache, 4096, 1)  # a decode among them
+    assert not applies(q, cache, 4096, 0)  # no hint
+    assert not applies(q, cache, 16, 16)  # 64 rows at most a sequence: the committed kernel's tiles
+    assert not applies(q, cache.to(torch.float8_e4m3fn), 4096, 17)  # FP8 cache: read by the committed kernel only
+    assert not applies(torch.empty(4096, 32, 256, dtype=BF16), torch.empty(64, 16, 8, 256, dtype=BF16), 4096, 17)

@@ -29,6 +29,7 @@ if _hopper():
     gluon_fp8 = pytest.importorskip("megatron_consistent.kernels.triton.gluon_fp8_gemm", reason="Triton without Gluon")
     gluon_attn = pytest.importorskip("megatron_consistent.kernels.triton.gluon_attention", reason="Triton without Gluon")
     from megatron_consistent.kernels.triton import attention as tattn
+    from megatron_consistent.kernels.triton import paged_attention as tpa
     from megatron_consistent.kernels import fp8
     from megatron_consistent.kernels.dispatch import implementation
     from megatron_consistent.kernels.triton import fp8_linear as tf8
@@ -172,3 +173,86 @@ def test_gluon_attention_with_another_partition_is_caught(monkeypatch):
     for schedule in gluon_attn.SCHEDULES:
         out, _ = gluon_attn.gluon_attention_fwd(q, k, v, pos, kl, 128 ** -0.5, schedule)
         assert not torch.equal(_bits(out), _bits(ref_out)), schedule
+
+
+def _paged_step(seqs, page, hq, hkv, d, seed):
+    """One engine step in vLLM's layouts: ``seqs`` (cached, new) tokens each; a shuffled page cache ``[blocks, kv
+    heads, page, 2 * D]`` seen as ``[blocks, page, kv heads, D]`` (vLLM's Triton-backend layout) holding every
+    sequence's keys, its unwritten slots and unused pages NaN (the kernels must not let them into a row); q and the
+    step's K / V token-major, K / V as strided views of one projection; three padding tokens."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    lens = [c + n for c, n in seqs]
+    pages = [-(-n // page) for n in lens]
+    perm = torch.randperm(sum(pages) + 2, generator=g, device=DEV)
+    kv = torch.full((sum(pages) + 2, hkv, page, 2 * d), float("nan"), device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    k_cache, v_cache = kv[..., :d], kv[..., d:]
+    table = torch.full((len(seqs), max(pages) + 1), int(perm[-1]), dtype=torch.int32, device=DEV)
+    t_all = sum(n for _, n in seqs) + 3
+    proj = torch.randn(t_all, (hq + 2 * hkv) * d, device=DEV, dtype=torch.bfloat16, generator=g)
+    q = proj[:, : hq * d].unflatten(-1, (hq, d))
+    k_new = proj[:, hq * d: (hq + hkv) * d].unflatten(-1, (hkv, d))
+    v_new = proj[:, (hq + hkv) * d:].unflatten(-1, (hkv, d))
+    first, tok = 0, 0
+    for s, ((cached, new), n) in enumerate(zip(seqs, lens)):
+        table[s, : pages[s]] = perm[first: first + pages[s]].to(torch.int32)
+        first += pages[s]
+        keys = torch.cat([torch.randn(cached, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g), k_new[tok: tok + new]])
+        vals = torch.cat([torch.randn(cached, hkv, d, device=DEV, dtype=torch.bfloat16, generator=g), v_new[tok: tok + new]])
+        pos = torch.arange(n, device=DEV)
+        slots = table[s, pos // page].to(torch.int64) * page + pos % page
+        tpa.write_kv_cache(keys, vals, k_cache, v_cache, slots)
+        tok += new
+    qsl = torch.tensor([0] + [n for _, n in seqs], device=DEV).cumsum(0).to(torch.int32)
+    return q, k_cache, v_cache, table, qsl, torch.tensor(lens, dtype=torch.int32, device=DEV), k_new, v_new
+
+
+# (sequences as (cached, new), Hq, Hkv, D): fresh prefills; chunks over prefixes ending either side of a key block
+# and a partition boundary; a chunk shorter than a block
+PAGED_CASES = [([(0, 300), (37, 200), (500, 129), (64, 70)], 32, 8, 128),
+               ([(0, 1000), (600, 65), (130, 2)], 8, 8, 64)]
+
+
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
+@pytest.mark.parametrize("case", range(len(PAGED_CASES)))
+@pytest.mark.parametrize("schedule", ["ws", "ws lookahead"])
+def test_gluon_paged_attention_equals_the_committed_paged_attention(page, case, schedule):
+    seqs, hq, hkv, d = PAGED_CASES[case]
+    q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, page, hq, hkv, d, seed=page + case)
+    ref = torch.zeros_like(q)
+    tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, ref, max(n for _, n in seqs),
+                        max(c + n for c, n in seqs), k_new=k_new, v_new=v_new)
+    assert not torch.isnan(ref).any()
+    t_real = int(qsl[-1])
+    for new_kv in (True, False):
+        out = torch.zeros_like(q)
+        gluon_attn.gluon_paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, out,
+                                         k_new if new_kv else None, v_new if new_kv else None, schedule)
+        assert torch.equal(_bits(out[:t_real]), _bits(ref[:t_real])), \
+            f"new_kv={new_kv}: {_where_they_differ(out[:t_real].flatten(1), ref[:t_real].flatten(1))}"
+
+
+def test_gluon_paged_attention_with_another_partition_is_caught(monkeypatch):
+    seqs, hq, hkv, d = PAGED_CASES[1]
+    q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, 16, hq, hkv, d, seed=3)
+    ref, out = torch.zeros_like(q), torch.zeros_like(q)
+    tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, ref, 1000, 1000)
+    monkeypatch.setattr(gluon_attn, "PART_BLOCKS", 4)
+    gluon_attn.gluon_paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, out)
+    assert not torch.equal(_bits(out), _bits(ref))
+
+
+def test_paged_attention_routes_prefill_steps_to_gluon(monkeypatch):
+    """``MC_GLUON`` on: a step of prefills only (the engine's hint ``min_query_len > 1``) takes the Gluon kernel with
+    the committed bits, padding rows zero; a step with a decode keeps the committed kernel."""
+    calls = []
+    real = gluon_attn.gluon_paged_attention
+    monkeypatch.setattr(gluon_attn, "gluon_paged_attention", lambda *a: calls.append(1) or real(*a))
+    seqs, hq, hkv, d = PAGED_CASES[0]
+    q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, 16, hq, hkv, d, seed=11)
+    args = (q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5)
+    ref = tpa.paged_attention(*args, torch.full_like(q, float("nan")), 300, 629, k_new=k_new, v_new=v_new)
+    monkeypatch.setattr(tpa, "GLUON", True)
+    for min_q, routed in ((1, False), (70, True)):
+        out = tpa.paged_attention(*args, torch.full_like(q, float("nan")), 300, 629, k_new=k_new, v_new=v_new,
+                                  min_query_len=min_q)
+        assert torch.equal(_bits(out), _bits(ref)) and len(calls) == routed

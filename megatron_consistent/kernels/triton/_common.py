@@ -42,9 +42,10 @@ def next_pow2(n: int) -> int:
 
 
 def tma_ok(t: torch.Tensor) -> bool:
-    """Whether ``t`` (2-D, row-major rows) can back a host-side TMA descriptor."""
+    """Whether ``t`` (any rank, last dim contiguous) can back a host-side TMA descriptor: 16-byte aligned base and
+    leading strides."""
     es = t.element_size()
-    return (TensorDescriptor is not None and t.stride(-1) == 1 and (t.stride(0) * es) % 16 == 0
+    return (TensorDescriptor is not None and t.stride(-1) == 1 and all(s * es % 16 == 0 for s in t.stride()[:-1])
             and t.data_ptr() % 16 == 0)
 
 

@@ -41,6 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..numerics import LOG2E
 from .attention import GLUON_ATTENTION_HEAD_DIMS, KV_BLOCK_GPU, PART_BLOCKS
+from ._common import tma_ok
 from .gluon_ring import GL_DTYPES
 
 BLOCK_M = 128  # a tile's packed query rows: two consumer warp groups of 64
@@ -99,19 +100,44 @@ def _probabilities(s, m_i, pos, kcols, start, full, kl, qk_scale, dtype: gl.cons
 
 
 @gluon.jit
-def _rows(tile, b, kvh, QPOS, Tq, spb, spt, ROW0: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr, layout: gl.constexpr):
-    """Packed rows ``ROW0 .. ROW0 + ROWS`` of ``tile`` -> (valid, token, query head, position: -1 if not valid)."""
+def _rows(tile, b, kvh, QPOS, Tq, spb, spt, q0, qlen, kl, ROW0: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr,
+          layout: gl.constexpr, PAGED: gl.constexpr):
+    """Packed rows ``ROW0 .. ROW0 + ROWS`` of ``tile`` -> (valid, token, query head, position: -1 if not valid).
+    Dense: token ``t`` of sequence ``b``, its position from ``QPOS``.  ``PAGED``: the sequence's ``qlen`` query tokens
+    from token ``q0`` of the step, at its last ``qlen`` positions of ``kl``."""
     rr = tile * (2 * ROWS) + ROW0 + gl.arange(0, ROWS, layout=layout)
-    t = rr // G
-    rv = t < Tq
-    pos = gl.load(QPOS + b.to(gl.int64) * spb + t.to(gl.int64) * spt, mask=rv, other=-1).to(gl.int32)
+    tloc = rr // G
+    if PAGED:
+        rv = tloc < qlen
+        t = q0 + tloc
+        pos = gl.where(rv, kl - qlen + tloc, -1)
+    else:
+        t = tloc
+        rv = t < Tq
+        pos = gl.load(QPOS + b.to(gl.int64) * spb + t.to(gl.int64) * spt, mask=rv, other=-1).to(gl.int32)
     return rv, t, kvh * G + rr % G, pos
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b, kvh, kl, n_blocks,
-              full, Tq, HQ, spb, spt, sob, sot, soh, WG: gl.constexpr, G: gl.constexpr, PART_BLOCKS: gl.constexpr,
-              STAGES: gl.constexpr, STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr):
+def _zero_tail(v_slot, start, kl, live):
+    """Paged: the values of the keys from ``kl`` on in the key block at ``start`` (a ``live`` block of the ring) set to
+    zero, as the committed kernel's masked loads read them.  Their ``p`` is 0, but the cache or the step's tensors
+    may hold anything there (stale or unwritten slots, another sequence's tokens), and ``0 * nan`` is not 0.  Each
+    consumer writes the same zeros over the same stale rows before its own ``wgmma`` reads them."""
+    if live & (start + v_slot.type.shape[0] > kl):
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        keys = start + gl.arange(0, v_slot.type.shape[0], layout=gl.SliceLayout(1, layout))
+        v = v_slot.load(layout)
+        v_slot.store(gl.where(gl.expand_dims(keys < kl, 1), v, gl.zeros_like(v)))
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b, kvh, kl, q0, qlen,
+              n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, WG: gl.constexpr, G: gl.constexpr,
+              PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr,
+              PAGED: gl.constexpr):
     """Consumer ``WG`` (one warp group): rows ``WG * 64 ..`` of the tile, every key block of the ring in order (the
     module docstring's arithmetic), each slot released once its two chains are done; then finalise and store."""
     ROWS: gl.constexpr = q_smem.type.shape[0] // 2
@@ -126,7 +152,7 @@ def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
     q_rows = q_smem.slice(WG * ROWS, ROWS)
-    _, _, _, pos = _rows(tile, b, kvh, QPOS, Tq, spb, spt, WG * ROWS, ROWS, G, row_s)
+    _, _, _, pos = _rows(tile, b, kvh, QPOS, Tq, spb, spt, q0, qlen, kl, WG * ROWS, ROWS, G, row_s, PAGED)
     kcols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_init = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     m_r = gl.full([ROWS], float("-inf"), gl.float32, row_o)
@@ -140,6 +166,8 @@ def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_
     if LOOKAHEAD:
         # block j + 1's scores are issued before block j's two chains, and its softmax runs while they run
         mbarrier.wait(ready.index(0), 0, pred=n_blocks > 0)
+        if PAGED:
+            _zero_tail(v_bufs.index(0), 0, kl, n_blocks > 0)
         s = warpgroup_mma(q_rows, k_bufs.index(0).permute((1, 0)), s_init, use_acc=False)
         m_i, alpha, p = _probabilities(s, m_i, pos, kcols, 0, full, kl, qk_scale, dtype)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -148,6 +176,8 @@ def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_
             slot = j % STAGES
             nxt = (j + 1) % STAGES  # past the last block: a slot's stale keys, scored and never used
             mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1, pred=j + 1 < n_blocks)
+            if PAGED:  # (past the last block the slot may still be the other consumer's: left alone)
+                _zero_tail(v_bufs.index(nxt), (j + 1) * BLOCK_N, kl, j + 1 < n_blocks)
             s_next = warpgroup_mma(q_rows, k_bufs.index(nxt).permute((1, 0)), s_init, use_acc=False, is_async=True)
             p_o = gl.convert_layout(p, dot_o)
             p_l = gl.convert_layout(p, dot_l)
@@ -171,6 +201,8 @@ def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_
         for j in range(n_blocks):
             slot = j % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            if PAGED:
+                _zero_tail(v_bufs.index(slot), j * BLOCK_N, kl, True)
             s = warpgroup_mma(q_rows, k_bufs.index(slot).permute((1, 0)), s_init, use_acc=False)
             m_new, alpha, p = _probabilities(s, m_i, pos, kcols, j * BLOCK_N, full, kl, qk_scale, dtype)
             l_mat = warpgroup_mma(gl.convert_layout(p, dot_l), ones_smem,
@@ -185,7 +217,7 @@ def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
                 l_mat = gl.zeros([ROWS, 16], gl.float32, l_layout)
                 acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-    rv, t, hq, pos_o = _rows(tile, b, kvh, QPOS, Tq, spb, spt, WG * ROWS, ROWS, G, row_o)
+    rv, t, hq, pos_o = _rows(tile, b, kvh, QPOS, Tq, spb, spt, q0, qlen, kl, WG * ROWS, ROWS, G, row_o, PAGED)
     empty_row = (l_r == 0.0) | (pos_o < 0)
     out = acc_r / gl.expand_dims(gl.where(empty_row, 1.0, l_r), 1)
     out = gl.where(gl.expand_dims(empty_row, 1), 0.0, out)
@@ -199,23 +231,18 @@ def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_
         gl.store(LSE + (b * HQ + hq).to(gl.int64) * Tq + t, lse, mask=rv)
 
 
-@gluon.jit(do_not_specialize=["Tq", "Tk", "HQ", "HKV"])
-def _gluon_attn_kernel(k_desc, v_desc, Q, QPOS, KLEN, O, LSE, qk_scale, Tq, Tk, HQ, HKV, sqb, sqt, sqh, spb, spt,
-                       sob, sot, soh, G: gl.constexpr, PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-                       STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr, num_warps: gl.constexpr):
-    """One program per (query tile, sequence x kv head), heaviest tile first (as ``attention._map_tile``): the tile's
-    queries into shared memory, its key range (the committed kernel's ``hi`` and ``full``), then the producer warp
-    (:func:`_kv_producer`) and the two consumer warp groups (:func:`_consumer`; the first is the default partition)."""
-    D: gl.constexpr = k_desc.block_type.shape[2]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+@gluon.jit
+def _tile_setup(Q, QPOS, tile, b, kvh, kl, q0, qlen, Tq, spb, spt, sqb, sqt, sqh, G: gl.constexpr,
+                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, dtype: gl.constexpr,
+                PAGED: gl.constexpr, num_warps: gl.constexpr):
+    """A program's common start: the tile's queries into shared memory, the ones the normaliser's ``mma`` takes, the
+    tile's key range as the committed kernel computes it (``n_blocks`` key blocks, masks from key ``full`` on), the
+    ring and its barriers -> ``(q_smem, ones_smem, k_bufs, v_bufs, ready, empty, n_blocks, full)``."""
     BM: gl.constexpr = 2 * 64
-    dtype: gl.constexpr = k_desc.dtype
-    tile = gl.num_programs(0) - 1 - gl.program_id(0)
-    b = gl.program_id(1) // HKV
-    kvh = gl.program_id(1) % HKV
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    rv, t, hq, pos = _rows(tile, b, kvh, QPOS, Tq, spb, spt, 0, BM // 2, G, gl.SliceLayout(1, q_layout))
-    rv2, t2, hq2, pos2 = _rows(tile, b, kvh, QPOS, Tq, spb, spt, BM // 2, BM // 2, G, gl.SliceLayout(1, q_layout))
+    rows: gl.constexpr = gl.SliceLayout(1, q_layout)
+    rv, t, hq, pos = _rows(tile, b, kvh, QPOS, Tq, spb, spt, q0, qlen, kl, 0, BM // 2, G, rows, PAGED)
+    rv2, t2, hq2, pos2 = _rows(tile, b, kvh, QPOS, Tq, spb, spt, q0, qlen, kl, BM // 2, BM // 2, G, rows, PAGED)
     d = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
     q_smem = gl.allocate_shared_memory(dtype, [BM, D], gl.NVMMASharedLayout.get_default_for([BM, D], dtype))
     for half in gl.static_range(2):
@@ -230,13 +257,11 @@ def _gluon_attn_kernel(k_desc, v_desc, Q, QPOS, KLEN, O, LSE, qk_scale, Tq, Tk, 
     ones_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 16], gl.NVMMASharedLayout.get_default_for([BLOCK_N, 16], dtype),
                                           gl.full([BLOCK_N, 16], 1.0, dtype, ones_layout))
     fence_async_shared()
-    kl = gl.minimum(gl.load(KLEN + b), Tk).to(gl.int32)
     top = gl.maximum(gl.max(pos, 0), gl.max(pos2, 0))
     hi = gl.maximum(gl.minimum(top + 1, kl), 0)
     low = gl.minimum(gl.min(gl.where(pos >= 0, pos + 1, 1 << 30), 0), gl.min(gl.where(pos2 >= 0, pos2 + 1, 1 << 30), 0))
     full = gl.maximum((gl.minimum(low, kl) // BLOCK_N) * BLOCK_N, 0)
     full = gl.minimum(full, hi)
-    n_blocks = (hi + BLOCK_N - 1) // BLOCK_N
     ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], ring_layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], ring_layout)
@@ -245,33 +270,188 @@ def _gluon_attn_kernel(k_desc, v_desc, Q, QPOS, KLEN, O, LSE, qk_scale, Tq, Tk, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b,
-                                     kvh, kl, n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, 0, G, PART_BLOCKS,
-                                     STAGES, STORE_LSE, LOOKAHEAD)),
-                        (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b,
-                                     kvh, kl, n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, 1, G, PART_BLOCKS,
-                                     STAGES, STORE_LSE, LOOKAHEAD)),
-                        (_kv_producer, (k_desc, v_desc, ready, empty, k_bufs, v_bufs, b, kvh * D, n_blocks, STAGES))],
-                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    return q_smem, ones_smem, k_bufs, v_bufs, ready, empty, (hi + BLOCK_N - 1) // BLOCK_N, full
+
+
+@gluon.jit
+def _release_ring(ready, empty, STAGES: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit(do_not_specialize=["Tq", "Tk", "HQ", "HKV"])
+def _gluon_attn_kernel(k_desc, v_desc, Q, QPOS, KLEN, O, LSE, qk_scale, Tq, Tk, HQ, HKV, sqb, sqt, sqh, spb, spt,
+                       sob, sot, soh, G: gl.constexpr, PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
+                       STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr, num_warps: gl.constexpr):
+    """Dense: one program per (query tile, sequence x kv head), heaviest tile first (as ``attention._map_tile``):
+    :func:`_tile_setup`, then the producer warp (:func:`_kv_producer`) and the two consumer warp groups
+    (:func:`_consumer`; the first is the default partition)."""
+    D: gl.constexpr = k_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[1]
+    tile = gl.num_programs(0) - 1 - gl.program_id(0)
+    b = gl.program_id(1) // HKV
+    kvh = gl.program_id(1) % HKV
+    kl = gl.minimum(gl.load(KLEN + b), Tk).to(gl.int32)
+    q_smem, ones_smem, k_bufs, v_bufs, ready, empty, n_blocks, full = _tile_setup(
+        Q, QPOS, tile, b, kvh, kl, 0, 0, Tq, spb, spt, sqb, sqt, sqh, G, BLOCK_N, D, STAGES, k_desc.dtype, False,
+        num_warps)
+    gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b,
+                                     kvh, kl, 0, 0, n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, 0, G, PART_BLOCKS,
+                                     STAGES, STORE_LSE, LOOKAHEAD, False)),
+                        (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b,
+                                     kvh, kl, 0, 0, n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, 1, G, PART_BLOCKS,
+                                     STAGES, STORE_LSE, LOOKAHEAD, False)),
+                        (_kv_producer, (k_desc, v_desc, ready, empty, k_bufs, v_bufs, b, kvh * D, n_blocks, STAGES))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _release_ring(ready, empty, STAGES)
+
+
+@gluon.jit
+def _paged_kv_producer(k_desc, v_desc, kn_desc, vn_desc, ready, empty, k_bufs, v_bufs, tab, kvh, seqlen, kn0, newc,
+                       n_blocks, STAGES: gl.constexpr, PAGE: gl.constexpr, NEW_KV: gl.constexpr):
+    """Key blocks ``0 .. n_blocks`` of one sequence and kv head, in order, into the ring (as :func:`_kv_producer`):
+    a block of the step's new tokens only (from key ``newc`` on, with ``NEW_KV``) from the step's K / V at token
+    ``key + kn0``, any other through the block table ``tab``, one TMA load per page it spans (a page of 64 keys or
+    more: one load).  The values the committed kernel reads, but keys past the sequence's length: those read what the
+    cache (or the next sequence's tokens) holds there instead of zeros, and get ``p = 0`` alike."""
+    BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
+    D: gl.constexpr = k_bufs.type.shape[2]
+    BYTES: gl.constexpr = 2 * BLOCK_N * D * k_bufs.dtype.primitive_bitwidth // 8
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, BYTES)
+        start = j * BLOCK_N
+        k_slot = k_bufs.index(slot)
+        v_slot = v_bufs.index(slot)
+        if NEW_KV:
+            if start >= newc:
+                tma.async_copy_global_to_shared(kn_desc, [start + kn0, kvh, 0], bar,
+                                                k_slot.reshape(kn_desc.block_type.shape))
+                tma.async_copy_global_to_shared(vn_desc, [start + kn0, kvh, 0], bar,
+                                                v_slot.reshape(vn_desc.block_type.shape))
+            else:
+                _load_pages(k_desc, v_desc, bar, k_slot, v_slot, tab, kvh, start, seqlen, PAGE)
+        else:
+            _load_pages(k_desc, v_desc, bar, k_slot, v_slot, tab, kvh, start, seqlen, PAGE)
+
+
+@gluon.jit
+def _load_pages(k_desc, v_desc, bar, k_slot, v_slot, tab, kvh, start, seqlen, PAGE: gl.constexpr):
+    """The key block at ``start`` from the paged cache into ``k_slot`` / ``v_slot``: one TMA load per page it spans
+    (the page ids from the block table ``tab``; past the sequence's length, page 0)."""
+    BLOCK_N: gl.constexpr = k_slot.type.shape[0]
+    SUB: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
+    D: gl.constexpr = k_slot.type.shape[1]
+    k4 = k_slot.reshape([1, 1, BLOCK_N, D])
+    v4 = v_slot.reshape([1, 1, BLOCK_N, D])
+    for i in gl.static_range(BLOCK_N // SUB):
+        key = start + i * SUB
+        page = gl.load(tab + key // PAGE, mask=key < seqlen, other=0)
+        tma.async_copy_global_to_shared(k_desc, [page, kvh, key % PAGE, 0], bar, k4.slice(i * SUB, SUB, dim=2))
+        tma.async_copy_global_to_shared(v_desc, [page, kvh, key % PAGE, 0], bar, v4.slice(i * SUB, SUB, dim=2))
+
+
+@gluon.jit(do_not_specialize=["NSEQ", "HQ"])
+def _gluon_paged_attn_kernel(k_desc, v_desc, kn_desc, vn_desc, Q, TAB, QSL, SEQ, O, qk_scale, NSEQ, HQ, sqt, sqh,
+                             sot, soh, stab, G: gl.constexpr, PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
+                             PAGE: gl.constexpr, NEW_KV: gl.constexpr, LOOKAHEAD: gl.constexpr,
+                             num_warps: gl.constexpr):
+    """Paged, varlen queries (vLLM's layout, as ``paged_attention``): program (virtual tile, kv head); sequence ``s``
+    owns virtual tiles ``[V_s, V_s + cdiv(q_len_s * G, 128))`` with ``V_s = (query_start_loc[s] * G) // 128 + s``
+    (found by binary search, as ``attention._map_tile``); a virtual tile past its sequence's rows walks no key."""
+    D: gl.constexpr = k_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = 64
+    pid0 = gl.program_id(0)
+    kvh = gl.program_id(1)
+    lo = pid0 * 0
+    hi = lo + NSEQ - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = (gl.load(QSL + mid) * G) // 128 + mid <= pid0
+        lo = gl.where(ok, mid, lo)
+        hi = gl.where(ok, hi, mid - 1)
+    b = lo
+    q0 = gl.load(QSL + b)
+    qlen = gl.load(QSL + b + 1) - q0
+    tile = pid0 - ((q0 * G) // 128 + b)
+    seqlen = gl.load(SEQ + b).to(gl.int32)
+    new0 = seqlen - qlen
+    q_smem, ones_smem, k_bufs, v_bufs, ready, empty, n_blocks, full = _tile_setup(
+        Q, SEQ, tile, b, kvh, seqlen, q0, qlen, 0, 0, 0, 0, sqt, sqh, G, BLOCK_N, D, STAGES, k_desc.dtype, True,
+        num_warps)
+    tab = TAB + b.to(gl.int64) * stab
+    newc = ((new0 + BLOCK_N - 1) // BLOCK_N) * BLOCK_N  # the first key block of new tokens only
+    gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, SEQ, O, O, qk_scale, tile, b,
+                                     kvh, seqlen, q0, qlen, n_blocks, full, 0, HQ, 0, 0, 0, sot, soh, 0, G,
+                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, True)),
+                        (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, SEQ, O, O, qk_scale, tile, b,
+                                     kvh, seqlen, q0, qlen, n_blocks, full, 0, HQ, 0, 0, 0, sot, soh, 1, G,
+                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, True)),
+                        (_paged_kv_producer, (k_desc, v_desc, kn_desc, vn_desc, ready, empty, k_bufs, v_bufs, tab,
+                                              kvh, seqlen, q0 - new0, newc, n_blocks, STAGES, PAGE, NEW_KV))],
+                       [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    _release_ring(ready, empty, STAGES)
+
+
+def _descriptor(x: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
+    return TensorDescriptor(x, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype]))
 
 
 def kv_descriptor(x: torch.Tensor) -> TensorDescriptor:
     """TMA descriptor of ``x [B, Tk, Hkv, D]`` (heads contiguous) as ``[B, Tk, Hkv * D]`` in blocks of one sequence's
     ``KV_BLOCK_GPU`` keys x one head: keys past ``Tk`` read as 0."""
     b, tk, hkv, d = x.shape
-    block = [1, KV_BLOCK_GPU, d]
-    return TensorDescriptor(x, [b, tk, hkv * d], [x.stride(0), x.stride(1), 1], block,
-                            gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype]))
+    return _descriptor(x, [b, tk, hkv * d], [x.stride(0), x.stride(1), 1], [1, KV_BLOCK_GPU, d])
+
+
+def paged_cache_descriptor(cache: torch.Tensor) -> TensorDescriptor:
+    """TMA descriptor of a paged cache ``[blocks, page, Hkv, D]`` (any strides, last dim contiguous) as ``[blocks,
+    Hkv, page, D]`` in blocks of one head's keys of one page (at most ``KV_BLOCK_GPU`` of them)."""
+    nb, page, hkv, d = cache.shape
+    return _descriptor(cache, [nb, hkv, page, d], [cache.stride(0), cache.stride(2), cache.stride(1), 1],
+                       [1, 1, min(page, KV_BLOCK_GPU), d])
+
+
+def step_kv_descriptor(x: torch.Tensor) -> TensorDescriptor:
+    """TMA descriptor of the step's keys or values ``[T, Hkv, D]`` in blocks of ``KV_BLOCK_GPU`` tokens of one head."""
+    t, hkv, d = x.shape
+    return _descriptor(x, [t, hkv, d], [x.stride(0), x.stride(1), 1], [KV_BLOCK_GPU, 1, d])
+
+
+def gluon_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out, k_new=None,
+                          v_new=None, schedule: str = "ws"):
+    """``paged_attention.paged_attention``'s rows (its docstring; the caller has checked the arguments and zeroes the
+    padding tokens' rows) by the warp-specialised Gluon kernel, on Hopper, in one of :data:`SCHEDULES`: ``q [T, Hq,
+    D]``, ``out [T, Hq, D]``, caches ``[blocks, page, Hkv, D]`` in q's dtype (bf16 / fp16, D 64 or 128), ``k_new,
+    v_new [T, Hkv, D]`` or None (every key block through the block table).  Operands a TMA descriptor cannot address
+    as they are are refused by name (vLLM's caches and projections can be)."""
+    t_all, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    if d not in GLUON_ATTENTION_HEAD_DIMS or q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+        raise ValueError(f"gluon paged attention: bf16 / fp16 q and cache with head dim in {GLUON_ATTENTION_HEAD_DIMS}; "
+                         f"got {q.dtype}, {k_cache.dtype}, {d}")
+    new_kv = k_new is not None
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)) + ((("k_new", k_new), ("v_new", v_new)) if new_kv else ()):
+        if not tma_ok(x):
+            raise ValueError(f"gluon paged attention: {name} (strides {tuple(x.stride())}) is not TMA-addressable")
+    nseq = seq_lens.shape[0]
+    g = hq // hkv
+    kd, vd = paged_cache_descriptor(k_cache), paged_cache_descriptor(v_cache)
+    knd, vnd = (step_kv_descriptor(k_new), step_kv_descriptor(v_new)) if new_kv else (kd, vd)
+    grid = (triton.cdiv(t_all * g, BLOCK_M) + nseq, hkv)
+    _gluon_paged_attn_kernel[grid](kd, vd, knd, vnd, q, block_table, query_start_loc, seq_lens, out,
+                                   float(scale) * LOG2E, nseq, hq, q.stride(0), q.stride(1), out.stride(0),
+                                   out.stride(1), block_table.stride(0), G=g, PART_BLOCKS=PART_BLOCKS, STAGES=STAGES,
+                                   PAGE=page, NEW_KV=new_kv, LOOKAHEAD=SCHEDULES[schedule], num_warps=WARPS)
+    return out
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as a TMA descriptor takes it (last dim contiguous, heads adjacent, 16-byte aligned base and rows), copied
-    if not."""
-    aligned = x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:2])
-    return x if aligned and x.stride(-1) == 1 and x.stride(2) == x.shape[3] else x.contiguous()
+    """``x`` as :func:`kv_descriptor` takes it (TMA-addressable, heads adjacent), copied if not."""
+    return x if tma_ok(x) and x.stride(2) == x.shape[3] else x.contiguous()
 
 
 def gluon_attention_fwd(q, k, v, q_positions, k_lengths, scale, schedule: str = "ws"):

@@ -30,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
-from .attention import KV_BLOCK_GPU, PART_KEYS, _block_m_for, _launch, _use_split
+from ._common import GLUON, device_index, is_hopper, next_pow2, tma_ok
+from .attention import (GLUON_ATTENTION_HEAD_DIMS, GLUON_ATTENTION_SCHEDULE, KV_BLOCK_GPU, PART_KEYS, _block_m_for,
+                        _launch, _use_split)
 
 PAGE_SIZES = (16, 32, 64, 128)
 # Read key blocks of the step's new tokens from its K/V tensors when the caller passes them (``k_new``): loads
@@ -71,7 +72,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                     max_query_len: int, max_seq_len: int, kv_scale: float | None = None,
                     *, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    split: bool | None = None, block_m: int = 0) -> torch.Tensor:
+                    split: bool | None = None, block_m: int = 0, min_query_len: int = 0) -> torch.Tensor:
     """Causal GQA attention of varlen queries over a paged KV cache; writes and returns ``out``.
 
     * ``q [T, Hq, D]`` bf16/fp16, last dim contiguous; ``out [T, Hq, D]`` (or ``[T, Hq * D]``) in q's
@@ -94,6 +95,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       table -- the same values, so the same bits; prefill at pages of 16 keys 12-14 % faster on the H200.  Ignored
       for an FP8 cache (the cache holds the quantized values), for pages of 64 keys or more (their blocks already
       load from one page each; measured 8-10 % slower with it) and for ``max_query_len`` 1 (decode: one new key).
+
+    * ``min_query_len``: a Python int, the hint of the smallest ``q_len_s`` (0: unknown).  With ``MC_GLUON=1`` a step
+      of prefills only (``min_query_len > 1``) runs :mod:`.gluon_attention`'s paged kernel where
+      :func:`gluon_paged_applies` says: the same rows, bit for bit.
 
     No host synchronisation: grids come from tensor shapes and the two ints, so the call can be
     captured in a CUDA graph (the split path allocates its float32 workspace with ``torch.empty``
@@ -136,7 +141,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     nseq = seq_lens.shape[0]
     if t_all == 0:
         return out
-    if nseq > 0:
+    if nseq > 0 and gluon_paged_applies(q, k_cache, max_query_len, min_query_len) and is_hopper(device_index(q)) \
+            and all(tma_ok(x) for x in (k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())):
+        from .gluon_attention import gluon_paged_attention
+
+        gluon_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out3, k_new, v_new,
+                              GLUON_ATTENTION_SCHEDULE)
+    elif nseq > 0:
         bm, grid0, split, programs = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
                                                 split=split, block_m=block_m, head_dim=d)
         _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
@@ -151,6 +162,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
                                                   ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
     return out
+
+
+def gluon_paged_applies(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, min_query_len: int) -> bool:
+    """Whether ``MC_GLUON=1``'s Gluon paged kernel (:func:`.gluon_attention.gluon_paged_attention`, in
+    ``attention.GLUON_ATTENTION_SCHEDULE``) takes a call (the caller checks the device and TMA alignment): a cache in
+    q's dtype (not FP8), head dim 64 or 128, a step of prefills only (``min_query_len > 1``, the engine's hint: its
+    128-row tiles would hold a decode's few rows) long enough to fill a tile (``max_query_len * G > 64``)."""
+    g = q.shape[1] // k_cache.shape[2]
+    return (GLUON and k_cache.dtype == q.dtype and q.shape[-1] in GLUON_ATTENTION_HEAD_DIMS and min_query_len > 1
+            and max_query_len * g > 64)
 
 
 # ----------------------------------------------------------------------------- KV-cache write
