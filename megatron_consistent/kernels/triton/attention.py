@@ -604,6 +604,16 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     return use_split
 
 
+def dense_call_tensors(q, q_positions, k_lengths):
+    """A dense call's ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32, positions, key lengths)``: the
+    outputs allocated, the two index tensors as int64 on q's device."""
+    b, tq, hq, d = q.shape
+    out = torch.empty((b, tq, hq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, tq), dtype=torch.float32, device=q.device)
+    return (out, lse, q_positions.to(device=q.device, dtype=torch.int64),
+            k_lengths.to(device=q.device, dtype=torch.int64))
+
+
 def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, split: bool | None = None):
     """Dense causal GQA attention -> ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32)``.
 
@@ -620,12 +630,9 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, spli
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     g = hq // hkv
-    out = torch.empty((b, tq, hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, tq), dtype=torch.float32, device=q.device)
+    out, lse, qpos, klen = dense_call_tensors(q, q_positions, k_lengths)
     if b == 0 or tq == 0:
         return out, lse
-    qpos = q_positions.to(device=q.device, dtype=torch.int64)
-    klen = k_lengths.to(device=q.device, dtype=torch.int64)
     bm = _block_m_for(tq * g, d, block_m)
     _launch(q=q, k=k, v=v, tab=klen, qsl=klen, seq=klen, qpos=qpos, klen=klen, out=out, lse=lse, scale=scale,
             kv_scale=1.0, nseq=b, tq=tq, tk=tk, hq=hq, hkv=hkv,

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..numerics import LOG2E
-from .attention import GLUON_ATTENTION_HEAD_DIMS, KV_BLOCK_GPU, PART_BLOCKS
+from .attention import GLUON_ATTENTION_HEAD_DIMS, KV_BLOCK_GPU, PART_BLOCKS, dense_call_tensors
 from ._common import tma_ok
 from .gluon_ring import GL_DTYPES
 
@@ -466,12 +466,9 @@ def gluon_attention_fwd(q, k, v, q_positions, k_lengths, scale, schedule: str = 
         raise ValueError(f"gluon attention: head dim {d}; this kernel serves {GLUON_ATTENTION_HEAD_DIMS}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     k, v = _heads_contiguous(k), _heads_contiguous(v)
-    out = torch.empty((b, tq, hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, tq), dtype=torch.float32, device=q.device)
+    out, lse, qpos, klen = dense_call_tensors(q, q_positions, k_lengths)
     if b == 0 or tq == 0:
         return out, lse
-    qpos = q_positions.to(device=q.device, dtype=torch.int64)
-    klen = k_lengths.to(device=q.device, dtype=torch.int64)
     g = hq // hkv
     grid = (triton.cdiv(tq * g, BLOCK_M), b * hkv)
     _gluon_attn_kernel[grid](kv_descriptor(k), kv_descriptor(v), q, qpos, klen, out, lse, float(scale) * LOG2E,
