@@ -246,7 +246,7 @@ def gluon_prefill_case(t, hkv, d, rows):
         r["gluon_vs_fa3"] = fa3_ms / r["gluon_ms"]
         r["ours_vs_fa3"] = fa3_ms / ours_ms
         rows.append(r)
-        print(f"prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d} D={d:3d} {schedule:13s} TFLOP/s: committed "
+        print(f"prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d} D={d:3d} {schedule:19s} TFLOP/s: committed "
               f"{r['ours_dense_tflops']:6.1f}  gluon {r['gluon_tflops']:6.1f}  sdpa {r['sdpa_tflops']:6.1f}  fa3 "
               f"{r['fa3_tflops']:6.1f}   gluon x committed {r['gluon_vs_ours']:.2f}  gluon x fa3 "
               f"{r['gluon_vs_fa3']:.2f}  committed x fa3 {r['ours_vs_fa3']:.2f}  "
@@ -256,9 +256,9 @@ def gluon_prefill_case(t, hkv, d, rows):
 
 
 def paged_gluon_prefill(t, hkv, qs, ks, vs, copies, flops, fa3_ms, rows):
-    """Paged prefill as the engine calls it, pages of 16 and 64 keys: the Gluon paged kernel (``ws lookahead``)
-    against the committed ``paged_attention`` (bits and time) and FA3, one run."""
-    from megatron_consistent.kernels.triton.gluon_attention import gluon_paged_attention
+    """Paged prefill as the engine calls it, pages of 16 and 64 keys: each schedule of the Gluon paged kernel against
+    the committed ``paged_attention`` (bits and time) and FA3, one run."""
+    from megatron_consistent.kernels.triton.gluon_attention import SCHEDULES, gluon_paged_attention
 
     scale = D ** -0.5
     qsl = torch.tensor([0, t], device=DEV, dtype=torch.int32)
@@ -272,18 +272,20 @@ def paged_gluon_prefill(t, hkv, qs, ks, vs, copies, flops, fa3_ms, rows):
             pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768, k_new=step[i][0], v_new=step[i][1])
             for i in range(copies)])
         ref = outs[0].clone()
-        gluon_ms = _try(lambda kv=kv, tab=tab: bench([lambda i=i: gluon_paged_attention(
-            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], *step[i], "ws lookahead") for i in range(copies)]))
-        r = {"kind": "gluon paged prefill", "schedule": "ws lookahead", "T": t, "Hq": HQ, "Hkv": hkv, "D": D,
-             "page": page, "bits_equal": bool(torch.equal(ref, outs[0])), "committed_ms": committed_ms,
-             "gluon_ms": gluon_ms, "fa3_ms": fa3_ms, "committed_tflops": flops / committed_ms * 1e-9,
-             "gluon_tflops": flops / gluon_ms * 1e-9, "gluon_vs_committed": committed_ms / gluon_ms,
-             "gluon_vs_fa3": fa3_ms / gluon_ms, "committed_vs_fa3": fa3_ms / committed_ms}
-        rows.append(r)
-        print(f"paged prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d} page {page:3d} TFLOP/s: committed "
-              f"{r['committed_tflops']:6.1f}  gluon {r['gluon_tflops']:6.1f}   gluon x committed "
-              f"{r['gluon_vs_committed']:.2f}  gluon x fa3 {r['gluon_vs_fa3']:.2f}  committed x fa3 "
-              f"{r['committed_vs_fa3']:.2f}  bits {'equal' if r['bits_equal'] else 'DIFFER'}", flush=True)
+        for schedule in SCHEDULES:
+            outs[0].fill_(float("nan"))
+            gluon_ms = _try(lambda kv=kv, tab=tab: bench([lambda i=i: gluon_paged_attention(
+                pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], *step[i], schedule) for i in range(copies)]))
+            r = {"kind": "gluon paged prefill", "schedule": schedule, "T": t, "Hq": HQ, "Hkv": hkv, "D": D,
+                 "page": page, "bits_equal": bool(torch.equal(ref, outs[0])), "committed_ms": committed_ms,
+                 "gluon_ms": gluon_ms, "fa3_ms": fa3_ms, "committed_tflops": flops / committed_ms * 1e-9,
+                 "gluon_tflops": flops / gluon_ms * 1e-9, "gluon_vs_committed": committed_ms / gluon_ms,
+                 "gluon_vs_fa3": fa3_ms / gluon_ms, "committed_vs_fa3": fa3_ms / committed_ms}
+            rows.append(r)
+            print(f"paged prefill T={t:6d} Hq/Hkv={HQ}/{hkv:2d} page {page:3d} {schedule:19s} TFLOP/s: committed "
+                  f"{r['committed_tflops']:6.1f}  gluon {r['gluon_tflops']:6.1f}   gluon x committed "
+                  f"{r['gluon_vs_committed']:.2f}  gluon x fa3 {r['gluon_vs_fa3']:.2f}  committed x fa3 "
+                  f"{r['committed_vs_fa3']:.2f}  bits {'equal' if r['bits_equal'] else 'DIFFER'}", flush=True)
         del kv
 
 

@@ -95,9 +95,9 @@ def attention_jobs():
                     *q.stride()[:3], *qpos.stride(), *q.stride()[:3])
             sig = {name: "fp32" if isinstance(a, float) else "i32" if isinstance(a, int) else mangle_type(a, True)
                    for name, a in zip(_gluon_attn_kernel.arg_names, args)}
-            for schedule, lookahead in SCHEDULES.items():
-                const = {"G": hq // hkv, "PART_BLOCKS": PART_BLOCKS, "STAGES": STAGES, "STORE_LSE": True,
-                         "LOOKAHEAD": lookahead, "num_warps": WARPS}
+            for schedule, knobs in SCHEDULES.items():
+                const = {"G": hq // hkv, "PART_BLOCKS": PART_BLOCKS, "STAGES": STAGES, "STORE_LSE": True, **knobs,
+                         "num_warps": WARPS}
                 jobs.append((f"attention {schedule} Hq={hq} Hkv={hkv} D={d}", _gluon_attn_kernel,
                              {**sig, **{name: "constexpr" for name in const}}, const))
     from megatron_consistent.kernels.triton.gluon_attention import (_gluon_paged_attn_kernel, paged_cache_descriptor,
@@ -118,9 +118,9 @@ def attention_jobs():
                     tab.stride(0))
             sig = {name: "fp32" if isinstance(a, float) else "i32" if isinstance(a, int) else mangle_type(a, True)
                    for name, a in zip(_gluon_paged_attn_kernel.arg_names, args)}
-            for schedule, lookahead in SCHEDULES.items():
+            for schedule, knobs in SCHEDULES.items():
                 const = {"G": hq // hkv, "PART_BLOCKS": PART_BLOCKS, "STAGES": STAGES, "PAGE": page,
-                         "NEW_KV": new_kv, "LOOKAHEAD": lookahead, "num_warps": WARPS}
+                         "NEW_KV": new_kv, **knobs, "num_warps": WARPS}
                 jobs.append((f"paged attention {schedule} page={page} new_kv={new_kv} Hq={hq} Hkv={hkv} D={d}",
                              _gluon_paged_attn_kernel, {**sig, **{name: "constexpr" for name in const}}, const))
     return jobs

@@ -46,10 +46,13 @@ from .gluon_ring import GL_DTYPES
 
 BLOCK_M = 128  # a tile's packed query rows: two consumer warp groups of 64
 STAGES = 4  # ring slots of one key block's K and V (4 x 32 KB at D = 128)
-# name -> LOOKAHEAD: "ws" -- each consumer waits for every chain right after issuing it (the other consumer keeps
+# name -> constexprs: "ws" -- each consumer waits for every chain right after issuing it (the other consumer keeps
 # the tensor cores busy meanwhile); "ws lookahead" -- block j + 1's scores issued before block j's two chains, whose
-# wait comes after block j + 1's softmax (FA3's overlap inside a warp group).  Same arithmetic, same bits.
-SCHEDULES = {"ws": False, "ws lookahead": True}
+# wait comes after block j + 1's softmax (FA3's overlap inside a warp group); "q regs" -- the queries held in
+# registers as the score chain's A operand (64 x 64 scores from shared memory read 2 KB of queries and 2 KB of keys a
+# k-step: at the tensor cores' rate about the shared-memory bandwidth).  Same arithmetic, same bits.
+SCHEDULES = {"ws": {"LOOKAHEAD": False, "QREGS": False}, "ws lookahead": {"LOOKAHEAD": True, "QREGS": False},
+             "ws q regs": {"LOOKAHEAD": False, "QREGS": True}, "ws lookahead q regs": {"LOOKAHEAD": True, "QREGS": True}}
 CONSUMER_REGS: gl.constexpr = gl.constexpr(240)  # two 64 x D float32 tiles live (the running and the partition's)
 PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
 WARPS = 4
@@ -137,7 +140,7 @@ def _zero_tail(v_slot, start, kl, live):
 def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b, kvh, kl, q0, qlen,
               n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, WG: gl.constexpr, G: gl.constexpr,
               PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr,
-              PAGED: gl.constexpr):
+              QREGS: gl.constexpr, PAGED: gl.constexpr):
     """Consumer ``WG`` (one warp group): rows ``WG * 64 ..`` of the tile, every key block of the ring in order (the
     module docstring's arithmetic), each slot released once its two chains are done; then finalise and store."""
     ROWS: gl.constexpr = q_smem.type.shape[0] // 2
@@ -151,7 +154,10 @@ def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_l: gl.constexpr = gl.SliceLayout(1, l_layout)
-    q_rows = q_smem.slice(WG * ROWS, ROWS)
+    if QREGS:  # the scores' A operand from registers: the score chains read only the keys from shared memory
+        q_rows = q_smem.slice(WG * ROWS, ROWS).load(gl.DotOperandLayout(0, s_layout, 2))
+    else:
+        q_rows = q_smem.slice(WG * ROWS, ROWS)
     _, _, _, pos = _rows(tile, b, kvh, QPOS, Tq, spb, spt, q0, qlen, kl, WG * ROWS, ROWS, G, row_s, PAGED)
     kcols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     s_init = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -283,7 +289,8 @@ def _release_ring(ready, empty, STAGES: gl.constexpr):
 @gluon.jit(do_not_specialize=["Tq", "Tk", "HQ", "HKV"])
 def _gluon_attn_kernel(k_desc, v_desc, Q, QPOS, KLEN, O, LSE, qk_scale, Tq, Tk, HQ, HKV, sqb, sqt, sqh, spb, spt,
                        sob, sot, soh, G: gl.constexpr, PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-                       STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr, num_warps: gl.constexpr):
+                       STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr, QREGS: gl.constexpr,
+                       num_warps: gl.constexpr):
     """Dense: one program per (query tile, sequence x kv head), heaviest tile first (as ``attention._map_tile``):
     :func:`_tile_setup`, then the producer warp (:func:`_kv_producer`) and the two consumer warp groups
     (:func:`_consumer`; the first is the default partition)."""
@@ -298,10 +305,10 @@ def _gluon_attn_kernel(k_desc, v_desc, Q, QPOS, KLEN, O, LSE, qk_scale, Tq, Tk, 
         num_warps)
     gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b,
                                      kvh, kl, 0, 0, n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, 0, G, PART_BLOCKS,
-                                     STAGES, STORE_LSE, LOOKAHEAD, False)),
+                                     STAGES, STORE_LSE, LOOKAHEAD, QREGS, False)),
                         (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b,
                                      kvh, kl, 0, 0, n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, 1, G, PART_BLOCKS,
-                                     STAGES, STORE_LSE, LOOKAHEAD, False)),
+                                     STAGES, STORE_LSE, LOOKAHEAD, QREGS, False)),
                         (_kv_producer, (k_desc, v_desc, ready, empty, k_bufs, v_bufs, b, kvh * D, n_blocks, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     _release_ring(ready, empty, STAGES)
@@ -358,7 +365,7 @@ def _load_pages(k_desc, v_desc, bar, k_slot, v_slot, tab, kvh, start, seqlen, PA
 def _gluon_paged_attn_kernel(k_desc, v_desc, kn_desc, vn_desc, Q, TAB, QSL, SEQ, O, qk_scale, NSEQ, HQ, sqt, sqh,
                              sot, soh, stab, G: gl.constexpr, PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
                              PAGE: gl.constexpr, NEW_KV: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                             num_warps: gl.constexpr):
+                             QREGS: gl.constexpr, num_warps: gl.constexpr):
     """Paged, varlen queries (vLLM's layout, as ``paged_attention``): program (virtual tile, kv head); sequence ``s``
     owns virtual tiles ``[V_s, V_s + cdiv(q_len_s * G, 128))`` with ``V_s = (query_start_loc[s] * G) // 128 + s``
     (found by binary search, as ``attention._map_tile``); a virtual tile past its sequence's rows walks no key."""
@@ -386,10 +393,10 @@ def _gluon_paged_attn_kernel(k_desc, v_desc, kn_desc, vn_desc, Q, TAB, QSL, SEQ,
     newc = ((new0 + BLOCK_N - 1) // BLOCK_N) * BLOCK_N  # the first key block of new tokens only
     gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, SEQ, O, O, qk_scale, tile, b,
                                      kvh, seqlen, q0, qlen, n_blocks, full, 0, HQ, 0, 0, 0, sot, soh, 0, G,
-                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, True)),
+                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, QREGS, True)),
                         (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, SEQ, O, O, qk_scale, tile, b,
                                      kvh, seqlen, q0, qlen, n_blocks, full, 0, HQ, 0, 0, 0, sot, soh, 1, G,
-                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, True)),
+                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, QREGS, True)),
                         (_paged_kv_producer, (k_desc, v_desc, kn_desc, vn_desc, ready, empty, k_bufs, v_bufs, tab,
                                               kvh, seqlen, q0 - new0, newc, n_blocks, STAGES, PAGE, NEW_KV))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -445,7 +452,7 @@ def gluon_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq
     _gluon_paged_attn_kernel[grid](kd, vd, knd, vnd, q, block_table, query_start_loc, seq_lens, out,
                                    float(scale) * LOG2E, nseq, hq, q.stride(0), q.stride(1), out.stride(0),
                                    out.stride(1), block_table.stride(0), G=g, PART_BLOCKS=PART_BLOCKS, STAGES=STAGES,
-                                   PAGE=page, NEW_KV=new_kv, LOOKAHEAD=SCHEDULES[schedule], num_warps=WARPS)
+                                   PAGE=page, NEW_KV=new_kv, **SCHEDULES[schedule], num_warps=WARPS)
     return out
 
 
@@ -474,5 +481,5 @@ def gluon_attention_fwd(q, k, v, q_positions, k_lengths, scale, schedule: str = 
     _gluon_attn_kernel[grid](kv_descriptor(k), kv_descriptor(v), q, qpos, klen, out, lse, float(scale) * LOG2E,
                              tq, tk, hq, hkv, q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), qpos.stride(1),
                              out.stride(0), out.stride(1), out.stride(2), G=g, PART_BLOCKS=PART_BLOCKS, STAGES=STAGES,
-                             STORE_LSE=True, LOOKAHEAD=SCHEDULES[schedule], num_warps=WARPS)
+                             STORE_LSE=True, **SCHEDULES[schedule], num_warps=WARPS)
     return out, lse
