@@ -155,7 +155,7 @@ ATTENTION_CASES = [(1, 1000, 1000, 32, 8, 128, 0, False),  # two partitions, a r
                    (1, 4096, 4096, 32, 8, 128, 0, False)]  # eight partitions
 
 
-GLUON_ATTENTION_SCHEDULES = ["ws", "ws lookahead", "ws q regs", "ws lookahead q regs"]
+GLUON_ATTENTION_SCHEDULES = ["ws", "ws lookahead", "ws q regs", "ws lookahead q regs", "ws lookahead pingpong"]
 
 
 @pytest.mark.parametrize("b,tq,tk,hq,hkv,d,pad,fused", ATTENTION_CASES)
@@ -217,7 +217,7 @@ PAGED_CASES = [([(0, 300), (37, 200), (500, 129), (64, 70)], 32, 8, 128),
 
 @pytest.mark.parametrize("page", [16, 32, 64, 128])
 @pytest.mark.parametrize("case", range(len(PAGED_CASES)))
-@pytest.mark.parametrize("schedule", ["ws", "ws lookahead q regs"])  # each knob once (compiles are the test's time)
+@pytest.mark.parametrize("schedule", ["ws", "ws lookahead q regs", "ws lookahead pingpong"])  # each knob once
 def test_gluon_paged_attention_equals_the_committed_paged_attention(page, case, schedule):
     seqs, hq, hkv, d = PAGED_CASES[case]
     q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, page, hq, hkv, d, seed=page + case)

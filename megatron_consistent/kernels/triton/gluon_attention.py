@@ -50,9 +50,13 @@ STAGES = 4  # ring slots of one key block's K and V (4 x 32 KB at D = 128)
 # the tensor cores busy meanwhile); "ws lookahead" -- block j + 1's scores issued before block j's two chains, whose
 # wait comes after block j + 1's softmax (FA3's overlap inside a warp group); "q regs" -- the queries held in
 # registers as the score chain's A operand (64 x 64 scores from shared memory read 2 KB of queries and 2 KB of keys a
-# k-step: at the tensor cores' rate about the shared-memory bandwidth).  Same arithmetic, same bits.
-SCHEDULES = {"ws": {"LOOKAHEAD": False, "QREGS": False}, "ws lookahead": {"LOOKAHEAD": True, "QREGS": False},
-             "ws q regs": {"LOOKAHEAD": False, "QREGS": True}, "ws lookahead q regs": {"LOOKAHEAD": True, "QREGS": True}}
+# k-step: at the tensor cores' rate about the shared-memory bandwidth); "pingpong" -- with the lookahead, the two
+# consumers take turns issuing their chains (FA3's ping-pong: one's softmax under the other's chains, by two
+# mbarriers).  Same arithmetic, same bits.
+SCHEDULES = {name: {"LOOKAHEAD": lookahead, "QREGS": qregs, "PINGPONG": pingpong}
+             for name, (lookahead, qregs, pingpong) in {
+                 "ws": (False, False, False), "ws lookahead": (True, False, False), "ws q regs": (False, True, False),
+                 "ws lookahead q regs": (True, True, False), "ws lookahead pingpong": (True, False, True)}.items()}
 CONSUMER_REGS: gl.constexpr = gl.constexpr(240)  # two 64 x D float32 tiles live (the running and the partition's)
 PRODUCER_REGS: gl.constexpr = gl.constexpr(24)
 WARPS = 4
@@ -137,10 +141,10 @@ def _zero_tail(v_slot, start, kl, live):
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b, kvh, kl, q0, qlen,
+def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, turns, QPOS, O, LSE, qk_scale, tile, b, kvh, kl, q0, qlen,
               n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, WG: gl.constexpr, G: gl.constexpr,
               PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr, STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr,
-              QREGS: gl.constexpr, PAGED: gl.constexpr):
+              QREGS: gl.constexpr, PINGPONG: gl.constexpr, PAGED: gl.constexpr):
     """Consumer ``WG`` (one warp group): rows ``WG * 64 ..`` of the tile, every key block of the ring in order (the
     module docstring's arithmetic), each slot released once its two chains are done; then finalise and store."""
     ROWS: gl.constexpr = q_smem.type.shape[0] // 2
@@ -184,11 +188,15 @@ def _consumer(q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_
             mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1, pred=j + 1 < n_blocks)
             if PAGED:  # (past the last block the slot may still be the other consumer's: left alone)
                 _zero_tail(v_bufs.index(nxt), (j + 1) * BLOCK_N, kl, j + 1 < n_blocks)
-            s_next = warpgroup_mma(q_rows, k_bufs.index(nxt).permute((1, 0)), s_init, use_acc=False, is_async=True)
             p_o = gl.convert_layout(p, dot_o)
             p_l = gl.convert_layout(p, dot_l)
+            if PINGPONG:  # this warp group's turn to issue (the other's first turn comes first)
+                mbarrier.wait(turns.index(WG), (j & 1) ^ (1 - WG))
+            s_next = warpgroup_mma(q_rows, k_bufs.index(nxt).permute((1, 0)), s_init, use_acc=False, is_async=True)
             acc_next = warpgroup_mma(p_o, v_bufs.index(slot), acc, is_async=True)
             l_next = warpgroup_mma(p_l, ones_smem, l_mat, is_async=True)
+            if PINGPONG:  # the other's turn: its chains run while this one's softmax does
+                mbarrier.arrive(turns.index(1 - WG), count=1)
             s = warpgroup_mma_wait(num_outstanding=2, deps=(s_next,))
             m_part = m_i
             if (j + 1) % PART_BLOCKS == 0:  # block j + 1 opens a partition: from a fresh state
@@ -243,7 +251,8 @@ def _tile_setup(Q, QPOS, tile, b, kvh, kl, q0, qlen, Tq, spb, spt, sqb, sqt, sqh
                 PAGED: gl.constexpr, num_warps: gl.constexpr):
     """A program's common start: the tile's queries into shared memory, the ones the normaliser's ``mma`` takes, the
     tile's key range as the committed kernel computes it (``n_blocks`` key blocks, masks from key ``full`` on), the
-    ring and its barriers -> ``(q_smem, ones_smem, k_bufs, v_bufs, ready, empty, n_blocks, full)``."""
+    ring and its barriers, the two consumers' turn barriers (``PINGPONG``) -> ``(q_smem, ones_smem, k_bufs, v_bufs,
+    ready, empty, turns, n_blocks, full)``."""
     BM: gl.constexpr = 2 * 64
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, q_layout)
@@ -273,24 +282,29 @@ def _tile_setup(Q, QPOS, tile, b, kvh, kl, q0, qlen, Tq, spb, spt, sqb, sqt, sqh
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], ring_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    return q_smem, ones_smem, k_bufs, v_bufs, ready, empty, (hi + BLOCK_N - 1) // BLOCK_N, full
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
+    return q_smem, ones_smem, k_bufs, v_bufs, ready, empty, turns, (hi + BLOCK_N - 1) // BLOCK_N, full
 
 
 @gluon.jit
-def _release_ring(ready, empty, STAGES: gl.constexpr):
+def _release_ring(ready, empty, turns, STAGES: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(turns.index(i))
 
 
 @gluon.jit(do_not_specialize=["Tq", "Tk", "HQ", "HKV"])
 def _gluon_attn_kernel(k_desc, v_desc, Q, QPOS, KLEN, O, LSE, qk_scale, Tq, Tk, HQ, HKV, sqb, sqt, sqh, spb, spt,
                        sob, sot, soh, G: gl.constexpr, PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
                        STORE_LSE: gl.constexpr, LOOKAHEAD: gl.constexpr, QREGS: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """Dense: one program per (query tile, sequence x kv head), heaviest tile first (as ``attention._map_tile``):
     :func:`_tile_setup`, then the producer warp (:func:`_kv_producer`) and the two consumer warp groups
     (:func:`_consumer`; the first is the default partition)."""
@@ -300,18 +314,18 @@ def _gluon_attn_kernel(k_desc, v_desc, Q, QPOS, KLEN, O, LSE, qk_scale, Tq, Tk, 
     b = gl.program_id(1) // HKV
     kvh = gl.program_id(1) % HKV
     kl = gl.minimum(gl.load(KLEN + b), Tk).to(gl.int32)
-    q_smem, ones_smem, k_bufs, v_bufs, ready, empty, n_blocks, full = _tile_setup(
+    q_smem, ones_smem, k_bufs, v_bufs, ready, empty, turns, n_blocks, full = _tile_setup(
         Q, QPOS, tile, b, kvh, kl, 0, 0, Tq, spb, spt, sqb, sqt, sqh, G, BLOCK_N, D, STAGES, k_desc.dtype, False,
         num_warps)
-    gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b,
+    gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, turns, QPOS, O, LSE, qk_scale, tile, b,
                                      kvh, kl, 0, 0, n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, 0, G, PART_BLOCKS,
-                                     STAGES, STORE_LSE, LOOKAHEAD, QREGS, False)),
-                        (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, QPOS, O, LSE, qk_scale, tile, b,
+                                     STAGES, STORE_LSE, LOOKAHEAD, QREGS, PINGPONG, False)),
+                        (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, turns, QPOS, O, LSE, qk_scale, tile, b,
                                      kvh, kl, 0, 0, n_blocks, full, Tq, HQ, spb, spt, sob, sot, soh, 1, G, PART_BLOCKS,
-                                     STAGES, STORE_LSE, LOOKAHEAD, QREGS, False)),
+                                     STAGES, STORE_LSE, LOOKAHEAD, QREGS, PINGPONG, False)),
                         (_kv_producer, (k_desc, v_desc, ready, empty, k_bufs, v_bufs, b, kvh * D, n_blocks, STAGES))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _release_ring(ready, empty, STAGES)
+    _release_ring(ready, empty, turns, STAGES)
 
 
 @gluon.jit
@@ -365,7 +379,7 @@ def _load_pages(k_desc, v_desc, bar, k_slot, v_slot, tab, kvh, start, seqlen, PA
 def _gluon_paged_attn_kernel(k_desc, v_desc, kn_desc, vn_desc, Q, TAB, QSL, SEQ, O, qk_scale, NSEQ, HQ, sqt, sqh,
                              sot, soh, stab, G: gl.constexpr, PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
                              PAGE: gl.constexpr, NEW_KV: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                             QREGS: gl.constexpr, num_warps: gl.constexpr):
+                             QREGS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """Paged, varlen queries (vLLM's layout, as ``paged_attention``): program (virtual tile, kv head); sequence ``s``
     owns virtual tiles ``[V_s, V_s + cdiv(q_len_s * G, 128))`` with ``V_s = (query_start_loc[s] * G) // 128 + s``
     (found by binary search, as ``attention._map_tile``); a virtual tile past its sequence's rows walks no key."""
@@ -386,21 +400,21 @@ def _gluon_paged_attn_kernel(k_desc, v_desc, kn_desc, vn_desc, Q, TAB, QSL, SEQ,
     tile = pid0 - ((q0 * G) // 128 + b)
     seqlen = gl.load(SEQ + b).to(gl.int32)
     new0 = seqlen - qlen
-    q_smem, ones_smem, k_bufs, v_bufs, ready, empty, n_blocks, full = _tile_setup(
+    q_smem, ones_smem, k_bufs, v_bufs, ready, empty, turns, n_blocks, full = _tile_setup(
         Q, SEQ, tile, b, kvh, seqlen, q0, qlen, 0, 0, 0, 0, sqt, sqh, G, BLOCK_N, D, STAGES, k_desc.dtype, True,
         num_warps)
     tab = TAB + b.to(gl.int64) * stab
     newc = ((new0 + BLOCK_N - 1) // BLOCK_N) * BLOCK_N  # the first key block of new tokens only
-    gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, SEQ, O, O, qk_scale, tile, b,
+    gl.warp_specialize([(_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, turns, SEQ, O, O, qk_scale, tile, b,
                                      kvh, seqlen, q0, qlen, n_blocks, full, 0, HQ, 0, 0, 0, sot, soh, 0, G,
-                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, QREGS, True)),
-                        (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, SEQ, O, O, qk_scale, tile, b,
+                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, QREGS, PINGPONG, True)),
+                        (_consumer, (q_smem, k_bufs, v_bufs, ones_smem, ready, empty, turns, SEQ, O, O, qk_scale, tile, b,
                                      kvh, seqlen, q0, qlen, n_blocks, full, 0, HQ, 0, 0, 0, sot, soh, 1, G,
-                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, QREGS, True)),
+                                     PART_BLOCKS, STAGES, False, LOOKAHEAD, QREGS, PINGPONG, True)),
                         (_paged_kv_producer, (k_desc, v_desc, kn_desc, vn_desc, ready, empty, k_bufs, v_bufs, tab,
                                               kvh, seqlen, q0 - new0, newc, n_blocks, STAGES, PAGE, NEW_KV))],
                        [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    _release_ring(ready, empty, STAGES)
+    _release_ring(ready, empty, turns, STAGES)
 
 
 def _descriptor(x: torch.Tensor, shape: list[int], strides: list[int], block: list[int]) -> TensorDescriptor:
