@@ -156,6 +156,7 @@ def _engine(request: dict):
               max_num_seqs=request["max_num_seqs"], enable_prefix_caching=False, logprobs_mode="processed_logprobs",
               tensor_parallel_size=request["tensor_parallel_size"], **extra)
     startup = time.perf_counter() - t0
+    progress(f"engine started in {startup:.1f} s; warm-up pass ({len(request['prompts'])} prompts)")
     prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
     params = SamplingParams(temperature=1.0, max_tokens=request["max_tokens"], logprobs=0, ignore_eos=True, seed=0)
     # warm-up, not timed: a whole pass, so every launch shape of the timed passes is compiled (Triton compiles on
@@ -163,8 +164,14 @@ def _engine(request: dict):
     # its time is reported (a timed pass much slower than it has met launch shapes the warm-up had not)
     t = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
+    progress(f"warm-up pass done in {time.perf_counter() - t:.1f} s")
     return llm, prompts, params, {"startup_s": startup, "warmup_s": time.perf_counter() - t,
                                   "binaries_after_warmup": compiled_binaries()}
+
+
+def progress(message: str) -> None:
+    """A line in the engine's log (its last lines are kept when an engine fails or is killed: how far it got)."""
+    print(f"[bench] {message}", flush=True)
 
 
 def compiled_binaries() -> int:
@@ -197,6 +204,7 @@ def _timed_passes(llm, prompts, params, min_seconds: float) -> dict:
         out["pass_seconds"].append(dt)
         out["pass_new_binaries"].append(compiled_binaries() - before)
         out["pass_tokens_digest"].append(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16])
+        progress(f"timed pass {len(out['pass_seconds'])}: {sum(len(x) for x in ids)} tokens in {dt:.1f} s")
     return out
 
 
@@ -272,9 +280,9 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 def failure_lines(log: Path) -> list[str]:
     """A failed engine's last words: the log's error lines (vLLM's engine core prints the root cause well above its
-    last lines, session 18), then its last 15 lines."""
+    last lines, session 18) and the bench's own progress lines (how far it got), then its last 15 lines."""
     lines = log.read_text(errors="replace").splitlines()
-    errors = [line for line in lines[:-15] if re.search(r"Error|Exception|error:", line)]
+    errors = [line for line in lines[:-15] if re.search(r"Error|Exception|error:|^\[bench\]", line)]
     return errors[:20] + lines[-15:]
 
 

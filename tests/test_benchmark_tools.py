@@ -9,6 +9,8 @@ hangs are checked without vLLM or a GPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import json
 import os
@@ -185,6 +187,17 @@ def test_a_failed_engine_reports_its_root_cause_above_the_last_lines(tmp_path):
     lines = _load("bench_rollout_gpu").failure_lines(log)
     assert lines[0] == "ValueError: block-FP8 kernel not found"
     assert lines[-1].startswith("RuntimeError: Engine core initialization failed") and len(lines) == 16
+
+
+def test_a_killed_engine_reports_how_far_it_got(tmp_path):
+    """An engine killed at its time limit: its progress lines survive the warnings logged after them."""
+    bench = _load("bench_rollout_gpu")
+    log = tmp_path / "consistent.log"
+    with open(log, "w") as f, contextlib.redirect_stdout(f):
+        bench.progress("engine started in 60.1 s; warm-up pass (64 prompts)")
+        print("\n".join(["WARNING Triton kernel JIT compilation during inference"] * 30))
+    lines = bench.failure_lines(log)
+    assert lines[0] == "[bench] engine started in 60.1 s; warm-up pass (64 prompts)" and len(lines) == 16
 
 
 def _fake_check(tmp_path: Path, monkeypatch, report: dict | None, rc: int = 0, hang: bool = False) -> tuple:
