@@ -1,32 +1,40 @@
-"""Dense causal GQA attention (training, prefill) on Hopper written in Gluon: the committed kernel's per-row arithmetic
-with two warp groups taking turns on the tensor cores -- opt-in (``MC_GLUON=1``).
+"""Causal GQA attention for prefill on Hopper written in Gluon -- dense (the trainer) and paged (the engine) -- the
+committed kernel's per-row arithmetic with two warp groups taking turns on the tensor cores; opt-in (``MC_GLUON=1``).
 
 Why (docs/benchmarks.md, issue #15): the committed Triton kernel (``kernels/triton/attention.py``) runs dense prefill
-at 0.57-0.66 of vLLM's FA3 on the H200.  Triton 3.6 waits for each ``wgmma`` right after issuing it and its warp
-specialisation does not compile on Hopper for this loop (sessions 12, 14), so a warp group's softmax never overlaps a
-tensor-core chain.  Here a producer warp loads each key block's K and V by TMA into a ring of shared-memory slots, and
-two consumer warp groups take the upper and lower 64 rows of a 128-row query tile and walk the same key blocks, each
-releasing a slot once its chains on it are done; nothing else synchronises them, so one group's softmax runs while
-the other's ``wgmma`` runs (the structure of FA3's two consumer warp groups, without its explicit ping-pong).
+at 0.57-0.66 of vLLM's FA3 on the H200 and the engine's paged prefill at 0.51-0.59.  Triton 3.6 waits for each
+``wgmma`` right after issuing it and its warp specialisation does not compile on Hopper for this loop (sessions 12,
+14), so a warp group's softmax never overlaps a tensor-core chain.  Here a producer warp loads each key block's K and
+V by TMA into a ring of shared-memory slots, and two consumer warp groups take the upper and lower 64 rows of a
+128-row query tile and walk the same key blocks, each releasing a slot once its chains on it are done; nothing else
+synchronises them (but in the ``pingpong`` schedule), so one group's softmax runs while the other's ``wgmma`` runs.
+The schedules (:data:`SCHEDULES`) differ in what a consumer issues ahead and where its queries live, never in a bit.
 
-Numerics: the contract of ``attention.py`` (its module docstring), unchanged, so the bits must equal
-``attention.attention_fwd``'s: query rows packed token-major then the ``G`` heads of a kv head into the same 128-row
-tiles (not needed for the bits: a row's arithmetic does not depend on its tile); key blocks of ``KV_BLOCK_GPU`` (64)
-in increasing order, partitions of ``PART_BLOCKS`` blocks from a fresh state; per block ``s = q . k`` by the tensor
-cores from nothing (head dimension in 16-wide steps), invisible keys ``-inf`` (blocks below the tile's ``full`` key
-are visible to every active row and skip the mask, as there), ``m' = max(m, max s)``, ``alpha = exp2((m - m_ref) *
-c)``, ``p = exp2((s - m_ref) * c)`` rounded to the input dtype, ``l = mma(p, 1, l * alpha)``, ``acc = mma(p, v, acc *
-alpha)``; partitions merged in order with the same ``fma`` formula, an empty one selected away; ``out = round(acc /
-l)``, ``lse = fma(M, c, log2 L) * ln2``.  Keys past the key tensor's length read as 0 (the TMA unit fills them), as
-the committed kernel's masked loads.
+Numerics: the contract of ``attention.py`` (its module docstring), unchanged, so the bits must equal the committed
+kernels': query rows packed token-major then the ``G`` heads of a kv head into 128-row tiles (not needed for the
+bits: a row's arithmetic does not depend on its tile); key blocks of ``KV_BLOCK_GPU`` (64) in increasing order,
+partitions of ``PART_BLOCKS`` blocks from a fresh state; per block ``s = q . k`` by the tensor cores from nothing (head
+dimension in 16-wide steps), invisible keys ``-inf`` (blocks below the tile's ``full`` key are visible to every
+active row and skip the mask, as there), ``m' = max(m, max s)``, ``alpha = exp2((m - m_ref) * c)``, ``p = exp2((s -
+m_ref) * c)`` rounded to the input dtype, ``l = mma(p, 1, l * alpha)``, ``acc = mma(p, v, acc * alpha)``;
+partitions merged in order with the same ``fma`` formula, an empty one selected away; ``out = round(acc / l)``,
+``lse = fma(M, c, log2 L) * ln2``.  Keys past the key tensor's length read as 0 (the TMA unit fills them, dense;
+zeroed in shared memory, paged), as the committed kernels' masked loads.
 
-Use: with ``MC_GLUON=1`` the registered ``("attention", "cuda")`` op (the trainer's attention) runs ``ws lookahead``
-where ``attention.gluon_attention_applies`` says (prefill-sized bf16 / fp16 calls, head dim 64 or 128, Hopper).  The
-engine's paged prefill keeps the Triton kernel.  Bits and speed (session 24, H200: bits equal in every case, dense
-prefill T = 4k / 16k 1.07-1.24x the committed kernel, 0.63-0.79 of FA3): ``tests/test_gpu_gluon_candidates.py -k
-attention`` (``torch.equal`` against ``attention_fwd``: partitions, ragged blocks, chunks over a prefix, padding,
-strided views, GQA / MHA, D 64 / 128; a wrong partition caught) and ``python benchmarks/bench_gpu_attention.py
---gluon``; sm_90a compile without a GPU: ``benchmarks/offline_compile_gluon.py --only attention``.
+Paged (vLLM's layouts, as ``paged_attention``): a program's sequence is found by binary search over the query
+starts (the committed kernel's virtual tiles); key blocks of the step's new tokens only come from the step's K / V
+(the same values), the others through the block table, one TMA load a page.
+
+Use: with ``MC_GLUON=1`` the registered ``("attention", "cuda")`` op (the trainer's attention) runs
+``attention.GLUON_ATTENTION_SCHEDULE`` where ``attention.gluon_attention_applies`` says (prefill-sized bf16 / fp16
+calls, head dim 64 or 128, Hopper), and ``paged_attention`` does for the engine's steps of prefills only
+(``paged_attention.gluon_paged_applies``).  Session 24 on the H200, dense: bits equal in every case, T = 4k / 16k
+1.07-1.24x the committed kernel, 0.63-0.79 of FA3; the paged kernel and the ``q regs`` / ``pingpong`` schedules were
+written after that run.  Bits: ``tests/test_gpu_gluon_candidates.py -k "attention or paged"`` (``torch.equal``
+against the committed kernels: partitions, ragged blocks, chunks over a prefix, padding, strided views, GQA / MHA,
+D 64 / 128, pages 16-128 with NaN in every unwritten cache slot; a wrong partition caught); speed: ``python
+benchmarks/bench_gpu_attention.py --gluon``; sm_90a compile without a GPU: ``benchmarks/offline_compile_gluon.py
+--only attention``.
 """
 
 from __future__ import annotations
