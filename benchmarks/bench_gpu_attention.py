@@ -224,7 +224,7 @@ def _fa3_prefill_ms(qs, ks, vs, t, scale, copies):
 def gluon_prefill_case(t, hkv, d, rows):
     """Dense prefill: each schedule of the Gluon kernel (``gluon_attention``) against the committed kernel (bits and
     time), SDPA and FA3, one run; then the paged prefill (:func:`paged_gluon_prefill`)."""
-    from megatron_consistent.kernels.triton.gluon_attention import SCHEDULES, gluon_attention_fwd
+    from megatron_consistent.kernels.triton.gluon_attention import SCHEDULES
 
     scale = d ** -0.5
     copies, qs, ks, vs, pos, kl, flops = _prefill_inputs(t, hkv, d)
@@ -234,12 +234,12 @@ def gluon_prefill_case(t, hkv, d, rows):
     sdpa_ms = _try(lambda: bench([lambda i=i: _sdpa(sq[i], sk[i], sv[i], True, hkv != HQ) for i in range(copies)]))
     fa3_ms = _fa3_prefill_ms(qs, ks, vs, t, scale, copies)
     for schedule in SCHEDULES:
-        got = _try(lambda: gluon_attention_fwd(qs[0], ks[0], vs[0], pos, kl, scale, schedule))
+        got = _try(lambda: tattn.attention_fwd(qs[0], ks[0], vs[0], pos, kl, scale, gluon=schedule))
         r = {"kind": "gluon prefill", "schedule": schedule, "T": t, "Hq": HQ, "Hkv": hkv, "D": d,
              "bits_equal": isinstance(got, tuple) and torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]),
              "ours_dense_ms": ours_ms, "sdpa_ms": sdpa_ms, "fa3_ms": fa3_ms,
-             "gluon_ms": _try(lambda: bench([lambda i=i: gluon_attention_fwd(qs[i], ks[i], vs[i], pos, kl, scale,
-                                                                             schedule) for i in range(copies)]))}
+             "gluon_ms": _try(lambda: bench([lambda i=i: tattn.attention_fwd(qs[i], ks[i], vs[i], pos, kl, scale,
+                                                                              gluon=schedule) for i in range(copies)]))}
         for k in ("ours_dense", "gluon", "sdpa", "fa3"):
             r[f"{k}_tflops"] = flops / r[f"{k}_ms"] * 1e-9
         r["gluon_vs_ours"] = ours_ms / r["gluon_ms"]
@@ -258,7 +258,7 @@ def gluon_prefill_case(t, hkv, d, rows):
 def paged_gluon_prefill(t, hkv, qs, ks, vs, copies, flops, fa3_ms, rows):
     """Paged prefill as the engine calls it, pages of 16 and 64 keys: each schedule of the Gluon paged kernel against
     the committed ``paged_attention`` (bits and time) and FA3, one run."""
-    from megatron_consistent.kernels.triton.gluon_attention import SCHEDULES, gluon_paged_attention
+    from megatron_consistent.kernels.triton.gluon_attention import SCHEDULES
 
     scale = D ** -0.5
     qsl = torch.tensor([0, t], device=DEV, dtype=torch.int32)
@@ -274,8 +274,9 @@ def paged_gluon_prefill(t, hkv, qs, ks, vs, copies, flops, fa3_ms, rows):
         ref = outs[0].clone()
         for schedule in SCHEDULES:
             outs[0].fill_(float("nan"))
-            gluon_ms = _try(lambda kv=kv, tab=tab: bench([lambda i=i: gluon_paged_attention(
-                pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], *step[i], schedule) for i in range(copies)]))
+            gluon_ms = _try(lambda kv=kv, tab=tab: bench([lambda i=i: tpa.paged_attention(
+                pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768, k_new=step[i][0], v_new=step[i][1],
+                gluon=schedule) for i in range(copies)]))
             r = {"kind": "gluon paged prefill", "schedule": schedule, "T": t, "Hq": HQ, "Hkv": hkv, "D": D,
                  "page": page, "bits_equal": bool(torch.equal(ref, outs[0])), "committed_ms": committed_ms,
                  "gluon_ms": gluon_ms, "fa3_ms": fa3_ms, "committed_tflops": flops / committed_ms * 1e-9,

@@ -81,8 +81,8 @@ def attention_jobs():
     without the step's K / V (the engine's layouts)."""
     from triton.runtime.jit import mangle_type
 
-    from megatron_consistent.kernels.triton.gluon_attention import (PART_BLOCKS, SCHEDULES, STAGES, WARPS,
-                                                                    _gluon_attn_kernel, kv_descriptor)
+    from megatron_consistent.kernels.triton.attention import KV_BLOCK_GPU, PART_BLOCKS
+    from megatron_consistent.kernels.triton.gluon_attention import SCHEDULES, STAGES, WARPS, _gluon_attn_kernel, kv_descriptor
 
     jobs = []
     for hq, hkv in ((32, 8), (32, 32)):
@@ -91,7 +91,7 @@ def attention_jobs():
             q = torch.zeros(1, 4096, hq, d, dtype=torch.bfloat16)
             qpos = torch.zeros(1, 4096, dtype=torch.int64)
             lse = torch.zeros(1, hq, 4096)
-            args = (kv_descriptor(k), kv_descriptor(k), q, qpos, qpos[0, :1], q, lse, 1.0, 4096, 4096, hq, hkv,
+            args = (kv_descriptor(k, KV_BLOCK_GPU), kv_descriptor(k, KV_BLOCK_GPU), q, qpos, qpos[0, :1], q, lse, 1.0, 4096, 4096, hq, hkv,
                     *q.stride()[:3], *qpos.stride(), *q.stride()[:3])
             sig = {name: "fp32" if isinstance(a, float) else "i32" if isinstance(a, int) else mangle_type(a, True)
                    for name, a in zip(_gluon_attn_kernel.arg_names, args)}
@@ -112,15 +112,15 @@ def attention_jobs():
         kv = torch.zeros(1024, hkv, page, 2 * d, dtype=torch.bfloat16).transpose(1, 2)  # vLLM's Triton-backend layout
         k_cache = kv[..., :d]
         for new_kv in (True, False):
-            kd = paged_cache_descriptor(k_cache)
-            knd = step_kv_descriptor(k_new) if new_kv else kd
+            kd = paged_cache_descriptor(k_cache, KV_BLOCK_GPU)
+            knd = step_kv_descriptor(k_new, KV_BLOCK_GPU) if new_kv else kd
             args = (kd, kd, knd, knd, q, tab, tab[0], tab[0], q, 1.0, 4, hq, *q.stride()[:2], *q.stride()[:2],
                     tab.stride(0))
             sig = {name: "fp32" if isinstance(a, float) else "i32" if isinstance(a, int) else mangle_type(a, True)
                    for name, a in zip(_gluon_paged_attn_kernel.arg_names, args)}
             for schedule, knobs in SCHEDULES.items():
-                const = {"G": hq // hkv, "PART_BLOCKS": PART_BLOCKS, "STAGES": STAGES, "PAGE": page,
-                         "NEW_KV": new_kv, **knobs, "num_warps": WARPS}
+                const = {"G": hq // hkv, "PART_BLOCKS": PART_BLOCKS, "STAGES": STAGES, "KV_BLOCK": KV_BLOCK_GPU,
+                         "PAGE": page, "NEW_KV": new_kv, **knobs, "num_warps": WARPS}
                 jobs.append((f"paged attention {schedule} page={page} new_kv={new_kv} Hq={hq} Hkv={hkv} D={d}",
                              _gluon_paged_attn_kernel, {**sig, **{name: "constexpr" for name in const}}, const))
     return jobs

@@ -114,7 +114,8 @@ def test_registered_ops_route_to_the_gluon_kernels_with_the_committed_bits(monke
         assert torch.equal(_bits(out), _bits(tf8.fp8_gemm(xq, xs, wq, ws, None, torch.bfloat16, w_block_rows=128)))
     assert calls == ["tree", "fp8"]
     real_attn = gluon_attn.gluon_attention_fwd
-    monkeypatch.setattr(gluon_attn, "gluon_attention_fwd", lambda *a: calls.append("attention") or real_attn(*a))
+    monkeypatch.setattr(gluon_attn, "gluon_attention_fwd",
+                        lambda *a, **kw: calls.append("attention") or real_attn(*a, **kw))
     monkeypatch.setattr(tattn, "GLUON", True)
     for t in (300, 2):  # prefill, then decode-sized (the committed kernel)
         q, k, v, pos, kl = _attention_inputs(1, t, t, 32, 8, 128, 0, False, seed=t)
@@ -163,7 +164,7 @@ GLUON_ATTENTION_SCHEDULES = ["ws", "ws lookahead", "ws q regs", "ws lookahead q 
 def test_gluon_attention_equals_the_committed_attention(b, tq, tk, hq, hkv, d, pad, fused, schedule):
     q, k, v, pos, kl = _attention_inputs(b, tq, tk, hq, hkv, d, pad, fused, seed=tq + tk + d)
     ref_out, ref_lse = tattn.attention_fwd(q, k, v, pos, kl, d ** -0.5)
-    out, lse = gluon_attn.gluon_attention_fwd(q, k, v, pos, kl, d ** -0.5, schedule)
+    out, lse = tattn.attention_fwd(q, k, v, pos, kl, d ** -0.5, gluon=schedule)
     assert torch.equal(_bits(out), _bits(ref_out)), _where_they_differ(out.reshape(-1, hq * d), ref_out.reshape(-1, hq * d))
     assert torch.equal(_bits(lse), _bits(ref_lse))
 
@@ -172,9 +173,9 @@ def test_gluon_attention_with_another_partition_is_caught(monkeypatch):
     """The comparison can fail: 256-key partitions (four blocks, not eight) merge at other keys and change bits."""
     q, k, v, pos, kl = _attention_inputs(1, 1000, 1000, 32, 8, 128, 0, False, seed=1)
     ref_out, _ = tattn.attention_fwd(q, k, v, pos, kl, 128 ** -0.5)
-    monkeypatch.setattr(gluon_attn, "PART_BLOCKS", 4)
+    monkeypatch.setattr(tattn, "PART_BLOCKS", 4)
     for schedule in gluon_attn.SCHEDULES:
-        out, _ = gluon_attn.gluon_attention_fwd(q, k, v, pos, kl, 128 ** -0.5, schedule)
+        out, _ = tattn.attention_fwd(q, k, v, pos, kl, 128 ** -0.5, gluon=schedule)
         assert not torch.equal(_bits(out), _bits(ref_out)), schedule
 
 
@@ -221,26 +222,24 @@ PAGED_CASES = [([(0, 300), (37, 200), (500, 129), (64, 70)], 32, 8, 128),
 def test_gluon_paged_attention_equals_the_committed_paged_attention(page, case, schedule):
     seqs, hq, hkv, d = PAGED_CASES[case]
     q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, page, hq, hkv, d, seed=page + case)
-    ref = torch.zeros_like(q)
-    tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, ref, max(n for _, n in seqs),
-                        max(c + n for c, n in seqs), k_new=k_new, v_new=v_new)
+    sizes = (max(n for _, n in seqs), max(c + n for c, n in seqs))
+    ref = tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, torch.full_like(q, float("nan")),
+                              *sizes, k_new=k_new, v_new=v_new)
     assert not torch.isnan(ref).any()
-    t_real = int(qsl[-1])
     for new_kv in (True, False):
-        out = torch.zeros_like(q)
-        gluon_attn.gluon_paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, out,
-                                         k_new if new_kv else None, v_new if new_kv else None, schedule)
-        assert torch.equal(_bits(out[:t_real]), _bits(ref[:t_real])), \
-            f"new_kv={new_kv}: {_where_they_differ(out[:t_real].flatten(1), ref[:t_real].flatten(1))}"
+        step = {"k_new": k_new, "v_new": v_new} if new_kv else {}
+        out = tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5,
+                                  torch.full_like(q, float("nan")), *sizes, gluon=schedule, **step)
+        assert torch.equal(_bits(out), _bits(ref)), f"new_kv={new_kv}: {_where_they_differ(out.flatten(1), ref.flatten(1))}"
 
 
 def test_gluon_paged_attention_with_another_partition_is_caught(monkeypatch):
     seqs, hq, hkv, d = PAGED_CASES[1]
     q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, 16, hq, hkv, d, seed=3)
-    ref, out = torch.zeros_like(q), torch.zeros_like(q)
-    tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, ref, 1000, 1000)
-    monkeypatch.setattr(gluon_attn, "PART_BLOCKS", 4)
-    gluon_attn.gluon_paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, out)
+    ref = tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, torch.zeros_like(q), 1000, 1000)
+    monkeypatch.setattr(tattn, "PART_BLOCKS", 4)
+    out = tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, torch.zeros_like(q), 1000, 1000,
+                              gluon="ws")
     assert not torch.equal(_bits(out), _bits(ref))
 
 
@@ -249,7 +248,7 @@ def test_paged_attention_routes_prefill_steps_to_gluon(monkeypatch):
     the committed bits, padding rows zero; a step with a decode keeps the committed kernel."""
     calls = []
     real = gluon_attn.gluon_paged_attention
-    monkeypatch.setattr(gluon_attn, "gluon_paged_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(gluon_attn, "gluon_paged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     seqs, hq, hkv, d = PAGED_CASES[0]
     q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, 16, hq, hkv, d, seed=11)
     args = (q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5)

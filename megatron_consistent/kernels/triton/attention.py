@@ -604,22 +604,15 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     return use_split
 
 
-def dense_call_tensors(q, q_positions, k_lengths):
-    """A dense call's ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32, positions, key lengths)``: the
-    outputs allocated, the two index tensors as int64 on q's device."""
-    b, tq, hq, d = q.shape
-    out = torch.empty((b, tq, hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, tq), dtype=torch.float32, device=q.device)
-    return (out, lse, q_positions.to(device=q.device, dtype=torch.int64),
-            k_lengths.to(device=q.device, dtype=torch.int64))
-
-
-def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, split: bool | None = None):
+def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, split: bool | None = None,
+                  gluon: str | None = None):
     """Dense causal GQA attention -> ``(out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq] float32)``.
 
     ``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]`` bf16/fp16 (last dim contiguous, else copied),
     ``q_positions [B, Tq]`` (-1 = padding), ``k_lengths [B]``.  ``block_m`` forces the query tile and
-    ``split`` the path (``None``: chosen from shapes); neither changes a bit (module docstring)."""
+    ``split`` the path (``None``: chosen from shapes); neither changes a bit (module docstring).  ``gluon``: a
+    schedule of :data:`.gluon_attention.SCHEDULES` -- the same result by the Gluon kernel (Hopper; head dim 64 or
+    128)."""
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -630,9 +623,19 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, spli
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     g = hq // hkv
-    out, lse, qpos, klen = dense_call_tensors(q, q_positions, k_lengths)
+    out = torch.empty((b, tq, hq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, hq, tq), dtype=torch.float32, device=q.device)
     if b == 0 or tq == 0:
         return out, lse
+    qpos = q_positions.to(device=q.device, dtype=torch.int64)
+    klen = k_lengths.to(device=q.device, dtype=torch.int64)
+    if gluon is not None:
+        if d not in GLUON_ATTENTION_HEAD_DIMS:
+            raise ValueError(f"attention (cuda): the Gluon kernel serves head dims {GLUON_ATTENTION_HEAD_DIMS}, got {d}")
+        from .gluon_attention import gluon_attention_fwd
+
+        return gluon_attention_fwd(q, k, v, qpos, klen, scale, out, lse, kv_block=KV_BLOCK_GPU,
+                                   part_blocks=_part_blocks(tk), schedule=gluon)
     bm = _block_m_for(tq * g, d, block_m)
     _launch(q=q, k=k, v=v, tab=klen, qsl=klen, seq=klen, qpos=qpos, klen=klen, out=out, lse=lse, scale=scale,
             kv_scale=1.0, nseq=b, tq=tq, tk=tk, hq=hq, hkv=hkv,
@@ -657,8 +660,5 @@ def gluon_attention_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 @register("attention", "cuda")
 def _attention_cuda(q, k, v, q_positions, k_lengths, scale):
-    if gluon_attention_applies(q, k) and is_hopper(device_index(q)):
-        from .gluon_attention import gluon_attention_fwd
-
-        return gluon_attention_fwd(q, k, v, q_positions, k_lengths, scale, GLUON_ATTENTION_SCHEDULE)
-    return attention_fwd(q, k, v, q_positions, k_lengths, scale)
+    gluon = GLUON_ATTENTION_SCHEDULE if gluon_attention_applies(q, k) and is_hopper(device_index(q)) else None
+    return attention_fwd(q, k, v, q_positions, k_lengths, scale, gluon=gluon)

@@ -48,7 +48,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..numerics import LOG2E
-from .attention import GLUON_ATTENTION_HEAD_DIMS, KV_BLOCK_GPU, PART_BLOCKS, dense_call_tensors
 from ._common import tma_ok
 from .gluon_ring import GL_DTYPES
 
@@ -386,13 +385,14 @@ def _load_pages(k_desc, v_desc, bar, k_slot, v_slot, tab, kvh, start, seqlen, PA
 @gluon.jit(do_not_specialize=["NSEQ", "HQ"])
 def _gluon_paged_attn_kernel(k_desc, v_desc, kn_desc, vn_desc, Q, TAB, QSL, SEQ, O, qk_scale, NSEQ, HQ, sqt, sqh,
                              sot, soh, stab, G: gl.constexpr, PART_BLOCKS: gl.constexpr, STAGES: gl.constexpr,
-                             PAGE: gl.constexpr, NEW_KV: gl.constexpr, LOOKAHEAD: gl.constexpr,
-                             QREGS: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+                             KV_BLOCK: gl.constexpr, PAGE: gl.constexpr, NEW_KV: gl.constexpr,
+                             LOOKAHEAD: gl.constexpr, QREGS: gl.constexpr, PINGPONG: gl.constexpr,
+                             num_warps: gl.constexpr):
     """Paged, varlen queries (vLLM's layout, as ``paged_attention``): program (virtual tile, kv head); sequence ``s``
     owns virtual tiles ``[V_s, V_s + cdiv(q_len_s * G, 128))`` with ``V_s = (query_start_loc[s] * G) // 128 + s``
     (found by binary search, as ``attention._map_tile``); a virtual tile past its sequence's rows walks no key."""
     D: gl.constexpr = k_desc.block_type.shape[3]
-    BLOCK_N: gl.constexpr = 64
+    BLOCK_N: gl.constexpr = KV_BLOCK
     pid0 = gl.program_id(0)
     kvh = gl.program_id(1)
     lo = pid0 * 0
@@ -429,52 +429,47 @@ def _descriptor(x: torch.Tensor, shape: list[int], strides: list[int], block: li
     return TensorDescriptor(x, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype]))
 
 
-def kv_descriptor(x: torch.Tensor) -> TensorDescriptor:
+def kv_descriptor(x: torch.Tensor, kv_block: int) -> TensorDescriptor:
     """TMA descriptor of ``x [B, Tk, Hkv, D]`` (heads contiguous) as ``[B, Tk, Hkv * D]`` in blocks of one sequence's
-    ``KV_BLOCK_GPU`` keys x one head: keys past ``Tk`` read as 0."""
+    ``kv_block`` keys x one head: keys past ``Tk`` read as 0."""
     b, tk, hkv, d = x.shape
-    return _descriptor(x, [b, tk, hkv * d], [x.stride(0), x.stride(1), 1], [1, KV_BLOCK_GPU, d])
+    return _descriptor(x, [b, tk, hkv * d], [x.stride(0), x.stride(1), 1], [1, kv_block, d])
 
 
-def paged_cache_descriptor(cache: torch.Tensor) -> TensorDescriptor:
+def paged_cache_descriptor(cache: torch.Tensor, kv_block: int) -> TensorDescriptor:
     """TMA descriptor of a paged cache ``[blocks, page, Hkv, D]`` (any strides, last dim contiguous) as ``[blocks,
-    Hkv, page, D]`` in blocks of one head's keys of one page (at most ``KV_BLOCK_GPU`` of them)."""
+    Hkv, page, D]`` in blocks of one head's keys of one page (at most ``kv_block`` of them)."""
     nb, page, hkv, d = cache.shape
     return _descriptor(cache, [nb, hkv, page, d], [cache.stride(0), cache.stride(2), cache.stride(1), 1],
-                       [1, 1, min(page, KV_BLOCK_GPU), d])
+                       [1, 1, min(page, kv_block), d])
 
 
-def step_kv_descriptor(x: torch.Tensor) -> TensorDescriptor:
-    """TMA descriptor of the step's keys or values ``[T, Hkv, D]`` in blocks of ``KV_BLOCK_GPU`` tokens of one head."""
+def step_kv_descriptor(x: torch.Tensor, kv_block: int) -> TensorDescriptor:
+    """TMA descriptor of the step's keys or values ``[T, Hkv, D]`` in blocks of ``kv_block`` tokens of one head."""
     t, hkv, d = x.shape
-    return _descriptor(x, [t, hkv, d], [x.stride(0), x.stride(1), 1], [KV_BLOCK_GPU, 1, d])
+    return _descriptor(x, [t, hkv, d], [x.stride(0), x.stride(1), 1], [kv_block, 1, d])
 
 
-def gluon_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out, k_new=None,
-                          v_new=None, schedule: str = "ws"):
-    """``paged_attention.paged_attention``'s rows (its docstring; the caller has checked the arguments and zeroes the
-    padding tokens' rows) by the warp-specialised Gluon kernel, on Hopper, in one of :data:`SCHEDULES`: ``q [T, Hq,
-    D]``, ``out [T, Hq, D]``, caches ``[blocks, page, Hkv, D]`` in q's dtype (bf16 / fp16, D 64 or 128), ``k_new,
-    v_new [T, Hkv, D]`` or None (every key block through the block table).  Operands a TMA descriptor cannot address
-    as they are are refused by name (vLLM's caches and projections can be)."""
+def gluon_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out, k_new, v_new, *,
+                          kv_block: int, part_blocks: int, schedule: str):
+    """``paged_attention``'s rows (its docstring) by the warp-specialised Gluon kernel in one of :data:`SCHEDULES`,
+    with the contract's key block and partition (``attention.KV_BLOCK_GPU``, ``PART_BLOCKS``).  What
+    ``paged_attention`` has checked before calling: ``q [T, Hq, D]``, ``out [T, Hq, D]``, caches ``[blocks, page, Hkv,
+    D]`` in q's dtype (bf16 / fp16, D 64 or 128), ``k_new, v_new [T, Hkv, D]`` or None (every key block through the
+    block table), every K / V operand TMA-addressable; the padding tokens' rows are its to zero."""
     t_all, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
-    if d not in GLUON_ATTENTION_HEAD_DIMS or q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
-        raise ValueError(f"gluon paged attention: bf16 / fp16 q and cache with head dim in {GLUON_ATTENTION_HEAD_DIMS}; "
-                         f"got {q.dtype}, {k_cache.dtype}, {d}")
-    new_kv = k_new is not None
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)) + ((("k_new", k_new), ("v_new", v_new)) if new_kv else ()):
-        if not tma_ok(x):
-            raise ValueError(f"gluon paged attention: {name} (strides {tuple(x.stride())}) is not TMA-addressable")
     nseq = seq_lens.shape[0]
     g = hq // hkv
-    kd, vd = paged_cache_descriptor(k_cache), paged_cache_descriptor(v_cache)
-    knd, vnd = (step_kv_descriptor(k_new), step_kv_descriptor(v_new)) if new_kv else (kd, vd)
+    kd, vd = paged_cache_descriptor(k_cache, kv_block), paged_cache_descriptor(v_cache, kv_block)
+    new_kv = k_new is not None
+    knd, vnd = (step_kv_descriptor(k_new, kv_block), step_kv_descriptor(v_new, kv_block)) if new_kv else (kd, vd)
     grid = (triton.cdiv(t_all * g, BLOCK_M) + nseq, hkv)
     _gluon_paged_attn_kernel[grid](kd, vd, knd, vnd, q, block_table, query_start_loc, seq_lens, out,
                                    float(scale) * LOG2E, nseq, hq, q.stride(0), q.stride(1), out.stride(0),
-                                   out.stride(1), block_table.stride(0), G=g, PART_BLOCKS=PART_BLOCKS, STAGES=STAGES,
-                                   PAGE=page, NEW_KV=new_kv, **SCHEDULES[schedule], num_warps=WARPS)
+                                   out.stride(1), block_table.stride(0), G=g, PART_BLOCKS=part_blocks, STAGES=STAGES,
+                                   KV_BLOCK=kv_block, PAGE=page, NEW_KV=new_kv, **SCHEDULES[schedule],
+                                   num_warps=WARPS)
     return out
 
 
@@ -483,25 +478,19 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if tma_ok(x) and x.stride(2) == x.shape[3] else x.contiguous()
 
 
-def gluon_attention_fwd(q, k, v, q_positions, k_lengths, scale, schedule: str = "ws"):
-    """``attention.attention_fwd``'s ``(out, lse)`` (module docstring) by the warp-specialised Gluon kernel, on Hopper,
-    in one of :data:`SCHEDULES`; ``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]`` bf16 / fp16, D 64 or 128,
-    ``q_positions [B, Tq]`` (-1 padding), ``k_lengths [B]``."""
+def gluon_attention_fwd(q, k, v, qpos, klen, scale, out, lse, *, kv_block: int, part_blocks: int, schedule: str):
+    """``attention.attention_fwd``'s ``out`` and ``lse`` (allocated by it, written here) by the warp-specialised Gluon
+    kernel in one of :data:`SCHEDULES`, with the contract's key block and partition.  What ``attention_fwd`` has
+    checked before calling: ``q [B, Tq, Hq, D]`` (last dim contiguous), ``k, v [B, Tk, Hkv, D]`` bf16 / fp16, D 64 or
+    128, ``qpos [B, Tq]`` / ``klen [B]`` int64 on q's device, B and Tq not 0."""
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"gluon attention: q, k, v must share a bf16 / fp16 dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if d not in GLUON_ATTENTION_HEAD_DIMS:
-        raise ValueError(f"gluon attention: head dim {d}; this kernel serves {GLUON_ATTENTION_HEAD_DIMS}")
-    q = q if q.stride(-1) == 1 else q.contiguous()
     k, v = _heads_contiguous(k), _heads_contiguous(v)
-    out, lse, qpos, klen = dense_call_tensors(q, q_positions, k_lengths)
-    if b == 0 or tq == 0:
-        return out, lse
     g = hq // hkv
     grid = (triton.cdiv(tq * g, BLOCK_M), b * hkv)
-    _gluon_attn_kernel[grid](kv_descriptor(k), kv_descriptor(v), q, qpos, klen, out, lse, float(scale) * LOG2E,
-                             tq, tk, hq, hkv, q.stride(0), q.stride(1), q.stride(2), qpos.stride(0), qpos.stride(1),
-                             out.stride(0), out.stride(1), out.stride(2), G=g, PART_BLOCKS=PART_BLOCKS, STAGES=STAGES,
-                             STORE_LSE=True, **SCHEDULES[schedule], num_warps=WARPS)
+    _gluon_attn_kernel[grid](kv_descriptor(k, kv_block), kv_descriptor(v, kv_block), q, qpos, klen, out, lse,
+                             float(scale) * LOG2E, tq, tk, hq, hkv, q.stride(0), q.stride(1), q.stride(2),
+                             qpos.stride(0), qpos.stride(1), out.stride(0), out.stride(1), out.stride(2), G=g,
+                             PART_BLOCKS=part_blocks, STAGES=STAGES, STORE_LSE=True, **SCHEDULES[schedule],
+                             num_warps=WARPS)
     return out, lse

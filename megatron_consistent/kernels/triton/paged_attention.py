@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ._common import GLUON, device_index, is_hopper, next_pow2, tma_ok
 from .attention import (GLUON_ATTENTION_HEAD_DIMS, GLUON_ATTENTION_SCHEDULE, KV_BLOCK_GPU, PART_KEYS, _block_m_for,
-                        _launch, _use_split)
+                        _launch, _part_blocks, _use_split)
 
 PAGE_SIZES = (16, 32, 64, 128)
 # Read key blocks of the step's new tokens from its K/V tensors when the caller passes them (``k_new``): loads
@@ -72,7 +72,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                     max_query_len: int, max_seq_len: int, kv_scale: float | None = None,
                     *, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    split: bool | None = None, block_m: int = 0, min_query_len: int = 0) -> torch.Tensor:
+                    split: bool | None = None, block_m: int = 0, min_query_len: int = 0,
+                    gluon: str | None = None) -> torch.Tensor:
     """Causal GQA attention of varlen queries over a paged KV cache; writes and returns ``out``.
 
     * ``q [T, Hq, D]`` bf16/fp16, last dim contiguous; ``out [T, Hq, D]`` (or ``[T, Hq * D]``) in q's
@@ -98,7 +99,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     * ``min_query_len``: a Python int, the hint of the smallest ``q_len_s`` (0: unknown).  With ``MC_GLUON=1`` a step
       of prefills only (``min_query_len > 1``) runs :mod:`.gluon_attention`'s paged kernel where
-      :func:`gluon_paged_applies` says: the same rows, bit for bit.
+      :func:`gluon_paged_applies` says: the same rows, bit for bit.  ``gluon``: a schedule of
+      :data:`.gluon_attention.SCHEDULES` forces that kernel (Hopper; a cache in q's dtype, head dim 64 or 128,
+      TMA-addressable K / V operands).
 
     No host synchronisation: grids come from tensor shapes and the two ints, so the call can be
     captured in a CUDA graph (the split path allocates its float32 workspace with ``torch.empty``
@@ -141,12 +144,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     nseq = seq_lens.shape[0]
     if t_all == 0:
         return out
-    if nseq > 0 and gluon_paged_applies(q, k_cache, max_query_len, min_query_len) and is_hopper(device_index(q)) \
-            and all(tma_ok(x) for x in (k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())):
+    operands = (k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())
+    if gluon is not None and (fp8 or d not in GLUON_ATTENTION_HEAD_DIMS or not all(map(tma_ok, operands))):
+        raise ValueError(f"paged_attention: the Gluon kernel takes a cache in q's dtype, head dims "
+                         f"{GLUON_ATTENTION_HEAD_DIMS} and TMA-addressable K / V operands; got {k_cache.dtype}, "
+                         f"head dim {d}")
+    if gluon is None and gluon_paged_applies(q, k_cache, max_query_len, min_query_len) \
+            and is_hopper(device_index(q)) and all(map(tma_ok, operands)):
+        gluon = GLUON_ATTENTION_SCHEDULE
+    if nseq > 0 and gluon is not None:
         from .gluon_attention import gluon_paged_attention
 
         gluon_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out3, k_new, v_new,
-                              GLUON_ATTENTION_SCHEDULE)
+                              kv_block=KV_BLOCK_GPU, part_blocks=_part_blocks(max_seq_len), schedule=gluon)
     elif nseq > 0:
         bm, grid0, split, programs = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
                                                 split=split, block_m=block_m, head_dim=d)
