@@ -28,7 +28,9 @@ starts (the committed kernel's virtual tiles); key blocks of the step's new toke
 Use: with ``MC_GLUON=1`` the registered ``("attention", "cuda")`` op (the trainer's attention) runs
 ``attention.GLUON_ATTENTION_SCHEDULE`` where ``attention.gluon_attention_applies`` says (prefill-sized bf16 / fp16
 calls, head dim 64 or 128, Hopper), and ``paged_attention`` does for the engine's steps of prefills only
-(``paged_attention.gluon_paged_applies``).  Session 24 on the H200, dense: bits equal in every case, T = 4k / 16k
+(``paged_attention.gluon_paged_applies``); ``attention_fwd(..., gluon=schedule)`` and ``paged_attention(...,
+gluon=schedule)`` force a schedule.  The contract's constants come from those callers (``KV_BLOCK_GPU``,
+``PART_BLOCKS``): this module imports nothing of ``attention``.  Session 24 on the H200, dense: bits equal in every case, T = 4k / 16k
 1.07-1.24x the committed kernel, 0.63-0.79 of FA3; the paged kernel and the ``q regs`` / ``pingpong`` schedules were
 written after that run.  Bits: ``tests/test_gpu_gluon_candidates.py -k "attention or paged"`` (``torch.equal``
 against the committed kernels: partitions, ragged blocks, chunks over a prefix, padding, strided views, GQA / MHA,
