@@ -431,6 +431,12 @@ def _descriptor(x: torch.Tensor, shape: list[int], strides: list[int], block: li
     return TensorDescriptor(x, shape, strides, block, gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x.dtype]))
 
 
+def _knobs(schedule: str) -> dict:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"gluon attention: schedule {schedule!r}; the schedules are {', '.join(SCHEDULES)}")
+    return SCHEDULES[schedule]
+
+
 def kv_descriptor(x: torch.Tensor, kv_block: int) -> TensorDescriptor:
     """TMA descriptor of ``x [B, Tk, Hkv, D]`` (heads contiguous) as ``[B, Tk, Hkv * D]`` in blocks of one sequence's
     ``kv_block`` keys x one head: keys past ``Tk`` read as 0."""
@@ -470,7 +476,7 @@ def gluon_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq
     _gluon_paged_attn_kernel[grid](kd, vd, knd, vnd, q, block_table, query_start_loc, seq_lens, out,
                                    float(scale) * LOG2E, nseq, hq, q.stride(0), q.stride(1), out.stride(0),
                                    out.stride(1), block_table.stride(0), G=g, PART_BLOCKS=part_blocks, STAGES=STAGES,
-                                   KV_BLOCK=kv_block, PAGE=page, NEW_KV=new_kv, **SCHEDULES[schedule],
+                                   KV_BLOCK=kv_block, PAGE=page, NEW_KV=new_kv, **_knobs(schedule),
                                    num_warps=WARPS)
     return out
 
@@ -493,6 +499,6 @@ def gluon_attention_fwd(q, k, v, qpos, klen, scale, out, lse, *, kv_block: int, 
     _gluon_attn_kernel[grid](kv_descriptor(k, kv_block), kv_descriptor(v, kv_block), q, qpos, klen, out, lse,
                              float(scale) * LOG2E, tq, tk, hq, hkv, q.stride(0), q.stride(1), q.stride(2),
                              qpos.stride(0), qpos.stride(1), out.stride(0), out.stride(1), out.stride(2), G=g,
-                             PART_BLOCKS=part_blocks, STAGES=STAGES, STORE_LSE=True, **SCHEDULES[schedule],
+                             PART_BLOCKS=part_blocks, STAGES=STAGES, STORE_LSE=True, **_knobs(schedule),
                              num_warps=WARPS)
     return out, lse
