@@ -344,7 +344,7 @@ def _paged_kv_producer(k_desc, v_desc, kn_desc, vn_desc, ready, empty, k_bufs, v
     a block of the step's new tokens only (from key ``newc`` on, with ``NEW_KV``) from the step's K / V at token
     ``key + kn0``, any other through the block table ``tab``, one TMA load per page it spans (a page of 64 keys or
     more: one load).  The values the committed kernel reads, but keys past the sequence's length: those read what the
-    cache (or the next sequence's tokens) holds there instead of zeros, and get ``p = 0`` alike."""
+    cache (or the next sequence's tokens) holds there, and the consumers zero their values (:func:`_zero_tail`)."""
     BLOCK_N: gl.constexpr = k_bufs.type.shape[1]
     D: gl.constexpr = k_bufs.type.shape[2]
     BYTES: gl.constexpr = 2 * BLOCK_N * D * k_bufs.dtype.primitive_bitwidth // 8
