@@ -1,11 +1,12 @@
-"""The Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``; opt-in ``MC_GLUON=1``; and
-the prefill candidate ``gluon_attention.py``, routed by no op yet) against the committed kernels, bitwise, on a Hopper
-GPU.
+"""The Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``, ``gluon_attention.py``;
+opt-in ``MC_GLUON=1``) against the committed kernels, bitwise, on a Hopper GPU.
 
 Every schedule of the Gluon tree must give the bits of ``segment_tree.segment_tree_gemm`` and every schedule of the
 Gluon FP8 GEMM those of ``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and clipping), with a
-bias, and for a tensor-parallel rank's float32 subtree; and with ``MC_GLUON`` on, the registered CUDA ops (what the
-trainer and the engine call) route the calls the rules give them to the Gluon kernels with those bits.  The
+bias, and for a tensor-parallel rank's float32 subtree; every schedule of the Gluon attention those of
+``attention_fwd`` and ``paged_attention`` (partitions, chunks over prefixes, padding, strided views, pages 16-128
+with NaN in every unwritten cache slot); and with ``MC_GLUON`` on, the registered CUDA ops and ``paged_attention``
+(what the trainer and the engine call) route the calls the rules give them to the Gluon kernels with those bits.  The
 benchmarks check the same at their own shapes and time them; these cases are the edges.  Skipped without a Hopper
 GPU (``wgmma``, TMA) or without Gluon.
 """
