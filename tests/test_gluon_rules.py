@@ -35,7 +35,7 @@ def test_off_means_no_call_goes_to_gluon(monkeypatch):
     assert not fp8_linear.gluon_fp8_applies(4096, 6144, 4096, BF16, 128)
     q, k = torch.empty(1, 4096, 32, 128, dtype=BF16), torch.empty(1, 4096, 8, 128, dtype=BF16)
     assert not attention.gluon_attention_applies(q, k)
-    assert not paged_attention.gluon_paged_applies(q[0], torch.empty(64, 16, 8, 128, dtype=BF16), 4096, 4096)
+    assert not paged_attention.gluon_paged_applies(q[0], torch.empty(64, 16, 8, 128, dtype=BF16), 4096, 0, 4)
 
 
 def test_tree_rule(monkeypatch):
@@ -98,16 +98,26 @@ def test_attention_rule(monkeypatch):
 
 
 def test_paged_attention_rule(monkeypatch):
-    """Engine steps of prefills only (the engine's shortest-query hint above 1) with a cache in q's dtype, head dim
-    64 or 128, and enough rows for a 128-row tile; decodes, mixed steps, an unknown hint and an FP8 cache keep the
-    committed kernel."""
+    """A step's sequences after its leading one-token ones (the engine's hint ``decode_requests``), with a cache in
+    q's dtype, head dim 64 or 128 and enough rows for a 128-row tile; a step of decodes only, an unknown hint and an
+    FP8 cache keep the committed kernel."""
     monkeypatch.setattr(paged_attention, "GLUON", True)
     applies = paged_attention.gluon_paged_applies
     q = torch.empty(4096, 32, 128, dtype=BF16)
     cache = torch.empty(64, 16, 8, 128, dtype=BF16)
-    assert applies(q, cache, 4096, 17)  # prefill chunks
-    assert not applies(q, cache, 4096, 1)  # a decode among them
-    assert not applies(q, cache, 4096, 0)  # no hint
-    assert not applies(q, cache, 16, 16)  # 64 rows at most a sequence: the committed kernel's tiles
-    assert not applies(q, cache.to(torch.float8_e4m3fn), 4096, 17)  # FP8 cache: read by the committed kernel only
-    assert not applies(torch.empty(4096, 32, 256, dtype=BF16), torch.empty(64, 16, 8, 256, dtype=BF16), 4096, 17)
+    assert applies(q, cache, 4096, 0, 4)  # prefill chunks only
+    assert applies(q, cache, 4096, 3, 4)  # three decodes, then a chunk: the chunk takes Gluon, the decodes their own launch
+    assert not applies(q, cache, 4096, 4, 4)  # decodes only
+    assert not applies(q, cache, 4096, -1, 4)  # no hint, or a decode after a chunk
+    assert not applies(q, cache, 16, 0, 4)  # 64 rows at most a sequence: the committed kernel's tiles
+    assert not applies(q, cache.to(torch.float8_e4m3fn), 4096, 0, 4)  # FP8 cache: read by the committed kernel only
+    assert not applies(torch.empty(4096, 32, 256, dtype=BF16), torch.empty(64, 16, 8, 256, dtype=BF16), 4096, 0, 4)
+
+
+@pytest.mark.parametrize("lens, expected", [([1, 1, 1, 300], 3), ([300, 17], 0), ([1, 1], 2), ([], 0),
+                                            ([1, 300, 1], -1), ([300, 1], -1), ([1, 0, 5], -1)])
+def test_leading_decodes(lens, expected):
+    """The engine's reading of a step: its leading one-token requests when only longer ones follow, else -1 (then
+    the whole step keeps the committed kernel); a deliberately wrong reading would route a decode into a tile of
+    128 rows or a chunk into the decode launch, which tests/test_gpu_gluon_candidates.py's mixed step catches."""
+    assert paged_attention.leading_decodes(lens) == expected

@@ -245,17 +245,33 @@ def test_gluon_paged_attention_with_another_partition_is_caught(monkeypatch):
 
 
 def test_paged_attention_routes_prefill_steps_to_gluon(monkeypatch):
-    """``MC_GLUON`` on: a step of prefills only (the engine's hint ``min_query_len > 1``) takes the Gluon kernel with
-    the committed bits, padding rows zero; a step with a decode keeps the committed kernel."""
+    """``MC_GLUON`` on: the sequences after a step's leading one-token ones (the engine's hint ``decode_requests``)
+    take the Gluon kernel, the decodes the committed kernel in a launch of their own, with the committed bits and
+    padding rows zero; a step of decodes only, or one read as unordered (-1), keeps the committed kernel; a wrong
+    reading (a chunk counted as a decode) is caught."""
     calls = []
     real = gluon_attn.gluon_paged_attention
-    monkeypatch.setattr(gluon_attn, "gluon_paged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    seqs, hq, hkv, d = PAGED_CASES[0]
+    monkeypatch.setattr(gluon_attn, "gluon_paged_attention",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
+    seqs, hq, hkv, d = [(500, 1), (37, 1)] + PAGED_CASES[0][0], *PAGED_CASES[0][1:]
     q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, 16, hq, hkv, d, seed=11)
     args = (q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5)
     ref = tpa.paged_attention(*args, torch.full_like(q, float("nan")), 300, 629, k_new=k_new, v_new=v_new)
     monkeypatch.setattr(tpa, "GLUON", True)
-    for min_q, routed in ((1, False), (70, True)):
+    t_all = q.shape[0]
+    for hint, routed_rows in ((-1, None), (2, t_all - 2)):
+        calls.clear()
         out = tpa.paged_attention(*args, torch.full_like(q, float("nan")), 300, 629, k_new=k_new, v_new=v_new,
-                                  min_query_len=min_q)
-        assert torch.equal(_bits(out), _bits(ref)) and len(calls) == routed
+                                  decode_requests=hint)
+        assert torch.equal(_bits(out), _bits(ref)), hint
+        assert calls == ([] if routed_rows is None else [routed_rows]), (hint, calls)
+    out = tpa.paged_attention(*args, torch.full_like(q, float("nan")), 300, 629, k_new=k_new, v_new=v_new,
+                              decode_requests=3)  # the 300-token chunk counted as a decode
+    assert not torch.equal(_bits(out), _bits(ref))
+    decodes = ([(500, 1), (37, 1), (64, 1)], hq, hkv, d)
+    q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(decodes[0], 16, hq, hkv, d, seed=12)
+    ref = tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, torch.zeros_like(q), 1, 565)
+    calls.clear()
+    out = tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, torch.zeros_like(q), 1, 565,
+                              decode_requests=3)
+    assert torch.equal(_bits(out), _bits(ref)) and calls == []

@@ -123,3 +123,14 @@ def test_cuda_attention_takes_manager_blocks_vllm_cuts_into_its_pages():
         assert backend.supports_block_size(block) == bool(pages), block
     assert backend.supports_block_size(528) and backend.supports_block_size(None)  # 528 = 33 pages of 16
     assert not backend.supports_block_size(24) and not backend.supports_block_size(1000)
+
+
+def test_cuda_attention_asks_vllm_for_decodes_first():
+    """With ``MC_GLUON=1`` the CUDA backend hands a step's requests after its leading one-token ones to the Gluon
+    prefill kernel (``paged_attention.leading_decodes``): it asks vLLM's runner to put those first, as vLLM's own
+    Mamba-2 builder does (``reorder_batch_threshold = 1``; the runner takes the smallest of its builders')."""
+    from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
+
+    from megatron_consistent.vllm_plugin.cuda_attention import ConsistentCudaAttentionMetadataBuilder as builder
+
+    assert builder.reorder_batch_threshold == 1 == Mamba2AttentionMetadataBuilder.reorder_batch_threshold

@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from ..config import UnsupportedConfigError
 from ..kernels.fp8 import KV_SCALE
 from ..kernels.triton._common import GLUON
-from ..kernels.triton.paged_attention import PAGE_SIZES, paged_attention, write_kv_cache
+from ..kernels.triton.paged_attention import PAGE_SIZES, leading_decodes, paged_attention, write_kv_cache
 
 BACKEND_NAME = "CUSTOM"  # the AttentionBackendEnum member the plugin registers this backend over
 
@@ -45,7 +45,7 @@ class ConsistentCudaAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int  # an upper bound (the engine's max_model_len): fixed under CUDA-graph capture
-    min_query_len: int  # the step's shortest query (0: not read, MC_GLUON off): a step of prefills only may take Gluon
+    decode_requests: int  # the leading one-token requests (-1: not read, MC_GLUON off): those after may take Gluon
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -56,6 +56,8 @@ class ConsistentCudaAttentionMetadataBuilder(AttentionMetadataBuilder[Consistent
     """Passes vLLM's common metadata through; the kernel finds each query tile's sequence itself."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # vLLM puts a step's one-token requests first: with MC_GLUON=1 the ones after them take the Gluon prefill kernel
+    reorder_batch_threshold: ClassVar[int] = 1
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -65,13 +67,13 @@ class ConsistentCudaAttentionMetadataBuilder(AttentionMetadataBuilder[Consistent
         m = common_attn_metadata
         if not isinstance(m.causal, bool) or not m.causal:
             raise UnsupportedConfigError("megatron-consistent attention supports causal decoder attention only")
-        min_query_len = 0
+        decode_requests = -1
         if GLUON and m.num_reqs:  # read on the host, from vLLM's host copy of the query starts
             qsl = m.query_start_loc_cpu[: m.num_reqs + 1]
-            min_query_len = int((qsl[1:] - qsl[:-1]).min())
+            decode_requests = leading_decodes((qsl[1:] - qsl[:-1]).tolist())
         return ConsistentCudaAttentionMetadata(
             num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len, max_seq_len=self.max_model_len,
-            min_query_len=min_query_len,
+            decode_requests=decode_requests,
             query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=m.block_table_tensor,
             slot_mapping=m.slot_mapping)
 
@@ -125,7 +127,7 @@ class ConsistentCudaAttentionImpl(AttentionImpl):
         k_cache, v_cache = self._caches(kv_cache)
         step_kv = key is not None and value is not None  # the values just written: new-token blocks read from them
         paged_attention(query, k_cache, v_cache, m.block_table, m.query_start_loc, m.seq_lens, self.scale, output,
-                        max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, min_query_len=m.min_query_len,
+                        max_query_len=m.max_query_len, max_seq_len=m.max_seq_len, decode_requests=m.decode_requests,
                         kv_scale=KV_SCALE if self.fp8_kv else None,
                         k_new=key if step_kv else None, v_new=value if step_kv else None)
         return output

@@ -72,7 +72,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
                     max_query_len: int, max_seq_len: int, kv_scale: float | None = None,
                     *, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    split: bool | None = None, block_m: int = 0, min_query_len: int = 0,
+                    split: bool | None = None, block_m: int = 0, decode_requests: int = -1,
                     gluon: str | None = None) -> torch.Tensor:
     """Causal GQA attention of varlen queries over a paged KV cache; writes and returns ``out``.
 
@@ -97,11 +97,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
       for an FP8 cache (the cache holds the quantized values), for pages of 64 keys or more (their blocks already
       load from one page each; measured 8-10 % slower with it) and for ``max_query_len`` 1 (decode: one new key).
 
-    * ``min_query_len``: a Python int, the hint of the smallest ``q_len_s`` (0: unknown).  With ``MC_GLUON=1`` a step
-      of prefills only (``min_query_len > 1``) runs :mod:`.gluon_attention`'s paged kernel where
-      :func:`gluon_paged_applies` says: the same rows, bit for bit.  ``gluon``: a schedule of
-      :data:`.gluon_attention.SCHEDULES` forces that kernel (Hopper; a cache in q's dtype, head dim 64 or 128,
-      TMA-addressable K / V operands).
+    * ``decode_requests``: a Python int, the engine's host reading of the step (:func:`leading_decodes`): its first
+      ``decode_requests`` sequences have one query token each and every later one more (-1: not known).  With
+      ``MC_GLUON=1`` the sequences after them run :mod:`.gluon_attention`'s paged kernel where
+      :func:`gluon_paged_applies` says, and the one-token ones this kernel, in a launch of their own (a decode's few
+      rows would idle a 128-row tile): the same rows, bit for bit, either way.  ``gluon``: a schedule of
+      :data:`.gluon_attention.SCHEDULES` forces that kernel on the sequences after the first ``max(decode_requests,
+      0)`` (Hopper; a cache in q's dtype, head dim 64 or 128, TMA-addressable K / V operands).
 
     No host synchronisation: grids come from tensor shapes and the two ints, so the call can be
     captured in a CUDA graph (the split path allocates its float32 workspace with ``torch.empty``
@@ -145,43 +147,65 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t_all == 0:
         return out
     operands = (k_cache, v_cache) + ((k_new, v_new) if k_new is not None else ())
+    if not -1 <= decode_requests <= nseq or (gluon is not None and decode_requests == nseq):
+        raise ValueError(f"paged_attention: decode_requests={decode_requests} must be -1 .. {nseq} (the sequences), "
+                         f"below it with gluon={gluon!r}")
     if gluon is not None and (fp8 or d not in GLUON_ATTENTION_HEAD_DIMS or not all(map(tma_ok, operands))):
         raise ValueError(f"paged_attention: the Gluon kernel takes a cache in q's dtype, head dims "
                          f"{GLUON_ATTENTION_HEAD_DIMS} and TMA-addressable K / V operands; got {k_cache.dtype}, "
                          f"head dim {d}")
-    if gluon is None and gluon_paged_applies(q, k_cache, max_query_len, min_query_len) \
+    if gluon is None and gluon_paged_applies(q, k_cache, max_query_len, decode_requests, nseq) \
             and is_hopper(device_index(q)) and all(map(tma_ok, operands)):
         gluon = GLUON_ATTENTION_SCHEDULE
+
+    def committed(q, tab, qsl, seqs, out3, n, t, max_q, k_new, v_new):  # the Triton kernel on sequences / rows
+        bm, grid0, split_path, programs = paged_plan(t, hq, hkv, n, max_q, max_seq_len, q.device, split=split,
+                                                     block_m=block_m, head_dim=d)
+        _launch(q=q, k=k_cache, v=v_cache, tab=tab, qsl=qsl, seq=seqs, qpos=seqs, klen=seqs, out=out3, lse=None,
+                scale=scale, kv_scale=kv_scale if fp8 else 1.0, nseq=n, tq=t, tk=0, hq=hq, hkv=hkv,
+                qs=(0, q.stride(0), q.stride(1)), ks=(0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
+                vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
+                os_=(0, out3.stride(0), out3.stride(1)), ps=(0, 0), stab=tab.stride(0),
+                grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split_path,
+                bm=bm, d=d, k_new=k_new, v_new=v_new, programs=programs)
+
     if nseq > 0 and gluon is not None:
         from .gluon_attention import gluon_paged_attention
 
-        gluon_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, scale, out3, k_new, v_new,
+        nd = max(decode_requests, 0)  # one query token each: rows 0 .. nd - 1
+        if nd:
+            committed(q, block_table, query_start_loc, seq_lens, out3, nd, nd, 1, None, None)
+        rest = slice(nd, None)
+        gluon_paged_attention(q[rest], k_cache, v_cache, block_table[rest],
+                              query_start_loc[rest] - nd if nd else query_start_loc, seq_lens[rest], scale, out3[rest],
+                              *((k_new[rest], v_new[rest]) if k_new is not None else (None, None)),
                               kv_block=KV_BLOCK_GPU, part_blocks=_part_blocks(max_seq_len), schedule=gluon)
     elif nseq > 0:
-        bm, grid0, split, programs = paged_plan(t_all, hq, hkv, nseq, max_query_len, max_seq_len, q.device,
-                                                split=split, block_m=block_m, head_dim=d)
-        _launch(q=q, k=k_cache, v=v_cache, tab=block_table, qsl=query_start_loc, seq=seq_lens, qpos=seq_lens,
-                klen=seq_lens, out=out3, lse=None, scale=scale, kv_scale=kv_scale if fp8 else 1.0,
-                nseq=nseq, tq=t_all, tk=0, hq=hq, hkv=hkv,
-                qs=(0, q.stride(0), q.stride(1)), ks=(0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)),
-                vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
-                os_=(0, out3.stride(0), out3.stride(1)), ps=(0, 0), stab=block_table.stride(0),
-                grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split,
-                bm=bm, d=d, k_new=k_new, v_new=v_new, programs=programs)
+        committed(q, block_table, query_start_loc, seq_lens, out3, nseq, t_all, max_query_len, k_new, v_new)
     bt = 16
     _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
                                                   ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
     return out
 
 
-def gluon_paged_applies(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, min_query_len: int) -> bool:
+def gluon_paged_applies(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, decode_requests: int,
+                        nseq: int) -> bool:
     """Whether ``MC_GLUON=1``'s Gluon paged kernel (:func:`.gluon_attention.gluon_paged_attention`, in
-    ``attention.GLUON_ATTENTION_SCHEDULE``) takes a call (the caller checks the device and TMA alignment): a cache in
-    q's dtype (not FP8), head dim 64 or 128, a step of prefills only (``min_query_len > 1``, the engine's hint: its
-    128-row tiles would hold a decode's few rows) long enough to fill a tile (``max_query_len * G > 64``)."""
+    ``attention.GLUON_ATTENTION_SCHEDULE``) takes a call's sequences after its one-token ones (the caller checks the
+    device and TMA alignment): a cache in q's dtype (not FP8), head dim 64 or 128, the step's one-token sequences
+    known to come first (``decode_requests >= 0``, the engine's hint: :func:`leading_decodes`), some sequences after
+    them, and queries long enough to fill a tile (``max_query_len * G > 64``)."""
     g = q.shape[1] // k_cache.shape[2]
-    return (GLUON and k_cache.dtype == q.dtype and q.shape[-1] in GLUON_ATTENTION_HEAD_DIMS and min_query_len > 1
-            and max_query_len * g > 64)
+    return (GLUON and k_cache.dtype == q.dtype and q.shape[-1] in GLUON_ATTENTION_HEAD_DIMS
+            and 0 <= decode_requests < nseq and max_query_len * g > 64)
+
+
+def leading_decodes(query_lens: list[int]) -> int:
+    """How many of a step's sequences, in order, come first with one query token each when every sequence after
+    them has more than one (vLLM puts decodes first for a backend that asks: ``reorder_batch_threshold = 1``); -1
+    when a one-token sequence follows a longer one (:func:`paged_attention`'s ``decode_requests``)."""
+    nd = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    return nd if all(n > 1 for n in query_lens[nd:]) else -1
 
 
 # ----------------------------------------------------------------------------- KV-cache write
