@@ -32,14 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..numerics import EXP_COEFFS, LN2, LOG2E
 from ..ssd import SSDSteps
-
-_EXP_C: tl.constexpr = tl.constexpr(tuple(EXP_COEFFS))
-_EXP_DEGREE: tl.constexpr = tl.constexpr(len(EXP_COEFFS) - 1)
-_LOG2E: tl.constexpr = tl.constexpr(LOG2E)
-_LN2: tl.constexpr = tl.constexpr(LN2)
-_MAX_LEVELS: tl.constexpr = tl.constexpr(16)  # trees over up to 2**16 elements
+from .numerics import exp_f32, tree_cols, tree_rows
 
 
 def launch_warps(bl: int, bn: int) -> int:
@@ -48,44 +42,6 @@ def launch_warps(bl: int, bn: int) -> int:
     read in their own ``[P, N]`` layout; 8 warps spill 7.9 KB), 256 x 128 on 8 (none).  Scheduling only: the bits do
     not depend on it."""
     return 4 if bl * bn <= 16384 else 8
-
-
-@triton.jit
-def _exp(x):
-    """float32 ``exp`` by :func:`numerics.exp`'s arithmetic: float64 clamp to [-110, 90], ``n = floor(x log2 e + 0.5)``,
-    ``r = x - n ln 2``, Horner (highest degree first, a multiply then an add), times ``2**n`` (exponent bits), one
-    rounding to float32; NaN stays NaN."""
-    xd = tl.minimum(tl.maximum(x.to(tl.float64), -110.0), 90.0)
-    n = tl.floor(xd * _LOG2E + 0.5)
-    r = xd - n * _LN2
-    p = tl.full(xd.shape, _EXP_C[_EXP_DEGREE], tl.float64)
-    for j in tl.static_range(_EXP_DEGREE):
-        p = p * r
-        p = p + _EXP_C[_EXP_DEGREE - 1 - j]
-    two_n = ((n.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
-    y = (p * two_n).to(tl.float32)
-    return tl.where(x != x, x, y)
-
-
-@triton.jit
-def _tree_rows(v, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``tree_sum`` over axis 0 of ``v [ROWS, COLS]`` (ROWS a power of two): row ``i`` + row ``i + ROWS/2``, level by
-    level; returns ``[COLS]``."""
-    for level in tl.static_range(_MAX_LEVELS):
-        if (ROWS >> level) > 1:
-            lo, hi = tl.split(tl.permute(tl.reshape(v, (2, ROWS >> (level + 1), COLS)), (1, 2, 0)))
-            v = lo + hi
-    return tl.reshape(v, (COLS,))
-
-
-@triton.jit
-def _tree_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``tree_sum`` over axis 1 of ``v [ROWS, COLS]`` (COLS a power of two); returns ``[ROWS]``."""
-    for level in tl.static_range(_MAX_LEVELS):
-        if (COLS >> level) > 1:
-            lo, hi = tl.split(tl.permute(tl.reshape(v, (ROWS, 2, COLS >> (level + 1))), (0, 2, 1)))
-            v = lo + hi
-    return tl.reshape(v, (ROWS,))
 
 
 @triton.jit
@@ -108,21 +64,21 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks
     # the group's C_t . B_s, once for the program's heads
     c_t = tl.load(CC + ((chunk * L + ri) * G + g) * N + n, mask=n_in, other=0.0)  # [BN]
     b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
-    cb = _tree_cols(c_t[None, :] * b_sn, BL, BN)  # [BL]
+    cb = tree_cols(c_t[None, :] * b_sn, BL, BN)  # [BL]
     causal = s <= ri
     for j in range(HEADS_PER_PROGRAM):
         h = h0 + j
         cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
         cum_t = tl.load(CUM + (chunk * L + ri) * H + h)
         dt_s = tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
-        e = _exp(tl.where(causal, cum_t - cum_s, 0.0))
+        e = exp_f32(tl.where(causal, cum_t - cum_s, 0.0))
         w = tl.where(causal, (cb * e) * dt_s, 0.0)
         x_sp = tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :], other=0.0)
-        intra = _tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
+        intra = tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
         # states [nb, n_starts, H, P, N]: chunk ci's starting state, a [P, N] tile
         st = tl.load(STATES + (((b.to(tl.int64) * n_starts + ci) * H + h) * P + p[:, None]) * N + n[None, :],
                      mask=p_in[:, None] & n_in[None, :], other=0.0)
-        inter = _tree_cols(c_t[None, :] * st, BP, BN) * _exp(cum_t)
+        inter = tree_cols(c_t[None, :] * st, BP, BN) * exp_f32(cum_t)
         x_t = tl.load(XC + ((chunk * L + ri) * H + h) * P + p, mask=p_in, other=0.0)
         y = (intra + inter) + tl.load(D + h) * x_t
         tl.store(Y + (o.to(tl.int64) * H + h) * P + p, y.to(Y.dtype.element_ty), mask=p_in)
@@ -185,12 +141,12 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, ACTIVE, OUT, n_chunks, n_compl
 
     last = tl.load(CUM + ((b * n_chunks + k).to(tl.int64) * L + L - 1) * H + h)
     cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
-    u = _exp(last - cum_s) * tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
+    u = exp_f32(last - cum_s) * tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
     ux = u[:, None] * tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
                               other=0.0)  # [BL, BP]
     b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
     prod = tl.reshape(ux[:, :, None] * b_sn[:, None, :], (BL, BP * BN))
-    contrib = tl.reshape(_tree_rows(prod, BL, BP * BN), (BP, BN))
+    contrib = tl.reshape(tree_rows(prod, BL, BP * BN), (BP, BN))
     # OUT [nb, n_complete, H, P, N]
     out = OUT + (((b.to(tl.int64) * n_complete + k) * H + h) * P + p[:, None]) * N + n[None, :]
     tl.store(out, contrib, mask=p_in[:, None] & n_in[None, :])
