@@ -202,3 +202,21 @@ def test_ceil_to():
         for block in (1, 3, 32, 64):
             r = numerics.ceil_to(n, block)
             assert r % block == 0 and n <= r < n + block
+
+
+def test_exp_hands_other_devices_to_their_registered_kernel(monkeypatch):
+    """A tensor off the CPU that needs no gradient goes to ``("exp", device)`` where one is registered (CUDA: one
+    Triton launch, ``kernels/triton/exp.py``); with a gradient, on the CPU, or with none registered, the torch ops."""
+    from megatron_consistent.kernels import dispatch
+
+    calls = []
+    monkeypatch.setitem(dispatch._IMPLEMENTATIONS, ("exp", "meta"), lambda x: calls.append(x) or "kernel")
+    x = torch.empty(4, device="meta")
+    assert numerics.exp(x) == "kernel" and calls == [x]
+    assert numerics.exp(x.requires_grad_()).device.type == "meta" and len(calls) == 1  # autograd keeps torch ops
+    with torch.no_grad():
+        assert numerics.exp(x) == "kernel"
+    monkeypatch.delitem(dispatch._IMPLEMENTATIONS, ("exp", "meta"))
+    assert numerics.exp(torch.empty(4, device="meta")).device.type == "meta"  # none registered: the torch ops
+    cpu = torch.linspace(-5, 5, 11)
+    assert torch.equal(numerics.exp(cpu), numerics.exp_torch(cpu)) and len(calls) == 2

@@ -1,23 +1,26 @@
-"""CUDA registrations of the Mamba-2 / Nemotron-H ops: the CPU contract code run on GPU tensors, the SSD scan's bulk by
-Triton kernels (below).
+"""CUDA registrations of the Mamba-2 / Nemotron-H ops: Triton kernels that evaluate the CPU contract code's
+operations in its order (so its bits on the same device), and the CPU contract code itself run on GPU tensors.
 
 Part of the CUDA backend (:data:`.dispatch.LAZY_BACKENDS`, imported on the first CUDA tensor beside :mod:`.triton`).
 
-``mamba_dt``, ``causal_conv1d``, ``gated_rms_norm`` and ``relu_squared`` are registered for ``"cuda"`` with the very
-functions registered for ``"cpu"``, and the SSD scan's steps (``ssd_steps``: hence ``ssd_scan``, ``ssd_continue``,
-``ssd_outputs_at``) with the fused Triton kernels by default (below).  The torch forwards use only elementwise torch
-ops, fixed-shape slicing / gathers, the float64 :mod:`.numerics` ``exp`` / ``log`` and fixed-length
-:func:`.numerics.tree_sum` trees — no matmul / einsum, no cumsum, no scatter / index_add, no reduction over a length
-that varies. Index and mask tensors are created on the data's device.
+``mamba_dt``, ``causal_conv1d`` and ``gated_rms_norm`` are registered for ``"cuda"`` with one Triton launch each
+(:mod:`.triton.mamba_dt`, :mod:`.triton.causal_conv1d`, :mod:`.triton.gated_rms_norm`, session 25): the torch
+functions registered for ``"cpu"`` take dozens of float64 elementwise launches a call for ``numerics.exp`` /
+``log`` (measured on the H200: 3-52x slower, `benchmarks/bench_gpu_mamba_ops.py`); the kernels' bits are the torch
+functions' on the same GPU (``tests/test_gpu_conv1d.py``, ``tests/test_gpu_gated_norm_dt.py``) and on the CPU in
+Triton's interpreter.  ``relu_squared`` runs the CPU function on GPU tensors, and the SSD scan's steps
+(``ssd_steps``: hence ``ssd_scan``, ``ssd_continue``, ``ssd_outputs_at``) the fused Triton kernels by default
+(below).  The torch forwards use only elementwise torch ops, fixed-shape slicing / gathers, the float64
+:mod:`.numerics` ``exp`` / ``log`` (``exp`` of a CUDA tensor in one Triton launch, :mod:`.triton.exp`) and
+fixed-length :func:`.numerics.tree_sum` trees — no matmul / einsum, no cumsum, no scatter / index_add, no reduction
+over a length that varies. Index and mask tensors are created on the data's device.
 
-Contract on the GPU: deterministic and batch-invariant torch ops on the GPU (each element is
-computed by the same sequence of separate IEEE kernels whatever the batch, the sequence length
-or the prefill / decode split), so a sequence's outputs are the same bits alone or in a batch,
-whole or token by token.  Reference speed, not tuned kernels (the SSD scan's torch evaluation materialises
-``[L, ...]`` work tensors per position block).  GPU bits are not required to equal CPU bits
-(CUDA's float64 ``exp`` / ``floor`` / division need not round like the CPU's); tests compare
-them with a tolerance (tests/test_gpu_ssm.py).  Backwards are the ops' own float32 recompute
-(cumsum / einsum; correct, not batch-invariant), as on the CPU.
+Contract on the GPU: deterministic and batch-invariant (each element is computed by the same sequence of separate
+IEEE operations whatever the batch, the sequence length or the prefill / decode split), so a sequence's outputs are
+the same bits alone or in a batch, whole or token by token.  GPU bits are not required to equal CPU bits (CUDA's
+float64 ``exp`` / ``floor`` / division need not round like the CPU's); tests compare them with a tolerance
+(tests/test_gpu_ssm.py).  Backwards are the ops' own float32 recompute (cumsum / einsum; correct, not
+batch-invariant), as on the CPU.
 
 The SSD scan's bulk (the prefix sums, the outputs and the chunks' state terms) is evaluated by the fused Triton
 kernels of :mod:`.triton.ssd_scan` (``MC_SSD_SCAN=triton``, the default): the same IEEE operations in the same
@@ -32,11 +35,12 @@ from __future__ import annotations
 
 import os
 
-from .causal_conv1d import _causal_conv1d_cpu
 from .dispatch import register
-from .gated_rms_norm import _gated_rms_norm_cpu
 from .relu_squared import _relu_squared_cpu
-from .ssd import TORCH_STEPS, _mamba_dt_cpu
+from .ssd import TORCH_STEPS
+from .triton.causal_conv1d import causal_conv1d_triton
+from .triton.gated_rms_norm import gated_rms_norm_triton
+from .triton.mamba_dt import mamba_dt_triton
 
 
 def _ssd_steps():
@@ -52,10 +56,10 @@ def _ssd_steps():
 
 
 OPS = {
-    "mamba_dt": _mamba_dt_cpu,
+    "mamba_dt": mamba_dt_triton,
     "ssd_steps": _ssd_steps(),
-    "causal_conv1d": _causal_conv1d_cpu,
-    "gated_rms_norm": _gated_rms_norm_cpu,
+    "causal_conv1d": causal_conv1d_triton,
+    "gated_rms_norm": gated_rms_norm_triton,
     "relu_squared": _relu_squared_cpu,
 }
 

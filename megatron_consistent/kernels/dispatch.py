@@ -48,6 +48,15 @@ def implementation(op: str, device: torch.device) -> Callable:
         ) from None
 
 
+def registered(op: str, device: torch.device) -> Callable | None:
+    """The registered forward of ``op`` for ``device``, or None (for an optional faster evaluation of the same
+    contract: the caller keeps its own code otherwise)."""
+    try:
+        return implementation(op, device)
+    except NoConsistentKernelError:
+        return None
+
+
 def env_switch(variable: str) -> bool:
     """An on / off switch between evaluations of the same contract, from the environment: ``"1"`` on, ``"0"`` or unset
     off; anything else is refused by name (``MC_GLUON``, ``MC_HYBRID_DECODE_GRAPHS``; docs/gpu.md)."""

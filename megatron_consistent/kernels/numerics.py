@@ -31,6 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .dispatch import registered
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _SQRT_HALF = 0.7071067811865476
@@ -58,7 +60,20 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """float32 exp(x): float64 range reduction x = n*ln2 + r, Taylor degree 12, one rounding."""
+    """float32 exp(x): float64 range reduction x = n*ln2 + r, Taylor degree 12, one rounding.
+
+    A tensor on another device than the CPU that needs no gradient goes to the implementation registered as ``("exp",
+    device)`` if there is one (CUDA: the same arithmetic in one Triton launch, ``kernels/triton/exp.py``; these torch
+    ops are some 30 launches)."""
+    if x.device.type != "cpu" and not (x.requires_grad and torch.is_grad_enabled()):
+        fast = registered("exp", x.device)
+        if fast is not None:
+            return fast(x)
+    return exp_torch(x)
+
+
+def exp_torch(x: torch.Tensor) -> torch.Tensor:
+    """:func:`exp` by torch ops on any device (the contract's reference evaluation)."""
     xd = x.to(torch.float64).clamp(-110.0, 90.0)
     n = torch.floor(xd * LOG2E + 0.5)
     r = xd - n * LN2

@@ -9,6 +9,7 @@ bit-equal to the CPU contract (see each module's docstring and docs/benchmarks.m
 from . import (  # noqa: F401  (registration)
     attention,
     attention_bwd,
+    exp,
     fp8_linear,
     linear,
     log_softmax,

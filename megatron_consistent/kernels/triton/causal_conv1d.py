@@ -47,7 +47,7 @@ def _tap(X, S, W, row, t, c, out, sx_row, sx_t, sx_c, C, j: tl.constexpr, K: tl.
 def _causal_conv1d_kernel(X, S, W, B, Y, T, C, n_t_blocks, sx_row, sx_t, sx_c, K: tl.constexpr,
                           HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     row = (tl.program_id(0) // n_t_blocks).to(tl.int64)
-    t = (tl.program_id(0) % n_t_blocks) * BT + tl.arange(0, BT)
+    t = ((tl.program_id(0) % n_t_blocks) * BT + tl.arange(0, BT)).to(tl.int64)  # t * strides: int64
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     out = (t < T)[:, None] & (c < C)[None, :]
     acc = _tap(X, S, W, row, t, c, out, sx_row, sx_t, sx_c, C, 0, K)

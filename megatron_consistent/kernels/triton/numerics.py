@@ -4,6 +4,12 @@ torch contract built on it with the same bits (the SSD scan, the Mamba-2 mixer's
 * :func:`exp_f32`: :func:`numerics.exp` -- float64 clamp to [-110, 90], ``n = floor(x log2 e + 0.5)``, ``r = x - n
   ln 2``, Horner (highest degree first, a multiply then an add), times ``2**n`` (exponent bits), one rounding to
   float32; NaN stays NaN.
+* :func:`log_f32`: :func:`numerics.log` -- float64 ``x = m 2**e`` (``frexp`` on the exponent and mantissa bits, a
+  subnormal scaled by ``2**54`` first), ``m`` moved to ``[sqrt(1/2), sqrt(2))`` (compared with the float64
+  ``sqrt(1/2)``: a bare Python float in a Triton comparison would be rounded to float32 in the compiled kernel),
+  ``t = (m - 1) / (m + 1)`` (IEEE float64 division: Triton's ``/`` on float64 is ``div.rn.f64``), ``lm = (2 t) *
+  P(t**2)`` (the atanh series by Horner), ``e ln 2 + lm``, one rounding to float32; ``log(0) = -inf``,
+  ``log(x < 0) = NaN``, ``log(inf) = inf``, ``log(NaN) = NaN`` (``0x7FC00000``, torch's ``full_like(y, nan)``).
 * :func:`tree_rows` / :func:`tree_cols`: :func:`numerics.tree_sum` over one axis of a register tile whose length is a
   power of two (the caller pads with zeros, as ``tree_sum`` does): element ``i`` + element ``i + n/2``, level by level.
 
@@ -12,16 +18,24 @@ A caller launches with ``enable_fp_fusion=False``, so every multiply and add is 
 
 from __future__ import annotations
 
+import math
+
 import triton
 import triton.language as tl
 
-from ..numerics import EXP_COEFFS, LN2, LOG2E
+from ..numerics import _LOG_COEFFS, _SQRT_HALF, EXP_COEFFS, LN2, LOG2E
 
 _EXP_C: tl.constexpr = tl.constexpr(tuple(EXP_COEFFS))
 _EXP_DEGREE: tl.constexpr = tl.constexpr(len(EXP_COEFFS) - 1)
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 _LN2: tl.constexpr = tl.constexpr(LN2)
 _MAX_LEVELS: tl.constexpr = tl.constexpr(16)  # trees over up to 2**16 elements
+_LOG_C: tl.constexpr = tl.constexpr(tuple(_LOG_COEFFS))
+_LOG_DEGREE: tl.constexpr = tl.constexpr(len(_LOG_COEFFS) - 1)
+_SQRT_HALF_C: tl.constexpr = tl.constexpr(_SQRT_HALF)
+_TWO_54: tl.constexpr = tl.constexpr(2.0**54)  # scales a float64 subnormal to a normal number, exactly
+_INF: tl.constexpr = tl.constexpr(math.inf)
+_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # float32(math.nan), torch's full_like(y, nan)
 
 
 @triton.jit
@@ -37,6 +51,34 @@ def exp_f32(x):
     two_n = ((n.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
     y = (p * two_n).to(tl.float32)
     return tl.where(x != x, x, y)
+
+
+@triton.jit
+def log_f32(x):
+    """float32 ``log(x)`` of float32 or float64 ``x`` with :func:`numerics.log`'s bits (module docstring)."""
+    xd = x.to(tl.float64)
+    tiny = (xd.to(tl.int64, bitcast=True) & 0x7FF0000000000000) == 0  # zero or subnormal
+    xs = tl.where(tiny, xd * _TWO_54, xd)
+    bits = xs.to(tl.int64, bitcast=True)
+    # frexp: m in [1/2, 1) (the mantissa bits under the exponent of 1/2), e = the unbiased exponent + 1
+    e = ((bits >> 52) & 0x7FF) - 1022 - tl.where(tiny, 54, 0)
+    m = ((bits & 0x000FFFFFFFFFFFFF) | 0x3FE0000000000000).to(tl.float64, bitcast=True)
+    low = m < tl.full(m.shape, _SQRT_HALF_C, tl.float64)  # a float64 constant (a bare one compares as float32)
+    m = tl.where(low, m * 2.0, m)
+    e = tl.where(low, e - 1, e).to(tl.float64)
+    t = (m - 1.0) / (m + 1.0)
+    t2 = t * t
+    p = tl.full(xd.shape, _LOG_C[_LOG_DEGREE], tl.float64)
+    for j in tl.static_range(_LOG_DEGREE):
+        p = p * t2
+        p = p + _LOG_C[_LOG_DEGREE - 1 - j]
+    lm = (t * 2.0) * p
+    y = (e * _LN2 + lm).to(tl.float32)
+    nan = tl.full(y.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    y = tl.where(xd == 0.0, -_INF, y)
+    y = tl.where(xd < 0.0, nan, y)
+    y = tl.where(xd == _INF, _INF, y)
+    return tl.where(xd != xd, nan, y)
 
 
 @triton.jit
