@@ -57,6 +57,9 @@ ELEMENTWISE = {
     "log": (lambda t: numerics.log(t), torch.float32, 1e-30, 1e30),
     "sin": (lambda t: numerics.sin_cos(t)[0], torch.float64, 0.0, 2e5),
     "cos": (lambda t: numerics.sin_cos(t)[1], torch.float64, 0.0, 2e5),
+    # torch's own float32 sqrt (the norms' ``rstd``): on the AVX-512 CPUs here not correctly rounded for about 0.7 %
+    # of values (session 25), but a function of the value alone -- what these tests pin
+    "sqrt": (torch.sqrt, torch.float32, 0.0, 2e5),
 }
 
 

@@ -6,7 +6,8 @@ Numerics contract (CPU), for ``y, z`` of shape ``[..., D]`` and ``D = n_groups *
   deterministic :func:`numerics.exp`, the gate applied before the norm;
 * per group of ``group_size`` consecutive channels:
   ``ms = tree_sum(h * h) / group_size`` (fixed pairwise tree over the group),
-  ``rstd = 1 / sqrt(ms + eps)`` (IEEE float32 sqrt and division);
+  ``rstd = 1 / sqrt(ms + eps)`` (torch's float32 sqrt, a function of its input alone but on the AVX-512 CPUs
+  here not always correctly rounded, as in :mod:`rms_norm`; an IEEE division);
 * ``out = round_to_dtype((h * rstd) * float32(weight))`` — one rounding to ``y.dtype``.
 
 Every output element depends only on its own row's group, never on other rows,

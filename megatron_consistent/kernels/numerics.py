@@ -6,7 +6,7 @@ tail, and the two can differ in the last bit; which element lands in the tail
 depends on the buffer length and the thread split, i.e. on the batch.  Its
 reductions (``sum``) likewise choose their accumulation order from the shape.
 The functions here use only IEEE-754 correctly rounded operations
-(``+ - * /``, ``sqrt``, ``floor``, casts, bit manipulation) applied one
+(``+ - * /``, ``floor``, casts, bit manipulation) applied one
 elementwise op at a time, so the value of every element depends on its own
 inputs alone — never on its neighbours, the tensor's size or the thread count.
 
