@@ -217,12 +217,14 @@ def test_mixer_without_pending_tokens_is_caught(monkeypatch):
     broken = _run_schedule(monkeypatch, mixer, [h], steps, [1])[0]
     assert torch.equal(broken[:6], whole[:6]) and not torch.equal(broken[6:], whole[6:])
     monkeypatch.setattr(mod, "ssd_continue", real)
-    real_at = mod.ssd_outputs_at  # a decode step that forgets them: only the new token, from the boundary state
+    from megatron_consistent.kernels import ssd as ssd_mod  # the decode step's outputs (ssd_step_outputs' CPU reference)
+
+    real_at = ssd_mod.ssd_outputs_at  # a decode step that forgets them: only the new token, from the boundary state
 
     def new_token_only(x, dt, A, B, C, D, chunk, state, pos):
         return real_at(x[:, -1:], dt[:, -1:], A, B[:, -1:], C[:, -1:], D, chunk, state, torch.zeros_like(pos))
 
-    monkeypatch.setattr(mod, "ssd_outputs_at", new_token_only)
+    monkeypatch.setattr(ssd_mod, "ssd_outputs_at", new_token_only)
     broken = _run_schedule(monkeypatch, mixer, [h], steps, [1])[0]
     assert torch.equal(broken[:6], whole[:6]) and not torch.equal(broken[6], whole[6])
 

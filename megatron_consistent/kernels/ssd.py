@@ -507,3 +507,100 @@ def ssd_continue(boundary_state, pending, x, dt, B, C, A, D, chunk_size: int):
     keep = (xs.shape[-3] // chunk_size) * chunk_size
     new_pending = (xs[..., keep:, :, :], dts[..., keep:, :], bs[..., keep:, :, :], cs[..., keep:, :, :])
     return y, bstate, new_pending
+
+
+# --------------------------------------------------------------------------- decode step, in place from the state cache
+
+
+def _check_step(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, A, D, chunk_size, n_groups,
+                state_size, fresh, out_dtype):
+    """Shapes of :func:`ssd_step_outputs`' arguments (one-line ValueErrors); returns ``(H, P)``."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"ssd_step_outputs: chunk_size must be a positive int, got {chunk_size!r}")
+    if xbc_cache.dim() != 3 or xbc_cache.shape[1] != chunk_size:
+        raise ValueError(f"ssd_step_outputs: xbc_cache {tuple(xbc_cache.shape)} is not [slots, L={chunk_size}, conv_dim]")
+    if new_dt.dim() != 2 or slots.dim() != 1 or new_dt.shape[0] != slots.shape[0]:
+        raise ValueError(f"ssd_step_outputs: new_dt {tuple(new_dt.shape)} / slots {tuple(slots.shape)} are not [b, H] / [b]")
+    (bsz, nh), conv_dim, gn = new_dt.shape, xbc_cache.shape[2], n_groups * state_size
+    if n_groups < 1 or state_size < 1 or nh < 1 or nh % n_groups or conv_dim <= 2 * gn or (conv_dim - 2 * gn) % nh:
+        raise ValueError(f"ssd_step_outputs: conv_dim {conv_dim} is not H*P + 2*G*N for H={nh}, G={n_groups}, N={state_size}")
+    hp = (conv_dim - 2 * gn) // nh
+    n_slots = xbc_cache.shape[0]
+    if dt_cache.shape != (n_slots, chunk_size, nh) or dt_cache.dtype != torch.float32:
+        raise ValueError(f"ssd_step_outputs: dt_cache {tuple(dt_cache.shape)} {dt_cache.dtype} is not float32 {(n_slots, chunk_size, nh)}")
+    if state_cache.shape != (n_slots, nh, hp, state_size) or state_cache.dtype != torch.float32:
+        raise ValueError(f"ssd_step_outputs: state_cache {tuple(state_cache.shape)} {state_cache.dtype} is not float32 "
+                         f"{(n_slots, nh, hp, state_size)}")
+    if slots.dtype not in (torch.int32, torch.int64) or pending.shape != (bsz,) or pending.dtype != torch.int64:
+        raise ValueError(f"ssd_step_outputs: slots {slots.dtype} / pending {tuple(pending.shape)} {pending.dtype} are not int [b] / int64 [b={bsz}]")
+    if new_xbc.shape != (bsz, conv_dim) or new_xbc.dtype != xbc_cache.dtype:
+        raise ValueError(f"ssd_step_outputs: new_xbc {tuple(new_xbc.shape)} {new_xbc.dtype} is not {xbc_cache.dtype} {(bsz, conv_dim)}")
+    if A.shape != (nh,) or D.shape != (nh,):
+        raise ValueError(f"ssd_step_outputs: A {tuple(A.shape)} and D {tuple(D.shape)} must be [H={nh}]")
+    if fresh is not None and (fresh.shape != (bsz,) or fresh.dtype != torch.bool):
+        raise ValueError(f"ssd_step_outputs: fresh {tuple(fresh.shape)} {fresh.dtype} is not bool [b={bsz}]")
+    if out_dtype not in (None, torch.float32):
+        raise ValueError(f"ssd_step_outputs: out_dtype must be None (the cache's dtype) or float32, got {out_dtype}")
+    return nh, hp
+
+
+def ssd_step_replay(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, chunk_size: int, n_groups: int,
+                    state_size: int, fresh=None, rows: int | None = None):
+    """The decode step's replay as :func:`ssd_outputs_at` takes it, built with torch ops (the mixer's former
+    ``_replay``): ``(x [b, t, H, P], dt [b, t, H] float32, B, C [b, t, G, N], state [b, H, P, N] float32)`` with
+    ``t = rows`` (default ``chunk_size``; at least ``max(pending) + 1``: the scan zero-pads the chunk anyway, so ``t``
+    changes no bits): row ``r < p_i`` from the cache, row ``p_i`` the new token, zeros after; the state
+    ``state_cache[slots_i]`` (zeros where ``fresh``).  Arguments as :func:`ssd_step_outputs`."""
+    t = chunk_size if rows is None else rows
+    bsz, nh = new_dt.shape
+    gn = n_groups * state_size
+    d = xbc_cache.shape[2] - 2 * gn
+    r = torch.arange(t, device=new_xbc.device)[None, :]
+    p = pending[:, None]
+    seg = torch.where((r < p)[..., None], xbc_cache[slots, :t], 0)
+    seg = torch.where((r == p)[..., None], new_xbc[:, None], seg)
+    seg_dt = torch.where((r < p)[..., None], dt_cache[slots, :t], 0.0)
+    seg_dt = torch.where((r == p)[..., None], new_dt[:, None].to(torch.float32), seg_dt)
+    state = state_cache[slots]
+    if fresh is not None:
+        state = torch.where(fresh[:, None, None, None], 0.0, state)
+    x, B, C = seg.split([d, gn, gn], dim=-1)
+    return (x.reshape(bsz, t, nh, d // nh), seg_dt, B.reshape(bsz, t, n_groups, state_size),
+            C.reshape(bsz, t, n_groups, state_size), state)
+
+
+@register("ssd_step_outputs", "cpu")
+def _ssd_step_outputs_cpu(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, A, D, chunk_size: int,
+                          n_groups: int, state_size: int, fresh=None, out_dtype=None):
+    """The reference: :func:`ssd_step_replay` of ``max(p) + 1`` rows (read on the host: this is the CPU's), then
+    :func:`ssd_outputs_at` (float32 outputs: on the replay converted to float32, an exact conversion, as the scan's
+    own ``_chunked`` does)."""
+    rows = int(pending.max()) + 1 if pending.numel() else 1
+    x, dt, B, C, state = ssd_step_replay(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, chunk_size,
+                                         n_groups, state_size, fresh, rows)
+    if out_dtype is not None:
+        x, B, C = x.to(out_dtype), B.to(out_dtype), C.to(out_dtype)
+    return ssd_outputs_at(x, dt, A, B, C, D, chunk_size, state, pending)
+
+
+def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, A, D, chunk_size: int,
+                     n_groups: int, state_size: int, fresh=None, out_dtype=None) -> torch.Tensor:
+    """A decode step's outputs ``y [b, H, P]``, reading the replay in place from the mixer's state cache.
+
+    ``xbc_cache [slots_total, L, conv_dim]`` (model dtype; ``conv_dim = H*P + 2*G*N``, each row packed ``x | B | C``),
+    ``dt_cache [slots_total, L, H]`` float32, ``state_cache [slots_total, H, P, N]`` float32 (the state at the chunk's
+    start), ``slots [b]`` int (distinct), ``pending [b]`` int64 (``p_i < L``: the new token's row), ``new_xbc [b,
+    conv_dim]`` (the new token after the conv, model dtype), ``new_dt [b, H]`` float32, ``A`` / ``D [H]``, ``L =
+    chunk_size``, ``G = n_groups``, ``N = state_size``; ``fresh [b]`` bool or None: rows whose state is taken as zeros;
+    ``out_dtype``: None (the model dtype) or float32 (the same outputs before their rounding).
+
+    Sequence ``i``'s replay is cache rows ``r < p_i`` of ``slots_i``, the new token at row ``p_i``, zeros after
+    (nothing else of the caches is read into an output: rows ``>= p_i`` and other slots may hold anything); ``y_i``
+    is the output at row ``p_i`` from ``state_cache[slots_i]`` (zeros if fresh): :func:`ssd_outputs_at` on that replay
+    (:func:`ssd_step_replay`), same bits.  Nothing is written.  Inference only."""
+    _check_step(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, A, D, chunk_size, n_groups,
+                state_size, fresh, out_dtype)
+    with torch.no_grad():
+        return implementation("ssd_step_outputs", new_xbc.device)(
+            xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, A, D, chunk_size, n_groups, state_size,
+            fresh, out_dtype)

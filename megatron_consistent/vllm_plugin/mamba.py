@@ -22,7 +22,8 @@ with ``p = num_computed_tokens % L`` pending tokens.  Every prefill piece and ev
 decode step calls :func:`kernels.ssd_continue` from the boundary state with the pending
 tokens, so each output has the bits of the whole-sequence :func:`kernels.ssd_scan`
 whatever the chunked-prefill cut, the decode step or the batch (one-token steps of the
-batch are replayed together, zero-padded, each asking its own row only: :meth:`ConsistentMambaMixer._step`).  A request's
+batch are replayed together, zero-padded, each asking its own row only, the replay read in place from the cache by
+:func:`kernels.ssd_step_outputs`: :meth:`ConsistentMambaMixer._step`).  A request's
 ``num_computed_tokens`` comes from vLLM's metadata (``seq_lens - query_len``); a request
 with none computed starts from zeros.  Requests with the same (new tokens, pending) sizes
 are run as one batched call (the kernels are batch-invariant).
@@ -47,8 +48,8 @@ graph's batch) are zeros.
 
 ``MC_HYBRID_DECODE_GRAPHS=1`` (opt-in, not yet measured on a GPU): a decode-only step runs on the device alone
 (:meth:`ConsistentMambaMixer._step_graphed`: every request's pending count from ``seq_lens`` on the device, the
-whole chunk replayed -- the outputs kernel reads a chunk's rows whatever ``p`` is --, the new boundary states of the
-closing requests only, masked on the device), and the backend declares vLLM's own Mamba-2 support
+outputs read in place from the cache as in the host-planned step, the new boundary states formed from every slot's
+whole cached chunk and kept for the closing requests only, masked on the device), and the backend declares vLLM's own Mamba-2 support
 (``UNIFORM_BATCH``): vLLM then captures decode-only steps in full CUDA graphs, mixer included, and keeps the
 piecewise graphs with the host-planned mixer for steps with prefills.  Same bits either way.
 """
@@ -65,8 +66,7 @@ from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend, Mamba
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import (causal_conv1d, inference_ops, ssd_chunk_end_state, ssd_continue, ssd_outputs_at,
-                       ssm_decay_rate)
+from ..kernels import causal_conv1d, inference_ops, ssd_chunk_end_state, ssd_continue, ssd_step_outputs, ssm_decay_rate
 from ..kernels.dispatch import env_switch
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
@@ -140,7 +140,6 @@ class DecodePlan(NamedTuple):
     rows: torch.Tensor  # their tokens' rows of the step
     slots: torch.Tensor  # their state slots
     pending: torch.Tensor  # their pending counts p = computed % L (the new token's row of the replay)
-    replay: int  # max(p) + 1: the replay's rows
     fresh_slots: torch.Tensor | None  # slots of first tokens (computed == 0), None: none
     closing_rows: torch.Tensor | None  # those whose token completes the chunk (p == L - 1), None: none
 
@@ -173,7 +172,7 @@ def step_plan(requests: list[tuple[int, int, int, int]], chunk_size: int, device
     closing = [i for i, q in enumerate(pending) if q == chunk_size - 1]
     decode = DecodePlan(
         rows=tensor([r[0] for r in steps]), slots=tensor([r[1] for r in steps]), pending=tensor(pending),
-        replay=max(pending) + 1, fresh_slots=tensor(fresh) if fresh else None,
+        fresh_slots=tensor(fresh) if fresh else None,
         closing_rows=tensor(closing) if closing else None)
     return StepPlan(decode, prefills)
 
@@ -283,65 +282,80 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
     def _step(self, xbc: torch.Tensor, dt: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
         """One new token for each of ``b`` requests (any pending counts ``p``): ``xbc [b, conv_dim]``, ``dt [b, H]``.
 
-        Request ``i``'s replay is ``[max(p) + 1]`` rows: its pending token ``r`` (``r < p_i``), its new token
-        (``r == p_i``) or zero (``r > p_i``) -- exactly the zero padding the scan gives a partial chunk, so its output
-        at row ``p_i`` has the bits of :func:`kernels.ssd_continue`.  One :func:`kernels.ssd_outputs_at` asks each
-        request for its own row; the requests whose token completes the chunk also form their new boundary state
+        Request ``i``'s replay is its pending tokens ``r < p_i`` (the cache's rows), its new token (``r == p_i``) and
+        zeros after -- exactly the zero padding the scan gives a partial chunk, so its output at row ``p_i`` has the
+        bits of :func:`kernels.ssd_continue`: :func:`kernels.ssd_step_outputs` reads that replay in place from the
+        cache (:meth:`_step_outputs`).  The new token is then written to the cache; the requests whose token
+        completes the chunk form their new boundary state from their whole chunk, now the cache's rows
         (:func:`kernels.ssd_chunk_end_state`, for them alone), and only their slots' states are written (and a first
-        token's slot zeroed).  Returns ``y [b, H, P]``.
+        token's slot zeroed first).  Returns ``y [b, H, P]``.
         """
         ssm_c, _, conv_c, _ = self.kv_cache
         if plan.fresh_slots is not None:  # a first token: its slot starts from zeros, its boundary state stays there
             ssm_c[plan.fresh_slots], conv_c[plan.fresh_slots] = 0.0, 0
-        x, dt_seg, B, C, boundary = self._replay(xbc, dt, plan.slots, plan.pending, plan.replay)
+        new_xbc = self._conv(xbc, plan.slots)
         A, L = ssm_decay_rate(self.A_log), self.ssm.chunk_size
-        y = ssd_outputs_at(x, dt_seg, A, B, C, self.D, L, boundary, plan.pending)
-        if plan.closing_rows is not None:  # their replay is the whole chunk (max(p) + 1 == L)
-            rows = plan.closing_rows
-            ssm_c[plan.slots[rows]] = ssd_chunk_end_state(x[rows], dt_seg[rows], A, B[rows], C[rows], L, boundary[rows])
+        y = self._step_outputs(new_xbc, dt, plan.slots, plan.pending, A)
+        self._write_token(new_xbc, dt, plan.slots, plan.pending)
+        if plan.closing_rows is not None:  # their chunk is whole in the cache now (p == L - 1)
+            slots = plan.slots[plan.closing_rows]
+            x, dt_seg, B, C = self._cached_chunk(slots)
+            ssm_c[slots] = ssd_chunk_end_state(x, dt_seg, A, B, C, L, ssm_c[slots])
         return y
 
     def _step_graphed(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor):
-        """:meth:`_step` with every request's state slot and length on the device and fixed shapes (a whole chunk
-        replayed, every slot's state written back, the new boundary states masked by the device's ``p == L - 1``):
-        no host reads, so vLLM can capture a decode step in a full CUDA graph (``MC_HYBRID_DECODE_GRAPHS=1``).  Rows
-        vLLM pads a captured batch with read and write its null block (slot 0, never a request's).  Same bits as
-        :meth:`_step` for every real request (tests/test_vllm_hybrid.py)."""
+        """:meth:`_step` with every request's state slot and length on the device and fixed shapes (every slot's
+        chunk read from the cache after the new token's write, every slot's state written back, the new boundary
+        states masked by the device's ``p == L - 1``): no host reads, so vLLM can capture a decode step in a full CUDA
+        graph (``MC_HYBRID_DECODE_GRAPHS=1``).  Rows vLLM pads a captured batch with read and write its null block
+        (slot 0, never a request's).  Same bits as :meth:`_step` for every real request (tests/test_vllm_hybrid.py)."""
         ssm_c = self.kv_cache[0]
         L = self.ssm.chunk_size
         computed = seq_lens.to(torch.int64) - 1
         p = torch.remainder(computed, L)
         fresh = computed == 0
-        x, dt_seg, B, C, boundary = self._replay(xbc, dt, slots, p, L, fresh)
+        new_xbc = self._conv(xbc, slots, fresh)
         A = ssm_decay_rate(self.A_log)
-        y = ssd_outputs_at(x, dt_seg, A, B, C, self.D, L, boundary, p)
+        y = self._step_outputs(new_xbc, dt, slots, p, A, fresh)
+        self._write_token(new_xbc, dt, slots, p)
+        boundary = torch.where(fresh[:, None, None, None], 0.0, ssm_c[slots])
+        x, dt_seg, B, C = self._cached_chunk(slots)
         ssm_c[slots] = ssd_chunk_end_state(x, dt_seg, A, B, C, L, boundary, p == L - 1)
         return y
 
-    def _replay(self, xbc, dt, slots, p, t: int, fresh=None):
-        """The decode step's common part: the conv of the new tokens, their chunk's replay ``[b, t]`` (pending rows
-        from the cache, the new token at row ``p``, zeros after), the cache's new token written, and the states at
-        the chunk starts (``fresh`` rows: zeros).  Returns ``(x, dt, B, C, boundary)`` shaped for the scan."""
-        s = self.ssm
-        b = xbc.shape[0]
-        d, gn = s.d_inner, s.n_groups * s.state_size
-        ssm_c, dt_c, conv_c, xbc_c = self.kv_cache
-        conv_state, boundary = conv_c[slots], ssm_c[slots]
+    def _conv(self, xbc, slots, fresh=None) -> torch.Tensor:
+        """The conv of the new tokens ``xbc [b, conv_dim]`` from their slots' conv states (``fresh`` rows: zeros), the
+        new conv states written; returns the post-conv tokens ``[b, conv_dim]``."""
+        conv_c = self.kv_cache[2]
+        conv_state = conv_c[slots]
         if fresh is not None:
             conv_state = torch.where(fresh[:, None, None], 0, conv_state)
-            boundary = torch.where(fresh[:, None, None, None], 0.0, boundary)
         new_xbc, new_conv = causal_conv1d(xbc[:, None], self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
-        r = torch.arange(t, device=xbc.device)[None, :]
-        seg = torch.where((r < p[:, None])[..., None], xbc_c[slots, :t], 0)
-        seg = torch.where((r == p[:, None])[..., None], new_xbc, seg)
-        seg_dt = torch.where((r < p[:, None])[..., None], dt_c[slots, :t], 0.0)
-        seg_dt = torch.where((r == p[:, None])[..., None], dt[:, None].to(torch.float32), seg_dt)
-        conv_c[slots] = new_conv  # the cache's new token (the replay above holds its own copies)
-        xbc_c[slots, p] = new_xbc[:, 0]
+        conv_c[slots] = new_conv
+        return new_xbc[:, 0]
+
+    def _step_outputs(self, new_xbc, dt, slots, p, A, fresh=None) -> torch.Tensor:
+        """:func:`kernels.ssd_step_outputs` of the new tokens (``y [b, H, P]``; the cache not yet holding them)."""
+        s = self.ssm
+        ssm_c, dt_c, _, xbc_c = self.kv_cache
+        return ssd_step_outputs(xbc_c, dt_c, ssm_c, slots, p, new_xbc, dt, A, self.D, s.chunk_size, s.n_groups,
+                                s.state_size, fresh)
+
+    def _write_token(self, new_xbc, dt, slots, p) -> None:
+        """The new tokens' rows ``p`` of their slots' xbc and dt caches."""
+        _, dt_c, _, xbc_c = self.kv_cache
+        xbc_c[slots, p] = new_xbc
         dt_c[slots, p] = dt.to(torch.float32)
-        x, B, C = seg.split([d, gn, gn], dim=-1)
-        return (x.reshape(b, t, s.num_heads, s.head_dim), seg_dt, B.reshape(b, t, s.n_groups, s.state_size),
-                C.reshape(b, t, s.n_groups, s.state_size), boundary)
+
+    def _cached_chunk(self, slots):
+        """``(x, dt, B, C)`` of the whole chunk held by ``slots``' caches (rows ``0..L-1``), shaped for the scan."""
+        s = self.ssm
+        _, dt_c, _, xbc_c = self.kv_cache
+        gn = s.n_groups * s.state_size
+        x, B, C = xbc_c[slots].split([s.d_inner, gn, gn], dim=-1)
+        b, L = x.shape[:2]
+        return (x.reshape(b, L, s.num_heads, s.head_dim), dt_c[slots], B.reshape(b, L, s.n_groups, s.state_size),
+                C.reshape(b, L, s.n_groups, s.state_size))
 
     def _run(self, xbc: torch.Tensor, dt: torch.Tensor, cache) -> torch.Tensor:
         """Conv + SSD of ``b`` requests of equal (new, pending) sizes; ``xbc [b, n, conv_dim]``, ``dt [b, n, H]``.

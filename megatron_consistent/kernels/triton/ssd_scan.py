@@ -13,7 +13,10 @@ prefix sums (one launch where the torch evaluation takes three ops a doubling le
   ``cb[s] = tree_N(C_t[n] * B_s[n])`` for every row ``s`` of ``t``'s chunk (zero-padded rows included);
   ``e[s] = exp(cum_t - cum_s)`` for ``s <= t`` else ``exp(+0)``; ``w[s] = (cb[s] * e[s]) * dt_s`` for ``s <= t``
   else ``+0``; ``intra[p] = tree_L(w[s] * x_s[p])``; ``inter[p] = tree_N(C_t[n] * S_c[n, p]) * exp(cum_t)``;
-  ``y_t[p] = round((intra + inter) + D * x_t[p])``.
+  ``y_t[p] = round((intra + inter) + D * x_t[p])``.  With ``FROM_CACHE`` (:func:`ssd_step_outputs`, a decode step)
+  the same kernel reads a sequence's x / B / C rows and state in place from the mixer's state cache (rows ``< p``
+  from its slot, row ``p`` the new token, zeros after; the state zeros where fresh) instead of the chunked float32
+  operands: the same float32 values (the model dtype converted in registers, exactly), the same operations.
 
 ``exp`` is :func:`numerics.exp`'s float64 arithmetic (clamp, range reduction, Horner order, one rounding), every tree
 is :func:`numerics.tree_sum`'s (zero-padded to a power of two, element ``i`` paired with ``i + n/2``, level by level:
@@ -46,7 +49,14 @@ def launch_warps(bl: int, bn: int) -> int:
 
 @triton.jit
 def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks, n_starts, L, H, P, G, N,
-                        HEADS_PER_GROUP, HEADS_PER_PROGRAM, BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+                        HEADS_PER_GROUP, HEADS_PER_PROGRAM, SLOTS, NEW, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
+                        BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, FROM_CACHE: tl.constexpr,
+                        HAS_FRESH: tl.constexpr):
+    # FROM_CACHE (ssd_step_outputs, a decode step: n_out = n_chunks = 1): XC is the mixer's xbc cache [slots, L,
+    # H*P + 2*G*N] (model dtype, slot stride XBC_SLOT_STRIDE), BC / CC unused, STATES the state cache [slots, H, P, N]
+    # (slot stride STATE_SLOT_STRIDE); sequence b's rows s < t are read from its slot SLOTS[b], row t from NEW[b]
+    # (the new token), rows past t are zeros, each converted to float32 in registers (exact); its state is zeros where
+    # FRESH[b] (HAS_FRESH).  Off: the chunked float32 operands of _ssd_chunk_states (SLOTS .. STATE_SLOT_STRIDE unused).
     o = tl.program_id(0)  # (sequence, output column)
     h0 = tl.program_id(1) * HEADS_PER_PROGRAM  # the program's heads h0 .., all of one group
     b = o // n_out
@@ -62,8 +72,24 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks
     rows = chunk * L + s  # [BL]: the chunk's rows
 
     # the group's C_t . B_s, once for the program's heads
-    c_t = tl.load(CC + ((chunk * L + ri) * G + g) * N + n, mask=n_in, other=0.0)  # [BN]
-    b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
+    if FROM_CACHE:
+        conv = H * P + 2 * G * N
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        cached = slot * XBC_SLOT_STRIDE + s.to(tl.int64) * conv  # [BL]: the slot's rows of the xbc cache
+        new = NEW + b.to(tl.int64) * conv  # the new token's x | B | C
+        old = s < ri  # rows from the cache (row ri: the new token; rows past it: zeros)
+        is_new = (s == ri)[:, None]
+        c_t = tl.load(new + H * P + G * N + g * N + n, mask=n_in, other=0.0).to(tl.float32)  # [BN]
+        b_new = tl.load(new + H * P + g * N + n, mask=n_in, other=0.0)
+        b_old = tl.load(XC + cached[:, None] + H * P + g * N + n[None, :], mask=old[:, None] & n_in[None, :], other=0.0)
+        b_sn = tl.where(is_new, b_new[None, :], b_old).to(tl.float32)
+        n_state = N  # the state's columns read (a fresh row: none, its state is zeros)
+        if HAS_FRESH:
+            n_state = tl.where(tl.load(FRESH + b) != 0, 0, N)
+        st_mask = p_in[:, None] & (n < n_state)[None, :]
+    else:
+        c_t = tl.load(CC + ((chunk * L + ri) * G + g) * N + n, mask=n_in, other=0.0)  # [BN]
+        b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
     cb = tree_cols(c_t[None, :] * b_sn, BL, BN)  # [BL]
     causal = s <= ri
     for j in range(HEADS_PER_PROGRAM):
@@ -73,13 +99,25 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks
         dt_s = tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
         e = exp_f32(tl.where(causal, cum_t - cum_s, 0.0))
         w = tl.where(causal, (cb * e) * dt_s, 0.0)
-        x_sp = tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :], other=0.0)
+        if FROM_CACHE:
+            x_new = tl.load(new + h * P + p, mask=p_in, other=0.0)
+            x_old = tl.load(XC + cached[:, None] + h * P + p[None, :], mask=old[:, None] & p_in[None, :], other=0.0)
+            x_sp = tl.where(is_new, x_new[None, :], x_old).to(tl.float32)
+        else:
+            x_sp = tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
+                           other=0.0)
         intra = tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
-        # states [nb, n_starts, H, P, N]: chunk ci's starting state, a [P, N] tile
-        st = tl.load(STATES + (((b.to(tl.int64) * n_starts + ci) * H + h) * P + p[:, None]) * N + n[None, :],
-                     mask=p_in[:, None] & n_in[None, :], other=0.0)
+        if FROM_CACHE:  # the state cache's [P, N] tile of the slot (zeros: fresh)
+            st = tl.load(STATES + slot * STATE_SLOT_STRIDE + (h * P + p[:, None]) * N + n[None, :],
+                         mask=st_mask, other=0.0)
+        else:  # states [nb, n_starts, H, P, N]: chunk ci's starting state, a [P, N] tile
+            st = tl.load(STATES + (((b.to(tl.int64) * n_starts + ci) * H + h) * P + p[:, None]) * N + n[None, :],
+                         mask=p_in[:, None] & n_in[None, :], other=0.0)
         inter = tree_cols(c_t[None, :] * st, BP, BN) * exp_f32(cum_t)
-        x_t = tl.load(XC + ((chunk * L + ri) * H + h) * P + p, mask=p_in, other=0.0)
+        if FROM_CACHE:
+            x_t = x_new.to(tl.float32)
+        else:
+            x_t = tl.load(XC + ((chunk * L + ri) * H + h) * P + p, mask=p_in, other=0.0)
         y = (intra + inter) + tl.load(D + h) * x_t
         tl.store(Y + (o.to(tl.int64) * H + h) * P + p, y.to(Y.dtype.element_ty), mask=p_in)
 
@@ -191,9 +229,48 @@ def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.
     hpp = heads_per_program(nb * n_out, H, G)
     _ssd_outputs_kernel[(nb * n_out, H // hpp)](*ops, D.to(torch.float32).contiguous(),
                                                 positions.to(torch.int64).contiguous(), y, n_out, n_chunks,
-                                                states.shape[1], L, H, P, G, N, H // G, hpp, BL=bl,
-                                                BP=triton.next_power_of_2(P), BN=bn, num_warps=launch_warps(bl, bn),
+                                                states.shape[1], L, H, P, G, N, H // G, hpp, y, y, y, 0, 0,
+                                                BL=bl, BP=triton.next_power_of_2(P), BN=bn, FROM_CACHE=False,
+                                                HAS_FRESH=False, num_warps=launch_warps(bl, bn),
                                                 enable_fp_fusion=False)
+    return y
+
+
+def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, A, D, chunk_size: int,
+                     n_groups: int, state_size: int, fresh=None, out_dtype=None) -> torch.Tensor:
+    """:func:`kernels.ssd.ssd_step_outputs` (its signature and shapes; registered for ``"cuda"``): a decode step's
+    outputs ``y [b, H, P]`` with the replay read in place from the state cache.  The replay's ``dt`` rows are built
+    with torch (``[b, 1, L, H]``: rows ``< p`` from ``dt_cache``, row ``p`` the new ``dt``, zeros after, as
+    :func:`kernels.ssd.ssd_step_replay`) for :func:`chunk_prefix_sums`; the outputs are :func:`ssd_outputs`' kernel
+    with ``FROM_CACHE``: x / B / C rows and the state loaded from the caches (row ``p`` and ``x_t``: the new token;
+    rows past ``p``: zeros; fresh rows' states: zeros), so the same IEEE operations on the same float32 values.  No
+    host synchronisation (capturable in a CUDA graph).  The caches' slot strides may be any (vLLM's pages); the dims
+    inside a slot must be contiguous."""
+    bsz, H = new_dt.shape
+    L, G, N = chunk_size, n_groups, state_size
+    P = (xbc_cache.shape[2] - 2 * G * N) // H
+    for name, cache in (("xbc_cache", xbc_cache), ("dt_cache", dt_cache), ("state_cache", state_cache)):
+        if cache.shape[0] and not cache[0].is_contiguous():
+            raise ValueError(f"ssd_step_outputs: {name} strides {cache.stride()} are not contiguous within a slot")
+    y = torch.empty(bsz, H, P, dtype=out_dtype or xbc_cache.dtype, device=new_xbc.device)
+    if bsz == 0:
+        return y
+    slots = slots.to(torch.int64)
+    p = pending.to(torch.int64)[:, None, None]
+    r = torch.arange(L, device=new_xbc.device)[None, :, None]
+    seg_dt = torch.where(r < p, dt_cache[slots], 0.0)
+    seg_dt = torch.where(r == p, new_dt[:, None].to(torch.float32), seg_dt).contiguous()  # [b, L, H]
+    cum = chunk_prefix_sums(seg_dt[:, None], A)  # [b, 1, L, H]
+    bl, bn = triton.next_power_of_2(L), triton.next_power_of_2(N)
+    hpp = heads_per_program(bsz, H, G)
+    _ssd_outputs_kernel[(bsz, H // hpp)](xbc_cache, seg_dt, xbc_cache, xbc_cache, cum, state_cache,
+                                         D.to(torch.float32).contiguous(), pending.to(torch.int64).contiguous(), y, 1,
+                                         1, 1, L, H, P, G, N, H // G, hpp, slots.contiguous(), new_xbc.contiguous(),
+                                         y if fresh is None else fresh.to(torch.int8).contiguous(),
+                                         xbc_cache.stride(0), state_cache.stride(0), BL=bl,
+                                         BP=triton.next_power_of_2(P), BN=bn, FROM_CACHE=True,
+                                         HAS_FRESH=fresh is not None, num_warps=launch_warps(bl, bn),
+                                         enable_fp_fusion=False)
     return y
 
 
