@@ -120,8 +120,24 @@ def decode_step_paths(bsz: int = 64, seed: int = 1) -> dict:
 
     (y_h, s_h), (y_d, s_d) = host(), device_only()
     equal = torch.equal(y_h, y_d) and torch.equal(s_h, s_d[closing]) and torch.equal(s_d[~closing], state[~closing])
+
+    # the outputs as the mixer forms them from its state cache: the replay built by torch ops (up to session 25) or
+    # read in place by the outputs kernel (ssd_step_outputs)
+    xbc_cache = torch.cat([x.flatten(2), b.flatten(2), c.flatten(2)], dim=-1)  # [slots, L, H*P + 2*G*N]
+    slots, seqs = torch.arange(bsz, device=DEV), torch.arange(bsz, device=DEV)
+    step = (xbc_cache, dt, state, slots, p, xbc_cache[seqs, p], dt[seqs, p])
+
+    def replay_built():
+        xr, dtr, br, cr, st = ssd.ssd_step_replay(*step, L, G, N, rows=t)
+        return ssd.ssd_outputs_at(xr, dtr, a, br, cr, d, L, st, p)
+
+    def in_place():
+        return ssd.ssd_step_outputs(*step, a, d, L, G, N)
+
+    equal = equal and torch.equal(replay_built(), in_place()) and torch.equal(in_place(), y_h)
     return {"batch": bsz, "host ms": triton.testing.do_bench(host), "device-only ms": triton.testing.do_bench(device_only),
-            "bits_equal": equal}
+            "outputs replay-built ms": triton.testing.do_bench(replay_built),
+            "outputs in place ms": triton.testing.do_bench(in_place), "bits_equal": equal}
 
 
 def main() -> int:
@@ -152,7 +168,9 @@ def main() -> int:
                   f"{'equal' if r['bits_equal'][part] else 'DIFFER'} |")
     steps = decode_step_paths()
     print(f"\ndecode step, {steps['batch']} sequences (SSD only): host-planned {steps['host ms']:.3f} ms, device-only "
-          f"(MC_HYBRID_DECODE_GRAPHS=1) {steps['device-only ms']:.3f} ms, bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
+          f"(MC_HYBRID_DECODE_GRAPHS=1) {steps['device-only ms']:.3f} ms; its outputs from the state cache: replay built "
+          f"by torch {steps['outputs replay-built ms']:.3f} ms, read in place (ssd_step_outputs) "
+          f"{steps['outputs in place ms']:.3f} ms; bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":
