@@ -41,6 +41,12 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+@functools.lru_cache(maxsize=None)
+def float32_scalar(v: float) -> float:
+    """``v`` rounded to float32 (to nearest), as torch rounds a Python scalar in an op on a float32 tensor."""
+    return torch.tensor(float(v), dtype=torch.float32).item()
+
+
 def tma_ok(t: torch.Tensor) -> bool:
     """Whether ``t`` (any rank, last dim contiguous) can back a host-side TMA descriptor: 16-byte aligned base and
     leading strides."""

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import float32_scalar, next_pow2
 from .numerics import exp_f32, tree_cols
 
 MAX_GROUP = 1 << 16  # tree_cols' trees reach 2**16 elements
@@ -72,12 +72,6 @@ def _gated_rms_norm_kernel(Y, Z, W, OUT, n_rows, stride_y, stride_z, stride_o, g
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     t2 = t.reshape(-1, d)
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-@functools.lru_cache(maxsize=None)
-def _f32(v: float) -> float:
-    """``v`` rounded to float32 (to nearest), as torch rounds a Python scalar in a float32 op."""
-    return torch.tensor(float(v), dtype=torch.float32).item()
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,6 +115,6 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     out2 = out.view(n_rows, d)
     _gated_rms_norm_kernel[(triton.cdiv(n_rows, per_program), d // group_size)](
         y2, z2, weight.contiguous(), out2, n_rows, y2.stride(0), z2.stride(0), out2.stride(0), group_size,
-        _group_scale(group_size, y.is_cuda), _f32(eps), BLOCK_G=block, ROWS=per_program, CPU_DIV=not y.is_cuda,
-        BF16_BITS=(not y.is_cuda) and y.dtype == torch.bfloat16, num_warps=warps, enable_fp_fusion=False)
+        _group_scale(group_size, y.is_cuda), float32_scalar(eps), BLOCK_G=block, ROWS=per_program,
+        CPU_DIV=not y.is_cuda, BF16_BITS=(not y.is_cuda) and y.dtype == torch.bfloat16, num_warps=warps, enable_fp_fusion=False)
     return out

@@ -23,13 +23,12 @@ alone: not on its position, the batch or the launch.  Returns float32 ``[..., H]
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import next_pow2
+from ._common import float32_scalar, next_pow2
 from .numerics import exp_f32, log_f32
 
 
@@ -46,12 +45,6 @@ def _mamba_dt_kernel(RAW, BIAS, OUT, n_rows, H, stride_r, lo, hi, BR: tl.constex
     sp = tl.where(sp < lo, lo, sp)
     sp = tl.where(hi < sp, hi, sp)
     tl.store(OUT + rows[:, None] * H + cols[None, :], sp, mask=mask)
-
-
-@functools.lru_cache(maxsize=None)
-def _f32(v: float) -> float:
-    """``v`` rounded to float32 (to nearest), as torch's clamp rounds its Python bounds for a float32 tensor."""
-    return torch.tensor(float(v), dtype=torch.float32).item()
 
 
 def mamba_dt_triton(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, dt_max: float) -> torch.Tensor:
@@ -74,6 +67,6 @@ def mamba_dt_triton(dt_raw: torch.Tensor, dt_bias: torch.Tensor, dt_min: float, 
     bh = min(next_pow2(heads), 256)
     br = max(1, 1024 // bh)
     _mamba_dt_kernel[(triton.cdiv(n_rows, br), triton.cdiv(heads, bh))](
-        raw, dt_bias.contiguous(), out, n_rows, heads, raw.stride(0), _f32(dt_min), _f32(dt_max), BR=br, BH=bh,
-        num_warps=4, enable_fp_fusion=False)
+        raw, dt_bias.contiguous(), out, n_rows, heads, raw.stride(0), float32_scalar(dt_min), float32_scalar(dt_max),
+        BR=br, BH=bh, num_warps=4, enable_fp_fusion=False)
     return out
