@@ -171,7 +171,7 @@ def test_a_kernel_that_sums_the_taps_in_reverse_is_caught(monkeypatch):
     y, _ = tcc.causal_conv1d_triton(x, w, b, s, None)
     y_ref, _ = _causal_conv1d_cpu(x, w, b, s, None)
     differ = (_bits(y) != _bits(y_ref)).sum().item()
-    assert 0 < differ and torch.allclose(y, y_ref, rtol=1e-5, atol=1e-6), differ  # close, but not the contract
+    assert 0 < differ, differ  # the same products summed in another order: other bits
     with pytest.raises(AssertionError):
         check(x, w, b, s, None)
 
