@@ -31,16 +31,11 @@ from megatron_consistent.kernels.triton.causal_conv1d import causal_conv1d_trito
 from megatron_consistent.kernels.triton.gated_rms_norm import gated_rms_norm_triton  # noqa: E402
 from megatron_consistent.kernels.triton.mamba_dt import mamba_dt_triton  # noqa: E402
 
+from bench_gpu_ssd import copy_bandwidth  # noqa: E402  (this folder, the script's own)
+
 DEV = torch.device("cuda")
 CONV, K, D_INNER, GROUP, H = 10240, 4, 8192, 1024, 128  # Nemotron-H 8B's mixer
 EPS = 1e-5
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (triton.testing.do_bench(lambda: dst.copy_(src)) * 1e-3)
 
 
 def nbytes(*tensors) -> int:
