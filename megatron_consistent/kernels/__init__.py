@@ -17,8 +17,8 @@ from .relu_squared import ReluSquared, relu_squared
 from .rms_norm import RMSNorm, add_residual, rms_norm
 from .rotary import RopeConfig, RotaryEmbedding, apply_rope, rope_cache, rope_scaling_items
 from .silu_and_mul import SiluAndMul, silu_and_mul
-from .ssd import (mamba_dt, ssd_chunk_end_state, ssd_continue, ssd_outputs_at, ssd_scan, ssd_step_outputs,
-                  ssm_decay_rate)
+from .ssd import (mamba_dt, ssd_chunk_end_state, ssd_continue, ssd_outputs_at, ssd_scan, ssd_step_end_states,
+                  ssd_step_outputs, ssm_decay_rate)
 
 __all__ = [
     "CUDA_MAX_HEAD_DIM", "KV_BLOCK", "K_BLOCK", "Linear", "NoConsistentKernelError", "RMSNorm", "RopeConfig", "RotaryEmbedding",
@@ -27,5 +27,6 @@ __all__ = [
     "log_softmax", "register", "rms_norm", "rope_cache", "rope_scaling_items",
     "silu_and_mul", "sum_exp_subtree", "token_logprobs", "VOCAB_SEGMENTS", "write_kv",
     "CausalConv1d", "GatedRMSNorm", "ReluSquared", "causal_conv1d", "gated_rms_norm", "mamba_dt", "relu_squared",
-    "ssd_chunk_end_state", "ssd_continue", "ssd_outputs_at", "ssd_scan", "ssd_step_outputs", "ssm_decay_rate",
+    "ssd_chunk_end_state", "ssd_continue", "ssd_outputs_at", "ssd_scan", "ssd_step_end_states", "ssd_step_outputs",
+    "ssm_decay_rate",
 ]

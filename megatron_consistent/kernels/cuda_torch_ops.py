@@ -37,10 +37,11 @@ import os
 
 from .dispatch import register
 from .relu_squared import _relu_squared_cpu
-from .ssd import TORCH_STEPS, _ssd_step_outputs_cpu
+from .ssd import TORCH_STEPS, _ssd_step_end_states_cpu, _ssd_step_outputs_cpu
 from .triton.causal_conv1d import causal_conv1d_triton
 from .triton.gated_rms_norm import gated_rms_norm_triton
 from .triton.mamba_dt import mamba_dt_triton
+from .triton.ssd_scan import ssd_step_end_states as ssd_step_end_states_triton
 from .triton.ssd_scan import ssd_step_outputs as ssd_step_outputs_triton
 
 
@@ -61,6 +62,9 @@ OPS = {
     "ssd_steps": _ssd_steps(),
     # a decode step's outputs read in place from the mixer's state cache (MC_SSD_SCAN=torch: the torch replay)
     "ssd_step_outputs": _ssd_step_outputs_cpu if os.environ.get("MC_SSD_SCAN") == "torch" else ssd_step_outputs_triton,
+    # its new boundary states formed in place in the state cache (MC_SSD_SCAN=torch: the torch gathers and scatter)
+    "ssd_step_end_states": (_ssd_step_end_states_cpu if os.environ.get("MC_SSD_SCAN") == "torch"
+                            else ssd_step_end_states_triton),
     "causal_conv1d": causal_conv1d_triton,
     "gated_rms_norm": gated_rms_norm_triton,
     "relu_squared": _relu_squared_cpu,

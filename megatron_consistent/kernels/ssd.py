@@ -604,3 +604,78 @@ def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, 
         return implementation("ssd_step_outputs", new_xbc.device)(
             xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, A, D, chunk_size, n_groups, state_size,
             fresh, out_dtype)
+
+
+# --------------------------------------------------------------------------- decode step's new boundary states, in place
+
+
+def _check_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size, n_groups, state_size):
+    """Shapes of :func:`ssd_step_end_states`' arguments (one-line ValueErrors); returns ``(H, P)``."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"ssd_step_end_states: chunk_size must be a positive int, got {chunk_size!r}")
+    if xbc_cache.dim() != 3 or xbc_cache.shape[1] != chunk_size:
+        raise ValueError(f"ssd_step_end_states: xbc_cache {tuple(xbc_cache.shape)} is not [slots, L={chunk_size}, conv_dim]")
+    n_slots, conv_dim = xbc_cache.shape[0], xbc_cache.shape[2]
+    if dt_cache.dim() != 3 or dt_cache.shape[:2] != (n_slots, chunk_size) or dt_cache.dtype != torch.float32:
+        raise ValueError(f"ssd_step_end_states: dt_cache {tuple(dt_cache.shape)} {dt_cache.dtype} is not float32 "
+                         f"[{n_slots}, {chunk_size}, H]")
+    nh, gn = dt_cache.shape[2], n_groups * state_size
+    if n_groups < 1 or state_size < 1 or nh < 1 or nh % n_groups or conv_dim <= 2 * gn or (conv_dim - 2 * gn) % nh:
+        raise ValueError(f"ssd_step_end_states: conv_dim {conv_dim} is not H*P + 2*G*N for H={nh}, G={n_groups}, N={state_size}")
+    hp = (conv_dim - 2 * gn) // nh
+    if state_cache.shape != (n_slots, nh, hp, state_size) or state_cache.dtype != torch.float32:
+        raise ValueError(f"ssd_step_end_states: state_cache {tuple(state_cache.shape)} {state_cache.dtype} is not float32 "
+                         f"{(n_slots, nh, hp, state_size)}")
+    if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ssd_step_end_states: slots {tuple(slots.shape)} {slots.dtype} is not int [b]")
+    bsz = slots.shape[0]
+    if closing.shape != (bsz,) or closing.dtype != torch.bool:
+        raise ValueError(f"ssd_step_end_states: closing {tuple(closing.shape)} {closing.dtype} is not bool [b={bsz}]")
+    if fresh is not None and (fresh.shape != (bsz,) or fresh.dtype != torch.bool):
+        raise ValueError(f"ssd_step_end_states: fresh {tuple(fresh.shape)} {fresh.dtype} is not bool [b={bsz}]")
+    if A.shape != (nh,):
+        raise ValueError(f"ssd_step_end_states: A {tuple(A.shape)} must be [H={nh}]")
+    return nh, hp
+
+
+@register("ssd_step_end_states", "cpu")
+def _ssd_step_end_states_cpu(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size: int,
+                             n_groups: int, state_size: int) -> None:
+    """The reference: every row's whole chunk and state gathered with torch (the mixer's former ``_cached_chunk`` and
+    ``torch.where(fresh, 0, state_cache[slots])``), :func:`ssd_chunk_end_state` with ``closing``, and the slots of
+    the closing or fresh rows written (the others get their own bits back: a masked write, no host read)."""
+    bsz, (L, nh) = slots.shape[0], dt_cache.shape[1:]
+    if bsz == 0:
+        return
+    gn, hp = n_groups * state_size, state_cache.shape[2]
+    slots = slots.to(torch.int64)
+    x, B, C = xbc_cache[slots].split([xbc_cache.shape[2] - 2 * gn, gn, gn], dim=-1)
+    old = state_cache[slots]
+    start = old if fresh is None else torch.where(fresh[:, None, None, None], 0.0, old)
+    end = ssd_chunk_end_state(x.reshape(bsz, L, nh, hp), dt_cache[slots], A, B.reshape(bsz, L, n_groups, state_size),
+                              C.reshape(bsz, L, n_groups, state_size), L, start, closing)
+    touched = closing if fresh is None else closing | fresh
+    state_cache[slots] = torch.where(touched[:, None, None, None], end, old)
+
+
+def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size: int, n_groups: int,
+                        state_size: int) -> None:
+    """A decode step's new boundary states, formed IN PLACE in the mixer's state cache (after the new tokens were
+    written to the xbc / dt caches).
+
+    ``xbc_cache [slots_total, L, conv_dim]`` (model dtype; each row ``x | B | C``, ``conv_dim = H*P + 2*G*N``),
+    ``dt_cache [slots_total, L, H]`` float32, ``state_cache [slots_total, H, P, N]`` float32 (the state at the
+    chunk's start; written), ``slots [b]`` int (distinct, except rows whose slot is a scratch block, e.g. vLLM's null
+    block 0: its contents are then undefined), ``closing [b]`` bool (the rows whose new token completed the chunk,
+    ``p == L - 1``), ``fresh [b]`` bool or None (rows whose state at the chunk's start is zeros), ``A [H]`` float32,
+    ``L = chunk_size``, ``G = n_groups``, ``N = state_size``.
+
+    For each row ``i``: if ``closing[i]``, ``state_cache[slots_i]`` becomes :func:`ssd_chunk_end_state` (same bits)
+    of the chunk held in rows ``0..L-1`` of that slot's xbc / dt caches from ``state_cache[slots_i]`` (zeros if
+    ``fresh[i]``); else if ``fresh[i]``, zeros; else the slot is untouched.  Nothing of a non-closing row's caches is
+    read into any state (its chunk rows and its state may hold anything, NaN included, and keep their bits).  Returns
+    None.  Inference only."""
+    _check_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size, n_groups, state_size)
+    with torch.no_grad():
+        implementation("ssd_step_end_states", state_cache.device)(
+            xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size, n_groups, state_size)

@@ -48,8 +48,9 @@ graph's batch) are zeros.
 
 ``MC_HYBRID_DECODE_GRAPHS=1`` (opt-in, not yet measured on a GPU): a decode-only step runs on the device alone
 (:meth:`ConsistentMambaMixer._step_graphed`: every request's pending count from ``seq_lens`` on the device, the
-outputs read in place from the cache as in the host-planned step, the new boundary states formed from every slot's
-whole cached chunk and kept for the closing requests only, masked on the device), and the backend declares vLLM's own Mamba-2 support
+outputs read in place from the cache as in the host-planned step, the new boundary states of the closing requests
+formed in place in the state cache, masked on the device: :func:`kernels.ssd_step_end_states`), and the backend
+declares vLLM's own Mamba-2 support
 (``UNIFORM_BATCH``): vLLM then captures decode-only steps in full CUDA graphs, mixer included, and keeps the
 piecewise graphs with the host-planned mixer for steps with prefills.  Same bits either way.
 """
@@ -66,7 +67,8 @@ from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend, Mamba
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import causal_conv1d, inference_ops, ssd_chunk_end_state, ssd_continue, ssd_step_outputs, ssm_decay_rate
+from ..kernels import (causal_conv1d, inference_ops, ssd_chunk_end_state, ssd_continue, ssd_step_end_states,
+                       ssd_step_outputs, ssm_decay_rate)
 from ..kernels.dispatch import env_switch
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
@@ -304,13 +306,15 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         return y
 
     def _step_graphed(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor):
-        """:meth:`_step` with every request's state slot and length on the device and fixed shapes (every slot's
-        chunk read from the cache after the new token's write, every slot's state written back, the new boundary
-        states masked by the device's ``p == L - 1``): no host reads, so vLLM can capture a decode step in a full CUDA
-        graph (``MC_HYBRID_DECODE_GRAPHS=1``).  Rows vLLM pads a captured batch with read and write its null block
-        (slot 0, never a request's).  Same bits as :meth:`_step` for every real request (tests/test_vllm_hybrid.py)."""
-        ssm_c = self.kv_cache[0]
-        L = self.ssm.chunk_size
+        """:meth:`_step` with every request's state slot and length on the device and fixed shapes (the new boundary
+        states formed in place in the state cache after the new token's write, by :func:`kernels.ssd_step_end_states`,
+        for the device's closing rows ``p == L - 1`` alone, a first token's slot zeroed, every other slot's state
+        untouched): no host reads, so vLLM can capture a decode step in a full CUDA graph
+        (``MC_HYBRID_DECODE_GRAPHS=1``).  Rows vLLM pads a captured batch with read and write its null block (slot 0,
+        never a request's).  Same bits as :meth:`_step` for every real request (tests/test_vllm_hybrid.py)."""
+        s = self.ssm
+        ssm_c, dt_c, _, xbc_c = self.kv_cache
+        L = s.chunk_size
         computed = seq_lens.to(torch.int64) - 1
         p = torch.remainder(computed, L)
         fresh = computed == 0
@@ -318,9 +322,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         A = ssm_decay_rate(self.A_log)
         y = self._step_outputs(new_xbc, dt, slots, p, A, fresh)
         self._write_token(new_xbc, dt, slots, p)
-        boundary = torch.where(fresh[:, None, None, None], 0.0, ssm_c[slots])
-        x, dt_seg, B, C = self._cached_chunk(slots)
-        ssm_c[slots] = ssd_chunk_end_state(x, dt_seg, A, B, C, L, boundary, p == L - 1)
+        ssd_step_end_states(xbc_c, dt_c, ssm_c, slots, p == L - 1, fresh, A, L, s.n_groups, s.state_size)
         return y
 
     def _conv(self, xbc, slots, fresh=None) -> torch.Tensor:

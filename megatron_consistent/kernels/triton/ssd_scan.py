@@ -8,7 +8,10 @@ prefix sums (one launch where the torch evaluation takes three ops a doubling le
 * :func:`chunk_prefix_sums` (step 1), one program a (chunk, block of heads): ``a = dt * A``, then
   ``cum_i = cum_i + cum_{i-k}`` for ``i >= k``, ``k = 1, 2, 4, ...`` (every row reads, a barrier, every row writes);
 * :func:`chunk_contributions` (step 5's per-chunk term), one program a (complete chunk, head, block of the state's
-  ``P x N``): ``u_s = exp(cum_{L-1} - cum_s) * dt_s``, ``contrib[n, p] = tree_L((u_s * x_s[p]) * B_s[n])``;
+  ``P x N``): ``u_s = exp(cum_{L-1} - cum_s) * dt_s``, ``contrib[n, p] = tree_L((u_s * x_s[p]) * B_s[n])``.  With
+  ``FROM_CACHE`` (:func:`ssd_step_end_states`, a decode step's chunk closures) the same kernel reads a closing row's
+  x / B in place from its slot of the mixer's xbc cache and, instead of storing the term, stores the recurrence's
+  ``exp(cum_{L-1}) * S + contrib`` over the tile of the slot's state ``S`` it read (zeros where fresh), in place;
 * :func:`ssd_outputs` (steps 2-4), one program a (sequence, asked position ``t``, heads of one group, :func:`heads_per_program`):
   ``cb[s] = tree_N(C_t[n] * B_s[n])`` for every row ``s`` of ``t``'s chunk (zero-padded rows included);
   ``e[s] = exp(cum_t - cum_s)`` for ``s <= t`` else ``exp(+0)``; ``w[s] = (cb[s] * e[s]) * dt_s`` for ``s <= t``
@@ -159,7 +162,16 @@ def chunk_prefix_sums(dtc, A) -> torch.Tensor:
 
 @triton.jit
 def _chunk_contributions_kernel(XC, DTC, BC, CUM, ACTIVE, OUT, n_chunks, n_complete, L, H, P, G, N, HEADS_PER_GROUP,
-                                BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_ACTIVE: tl.constexpr):
+                                SLOTS, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
+                                BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+                                FROM_CACHE: tl.constexpr, HAS_FRESH: tl.constexpr):
+    # FROM_CACHE (ssd_step_end_states, a decode step: n_chunks = n_complete = 1, HAS_ACTIVE = the closing rows): XC is
+    # the mixer's xbc cache [slots, L, H*P + 2*G*N] (model dtype, slot stride XBC_SLOT_STRIDE; x and B read from row
+    # b's slot SLOTS[b], converted to float32 in registers: exact), BC unused, OUT the state cache [slots, H, P, N]
+    # (slot stride STATE_SLOT_STRIDE): instead of storing the term the program forms decay * S + contrib (decay =
+    # exp(cum_{L-1}), S the slot's state, zeros where FRESH[b]) and stores it over the same [BP, BN] tile it read (the
+    # only program that reads or writes that tile of the slot: in place is safe); a non-closing fresh row stores zeros
+    # over its tile.  Off: the chunked float32 operands of _ssd_chunk_states (SLOTS .. STATE_SLOT_STRIDE unused).
     chunk_id = tl.program_id(0)  # (sequence, complete chunk)
     h = tl.program_id(1)
     n_blocks = tl.cdiv(N, BN)
@@ -167,7 +179,24 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, ACTIVE, OUT, n_chunks, n_compl
     n0 = (tl.program_id(2) % n_blocks) * BN
     b = chunk_id // n_complete
     k = chunk_id % n_complete
-    if HAS_ACTIVE:
+    if FROM_CACHE:
+        p = p0 + tl.arange(0, BP)
+        n = n0 + tl.arange(0, BN)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        tile = OUT + slot * STATE_SLOT_STRIDE + (h * P + p[:, None]) * N + n[None, :]  # the slot's [BP, BN] tile
+        tile_in = (p < P)[:, None] & (n < N)[None, :]
+        st_in = tile_in  # the state read (a fresh row: none, its state is zeros)
+        if HAS_FRESH:
+            is_fresh = tl.load(FRESH + b) != 0
+            st_in = (p < P)[:, None] & (n < tl.where(is_fresh, 0, N))[None, :]
+            if tl.load(ACTIVE + b) == 0:  # not closing: a fresh row's state becomes zeros, the others are untouched
+                tl.store(tile, tl.zeros((BP, BN), dtype=tl.float32),
+                         mask=(p < P)[:, None] & (n < tl.where(is_fresh, N, 0))[None, :])
+                return
+        else:
+            if tl.load(ACTIVE + b) == 0:  # not closing: untouched
+                return
+    elif HAS_ACTIVE:
         if tl.load(ACTIVE + b) == 0:  # a row whose new state is not used: its terms are left unwritten
             return
     g = h // HEADS_PER_GROUP
@@ -180,14 +209,25 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, ACTIVE, OUT, n_chunks, n_compl
     last = tl.load(CUM + ((b * n_chunks + k).to(tl.int64) * L + L - 1) * H + h)
     cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
     u = exp_f32(last - cum_s) * tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
-    ux = u[:, None] * tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
-                              other=0.0)  # [BL, BP]
-    b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
+    if FROM_CACHE:  # the slot's rows 0..L-1 of the xbc cache
+        cached = slot * XBC_SLOT_STRIDE + s.to(tl.int64) * (H * P + 2 * G * N)  # [BL]
+        ux = u[:, None] * tl.load(XC + cached[:, None] + h * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
+                                  other=0.0).to(tl.float32)  # [BL, BP]
+        b_sn = tl.load(XC + cached[:, None] + H * P + g * N + n[None, :], mask=s_in[:, None] & n_in[None, :],
+                       other=0.0).to(tl.float32)
+    else:
+        ux = u[:, None] * tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
+                                  other=0.0)  # [BL, BP]
+        b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
     prod = tl.reshape(ux[:, :, None] * b_sn[:, None, :], (BL, BP * BN))
     contrib = tl.reshape(tree_rows(prod, BL, BP * BN), (BP, BN))
-    # OUT [nb, n_complete, H, P, N]
-    out = OUT + (((b.to(tl.int64) * n_complete + k) * H + h) * P + p[:, None]) * N + n[None, :]
-    tl.store(out, contrib, mask=p_in[:, None] & n_in[None, :])
+    if FROM_CACHE:  # _ssd_chunk_states' recurrence: decay * S (a float32 multiply), then + contrib
+        st = tl.load(tile, mask=st_in, other=0.0)
+        tl.store(tile, exp_f32(last) * st + contrib, mask=tile_in)
+    else:
+        # OUT [nb, n_complete, H, P, N]
+        out = OUT + (((b.to(tl.int64) * n_complete + k) * H + h) * P + p[:, None]) * N + n[None, :]
+        tl.store(out, contrib, mask=p_in[:, None] & n_in[None, :])
 
 
 def chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None) -> torch.Tensor:
@@ -199,17 +239,55 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None) -> torch
     out = torch.empty(nb, n_complete, H, P, N, dtype=torch.float32, device=xc.device)
     if n_complete == 0 or nb == 0:
         return out
-    bl, bp = triton.next_power_of_2(L), min(8, triton.next_power_of_2(P))
     # a product tile of 8192 elements at most, 4 warps (8 for 256-row chunks); offline sm_90a compile: chunk 128 no
     # spills (128 x 128 on 16 warps spilled), chunk 256 240 bytes (the [P, N] store; 80 with the former [N, P])
-    bn = min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp)))
+    bl, bp, bn = _contributions_blocks(L, P, N)
     grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
     _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)),
                                       out if active is None else active.to(torch.int8).contiguous(), out, n_chunks,
-                                      n_complete, L, H, P, G, N, H // G, BL=bl, BP=bp, BN=bn,
-                                      HAS_ACTIVE=active is not None, num_warps=4 if bl <= 128 else 8,
-                                      enable_fp_fusion=False)
+                                      n_complete, L, H, P, G, N, H // G, out, out, 0, 0, BL=bl, BP=bp, BN=bn,
+                                      HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False,
+                                      num_warps=4 if bl <= 128 else 8, enable_fp_fusion=False)
     return out
+
+
+def _contributions_blocks(L: int, P: int, N: int) -> tuple[int, int, int]:
+    """``(BL, BP, BN)`` of a contributions program (:func:`chunk_contributions`' choice)."""
+    bl, bp = triton.next_power_of_2(L), min(8, triton.next_power_of_2(P))
+    return bl, bp, min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp)))
+
+
+def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size: int, n_groups: int,
+                        state_size: int) -> None:
+    """:func:`kernels.ssd.ssd_step_end_states` (its signature and shapes; registered for ``"cuda"``): a decode step's
+    new boundary states formed in place in the state cache.  The rows' cached ``dt`` are gathered with torch
+    (``[b, 1, L, H]``) for :func:`chunk_prefix_sums`; then :func:`chunk_contributions`' kernel with ``FROM_CACHE`` and
+    the closing rows active: each program reads x / B of its row's slot in place from the xbc cache (float32 in
+    registers, exact), forms the chunk term as :func:`chunk_contributions` does and, in place of storing it, stores
+    ``exp(cum_{L-1}) * S + contrib`` (the recurrence of :func:`kernels.ssd._ssd_chunk_states`: a float32 multiply,
+    then the add) over the ``[BP, BN]`` tile of the slot's state ``S`` it read (zeros where fresh); programs of
+    non-closing rows store zeros over their tile where fresh and else return at once.  So the same IEEE operations on
+    the same float32 values as :func:`kernels.ssd.ssd_chunk_end_state`.  No host synchronisation (capturable in a
+    CUDA graph).  The caches' slot strides may be any (vLLM's pages); the dims inside a slot must be contiguous."""
+    bsz, (L, H) = slots.shape[0], dt_cache.shape[1:]
+    G, N = n_groups, state_size
+    P = (xbc_cache.shape[2] - 2 * G * N) // H
+    for name, cache in (("xbc_cache", xbc_cache), ("dt_cache", dt_cache), ("state_cache", state_cache)):
+        if cache.shape[0] and not cache[0].is_contiguous():
+            raise ValueError(f"ssd_step_end_states: {name} strides {cache.stride()} are not contiguous within a slot")
+    if bsz == 0:
+        return
+    slots = slots.to(torch.int64).contiguous()
+    seg_dt = dt_cache[slots].contiguous()  # [b, L, H]
+    cum = chunk_prefix_sums(seg_dt[:, None], A)  # [b, 1, L, H]
+    bl, bp, bn = _contributions_blocks(L, P, N)
+    active = closing.to(torch.int8).contiguous()
+    grid = (bsz, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
+    _chunk_contributions_kernel[grid](xbc_cache, seg_dt, xbc_cache, cum, active, state_cache, 1, 1, L, H, P, G, N,
+                                      H // G, slots, active if fresh is None else fresh.to(torch.int8).contiguous(),
+                                      xbc_cache.stride(0), state_cache.stride(0), BL=bl, BP=bp, BN=bn,
+                                      HAS_ACTIVE=True, FROM_CACHE=True, HAS_FRESH=fresh is not None,
+                                      num_warps=4 if bl <= 128 else 8, enable_fp_fusion=False)
 
 
 def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.Tensor:
