@@ -723,12 +723,12 @@ def test_cuda_ssd_scan_choice_is_refused_by_name(monkeypatch):
     from megatron_consistent.kernels import cuda_torch_ops, ssd
 
     monkeypatch.setenv("MC_SSD_SCAN", "torch")
-    assert cuda_torch_ops._ssd_steps() is ssd.TORCH_STEPS
+    assert cuda_torch_ops._ssd_evaluation()["ssd_steps"] is ssd.TORCH_STEPS
     monkeypatch.setenv("MC_SSD_SCAN", "cuda")
     with pytest.raises(ValueError, match="MC_SSD_SCAN='cuda'"):
-        cuda_torch_ops._ssd_steps()
+        cuda_torch_ops._ssd_evaluation()["ssd_steps"]
     pytest.importorskip("triton")
     monkeypatch.delenv("MC_SSD_SCAN", raising=False)
     from megatron_consistent.kernels.triton.ssd_scan import TRITON_STEPS
 
-    assert cuda_torch_ops._ssd_steps() is TRITON_STEPS
+    assert cuda_torch_ops._ssd_evaluation()["ssd_steps"] is TRITON_STEPS

@@ -27,7 +27,9 @@ kernels of :mod:`.triton.ssd_scan` (``MC_SSD_SCAN=triton``, the default): the sa
 order, so the same bits as the torch evaluation (bitwise in Triton's interpreter on the CPU; on the H200 by
 tests/test_gpu_ssm.py, ``benchmarks/bench_gpu_ssd.py`` at Nemotron-H 8B's widths and the whole ``check`` at shape
 ``h``, session 23), 100-260 times faster at prefill.  ``MC_SSD_SCAN=torch`` runs the torch evaluation instead (the
-reference, minutes per step at real widths).  It is read once, when the CUDA backend is imported (the first CUDA
+reference, minutes per step at real widths).  The same switch picks the decode step's ``ssd_step_outputs`` and
+``ssd_step_end_states`` (session 25: the same kernels reading the mixer's state cache in place; bitwise in the
+interpreter, their GPU tests pending) or their torch references.  It is read once, when the CUDA backend is imported (the first CUDA
 tensor of a process); the trainer and the engine processes inherit it alike.
 """
 
@@ -41,30 +43,27 @@ from .ssd import TORCH_STEPS, _ssd_step_end_states_cpu, _ssd_step_outputs_cpu
 from .triton.causal_conv1d import causal_conv1d_triton
 from .triton.gated_rms_norm import gated_rms_norm_triton
 from .triton.mamba_dt import mamba_dt_triton
+from .triton.ssd_scan import TRITON_STEPS
 from .triton.ssd_scan import ssd_step_end_states as ssd_step_end_states_triton
 from .triton.ssd_scan import ssd_step_outputs as ssd_step_outputs_triton
 
 
-def _ssd_steps():
-    """The SSD scan's steps that ``MC_SSD_SCAN`` names (module docstring)."""
+def _ssd_evaluation() -> dict:
+    """The SSD scan's steps and the decode step's in-place outputs and end states that ``MC_SSD_SCAN`` names (module
+    docstring): the Triton kernels, or the torch evaluation (the decode step's replay built, its states gathered and
+    scattered by torch ops)."""
     choice = os.environ.get("MC_SSD_SCAN", "triton")
-    if choice == "torch":
-        return TORCH_STEPS
-    if choice == "triton":
-        from .triton.ssd_scan import TRITON_STEPS
-
-        return TRITON_STEPS
-    raise ValueError(f"MC_SSD_SCAN={choice!r}: expected 'torch' or 'triton'")
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"MC_SSD_SCAN={choice!r}: expected 'torch' or 'triton'")
+    torch_ops = choice == "torch"
+    return {"ssd_steps": TORCH_STEPS if torch_ops else TRITON_STEPS,
+            "ssd_step_outputs": _ssd_step_outputs_cpu if torch_ops else ssd_step_outputs_triton,
+            "ssd_step_end_states": _ssd_step_end_states_cpu if torch_ops else ssd_step_end_states_triton}
 
 
 OPS = {
     "mamba_dt": mamba_dt_triton,
-    "ssd_steps": _ssd_steps(),
-    # a decode step's outputs read in place from the mixer's state cache (MC_SSD_SCAN=torch: the torch replay)
-    "ssd_step_outputs": _ssd_step_outputs_cpu if os.environ.get("MC_SSD_SCAN") == "torch" else ssd_step_outputs_triton,
-    # its new boundary states formed in place in the state cache (MC_SSD_SCAN=torch: the torch gathers and scatter)
-    "ssd_step_end_states": (_ssd_step_end_states_cpu if os.environ.get("MC_SSD_SCAN") == "torch"
-                            else ssd_step_end_states_triton),
+    **_ssd_evaluation(),
     "causal_conv1d": causal_conv1d_triton,
     "gated_rms_norm": gated_rms_norm_triton,
     "relu_squared": _relu_squared_cpu,

@@ -512,25 +512,33 @@ def ssd_continue(boundary_state, pending, x, dt, B, C, A, D, chunk_size: int):
 # --------------------------------------------------------------------------- decode step, in place from the state cache
 
 
+def _check_state_caches(op, xbc_cache, dt_cache, state_cache, chunk_size, n_groups, state_size, nh):
+    """The mixer's state caches as ``op`` takes them (one-line ValueErrors naming the argument): ``xbc_cache [slots,
+    L, H*P + 2*G*N]``, ``dt_cache [slots, L, H]`` and ``state_cache [slots, H, P, N]`` float32; returns ``P``."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{op}: chunk_size must be a positive int, got {chunk_size!r}")
+    if xbc_cache.dim() != 3 or xbc_cache.shape[1] != chunk_size:
+        raise ValueError(f"{op}: xbc_cache {tuple(xbc_cache.shape)} is not [slots, L={chunk_size}, conv_dim]")
+    n_slots, conv_dim, gn = xbc_cache.shape[0], xbc_cache.shape[2], n_groups * state_size
+    if n_groups < 1 or state_size < 1 or nh < 1 or nh % n_groups or conv_dim <= 2 * gn or (conv_dim - 2 * gn) % nh:
+        raise ValueError(f"{op}: conv_dim {conv_dim} is not H*P + 2*G*N for H={nh}, G={n_groups}, N={state_size}")
+    hp = (conv_dim - 2 * gn) // nh
+    if dt_cache.shape != (n_slots, chunk_size, nh) or dt_cache.dtype != torch.float32:
+        raise ValueError(f"{op}: dt_cache {tuple(dt_cache.shape)} {dt_cache.dtype} is not float32 {(n_slots, chunk_size, nh)}")
+    if state_cache.shape != (n_slots, nh, hp, state_size) or state_cache.dtype != torch.float32:
+        raise ValueError(f"{op}: state_cache {tuple(state_cache.shape)} {state_cache.dtype} is not float32 "
+                         f"{(n_slots, nh, hp, state_size)}")
+    return hp
+
+
 def _check_step(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, A, D, chunk_size, n_groups,
                 state_size, fresh, out_dtype):
-    """Shapes of :func:`ssd_step_outputs`' arguments (one-line ValueErrors); returns ``(H, P)``."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"ssd_step_outputs: chunk_size must be a positive int, got {chunk_size!r}")
-    if xbc_cache.dim() != 3 or xbc_cache.shape[1] != chunk_size:
-        raise ValueError(f"ssd_step_outputs: xbc_cache {tuple(xbc_cache.shape)} is not [slots, L={chunk_size}, conv_dim]")
+    """Shapes of :func:`ssd_step_outputs`' arguments (one-line ValueErrors)."""
     if new_dt.dim() != 2 or slots.dim() != 1 or new_dt.shape[0] != slots.shape[0]:
         raise ValueError(f"ssd_step_outputs: new_dt {tuple(new_dt.shape)} / slots {tuple(slots.shape)} are not [b, H] / [b]")
-    (bsz, nh), conv_dim, gn = new_dt.shape, xbc_cache.shape[2], n_groups * state_size
-    if n_groups < 1 or state_size < 1 or nh < 1 or nh % n_groups or conv_dim <= 2 * gn or (conv_dim - 2 * gn) % nh:
-        raise ValueError(f"ssd_step_outputs: conv_dim {conv_dim} is not H*P + 2*G*N for H={nh}, G={n_groups}, N={state_size}")
-    hp = (conv_dim - 2 * gn) // nh
-    n_slots = xbc_cache.shape[0]
-    if dt_cache.shape != (n_slots, chunk_size, nh) or dt_cache.dtype != torch.float32:
-        raise ValueError(f"ssd_step_outputs: dt_cache {tuple(dt_cache.shape)} {dt_cache.dtype} is not float32 {(n_slots, chunk_size, nh)}")
-    if state_cache.shape != (n_slots, nh, hp, state_size) or state_cache.dtype != torch.float32:
-        raise ValueError(f"ssd_step_outputs: state_cache {tuple(state_cache.shape)} {state_cache.dtype} is not float32 "
-                         f"{(n_slots, nh, hp, state_size)}")
+    bsz, nh = new_dt.shape
+    _check_state_caches("ssd_step_outputs", xbc_cache, dt_cache, state_cache, chunk_size, n_groups, state_size, nh)
+    conv_dim = xbc_cache.shape[2]
     if slots.dtype not in (torch.int32, torch.int64) or pending.shape != (bsz,) or pending.dtype != torch.int64:
         raise ValueError(f"ssd_step_outputs: slots {slots.dtype} / pending {tuple(pending.shape)} {pending.dtype} are not int [b] / int64 [b={bsz}]")
     if new_xbc.shape != (bsz, conv_dim) or new_xbc.dtype != xbc_cache.dtype:
@@ -541,7 +549,6 @@ def _check_step(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_d
         raise ValueError(f"ssd_step_outputs: fresh {tuple(fresh.shape)} {fresh.dtype} is not bool [b={bsz}]")
     if out_dtype not in (None, torch.float32):
         raise ValueError(f"ssd_step_outputs: out_dtype must be None (the cache's dtype) or float32, got {out_dtype}")
-    return nh, hp
 
 
 def ssd_step_replay(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, new_dt, chunk_size: int, n_groups: int,
@@ -610,22 +617,11 @@ def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, 
 
 
 def _check_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size, n_groups, state_size):
-    """Shapes of :func:`ssd_step_end_states`' arguments (one-line ValueErrors); returns ``(H, P)``."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"ssd_step_end_states: chunk_size must be a positive int, got {chunk_size!r}")
-    if xbc_cache.dim() != 3 or xbc_cache.shape[1] != chunk_size:
-        raise ValueError(f"ssd_step_end_states: xbc_cache {tuple(xbc_cache.shape)} is not [slots, L={chunk_size}, conv_dim]")
-    n_slots, conv_dim = xbc_cache.shape[0], xbc_cache.shape[2]
-    if dt_cache.dim() != 3 or dt_cache.shape[:2] != (n_slots, chunk_size) or dt_cache.dtype != torch.float32:
-        raise ValueError(f"ssd_step_end_states: dt_cache {tuple(dt_cache.shape)} {dt_cache.dtype} is not float32 "
-                         f"[{n_slots}, {chunk_size}, H]")
-    nh, gn = dt_cache.shape[2], n_groups * state_size
-    if n_groups < 1 or state_size < 1 or nh < 1 or nh % n_groups or conv_dim <= 2 * gn or (conv_dim - 2 * gn) % nh:
-        raise ValueError(f"ssd_step_end_states: conv_dim {conv_dim} is not H*P + 2*G*N for H={nh}, G={n_groups}, N={state_size}")
-    hp = (conv_dim - 2 * gn) // nh
-    if state_cache.shape != (n_slots, nh, hp, state_size) or state_cache.dtype != torch.float32:
-        raise ValueError(f"ssd_step_end_states: state_cache {tuple(state_cache.shape)} {state_cache.dtype} is not float32 "
-                         f"{(n_slots, nh, hp, state_size)}")
+    """Shapes of :func:`ssd_step_end_states`' arguments (one-line ValueErrors)."""
+    if dt_cache.dim() != 3:
+        raise ValueError(f"ssd_step_end_states: dt_cache {tuple(dt_cache.shape)} is not float32 [slots, L, H]")
+    nh = dt_cache.shape[2]
+    _check_state_caches("ssd_step_end_states", xbc_cache, dt_cache, state_cache, chunk_size, n_groups, state_size, nh)
     if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ssd_step_end_states: slots {tuple(slots.shape)} {slots.dtype} is not int [b]")
     bsz = slots.shape[0]
@@ -635,7 +631,6 @@ def _check_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A
         raise ValueError(f"ssd_step_end_states: fresh {tuple(fresh.shape)} {fresh.dtype} is not bool [b={bsz}]")
     if A.shape != (nh,):
         raise ValueError(f"ssd_step_end_states: A {tuple(A.shape)} must be [H={nh}]")
-    return nh, hp
 
 
 @register("ssd_step_end_states", "cpu")
