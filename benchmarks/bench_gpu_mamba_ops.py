@@ -75,8 +75,10 @@ def conv_case(name: str, bsz: int, t_len: int, stock) -> dict:
         conv_fn, conv_update, _ = stock
         w, b = w.to(x.dtype), b.to(x.dtype)  # vLLM keeps the conv's parameters in the model dtype
         if t_len == 1:  # the decode step: a state per sequence, updated in place
-            cache = state.transpose(1, 2).contiguous()  # vLLM's [b, C, K-1]
-            row["vllm_ms"] = timed(lambda: conv_update(x[:, 0], cache, w, b, "silu"))
+            # vLLM's [lines, C, K-1] with its null block (line 0, skipped) first; vLLM 0.26 needs the indices
+            cache = torch.cat([state[:1], state]).transpose(1, 2).contiguous()
+            lines = torch.arange(1, bsz + 1, dtype=torch.int32, device=DEV)
+            row["vllm_ms"] = timed(lambda: conv_update(x[:, 0], cache, w, b, "silu", conv_state_indices=lines))
         else:
             xt = x[0].t().contiguous()  # vLLM's [C, T] of the varlen batch
             qsl = torch.tensor([0, t_len], dtype=torch.int32, device=DEV)

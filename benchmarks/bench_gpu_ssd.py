@@ -7,7 +7,7 @@ Cases at Nemotron-H 8B's mixer widths (128 heads x 64, 8 groups, state 128, chun
 = 1024 / 4096), a decode step of 64 sequences (1 new token after 64 pending tokens of the chunk, so each replays 65
 positions and outputs one) and the engine's decode step of 64 sequences at ragged positions (each replays its
 pending tokens, zero-padded to the longest, and outputs its own position only: ``ssd_outputs_at``); then the two
-decode steps of the engine at the SSD level (host-planned, and device-only for full CUDA graphs), bits and time.  Per case and
+engine's decode step at the SSD level (in place from the state cache) against the one it replaced, bits and time.  Per case and
 part -- the prefix sums (step 1), the outputs (steps 2-4), the chunks' state terms (step 5's bulk; prefill only),
 the whole scan (the chunk padding and the state recurrence are torch ops in both) -- the ratio torch time / Triton
 time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands read once, the result
@@ -99,45 +99,42 @@ def run_case(name: str, bsz: int, t_len: int, pos: torch.Tensor, bw: float) -> d
 
 
 def decode_step_paths(bsz: int = 64, seed: int = 1) -> dict:
-    """The engine's two decode steps at the SSD level (the default kernels): the host-planned one (a replay of
-    ``max(p) + 1`` rows, the closing requests' end states for them alone) and the device-only one of
-    ``MC_HYBRID_DECODE_GRAPHS=1`` (the whole chunk replayed, the end states masked on the device), one request in
-    ``L`` closing its chunk; their outputs and new states bitwise, their times."""
+    """The engine's decode step at the SSD level against the one it replaced (session 25's host-planned step: the
+    replay of ``max(p) + 1`` rows built by torch ops from the state cache, the closing requests' chunks gathered for
+    their end states), one request in ``L`` closing its chunk: the outputs read in place (``ssd_step_outputs``) and
+    the new boundary states formed in place (``ssd_step_end_states``, every row's program launched, the non-closing
+    ones returning at once); their outputs and new states bitwise, their times."""
     x, dt, a, b, c, d, state = inputs(bsz, L, seed)
     p = torch.randint(0, L - 1, (bsz,), generator=torch.Generator().manual_seed(seed)).to(DEV)
     p[0] = L - 1  # one closing request
     closing = p == L - 1
     t = int(p.max()) + 1
+    xbc_cache = torch.cat([x.flatten(2), b.flatten(2), c.flatten(2)], dim=-1)  # [slots, L, H*P + 2*G*N]
+    slots = torch.arange(bsz, device=DEV)
+    step = (xbc_cache, dt, state, slots, p, xbc_cache[slots, p], dt[slots, p])
 
-    def host():
-        y = ssd.ssd_outputs_at(x[:, :t], dt[:, :t], a, b[:, :t], c[:, :t], d, L, state, p)
+    def former():
+        xr, dtr, br, cr, st = ssd.ssd_step_replay(*step, L, G, N, rows=t)
+        y = ssd.ssd_outputs_at(xr, dtr, a, br, cr, d, L, st, p)
         rows = closing.nonzero().flatten()
         return y, ssd.ssd_chunk_end_state(x[rows], dt[rows], a, b[rows], c[rows], L, state[rows])
 
-    def device_only():
-        return (ssd.ssd_outputs_at(x, dt, a, b, c, d, L, state, p),
-                ssd.ssd_chunk_end_state(x, dt, a, b, c, L, state, closing))
+    def engine(states):
+        y = ssd.ssd_step_outputs(xbc_cache, dt, states, slots, p, xbc_cache[slots, p], dt[slots, p], a, d, L, G, N)
+        ssd.ssd_step_end_states(xbc_cache, dt, states, slots, closing, None, a, L, G, N)
+        return y
 
-    (y_h, s_h), (y_d, s_d) = host(), device_only()
-    equal = torch.equal(y_h, y_d) and torch.equal(s_h, s_d[closing]) and torch.equal(s_d[~closing], state[~closing])
-
-    # the outputs as the mixer forms them from its state cache: the replay built by torch ops (up to session 25) or
-    # read in place by the outputs kernel (ssd_step_outputs)
-    xbc_cache = torch.cat([x.flatten(2), b.flatten(2), c.flatten(2)], dim=-1)  # [slots, L, H*P + 2*G*N]
-    slots, seqs = torch.arange(bsz, device=DEV), torch.arange(bsz, device=DEV)
-    step = (xbc_cache, dt, state, slots, p, xbc_cache[seqs, p], dt[seqs, p])
-
-    def replay_built():
-        xr, dtr, br, cr, st = ssd.ssd_step_replay(*step, L, G, N, rows=t)
-        return ssd.ssd_outputs_at(xr, dtr, a, br, cr, d, L, st, p)
-
-    def in_place():
-        return ssd.ssd_step_outputs(*step, a, d, L, G, N)
-
-    equal = equal and torch.equal(replay_built(), in_place()) and torch.equal(in_place(), y_h)
-    return {"batch": bsz, "host ms": triton.testing.do_bench(host), "device-only ms": triton.testing.do_bench(device_only),
-            "outputs replay-built ms": triton.testing.do_bench(replay_built),
-            "outputs in place ms": triton.testing.do_bench(in_place), "bits_equal": equal}
+    y_f, s_f = former()
+    states = state.clone()
+    y_e = engine(states)
+    equal = torch.equal(y_f, y_e) and torch.equal(s_f, states[closing]) and torch.equal(states[~closing], state[~closing])
+    scratch = state.clone()  # timed runs keep forming the closing row's state from its last one
+    return {"batch": bsz, "former ms": triton.testing.do_bench(former),
+            "engine ms": triton.testing.do_bench(lambda: engine(scratch)),
+            "outputs in place ms": triton.testing.do_bench(lambda: ssd.ssd_step_outputs(*step, a, d, L, G, N)),
+            "end states in place ms": triton.testing.do_bench(
+                lambda: ssd.ssd_step_end_states(xbc_cache, dt, scratch, slots, closing, None, a, L, G, N)),
+            "bits_equal": equal}
 
 
 def main() -> int:
@@ -167,10 +164,9 @@ def main() -> int:
             print(f"| {r['case']} | {part} | {r['ms'][part + ' torch']:.3f} | {ours:.3f} | {v:.1f} | {floor_cells} "
                   f"{'equal' if r['bits_equal'][part] else 'DIFFER'} |")
     steps = decode_step_paths()
-    print(f"\ndecode step, {steps['batch']} sequences (SSD only): host-planned {steps['host ms']:.3f} ms, device-only "
-          f"(MC_HYBRID_DECODE_GRAPHS=1) {steps['device-only ms']:.3f} ms; its outputs from the state cache: replay built "
-          f"by torch {steps['outputs replay-built ms']:.3f} ms, read in place (ssd_step_outputs) "
-          f"{steps['outputs in place ms']:.3f} ms; bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
+    print(f"\ndecode step, {steps['batch']} sequences (SSD only): the engine's {steps['engine ms']:.3f} ms (outputs in "
+          f"place {steps['outputs in place ms']:.3f}, end states in place {steps['end states in place ms']:.3f}), the "
+          f"former host-planned one {steps['former ms']:.3f} ms; bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":

@@ -156,8 +156,8 @@ def test_validation_names_the_argument():
 @pytest.mark.parametrize("graphed", [False, True])
 def test_the_mixer_on_the_kernel_equals_the_whole_sequence(monkeypatch, graphed):
     """The vLLM mixer's decode steps on this kernel (registered for the CPU here, as it is for CUDA: the mixer then
-    calls ``ssd_step_outputs`` instead of its torch replay), host-planned and device-only: closing, open and first
-    tokens, NaN in every unwritten cache row -- bitwise the one-pass forward (a float32 model: see the docstring)."""
+    calls ``ssd_step_outputs`` instead of its torch replay), with ``MC_HYBRID_DECODE_GRAPHS`` off and on: closing, open
+    and first tokens, NaN in every unwritten cache row -- bitwise the one-pass forward (a float32 model: see the docstring)."""
     from test_vllm_hybrid import _arch, _forward, _mixer, _run_schedule
 
     from megatron_consistent.kernels import dispatch

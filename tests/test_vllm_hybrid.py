@@ -157,20 +157,20 @@ def test_decode_batch_with_closing_open_and_first_tokens(monkeypatch):
 
 @settings(max_examples=15, suppress_health_check=[HealthCheck.large_base_example], deadline=None)
 @given(sched=_schedules(), seed=st.integers(0, 2**16))
-def test_device_only_decode_step_any_schedule_equals_whole_sequence(sched, seed):
-    """``MC_HYBRID_DECODE_GRAPHS=1``: decode-only steps run on the device alone (a whole chunk replayed, every slot
-    written back, the closures masked on the device) -- still bitwise the one-pass forward, mixed with host-planned
-    prefill steps."""
+def test_decode_graphs_switch_any_schedule_equals_whole_sequence(sched, seed):
+    """``MC_HYBRID_DECODE_GRAPHS=1`` (decode-only steps as a full CUDA graph runs them): every step with one-token
+    requests runs them on the device alone (one :meth:`_step` call a step), still bitwise the one-pass forward, mixed
+    with prefill pieces."""
     from megatron_consistent.vllm_plugin import mamba as mod
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mod, "DECODE_GRAPHS", True)
         calls = []
-        real = mod.ConsistentMambaMixer._step_graphed
-        mp.setattr(mod.ConsistentMambaMixer, "_step_graphed", lambda *a: calls.append(1) or real(*a))
+        real = mod.ConsistentMambaMixer._step
+        mp.setattr(mod.ConsistentMambaMixer, "_step", lambda *a: calls.append(1) or real(*a))
         _check_schedule(mp, sched, seed)
-        decode_only = [st_ for st_ in sched[1] if all(k == 1 and c > 0 for _, c, k in st_)]
-        assert len(calls) == len(decode_only)
+        with_decodes = [st_ for st_ in sched[1] if any(k == 1 and c > 0 for _, c, k in st_)]
+        assert len(calls) == len(with_decodes)
 
 
 def test_device_only_decode_step_with_a_captured_batch_padding(monkeypatch):
@@ -231,17 +231,17 @@ def test_mixer_without_pending_tokens_is_caught(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- compile + CUDA graphs (host side)
 @pytest.mark.parametrize("plugin_backend", [True, False])
-def test_mixer_resolves_default_graphs_to_piecewise_with_the_mixer_split_off(plugin_backend):
-    """vLLM's default FULL_AND_PIECEWISE, resolved against the plugin's Mamba-2 backend, becomes PIECEWISE with the
-    mixer op among the splitting ops (vLLM's own Mamba-2 backend, the control, keeps full decode graphs)."""
+def test_decode_graphs_off_resolves_default_graphs_to_piecewise_with_the_mixer_split_off(plugin_backend, monkeypatch):
+    """``MC_HYBRID_DECODE_GRAPHS=0``: vLLM's default FULL_AND_PIECEWISE, resolved against the plugin's Mamba-2
+    backend, becomes PIECEWISE with the mixer op among the splitting ops (vLLM's own Mamba-2 backend, the control,
+    keeps full decode graphs)."""
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
     from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
 
     from megatron_consistent.vllm_plugin import mamba
     from megatron_consistent.vllm_plugin.mamba import MIXER_OP, ConsistentMamba2Backend, run_mixer_between_graphs
 
-    assert not mamba.DECODE_GRAPHS  # the default
-
+    monkeypatch.setattr(mamba, "DECODE_GRAPHS", False)
     cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
     cc.set_splitting_ops_for_v1("allgather_reducescatter")
     run_mixer_between_graphs(cc)
@@ -255,14 +255,17 @@ def test_mixer_resolves_default_graphs_to_piecewise_with_the_mixer_split_off(plu
     assert unsplit.splitting_ops == []  # one unsplit graph asked for: left alone (vLLM refuses full graphs itself)
 
 
-def test_decode_graphs_opt_in_keeps_full_decode_graphs(monkeypatch):
-    """``MC_HYBRID_DECODE_GRAPHS=1``: the plugin's backend declares vLLM's own Mamba-2 support, so the default
-    FULL_AND_PIECEWISE stays (decode-only steps in full graphs, the mixer split off for the rest); other values are
-    refused by name."""
+def test_decode_graphs_by_default_keep_full_decode_graphs(monkeypatch):
+    """By default (``MC_HYBRID_DECODE_GRAPHS`` unset or ``1``) the plugin's backend declares vLLM's own Mamba-2
+    support, so the default FULL_AND_PIECEWISE stays (decode-only steps in full graphs, the mixer split off for the
+    rest); ``0`` turns it off, other values are refused by name."""
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
     from megatron_consistent.vllm_plugin import mamba as mod
 
+    for value, on in (("", True), ("1", True), ("0", False)):
+        monkeypatch.setenv("MC_HYBRID_DECODE_GRAPHS", value)
+        assert mod.env_switch("MC_HYBRID_DECODE_GRAPHS", default=True) is on
     monkeypatch.setattr(mod, "DECODE_GRAPHS", True)
     cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
     cc.set_splitting_ops_for_v1("allgather_reducescatter")
@@ -271,7 +274,7 @@ def test_decode_graphs_opt_in_keeps_full_decode_graphs(monkeypatch):
     assert cc.resolve_cudagraph_mode_and_sizes(support, "mamba") == CUDAGraphMode.FULL_AND_PIECEWISE
     monkeypatch.setenv("MC_HYBRID_DECODE_GRAPHS", "on")
     with pytest.raises(ValueError, match="MC_HYBRID_DECODE_GRAPHS='on': expected 0 or 1"):
-        mod.env_switch("MC_HYBRID_DECODE_GRAPHS")
+        mod.env_switch("MC_HYBRID_DECODE_GRAPHS", default=True)
 
 
 def test_mixer_is_one_splitting_node_of_the_compiled_layer(monkeypatch):

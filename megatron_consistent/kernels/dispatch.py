@@ -57,10 +57,10 @@ def registered(op: str, device: torch.device) -> Callable | None:
         return None
 
 
-def env_switch(variable: str) -> bool:
-    """An on / off switch between evaluations of the same contract, from the environment: ``"1"`` on, ``"0"`` or unset
-    off; anything else is refused by name (``MC_GLUON``, ``MC_HYBRID_DECODE_GRAPHS``; docs/gpu.md)."""
+def env_switch(variable: str, default: bool = False) -> bool:
+    """An on / off switch between evaluations of the same contract, from the environment: ``"1"`` on, ``"0"`` off,
+    unset ``default``; anything else is refused by name (``MC_GLUON``, ``MC_HYBRID_DECODE_GRAPHS``; docs/gpu.md)."""
     value = os.environ.get(variable, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{variable}={value!r}: expected 0 or 1")
-    return value == "1"
+    return default if value == "" else value == "1"

@@ -636,21 +636,23 @@ def _check_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A
 @register("ssd_step_end_states", "cpu")
 def _ssd_step_end_states_cpu(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size: int,
                              n_groups: int, state_size: int) -> None:
-    """The reference: every row's whole chunk and state gathered with torch (the mixer's former ``_cached_chunk`` and
-    ``torch.where(fresh, 0, state_cache[slots])``), :func:`ssd_chunk_end_state` with ``closing``, and the slots of
-    the closing or fresh rows written (the others get their own bits back: a masked write, no host read)."""
-    bsz, (L, nh) = slots.shape[0], dt_cache.shape[1:]
-    if bsz == 0:
-        return
-    gn, hp = n_groups * state_size, state_cache.shape[2]
-    slots = slots.to(torch.int64)
-    x, B, C = xbc_cache[slots].split([xbc_cache.shape[2] - 2 * gn, gn, gn], dim=-1)
-    old = state_cache[slots]
-    start = old if fresh is None else torch.where(fresh[:, None, None, None], 0.0, old)
-    end = ssd_chunk_end_state(x.reshape(bsz, L, nh, hp), dt_cache[slots], A, B.reshape(bsz, L, n_groups, state_size),
-                              C.reshape(bsz, L, n_groups, state_size), L, start, closing)
+    """The reference: the closing or fresh rows (read on the host: this is the CPU's), their whole chunks and states
+    gathered with torch, :func:`ssd_chunk_end_state` with ``closing`` from their states (zeros where ``fresh``), and
+    their slots written."""
     touched = closing if fresh is None else closing | fresh
-    state_cache[slots] = torch.where(touched[:, None, None, None], end, old)
+    rows = touched.nonzero()[:, 0]
+    if rows.numel() == 0:
+        return
+    bsz, (L, nh) = rows.shape[0], dt_cache.shape[1:]
+    gn, hp = n_groups * state_size, state_cache.shape[2]
+    slots = slots[rows].to(torch.int64)
+    x, B, C = xbc_cache[slots].split([xbc_cache.shape[2] - 2 * gn, gn, gn], dim=-1)
+    start = state_cache[slots]
+    if fresh is not None:
+        start = torch.where(fresh[rows][:, None, None, None], 0.0, start)
+    state_cache[slots] = ssd_chunk_end_state(x.reshape(bsz, L, nh, hp), dt_cache[slots], A,
+                                             B.reshape(bsz, L, n_groups, state_size),
+                                             C.reshape(bsz, L, n_groups, state_size), L, start, closing[rows])
 
 
 def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size: int, n_groups: int,

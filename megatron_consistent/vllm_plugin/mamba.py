@@ -21,38 +21,33 @@ caching is refused for hybrid models).  A slot holds, in this order:
 with ``p = num_computed_tokens % L`` pending tokens.  Every prefill piece and every
 decode step calls :func:`kernels.ssd_continue` from the boundary state with the pending
 tokens, so each output has the bits of the whole-sequence :func:`kernels.ssd_scan`
-whatever the chunked-prefill cut, the decode step or the batch (one-token steps of the
-batch are replayed together, zero-padded, each asking its own row only, the replay read in place from the cache by
-:func:`kernels.ssd_step_outputs`: :meth:`ConsistentMambaMixer._step`).  A request's
+whatever the chunked-prefill cut, the decode step or the batch.  A request's
 ``num_computed_tokens`` comes from vLLM's metadata (``seq_lens - query_len``); a request
-with none computed starts from zeros.  Requests with the same (new tokens, pending) sizes
-are run as one batched call (the kernels are batch-invariant).
+with none computed starts from zeros.
 
-torch.compile and CUDA graphs (vLLM 0.26 on CUDA).  The mixer core reads vLLM's metadata on the host (request
-sizes, state slots, pending counts; once a step, :class:`StepPlan`) and groups requests by them: data-dependent
-Python that no CUDA graph can replay.  So by default it is fenced off the way vLLM fences its own
-``mamba_mixer2``:
+The step's one-token requests (vLLM puts them first) run together on the device alone (:meth:`ConsistentMambaMixer._step`:
+each replays its pending tokens, its new token and zeros after, asking its own row only, read in place from the cache
+by :func:`kernels.ssd_step_outputs`; the closing requests' new boundary states formed in place by
+:func:`kernels.ssd_step_end_states`): no host reads.  Prefill pieces are read on the host (request sizes, state
+slots, computed counts; once a step, :func:`prefill_pieces`) and those with the same (new tokens, pending) sizes
+run as one batched call (the kernels are batch-invariant).
 
-* it is one opaque custom op, ``megatron_consistent::mamba_mixer`` (:data:`MIXER_OP`), writing ``y`` into a buffer
-  the compiled graph allocates (a piecewise graph reads it at its captured address), and
-  :func:`run_mixer_between_graphs` adds it to the compilation config's ``splitting_ops``: vLLM cuts the compiled
-  graph at it, captures the pieces between mixers as piecewise CUDA graphs and runs the op eagerly between them;
-* its attention backend (:class:`ConsistentMamba2Backend`, vLLM's Mamba-2 metadata unchanged) declares no
-  full-CUDA-graph support (``AttentionCGSupport.NEVER``), so vLLM resolves the default ``FULL_AND_PIECEWISE`` to
-  ``PIECEWISE`` for these models and never captures a mixer inside a full decode graph (a ``FULL`` mode asked
-  for explicitly is refused by vLLM itself).
+torch.compile and CUDA graphs (vLLM 0.26 on CUDA).  Grouping prefill pieces is data-dependent Python that no CUDA
+graph can replay, so the mixer core is fenced off the way vLLM fences its own ``mamba_mixer2``: it is one opaque
+custom op, ``megatron_consistent::mamba_mixer`` (:data:`MIXER_OP`), writing ``y`` into a buffer the compiled graph
+allocates (a piecewise graph reads it at its captured address), and :func:`run_mixer_between_graphs` adds it to the
+compilation config's ``splitting_ops``: vLLM cuts the compiled graph at it, captures the pieces between mixers as
+piecewise CUDA graphs and runs the op eagerly between them in steps with prefills.  Its attention backend
+(:class:`ConsistentMamba2Backend`, vLLM's Mamba-2 metadata unchanged) declares vLLM's own Mamba-2 support
+(``UNIFORM_BATCH``): vLLM keeps its default ``FULL_AND_PIECEWISE`` and captures decode-only steps whole in full CUDA
+graphs, mixer included (:meth:`ConsistentMambaMixer._step` has no host reads; the rows vLLM pads a captured batch
+with run too, on its null block).  ``MC_HYBRID_DECODE_GRAPHS=0`` declares no full-graph support
+(``AttentionCGSupport.NEVER``): vLLM resolves the default to ``PIECEWISE`` and the mixer runs between piecewise
+graphs in every step (same bits; session 26 on the H200: 0.48x the rollout speed).
 
 Everything else of the layer (in/out projections, ``mamba_dt``, the gated norm) is compiled and captured, each
 an opaque op of :mod:`..kernels.inference_ops`.  Rows the mixer does not compute (the padding of a piecewise
 graph's batch) are zeros.
-
-``MC_HYBRID_DECODE_GRAPHS=1`` (opt-in, not yet measured on a GPU): a decode-only step runs on the device alone
-(:meth:`ConsistentMambaMixer._step_graphed`: every request's pending count from ``seq_lens`` on the device, the
-outputs read in place from the cache as in the host-planned step, the new boundary states of the closing requests
-formed in place in the state cache, masked on the device: :func:`kernels.ssd_step_end_states`), and the backend
-declares vLLM's own Mamba-2 support
-(``UNIFORM_BATCH``): vLLM then captures decode-only steps in full CUDA graphs, mixer included, and keeps the
-piecewise graphs with the host-planned mixer for steps with prefills.  Same bits either way.
 """
 
 from __future__ import annotations
@@ -67,22 +62,22 @@ from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend, Mamba
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ..config import ArchConfig, SSMConfig
-from ..kernels import (causal_conv1d, inference_ops, ssd_chunk_end_state, ssd_continue, ssd_step_end_states,
-                       ssd_step_outputs, ssm_decay_rate)
+from ..kernels import (causal_conv1d, inference_ops, ssd_continue, ssd_step_end_states, ssd_step_outputs,
+                       ssm_decay_rate)
 from ..kernels.dispatch import env_switch
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
 
 
-# MC_HYBRID_DECODE_GRAPHS=1: a decode-only step's mixer on the device alone (ConsistentMambaMixer._step_graphed), and
-# vLLM may capture such steps in full CUDA graphs; off: the host-planned step between piecewise graphs (the default
-# until it is measured on a GPU)
-DECODE_GRAPHS = env_switch("MC_HYBRID_DECODE_GRAPHS")
+# MC_HYBRID_DECODE_GRAPHS: on (the default since session 26: `check` zero on the H200, 2.1x the piecewise rollout):
+# vLLM may capture decode-only steps, the mixer included, in full CUDA graphs; 0: the mixer between piecewise graphs
+# in every step
+DECODE_GRAPHS = env_switch("MC_HYBRID_DECODE_GRAPHS", default=True)
 
 
 class ConsistentMamba2MetadataBuilder(Mamba2AttentionMetadataBuilder):
-    """vLLM's Mamba-2 metadata, declaring no full-CUDA-graph support (the mixer core reads it on the host), or with
-    ``MC_HYBRID_DECODE_GRAPHS=1`` vLLM's own (uniform decode batches: the device-only step)."""
+    """vLLM's Mamba-2 metadata, declaring vLLM's own full-CUDA-graph support (uniform decode batches: the mixer's
+    decode step has no host reads), or with ``MC_HYBRID_DECODE_GRAPHS=0`` none (the mixer between piecewise graphs)."""
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -136,47 +131,23 @@ def _f32(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
 
 
-class DecodePlan(NamedTuple):
-    """A step's one-token requests as :meth:`ConsistentMambaMixer._step` takes them (device index tensors)."""
+class PrefillPiece(NamedTuple):
+    """Prefill requests of a step with equal (new tokens, pending count), run as one batched call."""
 
-    rows: torch.Tensor  # their tokens' rows of the step
-    slots: torch.Tensor  # their state slots
-    pending: torch.Tensor  # their pending counts p = computed % L (the new token's row of the replay)
-    fresh_slots: torch.Tensor | None  # slots of first tokens (computed == 0), None: none
-    closing_rows: torch.Tensor | None  # those whose token completes the chunk (p == L - 1), None: none
+    rows: torch.Tensor  # [k, n] their tokens' rows of the step
+    slots: list[int]  # their state slots
+    computed: list[int]  # their computed tokens
 
 
-class StepPlan(NamedTuple):
-    """The host's reading of one step's metadata, shared by every mixer of the step."""
-
-    decode: DecodePlan | None
-    prefills: list[tuple[torch.Tensor, list[int], list[int]]]  # pieces of equal (new, pending): rows [k, n], slots, computed
-
-
-def step_plan(requests: list[tuple[int, int, int, int]], chunk_size: int, device) -> StepPlan:
-    """:class:`StepPlan` of ``requests`` ((first row, new tokens, state slot, computed tokens) each): the one-token
-    requests in one :class:`DecodePlan`, the others grouped by (new tokens, pending count)."""
-
-    def tensor(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    steps = [(first, slot, c) for first, n, slot, c in requests if n == 1]
+def prefill_pieces(requests: list[tuple[int, int, int, int]], chunk_size: int, device) -> list[PrefillPiece]:
+    """``requests`` ((first row, new tokens, state slot, computed tokens) each) grouped by (new tokens, pending
+    count)."""
     groups: dict[tuple[int, int], list] = {}
     for first, n, slot, c in requests:
-        if n > 1:
-            groups.setdefault((n, c % chunk_size), []).append((first, slot, c))
-    prefills = [(tensor([r[0] for r in reqs])[:, None] + torch.arange(n, device=device)[None, :], [r[1] for r in reqs],
-                 [r[2] for r in reqs]) for (n, _), reqs in groups.items()]
-    if not steps:
-        return StepPlan(None, prefills)
-    pending = [c % chunk_size for _, _, c in steps]
-    fresh = [slot for _, slot, c in steps if c == 0]
-    closing = [i for i, q in enumerate(pending) if q == chunk_size - 1]
-    decode = DecodePlan(
-        rows=tensor([r[0] for r in steps]), slots=tensor([r[1] for r in steps]), pending=tensor(pending),
-        fresh_slots=tensor(fresh) if fresh else None,
-        closing_rows=tensor(closing) if closing else None)
-    return StepPlan(decode, prefills)
+        groups.setdefault((n, c % chunk_size), []).append((first, slot, c))
+    return [PrefillPiece(torch.tensor([r[0] for r in reqs], dtype=torch.int64, device=device)[:, None]
+                         + torch.arange(n, device=device)[None, :], [r[1] for r in reqs], [r[2] for r in reqs])
+            for (n, _), reqs in groups.items()]
 
 
 class ConsistentMambaMixer(MambaBase, nn.Module):
@@ -187,7 +158,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
     loads a float32 or a bf16 checkpoint exactly.
     """
 
-    _last_plan: ClassVar[tuple] = (None, None)  # (metadata, its StepPlan): the step's plan, for the step's other mixers
+    _last_pieces: ClassVar[tuple] = (None, None)  # (metadata, its prefill pieces), for the step's other mixers
 
     def __init__(self, arch: ArchConfig, vllm_config, prefix: str):
         nn.Module.__init__(self)
@@ -241,77 +212,49 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
             y.copy_(self._run(xbc[None], dt[None], None).reshape(t, s.d_inner))
             return
         y.zero_()
-        if DECODE_GRAPHS and meta.num_prefills == 0:  # decode only: on the device alone (a full graph may hold it)
-            slots = meta.state_indices_tensor_d[:, 0]
-            b = slots.shape[0]  # a captured batch's padded rows included
-            if b:
-                y[:b] = self._step_graphed(xbc[:b], dt[:b], slots, meta.seq_lens[:b]).reshape(b, s.d_inner)
-            return
-        plan = self._plan(meta, xbc.device)
-        if plan.decode is not None:
-            out = self._step(xbc[plan.decode.rows], dt[plan.decode.rows], plan.decode)
-            y[plan.decode.rows] = out.reshape(-1, s.d_inner)
-        for rows, slots, computed in plan.prefills:
-            out = self._run(xbc[rows], dt[rows], (slots, computed))
-            y[rows.reshape(-1)] = out.reshape(-1, s.d_inner)
+        b = meta.num_decodes  # vLLM puts the one-token requests first
+        if DECODE_GRAPHS and meta.num_prefills == 0:
+            b = meta.state_indices_tensor_d.shape[0]  # a captured batch's padded rows included
+        if b:
+            out = self._step(xbc[:b], dt[:b], meta.state_indices_tensor_d[:b, 0], meta.seq_lens[:b])
+            y[:b] = out.reshape(b, s.d_inner)
+        if meta.num_prefills:
+            for rows, slots, computed in self._prefill_pieces(meta, xbc.device):
+                out = self._run(xbc[rows], dt[rows], (slots, computed))
+                y[rows.reshape(-1)] = out.reshape(-1, s.d_inner)
 
-    def _plan(self, meta, device: torch.device) -> StepPlan:
-        """The step's :class:`StepPlan`, built by the first mixer that reads this metadata and reused by the others
-        (every mixer of a step reads the same metadata: its host reads and index copies happen once a step)."""
-        last_meta, plan = ConsistentMambaMixer._last_plan
+    def _prefill_pieces(self, meta, device: torch.device) -> list[PrefillPiece]:
+        """The step's :class:`PrefillPiece` list, built by the first mixer that reads this metadata and reused by
+        the others (every mixer of a step reads the same metadata: its host reads and index copies happen once a
+        step)."""
+        last_meta, pieces = ConsistentMambaMixer._last_pieces
         if last_meta is not meta:
-            plan = step_plan(self._requests(meta), self.ssm.chunk_size, device)
-            ConsistentMambaMixer._last_plan = (meta, plan)
-        return plan
+            pieces = prefill_pieces(self._prefills(meta), self.ssm.chunk_size, device)
+            ConsistentMambaMixer._last_pieces = (meta, pieces)
+        return pieces
 
     @staticmethod
-    def _requests(meta) -> list[tuple[int, int, int, int]]:
-        """(first row, new tokens, state slot, computed tokens) of every request; vLLM puts decodes first."""
+    def _prefills(meta) -> list[tuple[int, int, int, int]]:
+        """(first row, new tokens, state slot, computed tokens) of every prefill request (after the decodes)."""
         nd, npf = meta.num_decodes, meta.num_prefills
-        seq_lens = meta.seq_lens.to(torch.int64).tolist()
-        reqs = []
-        if nd:
-            slots_d = meta.state_indices_tensor_d[:, 0].tolist()
-            reqs += [(i, 1, slots_d[i], seq_lens[i] - 1) for i in range(nd)]
-        if npf:
-            qsl = (meta.query_start_loc_p.to(torch.int64) + meta.num_decode_tokens).tolist()
-            slots_p = meta.state_indices_tensor_p.tolist()
-            for j in range(npf):
-                n = qsl[j + 1] - qsl[j]
-                reqs.append((qsl[j], n, slots_p[j], seq_lens[nd + j] - n))
-        return reqs
+        seq_lens = meta.seq_lens[nd:nd + npf].to(torch.int64).tolist()
+        qsl = (meta.query_start_loc_p.to(torch.int64) + meta.num_decode_tokens).tolist()
+        slots = meta.state_indices_tensor_p.tolist()
+        return [(qsl[j], qsl[j + 1] - qsl[j], slots[j], seq_lens[j] - (qsl[j + 1] - qsl[j])) for j in range(npf)]
 
-    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-        """One new token for each of ``b`` requests (any pending counts ``p``): ``xbc [b, conv_dim]``, ``dt [b, H]``.
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """One new token for each of ``b`` requests: ``xbc [b, conv_dim]``, ``dt [b, H]``, their state ``slots [b]``
+        and lengths ``seq_lens [b]`` (the new token included), on the device.  Returns ``y [b, H, P]``.
 
-        Request ``i``'s replay is its pending tokens ``r < p_i`` (the cache's rows), its new token (``r == p_i``) and
-        zeros after -- exactly the zero padding the scan gives a partial chunk, so its output at row ``p_i`` has the
-        bits of :func:`kernels.ssd_continue`: :func:`kernels.ssd_step_outputs` reads that replay in place from the
-        cache (:meth:`_step_outputs`).  The new token is then written to the cache; the requests whose token
-        completes the chunk form their new boundary state from their whole chunk, now the cache's rows
-        (:func:`kernels.ssd_chunk_end_state`, for them alone), and only their slots' states are written (and a first
-        token's slot zeroed first).  Returns ``y [b, H, P]``.
-        """
-        ssm_c, _, conv_c, _ = self.kv_cache
-        if plan.fresh_slots is not None:  # a first token: its slot starts from zeros, its boundary state stays there
-            ssm_c[plan.fresh_slots], conv_c[plan.fresh_slots] = 0.0, 0
-        new_xbc = self._conv(xbc, plan.slots)
-        A, L = ssm_decay_rate(self.A_log), self.ssm.chunk_size
-        y = self._step_outputs(new_xbc, dt, plan.slots, plan.pending, A)
-        self._write_token(new_xbc, dt, plan.slots, plan.pending)
-        if plan.closing_rows is not None:  # their chunk is whole in the cache now (p == L - 1)
-            slots = plan.slots[plan.closing_rows]
-            x, dt_seg, B, C = self._cached_chunk(slots)
-            ssm_c[slots] = ssd_chunk_end_state(x, dt_seg, A, B, C, L, ssm_c[slots])
-        return y
-
-    def _step_graphed(self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor):
-        """:meth:`_step` with every request's state slot and length on the device and fixed shapes (the new boundary
-        states formed in place in the state cache after the new token's write, by :func:`kernels.ssd_step_end_states`,
-        for the device's closing rows ``p == L - 1`` alone, a first token's slot zeroed, every other slot's state
-        untouched): no host reads, so vLLM can capture a decode step in a full CUDA graph
-        (``MC_HYBRID_DECODE_GRAPHS=1``).  Rows vLLM pads a captured batch with read and write its null block (slot 0,
-        never a request's).  Same bits as :meth:`_step` for every real request (tests/test_vllm_hybrid.py)."""
+        Request ``i``'s pending count ``p_i = (seq_lens_i - 1) % L`` and whether it is a first token come from
+        ``seq_lens`` on the device.  Its replay is its pending tokens ``r < p_i`` (the cache's rows), its new token
+        (``r == p_i``) and zeros after -- exactly the zero padding the scan gives a partial chunk, so its output at row
+        ``p_i`` has the bits of :func:`kernels.ssd_continue`: :func:`kernels.ssd_step_outputs` reads that replay in
+        place from the cache.  The new token is then written to the cache, and :func:`kernels.ssd_step_end_states`
+        forms the new boundary states of the requests whose token completes the chunk (``p == L - 1``) in place in
+        the state cache, a first token's slot zeroed, every other slot's state untouched.  No host reads and fixed
+        shapes: vLLM can capture a decode step in a full CUDA graph (``MC_HYBRID_DECODE_GRAPHS=1``); rows vLLM pads a
+        captured batch with read and write its null block (slot 0, never a request's)."""
         s = self.ssm
         ssm_c, dt_c, _, xbc_c = self.kv_cache
         L = s.chunk_size
@@ -320,44 +263,20 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         fresh = computed == 0
         new_xbc = self._conv(xbc, slots, fresh)
         A = ssm_decay_rate(self.A_log)
-        y = self._step_outputs(new_xbc, dt, slots, p, A, fresh)
-        self._write_token(new_xbc, dt, slots, p)
+        y = ssd_step_outputs(xbc_c, dt_c, ssm_c, slots, p, new_xbc, dt, A, self.D, L, s.n_groups, s.state_size, fresh)
+        xbc_c[slots, p] = new_xbc
+        dt_c[slots, p] = dt.to(torch.float32)
         ssd_step_end_states(xbc_c, dt_c, ssm_c, slots, p == L - 1, fresh, A, L, s.n_groups, s.state_size)
         return y
 
-    def _conv(self, xbc, slots, fresh=None) -> torch.Tensor:
+    def _conv(self, xbc, slots, fresh) -> torch.Tensor:
         """The conv of the new tokens ``xbc [b, conv_dim]`` from their slots' conv states (``fresh`` rows: zeros), the
         new conv states written; returns the post-conv tokens ``[b, conv_dim]``."""
         conv_c = self.kv_cache[2]
-        conv_state = conv_c[slots]
-        if fresh is not None:
-            conv_state = torch.where(fresh[:, None, None], 0, conv_state)
+        conv_state = torch.where(fresh[:, None, None], 0, conv_c[slots])
         new_xbc, new_conv = causal_conv1d(xbc[:, None], self.conv_weight[:, 0, :], self.conv_bias, conv_state, "silu")
         conv_c[slots] = new_conv
         return new_xbc[:, 0]
-
-    def _step_outputs(self, new_xbc, dt, slots, p, A, fresh=None) -> torch.Tensor:
-        """:func:`kernels.ssd_step_outputs` of the new tokens (``y [b, H, P]``; the cache not yet holding them)."""
-        s = self.ssm
-        ssm_c, dt_c, _, xbc_c = self.kv_cache
-        return ssd_step_outputs(xbc_c, dt_c, ssm_c, slots, p, new_xbc, dt, A, self.D, s.chunk_size, s.n_groups,
-                                s.state_size, fresh)
-
-    def _write_token(self, new_xbc, dt, slots, p) -> None:
-        """The new tokens' rows ``p`` of their slots' xbc and dt caches."""
-        _, dt_c, _, xbc_c = self.kv_cache
-        xbc_c[slots, p] = new_xbc
-        dt_c[slots, p] = dt.to(torch.float32)
-
-    def _cached_chunk(self, slots):
-        """``(x, dt, B, C)`` of the whole chunk held by ``slots``' caches (rows ``0..L-1``), shaped for the scan."""
-        s = self.ssm
-        _, dt_c, _, xbc_c = self.kv_cache
-        gn = s.n_groups * s.state_size
-        x, B, C = xbc_c[slots].split([s.d_inner, gn, gn], dim=-1)
-        b, L = x.shape[:2]
-        return (x.reshape(b, L, s.num_heads, s.head_dim), dt_c[slots], B.reshape(b, L, s.n_groups, s.state_size),
-                C.reshape(b, L, s.n_groups, s.state_size))
 
     def _run(self, xbc: torch.Tensor, dt: torch.Tensor, cache) -> torch.Tensor:
         """Conv + SSD of ``b`` requests of equal (new, pending) sizes; ``xbc [b, n, conv_dim]``, ``dt [b, n, H]``.
