@@ -49,7 +49,6 @@ import triton
 import triton.language as tl
 
 from .. import moe as kmoe
-from .. import numerics
 from ..dispatch import register
 from ..relu_squared import relu_squared
 from ..silu_and_mul import silu_and_mul
@@ -57,26 +56,11 @@ from ..fp8 import gate_up_block_rows, per_expert_fp8_outputs, row_block_of_parts
 from ._common import TensorDescriptor, next_pow2, tma_ok
 from .fp8_linear import GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
 from .linear import _epilogue, _serial_splits, config_for
+from .numerics import exp_f32
 
 
 
 # ---------------------------------------------------------------------------------------------- router
-@triton.jit
-def _exp_f64(x, C):
-    """:func:`numerics.exp` of float32 ``x``: float64 range reduction and the degree-12 Horner chain (constants read
-    from the float64 table ``C`` = [log2 e, 0.5, ln 2, 1/12!, ..., 1/0!], never float32 literals), one rounding."""
-    xd = tl.minimum(tl.maximum(x.to(tl.float64), -110.0), 90.0)
-    n = tl.math.floor(xd * tl.load(C) + tl.load(C + 1))
-    r = xd - n * tl.load(C + 2)
-    p = tl.zeros_like(r) + tl.load(C + 3)
-    for i in tl.static_range(12):
-        p = p * r
-        p = p + tl.load(C + 4 + i)
-    scale = ((n.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
-    y = (p * scale).to(tl.float32)
-    return tl.where(x != x, x, y)
-
-
 @triton.jit
 def _tree_sum(x, WIDTH: tl.constexpr):
     """:func:`numerics.tree_sum` of a power-of-two vector: element ``i`` pairs with ``i + width / 2``, level by level."""
@@ -86,7 +70,7 @@ def _tree_sum(x, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _select_experts_kernel(Z, BIAS, W_OUT, E_OUT, C, scaling, stride_z,
+def _select_experts_kernel(Z, BIAS, W_OUT, E_OUT, scaling, stride_z,
                            E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                            SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -94,10 +78,10 @@ def _select_experts_kernel(Z, BIAS, W_OUT, E_OUT, C, scaling, stride_z,
     live = cols < E
     z = tl.load(Z + t * stride_z + cols, mask=live, other=0.0)
     if SIGMOID:
-        s = tl.math.div_rn(tl.zeros_like(z) + 1.0, 1.0 + _exp_f64(-z, C))
+        s = tl.math.div_rn(tl.zeros_like(z) + 1.0, 1.0 + exp_f32(-z))
     else:
         zm = tl.where(live, z, -float("inf"))
-        e = tl.where(live, _exp_f64(z - tl.max(zm, axis=0), C), 0.0)  # the tree's zero padding
+        e = tl.where(live, exp_f32(z - tl.max(zm, axis=0)), 0.0)  # the tree's zero padding
         s = tl.math.div_rn(e, tl.zeros_like(e) + _tree_sum(e, EP))
     keys = s
     if HAS_BIAS:
@@ -122,16 +106,6 @@ def _select_experts_kernel(Z, BIAS, W_OUT, E_OUT, C, scaling, stride_z,
     tl.store(W_OUT + t * K + slots, w, mask=slots < K)
 
 
-_EXP_TABLE: dict[torch.device, torch.Tensor] = {}
-
-
-def _exp_constants(device: torch.device) -> torch.Tensor:
-    if device not in _EXP_TABLE:
-        consts = [numerics.LOG2E, 0.5, numerics.LN2] + list(reversed(numerics.EXP_COEFFS))
-        _EXP_TABLE[device] = torch.tensor(consts, dtype=torch.float64, device=device)
-    return _EXP_TABLE[device]
-
-
 @register("moe_select_experts", "cuda")
 def select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling):
     """:func:`kernels.moe.select_experts` in one Triton launch, one program per token (bitwise the CPU route's ops:
@@ -147,7 +121,7 @@ def select_experts(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group,
         return w, experts
     b = None if bias is None else bias.to(torch.float32).contiguous()
     _select_experts_kernel[(t,)](
-        z, b if b is not None else z, w, experts, _exp_constants(z.device), float(scaling), z.stride(0),
+        z, b if b is not None else z, w, experts, float(scaling), z.stride(0),
         E=e, EP=next_pow2(e), K=top_k, KP=next_pow2(top_k), SIGMOID=scoring == "sigmoid", HAS_BIAS=b is not None,
         NORM=bool(norm_topk_prob), SCALE=scaling != 1.0, num_warps=1 if e <= 128 else 4, enable_fp_fusion=False)
     return w, experts
