@@ -257,6 +257,13 @@ def _contributions_blocks(L: int, P: int, N: int) -> tuple[int, int, int]:
     return bl, bp, min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp)))
 
 
+def _check_slots_contiguous(op: str, xbc_cache, dt_cache, state_cache) -> None:
+    """The in-place decode-step kernels address a slot's dims densely (any slot stride): one-line ValueError else."""
+    for name, cache in (("xbc_cache", xbc_cache), ("dt_cache", dt_cache), ("state_cache", state_cache)):
+        if cache.shape[0] and not cache[0].is_contiguous():
+            raise ValueError(f"{op}: {name} strides {cache.stride()} are not contiguous within a slot")
+
+
 def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh, A, chunk_size: int, n_groups: int,
                         state_size: int) -> None:
     """:func:`kernels.ssd.ssd_step_end_states` (its signature and shapes; registered for ``"cuda"``): a decode step's
@@ -272,9 +279,7 @@ def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh,
     bsz, (L, H) = slots.shape[0], dt_cache.shape[1:]
     G, N = n_groups, state_size
     P = (xbc_cache.shape[2] - 2 * G * N) // H
-    for name, cache in (("xbc_cache", xbc_cache), ("dt_cache", dt_cache), ("state_cache", state_cache)):
-        if cache.shape[0] and not cache[0].is_contiguous():
-            raise ValueError(f"ssd_step_end_states: {name} strides {cache.stride()} are not contiguous within a slot")
+    _check_slots_contiguous("ssd_step_end_states", xbc_cache, dt_cache, state_cache)
     if bsz == 0:
         return
     slots = slots.to(torch.int64).contiguous()
@@ -327,9 +332,7 @@ def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, 
     bsz, H = new_dt.shape
     L, G, N = chunk_size, n_groups, state_size
     P = (xbc_cache.shape[2] - 2 * G * N) // H
-    for name, cache in (("xbc_cache", xbc_cache), ("dt_cache", dt_cache), ("state_cache", state_cache)):
-        if cache.shape[0] and not cache[0].is_contiguous():
-            raise ValueError(f"ssd_step_outputs: {name} strides {cache.stride()} are not contiguous within a slot")
+    _check_slots_contiguous("ssd_step_outputs", xbc_cache, dt_cache, state_cache)
     y = torch.empty(bsz, H, P, dtype=out_dtype or xbc_cache.dtype, device=new_xbc.device)
     if bsz == 0:
         return y
