@@ -208,6 +208,9 @@ def test_validation_names_the_argument():
         ssd_step_end_states(**{**case, "chunk_size": 5})
     with pytest.raises(ValueError, match="chunk_size"):
         ssd_step_end_states(**{**case, "chunk_size": 0})
+    strided = case["xbc_cache"].transpose(1, 2).contiguous().transpose(1, 2)  # a slot's [L, conv_dim] not dense
+    with pytest.raises(ValueError, match="xbc_cache strides .* not contiguous within a slot"):
+        tssd.ssd_step_end_states(**{**case, "xbc_cache": strided})
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -151,6 +151,9 @@ def test_validation_names_the_argument():
         ssd_step_outputs(**{**case, "n_groups": 3})
     with pytest.raises(ValueError, match="out_dtype"):
         ssd_step_outputs(**case, out_dtype=torch.bfloat16)
+    strided = case["state_cache"].transpose(2, 3).contiguous().transpose(2, 3)  # a slot's [P, N] not dense
+    with pytest.raises(ValueError, match="state_cache strides .* not contiguous within a slot"):
+        tssd.ssd_step_outputs(**{**case, "state_cache": strided})
 
 
 @pytest.mark.parametrize("graphed", [False, True])
