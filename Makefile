@@ -49,7 +49,8 @@ check-hybrid: setup
 # `make test-interpret` runs every one (about seven minutes: the GEMM and attention paths too).
 INTERPRET_FAST := tests/test_triton_interpret_moe.py tests/test_triton_interpret_rms_norm.py tests/test_triton_interpret_ssd.py \
 	tests/test_triton_interpret_exp.py tests/test_triton_interpret_conv1d.py tests/test_triton_interpret_gated_norm.py \
-	tests/test_triton_interpret_mamba_dt.py tests/test_triton_interpret_ssd_step.py tests/test_triton_interpret_ssd_end_state.py
+	tests/test_triton_interpret_mamba_dt.py tests/test_triton_interpret_ssd_step.py tests/test_triton_interpret_ssd_end_state.py \
+	tests/test_triton_interpret_tree.py
 
 # The suite in TEST_WORKERS processes (pytest-xdist), a test file per process at a time (a file's engine fixtures are
 # built once); most of an engine test is single-threaded start-up, so two workers on two cores take about 20 % off

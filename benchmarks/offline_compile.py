@@ -88,14 +88,20 @@ def compile_sm90(kernel, sig, const, warps, stages, attrs=None, source=ASTSource
     attrs = {(int(i),): v for i, v in (attrs or {}).items()}
     k = triton.compile(source(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
+    ttgir = k.asm["ttgir"]
+    return (*resource_usage(k.asm["cubin"]), k.metadata.shared, ttgir.count("copy_global_to_local"), ttgir)
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """``(registers, stack bytes)`` of a compiled kernel's cubin, as ``cuobjdump -res-usage`` (Triton's bundled one)
+    reports them."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
+        f.write(cubin)
         f.flush()
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
-    ttgir = k.asm["ttgir"]
-    return int(m.group(1)), int(m.group(2)), k.metadata.shared, ttgir.count("copy_global_to_local"), ttgir
+    return int(m.group(1)), int(m.group(2))
 
 
 def normalized_ttgir(ttgir: str) -> str:

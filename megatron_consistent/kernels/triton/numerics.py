@@ -12,6 +12,8 @@ torch contract built on it with the same bits (the SSD scan, the Mamba-2 mixer's
   ``log(x < 0) = NaN``, ``log(inf) = inf``, ``log(NaN) = NaN`` (``0x7FC00000``, torch's ``full_like(y, nan)``).
 * :func:`tree_rows` / :func:`tree_cols`: :func:`numerics.tree_sum` over one axis of a register tile whose length is a
   power of two (the caller pads with zeros, as ``tree_sum`` does): element ``i`` + element ``i + n/2``, level by level.
+* :func:`tree_cols_split`: the same tree as :func:`tree_cols`, its top levels as adds of separately formed column
+  slices (no layout change of the whole tile; ``benchmarks/offline_compile_tree.py``).
 
 A caller launches with ``enable_fp_fusion=False``, so every multiply and add is its own IEEE operation, as in torch.
 """
@@ -100,3 +102,29 @@ def tree_cols(v, ROWS: tl.constexpr, COLS: tl.constexpr):
             lo, hi = tl.split(tl.permute(tl.reshape(v, (ROWS, 2, COLS >> (level + 1))), (0, 2, 1)))
             v = lo + hi
     return tl.reshape(v, (ROWS,))
+
+
+@triton.jit
+def tree_cols_split(PRODUCT: tl.constexpr, args, ROWS: tl.constexpr, COLS: tl.constexpr, W: tl.constexpr):
+    """:func:`tree_cols` of the ``[ROWS, COLS]`` tile whose columns ``c`` (a ``[W]`` index tensor) are
+    ``PRODUCT(args, c)`` (a ``[ROWS, W]`` tile: the caller's loads and products; ``args`` a tuple), with the same bits:
+    the same additions of the same pairs in the same order.  Its top levels are adds of the ``COLS / W`` contiguous
+    slices of width ``W`` (a power of two <= ``COLS``), each formed on its own: slice ``m`` + slice ``m + COLS / 2W``
+    (columns ``i`` and ``i + COLS/2``), then the sums likewise; the last levels are :func:`tree_cols` over ``W``.  The
+    whole tile is never held nor moved between layouts, only the last ``[ROWS, W]``
+    (``benchmarks/offline_compile_tree.py``: at ``[128, 128]``, ``W = 16``, 8x less shared-memory traffic than
+    :func:`tree_cols` and a third of its registers)."""
+    return tree_cols(_tree_cols_slices(PRODUCT, args, COLS, W, 0, W), ROWS, W)
+
+
+@triton.jit
+def _tree_cols_slices(PRODUCT: tl.constexpr, args, COLS: tl.constexpr, W: tl.constexpr, C0: tl.constexpr,
+                      STRIDE: tl.constexpr):
+    """The partial sums at columns ``C0 ..< C0 + W`` of :func:`tree_cols_split` after the levels that pair columns
+    ``STRIDE`` or more apart: the slice itself where ``STRIDE = COLS``, else that of ``C0`` + that of ``C0 + STRIDE``
+    after the levels with strides ``2 STRIDE`` and more."""
+    if STRIDE == COLS:
+        return PRODUCT(args, tl.arange(0, W) + C0)  # (tensor first: the interpreter wraps constexpr + tensor)
+    else:
+        return (_tree_cols_slices(PRODUCT, args, COLS, W, C0, STRIDE * 2)
+                + _tree_cols_slices(PRODUCT, args, COLS, W, C0 + STRIDE, STRIDE * 2))

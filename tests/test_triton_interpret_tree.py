@@ -1,0 +1,83 @@
+"""The re-formulations of the contract's pairwise tree that ``benchmarks/offline_compile_tree.py`` compiles (pre-split
+slices, bit-reversed loads, ``tl.sum`` over the pair axis, and :func:`numerics.tree_cols_split`) in Triton's
+interpreter on CPU tensors: bitwise the kernels' :func:`tree_cols` / :func:`tree_rows` and the torch contract
+(:func:`kernels.numerics.tree_sum`) on products of mixed magnitudes; a tree that pairs neighbours (``i`` with
+``i + 1``) is caught.  Runs only with ``TRITON_INTERPRET=1`` (``make test-interpret``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+pytest.importorskip("triton")
+
+from megatron_consistent.kernels import numerics
+
+
+def _load_tree_module():
+    """``benchmarks/offline_compile_tree.py`` (its kernels and variants)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "offline_compile_tree.py"
+    spec = importlib.util.spec_from_file_location("offline_compile_tree", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TREE = _load_tree_module()
+SHAPES = TREE.SHAPES + [(16, 8, False), (8, 16, True), (4, 2, False)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def _operands(r: int, c: int, rows: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [r, c]`` and the vector: float32 of mixed magnitudes (``2**-30`` .. ``2**30``, signed zeros, cancelling
+    pairs), so that any other order of the additions rounds differently."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, c, generator=g) * torch.exp2(torch.randint(-30, 31, (r, c), generator=g).float())
+    x[torch.rand(r, c, generator=g) < 0.05] = 0.0
+    x[torch.rand(r, c, generator=g) < 0.05] = -0.0
+    x[:, -1] = -x[:, 0]
+    x[-1, :] = -x[0, :]
+    n = r if rows else c
+    y = torch.randn(n, generator=g) * torch.exp2(torch.randint(-8, 9, (n,), generator=g).float())
+    return x, y
+
+
+def _run(fn, x: torch.Tensor, y: torch.Tensor, k: int, rows: bool) -> torch.Tensor:
+    r, c = x.shape
+    out = torch.full((c if rows else r,), 7.0)
+    TREE.tree_kernel[(1,)](x, y, out, R=r, C=c, K=k, REDUCE=fn, ROWS=rows)
+    return out
+
+
+def _contract(x: torch.Tensor, y: torch.Tensor, rows: bool) -> torch.Tensor:
+    return numerics.tree_sum(y[:, None] * x, dim=0) if rows else numerics.tree_sum(y[None, :] * x, dim=1)
+
+
+def _variants(r: int, c: int, rows: bool) -> list[tuple[str, object, int]]:
+    """Every variant that fits the shape (``K`` at most ``log2`` of the reduced length)."""
+    n = (r if rows else c).bit_length() - 1
+    return [v for v in TREE.variants(rows, r, c) if v[2] <= n]
+
+
+@pytest.mark.parametrize("r,c,rows", SHAPES)
+def test_variants_are_the_kernels_tree(r, c, rows):
+    x, y = _operands(r, c, rows)
+    want = _contract(x, y, rows)
+    current = _run(TREE.rows_tree if rows else TREE.cols_tree, x, y, 0, rows)
+    assert torch.equal(_bits(current), _bits(want))
+    for name, fn, k in _variants(r, c, rows):
+        assert torch.equal(_bits(_run(fn, x, y, k, rows)), _bits(current)), name
+
+
+@pytest.mark.parametrize("r,c", [(r, c) for r, c, rows in SHAPES if not rows and c > 2])
+def test_neighbour_pairing_is_caught(r, c):
+    x, y = _operands(r, c, False)
+    assert not torch.equal(_bits(_run(TREE.cols_adjacent, x, y, 0, False)), _bits(_contract(x, y, False)))
