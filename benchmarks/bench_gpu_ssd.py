@@ -28,6 +28,7 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_consistent.kernels import ssd  # noqa: E402
+from megatron_consistent.kernels.triton import ssd_scan as tssd  # noqa: E402
 from megatron_consistent.kernels.triton.ssd_scan import (TRITON_STEPS, chunk_contributions,  # noqa: E402
                                                          chunk_prefix_sums, ssd_outputs)
 
@@ -137,6 +138,32 @@ def decode_step_paths(bsz: int = 64, seed: int = 1) -> dict:
             "bits_equal": equal}
 
 
+def tree_widths(widths=(0, 32, 16, 8)) -> list[dict]:
+    """The outputs kernel at each column-tree slice width (``ssd_scan.OUTPUTS_TREE_WIDTH``; 0: one tree over the
+    whole state size): a prefill of 4 096 positions and the engine's decode step at 64 sequences, bits against width
+    0 and times, in one run."""
+    x, dt, a, b, c, d, state = inputs(1, 4096)
+    ops = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:6]
+    pos = ssd.output_positions(1, 0, 4096, DEV)
+    xs, dts, _, bs, cs, _, states = inputs(64, L, 2)
+    xbc_cache = torch.cat([xs.flatten(2), bs.flatten(2), cs.flatten(2)], dim=-1)
+    slots = torch.arange(64, device=DEV)
+    p = torch.randint(0, L - 1, (64,), generator=torch.Generator().manual_seed(2)).to(DEV)
+    step = (xbc_cache, dts, states, slots, p, xbc_cache[slots, p], dts[slots, p], a, d, L, G, N)
+    saved, rows, first = tssd.OUTPUTS_TREE_WIDTH, [], None
+    try:
+        for w in widths:
+            tssd.OUTPUTS_TREE_WIDTH = w
+            outs = (ssd_outputs(*ops, d, pos, torch.bfloat16), ssd.ssd_step_outputs(*step))
+            first = first or outs
+            rows.append({"width": w, "bits_equal": all(torch.equal(u, v) for u, v in zip(first, outs)),
+                         "prefill ms": triton.testing.do_bench(lambda: ssd_outputs(*ops, d, pos, torch.bfloat16)),
+                         "decode step ms": triton.testing.do_bench(lambda: ssd.ssd_step_outputs(*step))})
+    finally:
+        tssd.OUTPUTS_TREE_WIDTH = saved
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/ssd_gpu.json")
@@ -167,12 +194,20 @@ def main() -> int:
     print(f"\ndecode step, {steps['batch']} sequences (SSD only): the engine's {steps['engine ms']:.3f} ms (outputs in "
           f"place {steps['outputs in place ms']:.3f}, end states in place {steps['end states in place ms']:.3f}), the "
           f"former host-planned one {steps['former ms']:.3f} ms; bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
+    widths = tree_widths()
+    print("\n| outputs kernel, column-tree slice width | prefill 1 x 4 096 ms | decode step 64 ms | bits vs whole tree |")
+    print("| --- | ---: | ---: | --- |")
+    for r in widths:
+        print(f"| {r['width'] or 'whole (N)'} | {r['prefill ms']:.3f} | {r['decode step ms']:.3f} | "
+              f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":
-                   {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows, "decode_step_paths": steps}, f, indent=1)
+                   {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows, "decode_step_paths": steps,
+                   "tree_widths": widths}, f, indent=1)
     print(f"results: {args.out}")
-    return 0 if all(all(r["bits_equal"].values()) for r in rows) and steps["bits_equal"] else 1
+    return 0 if (all(all(r["bits_equal"].values()) for r in rows) and steps["bits_equal"]
+                 and all(r["bits_equal"] for r in widths)) else 1
 
 
 if __name__ == "__main__":

@@ -104,6 +104,22 @@ def test_prefix_sums_equal_the_doubling_scan(chunk, nh):
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
 
 
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("t_len,chunk,nh,hp,ng,ns", [(13, 8, 4, 4, 2, 8), (16, 8, 2, 8, 1, 16), (11, 6, 3, 6, 3, 5)])
+def test_column_trees_in_slices_keep_the_bits(monkeypatch, width, t_len, chunk, nh, hp, ng, ns):
+    """The outputs kernel's column trees (``C_t . B_s``, ``C_t . S``) evaluated in slices of ``width`` columns
+    (``MC_SSD_TREE_WIDTH``; state sizes 16, 8 and 5, padded to 8) give the torch contract's bits; a width that is not
+    a power of two is refused by name."""
+    x, dt, a, b, c, d, state = _inputs(width * 3 + ns, 2, t_len, nh, hp, ng, ns, torch.float32)
+    y_ref, s_ref = ssd._ssd_cpu(x, dt, a, b, c, d, chunk, state, 0)
+    monkeypatch.setattr(tssd, "OUTPUTS_TREE_WIDTH", width)
+    y, s = TRITON_SCAN(x, dt, a, b, c, d, chunk, state, 0)
+    assert torch.equal(s, s_ref) and torch.equal(y, y_ref), f"{(y != y_ref).sum().item()} of {y.numel()} outputs differ"
+    monkeypatch.setattr(tssd, "OUTPUTS_TREE_WIDTH", 6)
+    with pytest.raises(ValueError, match="MC_SSD_TREE_WIDTH=6: expected 0 or a power of two"):
+        TRITON_SCAN(x, dt, a, b, c, d, chunk, state, 0)
+
+
 @pytest.mark.parametrize("heads", ["all of the group", "two"])
 def test_several_heads_a_program(monkeypatch, heads):
     """A program that takes several heads of a group (``heads_per_program``: at large position counts) forms

@@ -34,12 +34,29 @@ decode replay).  The products stay in registers, where the torch evaluation mate
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ..ssd import SSDSteps
-from .numerics import exp_f32, tree_cols, tree_rows
+from .numerics import exp_f32, tree_cols_split, tree_rows
+
+
+# The column trees of the outputs kernel (over the state size N: C_t . B_s and C_t . S) are evaluated by
+# tree_cols_split with slices of this many columns (a power of two); 0: the whole N, one tree_cols over the tile.
+# Scheduling only: the same additions in the same order whichever width (tests/test_triton_interpret_tree.py;
+# benchmarks/offline_compile_tree.py: at 16, the outputs kernel's 16-byte spill and 16 KB staging tile go).
+OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "0") or "0")
+
+
+def outputs_tree_width(bn: int) -> int:
+    """The ``TREE_W`` of an outputs launch over ``bn`` (padded) state columns (:data:`OUTPUTS_TREE_WIDTH`)."""
+    w = OUTPUTS_TREE_WIDTH
+    if w < 0 or w & (w - 1):
+        raise ValueError(f"MC_SSD_TREE_WIDTH={w}: expected 0 or a power of two")
+    return bn if w == 0 else min(w, bn)
 
 
 def launch_warps(bl: int, bn: int) -> int:
@@ -51,10 +68,43 @@ def launch_warps(bl: int, bn: int) -> int:
 
 
 @triton.jit
+def _cb_from_cache(args, n):
+    """The outputs kernel's ``C_t[n] * B_s[n]`` products, ``[BL, len(n)]`` float32, for state columns ``n``, read from
+    the state cache: row ``s`` of ``B`` from the slot's rows (``old``), the new token's (``is_new``) or zeros; ``C_t``
+    the new token's (model dtype, converted exactly)."""
+    b_rows, old, b_new_row, is_new, c_row, N = args
+    n_in = n < N
+    c_t = tl.load(c_row + n, mask=n_in, other=0.0).to(tl.float32)
+    b_new = tl.load(b_new_row + n, mask=n_in, other=0.0)
+    b_old = tl.load(b_rows[:, None] + n[None, :], mask=old[:, None] & n_in[None, :], other=0.0)
+    return c_t[None, :] * tl.where(is_new, b_new[None, :], b_old).to(tl.float32)
+
+
+@triton.jit
+def _cb_from_chunks(args, n):
+    """The outputs kernel's ``C_t[n] * B_s[n]`` products from the chunked float32 operands (rows past the chunk:
+    zeros)."""
+    b_rows, s_in, c_row, N = args
+    n_in = n < N
+    c_t = tl.load(c_row + n, mask=n_in, other=0.0)
+    return c_t[None, :] * tl.load(b_rows[:, None] + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
+
+
+@triton.jit
+def _cs_products(args, n):
+    """The outputs kernel's state-term products ``C_t[n] * S[p, n]``, ``[BP, len(n)]`` float32 (the state's columns
+    at or past ``n_state``: zeros, a fresh row's state)."""
+    st_rows, p_in, n_state, c_row, N = args
+    c_t = tl.load(c_row + n, mask=n < N, other=0.0).to(tl.float32)
+    return c_t[None, :] * tl.load(st_rows[:, None] + n[None, :], mask=p_in[:, None] & (n < n_state)[None, :],
+                                  other=0.0)
+
+
+@triton.jit
 def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks, n_starts, L, H, P, G, N,
                         HEADS_PER_GROUP, HEADS_PER_PROGRAM, SLOTS, NEW, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
                         BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, FROM_CACHE: tl.constexpr,
-                        HAS_FRESH: tl.constexpr):
+                        HAS_FRESH: tl.constexpr, TREE_W: tl.constexpr):
     # FROM_CACHE (ssd_step_outputs, a decode step: n_out = n_chunks = 1): XC is the mixer's xbc cache [slots, L,
     # H*P + 2*G*N] (model dtype, slot stride XBC_SLOT_STRIDE), BC / CC unused, STATES the state cache [slots, H, P, N]
     # (slot stride STATE_SLOT_STRIDE); sequence b's rows s < t are read from its slot SLOTS[b], row t from NEW[b]
@@ -69,12 +119,12 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks
     g = h0 // HEADS_PER_GROUP
     s = tl.arange(0, BL)
     p = tl.arange(0, BP)
-    n = tl.arange(0, BN)
-    s_in, p_in, n_in = s < L, p < P, n < N
+    s_in, p_in = s < L, p < P
     chunk = (b * n_chunks + ci).to(tl.int64)  # row offsets of [b, c, L, ...] tensors
     rows = chunk * L + s  # [BL]: the chunk's rows
 
-    # the group's C_t . B_s, once for the program's heads
+    # the group's C_t . B_s, once for the program's heads (column trees over the state size: tree_cols_split with
+    # slices of TREE_W columns, the same tree as tree_cols over the whole tile)
     if FROM_CACHE:
         conv = H * P + 2 * G * N
         slot = tl.load(SLOTS + b).to(tl.int64)
@@ -82,18 +132,16 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks
         new = NEW + b.to(tl.int64) * conv  # the new token's x | B | C
         old = s < ri  # rows from the cache (row ri: the new token; rows past it: zeros)
         is_new = (s == ri)[:, None]
-        c_t = tl.load(new + H * P + G * N + g * N + n, mask=n_in, other=0.0).to(tl.float32)  # [BN]
-        b_new = tl.load(new + H * P + g * N + n, mask=n_in, other=0.0)
-        b_old = tl.load(XC + cached[:, None] + H * P + g * N + n[None, :], mask=old[:, None] & n_in[None, :], other=0.0)
-        b_sn = tl.where(is_new, b_new[None, :], b_old).to(tl.float32)
+        c_row = new + H * P + G * N + g * N  # C_t (model dtype)
+        cb = tree_cols_split(_cb_from_cache, (XC + cached + H * P + g * N, old, new + H * P + g * N, is_new, c_row, N),
+                             BL, BN, TREE_W)
         n_state = N  # the state's columns read (a fresh row: none, its state is zeros)
         if HAS_FRESH:
             n_state = tl.where(tl.load(FRESH + b) != 0, 0, N)
-        st_mask = p_in[:, None] & (n < n_state)[None, :]
     else:
-        c_t = tl.load(CC + ((chunk * L + ri) * G + g) * N + n, mask=n_in, other=0.0)  # [BN]
-        b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
-    cb = tree_cols(c_t[None, :] * b_sn, BL, BN)  # [BL]
+        c_row = CC + ((chunk * L + ri) * G + g) * N  # C_t (float32)
+        cb = tree_cols_split(_cb_from_chunks, (BC + (rows * G + g) * N, s_in, c_row, N), BL, BN, TREE_W)  # [BL]
+        n_state = N
     causal = s <= ri
     for j in range(HEADS_PER_PROGRAM):
         h = h0 + j
@@ -111,12 +159,10 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks
                            other=0.0)
         intra = tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
         if FROM_CACHE:  # the state cache's [P, N] tile of the slot (zeros: fresh)
-            st = tl.load(STATES + slot * STATE_SLOT_STRIDE + (h * P + p[:, None]) * N + n[None, :],
-                         mask=st_mask, other=0.0)
+            st_rows = STATES + slot * STATE_SLOT_STRIDE + (h * P + p) * N
         else:  # states [nb, n_starts, H, P, N]: chunk ci's starting state, a [P, N] tile
-            st = tl.load(STATES + (((b.to(tl.int64) * n_starts + ci) * H + h) * P + p[:, None]) * N + n[None, :],
-                         mask=p_in[:, None] & n_in[None, :], other=0.0)
-        inter = tree_cols(c_t[None, :] * st, BP, BN) * exp_f32(cum_t)
+            st_rows = STATES + (((b.to(tl.int64) * n_starts + ci) * H + h) * P + p) * N
+        inter = tree_cols_split(_cs_products, (st_rows, p_in, n_state, c_row, N), BP, BN, TREE_W) * exp_f32(cum_t)
         if FROM_CACHE:
             x_t = x_new.to(tl.float32)
         else:
@@ -314,7 +360,8 @@ def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.
                                                 positions.to(torch.int64).contiguous(), y, n_out, n_chunks,
                                                 states.shape[1], L, H, P, G, N, H // G, hpp, y, y, y, 0, 0,
                                                 BL=bl, BP=triton.next_power_of_2(P), BN=bn, FROM_CACHE=False,
-                                                HAS_FRESH=False, num_warps=launch_warps(bl, bn),
+                                                HAS_FRESH=False, TREE_W=outputs_tree_width(bn),
+                                                num_warps=launch_warps(bl, bn),
                                                 enable_fp_fusion=False)
     return y
 
@@ -350,7 +397,8 @@ def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, 
                                          y if fresh is None else fresh.to(torch.int8).contiguous(),
                                          xbc_cache.stride(0), state_cache.stride(0), BL=bl,
                                          BP=triton.next_power_of_2(P), BN=bn, FROM_CACHE=True,
-                                         HAS_FRESH=fresh is not None, num_warps=launch_warps(bl, bn),
+                                         HAS_FRESH=fresh is not None, TREE_W=outputs_tree_width(bn),
+                                         num_warps=launch_warps(bl, bn),
                                          enable_fp_fusion=False)
     return y
 
