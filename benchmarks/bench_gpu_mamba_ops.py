@@ -7,7 +7,8 @@ cost, not its bits).
 
 Cases at Nemotron-H 8B's mixer widths (conv channels 10 240 = 8 192 + 2 x 8 x 128, kernel 4; gated norm over 8 192
 channels in 8 groups; 128 heads for ``dt``): a prefill of 4 096 tokens and a decode step of 64 sequences.  Per op and
-case: torch ms, Triton ms, their ratio, vLLM ms and Triton / vLLM where vLLM imports, and the HBM floor (the bytes
+case: torch ms, Triton ms, their ratio, vLLM ms and Triton / vLLM where vLLM imports (the gated norm also timed with
+the vectorised compilation, `SCALAR_LOADS_MAX_BLOCK = 0`), and the HBM floor (the bytes
 the op must move at least -- operands read once, results written once -- over the measured copy bandwidth).  Timing:
 ``triton.testing.do_bench`` (CUDA events, median).  Exit status 1 if any Triton output differs from the torch one.
 """
@@ -28,6 +29,7 @@ from megatron_consistent.kernels.causal_conv1d import _causal_conv1d_cpu  # noqa
 from megatron_consistent.kernels.gated_rms_norm import _gated_rms_norm_cpu  # noqa: E402
 from megatron_consistent.kernels.ssd import _mamba_dt_cpu  # noqa: E402
 from megatron_consistent.kernels.triton.causal_conv1d import causal_conv1d_triton  # noqa: E402
+from megatron_consistent.kernels.triton import gated_rms_norm as tgn  # noqa: E402
 from megatron_consistent.kernels.triton.gated_rms_norm import gated_rms_norm_triton  # noqa: E402
 from megatron_consistent.kernels.triton.mamba_dt import mamba_dt_triton  # noqa: E402
 
@@ -98,6 +100,13 @@ def norm_case(name: str, rows: int, stock) -> dict:
     row = {"op": "gated_rms_norm", "case": name, "bits_equal": torch.equal(ref, ours),
            "torch_ms": timed(lambda: _gated_rms_norm_cpu(y, z, w, GROUP, EPS)),
            "triton_ms": timed(lambda: gated_rms_norm_triton(y, z, w, GROUP, EPS)), "floor_bytes": nbytes(y, z, w, ours)}
+    saved = tgn.SCALAR_LOADS_MAX_BLOCK  # the vectorised compilation for the group, beside (scheduling only)
+    try:
+        tgn.SCALAR_LOADS_MAX_BLOCK = 0
+        row["bits_equal"] = row["bits_equal"] and torch.equal(gated_rms_norm_triton(y, z, w, GROUP, EPS), ours)
+        row["triton_vectorised_ms"] = timed(lambda: gated_rms_norm_triton(y, z, w, GROUP, EPS))
+    finally:
+        tgn.SCALAR_LOADS_MAX_BLOCK = saved
     if stock:
         wb = w.to(torch.bfloat16)
         row["vllm_ms"] = timed(lambda: stock[2](y, wb, None, z=z, eps=EPS, group_size=GROUP, norm_before_gate=False))
@@ -147,6 +156,10 @@ def main() -> int:
         floor = f"{r['floor_ms'] / t:.2f}" if isinstance(t, float) else "—"
         print(f"| {r['op']} | {r['case']} | {ms(r['torch_ms'])} | {ms(t)} | {ratio} | {ms(s)} | {vs} | "
               f"{r['floor_ms']:.4f} | {floor} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
+    for r in rows:
+        if "triton_vectorised_ms" in r:
+            print(f"gated_rms_norm {r['case']}: scalar-load compilation {ms(r['triton_ms'])} ms, vectorised "
+                  f"{ms(r['triton_vectorised_ms'])} ms (SCALAR_LOADS_MAX_BLOCK {tgn.SCALAR_LOADS_MAX_BLOCK} / 0)")
     errors = [f"{r['op']} {r['case']}: {v}" for r in rows for k, v in r.items() if k.endswith("_ms") and isinstance(v, str)]
     for e in errors:
         print("failed:", e)

@@ -39,8 +39,7 @@ from .numerics import exp_f32, tree_cols
 MAX_GROUP = 1 << 16  # tree_cols' trees reach 2**16 elements
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _gated_rms_norm_kernel(Y, Z, W, OUT, n_rows, stride_y, stride_z, stride_o, group_size, scale, eps,
+def _gated_rms_norm(Y, Z, W, OUT, n_rows, stride_y, stride_z, stride_o, group_size, scale, eps,
                            BLOCK_G: tl.constexpr, ROWS: tl.constexpr, CPU_DIV: tl.constexpr,
                            BF16_BITS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -67,6 +66,19 @@ def _gated_rms_norm_kernel(Y, Z, W, OUT, n_rows, stride_y, stride_z, stride_o, g
         tl.store(at, r.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
     else:
         tl.store(at, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+# Two compilations of the same kernel, by what Triton may assume about the row strides (scheduling only: the same
+# operations in the same order).  Aligned strides let Triton vectorise the loads, and for a one-row program of a
+# large group that vectorised layout makes every thread evaluate the whole group's tree from shared memory (sm_90a
+# offline, group 1 024: 1 032 float32 adds and 258 shared loads a thread); with the strides left unspecialised the
+# loads are scalar (coalesced across the warp) and the tree is spread (143 adds, 32 shared loads).
+_gated_rms_norm_kernel = triton.jit(do_not_specialize=["n_rows"])(_gated_rms_norm)
+_gated_rms_norm_kernel_scalar_loads = triton.jit(do_not_specialize=["n_rows", "stride_y", "stride_z", "stride_o"])(
+    _gated_rms_norm)
+# One-row programs of groups up to this many (padded) channels take the scalar-load compilation (0: none).  At 8 192
+# its tree is spread too (543 vs 4 120 adds) but it spills 888 bytes: kept vectorised until measured.
+SCALAR_LOADS_MAX_BLOCK = 4096
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -113,7 +125,9 @@ def gated_rms_norm_triton(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     block = next_pow2(group_size)
     per_program, warps = _launch(block)
     out2 = out.view(n_rows, d)
-    _gated_rms_norm_kernel[(triton.cdiv(n_rows, per_program), d // group_size)](
+    kernel = (_gated_rms_norm_kernel_scalar_loads if per_program == 1 and block <= SCALAR_LOADS_MAX_BLOCK
+              else _gated_rms_norm_kernel)
+    kernel[(triton.cdiv(n_rows, per_program), d // group_size)](
         y2, z2, weight.contiguous(), out2, n_rows, y2.stride(0), z2.stride(0), out2.stride(0), group_size,
         _group_scale(group_size, y.is_cuda), float32_scalar(eps), BLOCK_G=block, ROWS=per_program,
         CPU_DIV=not y.is_cuda, BF16_BITS=(not y.is_cuda) and y.dtype == torch.bfloat16, num_warps=warps, enable_fp_fusion=False)
