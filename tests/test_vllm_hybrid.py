@@ -263,9 +263,10 @@ def test_decode_graphs_by_default_keep_full_decode_graphs(monkeypatch):
 
     from megatron_consistent.vllm_plugin import mamba as mod
 
+    monkeypatch.delenv("MC_SSD_SCAN", raising=False)
     for value, on in (("", True), ("1", True), ("0", False)):
         monkeypatch.setenv("MC_HYBRID_DECODE_GRAPHS", value)
-        assert mod.env_switch("MC_HYBRID_DECODE_GRAPHS", default=True) is on
+        assert mod.decode_graphs() is on
     monkeypatch.setattr(mod, "DECODE_GRAPHS", True)
     cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
     cc.set_splitting_ops_for_v1("allgather_reducescatter")
@@ -274,7 +275,22 @@ def test_decode_graphs_by_default_keep_full_decode_graphs(monkeypatch):
     assert cc.resolve_cudagraph_mode_and_sizes(support, "mamba") == CUDAGraphMode.FULL_AND_PIECEWISE
     monkeypatch.setenv("MC_HYBRID_DECODE_GRAPHS", "on")
     with pytest.raises(ValueError, match="MC_HYBRID_DECODE_GRAPHS='on': expected 0 or 1"):
-        mod.env_switch("MC_HYBRID_DECODE_GRAPHS", default=True)
+        mod.decode_graphs()
+
+
+def test_decode_graphs_off_by_default_with_the_torch_ssd_reference(monkeypatch):
+    """``MC_SSD_SCAN=torch`` (the torch reference: its decode step reads the host) turns full decode graphs off by
+    default, and asking for both is refused by name before any work."""
+    from megatron_consistent.vllm_plugin import mamba as mod
+
+    monkeypatch.setenv("MC_SSD_SCAN", "torch")
+    monkeypatch.delenv("MC_HYBRID_DECODE_GRAPHS", raising=False)
+    assert mod.decode_graphs() is False
+    monkeypatch.setenv("MC_HYBRID_DECODE_GRAPHS", "1")
+    with pytest.raises(ValueError, match="MC_HYBRID_DECODE_GRAPHS=1 with MC_SSD_SCAN=torch"):
+        mod.decode_graphs()
+    monkeypatch.setenv("MC_SSD_SCAN", "triton")
+    assert mod.decode_graphs() is True
 
 
 def test_mixer_is_one_splitting_node_of_the_compiled_layer(monkeypatch):

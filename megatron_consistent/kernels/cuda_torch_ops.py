@@ -35,11 +35,9 @@ tensor of a process); the trainer and the engine processes inherit it alike.
 
 from __future__ import annotations
 
-import os
-
 from .dispatch import register
 from .relu_squared import _relu_squared_cpu
-from .ssd import TORCH_STEPS, _ssd_step_end_states_cpu, _ssd_step_outputs_cpu
+from .ssd import TORCH_STEPS, _ssd_step_end_states_cpu, _ssd_step_outputs_cpu, torch_ssd_evaluation
 from .triton.causal_conv1d import causal_conv1d_triton
 from .triton.gated_rms_norm import gated_rms_norm_triton
 from .triton.mamba_dt import mamba_dt_triton
@@ -52,10 +50,7 @@ def _ssd_evaluation() -> dict:
     """The SSD scan's steps and the decode step's in-place outputs and end states that ``MC_SSD_SCAN`` names (module
     docstring): the Triton kernels, or the torch evaluation (the decode step's replay built, its states gathered and
     scattered by torch ops)."""
-    choice = os.environ.get("MC_SSD_SCAN", "triton")
-    if choice not in ("torch", "triton"):
-        raise ValueError(f"MC_SSD_SCAN={choice!r}: expected 'torch' or 'triton'")
-    torch_ops = choice == "torch"
+    torch_ops = torch_ssd_evaluation()
     return {"ssd_steps": TORCH_STEPS if torch_ops else TRITON_STEPS,
             "ssd_step_outputs": _ssd_step_outputs_cpu if torch_ops else ssd_step_outputs_triton,
             "ssd_step_end_states": _ssd_step_end_states_cpu if torch_ops else ssd_step_end_states_triton}

@@ -43,6 +43,7 @@ as masked cumsums so ``grad A`` stays accurate when decays are tiny) + ``torch.a
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, NamedTuple
 
 import torch
@@ -299,6 +300,16 @@ def ssd_scan_by(steps: SSDSteps):
 
 
 TORCH_STEPS = SSDSteps(_chunk_prefix_sums, _chunk_contributions, _ssd_outputs)
+
+
+def torch_ssd_evaluation() -> bool:
+    """``MC_SSD_SCAN``: ``torch`` -- CUDA evaluates the SSD steps and the decode step's in-place outputs and end states
+    with the torch reference (slow; its decode step reads ``max(p)`` and the closing rows on the host, so no CUDA
+    graph can hold it), ``triton`` or unset -- the Triton kernels; anything else is refused by name."""
+    choice = os.environ.get("MC_SSD_SCAN", "triton")
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"MC_SSD_SCAN={choice!r}: expected 'torch' or 'triton'")
+    return choice == "torch"
 _ssd_cpu = ssd_scan_by(TORCH_STEPS)
 register("ssd_steps", "cpu")(TORCH_STEPS)
 

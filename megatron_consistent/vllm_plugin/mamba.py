@@ -64,15 +64,26 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from ..config import ArchConfig, SSMConfig
 from ..kernels import (causal_conv1d, inference_ops, ssd_continue, ssd_step_end_states, ssd_step_outputs,
                        ssm_decay_rate)
+from ..kernels.ssd import torch_ssd_evaluation
 from ..kernels.dispatch import env_switch
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
 
 
-# MC_HYBRID_DECODE_GRAPHS: on (the default since session 26: `check` zero on the H200, 2.1x the piecewise rollout):
-# vLLM may capture decode-only steps, the mixer included, in full CUDA graphs; 0: the mixer between piecewise graphs
-# in every step
-DECODE_GRAPHS = env_switch("MC_HYBRID_DECODE_GRAPHS", default=True)
+def decode_graphs() -> bool:
+    """``MC_HYBRID_DECODE_GRAPHS``: on (the default since session 26: `check` zero on the H200, 2.1x the piecewise
+    rollout) vLLM may capture decode-only steps, the mixer included, in full CUDA graphs; ``0``: the mixer between
+    piecewise graphs in every step.  With ``MC_SSD_SCAN=torch`` (the torch reference, whose decode step reads the
+    host) off by default, and asking for it then is refused by name."""
+    torch_ssd = torch_ssd_evaluation()
+    on = env_switch("MC_HYBRID_DECODE_GRAPHS", default=not torch_ssd)
+    if on and torch_ssd:
+        raise ValueError("MC_HYBRID_DECODE_GRAPHS=1 with MC_SSD_SCAN=torch: the torch reference's decode step reads the "
+                         "host and cannot run in a CUDA graph; set MC_HYBRID_DECODE_GRAPHS=0")
+    return on
+
+
+DECODE_GRAPHS = decode_graphs()
 
 
 class ConsistentMamba2MetadataBuilder(Mamba2AttentionMetadataBuilder):
