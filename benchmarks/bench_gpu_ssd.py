@@ -164,6 +164,25 @@ def tree_widths(widths=(0, 32, 16, 8)) -> list[dict]:
     return rows
 
 
+def terms_tiles(columns=(0, 16, 32)) -> list[dict]:
+    """The chunk-terms kernel at each program width (``ssd_scan.TERMS_BN``; 0: its default rule), a prefill of 4 096
+    positions: bits against the default and times, in one run."""
+    x, dt, a, b, c, d, state = inputs(1, 4096)
+    xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:5]
+    n_complete = x.shape[1] // L
+    saved, rows, first = tssd.TERMS_BN, [], None
+    try:
+        for bn in columns:
+            tssd.TERMS_BN = bn
+            out = chunk_contributions(xc, dtc, bc, cum, n_complete)
+            first = out if first is None else first
+            rows.append({"columns": bn, "bits_equal": torch.equal(first, out),
+                         "ms": triton.testing.do_bench(lambda: chunk_contributions(xc, dtc, bc, cum, n_complete))})
+    finally:
+        tssd.TERMS_BN = saved
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/ssd_gpu.json")
@@ -200,14 +219,19 @@ def main() -> int:
     for r in widths:
         print(f"| {r['width'] or 'whole (N)'} | {r['prefill ms']:.3f} | {r['decode step ms']:.3f} | "
               f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
+    tiles = terms_tiles()
+    print("\n| chunk-terms kernel, state columns a program | prefill 1 x 4 096 ms | bits vs default |")
+    print("| --- | ---: | --- |")
+    for r in tiles:
+        print(f"| {r['columns'] or 'default (8)'} | {r['ms']:.3f} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":
                    {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows, "decode_step_paths": steps,
-                   "tree_widths": widths}, f, indent=1)
+                   "tree_widths": widths, "terms_tiles": tiles}, f, indent=1)
     print(f"results: {args.out}")
     return 0 if (all(all(r["bits_equal"].values()) for r in rows) and steps["bits_equal"]
-                 and all(r["bits_equal"] for r in widths)) else 1
+                 and all(r["bits_equal"] for r in widths + tiles)) else 1
 
 
 if __name__ == "__main__":

@@ -78,6 +78,21 @@ def test_chunk_state_terms_equal_the_torch_contract(t_len, chunk, nh, hp, ng, ns
     assert out.shape == ref.shape and torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
 
 
+@pytest.mark.parametrize("columns", [1, 4, 16, 64])
+def test_chunk_state_terms_in_other_tiles_keep_the_bits(monkeypatch, columns):
+    """``MC_SSD_TERMS_BN``: a program's state columns (and so its warps) change no term; the in-place end states of a
+    decode step too; a count that is not a power of two is refused by name."""
+    x, dt, a, b, c, _, _ = _inputs(columns, 2, 40, 2, 12, 1, 24, torch.bfloat16)
+    xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, 8, torch.zeros(2, 2, 12, 24))[:5]
+    ref = ssd._chunk_contributions(xc, dtc, bc, cum, 5)
+    monkeypatch.setattr(tssd, "TERMS_BN", columns)
+    out = tssd.chunk_contributions(xc, dtc, bc, cum, 5)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
+    monkeypatch.setattr(tssd, "TERMS_BN", 12)
+    with pytest.raises(ValueError, match="MC_SSD_TERMS_BN=12: expected 0 or a power of two"):
+        tssd.chunk_contributions(xc, dtc, bc, cum, 5)
+
+
 def test_chunk_state_terms_of_the_active_rows_only():
     """A decode step's closing rows (``active``): their terms are the contract's, the others' programs return at
     once (the end state keeps those rows' states, ``ssd_chunk_end_state``)."""

@@ -51,6 +51,13 @@ from .numerics import exp_f32, tree_cols_split, tree_rows
 OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "0") or "0")
 
 
+# State columns a chunk-terms program takes (a power of two; 0: the rule of _contributions_blocks, 8 at chunk 128).
+# Scheduling only: each (p, n) term is the same tree over the chunk's rows whichever program forms it (sm_90a offline
+# at the 8B widths: 16 on 4 warps or 32 on 8 warps give a thread a column of its own, with 2x / 4x fewer programs
+# and no spills, where 8 has two threads a column).
+TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "0") or "0")
+
+
 def outputs_tree_width(bn: int) -> int:
     """The ``TREE_W`` of an outputs launch over ``bn`` (padded) state columns (:data:`OUTPUTS_TREE_WIDTH`)."""
     w = OUTPUTS_TREE_WIDTH
@@ -287,20 +294,27 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None) -> torch
         return out
     # a product tile of 8192 elements at most, 4 warps (8 for 256-row chunks); offline sm_90a compile: chunk 128 no
     # spills (128 x 128 on 16 warps spilled), chunk 256 240 bytes (the [P, N] store; 80 with the former [N, P])
-    bl, bp, bn = _contributions_blocks(L, P, N)
+    bl, bp, bn, warps = _contributions_blocks(L, P, N)
     grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
     _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)),
                                       out if active is None else active.to(torch.int8).contiguous(), out, n_chunks,
                                       n_complete, L, H, P, G, N, H // G, out, out, 0, 0, BL=bl, BP=bp, BN=bn,
                                       HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False,
-                                      num_warps=4 if bl <= 128 else 8, enable_fp_fusion=False)
+                                      num_warps=warps, enable_fp_fusion=False)
     return out
 
 
-def _contributions_blocks(L: int, P: int, N: int) -> tuple[int, int, int]:
-    """``(BL, BP, BN)`` of a contributions program (:func:`chunk_contributions`' choice)."""
+def _contributions_blocks(L: int, P: int, N: int) -> tuple[int, int, int, int]:
+    """``(BL, BP, BN, warps)`` of a contributions program (:func:`chunk_contributions`' choice): a product tile of
+    8 192 elements on 4 warps (8 for 256-row chunks), or with :data:`TERMS_BN` that many state columns a program,
+    a warp for every 32 of its ``BP * BN`` columns (4 to 16)."""
     bl, bp = triton.next_power_of_2(L), min(8, triton.next_power_of_2(P))
-    return bl, bp, min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp)))
+    if TERMS_BN < 0 or TERMS_BN & (TERMS_BN - 1):
+        raise ValueError(f"MC_SSD_TERMS_BN={TERMS_BN}: expected 0 or a power of two")
+    if TERMS_BN:
+        bn = min(triton.next_power_of_2(N), TERMS_BN)
+        return bl, bp, bn, max(4, min(16, bp * bn // 32))
+    return bl, bp, min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp))), 4 if bl <= 128 else 8
 
 
 def _check_slots_contiguous(op: str, xbc_cache, dt_cache, state_cache) -> None:
@@ -331,14 +345,14 @@ def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh,
     slots = slots.to(torch.int64).contiguous()
     seg_dt = dt_cache[slots].contiguous()  # [b, L, H]
     cum = chunk_prefix_sums(seg_dt[:, None], A)  # [b, 1, L, H]
-    bl, bp, bn = _contributions_blocks(L, P, N)
+    bl, bp, bn, warps = _contributions_blocks(L, P, N)
     active = closing.to(torch.int8).contiguous()
     grid = (bsz, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
     _chunk_contributions_kernel[grid](xbc_cache, seg_dt, xbc_cache, cum, active, state_cache, 1, 1, L, H, P, G, N,
                                       H // G, slots, active if fresh is None else fresh.to(torch.int8).contiguous(),
                                       xbc_cache.stride(0), state_cache.stride(0), BL=bl, BP=bp, BN=bn,
                                       HAS_ACTIVE=True, FROM_CACHE=True, HAS_FRESH=fresh is not None,
-                                      num_warps=4 if bl <= 128 else 8, enable_fp_fusion=False)
+                                      num_warps=warps, enable_fp_fusion=False)
 
 
 def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.Tensor:
