@@ -12,7 +12,10 @@ part -- the prefix sums (step 1), the outputs (steps 2-4), the chunks' state ter
 the whole scan (the chunk padding and the state recurrence are torch ops in both) -- the ratio torch time / Triton
 time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands read once, the result
 written once) over the device's measured copy bandwidth (their float32 arithmetic is not in it).  Timing:
-``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).
+``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).  Then the schedules, each
+row's bits against the first: the outputs kernel's column-tree slice widths, and the chunk-terms kernel's trees over
+the chunk's rows (``MC_SSD_TERMS_TREE``: the product tile or leaf by leaf) and program widths, with the float32 issue
+floor of their multiplies and adds beside them (the kernels are compute-bound: no fused multiply-add, no tensor cores).
 """
 
 from __future__ import annotations
@@ -138,10 +141,10 @@ def decode_step_paths(bsz: int = 64, seed: int = 1) -> dict:
             "bits_equal": equal}
 
 
-def tree_widths(widths=(0, 32, 16, 8)) -> list[dict]:
+def tree_widths(widths=(0, 32, 16, 8, 4, 1)) -> list[dict]:
     """The outputs kernel at each column-tree slice width (``ssd_scan.OUTPUTS_TREE_WIDTH``; 0: one tree over the
-    whole state size): a prefill of 4 096 positions and the engine's decode step at 64 sequences, bits against width
-    0 and times, in one run."""
+    whole state size; 1: the state's columns as leaves, one at a time): a prefill of 4 096 positions and the
+    engine's decode step at 64 sequences, bits against width 0 and times, in one run."""
     x, dt, a, b, c, d, state = inputs(1, 4096)
     ops = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:6]
     pos = ssd.output_positions(1, 0, 4096, DEV)
@@ -164,22 +167,34 @@ def tree_widths(widths=(0, 32, 16, 8)) -> list[dict]:
     return rows
 
 
-def terms_tiles(columns=(0, 16, 32)) -> list[dict]:
-    """The chunk-terms kernel at each program width (``ssd_scan.TERMS_BN``; 0: its default rule), a prefill of 4 096
-    positions: bits against the default and times, in one run."""
+def fp32_issue_floor_ms(ops: float) -> float:
+    """``ops`` separate float32 operations (no fused multiply-add: the contract's kernels disable it) at one a lane
+    and clock on every SM (128 float32 lanes an SM on Hopper; the device's clock, 1.98 GHz where torch does not tell)."""
+    props = torch.cuda.get_device_properties(DEV)
+    clock_hz = getattr(props, "clock_rate", 1_980_000) * 1e3  # kHz
+    return ops / (props.multi_processor_count * 128 * clock_hz) * 1e3
+
+
+def terms_tiles(schedules=(("tile", 0), ("tile", 16), ("tile", 32), ("leaves", 0), ("leaves", 16),
+                           ("leaves", 64))) -> list[dict]:
+    """The chunk-terms kernel in each schedule (``ssd_scan.TERMS_TREE``: the rows' tree on the product tile or leaf
+    by leaf; ``ssd_scan.TERMS_BN``: state columns a program, 0 the tree's own rule), a prefill of 4 096 positions:
+    bits against the first and times, in one run, with the float32 issue floor of the terms' multiplies and adds."""
     x, dt, a, b, c, d, state = inputs(1, 4096)
     xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:5]
     n_complete = x.shape[1] // L
-    saved, rows, first = tssd.TERMS_BN, [], None
+    floor = fp32_issue_floor_ms(n_complete * H * P * N * (2 * L - 1))  # L products and L - 1 adds a term
+    saved, rows, first = (tssd.TERMS_TREE, tssd.TERMS_BN), [], None
     try:
-        for bn in columns:
-            tssd.TERMS_BN = bn
+        for tree, bn in schedules:
+            tssd.TERMS_TREE, tssd.TERMS_BN = tree, bn
             out = chunk_contributions(xc, dtc, bc, cum, n_complete)
             first = out if first is None else first
-            rows.append({"columns": bn, "bits_equal": torch.equal(first, out),
-                         "ms": triton.testing.do_bench(lambda: chunk_contributions(xc, dtc, bc, cum, n_complete))})
+            ms = triton.testing.do_bench(lambda: chunk_contributions(xc, dtc, bc, cum, n_complete))
+            rows.append({"tree": tree, "columns": bn, "bits_equal": torch.equal(first, out), "ms": ms,
+                         "fp32_floor_ms": floor})
     finally:
-        tssd.TERMS_BN = saved
+        tssd.TERMS_TREE, tssd.TERMS_BN = saved
     return rows
 
 
@@ -220,10 +235,12 @@ def main() -> int:
         print(f"| {r['width'] or 'whole (N)'} | {r['prefill ms']:.3f} | {r['decode step ms']:.3f} | "
               f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
     tiles = terms_tiles()
-    print("\n| chunk-terms kernel, state columns a program | prefill 1 x 4 096 ms | bits vs default |")
-    print("| --- | ---: | --- |")
+    print("\n| chunk-terms kernel: rows' tree, state columns a program | prefill 1 x 4 096 ms | float32 floor ms | "
+          "floor / ms | bits vs the first |")
+    print("| --- | ---: | ---: | ---: | --- |")
     for r in tiles:
-        print(f"| {r['columns'] or 'default (8)'} | {r['ms']:.3f} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
+        print(f"| {r['tree']}, {r['columns'] or 'default'} | {r['ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
+              f"{r['fp32_floor_ms'] / r['ms']:.2f} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":

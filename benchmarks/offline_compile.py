@@ -67,7 +67,9 @@ def launch_key(kernel, args, kw) -> tuple[dict, dict, dict, int, int]:
         if aligned and name not in kernel.do_not_specialize:
             attrs[str(i)] = [["tt.divisibility", 16]]
     for k, v in kw.items():
-        if k not in ("num_warps", "num_stages", "enable_fp_fusion"):  # (the fusion option: compiled with the default)
+        if k == "enable_fp_fusion":  # an option, not a constexpr: compile_sm90 takes it out of the constexprs
+            const[k] = v
+        elif k not in ("num_warps", "num_stages"):
             sig[k], const[k] = "constexpr", v
     return sig, attrs, const, kw["num_warps"], kw.get("num_stages", 1)
 
@@ -86,8 +88,12 @@ def compile_sm90(kernel, sig, const, warps, stages, attrs=None, source=ASTSource
     compiled for sm_90a (attrs as :func:`launch_key` gives them, keys as strings; ``source``: Triton's ``ASTSource``,
     or Gluon's ``GluonASTSource`` for a ``gluon.jit`` kernel)."""
     attrs = {(int(i),): v for i, v in (attrs or {}).items()}
+    const = dict(const)
+    options = {"num_warps": warps, "num_stages": stages}
+    if "enable_fp_fusion" in const:  # the launch's own choice (the contract kernels turn mul-add fusion off)
+        options["enable_fp_fusion"] = const.pop("enable_fp_fusion")
     k = triton.compile(source(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "num_stages": stages})
+                       options=options)
     ttgir = k.asm["ttgir"]
     return (*resource_usage(k.asm["cubin"]), k.metadata.shared, ttgir.count("copy_global_to_local"), ttgir)
 

@@ -32,6 +32,12 @@ SHAPES = [("tests", 4, 4, 2, 8, 8, 13, 0), ("Nemotron-H 8B prefill", 128, 64, 8,
 def record_launches():
     """The distinct ``(kernel name, signature, attrs, constexprs, warps, stages)`` launches of the host code."""
     def run():
+        for tree in ("tile", "leaves"):  # the chunk terms' two trees (MC_SSD_TERMS_TREE)
+            tssd.TERMS_TREE = tree
+            run_shapes()
+        tssd.TERMS_TREE = saved
+
+    def run_shapes():
         for _, nh, hp, ng, ns, chunk, t_len, first_out in SHAPES:
             x = torch.zeros(1, t_len, nh, hp, dtype=torch.bfloat16)
             b = torch.zeros(1, t_len, ng, ns, dtype=torch.bfloat16)
@@ -42,6 +48,7 @@ def record_launches():
                 ssd._ssd_chunk_states(x[:, :chunk], torch.zeros(1, chunk, nh), torch.zeros(nh), b[:, :chunk], b[:, :chunk],
                                       chunk, torch.zeros(1, nh, hp, ns), tssd.TRITON_STEPS, active=torch.ones(1, dtype=torch.bool))
 
+    saved = tssd.TERMS_TREE
     return distinct_launches(capture(tssd, KERNELS, run), {name: getattr(tssd, name) for name in KERNELS})
 
 

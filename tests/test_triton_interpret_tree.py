@@ -81,3 +81,53 @@ def test_variants_are_the_kernels_tree(r, c, rows):
 def test_neighbour_pairing_is_caught(r, c):
     x, y = _operands(r, c, False)
     assert not torch.equal(_bits(_run(TREE.cols_adjacent, x, y, 0, False)), _bits(_contract(x, y, False)))
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from megatron_consistent.kernels.triton.numerics import tree_leaves  # noqa: E402
+
+
+@triton.jit
+def _row_leaf(args, i):
+    """Row ``i`` of ``X [R, C]`` times ``Y[i]`` (rows past ``R``: ``+0``, the tree's padding)."""
+    X, Y, R, C, BC = args
+    c = tl.arange(0, BC)
+    in_row = c < C
+    return tl.load(Y + i, mask=tl.full((), i, tl.int32) < R, other=0.0) * tl.load(
+        X + i * C + c, mask=in_row & (tl.zeros_like(c) + i < R), other=0.0)
+
+
+@triton.jit
+def _halves_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, I0: tl.constexpr):
+    """A wrong tree for the test: the first half's tree plus the second half's (neighbours paired first)."""
+    if N == 1:
+        return LEAF(args, I0)
+    else:
+        return _halves_leaves(LEAF, args, N // 2, I0) + _halves_leaves(LEAF, args, N // 2, I0 + N // 2)
+
+
+@triton.jit
+def _leaves_kernel(X, Y, OUT, R, C, N: tl.constexpr, BC: tl.constexpr, HALVES: tl.constexpr):
+    if HALVES:
+        v = _halves_leaves(_row_leaf, (X, Y, R, C, BC), N, 0)
+    else:
+        v = tree_leaves(_row_leaf, (X, Y, R, C, BC), N)
+    c = tl.arange(0, BC)
+    tl.store(OUT + c, v, mask=c < C)
+
+
+@pytest.mark.parametrize("r,c", [(1, 3), (2, 8), (5, 7), (16, 16), (13, 4), (32, 5)])
+def test_tree_of_leaves_is_the_contract_tree(r, c):
+    """:func:`numerics.tree_leaves` (the rows formed one at a time, summed in the tree's order): the bits of
+    ``tree_sum`` over the rows, rows padded with zeros to a power of two; pairing neighbours first is caught."""
+    x, y = _operands(r, c, True, seed=r * 100 + c)
+    want = _contract(x, y, True)
+    n = triton.next_power_of_2(r)
+    out = torch.full((c,), 7.0)
+    _leaves_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), HALVES=False)
+    assert torch.equal(_bits(out), _bits(want))
+    if r > 2:
+        _leaves_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), HALVES=True)
+        assert not torch.equal(_bits(out), _bits(want))

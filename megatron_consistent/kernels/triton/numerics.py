@@ -14,6 +14,7 @@ torch contract built on it with the same bits (the SSD scan, the Mamba-2 mixer's
   power of two (the caller pads with zeros, as ``tree_sum`` does): element ``i`` + element ``i + n/2``, level by level.
 * :func:`tree_cols_split`: the same tree as :func:`tree_cols`, its top levels as adds of separately formed column
   slices (no layout change of the whole tile; ``benchmarks/offline_compile_tree.py``).
+* :func:`tree_leaves`: ``tree_sum`` of leaves formed one at a time (any tile each), in the tree's own order.
 
 A caller launches with ``enable_fp_fusion=False``, so every multiply and add is its own IEEE operation, as in torch.
 """
@@ -110,21 +111,35 @@ def tree_cols_split(PRODUCT: tl.constexpr, args, ROWS: tl.constexpr, COLS: tl.co
     ``PRODUCT(args, c)`` (a ``[ROWS, W]`` tile: the caller's loads and products; ``args`` a tuple), with the same bits:
     the same additions of the same pairs in the same order.  Its top levels are adds of the ``COLS / W`` contiguous
     slices of width ``W`` (a power of two <= ``COLS``), each formed on its own: slice ``m`` + slice ``m + COLS / 2W``
-    (columns ``i`` and ``i + COLS/2``), then the sums likewise; the last levels are :func:`tree_cols` over ``W``.  The
-    whole tile is never held nor moved between layouts, only the last ``[ROWS, W]``
-    (``benchmarks/offline_compile_tree.py``: at ``[128, 128]``, ``W = 16``, 8x less shared-memory traffic than
-    :func:`tree_cols` and a third of its registers)."""
-    return tree_cols(_tree_cols_slices(PRODUCT, args, COLS, W, 0, W), ROWS, W)
+    (columns ``i`` and ``i + COLS/2``), then the sums likewise (:func:`tree_leaves` over the slices); the last levels
+    are :func:`tree_cols` over ``W``.  The whole tile is never held nor moved between layouts, only the last
+    ``[ROWS, W]`` (``benchmarks/offline_compile_tree.py``: at ``[128, 128]``, ``W = 16``, 8x less shared-memory
+    traffic than :func:`tree_cols` and a third of its registers)."""
+    return tree_cols(_tree_of_leaves(PRODUCT, args, COLS, W, 0, W), ROWS, W)
 
 
 @triton.jit
-def _tree_cols_slices(PRODUCT: tl.constexpr, args, COLS: tl.constexpr, W: tl.constexpr, C0: tl.constexpr,
-                      STRIDE: tl.constexpr):
-    """The partial sums at columns ``C0 ..< C0 + W`` of :func:`tree_cols_split` after the levels that pair columns
-    ``STRIDE`` or more apart: the slice itself where ``STRIDE = COLS``, else that of ``C0`` + that of ``C0 + STRIDE``
-    after the levels with strides ``2 STRIDE`` and more."""
-    if STRIDE == COLS:
-        return PRODUCT(args, tl.arange(0, W) + C0)  # (tensor first: the interpreter wraps constexpr + tensor)
+def tree_leaves(LEAF: tl.constexpr, args, N: tl.constexpr):
+    """``tree_sum`` of the ``N`` leaves ``LEAF(args, i)`` (``i`` a constexpr ``0 ..< N``, ``N`` a power of two; each
+    leaf a tile of one shape, summed elementwise), with its bits, leaf by leaf: no tile holds the leaves side by side
+    and none moves between layouts.  ``tree_sum`` pairs leaf ``i`` with ``i + N/2`` first, so its root is the tree of
+    the even leaves (in their order) plus the tree of the odd ones, and so on down: leaf ``i`` enters at the
+    position ``i`` bit-reversed, and depth first at most ``log2 N`` partial sums are live.  A leaf past the caller's
+    length must be ``+0`` (the tree's zero padding)."""
+    return _tree_of_leaves(LEAF, args, N, 0, 0, 1)
+
+
+@triton.jit
+def _tree_of_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, W: tl.constexpr, I0: tl.constexpr,
+                    STRIDE: tl.constexpr):
+    """The ``tree_sum`` partial of the leaves ``I0, I0 + STRIDE, I0 + 2 STRIDE, ... < N`` (a residue class): the
+    leaf itself where ``STRIDE = N``, else that of ``I0`` + that of ``I0 + STRIDE`` with the stride doubled.  A leaf
+    is ``LEAF(args, I0)`` (``W = 0``) or the ``W`` columns from ``I0``, ``LEAF(args, arange(0, W) + I0)``."""
+    if STRIDE == N:
+        if W == 0:
+            return LEAF(args, I0)
+        else:
+            return LEAF(args, tl.arange(0, W) + I0)  # (tensor first: the interpreter wraps constexpr + tensor)
     else:
-        return (_tree_cols_slices(PRODUCT, args, COLS, W, C0, STRIDE * 2)
-                + _tree_cols_slices(PRODUCT, args, COLS, W, C0 + STRIDE, STRIDE * 2))
+        return (_tree_of_leaves(LEAF, args, N, W, I0, STRIDE * 2)
+                + _tree_of_leaves(LEAF, args, N, W, I0 + STRIDE, STRIDE * 2))

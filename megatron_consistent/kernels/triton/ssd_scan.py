@@ -40,8 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics import exp
 from ..ssd import SSDSteps
-from .numerics import exp_f32, tree_cols_split, tree_rows
+from .numerics import exp_f32, tree_cols_split, tree_leaves, tree_rows
 
 
 # The column trees of the outputs kernel (over the state size N: C_t . B_s and C_t . S) are evaluated by
@@ -56,6 +57,13 @@ OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "0") or "0")
 # at the 8B widths: 16 on 4 warps or 32 on 8 warps give a thread a column of its own, with 2x / 4x fewer programs
 # and no spills, where 8 has two threads a column).
 TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "0") or "0")
+
+
+# How a chunk-terms program evaluates its tree over the chunk's rows (the same additions in the same order either way):
+# "tile" -- the [rows, P x N] product tile formed at once and summed level by level (tree_rows: a layout change of
+# the tile each level); "leaves" -- row by row (tree_leaves: each row's [BP, BN] outer product added into at most
+# log2(L) partial sums in registers, the rows' decay weights u formed beforehand by torch ops).
+TERMS_TREE = os.environ.get("MC_SSD_TERMS_TREE", "tile") or "tile"
 
 
 def outputs_tree_width(bn: int) -> int:
@@ -214,10 +222,22 @@ def chunk_prefix_sums(dtc, A) -> torch.Tensor:
 
 
 @triton.jit
-def _chunk_contributions_kernel(XC, DTC, BC, CUM, ACTIVE, OUT, n_chunks, n_complete, L, H, P, G, N, HEADS_PER_GROUP,
-                                SLOTS, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
+def _state_term_leaf(args, s):
+    """Row ``s``'s ``[BP, BN]`` products ``(u_s * x_s[p]) * B_s[n]`` of a chunk-terms program (rows past the chunk:
+    ``+0``, the tree's zero padding): ``u_s`` from the decay weights, ``x_s`` / ``B_s`` converted to float32 (exact)."""
+    u_row, u_stride, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L = args
+    # (the row's masks as tensors of the tile's shape: the interpreter cannot combine a scalar and a vector mask)
+    u = tl.load(u_row + s * u_stride, mask=tl.full((), s, tl.int32) < L, other=0.0)
+    x = tl.load(x_row + s * x_stride + p, mask=p_in & (tl.zeros_like(p) + s < L), other=0.0).to(tl.float32)
+    b = tl.load(b_row + s * b_stride + n, mask=n_in & (tl.zeros_like(n) + s < L), other=0.0).to(tl.float32)
+    return (u * x)[:, None] * b[None, :]
+
+
+@triton.jit
+def _chunk_contributions_kernel(XC, DTC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_complete, L, H, P, G, N,
+                                HEADS_PER_GROUP, SLOTS, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
                                 BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-                                FROM_CACHE: tl.constexpr, HAS_FRESH: tl.constexpr):
+                                FROM_CACHE: tl.constexpr, HAS_FRESH: tl.constexpr, LEAVES: tl.constexpr):
     # FROM_CACHE (ssd_step_end_states, a decode step: n_chunks = n_complete = 1, HAS_ACTIVE = the closing rows): XC is
     # the mixer's xbc cache [slots, L, H*P + 2*G*N] (model dtype, slot stride XBC_SLOT_STRIDE; x and B read from row
     # b's slot SLOTS[b], converted to float32 in registers: exact), BC unused, OUT the state cache [slots, H, P, N]
@@ -225,6 +245,8 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, ACTIVE, OUT, n_chunks, n_compl
     # exp(cum_{L-1}), S the slot's state, zeros where FRESH[b]) and stores it over the same [BP, BN] tile it read (the
     # only program that reads or writes that tile of the slot: in place is safe); a non-closing fresh row stores zeros
     # over its tile.  Off: the chunked float32 operands of _ssd_chunk_states (SLOTS .. STATE_SLOT_STRIDE unused).
+    # LEAVES: the tree over the chunk's rows leaf by leaf (tree_leaves), u read from U [b, n_complete, L, H] (unused
+    # else).
     chunk_id = tl.program_id(0)  # (sequence, complete chunk)
     h = tl.program_id(1)
     n_blocks = tl.cdiv(N, BN)
@@ -257,23 +279,33 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, ACTIVE, OUT, n_chunks, n_compl
     p = p0 + tl.arange(0, BP)
     n = n0 + tl.arange(0, BN)
     s_in, p_in, n_in = s < L, p < P, n < N
-    rows = (b * n_chunks + k).to(tl.int64) * L + s  # [BL]: the chunk's rows of the [b, c, L, ...] tensors
+    row0 = (b * n_chunks + k).to(tl.int64) * L  # the chunk's first row of the [b, c, L, ...] tensors
+    rows = row0 + s  # [BL]
 
-    last = tl.load(CUM + ((b * n_chunks + k).to(tl.int64) * L + L - 1) * H + h)
-    cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
-    u = exp_f32(last - cum_s) * tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
-    if FROM_CACHE:  # the slot's rows 0..L-1 of the xbc cache
-        cached = slot * XBC_SLOT_STRIDE + s.to(tl.int64) * (H * P + 2 * G * N)  # [BL]
-        ux = u[:, None] * tl.load(XC + cached[:, None] + h * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
-                                  other=0.0).to(tl.float32)  # [BL, BP]
-        b_sn = tl.load(XC + cached[:, None] + H * P + g * N + n[None, :], mask=s_in[:, None] & n_in[None, :],
-                       other=0.0).to(tl.float32)
+    last = tl.load(CUM + (row0 + L - 1) * H + h)
+    if FROM_CACHE:  # the slot's rows 0..L-1 of the xbc cache: row s at + s * x_stride
+        x_row = XC + slot * XBC_SLOT_STRIDE + h * P
+        b_row = XC + slot * XBC_SLOT_STRIDE + H * P + g * N
+        x_stride = H * P + 2 * G * N
+        b_stride = x_stride
     else:
-        ux = u[:, None] * tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
-                                  other=0.0)  # [BL, BP]
-        b_sn = tl.load(BC + (rows[:, None] * G + g) * N + n[None, :], mask=s_in[:, None] & n_in[None, :], other=0.0)
-    prod = tl.reshape(ux[:, :, None] * b_sn[:, None, :], (BL, BP * BN))
-    contrib = tl.reshape(tree_rows(prod, BL, BP * BN), (BP, BN))
+        x_row = XC + (row0 * H + h) * P
+        b_row = BC + (row0 * G + g) * N
+        x_stride = H * P
+        b_stride = G * N
+    if LEAVES:
+        u_row = U + (b * n_complete + k).to(tl.int64) * L * H + h  # U [b, n_complete, L, H]
+        contrib = tree_leaves(_state_term_leaf, (u_row, H, x_row, x_stride, b_row, b_stride, p, p_in, n,
+                                                 n_in, L), BL)
+    else:
+        cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
+        u = exp_f32(last - cum_s) * tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
+        ux = u[:, None] * tl.load(x_row + s[:, None].to(tl.int64) * x_stride + p[None, :],
+                                  mask=s_in[:, None] & p_in[None, :], other=0.0).to(tl.float32)  # [BL, BP]
+        b_sn = tl.load(b_row + s[:, None].to(tl.int64) * b_stride + n[None, :], mask=s_in[:, None] & n_in[None, :],
+                       other=0.0).to(tl.float32)
+        prod = tl.reshape(ux[:, :, None] * b_sn[:, None, :], (BL, BP * BN))
+        contrib = tl.reshape(tree_rows(prod, BL, BP * BN), (BP, BN))
     if FROM_CACHE:  # _ssd_chunk_states' recurrence: decay * S (a float32 multiply), then + contrib
         st = tl.load(tile, mask=st_in, other=0.0)
         tl.store(tile, exp_f32(last) * st + contrib, mask=tile_in)
@@ -292,25 +324,44 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None) -> torch
     out = torch.empty(nb, n_complete, H, P, N, dtype=torch.float32, device=xc.device)
     if n_complete == 0 or nb == 0:
         return out
-    # a product tile of 8192 elements at most, 4 warps (8 for 256-row chunks); offline sm_90a compile: chunk 128 no
-    # spills (128 x 128 on 16 warps spilled), chunk 256 240 bytes (the [P, N] store; 80 with the former [N, P])
-    bl, bp, bn, warps = _contributions_blocks(L, P, N)
+    leaves = terms_by_leaves()
+    bl, bp, bn, warps = _contributions_blocks(L, P, N, leaves)
     grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
     _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)),
+                                      _decay_weights(cum, dtc, n_complete) if leaves else out,
                                       out if active is None else active.to(torch.int8).contiguous(), out, n_chunks,
                                       n_complete, L, H, P, G, N, H // G, out, out, 0, 0, BL=bl, BP=bp, BN=bn,
-                                      HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False,
+                                      HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False, LEAVES=leaves,
                                       num_warps=warps, enable_fp_fusion=False)
     return out
 
 
-def _contributions_blocks(L: int, P: int, N: int) -> tuple[int, int, int, int]:
-    """``(BL, BP, BN, warps)`` of a contributions program (:func:`chunk_contributions`' choice): a product tile of
-    8 192 elements on 4 warps (8 for 256-row chunks), or with :data:`TERMS_BN` that many state columns a program,
-    a warp for every 32 of its ``BP * BN`` columns (4 to 16)."""
-    bl, bp = triton.next_power_of_2(L), min(8, triton.next_power_of_2(P))
+def terms_by_leaves() -> bool:
+    """:data:`TERMS_TREE` (``MC_SSD_TERMS_TREE``): ``True`` for ``leaves``; a value other than ``tile`` / ``leaves``
+    is refused by name."""
+    if TERMS_TREE not in ("tile", "leaves"):
+        raise ValueError(f"MC_SSD_TERMS_TREE={TERMS_TREE!r}: expected 'tile' or 'leaves'")
+    return TERMS_TREE == "leaves"
+
+
+def _decay_weights(cum, dtc, n_complete: int) -> torch.Tensor:
+    """``u [b, n_complete, L, H] = exp(cum_{L-1} - cum_s) * dt_s`` of the first ``n_complete`` chunks (float32 torch
+    ops and :func:`numerics.exp`, as :func:`kernels.ssd._chunk_contributions` forms them)."""
+    return (exp(cum[:, :n_complete, -1:] - cum[:, :n_complete]) * dtc[:, :n_complete]).contiguous()
+
+
+def _contributions_blocks(L: int, P: int, N: int, leaves: bool) -> tuple[int, int, int, int]:
+    """``(BL, BP, BN, warps)`` of a contributions program (:func:`chunk_contributions`' choice).  The product tile's
+    tree: a tile of 8 192 elements on 4 warps (8 for 256-row chunks; offline sm_90a compile: chunk 128 no spills, 128
+    x 128 on 16 warps spilled, chunk 256 240 bytes), or with :data:`TERMS_BN` that many state columns a program, a warp
+    for every 32 of its ``BP * BN`` columns (4 to 16).  By leaves: ``[64, 32]`` of ``P x N`` on 4 warps (or
+    :data:`TERMS_BN` columns), 16 terms a thread."""
     if TERMS_BN < 0 or TERMS_BN & (TERMS_BN - 1):
         raise ValueError(f"MC_SSD_TERMS_BN={TERMS_BN}: expected 0 or a power of two")
+    bl = triton.next_power_of_2(L)
+    if leaves:
+        return bl, min(64, triton.next_power_of_2(P)), min(TERMS_BN or 32, triton.next_power_of_2(N)), 4
+    bp = min(8, triton.next_power_of_2(P))
     if TERMS_BN:
         bn = min(triton.next_power_of_2(N), TERMS_BN)
         return bl, bp, bn, max(4, min(16, bp * bn // 32))
@@ -345,13 +396,16 @@ def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh,
     slots = slots.to(torch.int64).contiguous()
     seg_dt = dt_cache[slots].contiguous()  # [b, L, H]
     cum = chunk_prefix_sums(seg_dt[:, None], A)  # [b, 1, L, H]
-    bl, bp, bn, warps = _contributions_blocks(L, P, N)
+    leaves = terms_by_leaves()
+    bl, bp, bn, warps = _contributions_blocks(L, P, N, leaves)
     active = closing.to(torch.int8).contiguous()
     grid = (bsz, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
-    _chunk_contributions_kernel[grid](xbc_cache, seg_dt, xbc_cache, cum, active, state_cache, 1, 1, L, H, P, G, N,
-                                      H // G, slots, active if fresh is None else fresh.to(torch.int8).contiguous(),
+    _chunk_contributions_kernel[grid](xbc_cache, seg_dt, xbc_cache, cum,
+                                      _decay_weights(cum, seg_dt[:, None], 1) if leaves else cum, active, state_cache,
+                                      1, 1, L, H, P, G, N, H // G, slots,
+                                      active if fresh is None else fresh.to(torch.int8).contiguous(),
                                       xbc_cache.stride(0), state_cache.stride(0), BL=bl, BP=bp, BN=bn,
-                                      HAS_ACTIVE=True, FROM_CACHE=True, HAS_FRESH=fresh is not None,
+                                      HAS_ACTIVE=True, FROM_CACHE=True, HAS_FRESH=fresh is not None, LEAVES=leaves,
                                       num_warps=warps, enable_fp_fusion=False)
 
 
