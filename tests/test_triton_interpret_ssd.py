@@ -133,9 +133,9 @@ def test_prefix_sums_equal_the_doubling_scan(chunk, nh):
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("t_len,chunk,nh,hp,ng,ns", [(13, 8, 4, 4, 2, 8), (16, 8, 2, 8, 1, 16), (11, 6, 3, 6, 3, 5)])
 def test_column_trees_in_slices_keep_the_bits(monkeypatch, width, t_len, chunk, nh, hp, ng, ns):
-    """The outputs kernel's column trees (``C_t . B_s``, ``C_t . S``) evaluated in slices of ``width`` columns
-    (``MC_SSD_TREE_WIDTH``; state sizes 16, 8 and 5, padded to 8) give the torch contract's bits; a width that is not
-    a power of two is refused by name."""
+    """The outputs kernel's trees -- over the state (``C_t . B_s``, ``C_t . S``) and over the chunk's rows (the intra
+    term) -- evaluated in slices of ``width`` columns / rows (``MC_SSD_TREE_WIDTH``; state sizes 16, 8 and 5, padded
+    to 8; chunks of 8 and 6) give the torch contract's bits; a width that is not a power of two is refused by name."""
     x, dt, a, b, c, d, state = _inputs(width * 3 + ns, 2, t_len, nh, hp, ng, ns, torch.float32)
     y_ref, s_ref = ssd._ssd_cpu(x, dt, a, b, c, d, chunk, state, 0)
     monkeypatch.setattr(tssd, "OUTPUTS_TREE_WIDTH", width)

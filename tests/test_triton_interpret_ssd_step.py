@@ -66,10 +66,13 @@ def _check_equal(case, out_dtype):
 SHAPES = [(8, 4, 4, 2, 8), (4, 4, 4, 1, 4), (6, 6, 5, 2, 7), (16, 8, 16, 2, 16), (5, 6, 12, 3, 10), (1, 4, 4, 2, 4)]
 
 
+@pytest.mark.parametrize("width", [0, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("L,nh,hp,ng,ns", SHAPES)
-def test_step_outputs_equal_the_torch_replay(L, nh, hp, ng, ns, dtype):
-    """p = 0, 1, L - 1 and random, in one batch; a fresh row and a row reading a stored state."""
+def test_step_outputs_equal_the_torch_replay(monkeypatch, L, nh, hp, ng, ns, dtype, width):
+    """p = 0, 1, L - 1 and random, in one batch; a fresh row and a row reading a stored state; the kernel's trees whole
+    or in slices of two rows / columns (``MC_SSD_TREE_WIDTH``)."""
+    monkeypatch.setattr(tssd, "OUTPUTS_TREE_WIDTH", width)
     g = torch.Generator().manual_seed(L * 100 + ns)
     pending = sorted({0, min(1, L - 1), L - 1}) + torch.randint(0, L, (3,), generator=g).tolist()
     fresh = [i % 3 == 1 for i in range(len(pending))]

@@ -86,7 +86,7 @@ def test_neighbour_pairing_is_caught(r, c):
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from megatron_consistent.kernels.triton.numerics import tree_leaves  # noqa: E402
+from megatron_consistent.kernels.triton.numerics import tree_leaves, tree_rows_split  # noqa: E402
 
 
 @triton.jit
@@ -131,3 +131,32 @@ def test_tree_of_leaves_is_the_contract_tree(r, c):
     if r > 2:
         _leaves_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), HALVES=True)
         assert not torch.equal(_bits(out), _bits(want))
+
+
+@triton.jit
+def _row_slice(args, r):
+    """Rows ``r`` of ``X [R, C]`` times ``Y[r]`` (rows past ``R``: zeros)."""
+    X, Y, R, C, BC = args
+    c = tl.arange(0, BC)
+    return tl.load(Y + r, mask=r < R, other=0.0)[:, None] * tl.load(X + r[:, None] * C + c[None, :],
+                                                                   mask=(r < R)[:, None] & (c < C)[None, :], other=0.0)
+
+
+@triton.jit
+def _row_slices_kernel(X, Y, OUT, R, C, N: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
+    v = tree_rows_split(_row_slice, (X, Y, R, C, BC), N, BC, W)
+    c = tl.arange(0, BC)
+    tl.store(OUT + c, v, mask=c < C)
+
+
+@pytest.mark.parametrize("r,c", [(16, 8), (13, 4), (32, 5), (8, 16)])
+def test_row_slices_are_the_contract_tree(r, c):
+    """:func:`numerics.tree_rows_split` (the intra tree of the SSD outputs kernel): every slice width gives
+    ``tree_sum``'s bits over the rows."""
+    x, y = _operands(r, c, True, seed=r + c)
+    want = _contract(x, y, True)
+    n = triton.next_power_of_2(r)
+    for w in (1, 2, 4, n):
+        out = torch.full((c,), 7.0)
+        _row_slices_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), W=w)
+        assert torch.equal(_bits(out), _bits(want)), w

@@ -14,6 +14,7 @@ torch contract built on it with the same bits (the SSD scan, the Mamba-2 mixer's
   power of two (the caller pads with zeros, as ``tree_sum`` does): element ``i`` + element ``i + n/2``, level by level.
 * :func:`tree_cols_split`: the same tree as :func:`tree_cols`, its top levels as adds of separately formed column
   slices (no layout change of the whole tile; ``benchmarks/offline_compile_tree.py``).
+* :func:`tree_rows_split`: the same for :func:`tree_rows` and row slices.
 * :func:`tree_leaves`: ``tree_sum`` of leaves formed one at a time (any tile each), in the tree's own order.
 
 A caller launches with ``enable_fp_fusion=False``, so every multiply and add is its own IEEE operation, as in torch.
@@ -116,6 +117,15 @@ def tree_cols_split(PRODUCT: tl.constexpr, args, ROWS: tl.constexpr, COLS: tl.co
     ``[ROWS, W]`` (``benchmarks/offline_compile_tree.py``: at ``[128, 128]``, ``W = 16``, 8x less shared-memory
     traffic than :func:`tree_cols` and a third of its registers)."""
     return tree_cols(_tree_of_leaves(PRODUCT, args, COLS, W, 0, W), ROWS, W)
+
+
+@triton.jit
+def tree_rows_split(PRODUCT: tl.constexpr, args, ROWS: tl.constexpr, COLS: tl.constexpr, W: tl.constexpr):
+    """:func:`tree_rows` of the ``[ROWS, COLS]`` tile whose rows ``r`` (a ``[W]`` index tensor) are
+    ``PRODUCT(args, r)`` (a ``[W, COLS]`` tile), with the same bits: :func:`tree_cols_split` with rows for columns --
+    the top levels adds of the ``ROWS / W`` row slices, each formed on its own, the last :func:`tree_rows` over
+    ``W``."""
+    return tree_rows(_tree_of_leaves(PRODUCT, args, ROWS, W, 0, W), W, COLS)
 
 
 @triton.jit

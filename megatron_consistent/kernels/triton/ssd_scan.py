@@ -42,11 +42,12 @@ import triton.language as tl
 
 from ..numerics import exp
 from ..ssd import SSDSteps
-from .numerics import exp_f32, tree_cols_split, tree_leaves, tree_rows
+from .numerics import exp_f32, tree_cols_split, tree_leaves, tree_rows, tree_rows_split
 
 
-# The column trees of the outputs kernel (over the state size N: C_t . B_s and C_t . S) are evaluated by
-# tree_cols_split with slices of this many columns (a power of two); 0: the whole N, one tree_cols over the tile.
+# The trees of the outputs kernel -- over the state size N (C_t . B_s and C_t . S: tree_cols_split) and over the chunk's
+# rows (the intra term: tree_rows_split) -- are evaluated with slices of this many columns / rows (a power of two);
+# 0: the whole N / L, one tree over the tile.
 # Scheduling only: the same additions in the same order whichever width (tests/test_triton_interpret_tree.py;
 # benchmarks/offline_compile_tree.py: at 16, the outputs kernel's 16-byte spill and 16 KB staging tile go).
 OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "0") or "0")
@@ -67,7 +68,8 @@ TERMS_TREE = os.environ.get("MC_SSD_TERMS_TREE", "tile") or "tile"
 
 
 def outputs_tree_width(bn: int) -> int:
-    """The ``TREE_W`` of an outputs launch over ``bn`` (padded) state columns (:data:`OUTPUTS_TREE_WIDTH`)."""
+    """The slice width of an outputs launch's trees over ``bn`` (padded) state columns or chunk rows
+    (:data:`OUTPUTS_TREE_WIDTH`; ``TREE_W`` / ``TREE_W_ROWS``): the whole ``bn`` by default."""
     w = OUTPUTS_TREE_WIDTH
     if w < 0 or w & (w - 1):
         raise ValueError(f"MC_SSD_TREE_WIDTH={w}: expected 0 or a power of two")
@@ -116,15 +118,29 @@ def _cs_products(args, n):
 
 
 @triton.jit
-def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks, n_starts, L, H, P, G, N,
+def _intra_products(args, r):
+    """The outputs kernel's intra-chunk products ``w_s * x_s[p]``, ``[len(r), BP]`` float32, of chunk rows ``r``:
+    ``w_s`` from the program's scratch row; ``x_s`` of the rows below ``x_end`` from ``x_rows`` (row ``s`` at
+    ``+ s * x_stride``; model dtype converted exactly), of row ``new_row`` (the decode step's new token; -1: none)
+    ``x_new``, zeros past them."""
+    w_row, x_rows, x_stride, x_end, new_row, x_new, p, p_in = args
+    x_old = tl.load(x_rows + r[:, None].to(tl.int64) * x_stride + p[None, :], mask=(r < x_end)[:, None] & p_in[None, :],
+                    other=0.0)
+    return tl.load(w_row + r)[:, None] * tl.where((r == new_row)[:, None], x_new[None, :], x_old).to(tl.float32)
+
+
+@triton.jit
+def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, W_SCRATCH, n_out, n_chunks, n_starts, L, H, P, G, N,
                         HEADS_PER_GROUP, HEADS_PER_PROGRAM, SLOTS, NEW, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
                         BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, FROM_CACHE: tl.constexpr,
-                        HAS_FRESH: tl.constexpr, TREE_W: tl.constexpr):
+                        HAS_FRESH: tl.constexpr, TREE_W: tl.constexpr, TREE_W_ROWS: tl.constexpr):
     # FROM_CACHE (ssd_step_outputs, a decode step: n_out = n_chunks = 1): XC is the mixer's xbc cache [slots, L,
     # H*P + 2*G*N] (model dtype, slot stride XBC_SLOT_STRIDE), BC / CC unused, STATES the state cache [slots, H, P, N]
     # (slot stride STATE_SLOT_STRIDE); sequence b's rows s < t are read from its slot SLOTS[b], row t from NEW[b]
     # (the new token), rows past t are zeros, each converted to float32 in registers (exact); its state is zeros where
     # FRESH[b] (HAS_FRESH).  Off: the chunked float32 operands of _ssd_chunk_states (SLOTS .. STATE_SLOT_STRIDE unused).
+    # W_SCRATCH [programs, BL] float32: a head's weights w_s, stored and read back by the intra tree's slices of
+    # TREE_W_ROWS rows (tree_rows_split; a barrier after the store and after the reads).
     o = tl.program_id(0)  # (sequence, output column)
     h0 = tl.program_id(1) * HEADS_PER_PROGRAM  # the program's heads h0 .., all of one group
     b = o // n_out
@@ -158,21 +174,24 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, n_out, n_chunks
         cb = tree_cols_split(_cb_from_chunks, (BC + (rows * G + g) * N, s_in, c_row, N), BL, BN, TREE_W)  # [BL]
         n_state = N
     causal = s <= ri
+    scratch = W_SCRATCH + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * BL
     for j in range(HEADS_PER_PROGRAM):
         h = h0 + j
         cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
         cum_t = tl.load(CUM + (chunk * L + ri) * H + h)
         dt_s = tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
         e = exp_f32(tl.where(causal, cum_t - cum_s, 0.0))
-        w = tl.where(causal, (cb * e) * dt_s, 0.0)
-        if FROM_CACHE:
+        tl.store(scratch + s, tl.where(causal, (cb * e) * dt_s, 0.0))  # w
+        tl.debug_barrier()  # w seen by every thread of the program
+        if FROM_CACHE:  # rows < ri from the slot, row ri the new token
             x_new = tl.load(new + h * P + p, mask=p_in, other=0.0)
-            x_old = tl.load(XC + cached[:, None] + h * P + p[None, :], mask=old[:, None] & p_in[None, :], other=0.0)
-            x_sp = tl.where(is_new, x_new[None, :], x_old).to(tl.float32)
-        else:
-            x_sp = tl.load(XC + (rows[:, None] * H + h) * P + p[None, :], mask=s_in[:, None] & p_in[None, :],
-                           other=0.0)
-        intra = tree_rows(w[:, None] * x_sp, BL, BP)  # [BP]
+            x_rows, x_stride, x_end, new_row = XC + slot * XBC_SLOT_STRIDE + h * P, conv, ri, ri
+        else:  # the chunk's rows
+            x_new = tl.zeros((BP,), dtype=tl.float32)
+            x_rows, x_stride, x_end, new_row = XC + (chunk * L * H + h) * P, H * P, L, -1
+        intra = tree_rows_split(_intra_products, (scratch, x_rows, x_stride, x_end, new_row, x_new, p, p_in), BL, BP,
+                                TREE_W_ROWS)  # [BP]
+        tl.debug_barrier()  # every read of w done before the next head's
         if FROM_CACHE:  # the state cache's [P, N] tile of the slot (zeros: fresh)
             st_rows = STATES + slot * STATE_SLOT_STRIDE + (h * P + p) * N
         else:  # states [nb, n_starts, H, P, N]: chunk ci's starting state, a [P, N] tile
@@ -424,13 +443,13 @@ def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.
     ops = [v.contiguous() for v in (xc, dtc, bc, cc, cum, states)]
     bl, bn = triton.next_power_of_2(L), triton.next_power_of_2(N)
     hpp = heads_per_program(nb * n_out, H, G)
-    _ssd_outputs_kernel[(nb * n_out, H // hpp)](*ops, D.to(torch.float32).contiguous(),
-                                                positions.to(torch.int64).contiguous(), y, n_out, n_chunks,
-                                                states.shape[1], L, H, P, G, N, H // G, hpp, y, y, y, 0, 0,
-                                                BL=bl, BP=triton.next_power_of_2(P), BN=bn, FROM_CACHE=False,
-                                                HAS_FRESH=False, TREE_W=outputs_tree_width(bn),
-                                                num_warps=launch_warps(bl, bn),
-                                                enable_fp_fusion=False)
+    grid = (nb * n_out, H // hpp)
+    _ssd_outputs_kernel[grid](*ops, D.to(torch.float32).contiguous(), positions.to(torch.int64).contiguous(), y,
+                              _w_scratch(grid, bl, xc.device), n_out, n_chunks, states.shape[1], L, H, P, G, N,
+                              H // G, hpp, y, y, y, 0, 0, BL=bl, BP=triton.next_power_of_2(P), BN=bn,
+                              FROM_CACHE=False, HAS_FRESH=False, TREE_W=outputs_tree_width(bn),
+                              TREE_W_ROWS=outputs_tree_width(bl), num_warps=launch_warps(bl, bn),
+                              enable_fp_fusion=False)
     return y
 
 
@@ -459,16 +478,22 @@ def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, 
     cum = chunk_prefix_sums(seg_dt[:, None], A)  # [b, 1, L, H]
     bl, bn = triton.next_power_of_2(L), triton.next_power_of_2(N)
     hpp = heads_per_program(bsz, H, G)
-    _ssd_outputs_kernel[(bsz, H // hpp)](xbc_cache, seg_dt, xbc_cache, xbc_cache, cum, state_cache,
-                                         D.to(torch.float32).contiguous(), pending.to(torch.int64).contiguous(), y, 1,
-                                         1, 1, L, H, P, G, N, H // G, hpp, slots.contiguous(), new_xbc.contiguous(),
-                                         y if fresh is None else fresh.to(torch.int8).contiguous(),
-                                         xbc_cache.stride(0), state_cache.stride(0), BL=bl,
-                                         BP=triton.next_power_of_2(P), BN=bn, FROM_CACHE=True,
-                                         HAS_FRESH=fresh is not None, TREE_W=outputs_tree_width(bn),
-                                         num_warps=launch_warps(bl, bn),
-                                         enable_fp_fusion=False)
+    grid = (bsz, H // hpp)
+    _ssd_outputs_kernel[grid](xbc_cache, seg_dt, xbc_cache, xbc_cache, cum, state_cache, D.to(torch.float32).contiguous(),
+                              pending.to(torch.int64).contiguous(), y, _w_scratch(grid, bl, new_xbc.device), 1, 1, 1,
+                              L, H, P, G, N, H // G, hpp, slots.contiguous(), new_xbc.contiguous(),
+                              y if fresh is None else fresh.to(torch.int8).contiguous(), xbc_cache.stride(0),
+                              state_cache.stride(0), BL=bl, BP=triton.next_power_of_2(P), BN=bn, FROM_CACHE=True,
+                              HAS_FRESH=fresh is not None, TREE_W=outputs_tree_width(bn),
+                              TREE_W_ROWS=outputs_tree_width(bl), num_warps=launch_warps(bl, bn),
+                              enable_fp_fusion=False)
     return y
+
+
+def _w_scratch(grid: tuple[int, int], bl: int, device) -> torch.Tensor:
+    """The outputs programs' scratch rows (``[programs, BL]`` float32): a head's weights ``w_s``, which its intra
+    tree reads back a slice of rows at a time."""
+    return torch.empty(grid[0] * grid[1] * bl, dtype=torch.float32, device=device)
 
 
 def heads_per_program(positions: int, H: int, G: int, programs: int = 1024) -> int:
