@@ -13,9 +13,10 @@ the whole scan (the chunk padding and the state recurrence are torch ops in both
 time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands read once, the result
 written once) over the device's measured copy bandwidth (their float32 arithmetic is not in it).  Timing:
 ``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).  Then the schedules, each
-row's bits against the first: the outputs kernel's column-tree slice widths, and the chunk-terms kernel's trees over
-the chunk's rows (``MC_SSD_TERMS_TREE``: the product tile or leaf by leaf) and program widths, with the float32 issue
-floor of their multiplies and adds beside them (the kernels are compute-bound: no fused multiply-add, no tensor cores).
+row's bits against the first: the outputs kernel at its trees' slice widths (``MC_SSD_TREE_WIDTH``), and the
+chunk-terms kernel's trees over the chunk's rows (``MC_SSD_TERMS_TREE``: the product tile or leaf by leaf) and program
+widths, with the float32 issue floor of their multiplies and adds beside them (the kernels are compute-bound: no
+fused multiply-add, no tensor cores).
 """
 
 from __future__ import annotations
@@ -141,13 +142,15 @@ def decode_step_paths(bsz: int = 64, seed: int = 1) -> dict:
             "bits_equal": equal}
 
 
-def tree_widths(widths=(0, 32, 16, 8, 4, 1)) -> list[dict]:
-    """The outputs kernel at each column-tree slice width (``ssd_scan.OUTPUTS_TREE_WIDTH``; 0: one tree over the
-    whole state size; 1: the state's columns as leaves, one at a time): a prefill of 4 096 positions and the
-    engine's decode step at 64 sequences, bits against width 0 and times, in one run."""
+def output_schedules(widths=(0, 32, 16, 8, 4, 1)) -> list[dict]:
+    """The outputs kernel at each tree slice width (``ssd_scan.OUTPUTS_TREE_WIDTH``; 0: each tree over the whole
+    state size / chunk; 1: columns and rows as leaves, one at a time) -- a prefill of 4 096 positions and the engine's
+    decode step at 64 sequences -- bits against the first and times, in one run, with the float32 issue floor of the
+    prefill's multiplies and adds (``C_t . B_s`` a group, the intra and state terms a head)."""
     x, dt, a, b, c, d, state = inputs(1, 4096)
     ops = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:6]
     pos = ssd.output_positions(1, 0, 4096, DEV)
+    floor = fp32_issue_floor_ms(4096 * (H * P * (2 * L - 1 + 2 * N - 1) + G * L * (2 * N - 1)))
     xs, dts, _, bs, cs, _, states = inputs(64, L, 2)
     xbc_cache = torch.cat([xs.flatten(2), bs.flatten(2), cs.flatten(2)], dim=-1)
     slots = torch.arange(64, device=DEV)
@@ -159,7 +162,8 @@ def tree_widths(widths=(0, 32, 16, 8, 4, 1)) -> list[dict]:
             tssd.OUTPUTS_TREE_WIDTH = w
             outs = (ssd_outputs(*ops, d, pos, torch.bfloat16), ssd.ssd_step_outputs(*step))
             first = first or outs
-            rows.append({"width": w, "bits_equal": all(torch.equal(u, v) for u, v in zip(first, outs)),
+            rows.append({"width": w, "fp32_floor_ms": floor,
+                         "bits_equal": all(torch.equal(u, v) for u, v in zip(first, outs)),
                          "prefill ms": triton.testing.do_bench(lambda: ssd_outputs(*ops, d, pos, torch.bfloat16)),
                          "decode step ms": triton.testing.do_bench(lambda: ssd.ssd_step_outputs(*step))})
     finally:
@@ -228,11 +232,13 @@ def main() -> int:
     print(f"\ndecode step, {steps['batch']} sequences (SSD only): the engine's {steps['engine ms']:.3f} ms (outputs in "
           f"place {steps['outputs in place ms']:.3f}, end states in place {steps['end states in place ms']:.3f}), the "
           f"former host-planned one {steps['former ms']:.3f} ms; bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
-    widths = tree_widths()
-    print("\n| outputs kernel, column-tree slice width | prefill 1 x 4 096 ms | decode step 64 ms | bits vs whole tree |")
-    print("| --- | ---: | ---: | --- |")
-    for r in widths:
-        print(f"| {r['width'] or 'whole (N)'} | {r['prefill ms']:.3f} | {r['decode step ms']:.3f} | "
+    schedules = output_schedules()
+    print("\n| outputs kernel: trees' slice width | prefill 1 x 4 096 ms | float32 floor ms | floor / ms | "
+          "decode step 64 ms | bits vs the whole trees |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for r in schedules:
+        print(f"| {r['width'] or 'whole'} | {r['prefill ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
+              f"{r['fp32_floor_ms'] / r['prefill ms']:.2f} | {r['decode step ms']:.3f} | "
               f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
     tiles = terms_tiles()
     print("\n| chunk-terms kernel: rows' tree, state columns a program | prefill 1 x 4 096 ms | float32 floor ms | "
@@ -245,10 +251,10 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":
                    {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows, "decode_step_paths": steps,
-                   "tree_widths": widths, "terms_tiles": tiles}, f, indent=1)
+                   "output_schedules": schedules, "terms_tiles": tiles}, f, indent=1)
     print(f"results: {args.out}")
     return 0 if (all(all(r["bits_equal"].values()) for r in rows) and steps["bits_equal"]
-                 and all(r["bits_equal"] for r in widths + tiles)) else 1
+                 and all(r["bits_equal"] for r in schedules + tiles)) else 1
 
 
 if __name__ == "__main__":

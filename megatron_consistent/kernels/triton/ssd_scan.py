@@ -245,11 +245,17 @@ def _state_term_leaf(args, s):
     """Row ``s``'s ``[BP, BN]`` products ``(u_s * x_s[p]) * B_s[n]`` of a chunk-terms program (rows past the chunk:
     ``+0``, the tree's zero padding): ``u_s`` from the decay weights, ``x_s`` / ``B_s`` converted to float32 (exact)."""
     u_row, u_stride, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L = args
-    # (the row's masks as tensors of the tile's shape: the interpreter cannot combine a scalar and a vector mask)
     u = tl.load(u_row + s * u_stride, mask=tl.full((), s, tl.int32) < L, other=0.0)
-    x = tl.load(x_row + s * x_stride + p, mask=p_in & (tl.zeros_like(p) + s < L), other=0.0).to(tl.float32)
-    b = tl.load(b_row + s * b_stride + n, mask=n_in & (tl.zeros_like(n) + s < L), other=0.0).to(tl.float32)
+    x = tl.load(x_row + s * x_stride + p, mask=_row_in(p_in, s, L), other=0.0).to(tl.float32)
+    b = tl.load(b_row + s * b_stride + n, mask=_row_in(n_in, s, L), other=0.0).to(tl.float32)
     return (u * x)[:, None] * b[None, :]
+
+
+@triton.jit
+def _row_in(cols_in, s, L):
+    """``cols_in & (s < L)`` as a tensor of ``cols_in``'s shape, for leaf ``s`` (the interpreter cannot combine a
+    scalar mask with a vector one; a splat compare: one scalar test in the compile)."""
+    return cols_in & (tl.zeros(cols_in.shape, tl.int32) + s < L)
 
 
 @triton.jit
