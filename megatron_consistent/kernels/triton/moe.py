@@ -56,17 +56,16 @@ from ..fp8 import gate_up_block_rows, per_expert_fp8_outputs, row_block_of_parts
 from ._common import TensorDescriptor, next_pow2, tma_ok
 from .fp8_linear import GROUP, _serial_fp8_splits, fp8_config, fp8_kernel_applies, quantize_activations
 from .linear import _epilogue, _serial_splits, config_for
-from .numerics import exp_f32
+from .numerics import exp_f32, tree_cols
 
 
 
 # ---------------------------------------------------------------------------------------------- router
 @triton.jit
 def _tree_sum(x, WIDTH: tl.constexpr):
-    """:func:`numerics.tree_sum` of a power-of-two vector: element ``i`` pairs with ``i + width / 2``, level by level."""
-    for _ in tl.static_range(WIDTH.bit_length() - 1):
-        x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2]), axis=0)  # two terms: one IEEE sum
-    return tl.sum(x, axis=0)
+    """:func:`numerics.tree_sum` of a power-of-two vector (:func:`triton.numerics.tree_cols` of it as one row; the
+    one-element sum that makes it a scalar adds nothing)."""
+    return tl.sum(tree_cols(tl.reshape(x, (1, WIDTH)), 1, WIDTH), axis=0)
 
 
 @triton.jit
