@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _ssd_caches import NAN, nan_filled_chunks
 from megatron_consistent.kernels import dispatch, ssd, ssd_step_end_states
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: the CUDA registration of ssd_step_end_states (kernels/triton/ssd_scan.py)")]
 
-NAN = float("nan")
 # Nemotron-H 8B: (L, H, P, G, N)
 NEMOTRON_H_8B = (128, 128, 64, 8, 128)
 
@@ -33,12 +33,8 @@ def _case(seed, bsz, n_slots, L, nh, hp, ng, ns, dtype, device):
     fresh = (torch.arange(bsz) % 4 == 1) | (torch.arange(bsz) % 4 == 2)
     pending = torch.where(closing, L, torch.randint(0, L - 1, (bsz,), generator=g))
     slots = torch.randperm(n_slots, generator=g)[:bsz]
-    xbc_cache = torch.full((n_slots, L, conv), NAN, dtype=dtype)
-    dt_cache = torch.full((n_slots, L, nh), NAN)
+    xbc_cache, dt_cache = nan_filled_chunks(g, n_slots, slots, pending, L, conv, nh, dtype, 0.1, 0.001)
     state_cache = torch.full((n_slots, nh, hp, ns), NAN)
-    rows = torch.arange(L)[None, :] < pending[:, None]  # [b, L]
-    xbc_cache[slots] = torch.where(rows[..., None], torch.randn(bsz, L, conv, generator=g).to(dtype), NAN)
-    dt_cache[slots] = torch.where(rows[..., None], torch.rand(bsz, L, nh, generator=g) * 0.1 + 0.001, NAN)
     state_cache[slots] = torch.where((closing & ~fresh)[:, None, None, None], torch.randn(bsz, nh, hp, ns, generator=g),
                                      NAN)
     case = dict(xbc_cache=xbc_cache, dt_cache=dt_cache, state_cache=state_cache, slots=slots, closing=closing,

@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _ssd_caches import NAN, nan_filled_chunks
 from megatron_consistent.kernels import dispatch, ssd, ssd_step_outputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: the CUDA registration of ssd_step_outputs (kernels/triton/ssd_scan.py)")]
 
-NAN = float("nan")
 # Nemotron-H 8B: (L, H, P, G, N)
 NEMOTRON_H_8B = (128, 128, 64, 8, 128)
 
@@ -31,12 +31,8 @@ def _case(seed, bsz, n_slots, L, nh, hp, ng, ns, dtype, device, fresh_every=5):
     pending[:3] = torch.tensor([0, 1, L - 1])
     fresh = torch.arange(bsz) % fresh_every == 2
     slots = torch.randperm(n_slots, generator=g)[:bsz]
-    xbc_cache = torch.full((n_slots, L, conv), NAN, dtype=dtype)
-    dt_cache = torch.full((n_slots, L, nh), NAN)
+    xbc_cache, dt_cache = nan_filled_chunks(g, n_slots, slots, pending, L, conv, nh, dtype, 0.5, 0.01)
     state_cache = torch.full((n_slots, nh, hp, ns), NAN)
-    rows = torch.arange(L)[None, :] < pending[:, None]  # [b, L]
-    xbc_cache[slots] = torch.where(rows[..., None], torch.randn(bsz, L, conv, generator=g).to(dtype), NAN)
-    dt_cache[slots] = torch.where(rows[..., None], torch.rand(bsz, L, nh, generator=g) * 0.5 + 0.01, NAN)
     state_cache[slots] = torch.where(fresh[:, None, None, None], NAN, torch.randn(bsz, nh, hp, ns, generator=g) * 0.5)
     case = dict(xbc_cache=xbc_cache, dt_cache=dt_cache, state_cache=state_cache, slots=slots, pending=pending,
                 new_xbc=torch.randn(bsz, conv, generator=g).to(dtype), new_dt=torch.rand(bsz, nh, generator=g) * 0.5 + 0.01,
