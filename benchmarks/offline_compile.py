@@ -83,8 +83,8 @@ def distinct_launches(captured, kernels) -> list[tuple[str, dict, dict, dict, in
     return [tuple(json.loads(k)) for k in seen]
 
 
-def compile_sm90(kernel, sig, const, warps, stages, attrs=None, source=ASTSource) -> tuple[int, int, int, int, str]:
-    """``(registers, stack bytes, shared memory bytes, asynchronous global-to-shared copies, TTGIR)`` of ``kernel``
+def compile_sm90(kernel, sig, const, warps, stages, attrs=None, source=ASTSource) -> tuple[int, int, int, int, str, bytes]:
+    """``(registers, stack bytes, shared memory bytes, asynchronous global-to-shared copies, TTGIR, cubin)`` of ``kernel``
     compiled for sm_90a (attrs as :func:`launch_key` gives them, keys as strings; ``source``: Triton's ``ASTSource``,
     or Gluon's ``GluonASTSource`` for a ``gluon.jit`` kernel)."""
     attrs = {(int(i),): v for i, v in (attrs or {}).items()}
@@ -95,7 +95,24 @@ def compile_sm90(kernel, sig, const, warps, stages, attrs=None, source=ASTSource
     k = triton.compile(source(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=options)
     ttgir = k.asm["ttgir"]
-    return (*resource_usage(k.asm["cubin"]), k.metadata.shared, ttgir.count("copy_global_to_local"), ttgir)
+    return (*resource_usage(k.asm["cubin"]), k.metadata.shared, ttgir.count("copy_global_to_local"), ttgir,
+            k.asm["cubin"])
+
+
+SASS_CLASSES = ("FADD", "FMUL", "FFMA", "DADD", "DMUL", "DFMA", "LDG", "STG", "LDS", "STS", "BAR", "SHFL", "LDL", "STL")
+
+
+def sass_mix(cubin: bytes) -> dict:
+    """Static SASS instruction counts of a cubin (``cuobjdump -sass``, Triton's bundled one): ``total`` and each of
+    :data:`SASS_CLASSES` by opcode (float32 / float64 adds, multiplies and fused multiply-adds, global / shared /
+    local loads and stores, barriers, shuffles).  For a kernel without loops, a thread's instructions."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    return {"total": len(ops), **{c: ops.count(c) for c in SASS_CLASSES}}
 
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -123,18 +140,18 @@ def normalized_ttgir(ttgir: str) -> str:
     return "\n".join(consts + [x for x in lines if "arith.constant" not in x]) + "\n"
 
 
-def compile_report(jobs, ttgir_dir: str | None = None, source=ASTSource) -> int:
+def compile_report(jobs, ttgir_dir: str | None = None, source=ASTSource, sass: bool = False) -> int:
     """Compile every ``(description, kernel, signature, attrs, constexprs, warps, stages)`` for sm_90a and print its
     registers, spills, shared memory and async copies; returns the exit status (1 on any compile error or launch over
     the shared memory a block may have).  With ``ttgir_dir``, each launch's :func:`normalized_ttgir` is written there
     (``diff -r`` two such folders, e.g. of the tree before and after a change, to see which launches compile to other
-    ops).  ``source``: as :func:`compile_sm90`."""
+    ops).  ``source``: as :func:`compile_sm90`; ``sass``: each launch's :func:`sass_mix` too."""
     errors = flagged = over_smem = 0
     if ttgir_dir:
         os.makedirs(ttgir_dir, exist_ok=True)
     for desc, kernel, sig, attrs, const, warps, stages in jobs:
         try:
-            regs, stack, smem, copies, ttgir = compile_sm90(kernel, sig, const, warps, stages, attrs, source)
+            regs, stack, smem, copies, ttgir, cubin = compile_sm90(kernel, sig, const, warps, stages, attrs, source)
         except Exception as e:  # noqa: BLE001
             errors += 1
             cause = e
@@ -150,6 +167,8 @@ def compile_report(jobs, ttgir_dir: str | None = None, source=ASTSource) -> int:
         flagged += bool(flag)
         over_smem += smem > SMEM_MAX
         print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d} async {copies:2d}  {desc}", flush=True)
+        if sass:
+            print("            SASS " + " ".join(f"{k} {v}" for k, v in sass_mix(cubin).items() if v), flush=True)
     print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory "
           f"({over_smem} over the {SMEM_MAX} bytes a block may have: such a launch fails on the GPU)")
     return 1 if errors or over_smem else 0

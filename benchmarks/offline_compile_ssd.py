@@ -1,12 +1,15 @@
 """Compile the CUDA SSD scan kernels (``kernels/triton/ssd_scan.py``: the prefix sums, the outputs, the chunks' state
-terms) for sm_90a WITHOUT a GPU: errors, registers, spills, shared memory.
+terms on the product tile and by leaves) for sm_90a WITHOUT a GPU: errors, registers, spills, shared memory; with
+``--sass`` each launch's static SASS instruction mix (:func:`offline_compile.sass_mix`).
 
-    PYTHONPATH=$PWD python benchmarks/offline_compile_ssd.py
+    PYTHONPATH=$PWD python benchmarks/offline_compile_ssd.py [--sass]
+    MC_SSD_TREE_WIDTH=8 PYTHONPATH=$PWD python benchmarks/offline_compile_ssd.py --sass   # the outputs' tree slices
 
 The host code runs on CPU tensors with the kernels replaced by recorders, for the Mamba-2 shapes of the tests and of
 real models (Nemotron-H 8B: 128 heads x 64, 8 groups, state 128, chunk 128; Mamba-2 2.7B: 80 heads x 64, state 128,
-chunk 256), at prefill and at a decode replay; each distinct launch is compiled by :mod:`offline_compile`.  Says
-nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
+chunk 256), at prefill and at a decode replay, with the chunk terms' two trees (``MC_SSD_TERMS_TREE``); each distinct
+launch is compiled by :mod:`offline_compile`.  Says nothing about bits or speed.  Exit 1 on a compile error or a
+launch over the shared memory of a block.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def record_launches():
 def main():
     jobs = [(f"{name} {const} W{warps}", getattr(tssd, name), sig, attrs, const, warps, stages)
             for name, sig, attrs, const, warps, stages in record_launches()]
-    sys.exit(compile_report(jobs))
+    sys.exit(compile_report(jobs, sass="--sass" in sys.argv[1:]))
 
 
 if __name__ == "__main__":
