@@ -15,7 +15,8 @@ torch contract built on it with the same bits (the SSD scan, the Mamba-2 mixer's
 * :func:`tree_cols_split`: the same tree as :func:`tree_cols`, its top levels as adds of separately formed column
   slices (no layout change of the whole tile; ``benchmarks/offline_compile_tree.py``).
 * :func:`tree_rows_split`: the same for :func:`tree_rows` and row slices.
-* :func:`tree_leaves`: ``tree_sum`` of leaves formed one at a time (any tile each), in the tree's own order.
+* :func:`tree_leaves`: ``tree_sum`` of leaves formed one at a time (any tile each), in the tree's own order;
+  :func:`tree_leaves_by_classes` the same with its top levels in a runtime loop (bounded registers).
 
 A caller launches with ``enable_fp_fusion=False``, so every multiply and add is its own IEEE operation, as in torch.
 """
@@ -137,6 +138,64 @@ def tree_leaves(LEAF: tl.constexpr, args, N: tl.constexpr):
     position ``i`` bit-reversed, and depth first at most ``log2 N`` partial sums are live.  A leaf past the caller's
     length must be ``+0`` (the tree's zero padding)."""
     return _tree_of_leaves(LEAF, args, N, 0, 0, 1)
+
+
+@triton.jit
+def tree_leaves_by_classes(LEAF: tl.constexpr, args, N: tl.constexpr, K: tl.constexpr, zero):
+    """:func:`tree_leaves` of ``N`` leaves ``LEAF(args, i)`` (``i`` a runtime index here), its top ``log2 K`` levels in
+    a runtime loop: the tree is the tree of its ``K`` residue classes (class ``c``: leaves ``c, c + K, ...``, its own
+    ``tree_sum`` of ``N / K`` leaves, formed unrolled), the classes taken in the top tree's order (``c`` the loop count
+    bit-reversed) and combined by a binary counter of partial sums -- at count ``k`` the class sum is added to the
+    partials of the levels where ``k`` has its trailing ones (the earlier partial on the left), then kept at the next
+    level; both choices are formed and one selected (an add whose result is not taken changes nothing).  ``zero``: a
+    zero tile of the leaves' shape.  K <= 16."""
+    s0 = zero
+    s1 = zero
+    s2 = zero
+    s3 = zero
+    v = zero
+    for k in range(K):
+        c = 0
+        for bit in tl.static_range(4):
+            if (K >> (bit + 1)) > 0:
+                c = c * 2 + ((k >> bit) & 1)
+        v = _tree_of_class(LEAF, args, N // K, K, c, 0, 1)
+        carry = k == k
+        if K > 1:
+            b0 = (k & 1) == 1
+            t0 = s0 + v
+            s0 = tl.where(~b0, v, s0)
+            v = tl.where(b0, t0, v)
+            carry = b0
+        if K > 2:
+            b1 = ((k >> 1) & 1) == 1
+            t1 = s1 + v
+            s1 = tl.where(carry & ~b1, v, s1)
+            v = tl.where(carry & b1, t1, v)
+            carry = carry & b1
+        if K > 4:
+            b2 = ((k >> 2) & 1) == 1
+            t2 = s2 + v
+            s2 = tl.where(carry & ~b2, v, s2)
+            v = tl.where(carry & b2, t2, v)
+            carry = carry & b2
+        if K > 8:
+            b3 = ((k >> 3) & 1) == 1
+            t3 = s3 + v
+            s3 = tl.where(carry & ~b3, v, s3)
+            v = tl.where(carry & b3, t3, v)
+    return v
+
+
+@triton.jit
+def _tree_of_class(LEAF: tl.constexpr, args, M: tl.constexpr, K: tl.constexpr, c, I0: tl.constexpr,
+                   STRIDE: tl.constexpr):
+    """The tree of class ``c``'s leaves ``c + K m`` (``m = I0, I0 + STRIDE, ... < M``)."""
+    if STRIDE == M:
+        return LEAF(args, c + K * I0)
+    else:
+        return (_tree_of_class(LEAF, args, M, K, c, I0, STRIDE * 2)
+                + _tree_of_class(LEAF, args, M, K, c, I0 + STRIDE, STRIDE * 2))
 
 
 @triton.jit
