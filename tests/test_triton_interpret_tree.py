@@ -87,7 +87,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from megatron_consistent.kernels.triton.numerics import (  # noqa: E402
-    _tree_of_class, tree_leaves, tree_leaves_by_classes, tree_rows_split)
+    _tree_of_leaves, tree_leaves, tree_leaves_by_classes, tree_rows_split)
 
 
 @triton.jit
@@ -168,7 +168,7 @@ def _classes_in_order(LEAF: tl.constexpr, args, N: tl.constexpr, K: tl.constexpr
     """A wrong class tree for the test: the classes' subtrees added one after another in class order."""
     v = zero
     for c in range(K):
-        v = v + _tree_of_class(LEAF, args, N // K, K, c, 0, 1)
+        v = v + _tree_of_leaves(LEAF, args, N // K, 0, 0, 1, c, K)
     return v
 
 

@@ -159,56 +159,41 @@ def tree_leaves_by_classes(LEAF: tl.constexpr, args, N: tl.constexpr, K: tl.cons
         for bit in tl.static_range(4):
             if (K >> (bit + 1)) > 0:
                 c = c * 2 + ((k >> bit) & 1)
-        v = _tree_of_class(LEAF, args, N // K, K, c, 0, 1)
-        carry = k == k
+        v = _tree_of_leaves(LEAF, args, N // K, 0, 0, 1, c, K)
+        carry = k >= 0
         if K > 1:
-            b0 = (k & 1) == 1
-            t0 = s0 + v
-            s0 = tl.where(~b0, v, s0)
-            v = tl.where(b0, t0, v)
-            carry = b0
+            s0, v, carry = _counter_level(s0, v, carry, k, 0)
         if K > 2:
-            b1 = ((k >> 1) & 1) == 1
-            t1 = s1 + v
-            s1 = tl.where(carry & ~b1, v, s1)
-            v = tl.where(carry & b1, t1, v)
-            carry = carry & b1
+            s1, v, carry = _counter_level(s1, v, carry, k, 1)
         if K > 4:
-            b2 = ((k >> 2) & 1) == 1
-            t2 = s2 + v
-            s2 = tl.where(carry & ~b2, v, s2)
-            v = tl.where(carry & b2, t2, v)
-            carry = carry & b2
+            s2, v, carry = _counter_level(s2, v, carry, k, 2)
         if K > 8:
-            b3 = ((k >> 3) & 1) == 1
-            t3 = s3 + v
-            s3 = tl.where(carry & ~b3, v, s3)
-            v = tl.where(carry & b3, t3, v)
+            s3, v, carry = _counter_level(s3, v, carry, k, 3)
     return v
 
 
 @triton.jit
-def _tree_of_class(LEAF: tl.constexpr, args, M: tl.constexpr, K: tl.constexpr, c, I0: tl.constexpr,
-                   STRIDE: tl.constexpr):
-    """The tree of class ``c``'s leaves ``c + K m`` (``m = I0, I0 + STRIDE, ... < M``)."""
-    if STRIDE == M:
-        return LEAF(args, c + K * I0)
-    else:
-        return (_tree_of_class(LEAF, args, M, K, c, I0, STRIDE * 2)
-                + _tree_of_class(LEAF, args, M, K, c, I0 + STRIDE, STRIDE * 2))
+def _counter_level(s, v, carry, k, BIT: tl.constexpr):
+    """Level ``BIT`` of :func:`tree_leaves_by_classes`' binary counter: with the carry on, where bit ``BIT`` of the
+    count ``k`` is set ``v`` becomes ``s + v`` (the earlier partial on the left) and the carry stays on, where it is
+    clear ``s`` keeps ``v``; returns ``(s, v, carry)``."""
+    bit_set = ((k >> BIT) & 1) == 1
+    total = s + v
+    return tl.where(carry & ~bit_set, v, s), tl.where(carry & bit_set, total, v), carry & bit_set
 
 
 @triton.jit
 def _tree_of_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, W: tl.constexpr, I0: tl.constexpr,
-                    STRIDE: tl.constexpr):
+                    STRIDE: tl.constexpr, C0=0, STEP: tl.constexpr = 1):
     """The ``tree_sum`` partial of the leaves ``I0, I0 + STRIDE, I0 + 2 STRIDE, ... < N`` (a residue class): the
-    leaf itself where ``STRIDE = N``, else that of ``I0`` + that of ``I0 + STRIDE`` with the stride doubled.  A leaf
-    is ``LEAF(args, I0)`` (``W = 0``) or the ``W`` columns from ``I0``, ``LEAF(args, arange(0, W) + I0)``."""
+    leaf itself where ``STRIDE = N``, else that of ``I0`` + that of ``I0 + STRIDE`` with the stride doubled.  Leaf
+    ``i`` is ``LEAF(args, C0 + STEP i)`` (``W = 0``; ``C0`` may be a runtime index: leaf ``i`` of a class of a larger
+    tree) or the ``W`` columns from ``i``, ``LEAF(args, arange(0, W) + i)``."""
     if STRIDE == N:
         if W == 0:
-            return LEAF(args, I0)
+            return LEAF(args, C0 + STEP * I0)
         else:
             return LEAF(args, tl.arange(0, W) + I0)  # (tensor first: the interpreter wraps constexpr + tensor)
     else:
-        return (_tree_of_leaves(LEAF, args, N, W, I0, STRIDE * 2)
-                + _tree_of_leaves(LEAF, args, N, W, I0 + STRIDE, STRIDE * 2))
+        return (_tree_of_leaves(LEAF, args, N, W, I0, STRIDE * 2, C0, STEP)
+                + _tree_of_leaves(LEAF, args, N, W, I0 + STRIDE, STRIDE * 2, C0, STEP))
