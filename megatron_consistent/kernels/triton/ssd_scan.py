@@ -147,14 +147,21 @@ def _cs_products(args, n):
 
 @triton.jit
 def _intra_products(args, r):
-    """The outputs kernel's intra-chunk products ``w_s * x_s[p]``, ``[len(r), BP]`` float32, of chunk rows ``r``:
-    ``w_s`` from the program's scratch row; ``x_s`` of the rows below ``x_end`` from ``x_rows`` (row ``s`` at
-    ``+ s * x_stride``; model dtype converted exactly), of row ``new_row`` (the decode step's new token; -1: none)
-    ``x_new``, zeros past them."""
-    w_row, x_rows, x_stride, x_end, new_row, x_new, p, p_in = args
+    """The outputs kernel's intra-chunk products ``w_s * x_s[p]``, ``[len(r), BP]`` float32, of chunk rows ``r``, with
+    ``w_s`` from the program's scratch row (:func:`_intra_rows` the rest of ``args``)."""
+    w_row = args[0]
+    return tl.load(w_row + r)[:, None] * _intra_rows(args, r)
+
+
+@triton.jit
+def _intra_rows(args, r):
+    """The outputs kernel's ``x_s[p]`` of chunk rows ``r``, ``[len(r), BP]`` float32: of the rows below ``x_end``
+    from ``x_rows`` (row ``s`` at ``+ s * x_stride``; model dtype converted exactly), of row ``new_row`` (the decode
+    step's new token; -1: none) ``x_new``, zeros past them (``args[0]``: unused here)."""
+    _, x_rows, x_stride, x_end, new_row, x_new, p, p_in = args
     x_old = tl.load(x_rows + r[:, None].to(tl.int64) * x_stride + p[None, :], mask=(r < x_end)[:, None] & p_in[None, :],
                     other=0.0)
-    return tl.load(w_row + r)[:, None] * tl.where((r == new_row)[:, None], x_new[None, :], x_old).to(tl.float32)
+    return tl.where((r == new_row)[:, None], x_new[None, :], x_old).to(tl.float32)
 
 
 @triton.jit
@@ -168,7 +175,8 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, W_SCRATCH, n_ou
     # (the new token), rows past t are zeros, each converted to float32 in registers (exact); its state is zeros where
     # FRESH[b] (HAS_FRESH).  Off: the chunked float32 operands of _ssd_chunk_states (SLOTS .. STATE_SLOT_STRIDE unused).
     # W_SCRATCH [programs, BL] float32: a head's weights w_s, stored and read back by the intra tree's slices of
-    # TREE_W_ROWS rows (tree_rows_split; a barrier after the store and after the reads).
+    # TREE_W_ROWS rows (tree_rows_split; a barrier after the store and after the reads); unused with the whole tile's
+    # tree (TREE_W_ROWS = BL, the default).
     o = tl.program_id(0)  # (sequence, output column)
     h0 = tl.program_id(1) * HEADS_PER_PROGRAM  # the program's heads h0 .., all of one group
     b = o // n_out
@@ -209,17 +217,21 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, W_SCRATCH, n_ou
         cum_t = tl.load(CUM + (chunk * L + ri) * H + h)
         dt_s = tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
         e = exp_f32(tl.where(causal, cum_t - cum_s, 0.0))
-        tl.store(scratch + s, tl.where(causal, (cb * e) * dt_s, 0.0))  # w
-        tl.debug_barrier()  # w seen by every thread of the program
+        w = tl.where(causal, (cb * e) * dt_s, 0.0)
         if FROM_CACHE:  # rows < ri from the slot, row ri the new token
             x_new = tl.load(new + h * P + p, mask=p_in, other=0.0)
             x_rows, x_stride, x_end, new_row = XC + slot * XBC_SLOT_STRIDE + h * P, conv, ri, ri
         else:  # the chunk's rows
             x_new = tl.zeros((BP,), dtype=tl.float32)
             x_rows, x_stride, x_end, new_row = XC + (chunk * L * H + h) * P, H * P, L, -1
-        intra = tree_rows_split(_intra_products, (scratch, x_rows, x_stride, x_end, new_row, x_new, p, p_in), BL, BP,
-                                TREE_W_ROWS)  # [BP]
-        tl.debug_barrier()  # every read of w done before the next head's
+        x_args = (scratch, x_rows, x_stride, x_end, new_row, x_new, p, p_in)
+        if TREE_W_ROWS == BL:  # the whole tile's tree, w in registers
+            intra = tree_rows(w[:, None] * _intra_rows(x_args, s), BL, BP)  # [BP]
+        else:  # row slices, w through the scratch row
+            tl.store(scratch + s, w)
+            tl.debug_barrier()  # w seen by every thread of the program
+            intra = tree_rows_split(_intra_products, x_args, BL, BP, TREE_W_ROWS)
+            tl.debug_barrier()  # every read of w done before the next head's
         if FROM_CACHE:  # the state cache's [P, N] tile of the slot (zeros: fresh)
             st_rows = STATES + slot * STATE_SLOT_STRIDE + (h * P + p) * N
         else:  # states [nb, n_starts, H, P, N]: chunk ci's starting state, a [P, N] tile
