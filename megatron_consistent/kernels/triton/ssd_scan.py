@@ -246,12 +246,14 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, W_SCRATCH, n_ou
 
 
 @triton.jit
-def _tile_cb_leaf(args, n):
-    """Leaf ``n`` of a tile's ``C_t . B_s``: ``C_t[n] * B_s[n]``, ``[BT, BL]`` (columns past ``N``: ``+0``)."""
-    c_rows, t_in, b_rows, s_in, N, v = args
+def _tile_outer_leaf(args, n):
+    """Leaf ``n`` of a tile's state-size tree: column ``n`` of the tile's ``C_t`` rows times column ``n`` of the other
+    rows, ``C_t[n] * B_s[n]`` (``C_t . B_s``, ``[BT, BL]``) or ``C_t[n] * S[p, n]`` (the state term, ``[BT, BP]``);
+    columns past ``N``: ``+0``.  ``v``: a zero tile of the leaf's shape."""
+    c_rows, t_in, rows, rows_in, N, v = args
     if N > 0:  # always: a block of its own, so the compiler keeps the leaf's loads at the leaf (else they spill)
         c = tl.load(c_rows + n, mask=_leaf_mask(t_in, n, N), other=0.0)
-        v = c[:, None] * tl.load(b_rows + n, mask=_leaf_mask(s_in, n, N), other=0.0)[None, :]
+        v = c[:, None] * tl.load(rows + n, mask=_leaf_mask(rows_in, n, N), other=0.0)[None, :]
     return v
 
 
@@ -270,16 +272,6 @@ def _tile_intra_leaf(args, s):
     if L > 0:  # always: a block of its own
         x = tl.load(x_row + s * x_stride + p, mask=_leaf_mask(p_in, s, L), other=0.0)
         v = tl.load(w_cols + s * n_rows + t)[:, None] * x[None, :]
-    return v
-
-
-@triton.jit
-def _tile_inter_leaf(args, n):
-    """Leaf ``n`` of a tile's state term: ``C_t[n] * S[p, n]``, ``[BT, BP]`` (columns past ``N``: ``+0``)."""
-    c_rows, t_in, st_rows, p_in, N, v = args
-    if N > 0:  # always: a block of its own
-        c = tl.load(c_rows + n, mask=_leaf_mask(t_in, n, N), other=0.0)
-        v = c[:, None] * tl.load(st_rows + n, mask=_leaf_mask(p_in, n, N), other=0.0)[None, :]
     return v
 
 
@@ -303,9 +295,10 @@ def _ssd_output_tiles_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, W_SCRATCH, firs
     pos = ci * L + ri
     asked = t_in & (pos >= first_out) & (pos < t_len)
     c_rows = CC + ((chunk * L + ri) * G + g) * N  # [BT]: C_t of the tile's rows
-    cb = tree_leaves_by_classes(_tile_cb_leaf, (c_rows, t_in, BC + ((chunk * L + s) * G + g) * N, s_in, N,
-                                                tl.zeros((BT, BL), tl.float32)), BN, min(16, BN),
-                                tl.zeros((BT, BL), tl.float32))  # [BT, BL]
+    zero_bl = tl.zeros((BT, BL), tl.float32)
+    zero_bp = tl.zeros((BT, BP), tl.float32)
+    cb = tree_leaves_by_classes(_tile_outer_leaf, (c_rows, t_in, BC + ((chunk * L + s) * G + g) * N, s_in, N, zero_bl),
+                                BN, min(16, BN), zero_bl)  # [BT, BL]
     causal = s[None, :] <= ri[:, None]
     scratch = W_SCRATCH + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
                            + g).to(tl.int64) * (BL * BT)
@@ -320,13 +313,11 @@ def _ssd_output_tiles_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, W_SCRATCH, firs
         tl.store(scratch + s[None, :] * BT + tl.arange(0, BT)[:, None], w)  # stored [BL, BT]: a column a row
         tl.debug_barrier()  # w seen by every thread of the program
         intra = tree_leaves_by_classes(_tile_intra_leaf, (scratch, tl.arange(0, BT), BT, XC + (chunk * L * H + h) * P,
-                                                          H * P, p, p_in, L, tl.zeros((BT, BP), tl.float32)), BL, min(8, BL),
-                                       tl.zeros((BT, BP), tl.float32))
+                                                          H * P, p, p_in, L, zero_bp), BL, min(8, BL), zero_bp)
         tl.debug_barrier()  # every read of w done before the next head's
         st_rows = STATES + (((b.to(tl.int64) * n_starts + ci) * H + h) * P + p) * N  # chunk ci's starting state
-        inter = tree_leaves_by_classes(_tile_inter_leaf, (c_rows, t_in, st_rows, p_in, N,
-                                                          tl.zeros((BT, BP), tl.float32)), BN, min(8, BN),
-                                       tl.zeros((BT, BP), tl.float32)) * exp_f32(cum_t)[:, None]
+        inter = tree_leaves_by_classes(_tile_outer_leaf, (c_rows, t_in, st_rows, p_in, N, zero_bp), BN, min(8, BN),
+                                       zero_bp) * exp_f32(cum_t)[:, None]
         x_t = tl.load(XC + ((chunk * L + ri[:, None]) * H + h) * P + p[None, :], mask=t_in[:, None] & p_in[None, :],
                       other=0.0)
         y = (intra + inter) + tl.load(D + h) * x_t
