@@ -54,8 +54,10 @@ from .numerics import exp_f32, tree_cols_split, tree_leaves, tree_leaves_by_clas
 # rows (the intra term: tree_rows_split) -- are evaluated with slices of this many columns / rows (a power of two);
 # 0: the whole N / L, one tree over the tile.
 # Scheduling only: the same additions in the same order whichever width (tests/test_triton_interpret_tree.py;
-# benchmarks/offline_compile_tree.py: at 16, the outputs kernel's 16-byte spill and 16 KB staging tile go).
-OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "0") or "0")
+# benchmarks/offline_compile_tree.py: at 16, the outputs kernel's 16-byte spill and 16 KB staging tile go).  16 by
+# default: the fastest on the H200 (session 28, bench_gpu_ssd.py, prefill 1 x 4 096 at the 8B widths: 5.18 ms against
+# 6.58 whole, 5.44 at 32, 7.98 at 8; the decode step 0.204 ms against 0.217 whole).
+OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "16") or "16")
 
 
 # State columns a chunk-terms program takes (a power of two; 0: the rule of _contributions_blocks, 8 at chunk 128).
@@ -68,8 +70,10 @@ TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "0") or "0")
 # How a chunk-terms program evaluates its tree over the chunk's rows (the same additions in the same order either way):
 # "tile" -- the [rows, P x N] product tile formed at once and summed level by level (tree_rows: a layout change of
 # the tile each level); "leaves" -- row by row (tree_leaves: each row's [BP, BN] outer product added into at most
-# log2(L) partial sums in registers, the rows' decay weights u formed beforehand by torch ops).
-TERMS_TREE = os.environ.get("MC_SSD_TERMS_TREE", "tile") or "tile"
+# log2(L) partial sums in registers, the rows' decay weights u formed beforehand by torch ops).  "leaves" by default:
+# on the H200 (session 28, bench_gpu_ssd.py, prefill 1 x 4 096 at the 8B widths) 1.43 ms at 16 state columns a
+# program against 4.44 for the tile tree (2.28 at its fastest width).
+TERMS_TREE = os.environ.get("MC_SSD_TERMS_TREE", "leaves") or "leaves"
 
 
 # How a scan's outputs (positions first_out .. T - 1 of every sequence: a prefill) are evaluated, the same operations
@@ -492,13 +496,13 @@ def _contributions_blocks(L: int, P: int, N: int, leaves: bool) -> tuple[int, in
     """``(BL, BP, BN, warps)`` of a contributions program (:func:`chunk_contributions`' choice).  The product tile's
     tree: a tile of 8 192 elements on 4 warps (8 for 256-row chunks; offline sm_90a compile: chunk 128 no spills, 128
     x 128 on 16 warps spilled, chunk 256 240 bytes), or with :data:`TERMS_BN` that many state columns a program, a warp
-    for every 32 of its ``BP * BN`` columns (4 to 16).  By leaves: ``[64, 32]`` of ``P x N`` on 4 warps (or
-    :data:`TERMS_BN` columns), 16 terms a thread."""
+    for every 32 of its ``BP * BN`` columns (4 to 16).  By leaves: ``[64, 16]`` of ``P x N`` on 4 warps (or
+    :data:`TERMS_BN` columns), 8 terms a thread (H200: 16 columns 1.43 ms, 32: 1.66, 64: 1.66)."""
     if TERMS_BN < 0 or TERMS_BN & (TERMS_BN - 1):
         raise ValueError(f"MC_SSD_TERMS_BN={TERMS_BN}: expected 0 or a power of two")
     bl = triton.next_power_of_2(L)
     if leaves:
-        return bl, min(64, triton.next_power_of_2(P)), min(TERMS_BN or 32, triton.next_power_of_2(N)), 4
+        return bl, min(64, triton.next_power_of_2(P)), min(TERMS_BN or 16, triton.next_power_of_2(N)), 4
     bp = min(8, triton.next_power_of_2(P))
     if TERMS_BN:
         bn = min(triton.next_power_of_2(N), TERMS_BN)
