@@ -96,6 +96,13 @@ def test_engine_failure_reports_the_worker_root_cause():
     ])
     assert _failure_reason(log) == "ValueError: no kernel. Reasons: Kernel requires AMX tile support."
     assert _failure_reason("x\nRuntimeError: boom") == "RuntimeError: boom"
+    one_gpu = "\n".join([  # vLLM on one GPU: the model runs in the engine core, no worker process
+        "(EngineCore pid=2) ERROR 12-05 [core.py:1] EngineCore failed to start.",
+        "(EngineCore pid=2) ERROR 12-05 [core.py:1] Traceback (most recent call last):",
+        "(EngineCore pid=2) ERROR 12-05 [core.py:1] torch.OutOfMemoryError: CUDA out of memory.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    assert _failure_reason(one_gpu) == "torch.OutOfMemoryError: CUDA out of memory."
 
 
 def test_yaml_config_loads_with_flag_overrides():

@@ -159,13 +159,14 @@ def generate(llm, req: RolloutRequest) -> dict:
 
 
 def _failure_reason(log_text: str) -> str:
-    """The root cause of a failed engine run: the worker's last error message, else the last error line."""
-    worker = [ln.split("] ", 1)[-1] for ln in log_text.splitlines()
-              if " ERROR " in ln and ln.startswith(("(Worker", "(VllmWorker"))]
-    worker = [m.strip() for m in worker if m.strip() and not m.startswith((" ", "Traceback"))]
-    raised = [i for i, m in enumerate(worker) if "Error:" in m or "Exception:" in m]
-    if raised:  # the exception message, with the lines it continues on
-        return " ".join(worker[raised[-1]:])
+    """The root cause of a failed engine run: the last error message of a worker process, else of the engine core
+    process (on one GPU vLLM runs the model inside its engine core: no worker), else the last error line."""
+    for procs in (("(Worker", "(VllmWorker"), ("(EngineCore",)):
+        logged = [ln.split("] ", 1)[-1] for ln in log_text.splitlines() if " ERROR " in ln and ln.startswith(procs)]
+        logged = [m.strip() for m in logged if m.strip() and not m.startswith((" ", "Traceback"))]
+        raised = [i for i, m in enumerate(logged) if "Error:" in m or "Exception:" in m]
+        if raised:  # the exception message, with the lines it continues on
+            return " ".join(logged[raised[-1]:])
     errors = [ln for ln in log_text.splitlines() if "Error" in ln or "error" in ln]
     return (errors[-1] if errors else log_text[-400:]).strip()
 
