@@ -13,10 +13,10 @@ the whole scan (the chunk padding and the state recurrence are torch ops in both
 time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands read once, the result
 written once) over the device's measured copy bandwidth (their float32 arithmetic is not in it).  Timing:
 ``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).  Then the schedules, each
-row's bits against the first: the outputs kernel by position at its trees' slice widths (``MC_SSD_TREE_WIDTH``) and
-by tiles of chunk rows (``MC_SSD_OUTPUTS=tiles``), and the chunk-terms kernel's trees over the chunk's rows
-(``MC_SSD_TERMS_TREE``: the product tile or leaf by leaf) and program widths, with the float32 issue floor of their
-multiplies and adds beside them (the kernels are compute-bound: no fused multiply-add, no tensor cores).
+row's bits against the first: the outputs kernel at its trees' slice widths (``MC_SSD_TREE_WIDTH``), and the
+chunk-terms kernel's trees over the chunk's rows (``MC_SSD_TERMS_TREE``: the product tile or leaf by leaf) and program
+widths, with the float32 issue floor of their multiplies and adds beside them (the kernels are compute-bound: no
+fused multiply-add, no tensor cores).
 """
 
 from __future__ import annotations
@@ -145,9 +145,8 @@ def decode_step_paths(bsz: int = 64, seed: int = 1) -> dict:
 def output_schedules(widths=(0, 32, 16, 8, 4, 1)) -> list[dict]:
     """The outputs kernel at each tree slice width (``ssd_scan.OUTPUTS_TREE_WIDTH``; 0: each tree over the whole
     state size / chunk; 1: columns and rows as leaves, one at a time) -- a prefill of 4 096 positions and the engine's
-    decode step at 64 sequences -- then the prefill by tiles of chunk rows (``ssd_scan.OUTPUTS`` ``tiles``; the
-    decode step is by position always), bits against the first and times, in one run, with the float32 issue floor
-    of the prefill's multiplies and adds (``C_t . B_s`` a group, the intra and state terms a head)."""
+    decode step at 64 sequences -- bits against the first and times, in one run, with the float32 issue floor of the
+    prefill's multiplies and adds (``C_t . B_s`` a group, the intra and state terms a head)."""
     x, dt, a, b, c, d, state = inputs(1, 4096)
     ops = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:6]
     pos = ssd.output_positions(1, 0, 4096, DEV)
@@ -157,23 +156,18 @@ def output_schedules(widths=(0, 32, 16, 8, 4, 1)) -> list[dict]:
     slots = torch.arange(64, device=DEV)
     p = torch.randint(0, L - 1, (64,), generator=torch.Generator().manual_seed(2)).to(DEV)
     step = (xbc_cache, dts, states, slots, p, xbc_cache[slots, p], dts[slots, p], a, d, L, G, N)
-    saved, rows, first = (tssd.OUTPUTS_TREE_WIDTH, tssd.OUTPUTS), [], None
+    saved, rows, first = tssd.OUTPUTS_TREE_WIDTH, [], None
     try:
         for w in widths:
             tssd.OUTPUTS_TREE_WIDTH = w
             outs = (ssd_outputs(*ops, d, pos, torch.bfloat16), ssd.ssd_step_outputs(*step))
             first = first or outs
-            rows.append({"schedule": f"by position, width {w or 'whole'}", "fp32_floor_ms": floor,
+            rows.append({"width": w, "fp32_floor_ms": floor,
                          "bits_equal": all(torch.equal(u, v) for u, v in zip(first, outs)),
                          "prefill ms": triton.testing.do_bench(lambda: ssd_outputs(*ops, d, pos, torch.bfloat16)),
                          "decode step ms": triton.testing.do_bench(lambda: ssd.ssd_step_outputs(*step))})
-        tssd.OUTPUTS_TREE_WIDTH, tssd.OUTPUTS = saved[0], "tiles"
-        rows.append({"schedule": f"by tiles of {tssd.output_tile_rows(L)} rows", "fp32_floor_ms": floor,
-                     "bits_equal": torch.equal(first[0], ssd_outputs(*ops, d, pos, torch.bfloat16, 0)),
-                     "prefill ms": triton.testing.do_bench(lambda: ssd_outputs(*ops, d, pos, torch.bfloat16, 0)),
-                     "decode step ms": None})
     finally:
-        tssd.OUTPUTS_TREE_WIDTH, tssd.OUTPUTS = saved
+        tssd.OUTPUTS_TREE_WIDTH = saved
     return rows
 
 
@@ -239,13 +233,13 @@ def main() -> int:
           f"place {steps['outputs in place ms']:.3f}, end states in place {steps['end states in place ms']:.3f}), the "
           f"former host-planned one {steps['former ms']:.3f} ms; bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
     schedules = output_schedules()
-    print("\n| outputs: schedule | prefill 1 x 4 096 ms | float32 floor ms | floor / ms | decode step 64 ms | "
-          "bits vs the first |")
+    print("\n| outputs kernel: trees' slice width | prefill 1 x 4 096 ms | float32 floor ms | floor / ms | "
+          "decode step 64 ms | bits vs the whole trees |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for r in schedules:
-        step_ms = "-" if r["decode step ms"] is None else f"{r['decode step ms']:.3f}"
-        print(f"| {r['schedule']} | {r['prefill ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
-              f"{r['fp32_floor_ms'] / r['prefill ms']:.2f} | {step_ms} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
+        print(f"| {r['width'] or 'whole'} | {r['prefill ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
+              f"{r['fp32_floor_ms'] / r['prefill ms']:.2f} | {r['decode step ms']:.3f} | "
+              f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
     tiles = terms_tiles()
     print("\n| chunk-terms kernel: rows' tree, state columns a program | prefill 1 x 4 096 ms | float32 floor ms | "
           "floor / ms | bits vs the first |")

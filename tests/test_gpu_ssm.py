@@ -163,7 +163,7 @@ def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
     """``MC_SSD_SCAN=triton``'s kernels (kernels/triton/ssd_scan.py) against the torch evaluation of the same
     contract on the same GPU, bitwise: whole scans, a replay's positions only, one position a sequence (a decode
     step's), one batch row alone, the chunks' state terms, the prefix sums (the kernels' schedules as the
-    ``MC_SSD_*`` variables choose: run again with ``MC_SSD_OUTPUTS=tiles``, ``MC_SSD_TERMS_TREE=leaves``, ...)."""
+    ``MC_SSD_*`` variables choose: run again with ``MC_SSD_TREE_WIDTH=0``, ``MC_SSD_TERMS_BN=32``, ...)."""
     from megatron_consistent.kernels import ssd
     from megatron_consistent.kernels.triton.ssd_scan import (TRITON_STEPS, chunk_contributions, chunk_prefix_sums,
                                                              ssd_outputs)
@@ -174,10 +174,9 @@ def test_ssd_triton_outputs_equal_the_torch_outputs_on_cuda(dtype, c, data):
     ops = ssd._ssd_chunk_states(x, dt, A, B, C, c["chunk"], s0)[:6]
     first_out = data.draw(st.integers(0, c["t"] - 1))
     ragged = torch.tensor([[data.draw(st.integers(0, c["t"] - 1))] for _ in range(2)], device=DEV)
-    for pos, start in ((ssd.output_positions(2, 0, c["t"], DEV), 0),
-                       (ssd.output_positions(2, first_out, c["t"], DEV), first_out), (ragged, None)):
+    for pos in (ssd.output_positions(2, 0, c["t"], DEV), ssd.output_positions(2, first_out, c["t"], DEV), ragged):
         ref = ssd._ssd_outputs(*ops, D, pos, dtype)
-        out = ssd_outputs(*ops, D, pos, dtype, start)  # a scan's range: by tiles with MC_SSD_OUTPUTS=tiles
+        out = ssd_outputs(*ops, D, pos, dtype)
         assert torch.equal(out, ref), f"positions {pos[:, 0].tolist()}..: {(out != ref).sum().item()} of {out.numel()} differ"
     whole = ssd_outputs(*ops, D, ssd.output_positions(2, 0, c["t"], DEV), dtype)
     assert torch.equal(ssd_outputs(*ops, D, ragged, dtype)[:, 0], whole[torch.arange(2), ragged[:, 0]])
@@ -210,7 +209,7 @@ def test_ssd_triton_outputs_at_real_widths(nh, hp, ng, ns, chunk):
     for start in (0, c["t"] - 1):
         pos = ssd.output_positions(1, start, c["t"], DEV)
         ref = ssd._ssd_outputs(*ops, D, pos, BF16)
-        out = ssd_outputs(*ops, D, pos, BF16, start)
+        out = ssd_outputs(*ops, D, pos, BF16)
         assert torch.equal(out, ref), f"first_out {start}: {(out != ref).sum().item()} of {out.numel()} differ"
     xc, dtc, bc, _, cum = ops[:5]
     assert torch.equal(chunk_contributions(xc, dtc, bc, cum, 1), ssd._chunk_contributions(xc, dtc, bc, cum, 1))

@@ -47,12 +47,9 @@ def _inputs(seed, bsz, t_len, nh, hp, ng, ns, dtype):
 SHAPES = [(13, 8, 4, 4, 2, 8), (16, 8, 2, 8, 1, 16), (1, 4, 2, 4, 2, 4), (11, 6, 3, 6, 3, 5), (20, 16, 4, 2, 2, 8)]
 
 
-@pytest.mark.parametrize("outputs", ["positions", "tiles"])
 @pytest.mark.parametrize("t_len,chunk,nh,hp,ng,ns", SHAPES + [(40, 16, 4, 8, 2, 24), (70, 32, 2, 16, 1, 40)])
-def test_scan_equals_the_torch_contract(monkeypatch, t_len, chunk, nh, hp, ng, ns, outputs):
-    """The whole scan; its outputs a position a program or a tile of chunk rows a program (``MC_SSD_OUTPUTS``: chunks
-    of 32 rows in two tiles, a tile past a chunk of 6 or 8)."""
-    monkeypatch.setattr(tssd, "OUTPUTS", outputs)
+def test_scan_equals_the_torch_contract(t_len, chunk, nh, hp, ng, ns):
+    """The whole scan (chunks of 16 and 32 rows too, partial last chunks)."""
     x, dt, a, b, c, d, state = _inputs(t_len * 7 + hp, 2, t_len, nh, hp, ng, ns, torch.float32)
     y_ref, s_ref = ssd._ssd_cpu(x, dt, a, b, c, d, chunk, state, 0)
     y, s = TRITON_SCAN(x, dt, a, b, c, d, chunk, state, 0)
@@ -60,22 +57,16 @@ def test_scan_equals_the_torch_contract(monkeypatch, t_len, chunk, nh, hp, ng, n
     assert torch.equal(y, y_ref), f"{(y != y_ref).sum().item()} of {y.numel()} outputs differ"
 
 
-@pytest.mark.parametrize("outputs", ["positions", "tiles"])
 @pytest.mark.parametrize("first_out", [0, 5, 12])
-def test_replayed_positions_and_bf16_operands(monkeypatch, first_out, outputs):
+def test_replayed_positions_and_bf16_operands(first_out):
     """``first_out``: a decode / chunked-prefill replay's positions only (the pending tokens of its chunk are
-    recomputed, not output); bf16 operands, float32 outputs (see the module docstring); by position or by tile (a
-    value of ``MC_SSD_OUTPUTS`` other than the two is refused by name)."""
-    monkeypatch.setattr(tssd, "OUTPUTS", outputs)
+    recomputed, not output); bf16 operands, float32 outputs (see the module docstring)."""
     x, dt, a, b, c, d, state = _inputs(first_out, 3, 13, 4, 4, 2, 8, torch.bfloat16)
     ops = ssd._ssd_chunk_states(x, dt, a, b, c, 8, state)[:6]
     pos = ssd.output_positions(3, first_out, 13, "cpu")
     ref = ssd._ssd_outputs(*ops, d, pos, torch.float32)
-    out = tssd.ssd_outputs(*ops, d, pos, torch.float32, first_out)
+    out = tssd.ssd_outputs(*ops, d, pos, torch.float32)
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} outputs differ"
-    monkeypatch.setattr(tssd, "OUTPUTS", "rows")
-    with pytest.raises(ValueError, match="MC_SSD_OUTPUTS='rows': expected 'positions' or 'tiles'"):
-        tssd.ssd_outputs(*ops, d, pos, torch.float32, first_out)
 
 
 @pytest.mark.parametrize("tree", ["tile", "leaves"])
@@ -230,32 +221,12 @@ def _halves_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, I0: tl.constexpr =
         return _halves_leaves(LEAF, args, N // 2, I0) + _halves_leaves(LEAF, args, N // 2, I0 + N // 2)
 
 
-@triton.jit
-def _halves_by_classes(LEAF: tl.constexpr, args, N: tl.constexpr, K: tl.constexpr, zero):
-    """:func:`_halves_leaves` in ``tree_leaves_by_classes``' signature."""
-    return _halves_leaves(LEAF, args, N, 0)
-
-
-def test_tiles_with_a_neighbour_tree_are_caught(monkeypatch):
-    """The tile kernel's trees (``C_t . B_s``, the intra and the state terms, leaf by leaf) summed with neighbours
-    paired first give other bits: the comparisons above can fail."""
-    monkeypatch.setattr(tssd, "OUTPUTS", "tiles")
-    x, dt, a, b, c, d, state = _inputs(5, 2, 40, 4, 8, 2, 24, torch.float32)
-    ops = ssd._ssd_chunk_states(x, dt, a, b, c, 16, state)[:6]
-    pos = ssd.output_positions(2, 0, 40, "cpu")
-    ref = ssd._ssd_outputs(*ops, d, pos, torch.float32)
-    assert torch.equal(tssd.ssd_outputs(*ops, d, pos, torch.float32, 0), ref)
-    monkeypatch.setattr(tssd, "tree_leaves_by_classes", _halves_by_classes)
-    assert not torch.equal(tssd.ssd_outputs(*ops, d, pos, torch.float32, 0), ref)
-
-
-@pytest.mark.parametrize("rows", [4, 32])
-def test_tiles_of_other_heights_keep_the_bits(monkeypatch, rows):
-    """The chunk rows an outputs tile takes (``ssd_scan.output_tile_rows``) change no output: a row's arithmetic is
-    the same in any tile (tiles past the chunk's rows and straddling the asked positions included)."""
-    monkeypatch.setattr(tssd, "OUTPUTS", "tiles")
-    monkeypatch.setattr(tssd, "output_tile_rows", lambda bl: rows)
-    x, dt, a, b, c, d, state = _inputs(rows, 1, 37, 2, 8, 1, 16, torch.float32)
-    y_ref, s_ref = ssd._ssd_cpu(x, dt, a, b, c, d, 16, state, 9)
-    y, s = TRITON_SCAN(x, dt, a, b, c, d, 16, state, 9)
-    assert torch.equal(s, s_ref) and torch.equal(y, y_ref), f"{(y != y_ref).sum().item()} of {y.numel()} outputs differ"
+def test_chunk_terms_with_a_neighbour_tree_are_caught(monkeypatch):
+    """The chunk-terms kernel's tree over the chunk's rows (leaf by leaf) summed with neighbours paired first gives
+    other bits: the comparisons above can fail."""
+    x, dt, a, b, c, _, _ = _inputs(6, 2, 40, 2, 12, 1, 24, torch.float32)
+    xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, 16, torch.zeros(2, 2, 12, 24))[:5]
+    ref = ssd._chunk_contributions(xc, dtc, bc, cum, 2)
+    assert torch.equal(tssd.chunk_contributions(xc, dtc, bc, cum, 2), ref)
+    monkeypatch.setattr(tssd, "tree_leaves", _halves_leaves)
+    assert not torch.equal(tssd.chunk_contributions(xc, dtc, bc, cum, 2), ref)

@@ -86,8 +86,7 @@ def test_neighbour_pairing_is_caught(r, c):
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from megatron_consistent.kernels.triton.numerics import (  # noqa: E402
-    _tree_of_leaves, tree_leaves, tree_leaves_by_classes, tree_rows_split)
+from megatron_consistent.kernels.triton.numerics import tree_leaves, tree_rows_split  # noqa: E402
 
 
 @triton.jit
@@ -161,40 +160,3 @@ def test_row_slices_are_the_contract_tree(r, c):
         out = torch.full((c,), 7.0)
         _row_slices_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), W=w)
         assert torch.equal(_bits(out), _bits(want)), w
-
-
-@triton.jit
-def _classes_in_order(LEAF: tl.constexpr, args, N: tl.constexpr, K: tl.constexpr, zero):
-    """A wrong class tree for the test: the classes' subtrees added one after another in class order."""
-    v = zero
-    for c in range(K):
-        v = v + _tree_of_leaves(LEAF, args, N // K, 0, 0, 1, c, K)
-    return v
-
-
-@triton.jit
-def _classes_kernel(X, Y, OUT, R, C, N: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, IN_ORDER: tl.constexpr):
-    zero = tl.zeros((BC,), tl.float32)
-    if IN_ORDER:
-        v = _classes_in_order(_row_leaf, (X, Y, R, C, BC), N, K, zero)
-    else:
-        v = tree_leaves_by_classes(_row_leaf, (X, Y, R, C, BC), N, K, zero)
-    c = tl.arange(0, BC)
-    tl.store(OUT + c, v, mask=c < C)
-
-
-@pytest.mark.parametrize("r,c", [(16, 8), (13, 4), (32, 5), (128, 3)])
-def test_tree_by_residue_classes_is_the_contract_tree(r, c):
-    """:func:`numerics.tree_leaves_by_classes` (the top levels in a runtime loop over 1-16 residue classes, combined
-    by a binary counter of partial sums): ``tree_sum``'s bits over the rows; the classes added in their index order
-    instead are caught."""
-    x, y = _operands(r, c, True, seed=3 * r + c)
-    want = _contract(x, y, True)
-    n = triton.next_power_of_2(r)
-    out = torch.full((c,), 7.0)
-    for k in (1, 2, 4, 8, 16):
-        if k <= n:
-            _classes_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), K=k, IN_ORDER=False)
-            assert torch.equal(_bits(out), _bits(want)), k
-    _classes_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), K=4, IN_ORDER=True)
-    assert not torch.equal(_bits(out), _bits(want))

@@ -254,12 +254,10 @@ def output_positions(bsz: int, first_out: int, t_len: int, device) -> torch.Tens
     return torch.arange(first_out, t_len, device=device).expand(bsz, t_len - first_out)
 
 
-def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, positions, out_dtype, first_out: int | None = None):
+def _ssd_outputs(xc, dtc, bc, cc, cum, all_states, D, positions, out_dtype):
     """Contract steps 2-4 from :func:`_ssd_chunk_states`' tensors at ``positions [b, o]`` (int64: sequence ``i``'s
     outputs are those of its positions ``positions[i]``), in blocks of output columns; ``y [b, o, H, P]`` in
-    ``out_dtype``.  Gathers move values only: an output's bits do not depend on which positions are asked beside it.
-    ``first_out`` (a scan's: the positions are ``first_out .. T - 1`` of every sequence) lets another evaluation
-    tile the positions; this one does not need it."""
+    ``out_dtype``.  Gathers move values only: an output's bits do not depend on which positions are asked beside it."""
     bsz, _, L, nh, hp = xc.shape
     ng, ns = bc.shape[-2:]
     dev = xc.device
@@ -296,7 +294,7 @@ def ssd_scan_by(steps: SSDSteps):
     def scan(x, dt, A, B, C, D, chunk_size: int, state, first_out: int):
         xc, dtc, bc, cc, cum, all_states, boundary = _ssd_chunk_states(x, dt, A, B, C, chunk_size, state, steps)
         positions = output_positions(x.shape[0], first_out, x.shape[1], x.device)
-        return steps.outputs(xc, dtc, bc, cc, cum, all_states, D, positions, x.dtype, first_out), boundary
+        return steps.outputs(xc, dtc, bc, cc, cum, all_states, D, positions, x.dtype), boundary
 
     return scan
 

@@ -19,11 +19,7 @@ prefix sums (one launch where the torch evaluation takes three ops a doubling le
   ``y_t[p] = round((intra + inter) + D * x_t[p])``.  With ``FROM_CACHE`` (:func:`ssd_step_outputs`, a decode step)
   the same kernel reads a sequence's x / B / C rows and state in place from the mixer's state cache (rows ``< p``
   from its slot, row ``p`` the new token, zeros after; the state zeros where fresh) instead of the chunked float32
-  operands: the same float32 values (the model dtype converted in registers, exactly), the same operations;
-* :func:`ssd_outputs` with ``first_out`` and :data:`OUTPUTS` ``tiles`` (a scan's positions ``first_out .. T - 1``):
-  the same outputs one program a tile of chunk rows and a group (``_ssd_output_tiles_kernel``): the tile's
-  ``C_t . B_s`` once for the group's heads, then per head ``w`` for the tile (through a scratch row of the program),
-  the intra and state terms -- every tree leaf by leaf over outer products (:func:`numerics.tree_leaves_by_classes`).
+  operands: the same float32 values (the model dtype converted in registers, exactly), the same operations.
 
 ``exp`` is :func:`numerics.exp`'s float64 arithmetic (clamp, range reduction, Horner order, one rounding), every tree
 is :func:`numerics.tree_sum`'s (zero-padded to a power of two, element ``i`` paired with ``i + n/2``, level by level:
@@ -38,7 +34,6 @@ decode replay).  The products stay in registers, where the torch evaluation mate
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -47,7 +42,7 @@ import triton.language as tl
 
 from ..numerics import exp
 from ..ssd import SSDSteps
-from .numerics import exp_f32, tree_cols_split, tree_leaves, tree_leaves_by_classes, tree_rows, tree_rows_split
+from .numerics import exp_f32, tree_cols_split, tree_leaves, tree_rows, tree_rows_split
 
 
 # The trees of the outputs kernel -- over the state size N (C_t . B_s and C_t . S: tree_cols_split) and over the chunk's
@@ -74,29 +69,6 @@ TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "0") or "0")
 # on the H200 (session 28, bench_gpu_ssd.py, prefill 1 x 4 096 at the 8B widths) 1.43 ms at 16 state columns a
 # program against 4.44 for the tile tree (2.28 at its fastest width).
 TERMS_TREE = os.environ.get("MC_SSD_TERMS_TREE", "leaves") or "leaves"
-
-
-# How a scan's outputs (positions first_out .. T - 1 of every sequence: a prefill) are evaluated, the same operations
-# either way: "positions" -- one program a position and the heads of a group (_ssd_outputs_kernel, also the decode
-# step's); "tiles" -- one program a tile of chunk rows (output_tile_rows) and a group (_ssd_output_tiles_kernel): the
-# tile's C_t . B_s formed once for the group's heads, every tree leaf by leaf over outer products, its top levels in
-# runtime loops over residue classes (tree_leaves_by_classes: bounded registers; sm_90a 255 registers, no spills).
-OUTPUTS = os.environ.get("MC_SSD_OUTPUTS", "positions") or "positions"
-
-
-def output_tile_rows(bl: int) -> int:
-    """Chunk rows an outputs tile takes at a (padded) chunk of ``bl`` rows: 16 up to 128, then 2 048 / ``bl`` (the
-    tile's ``[rows, bl]`` weights and decays in registers; sm_90a offline: 255 registers without spills at 16 x 128,
-    168 and one spilled word at 8 x 256).  Scheduling only."""
-    return 16 if bl <= 128 else max(1, 2048 // bl)
-
-
-def outputs_by_tiles() -> bool:
-    """:data:`OUTPUTS` (``MC_SSD_OUTPUTS``): ``True`` for ``tiles``; a value other than ``positions`` / ``tiles`` is
-    refused by name."""
-    if OUTPUTS not in ("positions", "tiles"):
-        raise ValueError(f"MC_SSD_OUTPUTS={OUTPUTS!r}: expected 'positions' or 'tiles'")
-    return OUTPUTS == "tiles"
 
 
 def outputs_tree_width(bn: int) -> int:
@@ -250,86 +222,6 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, W_SCRATCH, n_ou
 
 
 @triton.jit
-def _tile_outer_leaf(args, n):
-    """Leaf ``n`` of a tile's state-size tree: column ``n`` of the tile's ``C_t`` rows times column ``n`` of the other
-    rows, ``C_t[n] * B_s[n]`` (``C_t . B_s``, ``[BT, BL]``) or ``C_t[n] * S[p, n]`` (the state term, ``[BT, BP]``);
-    columns past ``N``: ``+0``.  ``v``: a zero tile of the leaf's shape."""
-    c_rows, t_in, rows, rows_in, N, v = args
-    if N > 0:  # always: a block of its own, so the compiler keeps the leaf's loads at the leaf (else they spill)
-        c = tl.load(c_rows + n, mask=_leaf_mask(t_in, n, N), other=0.0)
-        v = c[:, None] * tl.load(rows + n, mask=_leaf_mask(rows_in, n, N), other=0.0)[None, :]
-    return v
-
-
-@triton.jit
-def _leaf_mask(mask, i, n):
-    """``mask & (i < n)`` as a tensor of ``mask``'s shape, for leaf ``i`` (the interpreter cannot combine a scalar
-    mask with a vector one; a splat compare: one scalar test in the compile)."""
-    return mask & (tl.zeros(mask.shape, tl.int32) + i < n)
-
-
-@triton.jit
-def _tile_intra_leaf(args, s):
-    """Leaf ``s`` of a tile's intra term: ``w[t, s] * x_s[p]``, ``[BT, BP]`` (``w`` from the program's scratch,
-    stored ``[BL, BT]``; rows past the chunk: ``x = 0``)."""
-    w_cols, t, n_rows, x_row, x_stride, p, p_in, L, v = args
-    if L > 0:  # always: a block of its own
-        x = tl.load(x_row + s * x_stride + p, mask=_leaf_mask(p_in, s, L), other=0.0)
-        v = tl.load(w_cols + s * n_rows + t)[:, None] * x[None, :]
-    return v
-
-
-@triton.jit
-def _ssd_output_tiles_kernel(XC, DTC, BC, CC, CUM, STATES, D, Y, W_SCRATCH, first_out, t_len, n_out, n_chunks,
-                             n_starts, L, H, P, G, N, BT: tl.constexpr, BL: tl.constexpr, BP: tl.constexpr,
-                             BN: tl.constexpr):
-    # One program: sequence b's chunk ci, its rows r0 ..< r0 + BT, group g and the group's heads.  Outputs at the
-    # positions first_out ..< t_len only (y [b, n_out, H, P], output o = position - first_out).
-    chunk = tl.program_id(0).to(tl.int64)  # b * n_chunks + ci
-    b = tl.program_id(0) // n_chunks
-    ci = tl.program_id(0) % n_chunks
-    r0 = tl.program_id(1) * BT
-    g = tl.program_id(2)
-    if (ci * L + r0 + BT <= first_out) | (ci * L + r0 >= t_len):  # no asked position in the tile
-        return
-    ri = r0 + tl.arange(0, BT)  # the tile's chunk rows
-    s = tl.arange(0, BL)
-    p = tl.arange(0, BP)
-    t_in, s_in, p_in = ri < L, s < L, p < P
-    pos = ci * L + ri
-    asked = t_in & (pos >= first_out) & (pos < t_len)
-    c_rows = CC + ((chunk * L + ri) * G + g) * N  # [BT]: C_t of the tile's rows
-    zero_bl = tl.zeros((BT, BL), tl.float32)
-    zero_bp = tl.zeros((BT, BP), tl.float32)
-    cb = tree_leaves_by_classes(_tile_outer_leaf, (c_rows, t_in, BC + ((chunk * L + s) * G + g) * N, s_in, N, zero_bl),
-                                BN, min(16, BN), zero_bl)  # [BT, BL]
-    causal = s[None, :] <= ri[:, None]
-    scratch = W_SCRATCH + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2)
-                           + g).to(tl.int64) * (BL * BT)
-    heads = H // G
-    for j in range(heads):
-        h = g * heads + j
-        cum_t = tl.load(CUM + (chunk * L + ri) * H + h, mask=t_in, other=0.0)  # [BT]
-        cum_s = tl.load(CUM + (chunk * L + s) * H + h, mask=s_in, other=0.0)  # [BL]
-        dt_s = tl.load(DTC + (chunk * L + s) * H + h, mask=s_in, other=0.0)
-        e = exp_f32(tl.where(causal, cum_t[:, None] - cum_s[None, :], 0.0))
-        w = tl.where(causal, (cb * e) * dt_s[None, :], 0.0)  # [BT, BL]
-        tl.store(scratch + s[None, :] * BT + tl.arange(0, BT)[:, None], w)  # stored [BL, BT]: a column a row
-        tl.debug_barrier()  # w seen by every thread of the program
-        intra = tree_leaves_by_classes(_tile_intra_leaf, (scratch, tl.arange(0, BT), BT, XC + (chunk * L * H + h) * P,
-                                                          H * P, p, p_in, L, zero_bp), BL, min(8, BL), zero_bp)
-        tl.debug_barrier()  # every read of w done before the next head's
-        st_rows = STATES + (((b.to(tl.int64) * n_starts + ci) * H + h) * P + p) * N  # chunk ci's starting state
-        inter = tree_leaves_by_classes(_tile_outer_leaf, (c_rows, t_in, st_rows, p_in, N, zero_bp), BN, min(8, BN),
-                                       zero_bp) * exp_f32(cum_t)[:, None]
-        x_t = tl.load(XC + ((chunk * L + ri[:, None]) * H + h) * P + p[None, :], mask=t_in[:, None] & p_in[None, :],
-                      other=0.0)
-        y = (intra + inter) + tl.load(D + h) * x_t
-        o = (b.to(tl.int64) * n_out + (pos - first_out)) * H + h  # [BT]
-        tl.store(Y + o[:, None] * P + p[None, :], y.to(Y.dtype.element_ty), mask=asked[:, None] & p_in[None, :])
-
-
-@triton.jit
 def _chunk_prefix_sums_kernel(DTC, A, CUM, L, H, BL: tl.constexpr, BH: tl.constexpr):
     chunk = tl.program_id(0)  # (sequence, chunk)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -370,9 +262,16 @@ def _state_term_leaf(args, s):
     ``+0``, the tree's zero padding): ``u_s`` from the decay weights, ``x_s`` / ``B_s`` converted to float32 (exact)."""
     u_row, u_stride, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L = args
     u = tl.load(u_row + s * u_stride, mask=tl.full((), s, tl.int32) < L, other=0.0)
-    x = tl.load(x_row + s * x_stride + p, mask=_leaf_mask(p_in, s, L), other=0.0).to(tl.float32)
-    b = tl.load(b_row + s * b_stride + n, mask=_leaf_mask(n_in, s, L), other=0.0).to(tl.float32)
+    x = tl.load(x_row + s * x_stride + p, mask=_row_in(p_in, s, L), other=0.0).to(tl.float32)
+    b = tl.load(b_row + s * b_stride + n, mask=_row_in(n_in, s, L), other=0.0).to(tl.float32)
     return (u * x)[:, None] * b[None, :]
+
+
+@triton.jit
+def _row_in(cols_in, s, L):
+    """``cols_in & (s < L)`` as a tensor of ``cols_in``'s shape, for leaf ``s`` (the interpreter cannot combine a
+    scalar mask with a vector one; a splat compare: one scalar test in the compile)."""
+    return cols_in & (tl.zeros(cols_in.shape, tl.int32) + s < L)
 
 
 @triton.jit
@@ -551,13 +450,12 @@ def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh,
                                       num_warps=warps, enable_fp_fusion=False)
 
 
-def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype, first_out: int | None = None) -> torch.Tensor:
+def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype) -> torch.Tensor:
     """``y [b, o, H, P]`` (``out_dtype``) at ``positions [b, o]`` (int64: sequence ``i``'s positions ``positions[i]``)
     from the chunked float32 operands ``xc [b, c, L, H, P]``, ``dtc`` / ``cum [b, c, L, H]``, ``bc`` / ``cc [b, c, L,
     G, N]``, the states at the chunk starts ``states [b, starts, H, P, N]`` (a state for every chunk start, and one
     after the last chunk when it is complete) and ``D [H]`` (module docstring; :func:`kernels.ssd._ssd_outputs`'
-    signature).  ``first_out``: the positions are ``first_out .. T - 1`` of every sequence (a scan's), which
-    :data:`OUTPUTS` ``tiles`` evaluates a tile of chunk rows a program."""
+    signature)."""
     nb, n_chunks, L, H, P = xc.shape
     G, N = bc.shape[-2:]
     n_out = positions.shape[1]
@@ -565,22 +463,12 @@ def ssd_outputs(xc, dtc, bc, cc, cum, states, D, positions, out_dtype, first_out
     if n_out == 0 or nb == 0:
         return y
     ops = [v.contiguous() for v in (xc, dtc, bc, cc, cum, states)]
-    if first_out is not None and outputs_by_tiles():
-        bl = triton.next_power_of_2(L)
-        bt = output_tile_rows(bl)
-        grid = (nb * n_chunks, triton.cdiv(L, bt), G)
-        _ssd_output_tiles_kernel[grid](*ops, D.to(torch.float32).contiguous(), y,
-                                       _w_scratch(math.prod(grid), bl * bt, xc.device), first_out,
-                                       first_out + n_out, n_out, n_chunks, states.shape[1], L, H, P, G, N,
-                                       BT=bt, BL=bl, BP=triton.next_power_of_2(P), BN=triton.next_power_of_2(N),
-                                       num_warps=4, enable_fp_fusion=False)
-        return y
     bl, bn = triton.next_power_of_2(L), triton.next_power_of_2(N)
     hpp = heads_per_program(nb * n_out, H, G)
     grid = (nb * n_out, H // hpp)
     _ssd_outputs_kernel[grid](*ops, D.to(torch.float32).contiguous(), positions.to(torch.int64).contiguous(), y,
-                              _w_scratch(math.prod(grid), bl, xc.device), n_out, n_chunks, states.shape[1], L, H,
-                              P, G, N, H // G, hpp, y, y, y, 0, 0, BL=bl, BP=triton.next_power_of_2(P), BN=bn,
+                              _w_scratch(grid, bl, xc.device), n_out, n_chunks, states.shape[1], L, H, P, G, N,
+                              H // G, hpp, y, y, y, 0, 0, BL=bl, BP=triton.next_power_of_2(P), BN=bn,
                               FROM_CACHE=False, HAS_FRESH=False, TREE_W=outputs_tree_width(bn),
                               TREE_W_ROWS=outputs_tree_width(bl), num_warps=launch_warps(bl, bn),
                               enable_fp_fusion=False)
@@ -614,8 +502,8 @@ def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, 
     hpp = heads_per_program(bsz, H, G)
     grid = (bsz, H // hpp)
     _ssd_outputs_kernel[grid](xbc_cache, seg_dt, xbc_cache, xbc_cache, cum, state_cache, D.to(torch.float32).contiguous(),
-                              pending.to(torch.int64).contiguous(), y, _w_scratch(math.prod(grid), bl, new_xbc.device),
-                              1, 1, 1, L, H, P, G, N, H // G, hpp, slots.contiguous(), new_xbc.contiguous(),
+                              pending.to(torch.int64).contiguous(), y, _w_scratch(grid, bl, new_xbc.device), 1, 1, 1,
+                              L, H, P, G, N, H // G, hpp, slots.contiguous(), new_xbc.contiguous(),
                               y if fresh is None else fresh.to(torch.int8).contiguous(), xbc_cache.stride(0),
                               state_cache.stride(0), BL=bl, BP=triton.next_power_of_2(P), BN=bn, FROM_CACHE=True,
                               HAS_FRESH=fresh is not None, TREE_W=outputs_tree_width(bn),
@@ -624,10 +512,10 @@ def ssd_step_outputs(xbc_cache, dt_cache, state_cache, slots, pending, new_xbc, 
     return y
 
 
-def _w_scratch(programs: int, elements: int, device) -> torch.Tensor:
-    """The outputs programs' scratch (``[programs, elements]`` float32): a head's weights ``w``, which its intra
-    tree reads back a slice of rows (a leaf) at a time."""
-    return torch.empty(programs * elements, dtype=torch.float32, device=device)
+def _w_scratch(grid: tuple[int, int], bl: int, device) -> torch.Tensor:
+    """The outputs programs' scratch rows (``[programs, BL]`` float32): a head's weights ``w_s``, which its intra
+    tree reads back a slice of rows at a time."""
+    return torch.empty(grid[0] * grid[1] * bl, dtype=torch.float32, device=device)
 
 
 def heads_per_program(positions: int, H: int, G: int, programs: int = 1024) -> int:
