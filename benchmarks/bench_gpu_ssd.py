@@ -14,9 +14,8 @@ time, and for the kernels the HBM floor: the bytes they must move at least (floa
 written once) over the device's measured copy bandwidth (their float32 arithmetic is not in it).  Timing:
 ``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).  Then the schedules, each
 row's bits against the first: the outputs kernel at its trees' slice widths (``MC_SSD_TREE_WIDTH``), and the
-chunk-terms kernel's trees over the chunk's rows (``MC_SSD_TERMS_TREE``: the product tile or leaf by leaf) and program
-widths, with the float32 issue floor of their multiplies and adds beside them (the kernels are compute-bound: no
-fused multiply-add, no tensor cores).
+chunk-terms kernel at its state columns a program (``MC_SSD_TERMS_BN``), with the float32 issue floor of their
+multiplies and adds beside them (the kernels are compute-bound: no fused multiply-add, no tensor cores).
 """
 
 from __future__ import annotations
@@ -179,26 +178,24 @@ def fp32_issue_floor_ms(ops: float) -> float:
     return ops / (props.multi_processor_count * 128 * clock_hz) * 1e3
 
 
-def terms_tiles(schedules=(("tile", 0), ("tile", 16), ("tile", 32), ("leaves", 0), ("leaves", 16),
-                           ("leaves", 64))) -> list[dict]:
-    """The chunk-terms kernel in each schedule (``ssd_scan.TERMS_TREE``: the rows' tree on the product tile or leaf
-    by leaf; ``ssd_scan.TERMS_BN``: state columns a program, 0 the tree's own rule), a prefill of 4 096 positions:
-    bits against the first and times, in one run, with the float32 issue floor of the terms' multiplies and adds."""
+def terms_tiles(columns=(8, 16, 32, 64)) -> list[dict]:
+    """The chunk-terms kernel at each count of state columns a program (``ssd_scan.TERMS_BN``; its tree over the
+    chunk's rows leaf by leaf), a prefill of 4 096 positions: bits against the first and times, in one run, with the
+    float32 issue floor of the terms' multiplies and adds."""
     x, dt, a, b, c, d, state = inputs(1, 4096)
     xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:5]
     n_complete = x.shape[1] // L
     floor = fp32_issue_floor_ms(n_complete * H * P * N * (2 * L - 1))  # L products and L - 1 adds a term
-    saved, rows, first = (tssd.TERMS_TREE, tssd.TERMS_BN), [], None
+    saved, rows, first = tssd.TERMS_BN, [], None
     try:
-        for tree, bn in schedules:
-            tssd.TERMS_TREE, tssd.TERMS_BN = tree, bn
+        for bn in columns:
+            tssd.TERMS_BN = bn
             out = chunk_contributions(xc, dtc, bc, cum, n_complete)
             first = out if first is None else first
             ms = triton.testing.do_bench(lambda: chunk_contributions(xc, dtc, bc, cum, n_complete))
-            rows.append({"tree": tree, "columns": bn, "bits_equal": torch.equal(first, out), "ms": ms,
-                         "fp32_floor_ms": floor})
+            rows.append({"columns": bn, "bits_equal": torch.equal(first, out), "ms": ms, "fp32_floor_ms": floor})
     finally:
-        tssd.TERMS_TREE, tssd.TERMS_BN = saved
+        tssd.TERMS_BN = saved
     return rows
 
 
@@ -241,11 +238,11 @@ def main() -> int:
               f"{r['fp32_floor_ms'] / r['prefill ms']:.2f} | {r['decode step ms']:.3f} | "
               f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
     tiles = terms_tiles()
-    print("\n| chunk-terms kernel: rows' tree, state columns a program | prefill 1 x 4 096 ms | float32 floor ms | "
-          "floor / ms | bits vs the first |")
+    print("\n| chunk-terms kernel: state columns a program | prefill 1 x 4 096 ms | float32 floor ms | floor / ms | "
+          "bits vs the first |")
     print("| --- | ---: | ---: | ---: | --- |")
     for r in tiles:
-        print(f"| {r['tree']}, {r['columns'] or 'default'} | {r['ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
+        print(f"| {r['columns']} | {r['ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
               f"{r['fp32_floor_ms'] / r['ms']:.2f} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

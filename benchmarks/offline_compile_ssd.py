@@ -1,15 +1,14 @@
 """Compile the CUDA SSD scan kernels (``kernels/triton/ssd_scan.py``: the prefix sums, the outputs, the chunks' state
-terms on the product tile and by leaves) for sm_90a WITHOUT a GPU: errors, registers, spills, shared memory; with
-``--sass`` each launch's static SASS instruction mix (:func:`offline_compile.sass_mix`).
+terms) for sm_90a WITHOUT a GPU: errors, registers, spills, shared memory; with ``--sass`` each launch's static SASS
+instruction mix (:func:`offline_compile.sass_mix`).
 
     PYTHONPATH=$PWD python benchmarks/offline_compile_ssd.py [--sass]
     MC_SSD_TREE_WIDTH=8 PYTHONPATH=$PWD python benchmarks/offline_compile_ssd.py --sass   # the outputs' tree slices
 
 The host code runs on CPU tensors with the kernels replaced by recorders, for the Mamba-2 shapes of the tests and of
 real models (Nemotron-H 8B: 128 heads x 64, 8 groups, state 128, chunk 128; Mamba-2 2.7B: 80 heads x 64, state 128,
-chunk 256), at prefill and at a decode replay, with the chunk terms' two trees (``MC_SSD_TERMS_TREE``); each distinct
-launch is compiled by :mod:`offline_compile`.  Says nothing about bits or speed.  Exit 1 on a compile error or a
-launch over the shared memory of a block.
+chunk 256), at prefill and at a decode replay; each distinct launch is compiled by :mod:`offline_compile`.  Says
+nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
 """
 
 from __future__ import annotations
@@ -35,12 +34,6 @@ SHAPES = [("tests", 4, 4, 2, 8, 8, 13, 0), ("Nemotron-H 8B prefill", 128, 64, 8,
 def record_launches():
     """The distinct ``(kernel name, signature, attrs, constexprs, warps, stages)`` launches of the host code."""
     def run():
-        for tree in ("tile", "leaves"):  # the chunk terms' two trees (MC_SSD_TERMS_TREE)
-            tssd.TERMS_TREE = tree
-            run_shapes()
-        tssd.TERMS_TREE = saved
-
-    def run_shapes():
         for _, nh, hp, ng, ns, chunk, t_len, first_out in SHAPES:
             x = torch.zeros(1, t_len, nh, hp, dtype=torch.bfloat16)
             b = torch.zeros(1, t_len, ng, ns, dtype=torch.bfloat16)
@@ -51,7 +44,6 @@ def record_launches():
                 ssd._ssd_chunk_states(x[:, :chunk], torch.zeros(1, chunk, nh), torch.zeros(nh), b[:, :chunk], b[:, :chunk],
                                       chunk, torch.zeros(1, nh, hp, ns), tssd.TRITON_STEPS, active=torch.ones(1, dtype=torch.bool))
 
-    saved = tssd.TERMS_TREE
     return distinct_launches(capture(tssd, KERNELS, run), {name: getattr(tssd, name) for name in KERNELS})
 
 

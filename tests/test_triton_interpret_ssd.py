@@ -69,15 +69,12 @@ def test_replayed_positions_and_bf16_operands(first_out):
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} outputs differ"
 
 
-@pytest.mark.parametrize("tree", ["tile", "leaves"])
 @pytest.mark.parametrize("t_len,chunk,nh,hp,ng,ns", [v for v in SHAPES if v[0] >= v[1]] + [(40, 8, 2, 12, 1, 24),
                                                                                           (33, 16, 2, 16, 2, 40),
                                                                                           (70, 32, 2, 80, 1, 72)])
-def test_chunk_state_terms_equal_the_torch_contract(monkeypatch, tree, t_len, chunk, nh, hp, ng, ns):
+def test_chunk_state_terms_equal_the_torch_contract(t_len, chunk, nh, hp, ng, ns):
     """Step 5's per-chunk terms alone (the state recurrence uses them in chunk order), bf16 operands; head dims and
-    state sizes spanning several of the kernel's P x N blocks; the tree over the chunk's rows on the product tile or
-    leaf by leaf (``MC_SSD_TERMS_TREE``)."""
-    monkeypatch.setattr(tssd, "TERMS_TREE", tree)
+    state sizes spanning several of the kernel's P x N blocks; the tree over the chunk's rows leaf by leaf."""
     x, dt, a, b, c, _, _ = _inputs(t_len + ns, 2, t_len, nh, hp, ng, ns, torch.bfloat16)
     xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, chunk, torch.zeros(2, nh, hp, ns))[:5]
     n_complete = t_len // chunk
@@ -86,26 +83,20 @@ def test_chunk_state_terms_equal_the_torch_contract(monkeypatch, tree, t_len, ch
     assert out.shape == ref.shape and torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
 
 
-@pytest.mark.parametrize("tree", ["tile", "leaves"])
 @pytest.mark.parametrize("columns", [1, 4, 16, 64])
-def test_chunk_state_terms_in_other_tiles_keep_the_bits(monkeypatch, tree, columns):
-    """``MC_SSD_TERMS_BN``: a program's state columns (and so its warps) change no term; the in-place end states of a
-    decode step too; a count that is not a power of two is refused by name, and so is a tree other than ``tile`` /
-    ``leaves``."""
-    monkeypatch.setattr(tssd, "TERMS_TREE", tree)
+def test_chunk_state_terms_in_other_tiles_keep_the_bits(monkeypatch, columns):
+    """``MC_SSD_TERMS_BN``: a program's state columns change no term (the in-place end states of a decode step:
+    tests/test_triton_interpret_ssd_end_state.py); a count that is not a power of two is refused by name."""
     x, dt, a, b, c, _, _ = _inputs(columns, 2, 40, 2, 12, 1, 24, torch.bfloat16)
     xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, 8, torch.zeros(2, 2, 12, 24))[:5]
     ref = ssd._chunk_contributions(xc, dtc, bc, cum, 5)
     monkeypatch.setattr(tssd, "TERMS_BN", columns)
     out = tssd.chunk_contributions(xc, dtc, bc, cum, 5)
     assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
-    monkeypatch.setattr(tssd, "TERMS_BN", 12)
-    with pytest.raises(ValueError, match="MC_SSD_TERMS_BN=12: expected 0 or a power of two"):
-        tssd.chunk_contributions(xc, dtc, bc, cum, 5)
-    monkeypatch.setattr(tssd, "TERMS_BN", 0)
-    monkeypatch.setattr(tssd, "TERMS_TREE", "rows")
-    with pytest.raises(ValueError, match="MC_SSD_TERMS_TREE='rows': expected 'tile' or 'leaves'"):
-        tssd.chunk_contributions(xc, dtc, bc, cum, 5)
+    for bad in (12, 0):
+        monkeypatch.setattr(tssd, "TERMS_BN", bad)
+        with pytest.raises(ValueError, match=f"MC_SSD_TERMS_BN={bad}: expected a power of two"):
+            tssd.chunk_contributions(xc, dtc, bc, cum, 5)
 
 
 def test_chunk_state_terms_of_the_active_rows_only():

@@ -81,15 +81,22 @@ SHAPES = [(8, 4, 4, 2, 8), (4, 4, 4, 1, 4), (6, 6, 5, 2, 7), (16, 8, 16, 2, 16),
 ROWS = [(True, False), (True, True), (False, True), (False, False), (True, False), (False, False), (False, True)]
 
 
-@pytest.mark.parametrize("tree", ["tile", "leaves"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("L,nh,hp,ng,ns", SHAPES)
-def test_end_states_equal_the_torch_reference(monkeypatch, L, nh, hp, ng, ns, dtype, tree):
-    """Closing, fresh, both and neither rows in one batch, the whole state cache compared; the chunk terms' tree on
-    the product tile or leaf by leaf (``MC_SSD_TERMS_TREE``)."""
-    monkeypatch.setattr(tssd, "TERMS_TREE", tree)
+def test_end_states_equal_the_torch_reference(L, nh, hp, ng, ns, dtype):
+    """Closing, fresh, both and neither rows in one batch, the whole state cache compared (the chunk terms' tree over
+    the chunk's rows leaf by leaf)."""
     rows = [(c or L == 1, f) for c, f in ROWS]  # a chunk of one row: every token closes it
     case = _case(L * 10 + ns, len(rows) + 3, L, nh, hp, ng, ns, dtype, rows)
+    _check_equal(case)
+
+
+@pytest.mark.parametrize("columns", [1, 4])
+def test_end_states_in_other_tiles_keep_the_bits(monkeypatch, columns):
+    """``MC_SSD_TERMS_BN``: a program's state columns change no new state (state size 7: 7 programs a row's head, or
+    2, the last one past the state's columns)."""
+    monkeypatch.setattr(tssd, "TERMS_BN", columns)
+    case = _case(columns, len(ROWS) + 3, 6, 6, 5, 2, 7, torch.bfloat16, ROWS)
     _check_equal(case)
 
 

@@ -8,7 +8,9 @@ prefix sums (one launch where the torch evaluation takes three ops a doubling le
 * :func:`chunk_prefix_sums` (step 1), one program a (chunk, block of heads): ``a = dt * A``, then
   ``cum_i = cum_i + cum_{i-k}`` for ``i >= k``, ``k = 1, 2, 4, ...`` (every row reads, a barrier, every row writes);
 * :func:`chunk_contributions` (step 5's per-chunk term), one program a (complete chunk, head, block of the state's
-  ``P x N``): ``u_s = exp(cum_{L-1} - cum_s) * dt_s``, ``contrib[n, p] = tree_L((u_s * x_s[p]) * B_s[n])``.  With
+  ``P x N``): ``contrib[n, p] = tree_L((u_s * x_s[p]) * B_s[n])`` with ``u_s = exp(cum_{L-1} - cum_s) * dt_s`` (formed
+  beforehand by torch ops, as the torch evaluation forms it), the tree leaf by leaf (:func:`numerics.tree_leaves`:
+  row ``s``'s products over the program's block formed on their own and added in the tree's order).  With
   ``FROM_CACHE`` (:func:`ssd_step_end_states`, a decode step's chunk closures) the same kernel reads a closing row's
   x / B in place from its slot of the mixer's xbc cache and, instead of storing the term, stores the recurrence's
   ``exp(cum_{L-1}) * S + contrib`` over the tile of the slot's state ``S`` it read (zeros where fresh), in place;
@@ -23,7 +25,8 @@ prefix sums (one launch where the torch evaluation takes three ops a doubling le
 
 ``exp`` is :func:`numerics.exp`'s float64 arithmetic (clamp, range reduction, Horner order, one rounding), every tree
 is :func:`numerics.tree_sum`'s (zero-padded to a power of two, element ``i`` paired with ``i + n/2``, level by level:
-the halves of a register tile are split apart with ``reshape`` / ``permute`` / ``split`` and added), and each
+the halves of a register tile split apart with ``reshape`` / ``permute`` / ``split`` and added, or leaves and slices
+formed one at a time and added in that order, :func:`numerics.tree_leaves` / ``tree_cols_split``), and each
 operation is a separate IEEE operation (the launches disable Triton's mul-add fusion).  So these are not a new
 contract but another evaluation of the torch one, with its bits on the same device: in Triton's interpreter on CPU
 tensors they give ``_ssd_cpu``'s bits (tests/test_triton_interpret_ssd.py), on the GPU those of the torch evaluation
@@ -55,25 +58,18 @@ from .numerics import exp_f32, tree_cols_split, tree_leaves, tree_rows, tree_row
 OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "16") or "16")
 
 
-# State columns a chunk-terms program takes (a power of two; 0: the rule of _contributions_blocks, 8 at chunk 128).
-# Scheduling only: each (p, n) term is the same tree over the chunk's rows whichever program forms it (sm_90a offline
-# at the 8B widths: 16 on 4 warps or 32 on 8 warps give a thread a column of its own, with 2x / 4x fewer programs
-# and no spills, where 8 has two threads a column).
-TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "0") or "0")
-
-
-# How a chunk-terms program evaluates its tree over the chunk's rows (the same additions in the same order either way):
-# "tile" -- the [rows, P x N] product tile formed at once and summed level by level (tree_rows: a layout change of
-# the tile each level); "leaves" -- row by row (tree_leaves: each row's [BP, BN] outer product added into at most
-# log2(L) partial sums in registers, the rows' decay weights u formed beforehand by torch ops).  "leaves" by default:
-# on the H200 (session 28, bench_gpu_ssd.py, prefill 1 x 4 096 at the 8B widths) 1.43 ms at 16 state columns a
-# program against 4.44 for the tile tree (2.28 at its fastest width).
-TERMS_TREE = os.environ.get("MC_SSD_TERMS_TREE", "leaves") or "leaves"
+# State columns a chunk-terms program takes (a power of two), beside up to 64 rows of the head dim.  A program sums
+# its tree over the chunk's rows row by row (tree_leaves: each row's [BP, BN] outer product added into at most
+# log2(L) partial sums in registers; no shared memory, no barriers).  Scheduling only: each (p, n) term is the same
+# tree over the chunk's rows whichever program forms it.  16 by default: the fastest on the H200 (session 28,
+# bench_gpu_ssd.py, prefill 1 x 4 096 at the 8B widths: 1.43 ms against 1.66 at 32 and 64; the former tree over the
+# whole [rows, P x N] product tile, since removed, 4.44 ms, 2.28 at its fastest width).
+TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "16") or "16")
 
 
 def outputs_tree_width(bn: int) -> int:
     """The slice width of an outputs launch's trees over ``bn`` (padded) state columns or chunk rows
-    (:data:`OUTPUTS_TREE_WIDTH`; ``TREE_W`` / ``TREE_W_ROWS``): the whole ``bn`` by default."""
+    (:data:`OUTPUTS_TREE_WIDTH`, 16 by default; ``TREE_W`` / ``TREE_W_ROWS``): the whole ``bn`` at 0."""
     w = OUTPUTS_TREE_WIDTH
     if w < 0 or w & (w - 1):
         raise ValueError(f"MC_SSD_TREE_WIDTH={w}: expected 0 or a power of two")
@@ -275,10 +271,10 @@ def _row_in(cols_in, s, L):
 
 
 @triton.jit
-def _chunk_contributions_kernel(XC, DTC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_complete, L, H, P, G, N,
-                                HEADS_PER_GROUP, SLOTS, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
+def _chunk_contributions_kernel(XC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_complete, L, H, P, G, N, HEADS_PER_GROUP,
+                                SLOTS, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
                                 BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-                                FROM_CACHE: tl.constexpr, HAS_FRESH: tl.constexpr, LEAVES: tl.constexpr):
+                                FROM_CACHE: tl.constexpr, HAS_FRESH: tl.constexpr):
     # FROM_CACHE (ssd_step_end_states, a decode step: n_chunks = n_complete = 1, HAS_ACTIVE = the closing rows): XC is
     # the mixer's xbc cache [slots, L, H*P + 2*G*N] (model dtype, slot stride XBC_SLOT_STRIDE; x and B read from row
     # b's slot SLOTS[b], converted to float32 in registers: exact), BC unused, OUT the state cache [slots, H, P, N]
@@ -286,8 +282,7 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_co
     # exp(cum_{L-1}), S the slot's state, zeros where FRESH[b]) and stores it over the same [BP, BN] tile it read (the
     # only program that reads or writes that tile of the slot: in place is safe); a non-closing fresh row stores zeros
     # over its tile.  Off: the chunked float32 operands of _ssd_chunk_states (SLOTS .. STATE_SLOT_STRIDE unused).
-    # LEAVES: the tree over the chunk's rows leaf by leaf (tree_leaves), u read from U [b, n_complete, L, H] (unused
-    # else).
+    # The tree over the chunk's BL (padded) rows leaf by leaf (tree_leaves), u_s read from U [b, n_complete, L, H].
     chunk_id = tl.program_id(0)  # (sequence, complete chunk)
     h = tl.program_id(1)
     n_blocks = tl.cdiv(N, BN)
@@ -316,14 +311,11 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_co
         if tl.load(ACTIVE + b) == 0:  # a row whose new state is not used: its terms are left unwritten
             return
     g = h // HEADS_PER_GROUP
-    s = tl.arange(0, BL)
     p = p0 + tl.arange(0, BP)
     n = n0 + tl.arange(0, BN)
-    s_in, p_in, n_in = s < L, p < P, n < N
+    p_in, n_in = p < P, n < N
     row0 = (b * n_chunks + k).to(tl.int64) * L  # the chunk's first row of the [b, c, L, ...] tensors
-    rows = row0 + s  # [BL]
 
-    last = tl.load(CUM + (row0 + L - 1) * H + h)
     if FROM_CACHE:  # the slot's rows 0..L-1 of the xbc cache: row s at + s * x_stride
         x_row = XC + slot * XBC_SLOT_STRIDE + h * P
         b_row = XC + slot * XBC_SLOT_STRIDE + H * P + g * N
@@ -334,20 +326,10 @@ def _chunk_contributions_kernel(XC, DTC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_co
         b_row = BC + (row0 * G + g) * N
         x_stride = H * P
         b_stride = G * N
-    if LEAVES:
-        u_row = U + (b * n_complete + k).to(tl.int64) * L * H + h  # U [b, n_complete, L, H]
-        contrib = tree_leaves(_state_term_leaf, (u_row, H, x_row, x_stride, b_row, b_stride, p, p_in, n,
-                                                 n_in, L), BL)
-    else:
-        cum_s = tl.load(CUM + rows * H + h, mask=s_in, other=0.0)
-        u = exp_f32(last - cum_s) * tl.load(DTC + rows * H + h, mask=s_in, other=0.0)
-        ux = u[:, None] * tl.load(x_row + s[:, None].to(tl.int64) * x_stride + p[None, :],
-                                  mask=s_in[:, None] & p_in[None, :], other=0.0).to(tl.float32)  # [BL, BP]
-        b_sn = tl.load(b_row + s[:, None].to(tl.int64) * b_stride + n[None, :], mask=s_in[:, None] & n_in[None, :],
-                       other=0.0).to(tl.float32)
-        prod = tl.reshape(ux[:, :, None] * b_sn[:, None, :], (BL, BP * BN))
-        contrib = tl.reshape(tree_rows(prod, BL, BP * BN), (BP, BN))
+    u_row = U + (b * n_complete + k).to(tl.int64) * L * H + h  # U [b, n_complete, L, H]
+    contrib = tree_leaves(_state_term_leaf, (u_row, H, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L), BL)
     if FROM_CACHE:  # _ssd_chunk_states' recurrence: decay * S (a float32 multiply), then + contrib
+        last = tl.load(CUM + (row0 + L - 1) * H + h)
         st = tl.load(tile, mask=st_in, other=0.0)
         tl.store(tile, exp_f32(last) * st + contrib, mask=tile_in)
     else:
@@ -365,24 +347,15 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None) -> torch
     out = torch.empty(nb, n_complete, H, P, N, dtype=torch.float32, device=xc.device)
     if n_complete == 0 or nb == 0:
         return out
-    leaves = terms_by_leaves()
-    bl, bp, bn, warps = _contributions_blocks(L, P, N, leaves)
+    bl, bp, bn, warps = _contributions_blocks(L, P, N)
     grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
-    _chunk_contributions_kernel[grid](*(v.contiguous() for v in (xc, dtc, bc, cum)),
-                                      _decay_weights(cum, dtc, n_complete) if leaves else out,
+    _chunk_contributions_kernel[grid](xc.contiguous(), bc.contiguous(), cum.contiguous(),
+                                      _decay_weights(cum, dtc, n_complete),
                                       out if active is None else active.to(torch.int8).contiguous(), out, n_chunks,
                                       n_complete, L, H, P, G, N, H // G, out, out, 0, 0, BL=bl, BP=bp, BN=bn,
-                                      HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False, LEAVES=leaves,
+                                      HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False,
                                       num_warps=warps, enable_fp_fusion=False)
     return out
-
-
-def terms_by_leaves() -> bool:
-    """:data:`TERMS_TREE` (``MC_SSD_TERMS_TREE``): ``True`` for ``leaves``; a value other than ``tile`` / ``leaves``
-    is refused by name."""
-    if TERMS_TREE not in ("tile", "leaves"):
-        raise ValueError(f"MC_SSD_TERMS_TREE={TERMS_TREE!r}: expected 'tile' or 'leaves'")
-    return TERMS_TREE == "leaves"
 
 
 def _decay_weights(cum, dtc, n_complete: int) -> torch.Tensor:
@@ -391,22 +364,14 @@ def _decay_weights(cum, dtc, n_complete: int) -> torch.Tensor:
     return (exp(cum[:, :n_complete, -1:] - cum[:, :n_complete]) * dtc[:, :n_complete]).contiguous()
 
 
-def _contributions_blocks(L: int, P: int, N: int, leaves: bool) -> tuple[int, int, int, int]:
-    """``(BL, BP, BN, warps)`` of a contributions program (:func:`chunk_contributions`' choice).  The product tile's
-    tree: a tile of 8 192 elements on 4 warps (8 for 256-row chunks; offline sm_90a compile: chunk 128 no spills, 128
-    x 128 on 16 warps spilled, chunk 256 240 bytes), or with :data:`TERMS_BN` that many state columns a program, a warp
-    for every 32 of its ``BP * BN`` columns (4 to 16).  By leaves: ``[64, 16]`` of ``P x N`` on 4 warps (or
-    :data:`TERMS_BN` columns), 8 terms a thread (H200: 16 columns 1.43 ms, 32: 1.66, 64: 1.66)."""
-    if TERMS_BN < 0 or TERMS_BN & (TERMS_BN - 1):
-        raise ValueError(f"MC_SSD_TERMS_BN={TERMS_BN}: expected 0 or a power of two")
-    bl = triton.next_power_of_2(L)
-    if leaves:
-        return bl, min(64, triton.next_power_of_2(P)), min(TERMS_BN or 16, triton.next_power_of_2(N)), 4
-    bp = min(8, triton.next_power_of_2(P))
-    if TERMS_BN:
-        bn = min(triton.next_power_of_2(N), TERMS_BN)
-        return bl, bp, bn, max(4, min(16, bp * bn // 32))
-    return bl, bp, min(triton.next_power_of_2(N), max(1, 8192 // (bl * bp))), 4 if bl <= 128 else 8
+def _contributions_blocks(L: int, P: int, N: int) -> tuple[int, int, int, int]:
+    """``(BL, BP, BN, warps)`` of a chunk-terms program (:func:`chunk_contributions`' choice): the chunk's rows
+    padded to a power of two (the tree's leaves), ``[64, TERMS_BN]`` of ``P x N`` (fewer where ``P`` / ``N`` are
+    smaller) on 4 warps: at the default 16 columns 8 terms a thread."""
+    if TERMS_BN <= 0 or TERMS_BN & (TERMS_BN - 1):
+        raise ValueError(f"MC_SSD_TERMS_BN={TERMS_BN}: expected a power of two")
+    return (triton.next_power_of_2(L), min(64, triton.next_power_of_2(P)), min(TERMS_BN, triton.next_power_of_2(N)),
+            4)
 
 
 def _check_slots_contiguous(op: str, xbc_cache, dt_cache, state_cache) -> None:
@@ -437,16 +402,14 @@ def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh,
     slots = slots.to(torch.int64).contiguous()
     seg_dt = dt_cache[slots].contiguous()  # [b, L, H]
     cum = chunk_prefix_sums(seg_dt[:, None], A)  # [b, 1, L, H]
-    leaves = terms_by_leaves()
-    bl, bp, bn, warps = _contributions_blocks(L, P, N, leaves)
+    bl, bp, bn, warps = _contributions_blocks(L, P, N)
     active = closing.to(torch.int8).contiguous()
     grid = (bsz, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
-    _chunk_contributions_kernel[grid](xbc_cache, seg_dt, xbc_cache, cum,
-                                      _decay_weights(cum, seg_dt[:, None], 1) if leaves else cum, active, state_cache,
-                                      1, 1, L, H, P, G, N, H // G, slots,
+    _chunk_contributions_kernel[grid](xbc_cache, xbc_cache, cum, _decay_weights(cum, seg_dt[:, None], 1), active,
+                                      state_cache, 1, 1, L, H, P, G, N, H // G, slots,
                                       active if fresh is None else fresh.to(torch.int8).contiguous(),
                                       xbc_cache.stride(0), state_cache.stride(0), BL=bl, BP=bp, BN=bn,
-                                      HAS_ACTIVE=True, FROM_CACHE=True, HAS_FRESH=fresh is not None, LEAVES=leaves,
+                                      HAS_ACTIVE=True, FROM_CACHE=True, HAS_FRESH=fresh is not None,
                                       num_warps=warps, enable_fp_fusion=False)
 
 
