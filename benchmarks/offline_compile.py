@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 
 import torch
 import triton
@@ -145,11 +146,13 @@ def compile_report(jobs, ttgir_dir: str | None = None, source=ASTSource, sass: b
     registers, spills, shared memory and async copies; returns the exit status (1 on any compile error or launch over
     the shared memory a block may have).  With ``ttgir_dir``, each launch's :func:`normalized_ttgir` is written there
     (``diff -r`` two such folders, e.g. of the tree before and after a change, to see which launches compile to other
-    ops).  ``source``: as :func:`compile_sm90`; ``sass``: each launch's :func:`sass_mix` too."""
+    ops).  ``source``: as :func:`compile_sm90`; ``sass``: each launch's :func:`sass_mix` too.  The compile seconds
+    are this CPU's, a launch's first JIT compile on a machine (Triton caches it after)."""
     errors = flagged = over_smem = 0
     if ttgir_dir:
         os.makedirs(ttgir_dir, exist_ok=True)
     for desc, kernel, sig, attrs, const, warps, stages in jobs:
+        start = time.perf_counter()
         try:
             regs, stack, smem, copies, ttgir, cubin = compile_sm90(kernel, sig, const, warps, stages, attrs, source)
         except Exception as e:  # noqa: BLE001
@@ -166,7 +169,8 @@ def compile_report(jobs, ttgir_dir: str | None = None, source=ASTSource, sass: b
         flag = ("SPILL " if stack else "") + ("SMEM " if smem > SMEM_MAX else "")
         flagged += bool(flag)
         over_smem += smem > SMEM_MAX
-        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d} async {copies:2d}  {desc}", flush=True)
+        print(f"{flag:11s} regs {regs:3d} stack {stack:5d} smem {smem:6d} async {copies:2d} "
+              f"compile {time.perf_counter() - start:5.1f} s  {desc}", flush=True)
         if sass:
             print("            SASS " + " ".join(f"{k} {v}" for k, v in sass_mix(cubin).items() if v), flush=True)
     print(f"{len(jobs)} launches: {errors} compile errors, {flagged} with spills or too much shared memory "

@@ -99,6 +99,22 @@ def test_chunk_state_terms_in_other_tiles_keep_the_bits(monkeypatch, columns):
             tssd.chunk_contributions(xc, dtc, bc, cum, 5)
 
 
+@pytest.mark.parametrize("chunk,leaves", [(8, 1), (16, 4), (24, 4), (32, 8), (64, 32), (64, 0), (256, 8)])
+def test_chunk_state_terms_with_the_tree_in_a_loop_keep_the_bits(monkeypatch, chunk, leaves):
+    """``MC_SSD_TERMS_LEAVES``: the leaves a step of the chunk-terms tree's runtime loop forms (the loop over ``BL /
+    leaves`` residue classes, at most 16; 0: no loop) change no term, partial last chunks included; a count that is
+    not a power of two is refused by name."""
+    x, dt, a, b, c, _, _ = _inputs(chunk + leaves, 2, 2 * chunk + 5, 2, 12, 1, 24, torch.float32)
+    xc, dtc, bc, _, cum = ssd._ssd_chunk_states(x, dt, a, b, c, chunk, torch.zeros(2, 2, 12, 24))[:5]
+    ref = ssd._chunk_contributions(xc, dtc, bc, cum, 2)
+    monkeypatch.setattr(tssd, "TERMS_LEAVES", leaves)
+    out = tssd.chunk_contributions(xc, dtc, bc, cum, 2)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} of {out.numel()} differ"
+    monkeypatch.setattr(tssd, "TERMS_LEAVES", 12)
+    with pytest.raises(ValueError, match="MC_SSD_TERMS_LEAVES=12: expected 0 or a power of two"):
+        tssd.chunk_contributions(xc, dtc, bc, cum, 2)
+
+
 def test_chunk_state_terms_of_the_active_rows_only():
     """A decode step's closing rows (``active``): their terms are the contract's, the others' programs return at
     once (the end state keeps those rows' states, ``ssd_chunk_end_state``)."""
@@ -204,12 +220,14 @@ def test_exp_is_the_contract_exp():
 
 
 @triton.jit
-def _halves_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, I0: tl.constexpr = 0):
-    """A wrong leaf tree: the first half's tree plus the second half's (neighbours paired first)."""
+def _halves_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, K: tl.constexpr, zero, I0: tl.constexpr = 0):
+    """A wrong leaf tree (``tree_leaves``' arguments): the first half's tree plus the second half's (neighbours
+    paired first)."""
     if N == 1:
         return LEAF(args, I0)
     else:
-        return _halves_leaves(LEAF, args, N // 2, I0) + _halves_leaves(LEAF, args, N // 2, I0 + N // 2)
+        return _halves_leaves(LEAF, args, N // 2, K, zero, I0) + _halves_leaves(LEAF, args, N // 2, K, zero,
+                                                                                 I0 + N // 2)
 
 
 def test_chunk_terms_with_a_neighbour_tree_are_caught(monkeypatch):

@@ -109,27 +109,30 @@ def _halves_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, I0: tl.constexpr):
 
 
 @triton.jit
-def _leaves_kernel(X, Y, OUT, R, C, N: tl.constexpr, BC: tl.constexpr, HALVES: tl.constexpr):
+def _leaves_kernel(X, Y, OUT, R, C, N: tl.constexpr, BC: tl.constexpr, K: tl.constexpr, HALVES: tl.constexpr):
     if HALVES:
         v = _halves_leaves(_row_leaf, (X, Y, R, C, BC), N, 0)
     else:
-        v = tree_leaves(_row_leaf, (X, Y, R, C, BC), N)
+        v = tree_leaves(_row_leaf, (X, Y, R, C, BC), N, K, tl.zeros((BC,), dtype=tl.float32))
     c = tl.arange(0, BC)
     tl.store(OUT + c, v, mask=c < C)
 
 
-@pytest.mark.parametrize("r,c", [(1, 3), (2, 8), (5, 7), (16, 16), (13, 4), (32, 5)])
+@pytest.mark.parametrize("r,c", [(1, 3), (2, 8), (5, 7), (16, 16), (13, 4), (32, 5), (100, 6)])
 def test_tree_of_leaves_is_the_contract_tree(r, c):
-    """:func:`numerics.tree_leaves` (the rows formed one at a time, summed in the tree's order): the bits of
-    ``tree_sum`` over the rows, rows padded with zeros to a power of two; pairing neighbours first is caught."""
+    """:func:`numerics.tree_leaves` (the rows formed one at a time, summed in the tree's order; its top levels in a
+    runtime loop over 2 .. 16 residue classes): the bits of ``tree_sum`` over the rows, rows padded with zeros to a
+    power of two, at every class count; pairing neighbours first is caught."""
     x, y = _operands(r, c, True, seed=r * 100 + c)
     want = _contract(x, y, True)
     n = triton.next_power_of_2(r)
-    out = torch.full((c,), 7.0)
-    _leaves_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), HALVES=False)
-    assert torch.equal(_bits(out), _bits(want))
+    for k in (1, 2, 4, 8, 16):
+        if k <= n:
+            out = torch.full((c,), 7.0)
+            _leaves_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), K=k, HALVES=False)
+            assert torch.equal(_bits(out), _bits(want)), f"{k} classes"
     if r > 2:
-        _leaves_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), HALVES=True)
+        _leaves_kernel[(1,)](x, y, out, r, c, N=n, BC=triton.next_power_of_2(c), K=1, HALVES=True)
         assert not torch.equal(_bits(out), _bits(want))
 
 

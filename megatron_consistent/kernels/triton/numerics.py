@@ -15,7 +15,8 @@ torch contract built on it with the same bits (the SSD scan, the Mamba-2 mixer's
 * :func:`tree_cols_split`: the same tree as :func:`tree_cols`, its top levels as adds of separately formed column
   slices (no layout change of the whole tile; ``benchmarks/offline_compile_tree.py``).
 * :func:`tree_rows_split`: the same for :func:`tree_rows` and row slices.
-* :func:`tree_leaves`: ``tree_sum`` of leaves formed one at a time (any tile each), in the tree's own order.
+* :func:`tree_leaves`: ``tree_sum`` of leaves formed one at a time (any tile each), in the tree's own order, its top
+  levels in a runtime loop over residue classes where asked (a smaller program to compile).
 
 A caller launches with ``enable_fp_fusion=False``, so every multiply and add is its own IEEE operation, as in torch.
 """
@@ -129,27 +130,68 @@ def tree_rows_split(PRODUCT: tl.constexpr, args, ROWS: tl.constexpr, COLS: tl.co
 
 
 @triton.jit
-def tree_leaves(LEAF: tl.constexpr, args, N: tl.constexpr):
-    """``tree_sum`` of the ``N`` leaves ``LEAF(args, i)`` (``i`` a constexpr ``0 ..< N``, ``N`` a power of two; each
-    leaf a tile of one shape, summed elementwise), with its bits, leaf by leaf: no tile holds the leaves side by side
-    and none moves between layouts.  ``tree_sum`` pairs leaf ``i`` with ``i + N/2`` first, so its root is the tree of
-    the even leaves (in their order) plus the tree of the odd ones, and so on down: leaf ``i`` enters at the
-    position ``i`` bit-reversed, and depth first at most ``log2 N`` partial sums are live.  A leaf past the caller's
-    length must be ``+0`` (the tree's zero padding)."""
-    return _tree_of_leaves(LEAF, args, N, 0, 0, 1)
+def tree_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, K: tl.constexpr, zero):
+    """``tree_sum`` of the ``N`` leaves ``LEAF(args, i)`` (``i`` an index ``0 ..< N``, a runtime one where ``K > 1``;
+    ``N`` a power of two; each leaf a tile of one shape, summed elementwise), with its bits, leaf by leaf: no tile
+    holds the leaves side by side and none moves between layouts.  ``tree_sum`` pairs leaf ``i`` with ``i + N/2``
+    first, so its root is the tree of the even leaves (in their order) plus the tree of the odd ones, and so on down:
+    leaf ``i`` enters at the position ``i`` bit-reversed, and depth first at most ``log2 N`` partial sums are live.  A
+    leaf past the caller's length must be ``+0`` (the tree's zero padding).
+
+    The top ``log2 K`` levels run in a runtime loop, so the compiled program holds ``N / K`` leaves, not ``N``: the
+    tree is the tree of its ``K`` residue classes (class ``c``: leaves ``c, c + K, ...``, its own ``tree_sum`` of
+    ``N / K`` leaves, formed unrolled), the classes taken in the top tree's order (``c`` the loop count bit-reversed)
+    and combined by a binary counter of partial sums -- at count ``k`` the class sum is added to the partials of the
+    levels where ``k`` has its trailing ones (the earlier partial on the left), then kept at the next level; both
+    choices are formed and one selected (an add whose result is not taken changes nothing).  ``zero``: a zero tile of
+    the leaves' shape.  ``K`` a power of two <= 16 (1: no loop)."""
+    if K == 1:
+        return _tree_of_leaves(LEAF, args, N, 0, 0, 1)
+    s0 = zero
+    s1 = zero
+    s2 = zero
+    s3 = zero
+    v = zero
+    for k in range(K):
+        c = 0
+        for bit in tl.static_range(4):
+            if (K >> (bit + 1)) > 0:
+                c = c * 2 + ((k >> bit) & 1)
+        v = _tree_of_leaves(LEAF, args, N // K, 0, 0, 1, c, K)
+        carry = k >= 0
+        if K > 1:
+            s0, v, carry = _counter_level(s0, v, carry, k, 0)
+        if K > 2:
+            s1, v, carry = _counter_level(s1, v, carry, k, 1)
+        if K > 4:
+            s2, v, carry = _counter_level(s2, v, carry, k, 2)
+        if K > 8:
+            s3, v, carry = _counter_level(s3, v, carry, k, 3)
+    return v
+
+
+@triton.jit
+def _counter_level(s, v, carry, k, BIT: tl.constexpr):
+    """Level ``BIT`` of :func:`tree_leaves`' binary counter: with the carry on, where bit ``BIT`` of the
+    count ``k`` is set ``v`` becomes ``s + v`` (the earlier partial on the left) and the carry stays on, where it is
+    clear ``s`` keeps ``v``; returns ``(s, v, carry)``."""
+    bit_set = ((k >> BIT) & 1) == 1
+    total = s + v
+    return tl.where(carry & ~bit_set, v, s), tl.where(carry & bit_set, total, v), carry & bit_set
 
 
 @triton.jit
 def _tree_of_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, W: tl.constexpr, I0: tl.constexpr,
-                    STRIDE: tl.constexpr):
+                    STRIDE: tl.constexpr, C0=0, STEP: tl.constexpr = 1):
     """The ``tree_sum`` partial of the leaves ``I0, I0 + STRIDE, I0 + 2 STRIDE, ... < N`` (a residue class): the
-    leaf itself where ``STRIDE = N``, else that of ``I0`` + that of ``I0 + STRIDE`` with the stride doubled.  A leaf
-    is ``LEAF(args, I0)`` (``W = 0``) or the ``W`` columns from ``I0``, ``LEAF(args, arange(0, W) + I0)``."""
+    leaf itself where ``STRIDE = N``, else that of ``I0`` + that of ``I0 + STRIDE`` with the stride doubled.  Leaf
+    ``i`` is ``LEAF(args, C0 + STEP i)`` (``W = 0``; ``C0`` may be a runtime index: leaf ``i`` of a class of a larger
+    tree) or the ``W`` columns from ``i``, ``LEAF(args, arange(0, W) + i)``."""
     if STRIDE == N:
         if W == 0:
-            return LEAF(args, I0)
+            return LEAF(args, C0 + STEP * I0)
         else:
             return LEAF(args, tl.arange(0, W) + I0)  # (tensor first: the interpreter wraps constexpr + tensor)
     else:
-        return (_tree_of_leaves(LEAF, args, N, W, I0, STRIDE * 2)
-                + _tree_of_leaves(LEAF, args, N, W, I0 + STRIDE, STRIDE * 2))
+        return (_tree_of_leaves(LEAF, args, N, W, I0, STRIDE * 2, C0, STEP)
+                + _tree_of_leaves(LEAF, args, N, W, I0 + STRIDE, STRIDE * 2, C0, STEP))

@@ -66,6 +66,14 @@ OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "16") or "16")
 # whole [rows, P x N] product tile, since removed, 4.44 ms, 2.28 at its fastest width).
 TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "16") or "16")
 
+# Leaves (chunk rows) a chunk-terms program forms unrolled in one step of its tree's runtime loop over residue classes
+# (tree_leaves: the top levels in a loop of BL / TERMS_LEAVES steps, at most 16); 0: all of them, no loop.
+# Scheduling only: the same tree whichever count.  It bounds the program the compiler sees (an engine's first start
+# compiles four such launches; Triton caches them after): sm_90a offline (Triton 3.6, benchmarks/offline_compile_ssd.py)
+# the whole tree unrolled took 8.3 s a launch at chunk 128 (130 registers) and 30 s at chunk 256 (206); at 16 leaves a
+# step 1.0 s / 0.9 s (221 / 223 registers), at 8: 0.5 s (156), at 32 and 64 the loop spills (344 / 1984 bytes).
+TERMS_LEAVES = int(os.environ.get("MC_SSD_TERMS_LEAVES", "16") or "0")
+
 
 def outputs_tree_width(bn: int) -> int:
     """The slice width of an outputs launch's trees over ``bn`` (padded) state columns or chunk rows
@@ -257,7 +265,7 @@ def _state_term_leaf(args, s):
     """Row ``s``'s ``[BP, BN]`` products ``(u_s * x_s[p]) * B_s[n]`` of a chunk-terms program (rows past the chunk:
     ``+0``, the tree's zero padding): ``u_s`` from the decay weights, ``x_s`` / ``B_s`` converted to float32 (exact)."""
     u_row, u_stride, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L = args
-    u = tl.load(u_row + s * u_stride, mask=tl.full((), s, tl.int32) < L, other=0.0)
+    u = tl.load(u_row + s * u_stride, mask=tl.zeros((), tl.int32) + s < L, other=0.0)
     x = tl.load(x_row + s * x_stride + p, mask=_row_in(p_in, s, L), other=0.0).to(tl.float32)
     b = tl.load(b_row + s * b_stride + n, mask=_row_in(n_in, s, L), other=0.0).to(tl.float32)
     return (u * x)[:, None] * b[None, :]
@@ -273,8 +281,8 @@ def _row_in(cols_in, s, L):
 @triton.jit
 def _chunk_contributions_kernel(XC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_complete, L, H, P, G, N, HEADS_PER_GROUP,
                                 SLOTS, FRESH, XBC_SLOT_STRIDE, STATE_SLOT_STRIDE,
-                                BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-                                FROM_CACHE: tl.constexpr, HAS_FRESH: tl.constexpr):
+                                BL: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, CLASSES: tl.constexpr,
+                                HAS_ACTIVE: tl.constexpr, FROM_CACHE: tl.constexpr, HAS_FRESH: tl.constexpr):
     # FROM_CACHE (ssd_step_end_states, a decode step: n_chunks = n_complete = 1, HAS_ACTIVE = the closing rows): XC is
     # the mixer's xbc cache [slots, L, H*P + 2*G*N] (model dtype, slot stride XBC_SLOT_STRIDE; x and B read from row
     # b's slot SLOTS[b], converted to float32 in registers: exact), BC unused, OUT the state cache [slots, H, P, N]
@@ -282,7 +290,8 @@ def _chunk_contributions_kernel(XC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_complet
     # exp(cum_{L-1}), S the slot's state, zeros where FRESH[b]) and stores it over the same [BP, BN] tile it read (the
     # only program that reads or writes that tile of the slot: in place is safe); a non-closing fresh row stores zeros
     # over its tile.  Off: the chunked float32 operands of _ssd_chunk_states (SLOTS .. STATE_SLOT_STRIDE unused).
-    # The tree over the chunk's BL (padded) rows leaf by leaf (tree_leaves), u_s read from U [b, n_complete, L, H].
+    # The tree over the chunk's BL (padded) rows leaf by leaf, its top log2(CLASSES) levels in a runtime loop
+    # (tree_leaves), u_s read from U [b, n_complete, L, H].
     chunk_id = tl.program_id(0)  # (sequence, complete chunk)
     h = tl.program_id(1)
     n_blocks = tl.cdiv(N, BN)
@@ -327,7 +336,8 @@ def _chunk_contributions_kernel(XC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_complet
         x_stride = H * P
         b_stride = G * N
     u_row = U + (b * n_complete + k).to(tl.int64) * L * H + h  # U [b, n_complete, L, H]
-    contrib = tree_leaves(_state_term_leaf, (u_row, H, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L), BL)
+    contrib = tree_leaves(_state_term_leaf, (u_row, H, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L), BL,
+                          CLASSES, tl.zeros((BP, BN), dtype=tl.float32))
     if FROM_CACHE:  # _ssd_chunk_states' recurrence: decay * S (a float32 multiply), then + contrib
         last = tl.load(CUM + (row0 + L - 1) * H + h)
         st = tl.load(tile, mask=st_in, other=0.0)
@@ -347,13 +357,13 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None) -> torch
     out = torch.empty(nb, n_complete, H, P, N, dtype=torch.float32, device=xc.device)
     if n_complete == 0 or nb == 0:
         return out
-    bl, bp, bn, warps = _contributions_blocks(L, P, N)
+    bl, bp, bn, classes, warps = _contributions_blocks(L, P, N)
     grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
     _chunk_contributions_kernel[grid](xc.contiguous(), bc.contiguous(), cum.contiguous(),
                                       _decay_weights(cum, dtc, n_complete),
                                       out if active is None else active.to(torch.int8).contiguous(), out, n_chunks,
                                       n_complete, L, H, P, G, N, H // G, out, out, 0, 0, BL=bl, BP=bp, BN=bn,
-                                      HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False,
+                                      CLASSES=classes, HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False,
                                       num_warps=warps, enable_fp_fusion=False)
     return out
 
@@ -364,14 +374,18 @@ def _decay_weights(cum, dtc, n_complete: int) -> torch.Tensor:
     return (exp(cum[:, :n_complete, -1:] - cum[:, :n_complete]) * dtc[:, :n_complete]).contiguous()
 
 
-def _contributions_blocks(L: int, P: int, N: int) -> tuple[int, int, int, int]:
-    """``(BL, BP, BN, warps)`` of a chunk-terms program (:func:`chunk_contributions`' choice): the chunk's rows
-    padded to a power of two (the tree's leaves), ``[64, TERMS_BN]`` of ``P x N`` (fewer where ``P`` / ``N`` are
-    smaller) on 4 warps: at the default 16 columns 8 terms a thread."""
+def _contributions_blocks(L: int, P: int, N: int) -> tuple[int, int, int, int, int]:
+    """``(BL, BP, BN, CLASSES, warps)`` of a chunk-terms program (:func:`chunk_contributions`' choice): the chunk's
+    rows padded to a power of two (the tree's leaves), ``[64, TERMS_BN]`` of ``P x N`` (fewer where ``P`` / ``N`` are
+    smaller) on 4 warps (at the default 16 columns 8 terms a thread), the tree's loop over ``BL / TERMS_LEAVES``
+    residue classes (1 to 16; :data:`TERMS_LEAVES`)."""
     if TERMS_BN <= 0 or TERMS_BN & (TERMS_BN - 1):
         raise ValueError(f"MC_SSD_TERMS_BN={TERMS_BN}: expected a power of two")
-    return (triton.next_power_of_2(L), min(64, triton.next_power_of_2(P)), min(TERMS_BN, triton.next_power_of_2(N)),
-            4)
+    if TERMS_LEAVES < 0 or TERMS_LEAVES & (TERMS_LEAVES - 1):
+        raise ValueError(f"MC_SSD_TERMS_LEAVES={TERMS_LEAVES}: expected 0 or a power of two")
+    bl = triton.next_power_of_2(L)
+    classes = 1 if TERMS_LEAVES == 0 else min(16, max(1, bl // TERMS_LEAVES))
+    return bl, min(64, triton.next_power_of_2(P)), min(TERMS_BN, triton.next_power_of_2(N)), classes, 4
 
 
 def _check_slots_contiguous(op: str, xbc_cache, dt_cache, state_cache) -> None:
@@ -402,14 +416,14 @@ def ssd_step_end_states(xbc_cache, dt_cache, state_cache, slots, closing, fresh,
     slots = slots.to(torch.int64).contiguous()
     seg_dt = dt_cache[slots].contiguous()  # [b, L, H]
     cum = chunk_prefix_sums(seg_dt[:, None], A)  # [b, 1, L, H]
-    bl, bp, bn, warps = _contributions_blocks(L, P, N)
+    bl, bp, bn, classes, warps = _contributions_blocks(L, P, N)
     active = closing.to(torch.int8).contiguous()
     grid = (bsz, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
     _chunk_contributions_kernel[grid](xbc_cache, xbc_cache, cum, _decay_weights(cum, seg_dt[:, None], 1), active,
                                       state_cache, 1, 1, L, H, P, G, N, H // G, slots,
                                       active if fresh is None else fresh.to(torch.int8).contiguous(),
                                       xbc_cache.stride(0), state_cache.stride(0), BL=bl, BP=bp, BN=bn,
-                                      HAS_ACTIVE=True, FROM_CACHE=True, HAS_FRESH=fresh is not None,
+                                      CLASSES=classes, HAS_ACTIVE=True, FROM_CACHE=True, HAS_FRESH=fresh is not None,
                                       num_warps=warps, enable_fp_fusion=False)
 
 
