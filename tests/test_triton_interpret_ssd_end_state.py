@@ -100,6 +100,15 @@ def test_end_states_in_other_tiles_keep_the_bits(monkeypatch, columns):
     _check_equal(case)
 
 
+@pytest.mark.parametrize("chunk,leaves", [(6, 2), (16, 4), (32, 8)])
+def test_end_states_with_the_tree_in_a_loop_keep_the_bits(monkeypatch, chunk, leaves):
+    """``MC_SSD_TERMS_LEAVES``: the chunk-terms tree's runtime loop over residue classes (the leaves read in place
+    from the xbc cache, the state updated in place) changes no new state."""
+    monkeypatch.setattr(tssd, "TERMS_LEAVES", leaves)
+    case = _case(chunk + leaves, len(ROWS) + 3, chunk, 6, 5, 2, 7, torch.bfloat16, ROWS)
+    _check_equal(case)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_fresh_and_the_public_function(dtype):
     """``fresh=None``; the public function (validation, then the cpu registration) and the kernel agree."""

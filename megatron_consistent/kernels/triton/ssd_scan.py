@@ -67,12 +67,15 @@ OUTPUTS_TREE_WIDTH = int(os.environ.get("MC_SSD_TREE_WIDTH", "16") or "16")
 TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "16") or "16")
 
 # Leaves (chunk rows) a chunk-terms program forms unrolled in one step of its tree's runtime loop over residue classes
-# (tree_leaves: the top levels in a loop of BL / TERMS_LEAVES steps, at most 16); 0: all of them, no loop.
-# Scheduling only: the same tree whichever count.  It bounds the program the compiler sees (an engine's first start
-# compiles four such launches; Triton caches them after): sm_90a offline (Triton 3.6, benchmarks/offline_compile_ssd.py)
-# the whole tree unrolled took 8.3 s a launch at chunk 128 (130 registers) and 30 s at chunk 256 (206); at 16 leaves a
-# step 1.0 s / 0.9 s (221 / 223 registers), at 8: 0.5 s (156), at 32 and 64 the loop spills (344 / 1984 bytes).
-TERMS_LEAVES = int(os.environ.get("MC_SSD_TERMS_LEAVES", "16") or "0")
+# (tree_leaves: the top levels in a loop of BL / TERMS_LEAVES steps, at most 16); 0 (the default): all of them, no loop.
+# Scheduling only: the same tree whichever count (the H200's SSD suites passed at 16, session 29).  The loop bounds
+# the program the compiler sees, for a faster first start (an engine compiles four such launches; Triton caches them
+# after): sm_90a offline (Triton 3.6, benchmarks/offline_compile_ssd.py) the tree unrolled whole takes 8.2 s a launch
+# at chunk 128 and 30 s at chunk 256, at 16 leaves a step 0.7-1.0 s, at 8: 0.5 s (32 and 64 spill).  Not the default:
+# not yet timed on a GPU, and the loop's tiles keep Triton's default layout (a thread 8 rows of one column: 80 static
+# SASS instructions a leaf at 16, 10 loads) where the unrolled tree takes its store's (2 rows x 4 columns: 43 a leaf,
+# 4 loads) -- bench_gpu_ssd.py times it.
+TERMS_LEAVES = int(os.environ.get("MC_SSD_TERMS_LEAVES", "0") or "0")
 
 
 def outputs_tree_width(bn: int) -> int:
@@ -272,6 +275,21 @@ def _state_term_leaf(args, s):
 
 
 @triton.jit
+def _state_term_leaf_tile(args, s):
+    """:func:`_state_term_leaf` with ``B_s`` read as a ``[BP, BN]`` tile (each row the same ``BN`` values), for the
+    tree in a runtime loop: the 2-D load gives the loop's tiles the store's layout (2 rows x 4 columns a thread;
+    sm_90a offline at 16 leaves a step 181 registers and 65 static instructions a leaf, against 221 and 80 with
+    Triton's default layout, a thread 8 rows of one column).  Unrolled whole, the tree keeps the vector (with the tile
+    its loads are hoisted and spill 10 KB)."""
+    u_row, u_stride, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L = args
+    u = tl.load(u_row + s * u_stride, mask=tl.zeros((), tl.int32) + s < L, other=0.0)
+    x = tl.load(x_row + s * x_stride + p, mask=_row_in(p_in, s, L), other=0.0).to(tl.float32)
+    b = tl.load(b_row + s * b_stride + (n[None, :] + p[:, None] * 0), mask=_row_in(n_in, s, L)[None, :],
+                other=0.0).to(tl.float32)
+    return (u * x)[:, None] * b
+
+
+@triton.jit
 def _row_in(cols_in, s, L):
     """``cols_in & (s < L)`` as a tensor of ``cols_in``'s shape, for leaf ``s`` (the interpreter cannot combine a
     scalar mask with a vector one; a splat compare: one scalar test in the compile)."""
@@ -336,8 +354,11 @@ def _chunk_contributions_kernel(XC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_complet
         x_stride = H * P
         b_stride = G * N
     u_row = U + (b * n_complete + k).to(tl.int64) * L * H + h  # U [b, n_complete, L, H]
-    contrib = tree_leaves(_state_term_leaf, (u_row, H, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L), BL,
-                          CLASSES, tl.zeros((BP, BN), dtype=tl.float32))
+    leaf_args = (u_row, H, x_row, x_stride, b_row, b_stride, p, p_in, n, n_in, L)
+    if CLASSES > 1:
+        contrib = tree_leaves(_state_term_leaf_tile, leaf_args, BL, CLASSES, tl.zeros((BP, BN), dtype=tl.float32))
+    else:
+        contrib = tree_leaves(_state_term_leaf, leaf_args, BL, 1, tl.zeros((BP, BN), dtype=tl.float32))
     if FROM_CACHE:  # _ssd_chunk_states' recurrence: decay * S (a float32 multiply), then + contrib
         last = tl.load(CUM + (row0 + L - 1) * H + h)
         st = tl.load(tile, mask=st_in, other=0.0)
