@@ -159,8 +159,7 @@ def tree_leaves(LEAF: tl.constexpr, args, N: tl.constexpr, K: tl.constexpr, zero
                 c = c * 2 + ((k >> bit) & 1)
         v = _tree_of_leaves(LEAF, args, N // K, 0, 0, 1, c, K)
         carry = k >= 0
-        if K > 1:
-            s0, v, carry = _counter_level(s0, v, carry, k, 0)
+        s0, v, carry = _counter_level(s0, v, carry, k, 0)
         if K > 2:
             s1, v, carry = _counter_level(s1, v, carry, k, 1)
         if K > 4:
