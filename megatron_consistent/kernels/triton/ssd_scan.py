@@ -71,7 +71,7 @@ TERMS_BN = int(os.environ.get("MC_SSD_TERMS_BN", "16") or "16")
 # Scheduling only: the same tree whichever count (the H200's SSD suites passed at 16, session 29).  The loop bounds
 # the program the compiler sees, for a faster first start (an engine compiles four such launches; Triton caches them
 # after): sm_90a offline (Triton 3.6, benchmarks/offline_compile_ssd.py) the tree unrolled whole takes 8.2 s a launch
-# at chunk 128 and 30 s at chunk 256, at 16 leaves a step 0.4-1.0 s, at 8: 0.5 s (32 and 64 spill).  Not the default:
+# at chunk 128 and 30 s at chunk 256, at 16 leaves a step 0.4-1.5 s, at 8: 0.5 s (32 and 64 spill).  Not the default:
 # not yet timed on a GPU, and at 16 a leaf takes 65 static SASS instructions (181 registers; the counter's adds and
 # selects, the leaves' addresses from a runtime index) where the unrolled tree takes 43 (130 registers) --
 # bench_gpu_ssd.py times it.
