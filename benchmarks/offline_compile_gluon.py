@@ -52,15 +52,16 @@ def tree_jobs():
 
 
 def fp8_jobs():
-    """``(description, kernel, signature, constexprs)`` for the Llama-8B FP8 shapes at M = 4096, bf16 out, the (N, K)
-    table's splits, with one weight scale per tile and without."""
+    """``(description, kernel, signature, constexprs)`` for the Llama-8B FP8 shapes and Qwen3-30B-A3B's attention
+    projections (qkv: three uneven splits of 6, 6, 4 groups; o_proj: eight) at M = 4096, bf16 out, the (N, K) table's
+    splits, with one weight scale per tile and without."""
     from triton.runtime.jit import mangle_type
 
     from megatron_consistent.kernels.triton.fp8_linear import fp8_config
     from megatron_consistent.kernels.triton.gluon_fp8_gemm import GROUP, _fp8_ws_kernel, launch_args
 
     jobs = []
-    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336)):
+    for n, k in ((4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (5120, 2048), (2048, 4096)):
         g = k // GROUP
         xq = torch.zeros(4096, k, dtype=torch.float32).to(torch.float8_e4m3fn)
         wq = torch.zeros(n, k, dtype=torch.float32).to(torch.float8_e4m3fn)

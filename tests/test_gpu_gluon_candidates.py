@@ -73,7 +73,8 @@ def test_gluon_tree_equals_the_committed_tree(schedule, m, n, k, with_bias):
         assert torch.equal(_bits(out), _bits(ref)), f"{segments} segments: {_where_they_differ(out, ref)}"
 
 
-@pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 4096, 14336), (300, 6144, 4096)])
+# (N, K) splits: 8 (1000 x 4096), 4 of 28 groups, 2; Qwen3-30B-A3B's qkv: 3 uneven (6, 6, 4 groups: the last shorter)
+@pytest.mark.parametrize("m,n,k", [(1000, 1000, 4096), (4096, 4096, 14336), (300, 6144, 4096), (600, 5120, 2048)])
 @pytest.mark.parametrize("block_rows", [128, 0])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("schedule", ["ws", "ws grouped", "ws regs", "ws smem sums"])
