@@ -235,6 +235,28 @@ def test_gluon_paged_attention_equals_the_committed_paged_attention(page, case, 
         assert torch.equal(_bits(out), _bits(ref)), f"new_kv={new_kv}: {_where_they_differ(out.flatten(1), ref.flatten(1))}"
 
 
+@pytest.mark.parametrize("page", [16, 64])
+def test_gluon_paged_attention_past_32_bit_element_offsets(page):
+    """The step's pages at the top block ids of a cache in vLLM's layout with more than 2**32 elements (8.6 GB of
+    bf16: what a large GPU's cache holds a layer), the table shifted to them: the Gluon kernel's TMA coordinates and
+    the committed kernel's offsets reach them with the rows of the same pages at low ids
+    (``tests/test_gpu_paged_attention.py`` has the committed kernel's own case, in the interpreter too)."""
+    seqs, hq, hkv, d = PAGED_CASES[0]
+    q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, page, hq, hkv, d, seed=page)
+    sizes = (max(n for _, n in seqs), max(c + n for c, n in seqs))
+    ref = tpa.paged_attention(q, k_cache, v_cache, table, qsl, seq_lens, d ** -0.5, torch.full_like(q, float("nan")),
+                              *sizes, k_new=k_new, v_new=v_new)
+    blocks = k_cache.shape[0]
+    top = (1 << 32) // (hkv * page * 2 * d) + 1  # the first block id past 2**32 elements
+    raw = torch.empty((top + blocks, hkv, page, 2 * d), device=DEV, dtype=torch.bfloat16)
+    raw[top:, ..., :d], raw[top:, ..., d:] = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    big = raw.transpose(1, 2)
+    for schedule in (None, "ws"):
+        out = tpa.paged_attention(q, big[..., :d], big[..., d:], table + top, qsl, seq_lens, d ** -0.5,
+                                  torch.full_like(q, float("nan")), *sizes, k_new=k_new, v_new=v_new, gluon=schedule)
+        assert torch.equal(_bits(out), _bits(ref)), f"{schedule}: {_where_they_differ(out.flatten(1), ref.flatten(1))}"
+
+
 def test_gluon_paged_attention_with_another_partition_is_caught(monkeypatch):
     seqs, hq, hkv, d = PAGED_CASES[1]
     q, k_cache, v_cache, table, qsl, seq_lens, k_new, v_new = _paged_step(seqs, 16, hq, hkv, d, seed=3)

@@ -97,8 +97,9 @@ class Batch:
             slots.append(table[s, pos // page].to(torch.int64) * page + pos % page)
         keys = torch.cat([k_ for k_, _ in self.kv]) if self.kv else torch.empty(0, HKV, D, dtype=dtype, device=DEV)
         vals = torch.cat([v_ for _, v_ in self.kv]) if self.kv else torch.empty(0, HKV, D, dtype=dtype, device=DEV)
-        tpa.write_kv_cache(keys, vals, self.k_cache, self.v_cache, torch.cat(slots).to(DEV) if slots else
-                          torch.empty(0, dtype=torch.int64, device=DEV), kv_scale=KV_SCALE if fp8 else None)
+        self.written = (keys, vals, torch.cat(slots).to(DEV) if slots else torch.empty(0, dtype=torch.int64, device=DEV))
+        tpa.write_kv_cache(*self.written[:2], self.k_cache, self.v_cache, self.written[2],
+                           kv_scale=KV_SCALE if fp8 else None)
         self.qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor(self.qlens, dtype=torch.int64), 0)),
                                 dtype=torch.int32).to(DEV)
         self.seq_lens = torch.tensor(self.lens, dtype=torch.int32).to(DEV)
@@ -404,6 +405,35 @@ def test_write_kv_cache_round_trip(fp8):
     exp[0][pg.to(DEV), off.to(DEV)] = enc(key[:n_tok][keep.to(DEV)])
     exp[1][pg.to(DEV), off.to(DEV)] = enc(val[:n_tok][keep.to(DEV)])
     assert torch.equal(kv.view(torch.uint8), exp.view(torch.uint8))
+
+
+CACHE_ELEMENTS_PAST_32_BITS = 1 << 32
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_pages_past_32_bit_element_offsets(page):
+    """A KV cache that fills a large GPU holds more than 2**31 elements a layer (a 1B Llama shape on an H200 at
+    ``gpu_memory_utilization`` 0.9: about 3.7e9), so the pages a busy engine hands out late have element offsets that
+    do not fit 32 bits.  The same sequences written (``write_kv_cache``) to the top block ids of caches of more than
+    2**32 elements each must land on the same bytes as at low ids, and ``paged_attention`` over them (both paths,
+    pages read per key and per block) must give the same rows.  On the CPU the caches are virtual memory: only their
+    top pages are touched.  (Checked by hand in the interpreter: with the page ids left 32-bit in ``_load_kv`` /
+    ``_walk`` every row differs -- the offsets wrap into the unwritten low part; a cache between 2**31 and 2**32
+    elements wraps them negative and the process faults.)"""
+    dtype = DTYPES[0]
+    batch = Batch([(70, 5), (0, 30), (PART + 90, 1)], page, dtype, seed=11)
+    low = {split: batch.paged(split) for split in (False, True)}
+    blocks = batch.k_cache.shape[0]
+    top = CACHE_ELEMENTS_PAST_32_BITS // batch.k_cache[0].numel() + 1  # the first block id past 2**32 elements
+    k_big, v_big = (torch.empty((top + blocks, page, HKV, D), dtype=dtype, device=DEV) for _ in range(2))
+    for big in (k_big, v_big):
+        big[top:].fill_(float("nan"))  # as the small cache's unwritten slots
+    keys, vals, slots = batch.written
+    tpa.write_kv_cache(keys, vals, k_big, v_big, slots + top * page)
+    assert bits_equal(k_big[top:], batch.k_cache) and bits_equal(v_big[top:], batch.v_cache), "write_kv_cache"
+    batch.k_cache, batch.v_cache, batch.table = k_big, v_big, batch.table + top
+    for split, rows in low.items():
+        assert bits_equal(batch.paged(split), rows), f"split={split}: rows from pages past 2**32 elements differ"
 
 
 # ------------------------------------------------------------------ the tests can fail
