@@ -7,8 +7,8 @@ instruction mix (:func:`offline_compile.sass_mix`).
 
 The host code runs on CPU tensors with the kernels replaced by recorders, for the Mamba-2 shapes of the tests and of
 real models (Nemotron-H 8B: 128 heads x 64, 8 groups, state 128, chunk 128; Mamba-2 2.7B: 80 heads x 64, state 128,
-chunk 256), at prefill and at a decode replay; each distinct launch is compiled by :mod:`offline_compile`.  Says
-nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
+chunk 256), at prefill and at a decode replay, and the decode step's in-place kernels (64 rows); each distinct launch
+is compiled by :mod:`offline_compile`.  Says nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ def record_launches():
             if t_len >= chunk:  # a decode step's chunk closures (the state terms of the active rows only)
                 ssd._ssd_chunk_states(x[:, :chunk], torch.zeros(1, chunk, nh), torch.zeros(nh), b[:, :chunk], b[:, :chunk],
                                       chunk, torch.zeros(1, nh, hp, ns), tssd.TRITON_STEPS, active=torch.ones(1, dtype=torch.bool))
+        # the decode step's in-place kernels (FROM_CACHE: what the full decode graphs replay), Nemotron-H 8B, 64 rows
+        nh, hp, ng, ns, chunk, rows = 128, 64, 8, 128, 128, 64
+        conv = nh * hp + 2 * ng * ns
+        caches = (torch.zeros(rows + 1, chunk, conv, dtype=torch.bfloat16), torch.zeros(rows + 1, chunk, nh),
+                  torch.zeros(rows + 1, nh, hp, ns))
+        slots, fresh = torch.arange(rows), torch.zeros(rows, dtype=torch.bool)
+        tssd.ssd_step_outputs(*caches, slots, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, conv, dtype=torch.bfloat16),
+                              torch.zeros(rows, nh), torch.zeros(nh), torch.zeros(nh), chunk, ng, ns, fresh)
+        tssd.ssd_step_end_states(*caches, slots, torch.ones(rows, dtype=torch.bool), fresh, torch.zeros(nh), chunk, ng, ns)
 
     return distinct_launches(capture(tssd, KERNELS, run), {name: getattr(tssd, name) for name in KERNELS})
 

@@ -130,21 +130,23 @@ def _cs_products(args, n):
 
 @triton.jit
 def _intra_products(args, r):
-    """The outputs kernel's intra-chunk products ``w_s * x_s[p]``, ``[len(r), BP]`` float32, of chunk rows ``r``, with
-    ``w_s`` from the program's scratch row (:func:`_intra_rows` the rest of ``args``)."""
-    w_row = args[0]
-    return tl.load(w_row + r)[:, None] * _intra_rows(args, r)
+    """The outputs kernel's intra-chunk products ``w_s * x_s[p]``, ``[len(r), BP]`` float32, of chunk rows ``r``:
+    ``args = (w_row, x_args)``, ``w_s`` from the program's scratch row ``w_row``, ``x_s`` by :func:`_intra_rows`."""
+    w_row, x_args = args
+    return tl.load(w_row + r)[:, None] * _intra_rows(x_args, r)
 
 
 @triton.jit
 def _intra_rows(args, r):
     """The outputs kernel's ``x_s[p]`` of chunk rows ``r``, ``[len(r), BP]`` float32: of the rows below ``x_end``
-    from ``x_rows`` (row ``s`` at ``+ s * x_stride``; model dtype converted exactly), of row ``new_row`` (the decode
-    step's new token; -1: none) ``x_new``, zeros past them (``args[0]``: unused here)."""
-    _, x_rows, x_stride, x_end, new_row, x_new, p, p_in = args
-    x_old = tl.load(x_rows + r[:, None].to(tl.int64) * x_stride + p[None, :], mask=(r < x_end)[:, None] & p_in[None, :],
-                    other=0.0)
-    return tl.where((r == new_row)[:, None], x_new[None, :], x_old).to(tl.float32)
+    from ``x_rows`` (row ``s`` at ``+ s * x_stride``; model dtype converted exactly), zeros past them; a decode step's
+    ``args`` add ``(new_row, x_new)``: row ``new_row`` is the new token's ``x_new``."""
+    x_rows, x_stride, x_end, p, p_in = args[0], args[1], args[2], args[3], args[4]
+    x = tl.load(x_rows + r[:, None].to(tl.int64) * x_stride + p[None, :], mask=(r < x_end)[:, None] & p_in[None, :],
+                other=0.0)
+    if len(args) == 7:
+        x = tl.where((r == args[5])[:, None], args[6][None, :], x)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -203,17 +205,15 @@ def _ssd_outputs_kernel(XC, DTC, BC, CC, CUM, STATES, D, POS, Y, W_SCRATCH, n_ou
         w = tl.where(causal, (cb * e) * dt_s, 0.0)
         if FROM_CACHE:  # rows < ri from the slot, row ri the new token
             x_new = tl.load(new + h * P + p, mask=p_in, other=0.0)
-            x_rows, x_stride, x_end, new_row = XC + slot * XBC_SLOT_STRIDE + h * P, conv, ri, ri
+            x_args = (XC + slot * XBC_SLOT_STRIDE + h * P, conv, ri, p, p_in, ri, x_new)
         else:  # the chunk's rows
-            x_new = tl.zeros((BP,), dtype=tl.float32)
-            x_rows, x_stride, x_end, new_row = XC + (chunk * L * H + h) * P, H * P, L, -1
-        x_args = (scratch, x_rows, x_stride, x_end, new_row, x_new, p, p_in)
+            x_args = (XC + (chunk * L * H + h) * P, H * P, L, p, p_in)
         if TREE_W_ROWS == BL:  # the whole tile's tree, w in registers
             intra = tree_rows(w[:, None] * _intra_rows(x_args, s), BL, BP)  # [BP]
         else:  # row slices, w through the scratch row
             tl.store(scratch + s, w)
             tl.debug_barrier()  # w seen by every thread of the program
-            intra = tree_rows_split(_intra_products, x_args, BL, BP, TREE_W_ROWS)
+            intra = tree_rows_split(_intra_products, (scratch, x_args), BL, BP, TREE_W_ROWS)
             tl.debug_barrier()  # every read of w done before the next head's
         if FROM_CACHE:  # the state cache's [P, N] tile of the slot (zeros: fresh)
             st_rows = STATES + slot * STATE_SLOT_STRIDE + (h * P + p) * N
@@ -307,7 +307,8 @@ def _chunk_contributions_kernel(XC, BC, CUM, U, ACTIVE, OUT, n_chunks, n_complet
     # (slot stride STATE_SLOT_STRIDE): instead of storing the term the program forms decay * S + contrib (decay =
     # exp(cum_{L-1}), S the slot's state, zeros where FRESH[b]) and stores it over the same [BP, BN] tile it read (the
     # only program that reads or writes that tile of the slot: in place is safe); a non-closing fresh row stores zeros
-    # over its tile.  Off: the chunked float32 operands of _ssd_chunk_states (SLOTS .. STATE_SLOT_STRIDE unused).
+    # over its tile.  Off: the chunked float32 operands of _ssd_chunk_states (CUM and SLOTS .. STATE_SLOT_STRIDE
+    # unused: the decay weights U carry the prefix sums).
     # The tree over the chunk's BL (padded) rows leaf by leaf, its top log2(CLASSES) levels in a runtime loop
     # (tree_leaves), u_s read from U [b, n_complete, L, H].
     chunk_id = tl.program_id(0)  # (sequence, complete chunk)
@@ -380,8 +381,7 @@ def chunk_contributions(xc, dtc, bc, cum, n_complete: int, active=None) -> torch
         return out
     bl, bp, bn, classes, warps = _contributions_blocks(L, P, N)
     grid = (nb * n_complete, H, triton.cdiv(P, bp) * triton.cdiv(N, bn))
-    _chunk_contributions_kernel[grid](xc.contiguous(), bc.contiguous(), cum.contiguous(),
-                                      _decay_weights(cum, dtc, n_complete),
+    _chunk_contributions_kernel[grid](xc.contiguous(), bc.contiguous(), out, _decay_weights(cum, dtc, n_complete),
                                       out if active is None else active.to(torch.int8).contiguous(), out, n_chunks,
                                       n_complete, L, H, P, G, N, H // G, out, out, 0, 0, BL=bl, BP=bp, BN=bn,
                                       CLASSES=classes, HAS_ACTIVE=active is not None, FROM_CACHE=False, HAS_FRESH=False,
