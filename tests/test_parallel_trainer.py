@@ -193,10 +193,10 @@ def test_rank_main_selects_backend_device_and_multicast_off(tmp_path, monkeypatc
 
 
 # ---------------------------------------------------------------------------------------------- model level
-def _mha_config(tmp_path: Path) -> Path:
-    """tiny-llama with 4 KV heads (Megatron splits KV groups across TP ranks: TP=4 needs 4 of them)."""
-    cfg = {**load_hf_config(LLAMA), "num_key_value_heads": 4}
-    out = tmp_path / "tiny-llama-mha"
+def _mha_config(tmp_path: Path, base: Path = LLAMA) -> Path:
+    """``base`` with 4 KV heads (Megatron splits KV groups across TP ranks: TP=4 needs 4 of them)."""
+    cfg = {**load_hf_config(base), "num_key_value_heads": 4}
+    out = tmp_path / f"{base.name}-mha"
     out.mkdir(exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg))
     return out
@@ -222,13 +222,20 @@ def test_logits_and_logprobs_equal_tp2_tied_qk_norm(tmp_path):
 
 @pytest.mark.slow
 def test_logits_and_logprobs_equal_across_tp_pp_moe(tmp_path):
-    """tiny-qwen3moe-top1 (layer 0 dense, layer 1 MoE; experts replicated on the TP ranks, moe_impl='module') at
+    """tiny-qwen3moe-top1 (layer 0 dense, layer 1 MoE; experts sharded over the TP ranks, moe_impl='module') at
     TP=2, PP=2 and TP=2 + sequence parallelism vs the single-process model with Megatron's MoELayer (default impl)."""
     check_layouts(MODELS_DIR / "tiny-qwen3moe-top1", [(2, 1), (1, 2), (2, 1, True)], tmp_path)
 
 
+@pytest.mark.slow
+def test_logits_and_logprobs_equal_moe_tp4(tmp_path):
+    """tiny-qwen3moe-top1 with 4 KV heads at TP=4 (two of its 8 experts a rank) and TP=4 + sequence parallelism."""
+    check_layouts(_mha_config(tmp_path, MODELS_DIR / "tiny-qwen3moe-top1"), [(4, 1), (4, 1, True)], tmp_path)
+
+
 def _gradient_errors(grads_file: Path, weights: Path, ids: torch.Tensor) -> dict[str, float]:
-    """Relative Frobenius error of every gradient (full Megatron tensors in ``grads_file``) vs the float64 reference."""
+    """Relative Frobenius error of every gradient (full Megatron tensors in ``grads_file``) vs the float64 reference;
+    where the reference has none (an expert no token was routed to), the largest magnitude of ours (it must be 0)."""
     from megatron_consistent.config import ArchConfig
     from megatron_consistent.conversion.hf import _plan, _split
     from megatron_consistent.verify.reference import reference_logprobs_f64
@@ -241,7 +248,8 @@ def _gradient_errors(grads_file: Path, weights: Path, ids: torch.Tensor) -> dict
             hf_grads[n] = part
     w64 = {k: v.double().requires_grad_(True) for k, v in load_file(str(weights / "model.safetensors")).items()}
     (-reference_logprobs_f64(w64, arch, ids).mean()).backward()
-    return {k: ((hf_grads[k].double() - t.grad).norm() / t.grad.norm()).item() for k, t in w64.items()}
+    return {k: hf_grads[k].abs().max().item() if t.grad is None else
+            ((hf_grads[k].double() - t.grad).norm() / t.grad.norm()).item() for k, t in w64.items()}
 
 
 def _sp_worker(rank: int, workdir: str) -> None:
@@ -385,5 +393,82 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
 
     loaded = _load_dist_staged(build_consistent_model(LLAMA, seed=1), tmp_path / "dist")
     want = megatron_state_from_hf(ArchConfig.from_hf(load_hf_config(LLAMA)), read_hf_tensors(weights))
+    for name, tensor in want.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+# ---------------------------------------------------------------------------------------------- experts over TP ranks
+QWEN2MOE = MODELS_DIR / "tiny-qwen2moe-top8-shared"  # 64 experts, top-8, a gated shared expert
+
+
+def _moe_tp2_worker(rank: int, workdir: str) -> None:
+    """TP=2 on the MoE config, experts sharded over the two ranks: float32 gradients without and with sequence
+    parallelism, the experts' sharded_state_dict offsets, a dist checkpoint, and the logits with the ranks' expert
+    outputs left unsummed (the broken variant)."""
+    import torch.distributed as dist
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_consistent.layers import tensor_parallel as tpar
+    from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
+    from megatron_consistent.layers.distributed import build_parallel_model, stage_forward, stage_logprobs
+
+    work = Path(workdir)
+    ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
+    cfg, weights = work / "weights" / "config.json", work / "weights"
+    grads = {}
+    for sp in (False, True):
+        model32 = build_parallel_model(cfg, weights, tp=2, dtype=torch.float32, sequence_parallel=sp)
+        (-stage_logprobs(model32, ids).mean()).backward()
+        for p in model32.parameters():  # what Megatron's finalize_model_grads does for sequence-parallel parameters
+            if sp and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=tpar.tp_group())
+        grads[sp] = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
+    model = build_parallel_model(cfg, weights, tp=2, dtype=torch.bfloat16)
+    fc1 = model.decoder.layers[1].mlp.experts.linear_fc1.weight
+    sharded = model.sharded_state_dict()["decoder.layers.1.mlp.experts.linear_fc1.weight"]
+    meta = {"local": list(fc1.shape), "global_shape": list(sharded.global_shape),
+            "global_offset": list(sharded.global_offset)}
+    (work / "dist").mkdir(exist_ok=True)
+    dist.barrier()
+    with cuda_stubs_for_checkpoint():
+        dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
+    tpar.sum_owned_slots = lambda y, group, sequence_parallel=False: y  # broken: each rank's own experts only
+    with torch.no_grad():
+        broken = stage_forward(model, ids).contiguous()
+    if rank == 0:
+        save_file({"broken_logits": broken}, str(work / "out.safetensors"))
+        save_file(grads[False], str(work / "grads.safetensors"))
+        save_file(grads[True], str(work / "grads_sp.safetensors"))
+    (work / f"experts{rank}.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.slow
+def test_moe_experts_over_tp_ranks_gradients_checkpoint_and_broken_sum(tmp_path):
+    """TP=2 shards the 64 experts (32 a rank, expert offsets 0 / 32 in the sharded_state_dict); the logits are TP=1's
+    (test_logits_and_logprobs_equal_across_tp_pp_moe and the check), the gradients with and without sequence
+    parallelism within GRAD_REL_TOL of float64, the TP=2 dist checkpoint loads at TP=1 bit for bit, and ranks that
+    skip the sum of their expert outputs are caught (logits differ)."""
+    from megatron_consistent.checkpoint import _load_dist_staged
+    from megatron_consistent.config import ArchConfig
+    from megatron_consistent.layers import build_consistent_model
+    from megatron_consistent.layers.distributed import megatron_state_from_hf, read_hf_tensors, spawn_ranks
+    from megatron_consistent.verify.reference import GRAD_REL_TOL
+
+    weights, ids, logits, _ = reference(QWEN2MOE, tmp_path)
+    save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
+    spawn_ranks(_moe_tp2_worker, 2, tmp_path)
+    broken = load_file(str(tmp_path / "out.safetensors"))["broken_logits"]
+    assert not torch.equal(broken, logits[..., : logits.shape[-1] // 2]), "unsummed expert outputs were not caught"
+    for name in ("grads.safetensors", "grads_sp.safetensors"):
+        errs = _gradient_errors(tmp_path / name, weights, ids)
+        print(f"TP=2 MoE {name}: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
+        assert max(errs.values()) < GRAD_REL_TOL, errs
+    for rank in (0, 1):
+        meta = json.loads((tmp_path / f"experts{rank}.json").read_text())
+        # global shape [layers, E, 2I, H] (the decoder's layer axis first): rank r holds experts 32 r .. 32 r + 31
+        assert meta["local"][0] == 32 and meta["global_shape"][1] == 64 and meta["global_offset"][1] == 32 * rank, meta
+    loaded = _load_dist_staged(build_consistent_model(QWEN2MOE, seed=1, moe_impl="module"), tmp_path / "dist")
+    want = megatron_state_from_hf(ArchConfig.from_hf(load_hf_config(QWEN2MOE)), read_hf_tensors(weights))
     for name, tensor in want.items():
         assert torch.equal(loaded[name], tensor), name

@@ -275,9 +275,17 @@ def moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     """
     if hidden.dim() != 2:
         raise ValueError(f"moe_experts: hidden must be [T, H], got {tuple(hidden.shape)}")
+    return combine_experts(hidden, expert_outputs(hidden, experts, w_gate_up, w_down, activation), weights, shared,
+                           activation)
+
+
+def combine_experts(hidden: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shared: tuple | None = None,
+                    activation: str = "swiglu") -> torch.Tensor:
+    """:func:`moe_experts`' combine of the routed experts' outputs ``y [T, k, H]`` (:func:`expert_outputs`'s, or the
+    same values gathered from the ranks that hold the experts) with weights ``[T, k]`` float32, plus the optional
+    shared expert of ``hidden``: ``[T, H]`` in ``hidden.dtype``."""
     if weights.dtype != torch.float32:
         raise ValueError(f"moe_experts: weights must be float32, got {weights.dtype}")
-    y = expert_outputs(hidden, experts, w_gate_up, w_down, activation)
     ys = gate = None
     if shared is not None:
         s_gu, s_down, s_gate = shared

@@ -121,6 +121,9 @@ def check_tp_shapes(arch: ArchConfig, tp: int, pp: int) -> None:
                     ("intermediate_size", arch.intermediate_size)):
         if n % tp:
             problems.append(f"{name}={n} is not divisible by TP={tp}")
+    if tp > 1 and arch.is_moe and arch.num_experts % tp:
+        problems.append(f"num_experts={arch.num_experts} is not divisible by TP={tp} (the trainer shards the experts "
+                        "over the TP ranks)")
     if tp > 1 and arch.vocab_size % 8:
         problems.append(f"vocab_size={arch.vocab_size} is not divisible by 8 (the vocab-parallel log-softmax has 8 segments)")
     if arch.num_layers % pp:

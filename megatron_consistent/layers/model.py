@@ -97,8 +97,9 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     defaults to the config's.  ``parallel`` may name
     ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
     ``context_parallel_size`` / ``sequence_parallel``: TP ∈ {1, 2, 4, 8}, any PP and
-    sequence parallelism (TP > 1) are supported for dense and MoE (experts replicated) configs (``torch.distributed`` initialized by the caller
-    with world size TP x PP; contract in ``docs/parallel.md``); CP, EP, and TP/PP > 1
+    sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs
+    (``torch.distributed`` initialized by the caller with world size TP x PP; contract in ``docs/parallel.md``); CP,
+    Megatron's EP, and TP/PP > 1
     for hybrid configs are refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
@@ -119,7 +120,7 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
             raise UnsupportedConfigError(
                 "moe_impl='megatron' with TP/PP > 1 is not supported: Megatron's MoELayer refuses training at TP > 1 "
                 "without sequence parallelism (moe_layer.py) and its TP dispatch was not verified against the consistent "
-                "combine; use moe_impl='module' (experts replicated on every TP rank)")
+                "combine; use moe_impl='module' (experts sharded over the TP ranks, the TP = 1 bits)")
         moe_impl = "module"
     arch, dtype = prepare_build(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)

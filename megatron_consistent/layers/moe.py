@@ -9,13 +9,16 @@ batch-invariant SwiGLU call per expert over the tokens routed to it, weighted
 float32 combine in slot order, one rounding), plus the optional shared expert
 with its sigmoid gate (Qwen2-MoE).
 
-Scope, honestly: this module runs all experts in-process (expert parallel
-size 1; at TP > 1 every TP rank holds and runs all experts — replicated, the
-TP = 1 bits — see docs/parallel.md).  Megatron's token dispatchers (all-gather / all-to-all) are
-not used, so no claim is made about them; at EP=1 there is nothing to
-dispatch, and every token's expert result is independent of which other
-tokens share the expert (row-invariant linear), which is what a dispatcher
-would have to preserve.
+Tensor parallelism (TP = t > 1; docs/parallel.md): the experts are **sharded** over the TP ranks -- rank r holds
+experts ``[r E/t, (r+1) E/t)`` (expert parallelism inside the TP group) -- while the router and the shared expert
+are replicated.  Every rank routes all tokens (under sequence parallelism the chunks are all-gathered first:
+concatenation, exact), forms the (token, slot) outputs of the pairs routed to its own experts through the same
+row-invariant expert MLP, zeros for the others' pairs, and the ranks' ``[T, k, H]`` tensors are summed
+(:func:`.tensor_parallel.sum_owned_slots`: each element one value and t-1 zeros, exact in any order); then every rank
+combines in slot order exactly as at TP = 1 (under sequence parallelism it keeps its own chunk).  So the bits are
+the TP = 1 bits, whatever t.  Megatron's token dispatchers (all-gather / all-to-all) are not used; every token's
+expert result is independent of which other tokens share the expert (row-invariant linear), which is what a
+dispatcher would have to preserve.
 
 Parameters (the "Megatron layout" the converters use; stacked per expert)::
 
@@ -47,7 +50,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..config import UnsupportedConfigError
 from ..kernels import moe as kmoe
+from . import tensor_parallel as tpar
 
 __all__ = ["ConsistentMoELayer", "StockMoELayer", "collect_routes", "moe_aux_loss", "moe_layer_spec", "replay_routes"]
 
@@ -65,10 +70,22 @@ def _init(shape, init_method, dtype):
     return nn.Parameter(master.to(dtype))
 
 
-def _mark(p: nn.Parameter) -> nn.Parameter:
+def _mark(p: nn.Parameter, sequence_parallel: bool = False) -> nn.Parameter:
+    """A parameter every TP rank holds whole; ``sequence_parallel``: its gradient on a rank covers that rank's
+    sequence chunk only, so Megatron's ``finalize_model_grads`` sums it over the TP group (as for the norms)."""
     p.tensor_model_parallel = False
     p.allreduce = True
-    p.sequence_parallel = False
+    p.sequence_parallel = sequence_parallel
+    return p
+
+
+def _expert_shard(full: nn.Parameter, rank: int, size: int) -> nn.Parameter:
+    """This TP rank's experts ``[rank E/size, (rank+1) E/size)`` of a stack ``[E, ...]``, marked as Megatron marks a
+    tensor-parallel weight split along dim 0 (``shard_like`` / ``unshard_like`` / ``sharded_state_dict`` read it)."""
+    n = full.shape[0] // size
+    p = nn.Parameter(full.data[rank * n:(rank + 1) * n].clone())
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+    p.allreduce, p.sequence_parallel = True, False
     return p
 
 
@@ -90,24 +107,38 @@ class ConsistentMoELayer(nn.Module):
         # Nemotron-H (hybrid): non-gated relu2 experts (fc1 = up rows only), sigmoid router with a float32
         # selection bias (HF e_score_correction_bias; not trained), shared expert without a gate.
         self.activation, fc1_rows = ("swiglu", 2) if a.mlp_gated else ("relu2", 1)
+        # TP > 1: the experts sharded over the TP ranks (module docstring), the rest replicated
+        self.tp = getattr(config, "tensor_model_parallel_size", 1)
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        if E % self.tp:
+            raise UnsupportedConfigError(f"num_experts={E} is not divisible by TP={self.tp} (the experts are sharded "
+                                         "over the TP ranks)")
+        sp = self.sequence_parallel
         self.router = _Container()
-        self.router.weight = _mark(_init((E, H), init, dt))
+        self.router.weight = _mark(_init((E, H), init, dt), sp)
         if a.moe_score_bias:
             self.router.expert_bias = _mark(nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False))
         self.experts = _Container()
         self.experts.linear_fc1 = _Container()
         self.experts.linear_fc2 = _Container()
-        self.experts.linear_fc1.weight = _mark(_init((E, fc1_rows * inter, H), init, dt))
-        self.experts.linear_fc2.weight = _mark(_init((E, H, inter), out_init, dt))
+        fc1, fc2 = _init((E, fc1_rows * inter, H), init, dt), _init((E, H, inter), out_init, dt)  # the TP = 1 draws
+        if self.tp > 1:
+            rank = tpar.tp_rank()
+            self.expert_offset = rank * (E // self.tp)
+            fc1, fc2 = _expert_shard(fc1, rank, self.tp), _expert_shard(fc2, rank, self.tp)
+        else:
+            self.expert_offset = 0
+            fc1, fc2 = _mark(fc1), _mark(fc2)
+        self.experts.linear_fc1.weight, self.experts.linear_fc2.weight = fc1, fc2
         self.shared_experts = None
         if a.shared_expert_intermediate_size:
             s = a.shared_expert_intermediate_size
             self.shared_experts = _Container()
             self.shared_experts.linear_fc1 = _Container()
             self.shared_experts.linear_fc2 = _Container()
-            self.shared_experts.linear_fc1.weight = _mark(_init((fc1_rows * s, H), init, dt))
-            self.shared_experts.linear_fc2.weight = _mark(_init((H, s), out_init, dt))
-            self.shared_experts.gate_weight = _mark(_init((1, H), init, dt)) if not a.is_hybrid else None
+            self.shared_experts.linear_fc1.weight = _mark(_init((fc1_rows * s, H), init, dt), sp)
+            self.shared_experts.linear_fc2.weight = _mark(_init((H, s), out_init, dt), sp)
+            self.shared_experts.gate_weight = _mark(_init((1, H), init, dt), sp) if not a.is_hybrid else None
         self.aux_loss_coef = a.router_aux_loss_coef
         self.last_routes: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
@@ -117,6 +148,9 @@ class ConsistentMoELayer(nn.Module):
         self.layer_number = n
 
     def forward(self, x: torch.Tensor, padding_mask=None, **unused):
+        group = tpar.tp_group() if self.tp > 1 else None
+        if group is not None and self.sequence_parallel:  # every rank routes all tokens
+            x = tpar.gather_sequence(x, group)
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         z = kmoe.router_logits(h, self.router.weight)
@@ -131,18 +165,39 @@ class ConsistentMoELayer(nn.Module):
         fp8 = getattr(self, "fp8", None)  # layers/fp8.py enable_fp8: block-FP8 experts on the bf16 masters, STE backward
         if fp8 is not None:
             out = fp8(self, h, experts, w)
+        elif group is not None:
+            mine = self._owned_slot_outputs(h if self.sequence_parallel else tpar.copy_to_tp(h, group), experts)
+            y = tpar.sum_owned_slots(mine, group, self.sequence_parallel)
+            out = kmoe.combine_experts(h, y, w, shared, self.activation)
         else:
             out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared,
                                    self.activation)
         self.last_aux_loss = None
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             self.last_aux_loss = self.aux_loss_coef * kmoe.load_balancing_loss(z, experts, self.arch.num_experts)
-        return out.reshape(shape), None
+        out = out.reshape(shape)
+        if group is not None and self.sequence_parallel:  # this rank's chunk (the gradient reaches it alone)
+            out = out.chunk(self.tp, dim=0)[tpar.tp_rank(group)]
+        return out, None
+
+    def _owned_slot_outputs(self, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``[T, k, H]``: the (token, slot) pairs routed to this rank's experts through :func:`kmoe.expert_outputs`
+        (row-invariant: the values of the whole batch's call), zeros for the pairs of other ranks' experts."""
+        fc1, fc2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
+        local = experts - self.expert_offset
+        mine = (local >= 0) & (local < fc1.shape[0])
+        token, slot = mine.nonzero(as_tuple=True)
+        y = h.new_zeros(*experts.shape, fc2.shape[1])
+        if token.numel() == 0:
+            return y
+        pairs = kmoe.expert_outputs(h[token], local[token, slot][:, None], fc1, fc2, self.activation)
+        return y.index_put((token, slot), pairs[:, 0])
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         from .linear import sharded_state_dict_tp1
 
-        return sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, {})
+        experts = {"experts.linear_fc1.weight": 0, "experts.linear_fc2.weight": 0} if self.tp > 1 else {}
+        return sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, experts)
 
 
 def moe_layer_spec(dense_layer_spec, arch):

@@ -4,8 +4,8 @@ Supported: tensor parallelism TP ∈ {1, 2, 4, 8} (the row-parallel K tree and t
 vocabulary log-softmax tree have 8 segments, so t must divide 8; shapes must
 divide too — checked where the layer is built) and pipeline parallelism
 (stages pass activations unchanged, so any PP size is neutral; tested at 2),
-for the GPT layers (dense, and MoE with ``moe_impl="module"``: experts replicated on
-every TP rank).  See ``docs/parallel.md`` for the contract.
+for the GPT layers (dense, and MoE with ``moe_impl="module"``: experts sharded over
+the TP ranks, the router and shared expert replicated).  See ``docs/parallel.md`` for the contract.
 
 Sequence parallelism (TP > 1) is supported by the same layers.
 

@@ -58,7 +58,7 @@ from ..kernels.logprobs import VOCAB_SEGMENTS, log_softmax_normalise, scale_by_t
 from ..kernels.numerics import adjacent_tree_sum
 
 __all__ = ["copy_to_tp", "gather_sequence", "gather_tree", "gather_tree_scatter_sequence", "row_parallel_forward",
-           "scatter_sequence", "sequence_parallel_embedding", "shard_like", "tp_group", "tp_rank", "tp_size",
+           "scatter_sequence", "sequence_parallel_embedding", "shard_like", "sum_owned_slots", "tp_group", "tp_rank", "tp_size",
            "unshard_like", "vocab_parallel_logprobs"]
 
 
@@ -103,6 +103,36 @@ def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1 or not torch.is_grad_enabled():
         return x
     return _CopyToTP.apply(x, group)
+
+
+class _SumOwnedSlots(torch.autograd.Function):
+    """Forward: all-reduce SUM of tensors in which each element is non-zero on one rank at most (the MoE's
+    (token, slot) outputs, each formed by the rank holding its expert; zeros elsewhere).  Exact in any order:
+    ``x + 0 = x``; a ``-0.0`` may come back ``+0.0``, which the combine's ``w * y`` added to an accumulator started at
+    ``+0.0`` cannot tell apart.  Backward: without sequence parallelism every rank computes the same combine, so
+    its gradient is already whole on each rank (identity); with it each rank's covers its own tokens (all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, y, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        y = y.contiguous().clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.sequence_parallel:
+            g = g.contiguous().clone()
+            dist.all_reduce(g, group=ctx.group)
+        return g, None, None
+
+
+def sum_owned_slots(y: torch.Tensor, group, sequence_parallel: bool = False) -> torch.Tensor:
+    """The sum over the TP ranks of ``y``, whose every element one rank at most holds non-zero (exact; see
+    :class:`_SumOwnedSlots`): the MoE's expert outputs from the ranks that hold the experts."""
+    if group is None or dist.get_world_size(group) == 1:
+        return y
+    return _SumOwnedSlots.apply(y, group, sequence_parallel)
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:

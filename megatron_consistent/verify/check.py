@@ -199,7 +199,9 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
                            "subtrees all-gathered in rank order, top of the tree", vocab="embedding / output layer vocab-parallel, "
                            "vocab-segmented log-softmax")
         if arch.is_moe:
-            trainer["moe"] = "ConsistentMoELayer replicated on every rank"
+            trainer["moe"] = ("ConsistentMoELayer: experts sharded over the TP ranks, each rank's (token, slot) outputs "
+                              "summed (one value and zeros: exact), router and shared expert replicated"
+                              if cfg.trainer_tp > 1 else "ConsistentMoELayer, all experts on each stage")
     return {"engine": engine, "trainer": trainer}
 
 
