@@ -110,11 +110,16 @@ def test_vllm_plugin_logprobs_use_only_the_kernel_log_softmax():
 
 
 # ---------------------------------------------------------------------------------------------- refusals
-def test_parallel_refusals_are_named():
+def test_parallel_refusals_are_named(tmp_path):
     from megatron_consistent.layers import build_consistent_model
     from megatron_consistent.layers.distributed import recompute_logprobs_parallel
 
     ids = torch.zeros(1, 4, dtype=torch.int64)
+    three = tmp_path / "three-experts"  # the experts are sharded over the TP ranks
+    three.mkdir()
+    (three / "config.json").write_text(json.dumps({**load_hf_config(MODELS_DIR / "tiny-qwen3moe-top1"), "num_local_experts": 3}))
+    with pytest.raises(UnsupportedConfigError, match="num_experts=3 is not divisible by TP=2"):
+        recompute_logprobs_parallel(three, {}, ids, tp=2)
     with pytest.raises(UnsupportedConfigError, match="num_key_value_heads=2 is not divisible by TP=4"):
         recompute_logprobs_parallel(LLAMA, {}, ids, tp=4)
     with pytest.raises(UnsupportedConfigError, match="tensor parallelism of size 3"):
