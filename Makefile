@@ -45,7 +45,7 @@ check-hybrid: setup
 # The CUDA kernels' logic also runs in Triton's interpreter on CPU tensors (a separate process: TRITON_INTERPRET is read
 # at import). `make test` runs the fast files (the MoE route / sort / grouped GEMM, the norm, the SSD outputs, the
 # contract's exp, the Mamba-2 mixer's conv / gated norm / dt and its decode step's in-place outputs and end states,
-# the paged attention and KV writes at block ids past 32-bit element offsets, about two and a half minutes);
+# the paged attention and KV writes at block ids past 32-bit element offsets, about three minutes);
 # `make test-interpret` runs every one (about seven minutes: the GEMM and attention paths too).
 INTERPRET_FAST := tests/test_triton_interpret_moe.py tests/test_triton_interpret_rms_norm.py tests/test_triton_interpret_ssd.py \
 	tests/test_triton_interpret_exp.py tests/test_triton_interpret_conv1d.py tests/test_triton_interpret_gated_norm.py \

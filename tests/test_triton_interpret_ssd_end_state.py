@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
 pytest.importorskip("triton")
 
+from _ssd_caches import at_slots_past_32_bits
 from megatron_consistent.kernels import numerics, ssd, ssd_chunk_end_state, ssd_step_end_states
 from megatron_consistent.kernels.triton import ssd_scan as tssd
 
@@ -158,6 +159,17 @@ def test_strided_slots():
     tssd.ssd_step_end_states(**case)
     assert torch.equal(_bits(padded["state_cache"][:, 0]), _bits(ref))
     assert torch.equal(_bits(padded["state_cache"][:, 1]), _bits(before[:, 1]))
+
+
+def test_slots_past_32_bit_element_offsets():
+    """The closing rows' new states written in place at slot ids whose element offsets pass 2**32 (a state cache
+    that fills a large GPU): the same states as at low ids (checked by hand: slot ids kept 32-bit in the kernel --
+    int32 slots, no 64-bit cast -- fail it)."""
+    case = _case(13, 6, 8, 4, 4, 2, 8, torch.bfloat16, ROWS[:4])
+    want = _run(tssd.ssd_step_end_states, case)
+    big = at_slots_past_32_bits(case)
+    tssd.ssd_step_end_states(**big)
+    assert torch.equal(_bits(big["state_cache"][big["slots"]]), _bits(want[case["slots"]]))
 
 
 def test_padding_rows_on_the_null_block():

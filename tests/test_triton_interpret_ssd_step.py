@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
 pytest.importorskip("triton")
 
+from _ssd_caches import at_slots_past_32_bits
 from megatron_consistent.kernels import ssd, ssd_step_outputs
 from megatron_consistent.kernels.triton import ssd_scan as tssd
 
@@ -114,6 +115,16 @@ def test_strided_slots():
         case[name] = padded[:, 0]
         assert not case[name].is_contiguous()
     _check_equal(case, torch.float32)
+
+
+def test_slots_past_32_bit_element_offsets():
+    """A state cache that fills a large GPU puts late slots past 2**31 elements: the same sequences at slot ids whose
+    element offsets pass 2**32 give the same outputs (checked by hand: slot ids kept 32-bit in the kernel -- int32
+    slots, no 64-bit cast -- fail it)."""
+    case = _case(13, 4, 6, 8, 4, 4, 2, 8, torch.bfloat16, [0, 3, 7, 5], [False, True, False, False])
+    want = tssd.ssd_step_outputs(**case, out_dtype=torch.float32)
+    got = tssd.ssd_step_outputs(**at_slots_past_32_bits(case), out_dtype=torch.float32)
+    assert torch.equal(_bits(got), _bits(want))
 
 
 @pytest.mark.parametrize("broken", ["row p from the cache", "state of the wrong slot", "fresh ignored"])
