@@ -8,7 +8,8 @@ instruction mix (:func:`offline_compile.sass_mix`).
 The host code runs on CPU tensors with the kernels replaced by recorders, for the Mamba-2 shapes of the tests and of
 real models (Nemotron-H 8B: 128 heads x 64, 8 groups, state 128, chunk 128; Mamba-2 2.7B: 80 heads x 64, state 128,
 chunk 256), at prefill and at a decode replay, and the decode step's in-place kernels (64 rows); each distinct launch
-is compiled by :mod:`offline_compile`.  Says nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
+is compiled by :mod:`offline_compile`.  Says nothing about bits or speed.  Exit 1 on a compile error or a launch over
+the shared memory of a block.
 """
 
 from __future__ import annotations
