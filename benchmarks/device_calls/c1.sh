@@ -1,5 +1,5 @@
 # Call 1 (no vLLM): carry .gw/part1. Stashes the bundle's part 1, then two edges (the Gluon FP8 GEMM at three uneven
-# splits; KV pages past 32-bit element offsets, committed and Gluon kernels) and the SSD timings.
+# splits; KV pages past 32-bit element offsets, committed and Gluon kernels). The SSD timings run last (c6.sh).
 # bash benchmarks/device_calls/c1.sh   (repo root, on the H200; $OUT from the device tool; TAG names the outputs)
 TAG=${TAG:-next}
 mkdir -p /tmp/stash && cp -r .gw/part1 /tmp/stash/ && echo part1 stashed
@@ -10,5 +10,3 @@ date +%T
 timeout 200 python -m pytest -q tests/test_gpu_gluon_candidates.py tests/test_gpu_paged_attention.py \
   -k "(fp8 and 5120) or 32_bit" > "$OUT/${TAG}_edges.log" 2>&1
 echo "edges (Gluon FP8 at A3B's qkv, pages past 32-bit offsets) rc $?"; tail -2 "$OUT/${TAG}_edges.log"; date +%T
-timeout 400 python benchmarks/bench_gpu_ssd.py --out "$OUT/${TAG}_ssd_bench.json" > "$OUT/${TAG}_ssd_bench.log" 2>&1
-echo "ssd bench rc $?"; tail -30 "$OUT/${TAG}_ssd_bench.log"; date +%T
