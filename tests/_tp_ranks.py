@@ -19,6 +19,9 @@ rank ``OUT_DIR/tp<TP>.rank<r>.json`` (sync replies, its held shapes).
 
 ``--fault allreduce``: o_proj and down computed the naive way — each rank's K shard through the
 one-rank linear rounded to bf16, then ``all_reduce`` of the rounded partials (what the contract forbids).
+``--fault moe_nosum``: every MoE layer combines its own experts' outputs without the ranks' sum;
+``--fault moe_slice``: every MoE layer takes its weights for the next rank's run of experts (the wrong slice).
+MoE models: every rank's JSON also lists the part of each expert HF tensor it holds (``expert_parts``).
 """
 
 from __future__ import annotations
@@ -139,7 +142,6 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
     from safetensors.torch import load_file, save_file
     from vllm.config import set_current_vllm_config
 
-    from megatron_consistent.kernels import log_softmax
     from megatron_consistent.sync.worker import WeightSyncExtension
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -148,7 +150,8 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
 
         model = ConsistentForCausalLM(vllm_config=vc)
     model.load_weights(load_file(str(Path(model_dir) / "model.safetensors")).items())
-    report = {"rank": rank, "tp": model.tp_size, "held": {n: list(p.shape) for n, p in model.named_parameters()}}
+    report = {"rank": rank, "tp": model.tp_size, "held": {n: list(p.shape) for n, p in model.named_parameters()},
+              "expert_parts": {n: cut for n, cut in model.hf_parts().items() if ".experts." in n}}
     if update:
         worker = type("W", (_Worker, WeightSyncExtension), {})(model, vc)
         for u in json.loads(Path(update).read_text()):
@@ -166,7 +169,33 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
         layer.attn = _attention_stub(arch, holder)
         if fault == "allreduce":
             layer.lin = {**layer.lin, "o_proj": _broken_row_parallel, "down": _broken_row_parallel}
+        if fault == "moe_slice" and hasattr(layer, "expert_first"):
+            layer.expert_first = (rank + 1) % tp * layer.experts_fc1.shape[0]
+    from megatron_consistent.vllm_plugin import moe as plugin_moe
+
+    summed = plugin_moe.sum_owned_slots
+    if fault == "moe_nosum":
+        plugin_moe.sum_owned_slots = lambda y: y  # this job only (restored below)
     out = {}
+    try:
+        _forward(model, ids, positions, out)
+    finally:
+        plugin_moe.sum_owned_slots = summed
+    if rank == 0:
+        save_file(out, str(Path(out_dir) / f"tp{tp}.safetensors"))
+    else:  # every rank holds the same full logits
+        report["logits_equal_rank0"] = None
+        save_file({"logits": out["logits"]}, str(Path(out_dir) / f"tp{tp}.rank{rank}.safetensors"))
+    Path(out_dir, f"tp{tp}.rank{rank}.json").write_text(json.dumps(report))
+
+
+def _forward(model, ids, positions, out: dict) -> None:
+    """Embedding, every decoder layer, the final norm, float32 logits and log-probs of one prompt into ``out``."""
+    import torch
+
+    from megatron_consistent.kernels import inference_ops, log_softmax
+
+    arch = model.arch
     with torch.no_grad():
         h = model.embed_input_ids(ids)
         out["embed"] = h.clone()
@@ -174,18 +203,10 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
         for i, layer in enumerate(model.layers):
             h = layer(positions, h, rope)
             out[f"layer{i}"] = h.clone()
-        from megatron_consistent.kernels import inference_ops
-
         hn = inference_ops.rms_norm(h, model.norm, arch.rms_norm_eps)
         logits = model.compute_logits(hn)
         out["logits"] = logits.contiguous()
         out["logprobs"] = log_softmax(logits).contiguous()
-    if rank == 0:
-        save_file(out, str(Path(out_dir) / f"tp{tp}.safetensors"))
-    else:  # every rank holds the same full logits
-        report["logits_equal_rank0"] = None
-        save_file({"logits": out["logits"]}, str(Path(out_dir) / f"tp{tp}.rank{rank}.safetensors"))
-    Path(out_dir, f"tp{tp}.rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def test_mamba_elementwise_ops_equal_training_path():
 
 @pytest.mark.slow
 def test_moe_and_mamba_ops_compile_without_graph_breaks():
-    """The MoE block and the Mamba layer's elementwise ops are opaque nodes too: fullgraph=True compiles them."""
+    """The MoE block (one-rank and TP-sharded) and the Mamba layer's elementwise ops are opaque nodes too:
+    fullgraph=True compiles them."""
     g = torch.Generator().manual_seed(7)
     E, H, inter = 4, 32, 8
     router = (torch.randn(E, H, generator=g) * 0.2).to(torch.bfloat16)
@@ -201,13 +202,18 @@ def test_moe_and_mamba_ops_compile_without_graph_breaks():
     def block(h):
         w, e = inference_ops.moe_route(inference_ops.router_logits(h, router), 2, "softmax", None, True, 1, 1, 1.0)
         m = inference_ops.moe_experts(h, e, w, up, down, None, None, None, "swiglu")
+        # the TP = 2 experts of both ranks in one process (the engine all-gathers them): rank 0's run, rank 1's run
+        owned = [inference_ops.moe_owned_expert_outputs(h, e, r * 2, up[r * 2:(r + 1) * 2], down[r * 2:(r + 1) * 2],
+                                                        "swiglu") for r in (0, 1)]
+        sharded = inference_ops.moe_combine(h, owned[0] + owned[1], w, None, None, None, "swiglu")
         dt = inference_ops.mamba_dt(m, bias, 0.0, float("inf"))
-        return inference_ops.gated_rms_norm(inference_ops.relu_squared(m), h, bias, 8, 1e-5), dt
+        return inference_ops.gated_rms_norm(inference_ops.relu_squared(m), h, bias, 8, 1e-5), dt, m, sharded
 
     h = torch.randn(7, H, generator=g).to(torch.bfloat16)
     got = torch.compile(block, fullgraph=True, backend="eager", dynamic=True)(h)
     for a, b in zip(got, block(h)):
         assert torch.equal(a, b)
+    assert torch.equal(got[3], got[2])  # the sharded experts: the bits of the one-rank block
 
 
 def _fp8_weight(n, k, g, fmt):

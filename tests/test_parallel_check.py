@@ -29,6 +29,7 @@ def test_layouts_state_the_trainer_layout(tmp_path):
     lay = check_layouts(cfg, _arch("tiny-qwen3moe-top1"))
     assert lay["trainer"]["tensor_parallel_size"] == 2 and lay["trainer"]["pipeline_model_parallel_size"] == 1
     assert "gloo" in lay["trainer"]["ranks"] and "experts sharded over the TP ranks" in lay["trainer"]["moe"]
+    assert "experts sharded over the TP ranks" in lay["engine"]["moe"]
     assert lay["engine"]["tensor_parallel_size"] == 2
     assert check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path)), _arch("tiny-llama"))["trainer"] == {
         "tensor_parallel_size": 1, "pipeline_model_parallel_size": 1}

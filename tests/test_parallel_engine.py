@@ -32,6 +32,8 @@ from megatron_consistent.vllm_plugin.parallel import tp_refusal
 
 HERE = Path(__file__).parent
 DENSE = ["tiny-llama", "tiny-qwen3-qknorm-tied", "tiny-llama3-rope-oddvocab", "tiny-mistral-gqa"]
+MOE = ["tiny-qwen3moe-top1", "tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"]
+MOE_MISFIT, MOE_NAN = "model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.1.mlp.experts.6.gate_proj.weight"
 
 
 def _arch(name: str) -> ArchConfig:
@@ -39,12 +41,21 @@ def _arch(name: str) -> ArchConfig:
 
 
 # ------------------------------------------------------------------------------------------------ fast
-@pytest.mark.parametrize("name", DENSE)
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name, tp", [(n, t) for n in DENSE for t in (2, 4)] + [(n, 2) for n in MOE])
 def test_shard_rules_partition_every_hf_tensor(name, tp):
-    """Each HF tensor = its ranks' parts concatenated in rank order; each rank's engine views are its parts, in place."""
+    """Each HF tensor = its ranks' parts concatenated in rank order; each rank's engine views are its parts, in place.
+    MoE: rank r holds experts [r E/t, (r+1) E/t) whole and an empty part of every other expert."""
     arch = _arch(name)
     for e in weight_entries(arch):
+        if e.layout in ("experts_fc1", "experts_fc2"):
+            per, run = 2 if e.layout == "experts_fc1" else 1, arch.num_experts // tp
+            assert e.shard == "experts" and tp_held_shape(e, tp)[0] == run
+            for r in range(tp):
+                held = [i // per for i in range(len(e.hf)) if tp_part(e, i, r, tp) is None]
+                assert held == [x for x in range(r * run, (r + 1) * run) for _ in range(per)], (e.megatron, r)
+                assert all(tp_part(e, i, r, tp) == (0, 0, 0) for i in range(len(e.hf)) if i // per not in held)
+        elif arch.is_moe and ".mlp." in e.megatron and ".mlp.linear_fc" not in e.megatron:
+            assert e.shard == "replicated", e.megatron  # router, shared expert
         full = [torch.randn(s) for s in e.hf_shapes]
         helds = []
         for r in range(tp):
@@ -57,11 +68,11 @@ def test_shard_rules_partition_every_hf_tensor(name, tp):
             helds.append((held, views))
         for i, f in enumerate(full):
             parts = [views[i] for _, views in helds]
-            cut = tp_part(e, i, 0, tp)
-            joined = parts[0] if cut is None else torch.cat(parts, dim=cut[0])
-            assert torch.equal(joined, f), (e.megatron, i)
-            if cut is None:
-                assert all(torch.equal(p, f) for p in parts)
+            cuts = [tp_part(e, i, r, tp) for r in range(tp)]
+            if all(c is None for c in cuts):  # replicated
+                assert all(torch.equal(p, f) for p in parts), (e.megatron, i)
+            else:  # the parts in rank order (an expert: its owner's whole tensor, the others' empty parts)
+                assert torch.equal(torch.cat(parts, dim=next(c for c in cuts if c)[0]), f), (e.megatron, i)
 
 
 def test_row_parallel_tree_split_is_exact_and_naive_split_is_not():
@@ -94,9 +105,67 @@ def test_unsupported_tp_refused_by_name(name, tp, quantized, words):
     assert words in reason and (str(tp) in reason)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3moe-top1", "tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"])
-def test_moe_tp2_accepted_with_replicated_experts(name):
+@pytest.mark.parametrize("name", MOE)
+def test_moe_tp2_accepted_with_sharded_experts(name):
     assert tp_refusal(_arch(name), 2) == ""
+
+
+def test_moe_experts_not_divisible_by_tp_refused_by_name():
+    hf = load_hf_config(str(builtin_model_dir("tiny-qwen3moe-top1")))
+    assert tp_refusal(ArchConfig.from_hf({**hf, "num_experts": 5}), 2) == (
+        "Qwen3MoeForCausalLM at tensor_parallel_size=2: experts (5) not divisible by 2")
+
+
+def _simulated_moe(seed: int = 4, shared: bool = True):
+    """A routed batch and expert weights (bf16) for the simulated-ranks MoE tests: (x, experts, weights, fc1, fc2,
+    shared expert tensors)."""
+    from megatron_consistent.kernels import moe as kmoe
+
+    g = torch.Generator().manual_seed(seed)
+    E, H, inter, k, dt = 8, 32, 16, 3, torch.bfloat16
+    x = torch.randn(29, H, generator=g).to(dt)
+    w, experts = kmoe.route(x, (torch.randn(E, H, generator=g) * 0.3).to(dt), k, norm_topk_prob=True)
+    fc1 = (torch.randn(E, 2 * inter, H, generator=g) * 0.1).to(dt)
+    fc2 = (torch.randn(E, H, inter, generator=g) * 0.1).to(dt)
+    sh = ((torch.randn(2 * inter, H, generator=g) * 0.1).to(dt), (torch.randn(H, inter, generator=g) * 0.1).to(dt),
+          torch.randn(1, H, generator=g).to(dt)) if shared else (None, None, None)
+    return x, experts, w, fc1, fc2, sh
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_moe_owned_experts_split_is_exact_and_broken_splits_are_not(tp):
+    """Each simulated rank's owned-pair outputs (the engine's masked op = the trainer's compact one), summed as the
+    engine sums them and combined = ``moe_experts`` with every expert; a rank skipping the sum, or holding the wrong
+    run of experts, differs."""
+    from megatron_consistent.kernels import moe as kmoe
+
+    x, experts, w, fc1, fc2, sh = _simulated_moe()
+    one = inference_ops.moe_experts(x, experts, w, fc1, fc2, *sh, "swiglu")
+    run = fc1.shape[0] // tp
+    ranks = []
+    for r in range(tp):
+        mine = inference_ops.moe_owned_expert_outputs(x, experts, r * run, fc1[r * run:(r + 1) * run],
+                                                      fc2[r * run:(r + 1) * run], "swiglu")
+        assert torch.equal(mine, kmoe.owned_expert_outputs(x, experts, r * run, fc1[r * run:(r + 1) * run],
+                                                           fc2[r * run:(r + 1) * run], "swiglu"))
+        ranks.append(mine)
+    summed = adjacent_tree_sum(torch.stack(ranks), dim=0)  # parallel.sum_owned_slots on the all-gathered tensors
+    assert torch.equal(inference_ops.moe_combine(x, summed, w, *sh, "swiglu"), one)
+    assert not torch.equal(inference_ops.moe_combine(x, ranks[0], w, *sh, "swiglu"), one)  # no sum
+    wrong = inference_ops.moe_owned_expert_outputs(x, experts, 0, fc1[run:2 * run], fc2[run:2 * run], "swiglu")
+    assert not torch.equal(inference_ops.moe_combine(x, adjacent_tree_sum(torch.stack([wrong, *ranks[1:]]), dim=0), w,
+                                                     *sh, "swiglu"), one)  # rank 0 holding rank 1's experts
+
+
+def test_moe_owned_experts_ignore_other_ranks_nonfinite_values():
+    """The masked op computes other ranks' pairs with local expert 0 and drops them by a select: an expert 0 that
+    overflows for those rows leaves zeros there, never NaN."""
+    x, experts, w, fc1, fc2, _ = _simulated_moe(shared=False)
+    fc1 = fc1.clone()
+    fc1[4] = float("inf")  # rank 1's first expert (local 0) at TP = 2
+    mine = inference_ops.moe_owned_expert_outputs(x, experts, 4, fc1[4:], fc2[4:], "swiglu")
+    others = experts < 4
+    assert bool(others.any()) and bool((mine[others] == 0).all())
 
 
 def test_check_refuses_tp_flags_before_any_work(tmp_path, capsys):
@@ -185,29 +254,44 @@ def _ranks(tmp: Path, tp: int, jobs: dict[str, dict]) -> dict:
 @pytest.fixture(scope="module")
 def gloo_runs(tmp_path_factory):
     """One rank group per TP size, its jobs run one after the other: TP=1 and TP=2 (plain, broken reduction, after a
-    sharded sync) over tiny-llama, TP=1 on the pushed weights; tiny-qwen3moe-top1 at TP=1 and 2; the odd-vocabulary
-    config at TP=1 and 4."""
+    sharded sync) over tiny-llama, TP=1 on the pushed weights; tiny-qwen3moe-top1 at TP=1 and 2 (plain, without the
+    ranks' sum, with the wrong expert slice, after a sharded sync), TP=1 on its pushed weights; tiny-qwen2moe-top8-shared
+    at TP=1 and 2; the odd-vocabulary config at TP=1 and 4."""
     from safetensors.torch import load_file
 
     from megatron_consistent.sync.protocol import pack_update
 
     tmp = tmp_path_factory.mktemp("tp")
     base, pushed = _model_dir(tmp, "tiny-llama", 0), _model_dir(tmp, "tiny-llama", 1)
-    moe, odd = _model_dir(tmp, "tiny-qwen3moe-top1", 0), _model_dir(tmp, "tiny-llama3-rope-oddvocab", 0)
+    moe, moe_pushed = _model_dir(tmp, "tiny-qwen3moe-top1", 0), _model_dir(tmp, "tiny-qwen3moe-top1", 1)
+    shared, odd = _model_dir(tmp, "tiny-qwen2moe-top8-shared", 0), _model_dir(tmp, "tiny-llama3-rope-oddvocab", 0)
     new = load_file(str(pushed / "model.safetensors"))
     bad = dict(new)
     bad["model.layers.0.self_attn.o_proj.weight"] = bad["model.layers.0.self_attn.o_proj.weight"][:, :64].contiguous()
+    # MoE: a whole push; then one whose only misfit is an expert that rank 1 holds (rank 0 must refuse it too); then
+    # one with a NaN in another of rank 1's experts
+    moe_new = load_file(str(moe_pushed / "model.safetensors"))
+    moe_bad, moe_nan = dict(moe_new), dict(moe_new)
+    moe_bad[MOE_MISFIT] = moe_bad[MOE_MISFIT][:, :32].contiguous()
+    moe_nan[MOE_NAN] = moe_nan[MOE_NAN].clone()
+    moe_nan[MOE_NAN][3, 5] = float("nan")
     updates = [pack_update(new, 1), pack_update(bad, 2)]  # a whole push, then one that does not fit
-    upd = tmp / "updates.json"
+    moe_updates = [pack_update(moe_new, 1), pack_update(moe_bad, 2), pack_update(moe_nan, 3)]
+    upd, moe_upd = tmp / "updates.json", tmp / "moe_updates.json"
     upd.write_text(json.dumps(updates))
+    moe_upd.write_text(json.dumps(moe_updates))
     try:
         one = _ranks(tmp, 1, {"tp1": {"model_dir": base}, "tp1_pushed": {"model_dir": pushed}, "moe_tp1": {"model_dir": moe},
+                              "moe_tp1_pushed": {"model_dir": moe_pushed}, "shared_tp1": {"model_dir": shared},
                               "odd_tp1": {"model_dir": odd}})
         two = _ranks(tmp, 2, {"tp2": {"model_dir": base}, "broken": {"model_dir": base, "fault": "allreduce"},
-                              "synced": {"model_dir": base, "update": str(upd)}, "moe_tp2": {"model_dir": moe}})
+                              "synced": {"model_dir": base, "update": str(upd)}, "moe_tp2": {"model_dir": moe},
+                              "moe_nosum": {"model_dir": moe, "fault": "moe_nosum"},
+                              "moe_slice": {"model_dir": moe, "fault": "moe_slice"},
+                              "moe_synced": {"model_dir": moe, "update": str(moe_upd)}, "shared_tp2": {"model_dir": shared}})
         four = _ranks(tmp, 4, {"odd_tp4": {"model_dir": odd}})
     finally:
-        for u in updates:
+        for u in updates + moe_updates:
             Path(u["path"]).unlink(missing_ok=True)
     return {**one, **two, **four}
 
@@ -243,14 +327,53 @@ def test_gloo_sharded_sync_in_place_and_bad_push_refused_whole(gloo_runs):
 
 
 @pytest.mark.slow
-def test_gloo_moe_tp2_equals_tp1(gloo_runs):
-    """Qwen3-MoE (layer 0 dense, layer 1 MoE): attention sharded, the MoE block replicated — the bits of TP=1."""
-    one, two = gloo_runs["moe_tp1"], gloo_runs["moe_tp2"]
+@pytest.mark.parametrize("name", ["moe", "shared"])
+def test_gloo_moe_tp2_equals_tp1(gloo_runs, name):
+    """Qwen3-MoE (layer 0 dense, layer 1 MoE; top-1 of 8) and Qwen2-MoE (top-8 of 64, shared expert): attention
+    sharded, each rank holding its half of the experts (router and shared expert whole) — the bits of TP=1."""
+    one, two = gloo_runs[f"{name}_tp1"], gloo_runs[f"{name}_tp2"]
     for k in one["out"]:
         assert torch.equal(one["out"][k], two["out"][k]), k
-    held1, held2 = one["ranks"][0]["held"], two["ranks"][0]["held"]
-    assert held2["layers.1.experts_fc1"] == held1["layers.1.experts_fc1"]  # replicated
-    assert held2["layers.1.o_proj"][1] == held1["layers.1.o_proj"][1] // 2  # sharded
+    assert torch.equal(two["others"][0]["logits"], two["out"]["logits"])
+    held1 = one["ranks"][0]["held"]
+    for r, rank in enumerate(two["ranks"]):
+        held2 = rank["held"]
+        assert held2["layers.1.experts_fc1"] == [held1["layers.1.experts_fc1"][0] // 2, *held1["layers.1.experts_fc1"][1:]]
+        assert held2["layers.1.experts_fc2"] == [held1["layers.1.experts_fc2"][0] // 2, *held1["layers.1.experts_fc2"][1:]]
+        assert held2["layers.1.router"] == held1["layers.1.router"]  # replicated
+        assert held2.get("layers.1.shared_fc1") == held1.get("layers.1.shared_fc1")
+        assert held2["layers.1.o_proj"][1] == held1["layers.1.o_proj"][1] // 2  # sharded
+        run = held2["layers.1.experts_fc1"][0]
+        for hf, cut in rank["expert_parts"].items():  # its own experts' HF tensors whole, nothing of the others'
+            mine = r * run <= int(hf.split(".experts.")[1].split(".")[0]) < (r + 1) * run
+            assert cut == (None if mine else [0, 0, 0]), (r, hf, cut)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["moe_nosum", "moe_slice"])
+def test_gloo_moe_broken_expert_sharding_is_caught(gloo_runs, fault):
+    """Ranks that skip the sum of the owned (token, slot) outputs, or hold the wrong run of experts: the MoE layer's
+    output (layer 0 is dense and stays equal) and the logits differ from TP=1."""
+    one, broken = gloo_runs["moe_tp1"]["out"], gloo_runs[fault]["out"]
+    assert torch.equal(broken["layer0"], one["layer0"])
+    assert not torch.equal(broken["layer1"], one["layer1"]) and not torch.equal(broken["logits"], one["logits"])
+
+
+@pytest.mark.slow
+def test_gloo_moe_sharded_sync_in_place_and_bad_pushes_refused_whole(gloo_runs):
+    """A whole push into the sharded MoE: every rank copies its own experts only, in place; a push whose one misfit
+    (or NaN) lies in rank 1's experts is refused by both ranks before any byte is copied; then the bits of TP=1 loaded
+    with the good push."""
+    for rank in gloo_runs["moe_synced"]["ranks"]:
+        good, bad, nan = rank["sync"]
+        assert good["ok"] and good["pointers_unchanged"] and good["pointers_same"] and good["version"] == 1
+        for refused in (bad, nan):
+            assert not refused["ok"] and refused["version"] == 1 and refused["pointers_same"]
+        assert any(f"wrong shape for {MOE_MISFIT}" in p for p in bad["problems"]), bad["problems"]
+        assert any("non-finite" in p and MOE_NAN in p for p in nan["problems"]), nan["problems"]
+    synced, direct = gloo_runs["moe_synced"]["out"], gloo_runs["moe_tp1_pushed"]["out"]
+    for k in direct:
+        assert torch.equal(synced[k], direct[k]), k
 
 
 @pytest.mark.slow

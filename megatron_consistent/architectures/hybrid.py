@@ -89,13 +89,13 @@ def _moe(arch: ArchConfig, m: str, h: str, e: str) -> list[WeightEntry]:
             _copy(m + "mlp.router.weight", h + "mixer.gate.weight", (E, H), dt, e + "mixer.gate"),
             _copy(m + "mlp.router.expert_bias", h + "mixer.gate.e_score_correction_bias", (E,), "float32", e + "mixer.score_bias"),
             WeightEntry(m + "mlp.experts.linear_fc1.weight", tuple(h + f"mixer.experts.{x}.up_proj.weight" for x in range(E)),
-                        (E, inter, H), ((inter, H),) * E, dt, "experts_fc2", e + "mixer.experts_up", "column"),
+                        (E, inter, H), ((inter, H),) * E, dt, "experts_fc2", e + "mixer.experts_up", "experts"),
             WeightEntry(m + "mlp.experts.linear_fc2.weight", tuple(h + f"mixer.experts.{x}.down_proj.weight" for x in range(E)),
-                        (E, H, inter), ((H, inter),) * E, dt, "experts_fc2", e + "mixer.experts_down", "row"),
+                        (E, H, inter), ((H, inter),) * E, dt, "experts_fc2", e + "mixer.experts_down", "experts"),
             _copy(m + "mlp.shared_experts.linear_fc1.weight", h + "mixer.shared_experts.up_proj.weight", (si, H), dt,
-                  e + "mixer.shared_up", "column"),
+                  e + "mixer.shared_up"),
             _copy(m + "mlp.shared_experts.linear_fc2.weight", h + "mixer.shared_experts.down_proj.weight", (H, si), dt,
-                  e + "mixer.shared_down", "row")]
+                  e + "mixer.shared_down")]
 
 
 _LAYER_ENTRIES = {"mamba": _mamba, "attention": _attention, "mlp": _mlp, "moe": _moe}

@@ -16,6 +16,10 @@ mlp.shared_experts.gate_weight    [1, H]    P.shared_expert_gate.weight         
 
 The per-expert names are the layout of the published Qwen-MoE / Mixtral checkpoints
 (what vLLM's loaders read; transformers 5 fuses them on load).
+
+Tensor parallelism (the ``shard`` rule): the experts are sharded by expert (``experts``: rank r of t holds experts
+``[r E/t, (r+1) E/t)``, as the trainer's ``ConsistentMoELayer``); the router and the shared expert are replicated
+(the shared expert's down projection is the one-rank ``linear``, not the row-parallel tree, in both engines).
 """
 
 from __future__ import annotations
@@ -42,15 +46,15 @@ def moe_mlp_entries(arch: ArchConfig, i: int) -> list[WeightEntry]:
     E, H, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
     out = [WeightEntry(m + "mlp.router.weight", (p + "gate.weight",), (E, H), ((E, H),), dt, "copy", e + "router"),
            WeightEntry(m + "mlp.experts.linear_fc1.weight", tuple(p + f"experts.{x}.{n}.weight" for x in range(E) for n in (gate, up)),
-                       (E, 2 * inter, H), ((inter, H),) * (2 * E), dt, "experts_fc1", e + "experts_fc1", "column"),
+                       (E, 2 * inter, H), ((inter, H),) * (2 * E), dt, "experts_fc1", e + "experts_fc1", "experts"),
            WeightEntry(m + "mlp.experts.linear_fc2.weight", tuple(p + f"experts.{x}.{down}.weight" for x in range(E)),
-                       (E, H, inter), ((H, inter),) * E, dt, "experts_fc2", e + "experts_fc2", "row")]
+                       (E, H, inter), ((H, inter),) * E, dt, "experts_fc2", e + "experts_fc2", "experts")]
     s = arch.shared_expert_intermediate_size
     if s:
         out += [WeightEntry(m + "mlp.shared_experts.linear_fc1.weight", (p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight"),
-                            (2 * s, H), ((s, H),) * 2, dt, "fc1", e + "shared_fc1", "column"),
+                            (2 * s, H), ((s, H),) * 2, dt, "fc1", e + "shared_fc1"),
                 WeightEntry(m + "mlp.shared_experts.linear_fc2.weight", (p + "shared_expert.down_proj.weight",), (H, s), ((H, s),), dt, "copy",
-                            e + "shared_fc2", "row"),
+                            e + "shared_fc2"),
                 WeightEntry(m + "mlp.shared_experts.gate_weight", (p + "shared_expert_gate.weight",), (1, H), ((1, H),), dt, "copy",
                             e + "shared_gate")]
     return out

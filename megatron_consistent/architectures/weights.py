@@ -28,6 +28,9 @@ concatenation of its parts —
 ``row``         the last dim (input features, K) cut into t equal contiguous parts: rank r the r-th
 ``vocab``       rows cut into parts of ``ceil(V / t)``; the last rank's part may be short (its
                 storage is padded with zero rows that no HF tensor names)
+``experts``     a stack of experts (``experts_fc1`` / ``experts_fc2``): the experts cut into t equal
+                contiguous runs, rank r holds experts ``[r E/t, (r+1) E/t)`` — each of their HF
+                tensors whole — and nothing of the other experts' (an empty part: ``(0, 0, 0)``)
 ==============  ==================================================================================
 """
 
@@ -40,7 +43,7 @@ import torch
 __all__ = ["LAYOUTS", "SHARD_RULES", "WeightEntry", "engine_views", "tp_held_shape", "tp_part"]
 
 LAYOUTS = ("copy", "qkv", "fc1", "experts_fc1", "experts_fc2")
-SHARD_RULES = ("replicated", "column", "row", "vocab")
+SHARD_RULES = ("replicated", "column", "row", "vocab", "experts")
 
 
 @dataclass(frozen=True)
@@ -57,17 +60,27 @@ class WeightEntry:
     shard: str = "replicated"             # tensor-parallel rule (SHARD_RULES), see tp_part
 
     def __post_init__(self):
-        if self.layout not in LAYOUTS or self.shard not in SHARD_RULES or len(self.hf) != len(self.hf_shapes):
+        stacked = self.layout in ("experts_fc1", "experts_fc2")
+        if (self.layout not in LAYOUTS or self.shard not in SHARD_RULES or len(self.hf) != len(self.hf_shapes)
+                or (self.shard == "experts" and not stacked)):
             raise ValueError(f"malformed weight entry {self}")
 
 
 def tp_part(entry: WeightEntry, index: int, rank: int = 0, size: int = 1) -> tuple[int, int, int] | None:
     """``(dim, start, stop)``: the part of HF tensor ``entry.hf[index]`` that tensor-parallel rank ``rank`` of ``size``
-    holds (``None``: all of it).  A shape the rule cannot cut into ``size`` equal parts raises ``ValueError`` naming it."""
+    holds (``None``: all of it; ``(0, 0, 0)``: nothing of it, another rank's expert).  A shape the rule cannot cut into
+    ``size`` equal parts raises ``ValueError`` naming it."""
     if not 0 <= rank < size:
         raise ValueError(f"tensor-parallel rank {rank} outside 0..{size - 1}")
     if size == 1 or entry.shard == "replicated":
         return None
+    if entry.shard == "experts":
+        per = _tensors_per_expert(entry)
+        experts = len(entry.hf) // per
+        if experts % size:
+            raise ValueError(f"{entry.megatron}: {experts} experts cannot be cut into {size} equal runs")
+        run = experts // size
+        return None if rank * run <= index // per < (rank + 1) * run else (0, 0, 0)
     shape = entry.hf_shapes[index]
     dim = len(shape) - 1 if entry.shard == "row" else 0
     n = shape[dim]
@@ -79,6 +92,11 @@ def tp_part(entry: WeightEntry, index: int, rank: int = 0, size: int = 1) -> tup
                          f"{entry.shard}-parallel parts")
     part = n // size
     return dim, rank * part, (rank + 1) * part
+
+
+def _tensors_per_expert(entry: WeightEntry) -> int:
+    """HF tensors per expert of a stacked-experts entry (``experts_fc1``: gate and up; ``experts_fc2``: one)."""
+    return 2 if entry.layout == "experts_fc1" else 1
 
 
 def _local_shape(entry: WeightEntry, index: int, size: int) -> tuple[int, ...]:
@@ -97,14 +115,16 @@ def tp_held_shape(entry: WeightEntry, size: int = 1) -> tuple[int, ...]:
         return local[0]
     if entry.layout in ("qkv", "fc1"):
         return (sum(s[0] for s in local), *local[0][1:])
+    experts = len(local) // _tensors_per_expert(entry) // (size if entry.shard == "experts" else 1)
     if entry.layout == "experts_fc1":
-        return (len(local) // 2, 2 * local[0][0], *local[0][1:])
-    return (len(local), *local[0])
+        return (experts, 2 * local[0][0], *local[0][1:])
+    return (experts, *local[0])
 
 
 def engine_views(entry: WeightEntry, held: torch.Tensor, rank: int = 0, size: int = 1) -> list[torch.Tensor]:
     """Views of the plugin's parameter ``held``, one per HF tensor of ``entry`` (same order): at tensor-parallel
-    rank ``rank`` of ``size``, each view holds that rank's part (:func:`tp_part`) of the HF tensor."""
+    rank ``rank`` of ``size``, each view holds that rank's part (:func:`tp_part`) of the HF tensor (an empty part:
+    an empty view of ``held``, so copying the part copies nothing)."""
     if size > 1 and tuple(held.shape) != tp_held_shape(entry, size):
         raise ValueError(f"{entry.engine}: held shape {tuple(held.shape)} != {tp_held_shape(entry, size)} "
                          f"(the weight table's {entry.shard}-parallel part at TP={size})")
@@ -119,4 +139,7 @@ def engine_views(entry: WeightEntry, held: torch.Tensor, rank: int = 0, size: in
         views = [held[e] for e in range(held.shape[0])]
     if entry.shard == "vocab":  # the last rank's padding rows are no HF tensor's
         views = [v[: cut[2] - cut[1]] if (cut := tp_part(entry, i, rank, size)) else v for i, v in enumerate(views)]
+    if entry.shard == "experts":  # the rank's run of experts; another rank's expert: an empty view (its empty part)
+        first = rank * len(views)
+        views = [views[i - first] if 0 <= i - first < len(views) else views[0][:0] for i in range(len(entry.hf))]
     return views

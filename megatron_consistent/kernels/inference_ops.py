@@ -46,7 +46,13 @@ Ops (``torch.ops.megatron_consistent.<name>``):
   which reads the host (a rollout engine's padded CUDA-graph rows may hold anything; a NaN in a real row shows in
   its log-prob);
 * ``moe_experts(hidden, experts, weights, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, activation)``:
-  :func:`..moe.moe_experts` (grouped experts, shared expert, slot-order combine), ``[T, H]``.
+  :func:`..moe.moe_experts` (grouped experts, shared expert, slot-order combine), ``[T, H]``;
+* ``moe_owned_expert_outputs(hidden, experts, first, w_gate_up, w_down, activation)``: ``[T, k, H]``,
+  :func:`..moe.owned_expert_outputs` with ``fixed_shapes=True`` — a tensor-parallel rank's experts ``[first, first +
+  E_local)``: every pair computed, the others' masked to ``+0.0`` by a select (no host read, no data-dependent shape);
+* ``moe_combine(hidden, y, weights, shared_gate_up, shared_down, shared_gate, activation)``: ``[T, H]``,
+  :func:`..moe.combine_experts` of the experts' outputs ``y [T, k, H]`` (summed over the ranks) and the shared
+  expert — with ``moe_owned_expert_outputs`` the bits of ``moe_experts``.
 """
 
 from __future__ import annotations
@@ -232,4 +238,27 @@ def moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
 
 @moe_experts.register_fake
 def _moe_experts_fake(hidden, experts, weights, w_gate_up, w_down, shared_gate_up, shared_down, shared_gate, activation):
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("megatron_consistent::moe_owned_expert_outputs", mutates_args=())
+def moe_owned_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, first: int, w_gate_up: torch.Tensor,
+                             w_down: torch.Tensor, activation: str) -> torch.Tensor:
+    return kmoe.owned_expert_outputs(hidden, experts, first, w_gate_up, w_down, activation, fixed_shapes=True)
+
+
+@moe_owned_expert_outputs.register_fake
+def _moe_owned_expert_outputs_fake(hidden, experts, first, w_gate_up, w_down, activation):
+    return hidden.new_empty(*experts.shape, w_down.shape[1])
+
+
+@torch.library.custom_op("megatron_consistent::moe_combine", mutates_args=())
+def moe_combine(hidden: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shared_gate_up: torch.Tensor | None,
+                shared_down: torch.Tensor | None, shared_gate: torch.Tensor | None, activation: str) -> torch.Tensor:
+    shared = None if shared_gate_up is None else (shared_gate_up, shared_down, shared_gate)
+    return kmoe.combine_experts(hidden, y, weights, shared, activation)
+
+
+@moe_combine.register_fake
+def _moe_combine_fake(hidden, y, weights, shared_gate_up, shared_down, shared_gate, activation):
     return torch.empty_like(hidden)

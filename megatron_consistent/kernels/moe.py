@@ -25,6 +25,10 @@ Numerics contract (CPU), per token — nothing depends on the other tokens of th
   Pairs are grouped by expert (ascending) into one call per expert;
   the linear is row-invariant, so an expert's result for a token does not
   depend on which other tokens share that expert;
+* **experts over tensor-parallel ranks** (:func:`owned_expert_outputs`): a rank
+  holding a run of the experts computes the pairs routed to them by the same
+  expert calls and ``+0.0`` for the others; the ranks' ``[T, k, H]`` results,
+  summed, are the one-rank outputs (one value and zeros per element);
 * **combine**: ``acc = 0``; for ``j = 0..k-1``: ``acc = acc + w_j * float32(y_j)``;
   then, with a shared expert, ``acc = acc + g * float32(y_shared)`` where ``g`` is
   its sigmoid gate (float32, as above) or 1; the result is rounded once to
@@ -244,6 +248,35 @@ def per_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, out_features
     inverse = torch.empty(t * k, dtype=torch.int64, device=hidden.device)
     inverse[torch.cat(order)] = torch.arange(t * k, device=hidden.device)
     return torch.cat(pieces)[inverse].reshape(t, k, -1)
+
+
+def owned_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, first: int, w_gate_up: torch.Tensor,
+                         w_down: torch.Tensor, activation: str = "swiglu", fixed_shapes: bool = False) -> torch.Tensor:
+    """``[T, k, H]``: the (token, slot) pairs routed to the experts ``[first, first + E_local)`` held in ``w_gate_up
+    [E_local, ...]`` / ``w_down [E_local, H, I]`` (a TP rank's run of the experts), each through its expert by
+    :func:`expert_outputs`; ``+0.0`` for every other pair.
+
+    Numerics: the expert linear is row-invariant, so an owned pair's values are the bits :func:`expert_outputs` gives
+    it with every expert held, whatever else the call computes.  Over the ranks holding the runs of all experts,
+    each pair is non-zero on one rank at most, so the ranks' results summed in any order are the TP = 1
+    :func:`expert_outputs` (a ``-0.0`` may come back ``+0.0``, which :func:`combine_experts` cannot tell apart:
+    ``w * y`` is added to an accumulator started at ``+0.0``).
+
+    ``fixed_shapes=False``: only the owned pairs are computed (found by ``nonzero``: a host read, a shape that
+    depends on the routes).  ``True`` (a rollout engine's CUDA graphs): every pair is computed, another rank's with
+    local expert 0, and a select keeps the owned pairs' values (``+0.0`` elsewhere, even where the unused values
+    are not finite) — no host read, fixed shapes, the expert work of all ``T * k`` pairs; the same bits."""
+    local = experts - first
+    mine = (local >= 0) & (local < w_gate_up.shape[0])
+    if fixed_shapes:
+        y = expert_outputs(hidden, torch.where(mine, local, torch.zeros_like(local)), w_gate_up, w_down, activation)
+        return torch.where(mine[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+    token, slot = mine.nonzero(as_tuple=True)
+    y = hidden.new_zeros(*experts.shape, w_down.shape[1])
+    if token.numel() == 0:
+        return y
+    pairs = expert_outputs(hidden[token], local[token, slot][:, None], w_gate_up, w_down, activation)
+    return y.index_put((token, slot), pairs[:, 0])
 
 
 def shared_expert_gate(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:

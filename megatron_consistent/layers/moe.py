@@ -13,12 +13,12 @@ Tensor parallelism (TP = t > 1; docs/parallel.md): the experts are **sharded** o
 experts ``[r E/t, (r+1) E/t)`` (expert parallelism inside the TP group) -- while the router and the shared expert
 are replicated.  Every rank routes all tokens (under sequence parallelism the chunks are all-gathered first:
 concatenation, exact), forms the (token, slot) outputs of the pairs routed to its own experts through the same
-row-invariant expert MLP, zeros for the others' pairs, and the ranks' ``[T, k, H]`` tensors are summed
-(:func:`.tensor_parallel.sum_owned_slots`: each element one value and t-1 zeros, exact in any order); then every rank
-combines in slot order exactly as at TP = 1 (under sequence parallelism it keeps its own chunk).  So the bits are
-the TP = 1 bits, whatever t.  Megatron's token dispatchers (all-gather / all-to-all) are not used; every token's
-expert result is independent of which other tokens share the expert (row-invariant linear), which is what a
-dispatcher would have to preserve.
+row-invariant expert MLP, zeros for the others' pairs (:func:`kernels.moe.owned_expert_outputs`), and the ranks'
+``[T, k, H]`` tensors are summed (:func:`.tensor_parallel.sum_owned_slots`: each element one value and t-1 zeros,
+exact in any order); then every rank combines in slot order exactly as at TP = 1 (under sequence parallelism it keeps
+its own chunk).  So the bits are the TP = 1 bits, whatever t.  Megatron's token dispatchers (all-gather /
+all-to-all) are not used; every token's expert result is independent of which other tokens share the expert
+(row-invariant linear), which is what a dispatcher would have to preserve.
 
 Parameters (the "Megatron layout" the converters use; stacked per expert)::
 
@@ -166,7 +166,9 @@ class ConsistentMoELayer(nn.Module):
         if fp8 is not None:
             out = fp8(self, h, experts, w)
         elif group is not None:
-            mine = self._owned_slot_outputs(h if self.sequence_parallel else tpar.copy_to_tp(h, group), experts)
+            mine = kmoe.owned_expert_outputs(h if self.sequence_parallel else tpar.copy_to_tp(h, group), experts,
+                                             self.expert_offset, self.experts.linear_fc1.weight,
+                                             self.experts.linear_fc2.weight, self.activation)
             y = tpar.sum_owned_slots(mine, group, self.sequence_parallel)
             out = kmoe.combine_experts(h, y, w, shared, self.activation)
         else:
@@ -179,19 +181,6 @@ class ConsistentMoELayer(nn.Module):
         if group is not None and self.sequence_parallel:  # this rank's chunk (the gradient reaches it alone)
             out = out.chunk(self.tp, dim=0)[tpar.tp_rank(group)]
         return out, None
-
-    def _owned_slot_outputs(self, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """``[T, k, H]``: the (token, slot) pairs routed to this rank's experts through :func:`kmoe.expert_outputs`
-        (row-invariant: the values of the whole batch's call), zeros for the pairs of other ranks' experts."""
-        fc1, fc2 = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight
-        local = experts - self.expert_offset
-        mine = (local >= 0) & (local < fc1.shape[0])
-        token, slot = mine.nonzero(as_tuple=True)
-        y = h.new_zeros(*experts.shape, fc2.shape[1])
-        if token.numel() == 0:
-            return y
-        pairs = kmoe.expert_outputs(h[token], local[token, slot][:, None], fc1, fc2, self.activation)
-        return y.index_put((token, slot), pairs[:, 0])
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         from .linear import sharded_state_dict_tp1

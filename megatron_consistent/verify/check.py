@@ -187,7 +187,8 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
         engine.update(column="q|k|v, gate|up: heads / MLP columns split", row="o_proj, down: K subtrees all-gathered in rank "
                       "order, adjacent tree", vocab="embedding / lm head vocab-parallel, all-gathered")
         if arch.is_moe:
-            engine["moe"] = "MoE block replicated on every rank"
+            engine["moe"] = ("experts sharded over the TP ranks, each rank's (token, slot) outputs all-gathered in rank "
+                             "order and summed (one value and zeros: exact), router and shared expert replicated")
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
     if trainer_parallel(cfg):
         device = cfg.resolved_device()

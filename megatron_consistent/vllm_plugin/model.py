@@ -30,7 +30,7 @@ from . import announce, probe
 from .compat import compiled_by_vllm
 from .decoder_layer import _param
 from .moe import ROUTES_ENV, decoder_layer_class, start_recorder
-from .parallel import check_tp, gather_vocab, placed_entries, tp_rank_size, vocab_parallel_embedding
+from .parallel import check_tp, gather_vocab, tp_rank_size, vocab_parallel_embedding
 
 logger = init_logger("vllm.plugins.megatron_consistent.model")
 
@@ -169,7 +169,7 @@ class ConsistentForCausalLM(nn.Module):
         """HF tensor name -> the view of this model's storage it is copied into (the family's weight table,
         :mod:`megatron_consistent.architectures`; block-FP8 / NVFP4 scales: the layer's ``block_scales``, vllm_plugin/fp8.py)."""
         out = {}
-        for entry in placed_entries(self):
+        for entry in weight_entries(self.arch):
             out.update(zip(entry.hf, engine_views(entry, self.get_parameter(entry.engine), self.tp_rank, self.tp_size)))
             module, _, held = entry.engine.rpartition(".")
             block_scales = getattr(self.get_submodule(module), "block_scales", None)
@@ -178,9 +178,10 @@ class ConsistentForCausalLM(nn.Module):
         return out
 
     def hf_parts(self) -> dict[str, tuple[int, int, int] | None]:
-        """HF tensor name -> ``(dim, start, stop)`` of the full HF tensor this TP rank holds (``None``: all of it)."""
+        """HF tensor name -> ``(dim, start, stop)`` of the full HF tensor this TP rank holds (``None``: all of it;
+        ``(0, 0, 0)``: nothing, another rank's expert)."""
         return {n: tp_part(entry, i, self.tp_rank, self.tp_size)
-                for entry in placed_entries(self) for i, n in enumerate(entry.hf)}
+                for entry in weight_entries(self.arch) for i, n in enumerate(entry.hf)}
 
     def hf_full_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape of the whole HF tensor (what a checkpoint and a weight update carry)."""

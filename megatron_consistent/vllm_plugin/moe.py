@@ -10,6 +10,13 @@ The MLP of an MoE layer is, op for op, the Megatron-side
 each an opaque custom op of :mod:`..kernels.inference_ops` with no host read and no data-dependent shape, so vLLM
 compiles the MoE model and replays it as CUDA graphs like the dense one.
 
+Tensor parallelism (t > 1; :mod:`.parallel`): the experts are sharded like the trainer's -- rank r holds experts
+``[r E/t, (r+1) E/t)`` (the weight table's ``experts`` rule), router and shared expert replicated::
+
+    y_r = moe_owned_expert_outputs(x, experts, r E/t, W_fc1[run], W_fc2[run])   ([T, k, H]; +0.0 for others' pairs)
+    y = sum_owned_slots(y_r)                  (all-gather in rank order, sum: one value + zeros per element, exact)
+    out = moe_combine(x, y, w, shared)        (the slot-order combine and shared expert of moe_experts)
+
 Parameters are held in the Megatron stacked layout; the MoE family's weight table
 (:mod:`megatron_consistent.architectures.moe`) maps the HF per-expert tensor names to views of
 them for ``load_weights``.
@@ -37,6 +44,7 @@ import torch
 from ..kernels import inference_ops
 from .compat import install_step_hooks
 from .decoder_layer import ConsistentDecoderLayer, _param
+from .parallel import sum_owned_slots, tp_rank_size
 
 ROUTES_ENV = "MEGATRON_CONSISTENT_ROUTES"
 _BATCH: dict = {"rows": None}  # set after the runner prepared a step: [(request index, num tokens)]
@@ -130,20 +138,20 @@ def set_recorder(recorder: RouteRecorder | None) -> None:
 class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
     """The plugin's decoder layer with the MLP replaced by the MoE block (attention part inherited).
 
-    At TP > 1 the attention is sharded as in the dense layer; the MoE block's parameters (``tp_replicated``) are kept
-    whole on every rank and computed from the replicated input, as at TP = 1 (the model starts the route recorder on
-    rank 0 only)."""
-
-    tp_replicated = ("router", "experts_fc1", "experts_fc2", "shared_fc1", "shared_fc2", "shared_gate")
+    At TP = t > 1 the attention is sharded as in the dense layer; the layer holds the experts ``[r E/t, (r+1) E/t)``
+    of its rank r (``experts_fc1`` / ``experts_fc2``), the router and the shared expert whole (every rank routes every
+    token; the model starts the route recorder on rank 0 only)."""
 
     def __init__(self, arch, cache_config, prefix: str):
         super().__init__(arch, cache_config, prefix)
         a, dt = arch, arch.torch_dtype
         del self.gate_up_proj, self.down_proj
-        E, inter = a.num_experts, a.moe_intermediate_size
-        self.router = _param(E, a.hidden_size, dtype=dt)
-        self.experts_fc1 = _param(E, 2 * inter, a.hidden_size, dtype=dt)
-        self.experts_fc2 = _param(E, a.hidden_size, inter, dtype=dt)
+        rank, self.tp_size = tp_rank_size()
+        run, inter = a.num_experts // self.tp_size, a.moe_intermediate_size  # the model refused E not divisible by t
+        self.expert_first = rank * run
+        self.router = _param(a.num_experts, a.hidden_size, dtype=dt)
+        self.experts_fc1 = _param(run, 2 * inter, a.hidden_size, dtype=dt)
+        self.experts_fc2 = _param(run, a.hidden_size, inter, dtype=dt)
         self.shared = None
         if a.shared_expert_intermediate_size:
             s = a.shared_expert_intermediate_size
@@ -159,7 +167,11 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
         if RECORDER is not None:
             RECORDER.record(self.idx, positions, experts)
         shared = self.shared or (None, None, None)
-        return z, experts, inference_ops.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, *shared, "swiglu")
+        if self.tp_size == 1:
+            return z, experts, inference_ops.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, *shared, "swiglu")
+        mine = inference_ops.moe_owned_expert_outputs(x, experts, self.expert_first, self.experts_fc1, self.experts_fc2,
+                                                      "swiglu")
+        return z, experts, inference_ops.moe_combine(x, sum_owned_slots(mine), w, *shared, "swiglu")
 
 
 def decoder_layer_class(arch, idx: int):

@@ -14,17 +14,19 @@ Placement comes from the weight table's ``shard`` rule (:func:`..architectures.t
   copy: exact, signed zeros included).  The lm head: each rank computes its float32 logit
   columns (every column is its own dot product), all-gathered along the vocabulary and trimmed
   to V — the full-vocabulary logits of TP = 1, on every rank, for the unchanged log-prob contract;
-* ``replicated``: norms (and Qwen3 q/k norms), whole on every rank.
-
-MoE layers (Qwen3-MoE, Qwen2-MoE, Mixtral): attention as above; the MoE block (router, experts, shared
-expert) is **replicated** on every rank (the layer class names the parameters it keeps whole,
-``tp_replicated``; :func:`placed_entries` overrides their table rule) and computed whole from the
-replicated input — the TP = 1 computation, on every rank.
+* ``replicated``: norms (and Qwen3 q/k norms), MoE routers and shared experts, whole on every rank;
+* ``experts`` (the stacked MoE experts): rank r holds experts ``[r E/t, (r+1) E/t)`` whole and nothing of the
+  others'.  Every rank routes all tokens (router replicated), computes the (token, slot) outputs of the pairs
+  routed to its own experts with the one-rank expert MLP and ``+0.0`` for the others' pairs
+  (``inference_ops.moe_owned_expert_outputs``: a masked computation over all pairs, no data-dependent shape);
+  the ranks' ``[T, k, H]`` tensors are **all-gathered** in rank order and summed (:func:`sum_owned_slots`: one
+  value and zeros per element, exact), then every rank combines them with the replicated shared expert in slot
+  order (``inference_ops.moe_combine``) — the TP = 1 bits.
 
 Every collective is vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op:
 ``torch.compile`` and CUDA-graph capture see one node).  Refused by name at TP > 1, before any
 weight is read: TP not dividing 8, hybrid Mamba-2 models, FP8 / NVFP4 checkpoints,
-head / KV-head / MLP sizes that TP does not divide.
+head / KV-head / MLP sizes and numbers of experts that TP does not divide.
 
 This module imports vLLM only inside functions (``verify`` calls :func:`tp_refusal` before any engine starts).
 """
@@ -55,7 +57,8 @@ def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
         return f"{name}: FP8 / NVFP4 checkpoints run at TP=1 only in megatron-consistent"
     dense_mlp = any(not arch.layer_is_moe(i) for i in range(arch.num_layers))
     for what, n in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
-                    ("MLP intermediate size", arch.intermediate_size if dense_mlp else tp)):
+                    ("MLP intermediate size", arch.intermediate_size if dense_mlp else tp),
+                    ("experts", arch.num_experts if arch.is_moe else tp)):
         if n % tp:
             return f"{name}: {what} ({n}) not divisible by {tp}"
     for what, k in (("o_proj K (heads x head_dim)", arch.num_heads * arch.head_dim),
@@ -76,19 +79,6 @@ def check_tp(arch: ArchConfig, tp: int, quantized: bool = False) -> None:
     reason = tp_refusal(arch, tp, quantized)
     if reason:
         raise UnsupportedConfigError(reason)
-
-
-def placed_entries(model) -> list:
-    """The weight table of ``model.arch`` with each entry's TP rule as the engine places it: the table's ``shard``,
-    except ``replicated`` for the parameters the holding module lists in its ``tp_replicated`` (MoE blocks)."""
-    from dataclasses import replace
-
-    out = []
-    for entry in weight_entries(model.arch):
-        module, _, held = entry.engine.rpartition(".")
-        keep_whole = held in getattr(model.get_submodule(module), "tp_replicated", ())
-        out.append(replace(entry, shard="replicated") if keep_whole and entry.shard != "replicated" else entry)
-    return out
 
 
 def tp_rank_size() -> tuple[int, int]:
@@ -118,6 +108,16 @@ def row_parallel_for(size: int):
     if size == 1:
         return inference_ops.row_parallel_linear
     return lambda x, w, b=None: row_parallel_linear(x, w, b, size)
+
+
+def sum_owned_slots(y: torch.Tensor) -> torch.Tensor:
+    """The sum over the TP ranks of the MoE's (token, slot) outputs ``y [T, k, H]``, of which each element is non-zero
+    on one rank at most (the rank holding the pair's expert; ``+0.0`` elsewhere): the ranks' tensors all-gathered in
+    rank order, then added by the tree of neighbours.  Each element is one value plus zeros, so the sum is that value
+    in any order (a ``-0.0`` may come back ``+0.0``, which the slot-order combine cannot tell apart).  All-gathered,
+    not all-reduced: an all-gather only moves bytes, while vLLM's all-reduce is whichever communicator it picks
+    (custom kernels, quantized or rewritten by its compile passes), whose arithmetic the plugin does not choose."""
+    return adjacent_tree_sum(_all_gather(y.unsqueeze(0), 0), dim=0)
 
 
 def vocab_parallel_embedding(ids: torch.Tensor, held: torch.Tensor, rank: int, size: int) -> torch.Tensor:
