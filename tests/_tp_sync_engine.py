@@ -1,8 +1,10 @@
-"""Engine process for tests/test_parallel_engine.py: ``python tests/_tp_sync_engine.py REQUEST.json PUSHED_DIR RESULT.json``.
+"""Engine process for tests/test_parallel_engine.py: ``python tests/_tp_sync_engine.py REQUEST.json PUSHED_DIR RESULT.json
+[MISFIT]``.
 
 A consistent engine at the request's ``tensor_parallel_size`` started on the request's weights, then an in-place push
 of ``PUSHED_DIR/model.safetensors`` through :class:`WeightSyncChannel` (every rank keeps its part), a push that does
-not fit (refused whole), and a rollout.  Writes tokens, log-probs and the sync outcomes as JSON.
+not fit (HF tensor ``MISFIT``, default layer 0's ``down_proj``, cut to half its columns: refused whole), and a rollout.
+Writes tokens, log-probs and the sync outcomes as JSON.
 """
 
 import json
@@ -23,7 +25,7 @@ if __name__ == "__main__":
     before = channel.engine_pointers()
     report = channel.push_tensors(pushed)
     bad = dict(pushed)
-    name = "model.layers.0.mlp.down_proj.weight"
+    name = sys.argv[4] if len(sys.argv) > 4 else "model.layers.0.mlp.down_proj.weight"
     bad[name] = bad[name][:, : bad[name].shape[1] // 2].contiguous()
     try:
         channel.push_tensors(bad)

