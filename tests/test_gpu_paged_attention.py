@@ -65,6 +65,13 @@ def _randn(shape, gen, dtype):
     return torch.randn(shape, generator=gen).to(DEV, dtype)
 
 
+def _unwritten(shape, dtype):
+    """A cache's unwritten slots: NaN converted from float32 (on CUDA a bfloat16 NaN from the device's conversion is
+    0x7fff, one from ``fill_(nan)`` the host's 0x7fc0: a cache compared bitwise with another must take its NaN
+    the same way -- session 31's H100 run)."""
+    return torch.full(shape, float("nan"), dtype=torch.float32).to(DEV, dtype)
+
+
 class Batch:
     """Sequences ``(cached, q_len)`` with dense K/V, a shuffled paged cache and varlen q."""
 
@@ -89,7 +96,7 @@ class Batch:
             k += n
         self.table = table.to(DEV)
         cache_dtype = torch.float8_e4m3fn if fp8 else dtype
-        kv = torch.full((2, total, page, HKV, D), float("nan"), dtype=torch.float32).to(DEV, cache_dtype)
+        kv = _unwritten((2, total, page, HKV, D), cache_dtype)
         self.k_cache, self.v_cache = kv[0], kv[1]
         slots = []
         for s, L in enumerate(self.lens):
@@ -427,7 +434,7 @@ def test_pages_past_32_bit_element_offsets(page):
     top = CACHE_ELEMENTS_PAST_32_BITS // batch.k_cache[0].numel() + 1  # the first block id past 2**32 elements
     k_big, v_big = (torch.empty((top + blocks, page, HKV, D), dtype=dtype, device=DEV) for _ in range(2))
     for big in (k_big, v_big):
-        big[top:].fill_(float("nan"))  # as the small cache's unwritten slots
+        big[top:].copy_(_unwritten(big[top:].shape, dtype))  # as the small cache's unwritten slots
     keys, vals, slots = batch.written
     tpa.write_kv_cache(keys, vals, k_big, v_big, slots + top * page)
     assert bits_equal(k_big[top:], batch.k_cache) and bits_equal(v_big[top:], batch.v_cache), "write_kv_cache"
