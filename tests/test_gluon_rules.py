@@ -1,6 +1,6 @@
-"""Which calls ``MC_GLUON=1`` hands to the Gluon kernels (kernels/triton/_common.py, segment_tree.py,
-fp8_linear.py): off by default, only where they are measured ahead and give the committed bits, a bad value refused by
-name.  The kernels themselves run on a Hopper GPU only (tests/test_gpu_gluon_candidates.py)."""
+"""Which calls the Gluon switch (``MC_GLUON``) hands to the Gluon kernels (kernels/triton/_common.py, segment_tree.py,
+fp8_linear.py): on by default since session 31, ``MC_GLUON=0`` off, only where they are measured ahead and give the
+committed bits, a bad value refused by name.  The kernels themselves run on a Hopper GPU only (tests/test_gpu_gluon_candidates.py)."""
 
 from __future__ import annotations
 
@@ -14,28 +14,40 @@ from megatron_consistent.kernels.triton import attention, fp8_linear, paged_atte
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def test_the_knob_is_off_unless_asked_and_refuses_other_values(monkeypatch):
+def test_the_switch_is_on_unless_turned_off_and_refuses_other_values(monkeypatch):
     from megatron_consistent.kernels.dispatch import env_switch
+    from megatron_consistent.kernels.triton._common import GLUON_DEFAULT
 
+    assert GLUON_DEFAULT is True
     monkeypatch.delenv("MC_GLUON", raising=False)
-    assert not env_switch("MC_GLUON")
+    assert env_switch("MC_GLUON", GLUON_DEFAULT) and not env_switch("MC_GLUON")
     monkeypatch.setenv("MC_GLUON", "0")
-    assert not env_switch("MC_GLUON")
+    assert not env_switch("MC_GLUON", GLUON_DEFAULT)
     monkeypatch.setenv("MC_GLUON", "1")
-    assert env_switch("MC_GLUON")
+    assert env_switch("MC_GLUON", GLUON_DEFAULT)
     monkeypatch.setenv("MC_GLUON", "yes")
     with pytest.raises(ValueError, match="MC_GLUON='yes': expected 0 or 1"):
-        env_switch("MC_GLUON")
+        env_switch("MC_GLUON", GLUON_DEFAULT)
 
 
 def test_off_means_no_call_goes_to_gluon(monkeypatch):
-    monkeypatch.setattr(segment_tree, "GLUON", False)
-    monkeypatch.setattr(fp8_linear, "GLUON", False)
+    for module in (segment_tree, fp8_linear, attention, paged_attention):
+        monkeypatch.setattr(module, "GLUON", False)
     assert not segment_tree.gluon_tree_applies(4096, 4096, 4096, 8, BF16, BF16)
     assert not fp8_linear.gluon_fp8_applies(4096, 6144, 4096, BF16, 128)
     q, k = torch.empty(1, 4096, 32, 128, dtype=BF16), torch.empty(1, 4096, 8, 128, dtype=BF16)
     assert not attention.gluon_attention_applies(q, k)
     assert not paged_attention.gluon_paged_applies(q[0], torch.empty(64, 16, 8, 128, dtype=BF16), 4096, 0, 4)
+
+
+def test_a_cpu_tensor_is_never_on_hopper():
+    """With the switch on by default, Triton's interpreter (CPU tensors) must reach the committed kernels: the rules
+    pass such a call, the device check refuses it without asking CUDA."""
+    from megatron_consistent.kernels.triton._common import on_hopper
+
+    q, k = torch.empty(1, 4096, 32, 128, dtype=BF16), torch.empty(1, 4096, 8, 128, dtype=BF16)
+    assert attention.gluon_attention_applies(q, k) == attention.GLUON
+    assert not on_hopper(q)
 
 
 def test_tree_rule(monkeypatch):

@@ -1,5 +1,5 @@
 """The Gluon kernels (``kernels/triton/gluon_segment_tree.py``, ``gluon_fp8_gemm.py``, ``gluon_attention.py``;
-opt-in ``MC_GLUON=1``) against the committed kernels, bitwise, on a Hopper GPU.
+on Hopper by default, ``MC_GLUON=0`` off) against the committed kernels, bitwise, on a Hopper GPU.
 
 Every schedule of the Gluon tree must give the bits of ``segment_tree.segment_tree_gemm`` and every schedule of the
 Gluon FP8 GEMM those of ``fp8_linear.fp8_gemm`` -- at ragged M and N (the TMA unit's zero fill and clipping), with a

@@ -126,8 +126,8 @@ def test_cuda_attention_takes_manager_blocks_vllm_cuts_into_its_pages():
 
 
 def test_cuda_attention_asks_vllm_for_decodes_first():
-    """With ``MC_GLUON=1`` the CUDA backend hands a step's requests after its leading one-token ones to the Gluon
-    prefill kernel (``paged_attention.leading_decodes``): it asks vLLM's runner to put those first, as vLLM's own
+    """With the Gluon kernels on (the default; ``MC_GLUON=0`` off) the CUDA backend hands a step's requests after its
+    leading one-token ones to the Gluon prefill kernel (``paged_attention.leading_decodes``): it asks vLLM's runner to put those first, as vLLM's own
     Mamba-2 builder does (``reorder_batch_threshold = 1``; the runner takes the smallest of its builders')."""
     from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
 

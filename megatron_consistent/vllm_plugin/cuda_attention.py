@@ -45,7 +45,7 @@ class ConsistentCudaAttentionMetadata:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int  # an upper bound (the engine's max_model_len): fixed under CUDA-graph capture
-    decode_requests: int  # the leading one-token requests (-1: not read, MC_GLUON off): those after may take Gluon
+    decode_requests: int  # the leading one-token requests (-1: not read, MC_GLUON=0): those after may take Gluon
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -56,7 +56,7 @@ class ConsistentCudaAttentionMetadataBuilder(AttentionMetadataBuilder[Consistent
     """Passes vLLM's common metadata through; the kernel finds each query tile's sequence itself."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
-    # vLLM puts a step's one-token requests first: with MC_GLUON=1 the ones after them take the Gluon prefill kernel
+    # vLLM puts a step's one-token requests first: with the Gluon kernels on (the default) the ones after them take the Gluon prefill kernel
     reorder_batch_threshold: ClassVar[int] = 1
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):

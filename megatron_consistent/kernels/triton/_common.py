@@ -16,16 +16,23 @@ except Exception:  # pragma: no cover
     TensorDescriptor = None
 
 
-# MC_GLUON=1: the Gluon kernels (.gluon_segment_tree, .gluon_fp8_gemm: Hopper, warp-specialised, the committed kernels'
-# bits) take the calls they are measured ahead on; off by default until they pass the engine check and a rollout.
+# The Gluon kernels (.gluon_segment_tree, .gluon_fp8_gemm, .gluon_attention: Hopper, warp-specialised, the committed
+# kernels' bits) take the calls they are measured ahead on: on by default since session 31 (`check` zero at b, b8, d,
+# d8 with them; rollout b8 1.045x the committed kernels with the same tokens, (c) equal); MC_GLUON=0 turns them off.
 # Read once, when the CUDA backend is imported.
-GLUON = env_switch("MC_GLUON")
+GLUON_DEFAULT = True
+GLUON = env_switch("MC_GLUON", GLUON_DEFAULT)
 
 
 @functools.lru_cache(maxsize=None)
-def is_hopper(device_index: int) -> bool:
-    """Whether the device is sm_90 (``wgmma``, TMA, warp specialisation: what the Gluon kernels are written for)."""
+def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on an sm_90 GPU (``wgmma``, TMA, warp specialisation: what the Gluon kernels are written
+    for); a CPU tensor (Triton's interpreter) is not."""
+    return t.device.type == "cuda" and _is_hopper(device_index(t))
 
 
 @functools.lru_cache(maxsize=None)

@@ -53,7 +53,7 @@ FP8 KV cache (paged path, ``float8_e4m3fn`` with a per-tensor ``kv_scale``): a l
 ``round_to_q_dtype(float32(k8) * kv_scale)`` — :func:`megatron_consistent.kernels.fp8.kv_dequantize`
 — so a paged FP8 row equals :func:`attention_fwd` on the dequantized K/V.
 
-With ``MC_GLUON=1`` the registered dense op hands prefill-sized calls on Hopper to :mod:`.gluon_attention`: this
+Unless ``MC_GLUON=0`` the registered dense op hands prefill-sized calls on Hopper to :mod:`.gluon_attention`: this
 contract, warp-specialised in Gluon, the same bits (:func:`gluon_attention_applies`).
 """
 
@@ -68,7 +68,7 @@ import triton.language as tl
 from ..attention import CUDA_MAX_HEAD_DIM
 from ..dispatch import register
 from ..numerics import LOG2E
-from ._common import GLUON, device_index, is_hopper, next_pow2
+from ._common import GLUON, next_pow2, on_hopper
 
 KV_BLOCK_GPU = 64
 PART_BLOCKS = 8
@@ -646,13 +646,13 @@ def attention_fwd(q, k, v, q_positions, k_lengths, scale, block_m: int = 0, spli
     return out, lse
 
 
-GLUON_ATTENTION_HEAD_DIMS = (64, 128)  # MC_GLUON=1: the Gluon prefill kernel (.gluon_attention) serves these
+GLUON_ATTENTION_HEAD_DIMS = (64, 128)  # the Gluon prefill kernel (.gluon_attention) serves these
 GLUON_ATTENTION_SCHEDULE = "ws lookahead"  # session 24, dense prefill T = 4k / 16k: 1.14-1.24x this kernel, the same bits
 
 
 def gluon_attention_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``MC_GLUON=1``'s Gluon kernel (:mod:`.gluon_attention`, :data:`GLUON_ATTENTION_SCHEDULE`) takes a dense
-    call (the caller checks the device): bf16 / fp16, head dim in :data:`GLUON_ATTENTION_HEAD_DIMS`, prefill-sized
+    """Whether the Gluon kernel (:mod:`.gluon_attention`, :data:`GLUON_ATTENTION_SCHEDULE`; ``MC_GLUON``, default on)
+    takes a dense call (the caller checks the device): bf16 / fp16, head dim in :data:`GLUON_ATTENTION_HEAD_DIMS`, prefill-sized
     (more than 64 packed query rows: this kernel's 128-row tiles; decode keeps its split path)."""
     return GLUON and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in GLUON_ATTENTION_HEAD_DIMS \
         and q.shape[1] * (q.shape[2] // k.shape[2]) > 64
@@ -660,5 +660,5 @@ def gluon_attention_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 @register("attention", "cuda")
 def _attention_cuda(q, k, v, q_positions, k_lengths, scale):
-    gluon = GLUON_ATTENTION_SCHEDULE if gluon_attention_applies(q, k) and is_hopper(device_index(q)) else None
+    gluon = GLUON_ATTENTION_SCHEDULE if gluon_attention_applies(q, k) and on_hopper(q) else None
     return attention_fwd(q, k, v, q_positions, k_lengths, scale, gluon=gluon)

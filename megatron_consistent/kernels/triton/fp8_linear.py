@@ -43,7 +43,7 @@ import triton.language as tl
 from ..dispatch import implementation, register
 from ..fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, TENSOR_CORE_GROUP, QuantFormat, _dequantized_operands,
                    quantize, tensor_core_formats)
-from ._common import GLUON, device_index, gemm_output, is_hopper, num_sms, tile_coords, tma_ok, tma_sources
+from ._common import GLUON, device_index, gemm_output, num_sms, on_hopper, tile_coords, tma_ok, tma_sources
 from .linear import _epilogue
 
 GROUP = TENSOR_CORE_GROUP  # activation group = weight block column = BLOCK_K
@@ -272,7 +272,7 @@ def _reduce_splits(ws_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_B
 
 
 _FORCE_PATH = os.environ.get("MC_FP8_GEMM_PATH", "")  # "", "serial", "parallel" (numerics-neutral)
-GLUON_FP8_MIN_M = 256  # MC_GLUON=1: the Gluon GEMM from here (gluon_fp8_schedule: which schedule by the splits)
+GLUON_FP8_MIN_M = 256  # the Gluon GEMM from here (gluon_fp8_schedule: which schedule by the splits)
 
 
 def gluon_fp8_schedule(n: int, k: int) -> str:
@@ -344,8 +344,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Ten
 
 
 def gluon_fp8_applies(m: int, n: int, k: int, out_dtype: torch.dtype, w_block_rows: int) -> bool:
-    """Whether ``MC_GLUON=1``'s Gluon GEMM (:mod:`.gluon_fp8_gemm`, in :func:`gluon_fp8_schedule`'s schedule) takes a
-    call of these sizes (the caller checks the device and the operands' alignment): M >= GLUON_FP8_MIN_M, whole
+    """Whether the Gluon GEMM (:mod:`.gluon_fp8_gemm`, in :func:`gluon_fp8_schedule`'s schedule; ``MC_GLUON``, default
+    on) takes a call of these sizes (the caller checks the device and the operands' alignment): M >= GLUON_FP8_MIN_M, whole
     128-column groups, one weight scale per 128-row tile (``w_block_rows``; per-column scales spill there: 0.2 of
     ``_scaled_mm``); the same contract, the same bits (module docstrings)."""
     if not GLUON or m < GLUON_FP8_MIN_M or k % GROUP or n % 8 or out_dtype not in (torch.bfloat16, torch.float32):
@@ -372,7 +372,7 @@ def _fp8_linear_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.T
         return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
     xq, xs = quantize_activations(x2d, a_fmt)
     m, n, k = xq.shape[0], w_q.shape[0], xq.shape[1]
-    if gluon_fp8_applies(m, n, k, out_dtype, w_block_rows) and is_hopper(device_index(xq)) and tma_ok(xq) and tma_ok(w_q):
+    if gluon_fp8_applies(m, n, k, out_dtype, w_block_rows) and on_hopper(xq) and tma_ok(xq) and tma_ok(w_q):
         from .gluon_fp8_gemm import gluon_fp8_gemm
 
         return gluon_fp8_gemm(xq, xs.to(torch.float32), w_q, w_row_scales.to(torch.float32), bias, out_dtype,

@@ -1,5 +1,5 @@
 """Causal GQA attention for prefill on Hopper written in Gluon -- dense (the trainer) and paged (the engine) -- the
-committed kernel's per-row arithmetic with two warp groups taking turns on the tensor cores; opt-in (``MC_GLUON=1``).
+committed kernel's per-row arithmetic with two warp groups taking turns on the tensor cores; on Hopper by default (``MC_GLUON=0``: off).
 
 Why (docs/benchmarks.md, issue #15): the committed Triton kernel (``kernels/triton/attention.py``) runs dense prefill
 at 0.57-0.66 of vLLM's FA3 on the H200 and the engine's paged prefill at 0.51-0.59.  Triton 3.6 waits for each
@@ -25,7 +25,7 @@ Paged (vLLM's layouts, as ``paged_attention``): a program's sequence is found by
 starts (the committed kernel's virtual tiles); key blocks of the step's new tokens only come from the step's K / V
 (the same values), the others through the block table, one TMA load a page.
 
-Use: with ``MC_GLUON=1`` the registered ``("attention", "cuda")`` op (the trainer's attention) runs
+Use: unless ``MC_GLUON=0`` the registered ``("attention", "cuda")`` op (the trainer's attention) runs
 ``attention.GLUON_ATTENTION_SCHEDULE`` where ``attention.gluon_attention_applies`` says (prefill-sized bf16 / fp16
 calls, head dim 64 or 128, Hopper), and ``paged_attention`` does for the engine's steps of prefills only
 (``paged_attention.gluon_paged_applies``); ``attention_fwd(..., gluon=schedule)`` and ``paged_attention(...,

@@ -1,4 +1,4 @@
-"""The block-FP8 GEMM on Hopper written in Gluon (opt-in, ``MC_GLUON=1``): warp-specialised, so the per-group scaling and the
+"""The block-FP8 GEMM on Hopper written in Gluon (on Hopper by default; ``MC_GLUON=0`` off): warp-specialised, so the per-group scaling and the
 split sums overlap the tensor cores.
 
 Why (docs/fp8.md, docs/benchmarks.md): the committed kernel (``kernels/triton/fp8_linear.py``) is 0.69-0.75 of cuBLAS
@@ -26,12 +26,13 @@ tile order (session 23: no better than ``ws``); ``ws smem sums`` -- without the 
 memory (session 24: 0.77 / 0.80 / 0.91 at M = 256 / 1024 / 4096 on 4096 x 4096, four splits).  Same arithmetic, same
 bits.
 
-Use: with ``MC_GLUON=1`` the registered ``fp8_linear`` op (``fp8_linear._fp8_linear_cuda``) runs ``ws regs`` on a
-Hopper GPU where ``fp8_linear.gluon_fp8_applies`` says (M >= 256, one weight scale per 128-row tile), ``ws smem sums`` instead
-where the (N, K) table has more than two splits (``fp8_linear.gluon_fp8_schedule``); off by default until it has
-passed the engine check and a rollout.  Bits and speed: ``python benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon``
-on the H200 (``torch.equal`` against the committed kernel, time against ``_scaled_mm`` in the same run); the edges:
-``tests/test_gpu_gluon_candidates.py``; sm_90a compile without a GPU: ``benchmarks/offline_compile_gluon.py``.
+Use: unless ``MC_GLUON=0`` the registered ``fp8_linear`` op (``fp8_linear._fp8_linear_cuda``) runs ``ws regs`` on a
+Hopper GPU where ``fp8_linear.gluon_fp8_applies`` says (M >= 256, one weight scale per 128-row tile), ``ws smem sums``
+instead where the (N, K) table has more than two splits (``fp8_linear.gluon_fp8_schedule``); default since session 31
+(``check`` zero at b8 and d8, rollout b8 1.045x the committed kernel, the same tokens). Bits and speed: ``python
+benchmarks/sweep_gpu_gemm.py --only-fp8 --gluon`` on the H200 (``torch.equal`` against the committed kernel, time
+against ``_scaled_mm`` in the same run); the edges: ``tests/test_gpu_gluon_candidates.py``; sm_90a compile without a
+GPU: ``benchmarks/offline_compile_gluon.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The row-parallel K-segment tree at large M written in Gluon (opt-in, ``MC_GLUON=1``) (Triton 3.6's explicit-layout dialect),
+"""The row-parallel K-segment tree at large M written in Gluon (on Hopper by default; ``MC_GLUON=0`` off) (Triton 3.6's explicit-layout dialect),
 warp-specialised.
 
 Why (docs/benchmarks.md, "Row-parallel K-segment tree"): at M >= 1024 the committed tree kernel
@@ -23,9 +23,9 @@ session 20's single-issuer schedules ``smem`` / ``regs``, 0.50-0.61, were remove
 the 8B o_proj at M = 1024 / 4096, 0.90 / 0.83 on down, ahead of the committed tree's 0.69 / 0.68 and 0.83 / 0.83);
 ``ws grouped`` -- ``ws`` in the committed kernels' grouped tile order (session 23: no better than ``ws``).
 
-Use: with ``MC_GLUON=1`` the registered ``linear_segment_tree`` op (``segment_tree._linear_segment_tree_cuda``) runs
+Use: unless ``MC_GLUON=0`` the registered ``linear_segment_tree`` op (``segment_tree._linear_segment_tree_cuda``) runs
 ``ws deep`` on a Hopper GPU where ``segment_tree.gluon_tree_applies`` says (bf16, M >= 1024, no split inside a
-segment); off by default until it has passed the engine check and a rollout.  Bits and speed:
+segment); default since session 31 (``check`` zero at b, b8, d, d8 with it).  Bits and speed:
 ``bench_gpu_row_parallel.py --gluon`` on the H200 (``torch.equal`` against the committed tree; time against cuBLAS
 and the pre-tree GEMM in the same run); the edges: ``tests/test_gpu_gluon_candidates.py``; sm_90a compile without a
 GPU: ``benchmarks/offline_compile_gluon.py``.

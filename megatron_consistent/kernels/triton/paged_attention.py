@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import GLUON, device_index, is_hopper, next_pow2, tma_ok
+from ._common import GLUON, next_pow2, on_hopper, tma_ok
 from .attention import (GLUON_ATTENTION_HEAD_DIMS, GLUON_ATTENTION_SCHEDULE, KV_BLOCK_GPU, PART_KEYS, _block_m_for,
                         _launch, _part_blocks, _use_split)
 
@@ -99,7 +99,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     * ``decode_requests``: a Python int, the engine's host reading of the step (:func:`leading_decodes`): its first
       ``decode_requests`` sequences have one query token each and every later one more (-1: not known).  With
-      ``MC_GLUON=1`` the sequences after them run :mod:`.gluon_attention`'s paged kernel where
+      the Gluon switch on (the default) the sequences after them run :mod:`.gluon_attention`'s paged kernel where
       :func:`gluon_paged_applies` says, and the one-token ones this kernel, in a launch of their own (a decode's few
       rows would idle a 128-row tile): the same rows, bit for bit, either way.  ``gluon``: a schedule of
       :data:`.gluon_attention.SCHEDULES` forces that kernel on the sequences after the first ``max(decode_requests,
@@ -155,7 +155,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                          f"{GLUON_ATTENTION_HEAD_DIMS} and TMA-addressable K / V operands; got {k_cache.dtype}, "
                          f"head dim {d}")
     if gluon is None and gluon_paged_applies(q, k_cache, max_query_len, decode_requests, nseq) \
-            and is_hopper(device_index(q)) and all(map(tma_ok, operands)):
+            and on_hopper(q) and all(map(tma_ok, operands)):
         gluon = GLUON_ATTENTION_SCHEDULE
 
     def committed(q, tab, qsl, seqs, out3, n, t, max_q, k_new, v_new):  # the Triton kernel on sequences / rows
@@ -190,7 +190,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def gluon_paged_applies(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int, decode_requests: int,
                         nseq: int) -> bool:
-    """Whether ``MC_GLUON=1``'s Gluon paged kernel (:func:`.gluon_attention.gluon_paged_attention`, in
+    """Whether the Gluon paged kernel (:func:`.gluon_attention.gluon_paged_attention`, in
     ``attention.GLUON_ATTENTION_SCHEDULE``) takes a call's sequences after its one-token ones (the caller checks the
     device and TMA alignment): a cache in q's dtype (not FP8), head dim 64 or 128, the step's one-token sequences
     known to come first (``decode_requests >= 0``, the engine's hint: :func:`leading_decodes`), some sequences after

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..dispatch import register
-from ._common import GLUON, device_index, gemm_output, is_hopper, num_sms, tile_coords, tma_ok, tma_sources
+from ._common import GLUON, device_index, gemm_output, num_sms, on_hopper, tile_coords, tma_ok, tma_sources
 from .linear import (_INTERPRETER_SMS, _counters, _epilogue, _epilogue_t, _k_step, _serial_splits, _tile_offsets,
                      config_for, gemm)
 
@@ -56,7 +56,7 @@ WAVE_FILL = 0.9  # parallel path: fewer, longer units unless the last wave of un
 _FORCE_TREE_PATH = os.environ.get("MC_TREE_PATH", "")  # "", "serial", "parallel", "flat": every call (scheduling only)
 _SERIAL_PATH = os.environ.get("MC_TREE_SERIAL", "serial")  # the many-tiles schedule: "serial" or "flat"
 _FORCE_LANES = int(os.environ.get("MC_TREE_LANES", "0"))  # 1, 2 or 4: every call (scheduling only); 0: the planner's
-GLUON_TREE_MIN_M = 1024  # MC_GLUON=1: the Gluon tree from here (session 23, 8B o_proj / down: 0.82-0.90 of cuBLAS vs 0.69-0.83)
+GLUON_TREE_MIN_M = 1024  # the Gluon tree from here (session 23, 8B o_proj / down: 0.82-0.90 of cuBLAS vs 0.69-0.83)
 GLUON_TREE_SCHEDULE = "ws deep"  # its schedule (gluon_segment_tree.SCHEDULES): the first quad's tile in a global slot
 
 
@@ -512,8 +512,8 @@ def _linear_segments_cuda(x2d: torch.Tensor, weight: torch.Tensor, segments: int
 
 
 def gluon_tree_applies(m: int, n: int, k_local: int, segments: int, dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
-    """Whether ``MC_GLUON=1``'s Gluon tree (:mod:`.gluon_segment_tree`, :data:`GLUON_TREE_SCHEDULE`) takes a call of
-    these sizes (the caller checks the device and the operands' alignment): bf16 operands, M >= GLUON_TREE_MIN_M,
+    """Whether the Gluon tree (:mod:`.gluon_segment_tree`, :data:`GLUON_TREE_SCHEDULE`; ``MC_GLUON``, default on) takes
+    a call of these sizes (the caller checks the device and the operands' alignment): bf16 operands, M >= GLUON_TREE_MIN_M,
     whole 64-column steps a segment, and no split inside a segment -- then this kernel's segment chain is the tensor
     core's k16 steps in K order from 0, which is what the Gluon kernel's is (module docstrings): the same bits."""
     if not GLUON or dtype != torch.bfloat16 or out_dtype not in (torch.bfloat16, torch.float32):
@@ -533,7 +533,7 @@ def _linear_segment_tree_cuda(x2d: torch.Tensor, weight: torch.Tensor, segments:
                               out_dtype: torch.dtype) -> torch.Tensor:
     m, k = x2d.shape
     if (gluon_tree_applies(m, weight.shape[0], k, segments, x2d.dtype, out_dtype) and weight.dtype == x2d.dtype
-            and is_hopper(device_index(x2d)) and tma_ok(x2d) and tma_ok(weight)):
+            and on_hopper(x2d) and tma_ok(x2d) and tma_ok(weight)):
         from .gluon_segment_tree import gluon_segment_tree
 
         return gluon_segment_tree(x2d, weight, segments, bias, out_dtype, GLUON_TREE_SCHEDULE)
