@@ -54,7 +54,7 @@ def test_nccl_ranks_one_gpu_each_multicast_off(tmp_path):
 
 @pytest.mark.parametrize("name, layouts", [
     ("tiny-llama", [(2, 1), (1, 2), (2, 1, True)]),  # TP = 2, PP = 2, TP = 2 + sequence parallelism
-    ("tiny-qwen3moe-top1", [(2, 1), (1, 2)]),  # experts sharded over the TP ranks (the engine: MoE block replicated)
+    ("tiny-qwen3moe-top1", [(2, 1), (1, 2)]),  # experts sharded over the TP ranks (trainer and engine alike)
     ("tiny-qwen3-qknorm-tied", [(2, 1), (1, 2)]),  # tied LM head; at PP = 2 Megatron's embedding-group all-reduce
 ])
 def test_nccl_layouts_equal_one_gpu(tmp_path, name, layouts):
