@@ -432,7 +432,9 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
             m_r, l_r, acc_r = _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, cols, qk_scale, BLOCK_M, BLOCK_D,
                                                WIDTH, MERGE_STAGES)
             out, lse = _finalize(m_r, l_r, acc_r, pos, qk_scale)
-            _store_rows(O, LSE, out, lse, b64, b, t, hq, rv, rv & (c == 0), cols, sob, sot, soh, HQ, Tq, D, STORE_LSE)
+            # slice 0 stores the rows' lse; the mask a row tensor (Triton 3.9's interpreter refuses tensor & scalar)
+            lse_rows = rv & (t * 0 + c == 0)
+            _store_rows(O, LSE, out, lse, b64, b, t, hq, rv, lse_rows, cols, sob, sot, soh, HQ, Tq, D, STORE_LSE)
     else:
         if MODE == 0:
             n_ws = 0
