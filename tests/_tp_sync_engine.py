@@ -2,9 +2,11 @@
 [MISFIT]``.
 
 A consistent engine at the request's ``tensor_parallel_size`` started on the request's weights, then an in-place push
-of ``PUSHED_DIR/model.safetensors`` through :class:`WeightSyncChannel` (every rank keeps its part), a push that does
-not fit (HF tensor ``MISFIT``, default layer 0's ``down_proj``, cut to half its columns: refused whole), and a rollout.
-Writes tokens, log-probs and the sync outcomes as JSON.
+of ``PUSHED_DIR/model.safetensors`` through :class:`WeightSyncChannel` (every rank keeps its part), the weight check
+(``engine_matches``: every rank's part against the pushed tensors, and against them with the last element of
+``MISFIT`` -- a rank-1 part -- changed), a push that does not fit (HF tensor ``MISFIT``, default layer 0's
+``down_proj``, cut to half its columns: refused whole), and a rollout.  Writes tokens, log-probs and the sync outcomes
+as JSON.
 """
 
 import json
@@ -24,8 +26,11 @@ if __name__ == "__main__":
     pushed = load_file(str(Path(sys.argv[2]) / "model.safetensors"))
     before = channel.engine_pointers()
     report = channel.push_tensors(pushed)
-    bad = dict(pushed)
     name = sys.argv[4] if len(sys.argv) > 4 else "model.layers.0.mlp.down_proj.weight"
+    changed = pushed[name].clone()
+    changed.view(-1)[-1] += 1.0  # the last column / expert: rank 1's part
+    matches = channel.engine_matches(pushed), channel.engine_matches({**pushed, name: changed})
+    bad = dict(pushed)
     bad[name] = bad[name][:, : bad[name].shape[1] // 2].contiguous()
     try:
         channel.push_tensors(bad)
@@ -34,5 +39,5 @@ if __name__ == "__main__":
         refused = str(e)
     result = generate(llm, req)
     result.update(pushed_version=report.version, pointers_unchanged=report.pointers_unchanged and before == channel.engine_pointers(),
-                  refused=refused, version_after=channel.engine_version())
+                  refused=refused, version_after=channel.engine_version(), matches=matches)
     Path(sys.argv[3]).write_text(json.dumps(result))

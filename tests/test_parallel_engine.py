@@ -452,12 +452,21 @@ def _synced_engine(a: Path, b: Path, work: Path, misfit: str = "") -> dict:
     return json.loads((work / "res.json").read_text())
 
 
+def _assert_weight_check(synced: dict, changed: str) -> None:
+    """``engine_matches`` after the push: every rank's part equals the pushed tensors; with one element of a part only
+    rank 1 holds changed, the check fails on that tensor alone (rank 0 alone, as before, would not see it)."""
+    same, other = synced["matches"]
+    assert same["equal"] and same["ranks"] == 2 and same["differ"] == [], same
+    assert not other["equal"] and other["differ"] == [changed], other
+
+
 @pytest.mark.engine
 def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(engine_weights, tp1_engine_on_b, tmp_path):
     """A TP=2 engine started on weights A, pushed weights B in place (each rank its part), refused a push that does not
     fit, then samples the tokens and log-probs a TP=1 engine started on B samples."""
     synced = _synced_engine(*engine_weights, tmp_path)
     assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
+    _assert_weight_check(synced, "model.layers.0.mlp.down_proj.weight")
     assert "wrong shape for model.layers.0.mlp.down_proj.weight" in synced["refused"]
     assert synced["tokens"] == tp1_engine_on_b["tokens"]
     assert torch.equal(torch.tensor([x for r in synced["logprobs"] for x in r]),
@@ -473,6 +482,7 @@ def test_vllm_engine_moe_tp2_sync_in_place_equals_tp1_on_pushed_weights(tmp_path
     one = _engine_logprobs(b, 1, tmp_path / "tp1")
     synced = _synced_engine(a, b, tmp_path / "tp2", MOE_MISFIT)
     assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
+    _assert_weight_check(synced, MOE_MISFIT)
     assert f"wrong shape for {MOE_MISFIT}" in synced["refused"]
     assert synced["tokens"] == one["tokens"]
     assert torch.equal(torch.tensor([x for r in synced["logprobs"] for x in r]),

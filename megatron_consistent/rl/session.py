@@ -160,16 +160,11 @@ class RLSession:
                 "tokens_sampled": tokens, "rollout_logprobs": lps, "version": self.channel.version}
 
     def weights_match_engine(self) -> dict:
-        """Compare SHA-256 digests of the trainer's HF tensors with the engine's (consistent engine only)."""
-        import hashlib
-
+        """Compare SHA-256 digests of the trainer's HF tensors with every engine rank's part of them (consistent engine
+        only; :meth:`WeightSyncChannel.engine_matches`)."""
         from ..conversion import hf_state_dict
 
-        mine = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                for n, t in hf_state_dict(self.model, self.arch).items()}
-        theirs = self.llm.collective_rpc("mc_sync_digests")[0]
-        differ = sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n))
-        return {"equal": not differ, "differ": differ[:16], "tensors": len(mine)}
+        return self.channel.engine_matches(hf_state_dict(self.model, self.arch))
 
     def weights_match_hf(self, hf_dir) -> dict:
         """Compare the trainer's HF tensors bitwise with an HF folder's ``model.safetensors`` (e.g. a checkpoint's ``hf/``,

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .protocol import WeightSyncError, pack_update
+from .protocol import WeightSyncError, pack_update, raw_digest
 
 __all__ = ["WORKER_EXTENSION", "SyncReport", "WeightSyncChannel"]
 
@@ -144,6 +144,24 @@ class WeightSyncChannel:
     def engine_pointers(self) -> dict[str, int]:
         """``{name: data_ptr}`` of the (first) worker's parameters."""
         return self._rpc("mc_sync_pointers")[0]
+
+    def engine_matches(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """Whether every engine rank holds exactly its part of ``tensors`` (whole HF tensors, e.g. the trainer's
+        ``hf_state_dict``): the SHA-256 of each rank's raw bytes against those of the same part of ``tensors`` (at
+        TP > 1 a rank holds slices and, for MoE, only its own experts: ``mc_sync_parts``).  A stock engine has no
+        digests: nothing matches.  ``{"equal", "differ": first 16 names, "tensors", "ranks"}``."""
+        digests, parts = self._rpc("mc_sync_digests"), self._rpc("mc_sync_parts")
+        differ = set()
+        for rank_digests, rank_parts in zip(digests, parts):
+            for name in tensors.keys() | rank_digests.keys():
+                cut = rank_parts.get(name)
+                if name not in tensors or name not in rank_digests:
+                    differ.add(name)
+                    continue
+                part = tensors[name] if cut is None else tensors[name].narrow(cut[0], cut[1], cut[2] - cut[1])
+                if raw_digest(part) != rank_digests[name]:
+                    differ.add(name)
+        return {"equal": not differ, "differ": sorted(differ)[:16], "tensors": len(tensors), "ranks": len(digests)}
 
     def inflight_requests(self) -> bool:
         """Whether the engine holds unfinished requests (added and not yet finished or aborted)."""

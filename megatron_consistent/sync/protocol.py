@@ -29,6 +29,7 @@ Two receivers read this format:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import uuid
@@ -50,6 +51,11 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 class WeightSyncError(RuntimeError):
     """A weight update the engine refused (the message lists every problem) or an in-place guarantee broken."""
+
+
+def raw_digest(t: torch.Tensor) -> str:
+    """SHA-256 hex of a tensor's raw bytes (row-major; any device): what the weight checks compare."""
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def _shm_dir() -> str:

@@ -79,21 +79,27 @@ class WeightSyncExtension:
         return {n: int(p.data_ptr()) for n, p in self._mc_model().named_parameters()}
 
     def mc_sync_digests(self) -> dict:
-        """``{HF name: sha256 hex of the raw bytes}`` of the engine's weights (consistent model; stock: empty)."""
-        import hashlib
-
+        """``{HF name: sha256 hex of the raw bytes}`` of this rank's weights (consistent model; stock: empty; at TP > 1
+        the part the rank holds, :meth:`mc_sync_parts`)."""
         model = self._mc_model()
         if not hasattr(model, "hf_targets"):
             return {}
-        from .protocol import DTYPES
+        from .protocol import DTYPES, raw_digest
 
         def wire(n, t):  # a widened target hashes as its checkpoint dtype when that is exact, else as held (differs)
             w = DTYPES[wire_dtypes[n]] if n in wire_dtypes else t.dtype
             return t.to(w) if torch.equal(t.to(w).to(t.dtype), t) else t
 
         wire_dtypes = self._mc_wire_dtypes(model)
-        return {n: hashlib.sha256(wire(n, t.detach()).contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
-                for n, t in model.hf_targets().items()}
+        return {n: raw_digest(wire(n, t.detach())) for n, t in model.hf_targets().items()}
+
+    def mc_sync_parts(self) -> dict:
+        """``{HF name: [dim, start, stop]}`` of the whole HF tensor this TP rank holds, for the tensors it holds a part
+        of (``[0, 0, 0]``: nothing, another rank's expert); empty at TP = 1 and for a stock model."""
+        model = self._mc_model()
+        if getattr(model, "tp_size", 1) == 1 or not hasattr(model, "hf_parts"):
+            return {}
+        return {n: list(cut) for n, cut in model.hf_parts().items() if cut is not None}
 
     def mc_sync_model_kind(self) -> str:
         """``consistent`` or ``stock`` (the model class the engine runs)."""
