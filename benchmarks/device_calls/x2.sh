@@ -1,0 +1,48 @@
+# Issue #19's calls on two GPUs (kind nvidia-h200-x2 or nvidia-h100-x2), docs/parallel.md "Two GPUs": one call a step,
+# back to back within 30 s, each from the repo root: `TAG=s32 bash benchmarks/device_calls/x2.sh STEP`.
+#   1  carry .gw/part1        stash part 1; the NCCL trainer tests (tests/test_gpu_parallel.py, no vLLM)
+#   2  carry .gw/part2        stash part 2
+#   3  carry .gw/part3 .gw/install.sh .whl   install vLLM 0.26; check, dense, trainer TP 2 / engine TP 2
+#   4  carry .whl             check: MoE at (2, 2); engine TP 2 against the one-GPU trainer, dense and MoE
+#   5  carry .whl             rollout at engine TP 2, consistent vs stock (1B and 8B Llama widths), then the 8B and
+#                             Qwen3-30B-A3B widths' check at (2, 2)
+# NVLink multicast stays off (gpu_setup.sh exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# NVSHMEM_DISABLE_NVLS=1; the NCCL ranks of the trainer set them too).
+TAG=${TAG:-next}
+STEP=${1:?step 1-5}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p /tmp/stash
+case "$STEP" in
+1)
+  cp -r .gw/part1 /tmp/stash/ && echo part1 stashed
+  nvidia-smi -L > "$OUT/${TAG}_x2_gpus.txt" 2>&1; cat "$OUT/${TAG}_x2_gpus.txt"
+  PYTHONPATH=$PWD timeout 500 python -m pytest -q -s -rs tests/test_gpu_parallel.py > "$OUT/${TAG}_x2_nccl_tests.log" 2>&1
+  echo "NCCL trainer tests rc $?"; tail -3 "$OUT/${TAG}_x2_nccl_tests.log" ;;
+2)
+  cp -r .gw/part2 /tmp/stash/ && echo part2 stashed && ls /tmp/stash ;;
+3)
+  cp -r .gw/part3 /tmp/stash/ && cp .gw/install.sh /tmp/stash/
+  SITE=/tmp/vsite bash /tmp/stash/install.sh > "$OUT/${TAG}_x2_install.log" 2>&1; echo "install rc $?"
+  source benchmarks/gpu_setup.sh >> "$OUT/${TAG}_x2_install.log" 2>&1 || echo "gpu_setup failed"
+  timeout 420 megatron-consistent check --device cuda --mode consistent --trainer-tp 2 --engine-tp 2 --block-size 16 \
+    --num-prompts 64 --max-tokens 64 --out-dir /tmp/x2/llama-t2-e2 > "$OUT/${TAG}_x2_llama_t2_e2.log" 2>&1
+  echo "dense (2, 2) rc $?"; tail -4 "$OUT/${TAG}_x2_llama_t2_e2.log" ;;
+4)
+  source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
+  for run in "moe-t2-e2 2 tiny-qwen3moe-top1" "llama-t1-e2 1 tiny-llama" "moe-t1-e2 1 tiny-qwen3moe-top1"; do
+    set -- $run
+    timeout 180 megatron-consistent check --device cuda --mode consistent --trainer-tp "$2" --engine-tp 2 --block-size 16 \
+      --num-prompts 64 --max-tokens 64 --hf-config "megatron_consistent/configs/models/$3" --out-dir "/tmp/x2/$1" \
+      > "$OUT/${TAG}_x2_$1.log" 2>&1
+    echo "$1 rc $?"; tail -3 "$OUT/${TAG}_x2_$1.log"
+  done ;;
+5)
+  source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
+  timeout 330 python benchmarks/bench_rollout_gpu.py --shapes a b --engines consistent stock --tensor-parallel-size 2 \
+    --out "$OUT/${TAG}_x2_rollout_tp2.json" > "$OUT/${TAG}_x2_rollout_tp2.log" 2>&1
+  echo "rollout TP 2 rc $?"; grep -E "^\[(a|b)\]|ratio|failed" "$OUT/${TAG}_x2_rollout_tp2.log" | cut -c1-300
+  timeout 250 python benchmarks/check_shapes_gpu.py --shapes b d --layers 4 --engine-tp 2 --trainer-tp 2 \
+    --out "$OUT/${TAG}_x2_check_shapes.json" > "$OUT/${TAG}_x2_check_shapes.log" 2>&1
+  echo "check shapes (2, 2) rc $?"; tail -6 "$OUT/${TAG}_x2_check_shapes.log" ;;
+*) echo "step $STEP: expected 1-5"; exit 2 ;;
+esac
