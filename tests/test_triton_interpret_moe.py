@@ -10,7 +10,8 @@ softmax and sigmoid, selection bias, ``norm_topk_prob``, scaling, expert counts 
 ties (lowest index), NaN and infinite logits.  The counting sort gives a stable sort's order (several pair blocks,
 expert counts not powers of two, experts with no pair).  The tile table (one launch) against its definition; the grouped GEMM
 with every row tile (BM 16 / 32 / 64 / the config's) gives the same values (the interpreter's ``tl.dot`` is numpy's,
-so this proves indices and masks; tests/test_gpu_moe.py checks the bits on the H200, as it does the router's).
+so this proves indices and masks; tests/test_gpu_moe.py checks the bits on the H200, as it does the router's).  The
+engine's experts over TP ranks (masked pairs through local expert 0, a skewed grouped GEMM) sum to the one-rank pairs.
 """
 
 from __future__ import annotations
@@ -189,6 +190,31 @@ def test_expert_outputs_values_and_gradients_match_the_cpu_path():
     (y_ref * probe).sum().backward()
     for a, b in zip(ours, ref):
         assert ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item() < 1e-4
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_engines_masked_rank_experts_sum_to_the_one_rank_pairs(tp, monkeypatch):
+    """A TP rank's experts in the engine (``owned_expert_outputs(..., fixed_shapes=True)``: every pair computed, other
+    ranks' pairs through local expert 0 -- a skewed grouped GEMM -- then masked to +0.0) on the CUDA kernels: the
+    ranks' results summed are the one-rank ``[T, k, H]``, bit for bit (each pair's row is computed alone: which other
+    rows share its tile does not matter), and each rank's non-owned pairs are exactly zero."""
+    monkeypatch.setattr(kmoe, "expert_outputs", tmoe._expert_outputs_cuda)
+    t, k, e_count, h, inter = 23, 2, 8, 32, 24
+    g = torch.Generator().manual_seed(17)
+    experts = torch.stack([torch.randperm(e_count, generator=g)[:k] for _ in range(t)])
+    x = torch.randn(t, h, generator=g)
+    w1, w2 = torch.randn(e_count, 2 * inter, h, generator=g) * 0.2, torch.randn(e_count, h, inter, generator=g) * 0.2
+    one = tmoe._expert_outputs_cuda(x, experts, w1, w2)
+    run = e_count // tp
+    parts = [kmoe.owned_expert_outputs(x, experts, r * run, w1[r * run:(r + 1) * run], w2[r * run:(r + 1) * run],
+                                       fixed_shapes=True) for r in range(tp)]
+    for r, part in enumerate(parts):
+        others = (experts < r * run) | (experts >= (r + 1) * run)
+        assert torch.equal(part[others], torch.zeros_like(part[others]))
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    assert torch.equal(total.view(torch.int32), one.view(torch.int32))
 
 
 def _fp8_experts(e_count, n, k, seed):
