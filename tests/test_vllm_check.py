@@ -9,6 +9,7 @@ must be bitwise equal (``exact_fraction == 1`` and ``max_abs == 0``).
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -114,3 +115,23 @@ def test_yaml_config_loads_with_flag_overrides():
     assert cfg.num_prompts == 8 and cfg.max_tokens == 64
     with pytest.raises(ValueError, match="mode"):
         load_check_config(str(yaml), mode="sideways")
+
+
+def test_report_names_the_kernel_switches_it_ran_with(monkeypatch):
+    """A report's numbers depend on which evaluation of the contract ran (docs/gpu.md, the switches): the settings
+    name every ``MC_*`` variable set and, on CUDA, whether the Gluon kernels took their calls; the text shows them."""
+    import torch
+
+    from megatron_consistent.verify.check import kernel_switches, render
+
+    for k in [k for k in os.environ if k.startswith("MC_")]:
+        monkeypatch.delenv(k)
+    assert kernel_switches(torch.device("cpu")) == {}
+    monkeypatch.setenv("MC_SSD_SCAN", "torch")
+    monkeypatch.setenv("MC_GLUON", "0")
+    switches = kernel_switches(torch.device("cpu"))
+    assert switches == {"MC_GLUON": "0", "MC_SSD_SCAN": "torch"}
+    report = {"settings": {"arch": {"architecture": "LlamaForCausalLM"}, "hf_config": "tiny-llama", "num_prompts": 1,
+                           "max_tokens": 1, "temperature": 1.0, "logprobs_mode": "processed", "max_num_batched_tokens": 8,
+                           "kernel_switches": switches}}
+    assert "kernel switches: MC_GLUON=0  MC_SSD_SCAN=torch" in render(report)

@@ -17,6 +17,7 @@ stock Mamba mixer needs the unavailable ``mamba_ssm`` package).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -206,6 +207,18 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     return {"engine": engine, "trainer": trainer}
 
 
+def kernel_switches(device: torch.device) -> dict:
+    """The ``MC_*`` variables of this process (the engine processes inherit them, so both sides read the same:
+    docs/gpu.md, the switches) and, on CUDA, whether the Gluon kernels take the calls measured ahead on them (a Hopper
+    GPU with ``MC_GLUON`` unset or ``1``): what a report's numbers ran on."""
+    out = {k: v for k, v in sorted(os.environ.items()) if k.startswith("MC_")}
+    if device.type == "cuda":
+        from ..kernels.triton._common import GLUON, on_hopper
+
+        out["gluon_kernels"] = bool(GLUON and on_hopper(torch.empty(0, device=device)))
+    return out
+
+
 def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, responses, temperature: float, route_sink=None) -> torch.Tensor:
     """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp`` x ``cfg.trainer_pp`` (1-D float32,
     response by response, in prompt order — what :func:`recompute` returns).
@@ -359,6 +372,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
         report["settings"]["baseline_trainer"] = "HF transformers torch path (Megatron's stock Mamba mixer needs mamba_ssm)"
     report["settings"]["device"] = device.type
     report["settings"]["layouts"] = layouts
+    report["settings"]["kernel_switches"] = kernel_switches(device)
     model.to(device)
     modes = ["consistent", "baseline"] if cfg.mode == "both" else [cfg.mode]
     if device.type == "cuda" and cfg.mode in ("both", "baseline"):
@@ -480,6 +494,8 @@ def render(report: dict) -> str:
              f"max_num_batched_tokens={s['max_num_batched_tokens']}  engine TP={s.get('engine_tp', 1)} trainer TP={s.get('trainer_tp', 1)}"
              + (f" PP={s['trainer_pp']}" if s.get("trainer_pp", 1) != 1 else ""))
     text = "\n".join([format_table(rows, METRIC_COLUMNS, title), *unavailable])
+    if s.get("kernel_switches"):
+        text += "\nkernel switches: " + "  ".join(f"{k}={v}" for k, v in s["kernel_switches"].items())
     if "throughput_ratio" in report:
         text += f"\nthroughput ratio (consistent / stock vLLM, same run): {report['throughput_ratio']:.3f}"
     if "batch_invariant_throughput_ratio" in report:
