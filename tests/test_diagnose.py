@@ -1,7 +1,8 @@
 """``diagnose``: an injected non-contract op in ONE layer of the vLLM plugin is named exactly (layer and op).
 
-Each case starts one real vLLM engine (prefill chunks + forced decode steps) and
-compares every op's output with the Megatron model's, bit for bit (torch.equal).
+Each engine case starts one real vLLM engine (prefill chunks + forced decode steps) and
+compares every op's output with the Megatron model's, bit for bit (torch.equal); dense and MoE
+layers.  The replay of every op from the Megatron capture reproduces it (no engine).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import torch
 from megatron_consistent.config import ArchConfig, load_hf_config
 from megatron_consistent.conversion import export_hf
 from megatron_consistent.layers import build_consistent_gpt_model
-from megatron_consistent.verify.capture import op_order
+from megatron_consistent.verify.capture import MOE_MLP_OPS, layer_ops, op_order
 from megatron_consistent.config import builtin_model_dir
-from megatron_consistent.verify.diagnose import DiagnoseConfig, _qkv_canonical, render, replay, run_diagnose
+from megatron_consistent.verify.diagnose import (DiagnoseConfig, _layer_inputs, _load_weights, _qkv_canonical,
+                                                 megatron_capture, render, replay, resolve_device, run_diagnose, run_op)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def test_injected_fault_is_named_exactly(setup):
     assert first is not None and first["op"] == "layer1.o_proj" and first["layer"] == "layer1"
     assert first["max_abs"] > 0 and first["n_diff_tokens"] >= 1
     statuses = {r["op"]: r["status"] for r in report["ops"]}
-    order = [op for op in op_order(2) if op in statuses]
+    order = [op for op in op_order(setup[1].arch_config) if op in statuses]
     before = order[: order.index("layer1.o_proj")]
     assert before and all(statuses[op] == "equal" for op in before)
     assert report["engine_tokens_match"]
@@ -84,3 +86,88 @@ def test_hybrid_refused_by_name_before_any_engine(tmp_path):
     with pytest.raises(UnsupportedConfigError, match="NemotronHForCausalLM"):
         run_diagnose(cfg)
     assert not (tmp_path / "engine").exists()
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("diag_moe")
+    arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir("tiny-qwen2moe-top8-shared")))  # both layers MoE
+    model = build_consistent_gpt_model(arch, seed=4)
+    export_hf(model, arch, root / "model")
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, arch.vocab_size, (37,), generator=g).tolist()
+    response = torch.randint(3, arch.vocab_size, (4,), generator=g).tolist()
+    return root, model, prompt, response
+
+
+@pytest.mark.engine
+def test_moe_fault_in_the_router_is_named_exactly_after_equal_moe_ops(moe_setup):
+    """An MoE model: layer 0's router logits, routes and block output are compared and equal; a non-contract router
+    matmul in layer 1 of the engine is the first divergence, and its replay reproduces Megatron's logits."""
+    report = _run(moe_setup, "fault_router", fault="layer1.router_logits")
+    first = report["first_divergence"]
+    assert first is not None and first["op"] == "layer1.router_logits"
+    statuses = {r["op"]: r["status"] for r in report["ops"]}
+    assert all(statuses[f"layer0.{op}"] == "equal" for op in MOE_MLP_OPS)
+    order = [op for op in op_order(moe_setup[1].arch_config) if op in statuses]
+    assert all(statuses[op] == "equal" for op in order[: order.index("layer1.router_logits")])
+    assert replay(report["repro"]) == {"op": "layer1.router_logits", "kernel_equals_megatron": True,
+                                       "kernel_equals_vllm": False, "vllm_equals_megatron": False}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-qknorm-tied", "tiny-qwen2moe-top8-shared", "tiny-qwen3moe-top1"])
+def test_every_op_replayed_from_its_inputs_reproduces_the_capture(name, tmp_path):
+    """What a repro folder's replay runs (``run_op`` on the op's captured inputs and its HF weights) gives each
+    captured Megatron op bit for bit -- dense, q/k-norm, tied, MoE with a shared expert, mixed dense / MoE layers --
+    so a replay that disagrees with Megatron points at the engine; a wrong expert weight is caught."""
+    arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir(name)))
+    model = build_consistent_gpt_model(arch, seed=7)
+    export_hf(model, arch, tmp_path)
+    weights = _load_weights(tmp_path)
+    ids = torch.randint(3, arch.vocab_size, (23,), generator=torch.Generator().manual_seed(8)).tolist()
+    caps = megatron_capture(model, arch, ids)
+    ops = op_order(arch)
+    assert set(ops) == set(caps)
+    for op in ops:
+        ins, w = _layer_inputs(op, arch)
+        out = run_op(op, arch, {n: caps[n] for n in ins}, weights, torch.tensor(ids))
+        assert torch.equal(out, caps[op]), op
+    moe = [i for i in range(arch.num_layers) if arch.layer_is_moe(i)]
+    if moe:
+        i = moe[0]
+        assert "moe_out" in layer_ops(arch, i) and "down" not in layer_ops(arch, i)
+        op = f"layer{i}.moe_out"
+        ins, w = _layer_inputs(op, arch)
+        bad = dict(weights)
+        bad[w[1]] = weights[w[1]] * 2  # expert 0's up rows
+        expert0 = bool((caps[f"layer{i}.routes"] == 0).any())
+        out = run_op(op, arch, {n: caps[n] for n in ins}, bad, torch.tensor(ids))
+        assert torch.equal(out, caps[op]) != expert0
+
+
+def test_device_cuda_refused_without_a_gpu_before_any_work(tmp_path, capsys):
+    """``--device cuda`` where no GPU is visible: one line, exit 2, no model folder or engine started."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the refusal is for machines without one")
+    from megatron_consistent.cli import main
+
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == "cpu"
+    rc = main(["diagnose", "--device", "cuda", "--prompt", "5,6", "--response", "7", "--out-dir", str(tmp_path / "d")])
+    assert rc == 2 and "no CUDA device is visible" in capsys.readouterr().err
+    assert not (tmp_path / "d" / "model").exists()
+    cfg = DiagnoseConfig(prompt=[5, 6], response=[7], model_dir=str(builtin_model_dir("tiny-llama")), out_dir=str(tmp_path / "e"),
+                         device="cuda")
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        run_diagnose(cfg)
+    assert not (tmp_path / "e" / "engine").exists()
+
+
+def test_cli_refuses_a_hybrid_before_exporting_a_model(tmp_path, capsys):
+    from megatron_consistent.cli import main
+
+    rc = main(["diagnose", "--hf-config", str(builtin_model_dir("tiny-nemotronh")), "--prompt", "5,6", "--response", "7",
+               "--out-dir", str(tmp_path / "d")])
+    assert rc == 2 and "NemotronHForCausalLM" in capsys.readouterr().err
+    assert not (tmp_path / "d" / "model").exists()

@@ -40,7 +40,8 @@ mode with autograd on) is kept on the side in :attr:`ConsistentMoELayer.last_aux
 :func:`moe_aux_loss` sums it over the model for the trainer to add to its
 loss.  It never changes a forward value and is not added implicitly.
 :attr:`ConsistentMoELayer.last_routes` holds the last forward's experts
-``[s*b, k]`` (tokens in ``[s, b]`` order) for routing comparisons.
+``[s*b, k]`` (tokens in ``[s, b]`` order) for routing comparisons; :attr:`ConsistentMoELayer.capture`
+(diagnostics, ``None`` = off) is called with each forward's router logits and experts.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class _Container(nn.Module):
 
 class ConsistentMoELayer(nn.Module):
     """``forward(x [s, b, H]) -> (out [s, b, H], None)``: router + experts (+ shared expert) via the MoE kernels."""
+
+    capture = None  # diagnostics: a callable(router_logits [s*b, E], experts [s*b, k]) set on an instance; None = off
 
     def __init__(self, config, *, arch, layer_number: int | None = None, **unused):
         super().__init__()
@@ -158,6 +161,8 @@ class ConsistentMoELayer(nn.Module):
         w, experts = kmoe.route_logits(z, self.top_k, a.moe_scoring, getattr(self.router, "expert_bias", None), a.norm_topk_prob,
                                        a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor)
         self.last_routes = experts.detach()
+        if self.capture is not None:
+            self.capture(z, experts)
         shared = None
         if self.shared_experts is not None:
             se = self.shared_experts

@@ -169,6 +169,8 @@ def _router_class():
         attached by its own methods (identity in the forward).
         """
 
+        capture = None  # diagnostics: a callable(router_logits [T, E], experts [T, k]) set on an instance; None = off
+
         def __init__(self, config, pg_collection=None, *, context: RoutingContext | None = None,
                      norm_topk_prob: bool | None = None, **kwargs):
             _refuse(config)
@@ -206,6 +208,8 @@ def _router_class():
                 probs = self._apply_seq_aux_loss(probs, scores, counted, seq_length, bsz, with_padding_mask=masked)
                 probs = self._apply_global_aux_loss(probs, scores, counted, with_padding_mask=masked)
             self.last_routes = experts.detach()
+            if self.capture is not None:
+                self.capture(logits.reshape(-1, self.config.num_moe_experts), experts)
             return probs, routing_map
 
         def forward(self, input: torch.Tensor, padding_mask: torch.Tensor | None = None):

@@ -41,13 +41,22 @@ from .rollout import RolloutRequest, cpu_engine_in_process, engine, run_module, 
 
 CAPTURE_ENV = "MEGATRON_CONSISTENT_CAPTURE"  # the folder engine_capture_from_env records into
 MODULE = "megatron_consistent.verify.capture"  # not __name__: this file also runs as __main__
-LAYER_OPS = ("input_norm", "qkv", "q_norm", "k_norm", "rope_q", "rope_k", "attention", "o_proj", "residual_attn",
-             "post_norm", "gate_up", "act", "down", "residual_mlp")
+ATTENTION_OPS = ("input_norm", "qkv", "q_norm", "k_norm", "rope_q", "rope_k", "attention", "o_proj", "residual_attn",
+                 "post_norm")
+DENSE_MLP_OPS = ("gate_up", "act", "down")  # SwiGLU: gate|up projection, silu(gate) * up, down projection
+MOE_MLP_OPS = ("router_logits", "routes", "moe_out")  # float32 router logits, routed experts [T, k], the block's output
 
 
-def op_order(num_layers: int) -> list[str]:
-    """Every op name in execution order: embed, layer{i}.<op> for LAYER_OPS, final_norm, logits, logprobs."""
-    return ["embed", *(f"layer{i}.{op}" for i in range(num_layers) for op in LAYER_OPS), "final_norm", "logits", "logprobs"]
+def layer_ops(arch, i: int) -> tuple[str, ...]:
+    """The op names of layer ``i`` in execution order (q/k norms where ``arch`` has them, its MLP dense or MoE)."""
+    attention = ATTENTION_OPS if arch.qk_norm else tuple(op for op in ATTENTION_OPS if op not in ("q_norm", "k_norm"))
+    return (*attention, *(MOE_MLP_OPS if arch.layer_is_moe(i) else DENSE_MLP_OPS), "residual_mlp")
+
+
+def op_order(arch) -> list[str]:
+    """Every op name in execution order: embed, layer{i}.<op> for :func:`layer_ops`, final_norm, logits, logprobs."""
+    return ["embed", *(f"layer{i}.{op}" for i in range(arch.num_layers) for op in layer_ops(arch, i)), "final_norm",
+            "logits", "logprobs"]
 
 
 def _row_bytes(t: torch.Tensor) -> torch.Tensor:

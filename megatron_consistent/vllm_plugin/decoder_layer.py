@@ -37,13 +37,20 @@ def _fault_linear(x, w, b=None):
     return y if b is None else (y.float() + b.float()).to(x.dtype)
 
 
+def _fault_router(x, w):
+    """The same fault for an MoE router: the split-K matmul above, widened to the router logits' float32."""
+    return _fault_linear(x, w).float()
+
+
 def _linears(idx: int, tp_size: int = 1) -> dict:
     fault = os.environ.get(probe.FAULT_ENV, "")
     if fault:
         logger.warning("megatron-consistent: %s=%s — injected fault active", probe.FAULT_ENV, fault)
     row = row_parallel_for(tp_size)  # TP > 1: this rank's K shard, subtrees all-gathered (vllm_plugin/parallel.py)
-    contract = {"qkv": inference_ops.linear, "o_proj": row, "gate_up": inference_ops.linear, "down": row}
-    return {op: _fault_linear if fault == f"layer{idx}.{op}" else fn for op, fn in contract.items()}
+    contract = {"qkv": inference_ops.linear, "o_proj": row, "gate_up": inference_ops.linear, "down": row,
+                "router_logits": inference_ops.router_logits}
+    faulty = {"router_logits": _fault_router}
+    return {op: faulty.get(op, _fault_linear) if fault == f"layer{idx}.{op}" else fn for op, fn in contract.items()}
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -56,6 +63,8 @@ class ConsistentDecoderLayer(nn.Module):
     At tensor-parallel size t the layer holds this rank's heads / KV heads / MLP columns (column-parallel q|k|v and
     gate|up) and the matching K shards of o_proj and down (row-parallel); the model checks these shapes against the
     weight table's shard rules (``hf_targets``)."""
+
+    MLP_OPS = ("gate_up", "act", "down")  # the op probe's names of what mlp_forward returns
 
     def __init__(self, arch: ArchConfig, cache_config, prefix: str):
         super().__init__()
@@ -109,6 +118,6 @@ class ConsistentDecoderLayer(nn.Module):
         out = add_residual(m, ho)
         if cap is not None:
             for name, val in (("input_norm", x), ("qkv", qkv), ("rope_q", q), ("rope_k", k), ("attention", o), ("o_proj", o_proj),
-                              ("residual_attn", ho), ("post_norm", x2), ("gate_up", gu), ("act", act), ("down", m), ("residual_mlp", out)):
+                              ("residual_attn", ho), ("post_norm", x2), *zip(self.MLP_OPS, (gu, act, m)), ("residual_mlp", out)):
                 cap(f"layer{i}.{name}", val)
         return out

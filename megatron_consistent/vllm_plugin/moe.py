@@ -142,6 +142,8 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
     of its rank r (``experts_fc1`` / ``experts_fc2``), the router and the shared expert whole (every rank routes every
     token; the model starts the route recorder on rank 0 only)."""
 
+    MLP_OPS = ("router_logits", "routes", "moe_out")
+
     def __init__(self, arch, cache_config, prefix: str):
         super().__init__(arch, cache_config, prefix)
         a, dt = arch, arch.torch_dtype
@@ -162,7 +164,7 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
 
     def mlp_forward(self, x: torch.Tensor, positions: torch.Tensor):
         """(router logits, routed experts, MLP output) of ``x [T, H]``: opaque custom ops with no host read."""
-        z = inference_ops.router_logits(x, self.router)
+        z = self.lin["router_logits"](x, self.router)
         w, experts = inference_ops.moe_route(z, self.arch.num_experts_per_tok, "softmax", None, self.arch.norm_topk_prob, 1, 1, 1.0)
         if RECORDER is not None:
             RECORDER.record(self.idx, positions, experts)
