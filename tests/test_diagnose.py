@@ -171,3 +171,38 @@ def test_cli_refuses_a_hybrid_before_exporting_a_model(tmp_path, capsys):
                "--out-dir", str(tmp_path / "d")])
     assert rc == 2 and "NemotronHForCausalLM" in capsys.readouterr().err
     assert not (tmp_path / "d" / "model").exists()
+
+
+def test_check_dir_request_is_the_first_whose_logprobs_differ(tmp_path):
+    """``--check-dir`` without an index picks the first request whose engine log-probs differ from the trainer's
+    recompute (one ulp in request 1's last token here), and request 0 when every request matches."""
+    import json
+
+    from megatron_consistent.verify.check import recompute
+    from megatron_consistent.verify.diagnose import request_from_check_dir
+
+    arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir("tiny-llama")))
+    model = build_consistent_gpt_model(arch, seed=0)
+    export_hf(model, arch, tmp_path / "model")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (7, 12, 5)]
+    tokens = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (4, 3, 6)]
+    lps = recompute(model, prompts, tokens, 1.0, 16, stock=False).tolist()
+    split = [lps[:4], lps[4:7], lps[7:]]
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "consistent.request.json").write_text(json.dumps(
+        {"prompts": prompts, "temperature": 1.0, "seed": 0, "max_num_batched_tokens": 32, "block_size": 32}))
+
+    def result(logprobs):
+        (tmp_path / "engines" / "consistent.result.json").write_text(json.dumps({"tokens": tokens, "logprobs": logprobs}))
+
+    result(split)
+    prompt, response, settings = request_from_check_dir(tmp_path)
+    assert (prompt, response, settings["request_index"]) == (prompts[0], tokens[0], 0)
+    assert settings["selected"].startswith("no mismatch")
+    bumped = [list(x) for x in split]
+    bumped[1][-1] = float(torch.nextafter(torch.tensor(bumped[1][-1]), torch.tensor(0.0)))
+    result(bumped)
+    prompt, response, settings = request_from_check_dir(tmp_path)
+    assert (prompt, response, settings["request_index"], settings["selected"]) == (prompts[1], tokens[1], 1,
+                                                                                   "first mismatching request")

@@ -454,8 +454,10 @@ def run_diagnose(cfg: DiagnoseConfig, model=None) -> dict:
     return report
 
 
-def request_from_check_dir(check_dir: str | Path, index: int | None = None) -> tuple[list[int], list[int], dict]:
-    """(prompt, response, engine settings) of a check run's request: ``index``, or the first whose log-probs mismatch."""
+def request_from_check_dir(check_dir: str | Path, index: int | None = None,
+                           device: str = "auto") -> tuple[list[int], list[int], dict]:
+    """(prompt, response, engine settings) of a check run's request: ``index``, or the first whose log-probs mismatch
+    (recomputed on ``device``: a GPU run's log-probs are compared with the CUDA kernels' recompute)."""
     d = Path(check_dir)
     req = json.loads((d / "engines" / "consistent.request.json").read_text())
     res = json.loads((d / "engines" / "consistent.result.json").read_text())
@@ -465,6 +467,7 @@ def request_from_check_dir(check_dir: str | Path, index: int | None = None) -> t
         from .check import recompute
 
         model, _ = build_megatron(d / "model", req.get("seed", 0))
+        model.to(resolve_device(device))
         temperature = req["temperature"] if req.get("logprobs_mode", "processed") == "processed" else 1.0
         train = recompute(model, prompts, tokens, temperature, 16, stock=False)
         roll = torch.tensor([x for lps in res["logprobs"] for x in lps], dtype=torch.float32)

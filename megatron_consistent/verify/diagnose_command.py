@@ -113,7 +113,7 @@ def run(args) -> int:
     try:
         settings: dict = {}
         if args.check_dir:
-            prompt, response, settings = request_from_check_dir(args.check_dir, args.request_index)
+            prompt, response, settings = request_from_check_dir(args.check_dir, args.request_index, args.device)
             model_dir = args.model_dir or str(Path(args.check_dir) / "model")
         else:
             prompt, response = v["prompt"], v["response"]
