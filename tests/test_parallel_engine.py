@@ -162,8 +162,8 @@ def test_moe_owned_experts_split_is_exact_and_broken_splits_are_not(tp):
 
 
 def test_moe_owned_experts_ignore_other_ranks_nonfinite_values():
-    """The masked op computes other ranks' pairs with local expert 0 and drops them by a select: an expert 0 that
-    overflows for those rows leaves zeros there, never NaN."""
+    """The masked op leaves other ranks' pairs out (expert -1) and selects zeros for them: a local expert 0 that
+    overflows leaves zeros on the other ranks' pairs, never NaN."""
     x, experts, w, fc1, fc2, _ = _simulated_moe(shared=False)
     fc1 = fc1.clone()
     fc1[4] = float("inf")  # rank 1's first expert (local 0) at TP = 2

@@ -11,7 +11,7 @@ ties (lowest index), NaN and infinite logits.  The counting sort gives a stable 
 expert counts not powers of two, experts with no pair).  The tile table (one launch) against its definition; the grouped GEMM
 with every row tile (BM 16 / 32 / 64 / the config's) gives the same values (the interpreter's ``tl.dot`` is numpy's,
 so this proves indices and masks; tests/test_gpu_moe.py checks the bits on the H200, as it does the router's).  The
-engine's experts over TP ranks (masked pairs through local expert 0, a skewed grouped GEMM) sum to the one-rank pairs.
+engine's experts over TP ranks (other ranks' pairs as expert -1: no sorted row, no tile) sum to the one-rank pairs.
 """
 
 from __future__ import annotations
@@ -150,6 +150,26 @@ def test_expert_sort_is_a_stable_sort(t, k, e):
     assert torch.equal(counts, torch.bincount(experts.reshape(-1), minlength=e))
 
 
+@pytest.mark.parametrize("t,k,e", [(37, 2, 8), (300, 4, 16), (5, 8, 64)])
+def test_pairs_of_expert_minus_one_get_no_row_and_no_tile(t, k, e):
+    """Pairs of expert -1 (another TP rank's, not computed) are left out of the counting sort -- the other pairs' rows
+    are a stable sort of them alone, the counts theirs -- and so the tile table has no tile for them (a sort that
+    placed them, e.g. all at row 0 as an unmasked store would, fails the row check)."""
+    g = torch.Generator().manual_seed(t * k + e)
+    experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    experts = torch.where(torch.rand(t, k, generator=g) < 0.5, experts, torch.full_like(experts, -1))
+    flat = experts.reshape(-1)
+    kept = (flat >= 0).nonzero()[:, 0]
+    pair_of_row, counts = tmoe.expert_sort(experts, e)
+    assert int(counts.sum()) == kept.numel()
+    assert torch.equal(counts, torch.bincount(flat[kept], minlength=e))
+    assert torch.equal(pair_of_row[: kept.numel()], kept[torch.sort(flat[kept], stable=True)[1]])
+    bm = 16
+    _, tile_e, r0, r1, _ = tmoe.tile_table(counts, bm, t * k)
+    assert int((tile_e >= 0).sum()) == sum((c + bm - 1) // bm for c in counts.tolist())
+    assert int(r1.max()) == kept.numel()
+
+
 def test_grouped_gemm_gather_and_scatter_are_the_copies_they_replace():
     t, k, e_count, h, n = 23, 4, 6, 48, 40
     g = torch.Generator().manual_seed(11)
@@ -194,10 +214,10 @@ def test_expert_outputs_values_and_gradients_match_the_cpu_path():
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_the_engines_masked_rank_experts_sum_to_the_one_rank_pairs(tp, monkeypatch):
-    """A TP rank's experts in the engine (``owned_expert_outputs(..., fixed_shapes=True)``: every pair computed, other
-    ranks' pairs through local expert 0 -- a skewed grouped GEMM -- then masked to +0.0) on the CUDA kernels: the
-    ranks' results summed are the one-rank ``[T, k, H]``, bit for bit (each pair's row is computed alone: which other
-    rows share its tile does not matter), and each rank's non-owned pairs are exactly zero."""
+    """A TP rank's experts in the engine (``owned_expert_outputs(..., fixed_shapes=True)``: other ranks' pairs as
+    expert -1, not computed, then masked to +0.0) on the CUDA kernels: the ranks' results summed are the one-rank
+    ``[T, k, H]``, bit for bit (each pair's row is computed alone: which other rows share its tile does not matter),
+    and each rank's non-owned pairs are exactly zero."""
     monkeypatch.setattr(kmoe, "expert_outputs", tmoe._expert_outputs_cuda)
     t, k, e_count, h, inter = 23, 2, 8, 32, 24
     g = torch.Generator().manual_seed(17)

@@ -219,7 +219,9 @@ def expert_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, a
 def expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    activation: str = "swiglu") -> torch.Tensor:
     """``[T, k, H]``: every (token, slot) pair through its expert — the device's ``moe_expert_outputs`` (CUDA: one
-    grouped Triton GEMM over all experts with the Triton linear's per-row arithmetic, :mod:`.triton.moe`)."""
+    grouped Triton GEMM over all experts with the Triton linear's per-row arithmetic, :mod:`.triton.moe`).  A pair
+    whose expert is ``-1`` is not computed: its output row is unspecified (zeros on the CPU, left unwritten on CUDA),
+    for a caller that masks it (:func:`owned_expert_outputs`); the other pairs' rows are the same bits either way."""
     return implementation("moe_expert_outputs", hidden.device)(hidden, experts, w_gate_up, w_down, activation)
 
 
@@ -234,14 +236,14 @@ def _expert_outputs_cpu(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: 
 def per_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, out_features: int, expert_fn) -> torch.Tensor:
     """``[T, k, out_features]``: ``expert_fn(e, rows)`` once per routed expert ``e`` (ascending index) on the hidden
     rows of the (token, slot) pairs routed to it (pair order), scattered back to (token, slot) order; zeros when
-    no pair is routed."""
+    no pair is routed, and for the pairs of expert -1 (not computed)."""
     t, k = experts.shape
     flat = experts.reshape(-1)
     token_of_pair = torch.arange(t * k, device=hidden.device) // k
     pieces, order = [], []
     for e in torch.unique(flat).tolist():  # sorted ascending
         pairs = (flat == e).nonzero()[:, 0]
-        pieces.append(expert_fn(e, hidden[token_of_pair[pairs]]))
+        pieces.append(expert_fn(e, hidden[token_of_pair[pairs]]) if e >= 0 else hidden.new_zeros(len(pairs), out_features))
         order.append(pairs)
     if not pieces:
         return hidden.new_zeros(t, k, out_features)
@@ -263,13 +265,14 @@ def owned_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, first: int
     ``w * y`` is added to an accumulator started at ``+0.0``).
 
     ``fixed_shapes=False``: only the owned pairs are computed (found by ``nonzero``: a host read, a shape that
-    depends on the routes).  ``True`` (a rollout engine's CUDA graphs): every pair is computed, another rank's with
-    local expert 0, and a select keeps the owned pairs' values (``+0.0`` elsewhere, even where the unused values
-    are not finite) — no host read, fixed shapes, the expert work of all ``T * k`` pairs; the same bits."""
+    depends on the routes).  ``True`` (a rollout engine's CUDA graphs): another rank's pairs go to
+    :func:`expert_outputs` as expert ``-1`` (not computed: no sorted row, no GEMM tile -- the expert work of the owned
+    pairs only, in launches of fixed shapes), and a select keeps the owned pairs' values (``+0.0`` elsewhere, whatever
+    the unspecified rows hold) — no host read; the same bits."""
     local = experts - first
     mine = (local >= 0) & (local < w_gate_up.shape[0])
     if fixed_shapes:
-        y = expert_outputs(hidden, torch.where(mine, local, torch.zeros_like(local)), w_gate_up, w_down, activation)
+        y = expert_outputs(hidden, torch.where(mine, local, torch.full_like(local, -1)), w_gate_up, w_down, activation)
         return torch.where(mine[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
     token, slot = mine.nonzero(as_tuple=True)
     y = hidden.new_zeros(*experts.shape, w_down.shape[1])

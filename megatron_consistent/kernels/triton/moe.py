@@ -340,7 +340,8 @@ def _expert_block_counts_kernel(EXPERTS, BLOCK_COUNTS, pairs, bp, E: tl.constexp
 def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, PAIR_OF_ROW, COUNTS, pairs, blocks, bp,
                         E: tl.constexpr, EP: tl.constexpr, SUB: tl.constexpr, NBP: tl.constexpr):
     """Counting sort of the pairs by expert, stable: pair i of expert e goes to row ``start_e + (pairs of e before
-    i)``; writes the pair of every row (``PAIR_OF_ROW``) and, from program 0, the counts."""
+    i)``; writes the pair of every row (``PAIR_OF_ROW``) and, from program 0, the counts.  A pair of expert -1 is
+    counted nowhere and gets no row (the rows past the counted ones are left unwritten)."""
     b = tl.program_id(0)
     experts = tl.arange(0, EP)
     blk = tl.arange(0, NBP)
@@ -353,7 +354,7 @@ def _expert_sort_kernel(EXPERTS, BLOCK_COUNTS, PAIR_OF_ROW, COUNTS, pairs, block
         ex = tl.load(EXPERTS + i, mask=live, other=-1).to(tl.int32)
         onehot = (ex[:, None] == experts[None, :]).to(tl.int32)
         row = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + base[None, :]), axis=1)
-        tl.store(PAIR_OF_ROW + row, i.to(tl.int64), mask=live)
+        tl.store(PAIR_OF_ROW + row, i.to(tl.int64), mask=live & (ex >= 0))
         base += tl.sum(onehot, axis=0)
     if b == 0:
         tl.store(COUNTS + experts, counts.to(tl.int64), mask=experts < E)
@@ -367,7 +368,8 @@ MAX_PAIR_BLOCKS = 64
 def expert_sort(experts: torch.Tensor, num_experts: int):
     """The (token, slot) pairs of ``experts [T, k]`` (pair ``i`` = token ``i // k``, slot ``i % k``) ordered by
     ascending expert, pair order within an expert (what a stable sort gives, as a counting sort: two launches, no host
-    read): ``(the pair of each sorted row [T*k] int64, pairs per expert [E] int64)``."""
+    read): ``(the pair of each sorted row [T*k] int64, pairs per expert [E] int64)``.  Pairs of expert -1 (not
+    computed) are left out: the first ``counts.sum()`` rows are the others', the rest unwritten."""
     t, k = experts.shape
     pairs = t * k
     flat = experts.reshape(-1).contiguous()
@@ -388,7 +390,8 @@ def expert_sort(experts: torch.Tensor, num_experts: int):
 def _expert_outputs_cuda(hidden: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                          activation: str = "swiglu") -> torch.Tensor:
     """``[T, k, H]``: pairs sorted by expert, grouped GEMM (its operand rows gathered from the tokens) -> activation ->
-    grouped GEMM (its result rows scattered back to (token, slot) order)."""
+    grouped GEMM (its result rows scattered back to (token, slot) order).  Pairs of expert -1 get no row, so no tile:
+    their output rows are left unwritten (:func:`kernels.moe.expert_outputs`)."""
     if activation not in kmoe.EXPERT_ACTIVATIONS:
         raise ValueError(f"unsupported expert activation {activation!r}; supported: {', '.join(kmoe.EXPERT_ACTIVATIONS)}")
     t, k = experts.shape
