@@ -31,6 +31,11 @@ writes a PNG next to the JSON (time per forward against T, log-log, with the flo
 the splits walked by one loop; ``+tma``: the weights through a TMA descriptor; ``BM:BN:warps``: the launch shape;
 ``base`` = none), each output checked bit for bit against the default's (``torch.equal``).  ``--kernel-times``:
 per-kernel device time of one eager forward of each engine (median of 20, torch profiler): where a layer's time goes.
+
+``--owned-tp t`` (bf16): the engine's experts of TP rank 0 at TP = t (``moe_owned_expert_outputs``: its ``E/t`` experts'
+pairs computed, the others' left out as expert -1), timed beside the same rank when every pair is computed on a local
+expert and masked (session 31's scheme: ``masked all pairs``) and beside all experts' pairs at TP = 1; the rank's
+owned pairs checked bit for bit against the one-rank pairs, its others exactly zero.
 """
 
 from __future__ import annotations
@@ -120,7 +125,7 @@ def kernel_times_us(fn, iters: int = 20) -> dict[str, float]:
     return {name: statistics.median(d) * len(d) / iters for name, d in per_name.items()}
 
 
-def run(tokens, fp8: bool = False, variants=(), kernel_times: bool = False) -> dict:
+def run(tokens, fp8: bool = False, variants=(), kernel_times: bool = False, owned_tp: int = 0) -> dict:
     import torch
     import triton
     import triton.testing
@@ -185,6 +190,8 @@ def run(tokens, fp8: bool = False, variants=(), kernel_times: bool = False) -> d
                     row.setdefault("variants", {})[spec] = {"experts_ms": ms, "bits_equal_default": same}
                 except Exception as exc:  # noqa: BLE001  (a launch shape that does not compile: say so, go on)
                     row.setdefault("variants", {})[spec] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            if owned_tp:
+                row.update(_owned_rank(x, e, w13, w2, owned_tp))
             if kernel_times:
                 row["kernels_us"] = {"consistent": kernel_times_us(lambda: consistent(x))}
                 if stock is not None:
@@ -193,6 +200,33 @@ def run(tokens, fp8: bool = False, variants=(), kernel_times: bool = False) -> d
         out["rows"].append(row)
         print("MOE", json.dumps(row), flush=True)
     return out
+
+
+def _owned_rank(x, e, w13, w2, tp: int) -> dict:
+    """Rank 0's expert outputs at TP = ``tp`` (``--owned-tp``): times and the bit check."""
+    import torch
+    import triton.testing
+
+    from megatron_consistent.kernels import inference_ops
+    from megatron_consistent.kernels import moe as kmoe
+
+    run_ = E // tp
+    fc1, fc2 = w13[:run_], w2[:run_]
+    mine = e < run_
+    one = kmoe.expert_outputs(x, e, w13, w2)
+    owned = inference_ops.moe_owned_expert_outputs(x, e, 0, fc1, fc2, "swiglu")
+    bits = torch.equal(owned[mine], one[mine]) and bool((owned[~mine] == 0).all())
+
+    def masked_all_pairs():  # every pair through a local expert (others on local expert 0), then the select
+        y = kmoe.expert_outputs(x, torch.where(mine, e, torch.zeros_like(e)), fc1, fc2)
+        return torch.where(mine[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+    return {"owned_tp": tp, "owned_pairs": int(mine.sum()), "owned_bits_equal": bits,
+            "owned_rank_ms": triton.testing.do_bench_cudagraph(
+                lambda: inference_ops.moe_owned_expert_outputs(x, e, 0, fc1, fc2, "swiglu"), rep=100),
+            "masked_all_pairs_ms": triton.testing.do_bench_cudagraph(masked_all_pairs, rep=100),
+            "all_experts_pairs_ms": triton.testing.do_bench_cudagraph(lambda: kmoe.expert_outputs(x, e, w13, w2),
+                                                                       rep=100)}
 
 
 def table(res: dict) -> str:
@@ -214,6 +248,15 @@ def table(res: dict) -> str:
             cells = [f"{v['experts_ms']:.4f} {'=' if v['bits_equal_default'] else 'DIFF'}" if "experts_ms" in v
                      else "error" for v in (r["variants"][spec] for spec in specs)]
             lines.append(f"| {r['T']} | {r['experts_ms']:.4f} | " + " | ".join(cells) + " |")
+    if res["rows"] and "owned_tp" in res["rows"][0]:
+        lines += ["", f"TP rank 0 of {res['rows'][0]['owned_tp']}: its experts' pairs (others as expert -1) vs every pair "
+                  "computed and masked vs all experts at TP 1 (ms; bits: owned pairs = the one-rank pairs, others 0)",
+                  "| T | owned pairs | owned rank ms | masked all pairs ms | all experts TP 1 ms | masked / owned | bits |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in res["rows"]:
+            lines.append(f"| {r['T']} | {r['owned_pairs']} | {r['owned_rank_ms']:.4f} | {r['masked_all_pairs_ms']:.4f} | "
+                         f"{r['all_experts_pairs_ms']:.4f} | {r['masked_all_pairs_ms'] / r['owned_rank_ms']:.2f} | "
+                         f"{'equal' if r['owned_bits_equal'] else 'DIFF'} |")
     for r in res["rows"]:
         for engine, times in r.get("kernels_us", {}).items():
             top = sorted(times.items(), key=lambda kv: -kv[1])
@@ -255,6 +298,8 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="only redraw the PNG of an earlier JSON")
     ap.add_argument("--fp8-variants", nargs="*", default=[], help="with --fp8: flat|base[+tma][:BM:BN:warps] timed beside")
     ap.add_argument("--kernel-times", action="store_true", help="per-kernel device time of one forward per engine")
+    ap.add_argument("--owned-tp", dest="owned_tp", type=int, default=0, choices=[0, 2, 4, 8],
+                    help="also time TP rank 0's experts at this TP (bf16)")
     args = ap.parse_args()
     if args.plot:
         res = json.loads(args.plot.read_text())
@@ -267,7 +312,9 @@ def main() -> None:
         raise SystemExit("--fp8-variants needs --fp8")
     for spec in args.fp8_variants:
         _fp8_variant(spec)
-    res = run(args.tokens, args.fp8, args.fp8_variants, args.kernel_times)
+    if args.owned_tp and args.fp8:
+        raise SystemExit("--owned-tp: bf16 experts only (the engine refuses FP8 at TP > 1)")
+    res = run(args.tokens, args.fp8, args.fp8_variants, args.kernel_times, args.owned_tp)
     print(table(res))
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
