@@ -11,19 +11,13 @@ Needs a CUDA device and vLLM's GPU build (``../shared/gpu-vllm/``); skipped othe
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.engine,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the GPU vLLM engine)"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None or torch.version.cuda is None,
-                       reason="needs vLLM's CUDA build (see ../shared/gpu-vllm/README.md)"),
-]
+from _gpu_engine import GPU_ENGINE_MARKS
+
+pytestmark = GPU_ENGINE_MARKS
 
 DENSE = ["tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3-qknorm-tied"]
 
