@@ -13,7 +13,8 @@
   the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
   time (launch gaps) shows; and the split path's scheduling variants (``SPLIT_VARIANTS``: the merge loop pipelined
   over 1-4 stages, ``attention.MERGE_STAGES``; the merge launch cut into 2-8 head-dimension slices, one program
-  each, ``attention.MERGE_DSPLIT``), each checked bitwise against the committed setting;
+  each, ``attention.MERGE_DSPLIT``; the merge as a programmatic dependent launch, ``attention.SPLIT_PDL``), each
+  checked bitwise against the committed setting;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16, and page 64: one key block per page; called as the vLLM backend calls
   it, with the step's K/V, ``k_new``, read for pages of 16; page 16 also reading every key from the cache) vs SDPA
@@ -111,7 +112,8 @@ def _try(fn):
 
 # scheduling variants of the split decode path (module knobs of attention.py; loads and launches only, never bits)
 SPLIT_VARIANTS = ([(f"merge stages {n}", {"MERGE_STAGES": n, "MERGE_DSPLIT": 1}) for n in (1, 2, 3, 4)]
-                  + [(f"merge stages 4, {k} head-dim slices", {"MERGE_STAGES": 4, "MERGE_DSPLIT": k}) for k in (2, 4, 8)])
+                  + [(f"merge stages 4, {k} head-dim slices", {"MERGE_STAGES": 4, "MERGE_DSPLIT": k}) for k in (2, 4, 8)]
+                  + [("merge as a dependent launch (PDL)", {"SPLIT_PDL": True})])
 
 
 def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:
@@ -543,7 +545,7 @@ def main():
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="a subset (smoke run)")
     ap.add_argument("--tiles", action="store_true", help="only the launch-shape sweep (ATTN_TILES candidates)")
-    ap.add_argument("--decode-only", action="store_true", help="with --tiles: the decode cases only")
+    ap.add_argument("--decode-only", action="store_true", help="the decode cases only (also with --tiles)")
     ap.add_argument("--contract-probe", action="store_true", help="only the key block / partition probe (dense)")
     ap.add_argument("--gluon", action="store_true", help="only prefill, dense and paged: the Gluon kernels against "
                     "the committed ones (bits, time), SDPA and FA3")
@@ -593,7 +595,7 @@ def main():
     for b, ctx in decode_cases:
         decode_case(b, ctx, bw, rows)
         torch.cuda.empty_cache()
-    for t in ((4096,) if args.quick else (4096, 16384)):
+    for t in () if args.decode_only else (4096,) if args.quick else (4096, 16384):
         for hkv in (8, 32):
             prefill_case(t, hkv, rows)
             torch.cuda.empty_cache()

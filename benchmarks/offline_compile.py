@@ -68,7 +68,7 @@ def launch_key(kernel, args, kw) -> tuple[dict, dict, dict, int, int]:
         if aligned and name not in kernel.do_not_specialize:
             attrs[str(i)] = [["tt.divisibility", 16]]
     for k, v in kw.items():
-        if k == "enable_fp_fusion":  # an option, not a constexpr: compile_sm90 takes it out of the constexprs
+        if k in ("enable_fp_fusion", "launch_pdl"):  # options, not constexprs: compile_sm90 takes them out
             const[k] = v
         elif k not in ("num_warps", "num_stages"):
             sig[k], const[k] = "constexpr", v
@@ -91,8 +91,9 @@ def compile_sm90(kernel, sig, const, warps, stages, attrs=None, source=ASTSource
     attrs = {(int(i),): v for i, v in (attrs or {}).items()}
     const = dict(const)
     options = {"num_warps": warps, "num_stages": stages}
-    if "enable_fp_fusion" in const:  # the launch's own choice (the contract kernels turn mul-add fusion off)
-        options["enable_fp_fusion"] = const.pop("enable_fp_fusion")
+    for option in ("enable_fp_fusion", "launch_pdl"):  # the launch's own choices (the contract kernels turn mul-add
+        if option in const:                            # fusion off; a programmatic dependent launch)
+            options[option] = const.pop(option)
     k = triton.compile(source(kernel, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                        options=options)
     ttgir = k.asm["ttgir"]

@@ -7,6 +7,7 @@ both paths, with and without the step's new K/V for a bf16 cache; ``attention_fw
 tensors with the kernels replaced by recorders; each distinct launch is compiled by :mod:`offline_compile`.  The
 ``async`` column counts the key and value loads the software pipeliner made asynchronous (the dense path's prefill:
 12): a paged launch with fewer waits on its loads.
+``--pdl``: the split path's launches as on Hopper with ``MC_ATTN_PDL=1`` (the merge a programmatic dependent launch).
 Says nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
 """
 
@@ -31,7 +32,7 @@ HQ, HKV, D, KEYS = 32, 8, 128, 4096
 SHAPES = [(1, KEYS, False), (64, 1, False), (1, 1, True), (8, 32, False), (4, 16, True)]
 
 
-def record_launches(quick: bool):
+def record_launches(quick: bool, pdl: bool = False):
     """The distinct ``(name, signature, attrs, constexprs, warps, stages)`` launches of the attention host code."""
     def run():
         for page in (16, 64) if quick else tpa.PAGE_SIZES:
@@ -59,7 +60,13 @@ def record_launches(quick: bool):
                                         d ** -0.5, split=split)
 
     launches: list = []  # the padding-row zeroing kernel is recorded too, and dropped
-    capture(tpa, ["_zero_rows_kernel"], lambda: launches.extend(capture(tattn, ["_attn_kernel"], run)))
+    saved = tattn.SPLIT_PDL, tattn.on_hopper
+    if pdl:
+        tattn.SPLIT_PDL, tattn.on_hopper = True, lambda t: True
+    try:
+        capture(tpa, ["_zero_rows_kernel"], lambda: launches.extend(capture(tattn, ["_attn_kernel"], run)))
+    finally:
+        tattn.SPLIT_PDL, tattn.on_hopper = saved
     return distinct_launches(launches, {"_attn_kernel": tattn._attn_kernel})
 
 
@@ -67,12 +74,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="pages 16 and 64, bf16 cache only")
     ap.add_argument("--ttgir-dir", help="write each launch's normalized TTGIR here (diff -r against another tree's)")
+    ap.add_argument("--pdl", action="store_true", help="the split path's merge as a programmatic dependent launch")
     args = ap.parse_args()
-    launches = record_launches(args.quick)
+    launches = record_launches(args.quick, args.pdl)
     print(f"{len(launches)} distinct launches", flush=True)
     jobs = [(f"D {const['D']} PAGE {const['PAGE']} FP8 {const['FP8']} BLOCK_M {const['BLOCK_M']} MODE {const['MODE']} "
              f"W{warps} S{stages}" + (" NEW_KV" if const["NEW_KV"] else "")
-             + (f" MERGE_STAGES {const['MERGE_STAGES']} SLICES {const['MERGE_DSPLIT']}" if const["MODE"] == 2 else ""),
+             + (f" MERGE_STAGES {const['MERGE_STAGES']} SLICES {const['MERGE_DSPLIT']}" if const["MODE"] == 2 else "")
+             + (" PDL" if const.get("PDL") else ""),
              tattn._attn_kernel, sig, attrs, const, warps, stages)
             for _, sig, attrs, const, warps, stages in launches]
     sys.exit(compile_report(jobs, args.ttgir_dir))

@@ -47,6 +47,7 @@ if DEV is not None:
     from megatron_consistent.kernels.triton import paged_attention as tpa
 
 ON_GPU = DEV is not None and DEV.type == "cuda"
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
 DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
 HQ, HKV, D = (8, 2, 64) if ON_GPU else (4, 2, 32)
 PART = 512
@@ -288,6 +289,29 @@ def test_merge_schedules_are_numerics_neutral(monkeypatch):
         assert all(bits_equal(a, b) for a, b in zip(ref, got)), f"merge stages {stages}, slices {dsplit}"
 
 
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch: Hopper (sm_90)")
+def test_dependent_merge_launch_is_numerics_neutral(monkeypatch):
+    """The split path's merge as a programmatic dependent launch (``attention.SPLIT_PDL``: the merge grid starts early
+    and waits in-kernel for the split grid) gives the bits of the plain launch order: rows over 1-3 partitions, a
+    ``max_seq_len`` hint shorter than the rows, pages of 16 and 64, the dense path with its ``lse``."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, n, h, D, generator=gen).to(device=DEV, dtype=DTYPES[0])
+               for n, h in ((3, HQ), (1100, HKV), (1100, HKV)))
+    pos = torch.tensor([[1097, 1098, 1099], [0, 1, 2]], device=DEV)
+    lens = torch.tensor([1100, 0], device=DEV)
+    batches = [Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=14, pad_tokens=2)
+               for page in (16, 64)]
+
+    def run():
+        return ([b.paged(split=True, max_seq_len=hint) for b in batches for hint in (None, 513)]
+                + list(ta.attention_fwd(q, k, v, pos, lens, D ** -0.5, split=True)))
+
+    ref = run()
+    monkeypatch.setattr(ta, "SPLIT_PDL", True)
+    for _ in range(3):
+        assert all(bits_equal(a, b) for a, b in zip(ref, run()))
+
+
 def test_split_path_reads_only_written_workspace_slots(monkeypatch):
     """The split path's workspace starts as NaN: every slot the merge launch reads must have been written by the split
     launch, so split == in-program on rows over 1-3 partitions, chunked rows, a ``max_seq_len`` hint shorter than the
@@ -461,10 +485,13 @@ def test_batch_dependent_partition_is_caught(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("split", [False, True])
-def test_paged_cuda_graph_capture_and_replay(split):
+@pytest.mark.parametrize("split,pdl", [(False, False), (True, False), (True, True)])
+def test_paged_cuda_graph_capture_and_replay(split, pdl, monkeypatch):
     """write_kv_cache + paged_attention captured in a CUDA graph (no host sync) and replayed with new
-    query_start_loc / seq_lens / slot contents equal the eager calls bit for bit."""
+    query_start_loc / seq_lens / slot contents equal the eager calls bit for bit; ``pdl``: the split path's merge a
+    programmatic dependent launch (``MC_ATTN_PDL``, Hopper) in the graph, checked against eager calls without it."""
+    if pdl and not HOPPER:
+        pytest.skip("programmatic dependent launch: Hopper (sm_90)")
     batch = Batch([(100, 1), (0, 8), (600, 3)], 16, DTYPES[0], seed=21, pad_tokens=4)
     t = batch.q_all.shape[0]
     gen = torch.Generator().manual_seed(22)
@@ -477,11 +504,13 @@ def test_paged_cuda_graph_capture_and_replay(split):
         tpa.paged_attention(batch.q_all, batch.k_cache, batch.v_cache, batch.table, batch.qsl, batch.seq_lens,
                            D ** -0.5, out, max_query_len=t, max_seq_len=2048, split=split)
 
+    monkeypatch.setattr(ta, "SPLIT_PDL", pdl)
     step()  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    monkeypatch.setattr(ta, "SPLIT_PDL", False)
     for qsl, lens in [([0, 1, 9, 12], [101, 8, 603]), ([0, 4, 5, 12], [60, 5, 603]), ([0, 0, 2, 3], [1, 8, 1])]:
         batch.qsl.copy_(torch.tensor(qsl, dtype=torch.int32))
         batch.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))

@@ -64,9 +64,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..attention import CUDA_MAX_HEAD_DIM
-from ..dispatch import register
+from ..dispatch import env_switch, register
 from ..numerics import LOG2E
 from ._common import GLUON, next_pow2, on_hopper
 
@@ -365,7 +366,8 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
                  stab, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
                  FP8: tl.constexpr, NEW_KV: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr,
-                 NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_DSPLIT: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_DSPLIT: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
@@ -373,8 +375,13 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     axis 2 cuts the head dimension into that many column slices, each merged by its own program (a tile whose keys
     reach past the workspace is done whole by slice 0).  ``NEW_KV`` (paged, bf16 / fp16
     cache): ``KN, VN [T, Hkv, D]`` are the step's new keys and values (those the cache holds for the sequences' last
-    ``q_len`` positions); key blocks of new tokens only are read from them (see :func:`_walk`)."""
+    ``q_len`` positions); key blocks of new tokens only are read from them (see :func:`_walk`).  ``PDL`` (split path,
+    Hopper): the merge launch is a programmatic dependent launch -- every MODE 1 program lets it start at once, and
+    MODE 2 waits for MODE 1's grid (``griddepcontrol.wait``: its writes visible) before anything it reads from the
+    workspace; scheduling only, the same loads and arithmetic."""
     tl.static_assert(not (NEW_KV and FP8), "an FP8 cache is read from the cache only")
+    if PDL and MODE == 1:
+        gdc_launch_dependents()
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab, new0, tnew0 = _map_tile(
@@ -405,6 +412,8 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
     full = tl.minimum(full, tl.maximum(hi, 0))
     n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)  # workspace partitions holding keys of the tile
+    if PDL and MODE == 2:
+        gdc_wait()
     if MODE == 1:
         m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -531,6 +540,11 @@ def _sms(dev: torch.device) -> int:
 # context (sessions 12-13, kernel benchmark): ``MC_ATTN_SPLIT_PER_SM`` (e.g. 8) lets a rollout variant try a rule
 # that splits there too.
 SPLIT_PER_SM = int(os.environ.get("MC_ATTN_SPLIT_PER_SM", "2") or "2")
+# The split path's merge as a programmatic dependent launch on Hopper (``MC_ATTN_PDL=1``; off by default until a run
+# on the GPU times it): the merge grid starts while the split grid's last programs run and waits for them in-kernel
+# (``_attn_kernel``'s ``PDL``), hiding the second launch's latency -- at decode, where the split path runs, a few
+# microseconds of a 20-50 us call.  Scheduling only, never bits.
+SPLIT_PDL = env_switch("MC_ATTN_PDL", False)
 if SPLIT_PER_SM < 0:
     raise ValueError(f"MC_ATTN_SPLIT_PER_SM={SPLIT_PER_SM}: programs per SM below which the split path runs, >= 0")
 
@@ -597,9 +611,10 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     args = (q, k, v, kn, vn, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale,
             float(kv_scale), nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *new_strides, *os_, *ps, stab)
     if use_split:
-        _attn_kernel[grid](*args, MODE=1, **common)
+        pdl = SPLIT_PDL and on_hopper(q)
+        _attn_kernel[grid](*args, MODE=1, **dict(common, PDL=pdl))
         dsplit = _merge_slices(programs or grid0 * n1, block_d, q.device)
-        _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **dict(common, MERGE_DSPLIT=dsplit,
+        _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **dict(common, MERGE_DSPLIT=dsplit, PDL=pdl, launch_pdl=pdl,
                                                                  MERGE_STAGES=_merge_stages(bm, block_d)))
     else:
         _attn_kernel[grid](*args, MODE=0, **common)
