@@ -78,14 +78,30 @@ def test_qkv_canonical_layout_splits_query_groups():
     assert c == [0.0, 1.0, 10.0, 11.0, 100.0, 101.0, 200.0, 201.0]
 
 
-def test_hybrid_refused_by_name_before_any_engine(tmp_path):
-    """Per-op capture exists for GPT models only: a hybrid model dir is refused by name, no engine started."""
-    from megatron_consistent.config import UnsupportedConfigError
+@pytest.mark.engine
+def test_hybrid_fault_in_an_mlp_layer_is_the_first_divergent_mixer(tmp_path):
+    """Nemotron-H (M * M - M * - M): every layer's norm, mixer and residual are compared -- Mamba, attention, MLP --
+    and a non-contract down projection in the engine's MLP layer 3 makes ``layer3.mixer`` the first divergence, the
+    two Mamba layers and the attention layer before it equal; its replay says the mixer is compared, not recomputed."""
+    from megatron_consistent.layers import build_consistent_model
 
-    cfg = DiagnoseConfig(prompt=[5, 6], response=[7], model_dir=str(builtin_model_dir("tiny-nemotronh")), out_dir=str(tmp_path))
-    with pytest.raises(UnsupportedConfigError, match="NemotronHForCausalLM"):
-        run_diagnose(cfg)
-    assert not (tmp_path / "engine").exists()
+    arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir("tiny-nemotronh")))
+    model = build_consistent_model(arch, seed=2)
+    export_hf(model, arch, tmp_path / "model")
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(3, arch.vocab_size, (45,), generator=g).tolist()
+    response = torch.randint(3, arch.vocab_size, (4,), generator=g).tolist()
+    cfg = DiagnoseConfig(prompt=prompt, response=response, model_dir=str(tmp_path / "model"), out_dir=str(tmp_path / "out"),
+                         max_num_batched_tokens=32, fault="layer3.down")
+    report = run_diagnose(cfg, model=model)
+    first = report["first_divergence"]
+    assert first is not None and first["op"] == "layer3.mixer"
+    statuses = {r["op"]: r["status"] for r in report["ops"]}
+    order = op_order(arch)
+    assert all(statuses[op] == "equal" for op in order[: order.index("layer3.mixer")])
+    assert {"layer0.mixer", "layer1.mixer", "layer2.mixer", "layer3.norm"} <= set(order[: order.index("layer3.mixer")])
+    rep = replay(report["repro"])
+    assert rep["op"] == "layer3.mixer" and rep["replayed"] is False and rep["vllm_equals_megatron"] is False
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +131,18 @@ def test_moe_fault_in_the_router_is_named_exactly_after_equal_moe_ops(moe_setup)
                                        "kernel_equals_vllm": False, "vllm_equals_megatron": False}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-qknorm-tied", "tiny-qwen2moe-top8-shared", "tiny-qwen3moe-top1"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-qknorm-tied", "tiny-qwen2moe-top8-shared", "tiny-qwen3moe-top1",
+                                  "tiny-nemotronh-moe"])
 def test_every_op_replayed_from_its_inputs_reproduces_the_capture(name, tmp_path):
     """What a repro folder's replay runs (``run_op`` on the op's captured inputs and its HF weights) gives each
-    captured Megatron op bit for bit -- dense, q/k-norm, tied, MoE with a shared expert, mixed dense / MoE layers --
-    so a replay that disagrees with Megatron points at the engine; a wrong expert weight is caught."""
+    captured Megatron op bit for bit -- dense, q/k-norm, tied, MoE with a shared expert, mixed dense / MoE layers, a
+    hybrid's norms and residuals (its mixers are refused by name: compared, not recomputed) -- so a replay that
+    disagrees with Megatron points at the engine; a wrong expert weight is caught."""
+    from megatron_consistent.config import UnsupportedConfigError
+    from megatron_consistent.layers import build_consistent_model
+
     arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir(name)))
-    model = build_consistent_gpt_model(arch, seed=7)
+    model = build_consistent_model(arch, seed=7)
     export_hf(model, arch, tmp_path)
     weights = _load_weights(tmp_path)
     ids = torch.randint(3, arch.vocab_size, (23,), generator=torch.Generator().manual_seed(8)).tolist()
@@ -130,9 +151,14 @@ def test_every_op_replayed_from_its_inputs_reproduces_the_capture(name, tmp_path
     assert set(ops) == set(caps)
     for op in ops:
         ins, w = _layer_inputs(op, arch)
+        assert set(w) <= set(weights), op
+        if arch.is_hybrid and op.endswith(".mixer"):
+            with pytest.raises(UnsupportedConfigError, match="compared"):
+                run_op(op, arch, {n: caps[n] for n in ins}, weights, torch.tensor(ids))
+            continue
         out = run_op(op, arch, {n: caps[n] for n in ins}, weights, torch.tensor(ids))
         assert torch.equal(out, caps[op]), op
-    moe = [i for i in range(arch.num_layers) if arch.layer_is_moe(i)]
+    moe = [] if arch.is_hybrid else [i for i in range(arch.num_layers) if arch.layer_is_moe(i)]
     if moe:
         i = moe[0]
         assert "moe_out" in layer_ops(arch, i) and "down" not in layer_ops(arch, i)
@@ -164,13 +190,6 @@ def test_device_cuda_refused_without_a_gpu_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "e" / "engine").exists()
 
 
-def test_cli_refuses_a_hybrid_before_exporting_a_model(tmp_path, capsys):
-    from megatron_consistent.cli import main
-
-    rc = main(["diagnose", "--hf-config", str(builtin_model_dir("tiny-nemotronh")), "--prompt", "5,6", "--response", "7",
-               "--out-dir", str(tmp_path / "d")])
-    assert rc == 2 and "NemotronHForCausalLM" in capsys.readouterr().err
-    assert not (tmp_path / "d" / "model").exists()
 
 
 def test_check_dir_request_is_the_first_whose_logprobs_differ(tmp_path):

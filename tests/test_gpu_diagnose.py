@@ -5,7 +5,9 @@ Needs a CUDA device and vLLM's GPU build (``../shared/gpu-vllm/``); skipped othe
 * a non-contract o_proj in layer 1 of the GPU engine (``--inject-fault``) is the first divergence, every op before it
   bitwise equal, and its replay on the GPU reproduces Megatron's value, not the engine's;
 * an MoE model (dense layer 0, MoE layer 1) with no fault: every captured op equal, router logits, routes and the MoE
-  block's output among them.
+  block's output among them;
+* Nemotron-H with a fault in its MLP layer 3: ``layer3.mixer`` the first divergence, the Mamba and attention layers
+  before it equal (the GPU SSD kernels inside the engine's mixer against the trainer's).
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ pytestmark = GPU_ENGINE_MARKS
 def _diagnose(name: str, root, fault: str = ""):
     from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
     from megatron_consistent.conversion import export_hf
-    from megatron_consistent.layers import build_consistent_gpt_model
+    from megatron_consistent.layers import build_consistent_model
     from megatron_consistent.verify.diagnose import DiagnoseConfig, run_diagnose
 
     arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir(name)))
-    model = build_consistent_gpt_model(arch, seed=3)
+    model = build_consistent_model(arch, seed=3)
     export_hf(model, arch, root / "model")
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, arch.vocab_size, (41,), generator=g).tolist()  # two prefill chunks of 32 tokens
@@ -61,3 +63,15 @@ def test_gpu_moe_every_op_equal(tmp_path):
     compared = {r["op"]: r["status"] for r in report["ops"] if r["status"] != "missing"}
     assert {"layer0.gate_up", "layer1.router_logits", "layer1.routes", "layer1.moe_out", "logits", "logprobs"} <= set(compared)
     assert set(compared.values()) == {"equal"}
+
+
+def test_gpu_hybrid_fault_is_the_first_divergent_mixer(tmp_path):
+    from megatron_consistent.verify.capture import op_order
+    from megatron_consistent.verify.diagnose import render
+
+    report, arch = _diagnose("tiny-nemotronh", tmp_path, fault="layer3.down")
+    print(render(report))
+    assert report["first_divergence"] is not None and report["first_divergence"]["op"] == "layer3.mixer"
+    statuses = {r["op"]: r["status"] for r in report["ops"]}
+    order = op_order(arch)
+    assert all(statuses[op] == "equal" for op in order[: order.index("layer3.mixer")])

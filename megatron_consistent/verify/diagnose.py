@@ -11,6 +11,9 @@ Contract:
   device) runs the whole sequence once with forward hooks on its modules (plus
   the core attention's ``capture`` slot for the rotated q/k and, in MoE layers,
   the MoE block's for its float32 router logits and routed experts);
+* hybrid models (Mamba-2, Nemotron-H) are compared layer by layer: each
+  layer's norm, mixer output and residual sum (their mixers are compared,
+  not replayed);
 * both sides are brought to one canonical layout — tokens first, batch
   dropped, ``qkv`` as ``[q | k | v]`` (Megatron's per-query-group interleaved
   rows are split), heads as ``[T, heads, head_dim]`` — and compared with
@@ -95,6 +98,13 @@ def _qkv_canonical(t: torch.Tensor, arch: ArchConfig) -> torch.Tensor:
     return torch.cat([g[:, :, :gs].reshape(s, -1), g[:, :, gs].reshape(s, -1), g[:, :, gs + 1].reshape(s, -1)], dim=-1)
 
 
+def _present(layer, names: tuple[str, ...]):
+    """The first of ``layer``'s children ``names`` that does something (Megatron fills unused slots with
+    ``IdentityOp``)."""
+    return next(getattr(layer, n) for n in names
+                if hasattr(layer, n) and type(getattr(layer, n)).__name__ not in ("IdentityOp", "IdentityFuncOp"))
+
+
 def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch.Tensor]:
     """Every op's output for one sequence (positions 0..n-1), canonical layout, by forward hooks; computed on the
     model's device, returned on the CPU."""
@@ -109,7 +119,13 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
 
     add(model.embedding, "embed")
     cores, moes = [], []
-    for i, layer in enumerate(model.decoder.layers):
+    if arch.is_hybrid:  # Megatron's Mamba / attention-only / MLP / MoE layers: the norm, the mixer, the layer
+        for i, layer in enumerate(model.decoder.layers):
+            add(_present(layer, ("norm", "input_layernorm", "pre_mlp_layernorm")), f"layer{i}.norm")
+            add(_present(layer, ("mixer", "self_attention", "mlp")), f"layer{i}.mixer")
+            add(layer, f"layer{i}.residual")
+        add(model.decoder.final_norm, "final_norm")
+    for i, layer in enumerate([] if arch.is_hybrid else model.decoder.layers):
         p, sa, mlp = f"layer{i}.", layer.self_attention, layer.mlp
         add(layer.input_layernorm, p + "input_norm")
         add(sa.linear_qkv, p + "qkv", lambda t: _qkv_canonical(t, arch))
@@ -141,7 +157,8 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
             add(mlp.activation_func, p + "act")
             add(mlp.linear_fc2, p + "down")
         add(layer, p + "residual_mlp")
-    add(model.decoder.final_layernorm, "final_norm")
+    if not arch.is_hybrid:
+        add(model.decoder.final_layernorm, "final_norm")
     add(model.output_layer, "logits")
     device = next(model.parameters()).device
     try:
@@ -208,20 +225,27 @@ def compare_captures(engine: dict[str, dict[int, torch.Tensor]], megatron: dict[
 def _layer_inputs(op: str, arch: ArchConfig) -> tuple[list[str], list[str]]:
     """(input op names, HF weight names) of one op (weight names from the family's weight table)."""
     names = hf_names(arch)
-    last = f"layer{arch.num_layers - 1}.residual_mlp"
+    last = f"layer{arch.num_layers - 1}." + ("residual" if arch.is_hybrid else "residual_mlp")
     embedding = list(names["embedding.word_embeddings.weight"])
     if op == "embed":
         return [], embedding
     if op == "final_norm":
-        return [last], list(names["decoder.final_layernorm.weight"])
+        return [last], list(names.get("decoder.final_layernorm.weight") or names["decoder.final_norm.weight"])
     if op == "logits":
         return ["final_norm"], embedding if arch.tie_word_embeddings else list(names["output_layer.weight"])
     if op == "logprobs":
         return ["logits"], []
     layer, name = op.split(".")
     i = int(layer[5:])
-    prev = "embed" if i == 0 else f"layer{i - 1}.residual_mlp"
     m, p = f"decoder.layers.{i}.", f"layer{i}."
+    if arch.is_hybrid:
+        prev = "embed" if i == 0 else f"layer{i - 1}.residual"
+        own = [k for k in names if k.startswith(m)]
+        norm = [k for k in own if k[len(m):] in ("norm.weight", "input_layernorm.weight", "pre_mlp_layernorm.weight")]
+        rest = [hf for k in own if k not in norm for hf in names[k]]
+        return {"norm": ([prev], list(names[norm[0]])), "mixer": ([p + "norm"], rest),
+                "residual": ([p + "mixer", prev], [])}[name]
+    prev = "embed" if i == 0 else f"layer{i - 1}.residual_mlp"
 
     def w(megatron: str) -> list[str]:  # empty where the layer has no such parameter (no q/k norm; an MoE MLP)
         return list(names.get(m + megatron, ()))
@@ -276,8 +300,11 @@ def run_op(op: str, arch: ArchConfig, inputs: dict[str, torch.Tensor], weights: 
         return kernels.compute_logits(x[0], w[0])
     if op == "logprobs":
         return kernels.gather_logprobs(x[0][:-1], ids[1:])
-    if name in ("input_norm", "post_norm") or op == "final_norm":
+    if name in ("input_norm", "post_norm") or op == "final_norm" or (arch.is_hybrid and name == "norm"):
         return kernels.rms_norm(x[0], w[0], eps)
+    if arch.is_hybrid and name == "mixer":
+        raise UnsupportedConfigError(f"replay of {op}: a hybrid layer's mixer (Mamba, attention, MLP or MoE) is compared "
+                                     "with the engine's, not recomputed from its weights here")
     if name in ("q_norm", "k_norm"):
         part = _split_qkv(x[0], arch)[0 if name == "q_norm" else 1]
         return kernels.rms_norm(part, w[0], eps)
@@ -288,7 +315,7 @@ def run_op(op: str, arch: ArchConfig, inputs: dict[str, torch.Tensor], weights: 
         v = _split_qkv(x[2], arch)[2]
         o = kernels.attention(x[0][None], x[1][None], v[None], pos[None], scale=arch.softmax_scale)[0]
         return o.reshape(o.shape[0], -1)
-    if name in ("residual_attn", "residual_mlp"):
+    if name in ("residual_attn", "residual_mlp", "residual"):
         return kernels.add_residual(x[0], x[1])
     if name == "act":
         return kernels.silu_and_mul(x[0])
@@ -343,8 +370,11 @@ def replay(folder: str | Path) -> dict:
     weights = {k: v.to(device) for k, v in load_file(str(folder / "weights.safetensors")).items()}
     op = summary["op"]
     ins = {k[len("input."):]: v.to(device) for k, v in t.items() if k.startswith("input.")}
-    with torch.no_grad():
-        out = run_op(op, arch, ins, weights, t["ids"].to(device))
+    try:
+        with torch.no_grad():
+            out = run_op(op, arch, ins, weights, t["ids"].to(device))
+    except UnsupportedConfigError as e:  # an op compared but not recomputed here (a hybrid layer's mixer)
+        return {"op": op, "replayed": False, "reason": str(e), "vllm_equals_megatron": torch.equal(t["vllm"], t["megatron"])}
     sel = out[t["positions"].to(device)].cpu()
     return {"op": op, "kernel_equals_megatron": torch.equal(sel, t["megatron"]), "kernel_equals_vllm": torch.equal(sel, t["vllm"]),
             "vllm_equals_megatron": torch.equal(t["vllm"], t["megatron"])}
@@ -390,19 +420,12 @@ def _load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def refuse_hybrid(arch: ArchConfig) -> None:
-    if arch.is_hybrid:
-        raise UnsupportedConfigError(f"diagnose: per-op capture is implemented for GPT architectures, not for the hybrid "
-                                     f"{arch.architecture} (use `megatron-consistent check` for hybrids)")
-
-
 def build_megatron(model_dir: str | Path, seed: int = 0):
     """The consistent Megatron model with the HF weights of ``model_dir``; returns (model, arch)."""
     from ..conversion import import_hf
     from ..layers import build_consistent_model
 
     arch = ArchConfig.from_hf(load_hf_config(model_dir))
-    refuse_hybrid(arch)
     model = build_consistent_model(arch, seed=seed)
     import_hf(model, arch, model_dir)
     return model, arch
@@ -422,7 +445,6 @@ def run_diagnose(cfg: DiagnoseConfig, model=None) -> dict:
         model, arch = build_megatron(model_dir, cfg.seed)
     else:
         arch = model.arch_config
-    refuse_hybrid(arch)
     cap_dir = out / "engine_capture"
     for f in cap_dir.glob("step*.safetensors"):
         f.unlink()

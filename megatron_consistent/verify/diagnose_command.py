@@ -63,7 +63,7 @@ def validate(args) -> dict:
     """Every input, before any work: the request, token ids against the vocabulary, numbers, the model or config,
     the output folder and the JSON path."""
     from ..config import builtin_model_dir
-    from .diagnose import refuse_hybrid, resolve_device
+    from .diagnose import resolve_device
     from .inputs import hf_arch, input_file, integer, output_dir, output_file
 
     resolve_device(args.device)
@@ -78,7 +78,6 @@ def validate(args) -> dict:
         arch = hf_arch(input_file("--check-dir model config", Path(args.check_dir) / "model" / "config.json"))
     else:
         arch = hf_arch(args.hf_config or builtin_model_dir())
-    refuse_hybrid(arch)
     prompt = response = None
     if args.check_dir:
         for name in ("consistent.request.json", "consistent.result.json"):

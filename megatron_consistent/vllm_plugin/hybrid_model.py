@@ -13,6 +13,9 @@ Op for op the Megatron hybrid stack of :mod:`megatron_consistent.layers.hybrid`:
 Compiled by vLLM on CUDA (every kernel an opaque op of :mod:`..kernels.inference_ops`), the Mamba mixer core
 a splitting op run eagerly between piecewise CUDA graphs (:mod:`.mamba` says why and how).
 
+The op probe (:mod:`.probe`) sees ``embed``, per layer ``layer<i>.norm`` / ``.mixer`` / ``.residual``, ``final_norm``
+and the logits.
+
 Refused by name: prefix caching (vLLM's mamba "align" cache mode keeps the running
 state at block ends, not the chunk-boundary state + pending tokens this path
 replays), speculative decoding, ReplaySSM, TP/PP > 1.  Weights: HF names
@@ -32,10 +35,10 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from ..architectures import canonical_hf_name, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import add_residual, compute_logits, inference_ops
-from . import announce
+from . import announce, probe
 from . import moe as plugin_moe
 from .compat import attention_backend_class, compiled_by_vllm
-from .decoder_layer import _param
+from .decoder_layer import _linears, _param
 from .mamba import ConsistentMambaMixer, run_mixer_between_graphs, state_dtypes, state_shapes
 from .model import ConsistentForCausalLM, compile_enabled, check_engine_config
 
@@ -51,25 +54,27 @@ class AttentionMixer(nn.Module):
         self.q, self.kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.qkv_proj = _param(self.q + 2 * self.kv, a.hidden_size, dtype=dt)
         self.o_proj = _param(a.hidden_size, self.q, dtype=dt)
+        self.lin = _linears(int(prefix.split(".")[-2]))  # the contract's linears (an injected fault: vllm_plugin/probe.py)
         self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads, cache_config=cache_config,
                               prefix=f"{prefix}.attn", attn_backend=attention_backend_class())
 
     def forward(self, x):
-        q, k, v = inference_ops.linear(x, self.qkv_proj).split([self.q, self.kv, self.kv], dim=-1)
-        return inference_ops.row_parallel_linear(self.attn(q.contiguous(), k.contiguous(), v.contiguous()), self.o_proj)
+        q, k, v = self.lin["qkv"](x, self.qkv_proj).split([self.q, self.kv, self.kv], dim=-1)
+        return self.lin["o_proj"](self.attn(q.contiguous(), k.contiguous(), v.contiguous()), self.o_proj)
 
 
 class MLPMixer(nn.Module):
     """Nemotron-H non-gated MLP: ``down(relu2(up(x)))``."""
 
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, idx: int):
         super().__init__()
         dt = arch.torch_dtype
         self.up_proj = _param(arch.intermediate_size, arch.hidden_size, dtype=dt)
         self.down_proj = _param(arch.hidden_size, arch.intermediate_size, dtype=dt)
+        self.down = _linears(idx)["down"]  # the contract's row-parallel linear (an injected fault: vllm_plugin/probe.py)
 
     def forward(self, x):
-        return inference_ops.row_parallel_linear(inference_ops.relu_squared(inference_ops.linear(x, self.up_proj)), self.down_proj)
+        return self.down(inference_ops.relu_squared(inference_ops.linear(x, self.up_proj)), self.down_proj)
 
 
 class MoEMixer(nn.Module):
@@ -105,13 +110,14 @@ class HybridLayer(nn.Module):
     def __init__(self, arch: ArchConfig, kind: str, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         self.arch, self.kind = arch, kind
+        self.idx = int(prefix.rsplit(".", 1)[-1])
         self.norm = _param(arch.hidden_size, dtype=arch.torch_dtype)
         if kind == "mamba":
             self.mixer = ConsistentMambaMixer(arch, vllm_config, f"{prefix}.mixer")
         elif kind == "attention":
             self.mixer = AttentionMixer(arch, vllm_config.cache_config, f"{prefix}.mixer")
         elif kind == "mlp":
-            self.mixer = MLPMixer(arch)
+            self.mixer = MLPMixer(arch, self.idx)
         elif kind == "moe":
             self.mixer = MoEMixer(arch, int(prefix.rsplit(".", 1)[-1]))
         else:
@@ -119,7 +125,13 @@ class HybridLayer(nn.Module):
 
     def forward(self, h, positions):
         x = inference_ops.rms_norm(h, self.norm, self.arch.rms_norm_eps)
-        return add_residual(self.mixer(x, positions) if self.kind == "moe" else self.mixer(x), h)
+        m = self.mixer(x, positions) if self.kind == "moe" else self.mixer(x)
+        out = add_residual(m, h)
+        cap = probe.PROBE
+        if cap is not None:
+            for name, val in (("norm", x), ("mixer", m), ("residual", out)):
+                cap(f"layer{self.idx}.{name}", val)
+        return out
 
 
 def _check_engine(arch: ArchConfig, vllm_config: VllmConfig) -> None:
@@ -176,18 +188,30 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
         self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         if arch.is_moe:
             plugin_moe.start_recorder(arch, vllm_config)  # route recording (vllm_plugin/moe.py)
+        probe.install_from_env()
         announce()
         logger.info("megatron-consistent: %s (%s) runs on the consistent kernels, Mamba state replayed from chunk boundaries",
                     arch.architecture, arch.hybrid_pattern)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        cap = probe.PROBE
+        if cap is not None:
+            cap.begin(input_ids, positions)
+            cap("embed", h)
         for layer in self.layers:
             h = layer(h, positions)
-        return inference_ops.rms_norm(h, self.norm, self.arch.rms_norm_eps)
+        out = inference_ops.rms_norm(h, self.norm, self.arch.rms_norm_eps)
+        if cap is not None:
+            cap("final_norm", out)
+            cap.end()
+        return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return compute_logits(hidden_states, self.lm_head)
+        logits = compute_logits(hidden_states, self.lm_head)
+        if probe.PROBE is not None:
+            probe.PROBE.logits(hidden_states, logits)
+        return logits
 
     def hf_wire_dtypes(self) -> dict[str, str]:
         """HF name -> the dtype a checkpoint / weight update carries, for the targets held wider than that: the Mamba

@@ -11,9 +11,9 @@ A probe is called as ``begin(input_ids, positions)`` at the start of a model for
 every op output (names: ``embed``, ``layer<i>.<op>``, ``final_norm``), ``end()`` after the final norm, and
 ``logits(hidden_states, logits)`` from ``compute_logits``.  With no probe each op costs one ``is None`` test.
 
-``MEGATRON_CONSISTENT_FAULT=layer<i>.<op>`` (op: qkv, o_proj, gate_up, down; router_logits in an MoE layer)
-replaces that one linear of the decoder layer by a split-K matmul: outside the contract on purpose, for testing a
-diagnosis.
+``MEGATRON_CONSISTENT_FAULT=layer<i>.<op>`` (op: qkv, o_proj, gate_up, down; router_logits in an MoE layer; in a
+hybrid model qkv / o_proj of an attention layer, down of an MLP layer) replaces that one linear of the layer by a
+split-K matmul: outside the contract on purpose, for testing a diagnosis.
 
 This module imports neither vLLM nor torch, so a tool can read the names without starting either.
 """
