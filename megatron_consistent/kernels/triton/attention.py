@@ -614,8 +614,10 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
         pdl = SPLIT_PDL and on_hopper(q)
         _attn_kernel[grid](*args, MODE=1, **dict(common, PDL=pdl))
         dsplit = _merge_slices(programs or grid0 * n1, block_d, q.device)
-        _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **dict(common, MERGE_DSPLIT=dsplit, PDL=pdl, launch_pdl=pdl,
-                                                                 MERGE_STAGES=_merge_stages(bm, block_d)))
+        merge = dict(common, MERGE_DSPLIT=dsplit, PDL=pdl, MERGE_STAGES=_merge_stages(bm, block_d))
+        if pdl:  # the launch option only where it is on: every other launch exactly as before
+            merge["launch_pdl"] = True
+        _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **merge)
     else:
         _attn_kernel[grid](*args, MODE=0, **common)
     return use_split
