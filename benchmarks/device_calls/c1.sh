@@ -8,6 +8,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/${T
 python -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/${TAG}_gpu.txt" 2>&1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 date +%T
-timeout 500 python -m pytest -q -p no:cacheprovider tests/test_gpu_paged_attention.py tests/test_gpu_kernels.py \
+timeout 360 python -m pytest -q -p no:cacheprovider tests/test_gpu_paged_attention.py tests/test_gpu_kernels.py \
   tests/test_gpu_fp8.py tests/test_gpu_attention_bwd.py > "$OUT/${TAG}_kernel_suites.log" 2>&1
 echo "kernel suites with the Gluon default rc $?"; tail -4 "$OUT/${TAG}_kernel_suites.log"; date +%T
