@@ -13,7 +13,7 @@ import torch
 from megatron_consistent.config import ArchConfig, load_hf_config
 from megatron_consistent.conversion import export_hf
 from megatron_consistent.layers import build_consistent_gpt_model
-from megatron_consistent.verify.capture import MOE_MLP_OPS, layer_ops, op_order
+from megatron_consistent.verify.capture import MAMBA_MIXER_OPS, MOE_MLP_OPS, layer_ops, op_order
 from megatron_consistent.config import builtin_model_dir
 from megatron_consistent.verify.diagnose import (DiagnoseConfig, _layer_inputs, _load_weights, _qkv_canonical,
                                                  megatron_capture, render, replay, resolve_device, run_diagnose, run_op)
@@ -80,9 +80,10 @@ def test_qkv_canonical_layout_splits_query_groups():
 
 @pytest.mark.engine
 def test_hybrid_fault_in_an_mlp_layer_is_the_first_divergent_mixer(tmp_path):
-    """Nemotron-H (M * M - M * - M): every layer's norm, mixer and residual are compared -- Mamba, attention, MLP --
-    and a non-contract down projection in the engine's MLP layer 3 makes ``layer3.mixer`` the first divergence, the
-    two Mamba layers and the attention layer before it equal; its replay says the mixer is compared, not recomputed."""
+    """Nemotron-H (M * M - M * - M): every layer's norm, mixer and residual are compared -- Mamba (and inside its
+    mixer in_proj, dt, the SSD output, the gated norm), attention, MLP -- and a non-contract down projection in the
+    engine's MLP layer 3 makes ``layer3.mixer`` the first divergence, the two Mamba layers and the attention layer
+    before it equal; its replay says the mixer is compared, not recomputed."""
     from megatron_consistent.layers import build_consistent_model
 
     arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir("tiny-nemotronh")))
@@ -99,7 +100,8 @@ def test_hybrid_fault_in_an_mlp_layer_is_the_first_divergent_mixer(tmp_path):
     statuses = {r["op"]: r["status"] for r in report["ops"]}
     order = op_order(arch)
     assert all(statuses[op] == "equal" for op in order[: order.index("layer3.mixer")])
-    assert {"layer0.mixer", "layer1.mixer", "layer2.mixer", "layer3.norm"} <= set(order[: order.index("layer3.mixer")])
+    assert {"layer0.ssd", "layer0.mixer", "layer1.mixer", "layer2.in_proj", "layer2.dt", "layer2.gated_norm",
+            "layer3.norm"} <= set(order[: order.index("layer3.mixer")])
     rep = replay(report["repro"])
     assert rep["op"] == "layer3.mixer" and rep["replayed"] is False and rep["vllm_equals_megatron"] is False
 
@@ -152,7 +154,7 @@ def test_every_op_replayed_from_its_inputs_reproduces_the_capture(name, tmp_path
     for op in ops:
         ins, w = _layer_inputs(op, arch)
         assert set(w) <= set(weights), op
-        if arch.is_hybrid and op.endswith(".mixer"):
+        if arch.is_hybrid and op.split(".")[-1] in ("mixer", *MAMBA_MIXER_OPS):
             with pytest.raises(UnsupportedConfigError, match="compared"):
                 run_op(op, arch, {n: caps[n] for n in ins}, weights, torch.tensor(ids))
             continue

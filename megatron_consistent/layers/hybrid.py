@@ -141,6 +141,8 @@ class ConsistentMambaMixer(nn.Module):
     ``A_log = log(1..nh)`` (HF NemotronH); ``D = 1``; ``norm.weight = 1``.
     """
 
+    capture = None  # diagnostics: a callable(in_proj, dt, ssd, gated_norm) of each sequence's [1, T, ...]; None = off
+
     def __init__(self, config, d_model: int | None = None, layer_number: int | None = None, pg_collection=None,
                  pp_layer_offset: int = 0, *, ssm: SSMConfig | None = None, chunk_size: int = 128, **unused):
         super().__init__()
@@ -184,8 +186,10 @@ class ConsistentMambaMixer(nn.Module):
         y, _ = kernels.ssd_scan(x.reshape(b, t, s.num_heads, s.head_dim), dt, kernels.ssm_decay_rate(self.A_log),
                                 B.reshape(b, t, s.n_groups, s.state_size), C.reshape(b, t, s.n_groups, s.state_size), self.D,
                                 s.chunk_size)
-        y = kernels.gated_rms_norm(y.reshape(b, t, s.d_inner), z, self.norm.weight, s.group_size, s.norm_eps)
-        out, _ = self.out_proj(y)
+        g = kernels.gated_rms_norm(y.reshape(b, t, s.d_inner), z, self.norm.weight, s.group_size, s.norm_eps)
+        if self.capture is not None:
+            self.capture(zxbcdt, dt, y.reshape(b, t, s.d_inner), g)
+        out, _ = self.out_proj(g)
         return out
 
     def forward(self, hidden_states: torch.Tensor, inference_context=None, packed_seq_params=None, inference_params=None, **unused):

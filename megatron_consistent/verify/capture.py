@@ -46,13 +46,15 @@ ATTENTION_OPS = ("input_norm", "qkv", "q_norm", "k_norm", "rope_q", "rope_k", "a
 DENSE_MLP_OPS = ("gate_up", "act", "down")  # SwiGLU: gate|up projection, silu(gate) * up, down projection
 MOE_MLP_OPS = ("router_logits", "routes", "moe_out")  # float32 router logits, routed experts [T, k], the block's output
 HYBRID_LAYER_OPS = ("norm", "mixer", "residual")  # a hybrid layer: its norm, its mixer's output (any kind), the sum
+# inside a Mamba mixer, before its output: in_proj (z|xBC|dt), float32 dt, the SSD output (conv + scan + D), gated norm
+MAMBA_MIXER_OPS = ("in_proj", "dt", "ssd", "gated_norm")
 
 
 def layer_ops(arch, i: int) -> tuple[str, ...]:
     """The op names of layer ``i`` in execution order (q/k norms where ``arch`` has them, its MLP dense or MoE; a
     hybrid model's layers by their norm, mixer and residual)."""
     if arch.is_hybrid:
-        return HYBRID_LAYER_OPS
+        return ("norm", *(MAMBA_MIXER_OPS if arch.layer_types[i] == "mamba" else ()), "mixer", "residual")
     attention = ATTENTION_OPS if arch.qk_norm else tuple(op for op in ATTENTION_OPS if op not in ("q_norm", "k_norm"))
     return (*attention, *(MOE_MLP_OPS if arch.layer_is_moe(i) else DENSE_MLP_OPS), "residual_mlp")
 

@@ -51,7 +51,7 @@ from ..config import ArchConfig, UnsupportedConfigError, load_hf_config
 from ..conversion.moe import moe_join
 from ..kernels import moe as kmoe
 from ..layers.moe import ConsistentMoELayer
-from .capture import CaptureRequest, load_engine_capture, op_order, run_capture_engine, stack_rows
+from .capture import MAMBA_MIXER_OPS, CaptureRequest, load_engine_capture, op_order, run_capture_engine, stack_rows
 from .metrics import format_table
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -118,12 +118,19 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
         handles.append(mod.register_forward_hook(out_hook(name, fn)))
 
     add(model.embedding, "embed")
-    cores, moes = [], []
+    probed = []  # modules whose diagnostics ``capture`` slot is set, reset at the end
     if arch.is_hybrid:  # Megatron's Mamba / attention-only / MLP / MoE layers: the norm, the mixer, the layer
         for i, layer in enumerate(model.decoder.layers):
             add(_present(layer, ("norm", "input_layernorm", "pre_mlp_layernorm")), f"layer{i}.norm")
-            add(_present(layer, ("mixer", "self_attention", "mlp")), f"layer{i}.mixer")
+            mixer = _present(layer, ("mixer", "self_attention", "mlp"))
+            add(mixer, f"layer{i}.mixer")
             add(layer, f"layer{i}.residual")
+            if arch.layer_types[i] == "mamba":
+                def mamba_cap(*parts, p=f"layer{i}."):  # one sequence: [1, T, ...] each
+                    caps.update({p + n: t.detach()[0].clone() for n, t in zip(MAMBA_MIXER_OPS, parts)})
+
+                mixer.capture = mamba_cap
+                probed.append(mixer)
         add(model.decoder.final_norm, "final_norm")
     for i, layer in enumerate([] if arch.is_hybrid else model.decoder.layers):
         p, sa, mlp = f"layer{i}.", layer.self_attention, layer.mlp
@@ -137,7 +144,7 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
             caps[p + "rope_q"], caps[p + "rope_k"] = q.detach()[0].clone(), k.detach()[0].clone()
 
         sa.core_attention.capture = rope_cap
-        cores.append(sa.core_attention)
+        probed.append(sa.core_attention)
         add(sa.core_attention, p + "attention")
         add(sa.linear_proj, p + "o_proj")
         handles.append(layer.pre_mlp_layernorm.register_forward_pre_hook(
@@ -149,7 +156,7 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
 
             holder = mlp if isinstance(mlp, ConsistentMoELayer) else mlp.router  # else Megatron's MoELayer, our router
             holder.capture = moe_cap
-            moes.append(holder)
+            probed.append(holder)
             # Megatron's MoELayer returns the float32 sum its mlp_bda rounds once to the model dtype: that rounding here
             add(mlp, p + "moe_out", lambda t: _tokens_first(t).to(arch.torch_dtype))
         else:
@@ -169,7 +176,7 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
     finally:
         for h in handles:
             h.remove()
-        for c in cores + moes:
+        for c in probed:
             c.capture = None
     return {k: v.cpu() for k, v in caps.items()}
 
@@ -243,8 +250,11 @@ def _layer_inputs(op: str, arch: ArchConfig) -> tuple[list[str], list[str]]:
         own = [k for k in names if k.startswith(m)]
         norm = [k for k in own if k[len(m):] in ("norm.weight", "input_layernorm.weight", "pre_mlp_layernorm.weight")]
         rest = [hf for k in own if k not in norm for hf in names[k]]
-        return {"norm": ([prev], list(names[norm[0]])), "mixer": ([p + "norm"], rest),
-                "residual": ([p + "mixer", prev], [])}[name]
+        if name == "norm":
+            return [prev], list(names[norm[0]])
+        if name == "residual":
+            return [p + "mixer", prev], []
+        return [p + "norm"], rest  # the mixer or an op inside it: the layer's normed input and the mixer's weights
     prev = "embed" if i == 0 else f"layer{i - 1}.residual_mlp"
 
     def w(megatron: str) -> list[str]:  # empty where the layer has no such parameter (no q/k norm; an MoE MLP)
@@ -302,9 +312,9 @@ def run_op(op: str, arch: ArchConfig, inputs: dict[str, torch.Tensor], weights: 
         return kernels.gather_logprobs(x[0][:-1], ids[1:])
     if name in ("input_norm", "post_norm") or op == "final_norm" or (arch.is_hybrid and name == "norm"):
         return kernels.rms_norm(x[0], w[0], eps)
-    if arch.is_hybrid and name == "mixer":
-        raise UnsupportedConfigError(f"replay of {op}: a hybrid layer's mixer (Mamba, attention, MLP or MoE) is compared "
-                                     "with the engine's, not recomputed from its weights here")
+    if arch.is_hybrid and name in ("mixer", *MAMBA_MIXER_OPS):
+        raise UnsupportedConfigError(f"replay of {op}: a hybrid layer's mixer (Mamba, attention, MLP or MoE) and the "
+                                     "Mamba mixer's inner ops are compared with the engine's, not recomputed here")
     if name in ("q_norm", "k_norm"):
         part = _split_qkv(x[0], arch)[0 if name == "q_norm" else 1]
         return kernels.rms_norm(part, w[0], eps)

@@ -66,6 +66,7 @@ from ..kernels import (causal_conv1d, inference_ops, ssd_continue, ssd_step_end_
                        ssm_decay_rate)
 from ..kernels.ssd import torch_ssd_evaluation
 from ..kernels.dispatch import env_switch
+from . import probe
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
 
@@ -210,8 +211,13 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
         dt = inference_ops.mamba_dt(dt_raw, self.dt_bias, *s.time_step_limit)
         y = torch.empty(x.shape[0], s.d_inner, dtype=x.dtype, device=x.device)
         mamba_mixer(xbc, dt, y, self.prefix)
-        return inference_ops.row_parallel_linear(inference_ops.gated_rms_norm(y, z, self.norm_weight, s.group_size, s.norm_eps),
-                                                 self.out_proj)
+        g = inference_ops.gated_rms_norm(y, z, self.norm_weight, s.group_size, s.norm_eps)
+        cap = probe.PROBE
+        if cap is not None:  # names: layer<i>.in_proj / .dt / .ssd (conv + scan + D) / .gated_norm
+            layer = "layer" + self.prefix.split(".")[-2]
+            for name, val in (("in_proj", zxbcdt), ("dt", dt), ("ssd", y), ("gated_norm", g)):
+                cap(f"{layer}.{name}", val)
+        return inference_ops.row_parallel_linear(g, self.out_proj)
 
     def mix(self, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor, meta) -> None:
         """Conv + SSD of every request of the step into ``y [T, d_inner]`` (rows of no request: zeros), reading and
