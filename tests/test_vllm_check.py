@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +136,26 @@ def test_report_names_the_kernel_switches_it_ran_with(monkeypatch):
                            "max_tokens": 1, "temperature": 1.0, "logprobs_mode": "processed", "max_num_batched_tokens": 8,
                            "kernel_switches": switches}}
     assert "kernel switches: MC_GLUON=0  MC_SSD_SCAN=torch" in render(report)
+
+
+def test_a_mismatch_points_at_diagnose_for_its_check_dir(tmp_path):
+    """A consistent path that mismatches ends its text with the diagnose command for this run's folder; zero
+    mismatch does not; ``diagnose --check-dir`` takes the model the engine ran on from the run's request (a
+    ``--checkpoint`` folder outside the run's folder too)."""
+    import json
+
+    from megatron_consistent.verify.check import render
+    from megatron_consistent.verify.diagnose import check_dir_model
+
+    settings = {"arch": {"architecture": "LlamaForCausalLM"}, "hf_config": "tiny-llama", "num_prompts": 1, "max_tokens": 1,
+                "temperature": 1.0, "logprobs_mode": "processed", "max_num_batched_tokens": 8, "out_dir": "runs/x"}
+    report = {"settings": settings, "consistent": {"tokens": 4, "max_abs": 0.5}, "zero_mismatch": False}
+    assert render(report).endswith("next: megatron-consistent diagnose --check-dir runs/x (the first divergent layer / op "
+                                   "of the first mismatching request)")
+    assert "diagnose" not in render({**report, "zero_mismatch": True})
+    (tmp_path / "engines").mkdir()
+    request = tmp_path / "engines" / "consistent.request.json"
+    request.write_text(json.dumps({"model_dir": "/data/my-checkpoint", "prompts": []}))
+    assert check_dir_model(tmp_path) == Path("/data/my-checkpoint")
+    request.write_text(json.dumps({"prompts": []}))
+    assert check_dir_model(tmp_path) == tmp_path / "model"

@@ -512,6 +512,9 @@ def render(report: dict) -> str:
             text += (f" — {fd['requests_differing']}/{fd['requests']} requests differ; first differing response token: "
                      f"earliest {fd['first_index_min']}, median {fd['first_index_median']}, "
                      f"{fd['first_at_prefill_token']} at the prefill's token (index 0)")
+        if not report["zero_mismatch"] and report.get("settings", {}).get("out_dir"):
+            text += (f"\nnext: megatron-consistent diagnose --check-dir {report['settings']['out_dir']} "
+                     "(the first divergent layer / op of the first mismatching request)")
     return text
 
 

@@ -486,6 +486,14 @@ def run_diagnose(cfg: DiagnoseConfig, model=None) -> dict:
     return report
 
 
+def check_dir_model(check_dir: str | Path) -> Path:
+    """The model a check run's consistent engine ran on: its request's ``model_dir`` (a ``--checkpoint`` folder, or
+    the run's own export), ``CHECK_DIR/model`` for a request that does not name one."""
+    d = Path(check_dir)
+    named = json.loads((d / "engines" / "consistent.request.json").read_text()).get("model_dir")
+    return Path(named) if named else d / "model"
+
+
 def request_from_check_dir(check_dir: str | Path, index: int | None = None,
                            device: str = "auto") -> tuple[list[int], list[int], dict]:
     """(prompt, response, engine settings) of a check run's request: ``index``, or the first whose log-probs mismatch
@@ -498,7 +506,7 @@ def request_from_check_dir(check_dir: str | Path, index: int | None = None,
     if index is None:
         from .check import recompute
 
-        model, _ = build_megatron(d / "model", req.get("seed", 0))
+        model, _ = build_megatron(check_dir_model(d), req.get("seed", 0))
         model.to(resolve_device(device))
         temperature = req["temperature"] if req.get("logprobs_mode", "processed") == "processed" else 1.0
         train = recompute(model, prompts, tokens, temperature, 16, stock=False)

@@ -63,7 +63,7 @@ def validate(args) -> dict:
     """Every input, before any work: the request, token ids against the vocabulary, numbers, the model or config,
     the output folder and the JSON path."""
     from ..config import builtin_model_dir
-    from .diagnose import resolve_device
+    from .diagnose import check_dir_model, resolve_device
     from .inputs import hf_arch, input_file, integer, output_dir, output_file
 
     resolve_device(args.device)
@@ -74,14 +74,14 @@ def validate(args) -> dict:
         integer("--request-index", args.request_index, 0)
     if args.model_dir:
         arch = hf_arch(input_file("--model-dir config", Path(args.model_dir) / "config.json"))
-    elif args.check_dir:
-        arch = hf_arch(input_file("--check-dir model config", Path(args.check_dir) / "model" / "config.json"))
     else:
         arch = hf_arch(args.hf_config or builtin_model_dir())
     prompt = response = None
     if args.check_dir:
         for name in ("consistent.request.json", "consistent.result.json"):
             input_file("--check-dir", Path(args.check_dir) / "engines" / name)
+        if not args.model_dir:
+            arch = hf_arch(input_file("--check-dir model config", check_dir_model(args.check_dir) / "config.json"))
     elif args.request:
         try:
             r = json.loads(input_file("--request", args.request).read_text())
@@ -104,7 +104,7 @@ def validate(args) -> dict:
 
 
 def run(args) -> int:
-    from .diagnose import DiagnoseConfig, render, request_from_check_dir, run_diagnose
+    from .diagnose import DiagnoseConfig, check_dir_model, render, request_from_check_dir, run_diagnose
     from .inputs import FAILURES, one_line
 
     v = validate(args)  # bad input: exit 2, nothing started
@@ -113,7 +113,7 @@ def run(args) -> int:
         settings: dict = {}
         if args.check_dir:
             prompt, response, settings = request_from_check_dir(args.check_dir, args.request_index, args.device)
-            model_dir = args.model_dir or str(Path(args.check_dir) / "model")
+            model_dir = args.model_dir or str(check_dir_model(args.check_dir))
         else:
             prompt, response = v["prompt"], v["response"]
             model_dir = args.model_dir
