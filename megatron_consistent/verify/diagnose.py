@@ -119,20 +119,20 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
 
     add(model.embedding, "embed")
     probed = []  # modules whose diagnostics ``capture`` slot is set, reset at the end
-    if arch.is_hybrid:  # Megatron's Mamba / attention-only / MLP / MoE layers: the norm, the mixer, the layer
-        for i, layer in enumerate(model.decoder.layers):
-            add(_present(layer, ("norm", "input_layernorm", "pre_mlp_layernorm")), f"layer{i}.norm")
-            mixer = _present(layer, ("mixer", "self_attention", "mlp"))
-            add(mixer, f"layer{i}.mixer")
-            add(layer, f"layer{i}.residual")
-            if arch.layer_types[i] == "mamba":
-                def mamba_cap(*parts, p=f"layer{i}."):  # one sequence: [1, T, ...] each
-                    caps.update({p + n: t.detach()[0].clone() for n, t in zip(MAMBA_MIXER_OPS, parts)})
 
-                mixer.capture = mamba_cap
-                probed.append(mixer)
-        add(model.decoder.final_norm, "final_norm")
-    for i, layer in enumerate([] if arch.is_hybrid else model.decoder.layers):
+    def hook_hybrid_layer(i, layer):  # Megatron's Mamba / attention-only / MLP / MoE layers: norm, mixer, the layer
+        add(_present(layer, ("norm", "input_layernorm", "pre_mlp_layernorm")), f"layer{i}.norm")
+        mixer = _present(layer, ("mixer", "self_attention", "mlp"))
+        add(mixer, f"layer{i}.mixer")
+        add(layer, f"layer{i}.residual")
+        if arch.layer_types[i] == "mamba":
+            def mamba_cap(*parts, p=f"layer{i}."):  # one sequence: [1, T, ...] each
+                caps.update({p + n: t.detach()[0].clone() for n, t in zip(MAMBA_MIXER_OPS, parts)})
+
+            mixer.capture = mamba_cap
+            probed.append(mixer)
+
+    def hook_gpt_layer(i, layer):
         p, sa, mlp = f"layer{i}.", layer.self_attention, layer.mlp
         add(layer.input_layernorm, p + "input_norm")
         add(sa.linear_qkv, p + "qkv", lambda t: _qkv_canonical(t, arch))
@@ -164,8 +164,10 @@ def megatron_capture(model, arch: ArchConfig, ids: list[int]) -> dict[str, torch
             add(mlp.activation_func, p + "act")
             add(mlp.linear_fc2, p + "down")
         add(layer, p + "residual_mlp")
-    if not arch.is_hybrid:
-        add(model.decoder.final_layernorm, "final_norm")
+
+    for i, layer in enumerate(model.decoder.layers):
+        (hook_hybrid_layer if arch.is_hybrid else hook_gpt_layer)(i, layer)
+    add(model.decoder.final_norm if arch.is_hybrid else model.decoder.final_layernorm, "final_norm")
     add(model.output_layer, "logits")
     device = next(model.parameters()).device
     try:
