@@ -133,9 +133,10 @@ def test_moe_fault_in_the_router_is_named_exactly_after_equal_moe_ops(moe_setup)
                                        "kernel_equals_vllm": False, "vllm_equals_megatron": False}
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-qknorm-tied", "tiny-qwen2moe-top8-shared", "tiny-qwen3moe-top1",
-                                  "tiny-nemotronh-moe"])
-def test_every_op_replayed_from_its_inputs_reproduces_the_capture(name, tmp_path):
+@pytest.mark.parametrize("name,moe_impl", [("tiny-llama", None), ("tiny-qwen3-qknorm-tied", None),
+                                           ("tiny-qwen2moe-top8-shared", None), ("tiny-qwen2moe-top8-shared", "module"),
+                                           ("tiny-qwen3moe-top1", None), ("tiny-nemotronh-moe", None)])
+def test_every_op_replayed_from_its_inputs_reproduces_the_capture(name, moe_impl, tmp_path):
     """What a repro folder's replay runs (``run_op`` on the op's captured inputs and its HF weights) gives each
     captured Megatron op bit for bit -- dense, q/k-norm, tied, MoE with a shared expert, mixed dense / MoE layers, a
     hybrid's norms and residuals (its mixers are refused by name: compared, not recomputed) -- so a replay that
@@ -144,7 +145,7 @@ def test_every_op_replayed_from_its_inputs_reproduces_the_capture(name, tmp_path
     from megatron_consistent.layers import build_consistent_model
 
     arch = ArchConfig.from_hf(load_hf_config(builtin_model_dir(name)))
-    model = build_consistent_model(arch, seed=7)
+    model = build_consistent_model(arch, seed=7, moe_impl=moe_impl)  # "module": our own MoE layer, else Megatron's
     export_hf(model, arch, tmp_path)
     weights = _load_weights(tmp_path)
     ids = torch.randint(3, arch.vocab_size, (23,), generator=torch.Generator().manual_seed(8)).tolist()

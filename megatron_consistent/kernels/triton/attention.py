@@ -540,13 +540,13 @@ def _sms(dev: torch.device) -> int:
 # context (sessions 12-13, kernel benchmark): ``MC_ATTN_SPLIT_PER_SM`` (e.g. 8) lets a rollout variant try a rule
 # that splits there too.
 SPLIT_PER_SM = int(os.environ.get("MC_ATTN_SPLIT_PER_SM", "2") or "2")
+if SPLIT_PER_SM < 0:
+    raise ValueError(f"MC_ATTN_SPLIT_PER_SM={SPLIT_PER_SM}: programs per SM below which the split path runs, >= 0")
 # The split path's merge as a programmatic dependent launch on Hopper (``MC_ATTN_PDL=1``; off by default until a run
 # on the GPU times it): the merge grid starts while the split grid's last programs run and waits for them in-kernel
 # (``_attn_kernel``'s ``PDL``), hiding the second launch's latency -- at decode, where the split path runs, a few
 # microseconds of a 20-50 us call.  Scheduling only, never bits.
 SPLIT_PDL = env_switch("MC_ATTN_PDL", False)
-if SPLIT_PER_SM < 0:
-    raise ValueError(f"MC_ATTN_SPLIT_PER_SM={SPLIT_PER_SM}: programs per SM below which the split path runs, >= 0")
 
 
 def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device) -> bool:
