@@ -16,7 +16,8 @@ from megatron_consistent.layers import build_consistent_gpt_model
 from megatron_consistent.verify.capture import MAMBA_MIXER_OPS, MOE_MLP_OPS, layer_ops, op_order
 from megatron_consistent.config import builtin_model_dir
 from megatron_consistent.verify.diagnose import (DiagnoseConfig, _layer_inputs, _load_weights, _qkv_canonical,
-                                                 megatron_capture, render, replay, resolve_device, run_diagnose, run_op)
+                                                 megatron_capture, render, replay, run_diagnose, run_op)
+from megatron_consistent.verify.inputs import resolve_device
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +182,8 @@ def test_device_cuda_refused_without_a_gpu_before_any_work(tmp_path, capsys):
     from megatron_consistent.cli import main
 
     with pytest.raises(ValueError, match="no CUDA device is visible"):
-        resolve_device("cuda")
-    assert resolve_device("auto") == "cpu"
+        resolve_device("cuda", "diagnose")
+    assert resolve_device("auto", "diagnose") == "cpu"
     rc = main(["diagnose", "--device", "cuda", "--prompt", "5,6", "--response", "7", "--out-dir", str(tmp_path / "d")])
     assert rc == 2 and "no CUDA device is visible" in capsys.readouterr().err
     assert not (tmp_path / "d" / "model").exists()

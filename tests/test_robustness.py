@@ -634,7 +634,8 @@ def test_soak_bad_input_exits_2(tmp_path, capsys, no_engines):
     for argv, message in [(["--requests", "0"], "--requests must be >= 1"), (["--kv-blocks", "2"], "cannot hold one sequence"),
                           (["--abort-probability", "1.5"], "--abort-probability must be in"),
                           (["--engine-timeout-s", "-1"], "--engine-timeout-s must be a finite number > 0"),
-                          (["--models", "tiny-mamba2"], "hybrid models refuse prefix caching")]:
+                          (["--models", "tiny-mamba2"], "hybrid models refuse prefix caching"),
+                          *([(["--device", "cuda"], "no CUDA device is visible")] if not torch.cuda.is_available() else [])]:
         rc = main(["soak", "--out-dir", str(tmp_path), *argv])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1 and message in err, (argv, err)

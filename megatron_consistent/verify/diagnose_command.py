@@ -63,10 +63,10 @@ def validate(args) -> dict:
     """Every input, before any work: the request, token ids against the vocabulary, numbers, the model or config,
     the output folder and the JSON path."""
     from ..config import builtin_model_dir
-    from .diagnose import check_dir_model, resolve_device
-    from .inputs import hf_arch, input_file, integer, output_dir, output_file
+    from .diagnose import check_dir_model
+    from .inputs import hf_arch, input_file, integer, output_dir, output_file, resolve_device
 
-    resolve_device(args.device)
+    resolve_device(args.device, "diagnose")
     integer("--seed", args.seed, 0)
     if args.max_num_batched_tokens is not None:
         integer("--max-num-batched-tokens", args.max_num_batched_tokens)

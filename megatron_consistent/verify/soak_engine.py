@@ -25,10 +25,11 @@ def run(req: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    # the CPU engine eager; on a GPU vLLM's default (the plugin compiles the models it can, with CUDA graphs)
     llm = LLM(model=req["model_dir"], skip_tokenizer_init=True, dtype=req["dtype"], seed=req["seed"], gpu_memory_utilization=0.3,
               max_num_batched_tokens=req["max_num_batched_tokens"], max_model_len=req["max_model_len"], block_size=32,
-              enable_prefix_caching=True, logprobs_mode="processed_logprobs", enforce_eager=True, disable_log_stats=False,
-              num_gpu_blocks_override=req["kv_blocks"], max_num_seqs=req["max_num_seqs"])
+              enable_prefix_caching=True, logprobs_mode="processed_logprobs", enforce_eager=req.get("device") != "cuda",
+              disable_log_stats=False, num_gpu_blocks_override=req["kv_blocks"], max_num_seqs=req["max_num_seqs"])
     engine = llm.llm_engine
     rng = random.Random(req["seed"])
     vocab, n_req = req["vocab_size"], req["requests"]
