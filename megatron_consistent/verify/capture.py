@@ -45,8 +45,8 @@ ATTENTION_OPS = ("input_norm", "qkv", "q_norm", "k_norm", "rope_q", "rope_k", "a
                  "post_norm")
 DENSE_MLP_OPS = ("gate_up", "act", "down")  # SwiGLU: gate|up projection, silu(gate) * up, down projection
 MOE_MLP_OPS = ("router_logits", "routes", "moe_out")  # float32 router logits, routed experts [T, k], the block's output
-HYBRID_LAYER_OPS = ("norm", "mixer", "residual")  # a hybrid layer: its norm, its mixer's output (any kind), the sum
-# inside a Mamba mixer, before its output: in_proj (z|xBC|dt), float32 dt, the SSD output (conv + scan + D), gated norm
+# a hybrid layer: its norm, inside a Mamba mixer in_proj (z|xBC|dt), float32 dt, the SSD output (conv + scan + D) and
+# the gated norm, then the mixer's output (any kind) and the residual sum
 MAMBA_MIXER_OPS = ("in_proj", "dt", "ssd", "gated_norm")
 
 

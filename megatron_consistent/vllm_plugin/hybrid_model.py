@@ -13,8 +13,8 @@ Op for op the Megatron hybrid stack of :mod:`megatron_consistent.layers.hybrid`:
 Compiled by vLLM on CUDA (every kernel an opaque op of :mod:`..kernels.inference_ops`), the Mamba mixer core
 a splitting op run eagerly between piecewise CUDA graphs (:mod:`.mamba` says why and how).
 
-The op probe (:mod:`.probe`) sees ``embed``, per layer ``layer<i>.norm`` / ``.mixer`` / ``.residual``, ``final_norm``
-and the logits.
+The op probe (:mod:`.probe`) sees ``embed``, per layer ``layer<i>.norm`` / ``.mixer`` / ``.residual`` (a Mamba mixer
+also ``.in_proj`` / ``.dt`` / ``.ssd`` / ``.gated_norm``: :mod:`.mamba`), ``final_norm`` and the logits.
 
 Refused by name: prefix caching (vLLM's mamba "align" cache mode keeps the running
 state at block ends, not the chunk-boundary state + pending tokens this path
@@ -119,7 +119,7 @@ class HybridLayer(nn.Module):
         elif kind == "mlp":
             self.mixer = MLPMixer(arch, self.idx)
         elif kind == "moe":
-            self.mixer = MoEMixer(arch, int(prefix.rsplit(".", 1)[-1]))
+            self.mixer = MoEMixer(arch, self.idx)
         else:
             raise UnsupportedConfigError(f"unsupported hybrid layer type {kind!r}")
 
