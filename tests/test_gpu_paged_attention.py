@@ -261,23 +261,31 @@ _MERGE_SCHEDULES = ([(st, 1) for st in (1, 2, 3, 4)] + [(st, ds) for st in (1, 4
                     else [(1, 1), (2, 1), (4, 2), (4, 0)])  # the interpreter's head dim 32 allows 2 slices of 16
 
 
-def test_merge_schedules_are_numerics_neutral(monkeypatch):
-    """The split path's merge launch pipelined over 1-4 stages (``attention.MERGE_STAGES``: loads issued ahead) and cut
-    into 1-8 head-dimension slices (``attention.MERGE_DSPLIT``; 0: by the merge grid) gives the same bits, for rows spanning 1-3 partitions,
-    a ``max_seq_len`` hint shorter than the rows (slice 0 walks the tail), pages of 16 and 64 keys, and the dense
-    path's ``lse`` (stored by slice 0 only) with a row that has no key."""
-    gen = torch.Generator().manual_seed(5)
+def _split_path_cases(seed: int):
+    """(paged batches, a function running every split-path case): rows over 1-3 partitions, a ``max_seq_len`` hint
+    shorter than the rows (the merge walks the tail), pages of 16 and 64 keys, and the dense path (its ``lse``) with a
+    row that has no key."""
+    gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(2, n, h, D, generator=gen).to(device=DEV, dtype=DTYPES[0])
                for n, h in ((3, HQ), (1100, HKV), (1100, HKV)))
     pos = torch.tensor([[1097, 1098, 1099], [0, 1, 2]], device=DEV)
     lens = torch.tensor([1100, 0], device=DEV)
-    batches = [Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=13, pad_tokens=2)
+    batches = [Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=seed + 8, pad_tokens=2)
                for page in (16, 64)]
 
     def run():
         return ([b.paged(split=True, max_seq_len=hint) for b in batches for hint in (None, 513)]
                 + list(ta.attention_fwd(q, k, v, pos, lens, D ** -0.5, split=True)))
 
+    return batches, run
+
+
+def test_merge_schedules_are_numerics_neutral(monkeypatch):
+    """The split path's merge launch pipelined over 1-4 stages (``attention.MERGE_STAGES``: loads issued ahead) and cut
+    into 1-8 head-dimension slices (``attention.MERGE_DSPLIT``; 0: by the merge grid) gives the same bits, for rows spanning 1-3 partitions,
+    a ``max_seq_len`` hint shorter than the rows (slice 0 walks the tail), pages of 16 and 64 keys, and the dense
+    path's ``lse`` (stored by slice 0 only) with a row that has no key."""
+    batches, run = _split_path_cases(5)
     monkeypatch.setattr(ta, "MERGE_STAGES", 1)
     monkeypatch.setattr(ta, "MERGE_DSPLIT", 1)
     ref = run()
@@ -294,18 +302,7 @@ def test_dependent_merge_launch_is_numerics_neutral(monkeypatch):
     """The split path's merge as a programmatic dependent launch (``attention.SPLIT_PDL``: the merge grid starts early
     and waits in-kernel for the split grid) gives the bits of the plain launch order: rows over 1-3 partitions, a
     ``max_seq_len`` hint shorter than the rows, pages of 16 and 64, the dense path with its ``lse``."""
-    gen = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(2, n, h, D, generator=gen).to(device=DEV, dtype=DTYPES[0])
-               for n, h in ((3, HQ), (1100, HKV), (1100, HKV)))
-    pos = torch.tensor([[1097, 1098, 1099], [0, 1, 2]], device=DEV)
-    lens = torch.tensor([1100, 0], device=DEV)
-    batches = [Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=14, pad_tokens=2)
-               for page in (16, 64)]
-
-    def run():
-        return ([b.paged(split=True, max_seq_len=hint) for b in batches for hint in (None, 513)]
-                + list(ta.attention_fwd(q, k, v, pos, lens, D ** -0.5, split=True)))
-
+    _, run = _split_path_cases(6)
     ref = run()
     monkeypatch.setattr(ta, "SPLIT_PDL", True)
     for _ in range(3):

@@ -12,15 +12,7 @@ timeout 200 python -m pytest -q -p no:cacheprovider -s tests/test_gpu_diagnose.p
   > "$OUT/${TAG}_diagnose_tests.log" 2>&1
 echo "diagnose gpu tests rc $?"; grep -E "FIRST DIVERGENCE|no divergence|passed|failed|Error" "$OUT/${TAG}_diagnose_tests.log" | tail -8
 date +%T
-timeout 60 python -m pytest -q -p no:cacheprovider tests/test_gpu_paged_attention.py -k "dependent or cuda_graph" \
-  > "$OUT/${TAG}_pdl_tests.log" 2>&1
-echo "pdl tests rc $?"; tail -2 "$OUT/${TAG}_pdl_tests.log"
-timeout 100 python benchmarks/bench_gpu_attention.py --quick --decode-only --out "$OUT/${TAG}_attention_pdl.json" \
-  > "$OUT/${TAG}_attention_pdl.log" 2>&1
-echo "attention decode rc $?"; grep -E "^decode|PDL" "$OUT/${TAG}_attention_pdl.log" | cut -c1-200; date +%T
-timeout 80 python benchmarks/bench_gpu_moe.py --owned-tp 2 --tokens 16 256 4096 --out "$OUT/${TAG}_moe_owned.json" \
-  > "$OUT/${TAG}_moe_owned.log" 2>&1
-echo "moe owned rc $?"; tail -6 "$OUT/${TAG}_moe_owned.log"; date +%T
+source benchmarks/device_calls/pdl_and_owned_experts.sh
 # last, as long as the call lasts: the hybrid's diagnose (its engine's first start compiles the SSD kernels)
 python -m pytest -q -p no:cacheprovider -s tests/test_gpu_diagnose.py -k hybrid > "$OUT/${TAG}_diagnose_hybrid.log" 2>&1
 echo "diagnose hybrid rc $?"; grep -E "FIRST DIVERGENCE|passed|failed" "$OUT/${TAG}_diagnose_hybrid.log" | tail -3; date +%T
