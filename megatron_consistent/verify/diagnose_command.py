@@ -42,6 +42,8 @@ def _token_list(flag: str, values) -> list[int]:
 
 
 def add_arguments(p) -> None:
+    from .inputs import DEVICES
+
     src = p.add_argument_group("request (one of)")
     src.add_argument("--check-dir", dest="check_dir", help="a check run's --out-dir: diagnose its first mismatching request")
     src.add_argument("--request-index", dest="request_index", type=int, help="with --check-dir: this request instead")
@@ -52,7 +54,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hf-config", dest="hf_config", help="no weights: build seeded random weights for this config and export them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+    p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto (default): the engine and the Megatron model on the GPU where one is visible, else the CPU")
     p.add_argument("--inject-fault", dest="fault", default="", help="testing: e.g. layer1.o_proj (replaced by a plain matmul in vLLM only)")
     p.add_argument("--out-dir", dest="out_dir", default="runs/diagnose")

@@ -154,6 +154,8 @@ def render(report: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------- command
 def add_arguments(p) -> None:
+    from .inputs import DEVICES
+
     p.add_argument("--models", default=",".join(SOAK_MODELS), help="comma-separated built-in names or config folders")
     p.add_argument("--requests", type=int, default=1500, help="requests per model")
     p.add_argument("--max-tokens", dest="max_tokens", type=int, default=24)
@@ -162,7 +164,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-timeout-s", dest="engine_timeout_s", type=float, default=ENGINE_TIMEOUT_S,
                    help="seconds the engine run of one model may take; past it it is killed with its processes")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+    p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto (default): the engine and the trainer on the GPU where one is visible, else the CPU")
     p.add_argument("--out-dir", dest="out_dir", default="runs/soak")
     p.add_argument("--json", default="", help="write the JSON report here (default: OUT_DIR/soak.json)")
