@@ -11,6 +11,7 @@ Zero means zero: ``torch.equal`` / ``exact_fraction`` 1.0.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,34 @@ def test_layouts_state_the_trainer_layout(tmp_path):
     ({"trainer_tp": 2, "quantization": "fp8"}, "--trainer-tp 2: --quantization fp8"),
     ({"trainer_tp": 2, "kv_cache_dtype": "fp8"}, "--trainer-tp 2: --kv-cache-dtype fp8"),
     ({"trainer_tp": 1, "trainer_pp": 3}, "--trainer-tp 1 --trainer-pp 3: TP=1, PP=3 cannot split"),
+    ({"trainer_ep": 2, "trainer_dp": 2},
+     "--trainer-tp 1 --trainer-dp 2 --trainer-ep 2: TP=1, PP=1, EP=2 cannot split LlamaForCausalLM: expert parallelism on a "
+     "model without experts"),
+    ({"trainer_dp": 2, "quantization": "fp8"}, "--trainer-tp 1 --trainer-dp 2: --quantization fp8"),
+    ({"trainer_dp": 17}, "--trainer-tp 1 --trainer-dp 17: DP=17 replicas need at least as many sequences (--num-prompts 16)"),
 ])
 def test_trainer_layout_refused_by_name(tmp_path, overrides, words):
-    with pytest.raises(UnsupportedConfigError, match=words.replace("+", r"\+")):
-        check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), **overrides), _arch("tiny-llama"))
+    with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
+        check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), num_prompts=16, **overrides), _arch("tiny-llama"))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"trainer_dp": 3, "trainer_ep": 2}, "--trainer-tp 1 --trainer-dp 3 --trainer-ep 2: EP=2 must divide the data-parallel "
+     "size DP=3"),
+    ({"trainer_tp": 2, "trainer_dp": 2, "trainer_ep": 2}, "--trainer-tp 2 --trainer-dp 2 --trainer-ep 2: the consistent "
+     "Megatron layers do not support: expert parallelism at TP > 1"),
+    ({"trainer_dp": 16, "trainer_ep": 16}, "EP=16 cannot split Qwen3MoeForCausalLM: num_experts=8 is not divisible by EP=16"),
+])
+def test_trainer_expert_parallel_layout_refused_by_name(tmp_path, overrides, words):
+    with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
+        check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), **overrides), _arch("tiny-qwen3moe-top1"))
+
+
+def test_layouts_state_the_data_and_expert_parallel_trainer(tmp_path):
+    lay = check_layouts(load_check_config(trainer_dp=4, trainer_ep=2, device="cpu", out_dir=str(tmp_path)),
+                        _arch("tiny-qwen3moe-top1"))["trainer"]
+    assert lay["data_parallel_size"] == 4 and lay["expert_model_parallel_size"] == 2
+    assert lay["ranks"].startswith("4 gloo processes") and "EP groups of 2 replicas" in lay["moe"]
 
 
 @pytest.mark.parametrize("visible", [0, 1])
@@ -78,8 +103,12 @@ def test_layouts_name_nccl_ranks_on_cuda(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3moe-top1"])
-def test_trainer_logprobs_tp2_equals_tp1(tmp_path, name):
+@pytest.mark.parametrize("name, layout", [("tiny-llama", {"trainer_tp": 2}), ("tiny-qwen3moe-top1", {"trainer_tp": 2}),
+                                          ("tiny-llama", {"trainer_dp": 2}),
+                                          ("tiny-qwen3moe-top1", {"trainer_dp": 2, "trainer_ep": 2})])
+def test_trainer_logprobs_parallel_equals_one_process(tmp_path, name, layout):
+    """The recompute at TP = 2, at DP = 2 (shares of 3 and 2 sequences, chunks of up to 2) and with the experts over EP = 2
+    gives the in-process log-probs and, for MoE, the same routes per request."""
     from megatron_consistent.conversion import export_hf
     from megatron_consistent.layers import build_consistent_gpt_model
     from megatron_consistent.verify.check import trainer_logprobs
@@ -92,7 +121,7 @@ def test_trainer_logprobs_tp2_equals_tp1(tmp_path, name):
     prompts = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 12)]
     responses = [torch.randint(3, arch.vocab_size, (n,), generator=g).tolist() for n in (7, 3, 11, 4, 9)]
     one_cfg = load_check_config(device="cpu", out_dir=str(tmp_path), recompute_batch=2)
-    two_cfg = load_check_config(device="cpu", out_dir=str(tmp_path), recompute_batch=2, trainer_tp=2)
+    two_cfg = load_check_config(device="cpu", out_dir=str(tmp_path), recompute_batch=2, **layout)
     one_routes, two_routes = TrainerRoutes(), TrainerRoutes()
     one = trainer_logprobs(one_cfg, model, tmp_path / "model", prompts, responses, 0.7, route_sink=one_routes)
     two = trainer_logprobs(two_cfg, None, tmp_path / "model", prompts, responses, 0.7, route_sink=two_routes)

@@ -28,6 +28,7 @@ from megatron_consistent.kernels.numerics import adjacent_tree_sum
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "megatron_consistent" / "configs" / "models"
 LLAMA = MODELS_DIR / "tiny-llama"
+QWEN2MOE = MODELS_DIR / "tiny-qwen2moe-top8-shared"  # 64 experts, top-8, a gated shared expert
 
 
 # ---------------------------------------------------------------------------------------------- kernel level
@@ -124,7 +125,7 @@ def test_parallel_refusals_are_named(tmp_path):
         recompute_logprobs_parallel(LLAMA, {}, ids, tp=4)
     with pytest.raises(UnsupportedConfigError, match="tensor parallelism of size 3"):
         recompute_logprobs_parallel(LLAMA, {}, ids, tp=3)
-    with pytest.raises(UnsupportedConfigError, match="moe_impl='megatron' with TP/PP > 1 is not supported"):
+    with pytest.raises(UnsupportedConfigError, match="moe_impl='megatron' with TP/PP/EP > 1 is not supported"):
         build_consistent_model(MODELS_DIR / "tiny-qwen3moe-top1", tensor_model_parallel_size=2, moe_impl="megatron")
     with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with model parallelism"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-mamba2", {}, ids, pp=2)
@@ -135,8 +136,38 @@ def test_parallel_refusals_are_named(tmp_path):
         build_consistent_model(LLAMA, sequence_parallel=True)
     with pytest.raises(UnsupportedConfigError, match="context parallelism"):
         build_consistent_model(LLAMA, context_parallel_size=2)
-    with pytest.raises(UnsupportedConfigError, match="expert parallelism"):
+    with pytest.raises(UnsupportedConfigError, match="EP=2 cannot split LlamaForCausalLM: expert parallelism on a model "
+                       "without experts"):
         build_consistent_model(LLAMA, expert_model_parallel_size=2)
+    with pytest.raises(UnsupportedConfigError, match="num_experts=3 is not divisible by EP=2"):
+        recompute_logprobs_parallel(three, {}, ids, dp=2, ep=2)
+    with pytest.raises(UnsupportedConfigError, match="expert parallelism at TP > 1"):
+        recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3moe-top1", {}, ids, tp=2, dp=2, ep=2)
+    with pytest.raises(UnsupportedConfigError, match="EP=2 must divide it"):
+        recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3moe-top1", {}, ids, dp=3, ep=2)
+    with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with model parallelism"):
+        recompute_logprobs_parallel(MODELS_DIR / "tiny-nemotronh-moe", {}, ids, dp=2, ep=2)
+    with pytest.raises(ValueError, match="1 rows cannot give each of 2 data-parallel ranks a row"):
+        recompute_logprobs_parallel(LLAMA, {}, ids, dp=2)
+    # one process: before torch.distributed is up (the first) or at world size 1 (after an earlier test started it)
+    with pytest.raises(UnsupportedConfigError, match="EP=2 (needs torch.distributed initialized by the caller|must divide "
+                       "the data-parallel size)"):
+        build_consistent_model(MODELS_DIR / "tiny-qwen3moe-top1", expert_model_parallel_size=2)
+
+
+@pytest.mark.parametrize("rows,dp,batch", [(5, 2, None), (5, 2, 2), (16, 4, 3), (7, 7, None), (9, 2, 1), (4, 1, 4)])
+def test_data_parallel_chunks_cover_the_rows_once_with_equal_forward_counts(rows, dp, batch):
+    from megatron_consistent.layers.distributed import data_parallel_chunks
+
+    plan = data_parallel_chunks(rows, dp, batch)
+    assert len(plan) == dp and len({len(chunks) for chunks in plan}) == 1  # every rank: the same number of forwards
+    flat = [c for chunks in plan for c in chunks]
+    assert [r for a, b in flat for r in range(a, b)] == list(range(rows))  # contiguous, in rank order, each row once
+    assert all(0 < b - a <= (batch or rows) + 1 for a, b in flat)  # + 1: where the smaller shares set the count
+    if batch is not None and rows % dp == 0:
+        assert all(b - a <= batch for a, b in flat)
+    shares = [chunks[-1][1] - chunks[0][0] for chunks in plan]
+    assert max(shares) - min(shares) <= 1
 
 
 def test_rank_backend_and_device_count_refusal(tmp_path, monkeypatch):
@@ -402,10 +433,98 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
         assert torch.equal(loaded[name], tensor), name
 
 
+# ---------------------------------------------------------------------------------------------- data / expert parallelism
+@pytest.mark.slow
+def test_logits_equal_across_data_and_expert_parallel_layouts(tmp_path):
+    """DP = 2 replicas (5 rows: shares of 3 and 2) and DP = 4 (one or two rows each), dense and MoE, and the MoE
+    experts sharded over EP = 2 / 4 of those replicas (their batches differ: the EP layer's gathers and sums carry
+    unequal row counts; PP = 2 at EP = 2 on an untied MoE config too), in one forward or in chunks of 2 rows: every
+    row's logits and log-probs are the single-process bits."""
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+
+    for config, layouts in ((LLAMA, [(2, 1, 1, None)]),
+                            (QWEN2MOE, [(2, 1, 1, None), (2, 2, 1, None), (2, 2, 1, 2), (4, 4, 1, None)]),
+                            (MODELS_DIR / "tiny-qwen3moe-top1", [(2, 2, 2, None)])):  # untied: PP > 1 on the CPU
+        weights, ids, logits, lp = reference(config, tmp_path / config.name, batch=5)
+        for dp, ep, pp, batch in layouts:
+            got_lp, got_logits = recompute_logprobs_parallel(config, weights, ids, dp=dp, ep=ep, pp=pp, batch=batch,
+                                                             return_logits=True, workdir=tmp_path / f"{config.name}-{dp}{ep}{pp}{batch}")
+            where = f"{config.name} DP={dp} EP={ep} PP={pp} batch={batch}"
+            assert torch.equal(got_logits, logits), f"logits differ at {where}"
+            assert torch.equal(got_lp, lp), f"log-probs differ at {where}"
+
+
+def _moe_ep2_worker(rank: int, workdir: str) -> None:
+    """EP=2 (= DP=2) on the MoE config, rank 0 with 3 rows, rank 1 with 2: float32 gradients (the replicated weights'
+    summed over the ranks as DDP does; an expert's already covers both ranks' tokens), the experts' sharded_state_dict
+    offsets, a dist checkpoint, and the logits with each rank's own expert outputs only (the broken variant)."""
+    import torch.distributed as dist
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_consistent.layers import tensor_parallel as tpar
+    from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
+    from megatron_consistent.layers.distributed import build_parallel_model, stage_forward, stage_logprobs
+
+    work = Path(workdir)
+    ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
+    mine = ids[:3] if rank == 0 else ids[3:]
+    cfg, weights = work / "weights" / "config.json", work / "weights"
+    model32 = build_parallel_model(cfg, weights, ep=2, dtype=torch.float32)
+    (-stage_logprobs(model32, mine).sum() / ids[:, 1:].numel()).backward()  # the ranks' losses sum to the batch mean
+    for p in model32.parameters():
+        if getattr(p, "allreduce", True):  # Megatron's DDP: replicated weights over the DP ranks; experts over EDP (1)
+            dist.all_reduce(p.grad)
+    grads = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
+    model = build_parallel_model(cfg, weights, ep=2, dtype=torch.bfloat16)
+    fc1 = model.decoder.layers[1].mlp.experts.linear_fc1.weight
+    sharded = model.sharded_state_dict()["decoder.layers.1.mlp.experts.linear_fc1.weight"]
+    meta = {"local": list(fc1.shape), "allreduce": fc1.allreduce, "global_shape": list(sharded.global_shape),
+            "global_offset": list(sharded.global_offset), "replica_id": list(sharded.replica_id)}
+    (work / "dist").mkdir(exist_ok=True)
+    dist.barrier()
+    with cuda_stubs_for_checkpoint():
+        dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
+    tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:rank]):sum(counts[:rank + 1])]  # broken: own experts
+    with torch.no_grad():
+        broken = stage_forward(model, mine).contiguous()
+    save_file({"broken_logits": broken}, str(work / f"broken{rank}.safetensors"))
+    if rank == 0:
+        save_file(grads, str(work / "grads.safetensors"))
+    (work / f"experts{rank}.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.slow
+def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path):
+    """EP=2: each rank holds 32 of the 64 experts (allreduce=False, Megatron's expert mark; offsets 0 / 32 in the
+    sharded_state_dict, replicated over the one expert-data-parallel rank); gradients within GRAD_REL_TOL of float64;
+    the EP=2 dist checkpoint loads at EP=1 bit for bit; ranks that keep only their own experts' outputs are caught."""
+    from megatron_consistent.checkpoint import _load_dist_staged
+    from megatron_consistent.config import ArchConfig
+    from megatron_consistent.layers import build_consistent_model
+    from megatron_consistent.layers.distributed import megatron_state_from_hf, read_hf_tensors, spawn_ranks
+    from megatron_consistent.verify.reference import GRAD_REL_TOL
+
+    weights, ids, logits, _ = reference(QWEN2MOE, tmp_path, batch=5)
+    save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
+    spawn_ranks(_moe_ep2_worker, 2, tmp_path)
+    broken = torch.cat([load_file(str(tmp_path / f"broken{r}.safetensors"))["broken_logits"] for r in (0, 1)])
+    assert not torch.equal(broken, logits), "expert outputs kept on the computing rank were not caught"
+    errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
+    print(f"EP=2 MoE gradients: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
+    assert max(errs.values()) < GRAD_REL_TOL, errs
+    for rank in (0, 1):
+        meta = json.loads((tmp_path / f"experts{rank}.json").read_text())
+        assert meta["local"][0] == 32 and meta["allreduce"] is False, meta
+        # global shape [layers, E, 2I, H] (the decoder's layer axis first): rank r holds experts 32 r .. 32 r + 31
+        assert meta["global_shape"][1] == 64 and meta["global_offset"][1] == 32 * rank, meta
+    loaded = _load_dist_staged(build_consistent_model(QWEN2MOE, seed=1, moe_impl="module"), tmp_path / "dist")
+    want = megatron_state_from_hf(ArchConfig.from_hf(load_hf_config(QWEN2MOE)), read_hf_tensors(weights))
+    for name, tensor in want.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
 # ---------------------------------------------------------------------------------------------- experts over TP ranks
-QWEN2MOE = MODELS_DIR / "tiny-qwen2moe-top8-shared"  # 64 experts, top-8, a gated shared expert
-
-
 def _moe_tp2_worker(rank: int, workdir: str) -> None:
     """TP=2 on the MoE config, experts sharded over the two ranks: float32 gradients without and with sequence
     parallelism, the experts' sharded_state_dict offsets, a dist checkpoint, and the logits with the ranks' expert

@@ -105,18 +105,25 @@ def prepare_build(hf_config, dtype, parallel: dict, *, feature: str | None = Non
         raise UnsupportedConfigError(f"unknown parallel settings {unknown} (known: {', '.join(PARALLEL_KEYS)})")
     tp = parallel.get("tensor_model_parallel_size", 1)
     pp = parallel.get("pipeline_model_parallel_size", 1)
+    ep = parallel.get("expert_model_parallel_size", 1)
     check_parallel_sizes(tp, pp, parallel.get("context_parallel_size", 1), parallel.get("sequence_parallel", False),
-                         parallel.get("expert_model_parallel_size", 1), feature=feature)
-    check_tp_shapes(arch, tp, pp)
-    init_cpu_process_group(tp, pp)
+                         ep, feature=feature)
+    check_tp_shapes(arch, tp, pp, ep)
+    init_cpu_process_group(tp, pp, expert_model_parallel_size=ep)
     return arch, dtype or arch.torch_dtype
 
 
-def check_tp_shapes(arch: ArchConfig, tp: int, pp: int) -> None:
-    """Refuse, by name, shapes a TP / PP layout cannot split (heads, KV groups, FFN, vocabulary, layers)."""
-    if tp == 1 and pp == 1:
+def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1) -> None:
+    """Refuse, by name, shapes a TP / PP / EP layout cannot split (heads, KV groups, FFN, vocabulary, layers,
+    experts)."""
+    if tp == 1 and pp == 1 and ep == 1:
         return
     problems = []
+    if ep > 1 and not arch.is_moe:
+        problems.append("expert parallelism on a model without experts")
+    elif ep > 1 and arch.num_experts % ep:
+        problems.append(f"num_experts={arch.num_experts} is not divisible by EP={ep} (the experts are sharded over the "
+                        "EP ranks)")
     for name, n in (("num_attention_heads", arch.num_heads), ("num_key_value_heads", arch.num_kv_heads),
                     ("intermediate_size", arch.intermediate_size)):
         if n % tp:
@@ -132,7 +139,8 @@ def check_tp_shapes(arch: ArchConfig, tp: int, pp: int) -> None:
         problems.append("tied word embeddings at PP > 1 without CUDA (Megatron's setup_embeddings_and_output_layer "
                         "synchronizes the first and last stage's copies on CUDA)")
     if problems:
-        raise UnsupportedConfigError(f"TP={tp}, PP={pp} cannot split {arch.architecture}: " + "; ".join(problems))
+        layout = f"TP={tp}, PP={pp}" + (f", EP={ep}" if ep > 1 else "")
+        raise UnsupportedConfigError(f"{layout} cannot split {arch.architecture}: " + "; ".join(problems))
 
 
 def seeded_build(seed: int, build):

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .. import kernels
-from ..config import ArchConfig
+from ..config import ArchConfig, UnsupportedConfigError
 from . import tensor_parallel as tpar
 from .parallel import check_rank_devices, rank_backend
 
@@ -85,8 +85,8 @@ def _global_name(model, name: str) -> str:
 
 @torch.no_grad()
 def load_full_megatron_state(model, full: dict[str, torch.Tensor]) -> None:
-    """Copy this rank's piece (TP shard, PP stage) of the full Megatron tensors into ``model``, in place."""
-    rank, size = tpar.tp_rank(), tpar.tp_size()
+    """Copy this rank's piece (TP shard, PP stage, EP shard of the experts) of the full Megatron tensors into
+    ``model``, in place."""
     missing = []
     for name, p in model.named_parameters():
         g = _global_name(model, name)
@@ -95,7 +95,7 @@ def load_full_megatron_state(model, full: dict[str, torch.Tensor]) -> None:
         if g not in full:
             missing.append(g)
             continue
-        piece = tpar.shard_like(full[g], p, rank, size)
+        piece = tpar.shard_like(full[g], p)
         if tuple(piece.shape) != tuple(p.shape):
             raise ValueError(f"{g}: shard of shape {tuple(piece.shape)} for a parameter of shape {tuple(p.shape)}")
         p.data.copy_(piece.to(p.dtype))
@@ -112,14 +112,15 @@ def rank_device() -> torch.device:
 
 
 def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
-                         seed: int = 0, sequence_parallel: bool = False):
-    """In a rank of a ``TP * PP`` job: the consistent model of this rank (weights: HF checkpoint path or HF
+                         seed: int = 0, sequence_parallel: bool = False, ep: int = 1):
+    """In a rank of a ``TP * PP * DP`` job: the consistent model of this rank (weights: HF checkpoint path or HF
     tensors dict; ``None`` keeps the seeded initialization), built and loaded on the CPU, then moved to
-    :func:`rank_device` (a no-op in a gloo job)."""
+    :func:`rank_device` (a no-op in a gloo job).  ``ep``: expert parallelism (MoE, TP = 1)."""
     from .model import build_consistent_model
 
     model = build_consistent_model(hf_config, seed=seed, dtype=dtype, tensor_model_parallel_size=tp,
-                                   pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel)
+                                   pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
+                                   **({"expert_model_parallel_size": ep} if ep != 1 else {}))
     if weights is not None:
         hf = weights if isinstance(weights, dict) else read_hf_tensors(weights)
         load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, hf))
@@ -241,46 +242,70 @@ def _fork_ranks(worker, workdir: str, world: int, args: tuple, failure: str) -> 
         Path(failure).write_text(json.dumps({"kind": "raised", "msg": str(e), "index": e.error_index, "pid": e.error_pid}))
 
 
-def _recompute_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
+def data_parallel_chunks(rows: int, dp: int, batch: int | None) -> list[list[tuple[int, int]]]:
+    """The row chunks ``(start, stop)`` each of ``dp`` data-parallel ranks forwards, in rank order: rank d takes a
+    contiguous share (the shares differ by one row at most), cut into as many chunks as the largest share needs at
+    ``batch`` rows a chunk (``None``: one), so every rank runs the same number of forwards -- the collectives of an
+    expert-parallel layer need every rank of its group in each.  No chunk is empty: where the smallest share has
+    fewer rows than that, it sets the count (a chunk of the largest share may then hold ``batch + 1`` rows).
+    Needs ``rows >= dp``."""
+    if rows < dp:
+        raise ValueError(f"{rows} rows cannot give each of {dp} data-parallel ranks a row")
+    share = [rows // dp + (d < rows % dp) for d in range(dp)]
+    n = min(-(-share[0] // (batch or share[0])), share[-1])
+    out, start = [], 0
+    for d in range(dp):
+        sizes = [share[d] // n + (i < share[d] % n) for i in range(n)]
+        chunks = []
+        for size in sizes:
+            chunks.append((start, start + size))
+            start += size
+        out.append(chunks)
+    return out
+
+
+def _recompute_worker(rank: int, workdir: str, tp: int, pp: int, ep: int) -> None:
     from megatron.core import parallel_state as ps
 
     work = Path(workdir)
     job = json.loads((work / "job.json").read_text())
-    model = build_parallel_model(job["config"], job["weights"], tp=tp, pp=pp, dtype=_DTYPES[job["dtype"]] if job["dtype"] else None,
+    model = build_parallel_model(job["config"], job["weights"], tp=tp, pp=pp, ep=ep,
+                                 dtype=_DTYPES[job["dtype"]] if job["dtype"] else None,
                                  sequence_parallel=job["sequence_parallel"])
     model.eval()
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"].to(rank_device())
-    batch = job.get("batch") or ids.shape[0]
+    d, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     lps, logits_parts, routes = [], [], {}
     with torch.no_grad():
-        for c, b0 in enumerate(range(0, ids.shape[0], batch)):  # row chunks: each row's bits do not depend on the others
-            chunk = ids[b0 : b0 + batch]
+        for b0, b1 in data_parallel_chunks(ids.shape[0], dp, job.get("batch"))[d]:  # each row's bits: its own
+            chunk = ids[b0:b1]
             logits = stage_forward(model, chunk)
             if job.get("return_routes"):  # MoE: this stage's routes of the chunk, global layer numbers ([s*b, k], [s, b] order)
                 from .moe import collect_routes
 
                 for i, r in collect_routes(model).items():
-                    routes[f"c{c}.l{model.decoder.layers[i].layer_number - 1}"] = r.cpu().contiguous()
+                    routes[f"r{b0}.l{model.decoder.layers[i].layer_number - 1}"] = r.cpu().contiguous()
             if logits is not None:
                 lps.append(tpar.vocab_parallel_logprobs(logits[:, :-1], chunk[:, 1:], job["temperature"]))
                 if job["return_logits"]:
                     logits_parts.append(gather_vocab(logits))
     first_tp = ps.get_tensor_model_parallel_rank() == 0
     if routes and first_tp:
-        save_file(routes, str(work / f"routes.stage{ps.get_pipeline_model_parallel_rank()}.safetensors"))
+        save_file(routes, str(work / f"routes.dp{d}.stage{ps.get_pipeline_model_parallel_rank()}.safetensors"))
     if lps and first_tp:
         out = {"logprobs": torch.cat(lps).cpu().contiguous()}
         if logits_parts:
             out["logits"] = torch.cat(logits_parts).cpu().contiguous()
-        save_file(out, str(work / "out.safetensors"))
+        save_file(out, str(work / f"out.dp{d}.safetensors"))
 
 
 def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, tp: int = 1, pp: int = 1,
                                 dtype: torch.dtype | None = None, temperature: float = 1.0, return_logits: bool = False,
                                 sequence_parallel: bool = False, workdir=None, batch: int | None = None,
-                                return_routes: bool = False, device: str = "cpu"):
-    """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp``: ``tp * pp`` gloo
-    ranks on the CPU (``device="cpu"``) or NCCL ranks on ``tp * pp`` GPUs (``device="cuda"``, rank r on ``cuda:r``).
+                                return_routes: bool = False, device: str = "cpu", dp: int = 1, ep: int = 1):
+    """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp``, DP = ``dp``,
+    EP = ``ep``: ``tp * pp * dp`` gloo ranks on the CPU (``device="cpu"``) or NCCL ranks on as many GPUs
+    (``device="cuda"``, rank r on ``cuda:r``).
 
     ``hf_config``: path to an HF config (folder with config.json, or the file) or an HF config dict.
     ``weights``: path to an HF safetensors checkpoint (folder or file) or a dict of HF-named tensors.
@@ -288,25 +313,34 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     Returns float32 ``[b, s-1]``: log p(ids[:, t+1] | ids[:, :t+1]) — bitwise the TP=1 / PP=1 values
     (and those of the vLLM plugin for the same weights); with ``return_logits=True`` also the full float32
     logits ``[b, s, V]``.  ``sequence_parallel`` (TP > 1; s divisible by TP): Megatron's sequence parallelism,
-    same bits.  Spawns ``tp * pp`` processes (once, whatever the batch); ``workdir`` (default: a temporary folder) holds
-    the job files.  ``batch``: forward the rows in chunks of this many (bounds the logits' memory; the same bits).
-    ``return_routes`` (MoE): also ``{chunk: {layer: experts [s*b_chunk, k]}}`` (global 0-based layer numbers, each
-    chunk's routes in Megatron's ``[s, b]`` order, as ``layers.moe.collect_routes``) — appended to the return value.
-    Returned tensors are on the CPU.  Unsupported layouts, and ``device="cuda"`` with fewer than ``tp * pp`` visible
-    CUDA devices, raise ``UnsupportedConfigError`` in the caller before any process starts.
+    same bits.  ``dp``: data-parallel replicas, each forwarding its own contiguous share of the rows
+    (:func:`data_parallel_chunks`; ``b >= dp``); ``ep`` (MoE, TP = 1, dividing ``dp``): the experts sharded over
+    expert-parallel groups of that many replicas, whose batches differ -- same bits.  Spawns the ranks once, whatever
+    the batch; ``workdir`` (default: a temporary folder) holds the job files.  ``batch``: forward the rows in chunks
+    of at most this many (bounds the logits' memory; the same bits).
+    ``return_routes`` (MoE): also ``{first row of a chunk: {layer: experts [s*b_chunk, k]}}`` (global 0-based layer
+    numbers, each chunk's routes in Megatron's ``[s, b]`` order, as ``layers.moe.collect_routes``) — appended to the
+    return value.  Returned tensors are on the CPU.  Unsupported layouts, and ``device="cuda"`` with fewer than
+    ``tp * pp * dp`` visible CUDA devices, raise ``UnsupportedConfigError`` in the caller before any process starts.
     """
     from .builder import as_arch_config, check_tp_shapes
     from .parallel import check_parallel_sizes
 
     arch = as_arch_config(hf_config)
-    check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
-    check_tp_shapes(arch, tp, pp)
-    check_rank_devices(device, tp * pp)
+    check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, expert_model_parallel_size=ep,
+                         feature="hybrid (Mamba) model" if arch.is_hybrid else None)
+    check_tp_shapes(arch, tp, pp, ep)
+    if dp < 1 or dp % ep:
+        raise UnsupportedConfigError(f"DP={dp}: the data-parallel size must be positive and EP={ep} must divide it")
+    check_rank_devices(device, tp * pp * dp)
     ids = torch.as_tensor(input_ids, dtype=torch.int64)
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got {tuple(ids.shape)}")
     if sequence_parallel and ids.shape[1] % tp:
         raise ValueError(f"sequence parallelism: sequence length {ids.shape[1]} is not divisible by TP={tp}")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    data_parallel_chunks(ids.shape[0], dp, batch)  # b >= dp: refused here, before the ranks start
     with tempfile.TemporaryDirectory() if workdir is None else _nullcontext(workdir) as wd:
         work = Path(wd)
         work.mkdir(parents=True, exist_ok=True)
@@ -321,22 +355,20 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
             weights_path = str(Path(weights))
         save_file({"input_ids": ids.contiguous()}, str(work / "inputs.safetensors"))
         dname = {v: k for k, v in _DTYPES.items()}.get(dtype) if dtype is not None else None
-        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
-            raise ValueError(f"batch must be a positive int, got {batch!r}")
         job = {"config": config_path, "weights": weights_path, "dtype": dname, "temperature": float(temperature),
                "return_logits": bool(return_logits), "sequence_parallel": bool(sequence_parallel), "batch": batch,
                "return_routes": bool(return_routes)}
         (work / "job.json").write_text(json.dumps(job))
-        out_file = work / "out.safetensors"
-        for old in [out_file, *work.glob("routes.stage*.safetensors")]:
-            old.unlink(missing_ok=True)
-        spawn_ranks(_recompute_worker, tp * pp, work, tp, pp, device=device)
-        out = load_file(str(out_file))
+        for old in [*work.glob("out.dp*.safetensors"), *work.glob("routes.dp*.safetensors")]:
+            old.unlink()
+        spawn_ranks(_recompute_worker, tp * pp * dp, work, tp, pp, ep, device=device)
+        outs = [load_file(str(work / f"out.dp{d}.safetensors")) for d in range(dp)]
+        out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
         routes: dict[int, dict[int, torch.Tensor]] = {}
-        for f in sorted(work.glob("routes.stage*.safetensors")):
+        for f in sorted(work.glob("routes.dp*.safetensors")):
             for k, v in load_file(str(f)).items():
-                c, layer = k.split(".")
-                routes.setdefault(int(c[1:]), {})[int(layer[1:])] = v
+                first, layer = k.split(".")
+                routes.setdefault(int(first[1:]), {})[int(layer[1:])] = v
     result = (out["logprobs"], out["logits"]) if return_logits else (out["logprobs"],)
     if return_routes:
         result = (*result, routes)

@@ -95,9 +95,11 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
 
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch)
-    if getattr(model, "parallel_sizes", (1, 1)) != (1, 1):
-        tp, pp = model.parallel_sizes
-        raise UnsupportedConfigError(f"FP8 with model parallelism (TP={tp}, PP={pp}) is not supported by the consistent layers")
+    tp, pp = getattr(model, "parallel_sizes", (1, 1))
+    ep = getattr(model, "expert_parallel_size", 1)
+    if (tp, pp, ep) != (1, 1, 1):
+        raise UnsupportedConfigError(f"FP8 with model parallelism (TP={tp}, PP={pp}, EP={ep}) is not supported by the "
+                                     "consistent layers")
     if w_fmt.name == "e2m1" and arch.is_moe:
         raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
     bound = []

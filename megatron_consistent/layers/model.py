@@ -96,10 +96,11 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     ``hf_config``: HF config dict, :class:`ArchConfig`, or path.  ``dtype``
     defaults to the config's.  ``parallel`` may name
     ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
-    ``context_parallel_size`` / ``sequence_parallel``: TP ∈ {1, 2, 4, 8}, any PP and
-    sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs
-    (``torch.distributed`` initialized by the caller with world size TP x PP; contract in ``docs/parallel.md``); CP,
-    Megatron's EP, and TP/PP > 1
+    ``context_parallel_size`` / ``sequence_parallel`` / ``expert_model_parallel_size``: TP ∈ {1, 2, 4, 8}, any PP
+    and sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs,
+    EP at TP = 1 for MoE configs (experts sharded over the EP ranks, carved from data parallelism)
+    (``torch.distributed`` initialized by the caller with a world size TP x PP divides; contract in
+    ``docs/parallel.md``); CP, EP at TP > 1, and TP/PP/EP > 1
     for hybrid configs are refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
@@ -114,13 +115,14 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
         if moe_impl not in (None, "module"):
             raise UnsupportedConfigError(f"moe_impl={moe_impl!r} is not supported for the hybrid {arch.architecture} (module only)")
         return build_consistent_hybrid_model(arch, seed=seed, dtype=dtype, **parallel)
-    model_parallel = parallel.get("tensor_model_parallel_size", 1) != 1 or parallel.get("pipeline_model_parallel_size", 1) != 1
+    model_parallel = any(parallel.get(k, 1) != 1 for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                          "expert_model_parallel_size"))
     if arch.is_moe and model_parallel:
         if moe_impl == "megatron":
             raise UnsupportedConfigError(
-                "moe_impl='megatron' with TP/PP > 1 is not supported: Megatron's MoELayer refuses training at TP > 1 "
-                "without sequence parallelism (moe_layer.py) and its TP dispatch was not verified against the consistent "
-                "combine; use moe_impl='module' (experts sharded over the TP ranks, the TP = 1 bits)")
+                "moe_impl='megatron' with TP/PP/EP > 1 is not supported: Megatron's MoELayer refuses training at TP > 1 "
+                "without sequence parallelism (moe_layer.py) and its token dispatchers were not verified against the "
+                "consistent combine; use moe_impl='module' (experts sharded over the TP or EP ranks, the TP = 1 bits)")
         moe_impl = "module"
     arch, dtype = prepare_build(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
@@ -153,6 +155,7 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
 
     model = seeded_build(seed, build)
     model.parallel_sizes = (sizes.get("tensor_model_parallel_size", 1), sizes.get("pipeline_model_parallel_size", 1))
+    model.expert_parallel_size = parallel.get("expert_model_parallel_size", 1)
     model.sequence_parallel = bool(sizes.get("sequence_parallel", False))
     model.consistent_kind = CONSISTENT
     model.arch_config = arch

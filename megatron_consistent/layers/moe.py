@@ -20,6 +20,17 @@ its own chunk).  So the bits are the TP = 1 bits, whatever t.  Megatron's token 
 all-to-all) are not used; every token's expert result is independent of which other tokens share the expert
 (row-invariant linear), which is what a dispatcher would have to preserve.
 
+Expert parallelism (EP = e > 1 at TP = 1; the EP group carved from the data-parallel ranks, as Megatron's): rank r of
+the EP group holds experts ``[r E/e, (r+1) E/e)`` (marked ``allreduce=False``, as Megatron marks its expert weights,
+so its DDP reduces their gradients over the expert-data-parallel group).  The ranks run different batches: each routes
+its own tokens, the ranks' tokens and routes are concatenated in rank order (:func:`.tensor_parallel.gather_rows`),
+each rank forms the (token, slot) outputs of the pairs routed to its experts (zeros for the others, the same
+row-invariant expert MLP), every rank receives the sum over the ranks of its own tokens' rows
+(:func:`.tensor_parallel.sum_rows_to_owners`: one value and zeros per element, exact) and combines them in slot order
+as at EP = 1.  So a rank's logits are the bits of its batch alone on one rank, whatever the other ranks' batches
+(their sizes may differ).  What a token dispatcher's all-to-all moves, in a layout chosen for exactness: every rank
+receives all the EP group's tokens and sends ``T_all x k x H`` outputs.
+
 Parameters (the "Megatron layout" the converters use; stacked per expert)::
 
     router.weight                    [E, H]
@@ -49,6 +60,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import UnsupportedConfigError
@@ -80,13 +92,14 @@ def _mark(p: nn.Parameter, sequence_parallel: bool = False) -> nn.Parameter:
     return p
 
 
-def _expert_shard(full: nn.Parameter, rank: int, size: int) -> nn.Parameter:
-    """This TP rank's experts ``[rank E/size, (rank+1) E/size)`` of a stack ``[E, ...]``, marked as Megatron marks a
-    tensor-parallel weight split along dim 0 (``shard_like`` / ``unshard_like`` / ``sharded_state_dict`` read it)."""
+def _expert_shard(full: nn.Parameter, rank: int, size: int, expert_parallel: bool = False) -> nn.Parameter:
+    """This rank's experts ``[rank E/size, (rank+1) E/size)`` of a stack ``[E, ...]``, marked as Megatron marks a
+    tensor-parallel weight split along dim 0 (a TP rank's) or an expert-parallel weight (``expert_parallel``:
+    ``allreduce=False``); ``shard_like`` / ``unshard_like`` / ``sharded_state_dict`` read the marks."""
     n = full.shape[0] // size
     p = nn.Parameter(full.data[rank * n:(rank + 1) * n].clone())
-    p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
-    p.allreduce, p.sequence_parallel = True, False
+    p.tensor_model_parallel, p.partition_dim, p.partition_stride = not expert_parallel, 0, 1
+    p.allreduce, p.sequence_parallel = not expert_parallel, False
     return p
 
 
@@ -125,10 +138,16 @@ class ConsistentMoELayer(nn.Module):
         self.experts.linear_fc1 = _Container()
         self.experts.linear_fc2 = _Container()
         fc1, fc2 = _init((E, fc1_rows * inter, H), init, dt), _init((E, H, inter), out_init, dt)  # the TP = 1 draws
-        if self.tp > 1:
-            rank = tpar.tp_rank()
-            self.expert_offset = rank * (E // self.tp)
-            fc1, fc2 = _expert_shard(fc1, rank, self.tp), _expert_shard(fc2, rank, self.tp)
+        ep_group = tpar.ep_group()
+        self.ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        if E % self.ep:
+            raise UnsupportedConfigError(f"num_experts={E} is not divisible by EP={self.ep} (the experts are sharded "
+                                         "over the EP ranks)")
+        if self.tp > 1 or self.ep > 1:
+            size = max(self.tp, self.ep)  # EP > 1 only at TP = 1 (layers/parallel.py)
+            rank = tpar.tp_rank() if self.tp > 1 else dist.get_rank(ep_group)
+            self.expert_offset = rank * (E // size)
+            fc1, fc2 = (_expert_shard(w, rank, size, expert_parallel=self.ep > 1) for w in (fc1, fc2))
         else:
             self.expert_offset = 0
             fc1, fc2 = _mark(fc1), _mark(fc2)
@@ -152,6 +171,7 @@ class ConsistentMoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor, padding_mask=None, **unused):
         group = tpar.tp_group() if self.tp > 1 else None
+        ep_group = tpar.ep_group() if self.ep > 1 else None
         if group is not None and self.sequence_parallel:  # every rank routes all tokens
             x = tpar.gather_sequence(x, group)
         shape = x.shape
@@ -176,6 +196,13 @@ class ConsistentMoELayer(nn.Module):
                                              self.experts.linear_fc2.weight, self.activation)
             y = tpar.sum_owned_slots(mine, group, self.sequence_parallel)
             out = kmoe.combine_experts(h, y, w, shared, self.activation)
+        elif ep_group is not None:  # the EP group's tokens and routes, this rank's experts, its own tokens' sums back
+            counts = tpar.row_counts(h.shape[0], ep_group, h.device)
+            mine = kmoe.owned_expert_outputs(tpar.gather_rows(h, counts, ep_group), tpar.gather_rows(experts, counts, ep_group),
+                                             self.expert_offset, self.experts.linear_fc1.weight,
+                                             self.experts.linear_fc2.weight, self.activation)
+            y = tpar.sum_rows_to_owners(mine, counts, ep_group)
+            out = kmoe.combine_experts(h, y, w, shared, self.activation)
         else:
             out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared,
                                    self.activation)
@@ -190,8 +217,12 @@ class ConsistentMoELayer(nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         from .linear import sharded_state_dict_tp1
 
-        experts = {"experts.linear_fc1.weight": 0, "experts.linear_fc2.weight": 0} if self.tp > 1 else {}
-        return sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, experts)
+        names = ("experts.linear_fc1.weight", "experts.linear_fc2.weight")
+        state = sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, dict.fromkeys(names, 0) if self.tp > 1 else {})
+        if self.ep > 1:  # split over the EP ranks, replicated over the expert-data-parallel ranks (Megatron's experts)
+            for n in names:
+                state[prefix + n] = tpar.expert_sharded_tensor(self.get_parameter(n), prefix + n, sharded_offsets)
+        return state
 
 
 def moe_layer_spec(dense_layer_spec, arch):

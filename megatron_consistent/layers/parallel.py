@@ -2,25 +2,27 @@
 
 Supported: tensor parallelism TP ∈ {1, 2, 4, 8} (the row-parallel K tree and the
 vocabulary log-softmax tree have 8 segments, so t must divide 8; shapes must
-divide too — checked where the layer is built) and pipeline parallelism
+divide too — checked where the layer is built), pipeline parallelism
 (stages pass activations unchanged, so any PP size is neutral; tested at 2),
-for the GPT layers (dense, and MoE with ``moe_impl="module"``: experts sharded over
+data parallelism (replicas run their own batches: every op is batch-invariant),
+and expert parallelism at TP = 1 (EP groups carved from the data-parallel ranks, experts sharded over them:
+``layers/moe.py``), for the GPT layers (dense, and MoE with ``moe_impl="module"``: at TP > 1 experts sharded over
 the TP ranks, the router and shared expert replicated).  See ``docs/parallel.md`` for the contract.
 
 Sequence parallelism (TP > 1) is supported by the same layers.
 
 Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1,
-context parallelism, expert parallelism, TP other than 1/2/4/8, and — at
-TP > 1 or PP > 1 — Megatron's MoELayer (``moe_impl="megatron"``), hybrid
-(Mamba) models and FP8 (their modules call :func:`check_parallel_config` with
-a ``feature`` name).
+context parallelism, expert parallelism at TP > 1 (the MoE layer shards its experts over the TP ranks there
+already), TP other than 1/2/4/8, and — at TP > 1, PP > 1 or EP > 1 — Megatron's MoELayer (``moe_impl="megatron"``),
+hybrid (Mamba) models and FP8 (their modules call :func:`check_parallel_config` with a ``feature`` name).
 
 Initialization: world size 1 uses gloo over an in-process ``HashStore`` (no
 TCP port, no file), so concurrent pytest processes never collide; a larger
 world must already be initialized by the caller (e.g.
 :func:`megatron_consistent.layers.tensor_parallel.recompute_logprobs_parallel`)
-with ``world_size == TP * PP``.  Megatron's ``parallel_state`` is initialized
-once with those sizes, and checked against them when already initialized.
+with a world size that TP * PP divides (the quotient is the data-parallel size DP, which EP must divide).
+Megatron's ``parallel_state`` is initialized once with those sizes, and checked against them when already
+initialized.
 
 Ranks (:func:`rank_backend`, :func:`check_rank_devices`): on the CPU gloo, on CUDA NCCL with one CUDA device
 per rank (rank r on ``cuda:r``).
@@ -84,14 +86,19 @@ def check_parallel_sizes(
         refused.append(f"context parallelism (context_parallel_size={context_parallel_size})")
     if sequence_parallel and tp == 1:
         refused.append("sequence parallelism without tensor parallelism (sequence_parallel=True needs TP > 1)")
-    if expert_model_parallel_size != 1:
-        refused.append(f"expert parallelism (expert_model_parallel_size={expert_model_parallel_size})")
+    ep = expert_model_parallel_size
+    if ep < 1:
+        refused.append(f"expert_model_parallel_size={ep}")
+    elif ep != 1 and tp != 1:
+        refused.append(f"expert parallelism at TP > 1 (expert_model_parallel_size={ep}, tensor_model_parallel_size={tp}: "
+                       "the MoE layer shards its experts over the TP ranks already; use TP or EP)")
     if refused:
         raise UnsupportedConfigError("the consistent Megatron layers do not support: " + "; ".join(refused))
-    if feature is not None and (tp != 1 or pp != 1):
+    if feature is not None and (tp != 1 or pp != 1 or ep != 1):
         raise UnsupportedConfigError(
-            f"{feature} with model parallelism (tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}) "
-            "is not supported by the consistent layers — only TP = PP = 1 (dense GPT layers support TP/PP)")
+            f"{feature} with model parallelism (tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
+            f"expert_model_parallel_size={ep}) is not supported by the consistent layers — only TP = PP = EP = 1 "
+            "(GPT layers support TP/PP, MoE GPT layers EP)")
 
 
 def check_parallel_config(config, *, feature: str | None = None) -> None:
@@ -110,24 +117,28 @@ def init_cpu_process_group(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> None:
-    """Initialize ``torch.distributed`` (gloo; world size 1 unless the caller did) and Megatron model parallel, once."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    check_parallel_sizes(tp, pp, context_parallel_size)
+    """Initialize ``torch.distributed`` (gloo; world size 1 unless the caller did) and Megatron model parallel, once.
+
+    The data-parallel size is what the world leaves: ``world / (TP * PP)``; EP must divide it."""
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    check_parallel_sizes(tp, pp, context_parallel_size, expert_model_parallel_size=ep)
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        if tp * pp != 1:
+        if tp * pp * ep != 1:
             raise UnsupportedConfigError(
-                f"TP={tp} x PP={pp} needs torch.distributed initialized with world size {tp * pp} by the caller "
-                "(see layers.tensor_parallel.recompute_logprobs_parallel)")
+                f"TP={tp} x PP={pp} x EP={ep} needs torch.distributed initialized by the caller with a world size that "
+                "TP x PP divides and EP divides the quotient (see layers.distributed.recompute_logprobs_parallel)")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    elif dist.get_world_size() != tp * pp:
+    world = dist.get_world_size()
+    if world % (tp * pp) or (world // (tp * pp)) % ep:
         raise UnsupportedConfigError(
-            f"torch.distributed is initialized with world size {dist.get_world_size()}; "
-            f"TP={tp} x PP={pp} needs world size {tp * pp} (data parallelism is not set up by the consistent layers)")
+            f"torch.distributed is initialized with world size {world}; TP={tp} x PP={pp} must divide it and EP={ep} "
+            f"must divide the data-parallel size world / (TP x PP) (expert-parallel groups are carved from it)")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
         if torch.cuda.is_available():  # Megatron's stock core attention forks the model-parallel CUDA RNG state on GPU
             from megatron.core import tensor_parallel
 
@@ -135,7 +146,8 @@ def init_cpu_process_group(
     else:
         got = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
                parallel_state.get_context_parallel_world_size())
-        check_parallel_sizes(*got)
-        if got[:2] != (tp, pp):
-            raise UnsupportedConfigError(f"Megatron parallel_state is initialized with TP={got[0]}, PP={got[1]}; "
-                                         f"this model asks for TP={tp}, PP={pp}")
+        got_ep = parallel_state.get_expert_model_parallel_world_size()
+        check_parallel_sizes(*got, expert_model_parallel_size=got_ep)
+        if (*got[:2], got_ep) != (tp, pp, ep):
+            raise UnsupportedConfigError(f"Megatron parallel_state is initialized with TP={got[0]}, PP={got[1]}, EP={got_ep}; "
+                                         f"this model asks for TP={tp}, PP={pp}, EP={ep}")

@@ -38,6 +38,11 @@ Contract (``docs/parallel.md``):
   entry equal to -0.0 comes back as +0.0, a difference no later op sees (norms and
   residual adds are row-wise; every linear's accumulator starts at +0.0, which
   erases the sign of a zero), so logits and log-probs keep their bits.
+* **Expert parallelism** (EP = e > 1, TP = 1; the MoE layer's experts sharded over the EP group, whose ranks
+  run different batches): :func:`gather_rows` concatenates the ranks' rows in rank order (their counts may
+  differ; an all-to-all that only moves bytes), and :func:`sum_rows_to_owners` brings each rank the sum, over the
+  ranks, of the rows it owns -- for the (token, slot) expert outputs one value and zeros per element (the rank
+  holding the pair's expert), exact in any order.  Each is the other's backward (gradient sums in any order).
 * **Vocab-parallel log-probs** (:func:`vocab_parallel_logprobs`): the LM head
   gives the rank's float32 logits shard; global max by all-reduce MAX (exact);
   the rank's subtree of the 8-segment sum-exp tree
@@ -57,9 +62,10 @@ from .. import kernels
 from ..kernels.logprobs import VOCAB_SEGMENTS, log_softmax_normalise, scale_by_temperature, sum_exp_subtree
 from ..kernels.numerics import adjacent_tree_sum
 
-__all__ = ["copy_to_tp", "gather_sequence", "gather_tree", "gather_tree_scatter_sequence", "row_parallel_forward",
-           "scatter_sequence", "sequence_parallel_embedding", "shard_like", "sum_owned_slots", "tp_group", "tp_rank", "tp_size",
-           "unshard_like", "vocab_parallel_logprobs"]
+__all__ = ["copy_to_tp", "ep_group", "gather_rows", "gather_sequence", "gather_tree", "gather_tree_scatter_sequence",
+           "row_counts", "row_parallel_forward", "scatter_sequence", "sequence_parallel_embedding", "shard_like",
+           "sum_owned_slots", "sum_rows_to_owners", "tp_group", "tp_rank", "tp_size", "unshard_like",
+           "vocab_parallel_logprobs"]
 
 
 def tp_group(group=None):
@@ -81,6 +87,21 @@ def tp_size(group=None) -> int:
 def tp_rank(group=None) -> int:
     g = tp_group(group)
     return 0 if g is None else dist.get_rank(g)
+
+
+def ep_group():
+    """Megatron's expert-model-parallel group when it has more than one rank, else ``None``."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state.get_expert_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_expert_model_parallel_group()
+
+
+def _expert_data_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_data_parallel_group()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -133,6 +154,73 @@ def sum_owned_slots(y: torch.Tensor, group, sequence_parallel: bool = False) -> 
     if group is None or dist.get_world_size(group) == 1:
         return y
     return _SumOwnedSlots.apply(y, group, sequence_parallel)
+
+
+def row_counts(rows: int, group, device=None) -> list[int]:
+    """Every rank's row count in rank order (an all-gather of one integer)."""
+    return [int(n) for n in _all_gather(torch.tensor([rows], dtype=torch.int64, device=device), group)[:, 0]]
+
+
+def _gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """``[sum(counts), ...]``: every rank's ``x`` (``counts[r]`` rows) in rank order (all-to-all: bytes only)."""
+    e = len(counts)
+    out = x.new_empty(sum(counts), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous().repeat(e, *([1] * (x.dim() - 1))), output_split_sizes=counts,
+                           input_split_sizes=[x.shape[0]] * e, group=group)
+    return out
+
+
+def _sum_rows_to_owners(y: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """``[counts[r], ...]`` on rank r: the sum over the ranks of their rows ``[start_r, start_r + counts[r])`` of ``y``
+    (all-to-all, then a sum over the ranks' blocks)."""
+    e, mine = len(counts), counts[dist.get_rank(group)]
+    out = y.new_empty(e * mine, *y.shape[1:])
+    dist.all_to_all_single(out, y.contiguous(), output_split_sizes=[mine] * e, input_split_sizes=counts, group=group)
+    return out.view(e, mine, *y.shape[1:]).sum(0)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: the ranks' rows in rank order; backward: each rank's rows get the sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, counts, group):
+        ctx.counts, ctx.group = counts, group
+        return _gather_rows(x, counts, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _sum_rows_to_owners(g, ctx.counts, ctx.group), None, None
+
+
+class _SumRowsToOwners(torch.autograd.Function):
+    """Forward: :func:`_sum_rows_to_owners`; backward: every rank gets the gradient of every rank's rows (gather)."""
+
+    @staticmethod
+    def forward(ctx, y, counts, group):
+        ctx.counts, ctx.group = counts, group
+        return _sum_rows_to_owners(y, counts, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_rows(g, ctx.counts, ctx.group), None, None
+
+
+def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """``[sum(counts), ...]``: the ranks' rows (rank r holds ``counts[r]``: :func:`row_counts`) in rank order --
+    concatenation, exact.  Differentiable (backward: the sum over the ranks of the gradients of this rank's rows)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GatherRows.apply(x, counts, group)
+    return _gather_rows(x, counts, group)
+
+
+def sum_rows_to_owners(y: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """Rank r's rows of the sum over the ranks of ``y [sum(counts), ...]`` (rows in rank order, rank r's
+    ``counts[r]``).  Used where each element is non-zero on one rank at most (the MoE's expert outputs under EP):
+    exact in any order, as :class:`_SumOwnedSlots`.  Differentiable (backward: :func:`gather_rows` of the
+    gradients)."""
+    if torch.is_grad_enabled() and y.requires_grad:
+        return _SumRowsToOwners.apply(y, counts, group)
+    return _sum_rows_to_owners(y, counts, group)
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -315,30 +403,63 @@ def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperat
     return _VocabParallelLogprobs.apply(logits, tokens.to(torch.int64), float(temperature), group)
 
 
-def shard_like(full: torch.Tensor, param: torch.nn.Parameter, rank: int, size: int) -> torch.Tensor:
+def _split_axis(param: torch.nn.Parameter):
+    """``(dim, stride, group)`` of a parameter split over ranks (``group``: Megatron's, ``None`` before it is
+    initialized), ``None`` for a whole one.  Megatron's marks: an expert weight under expert parallelism
+    (``allreduce=False``) is split along dim 0 over the EP group; a tensor-parallel one (``tensor_model_parallel``)
+    along ``partition_dim`` over the TP group."""
+    if not getattr(param, "allreduce", True):
+        return 0, 1, ep_group()
+    if getattr(param, "tensor_model_parallel", False):
+        return param.partition_dim, getattr(param, "partition_stride", 1), tp_group()
+    return None
+
+
+def shard_like(full: torch.Tensor, param: torch.nn.Parameter, rank: int | None = None, size: int | None = None) -> torch.Tensor:
     """This rank's piece of the full (TP=1) tensor ``full`` for ``param``, as Megatron splits it.
 
     Reads Megatron's attributes: ``tensor_model_parallel``, ``partition_dim``, ``partition_stride`` (stride 2 =
     ``linear_fc1`` of a GLU: each rank holds its gate shard then its up shard) — the split of Megatron's
-    ``_initialize_affine_weight_cpu``.
+    ``_initialize_affine_weight_cpu`` — and ``allreduce=False`` (an expert weight: split along the expert axis over
+    the EP group).  ``rank`` / ``size``: default this rank's place in the parameter's group.
     """
-    if size == 1 or not getattr(param, "tensor_model_parallel", False) or tuple(full.shape) == tuple(param.shape):
+    split = _split_axis(param)
+    if split is None or tuple(full.shape) == tuple(param.shape):
         return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim, stride, group = split
+    if rank is None or size is None:
+        if group is None:
+            return full
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+    if size == 1:
+        return full
     per_stride = param.shape[dim] // stride
     pieces = torch.split(full, per_stride, dim=dim)[rank::size]
     return torch.cat(pieces, dim=dim)
 
 
 def unshard_like(local: torch.Tensor, param: torch.nn.Parameter, group=None) -> torch.Tensor:
-    """The full (TP=1) tensor from every TP rank's ``local`` piece for ``param`` (all-gather): the inverse of
-    :func:`shard_like` (concatenation only, no arithmetic)."""
-    group = tp_group(group)
-    size = tp_size(group)
-    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+    """The full (TP=1) tensor from every rank's ``local`` piece for ``param`` (all-gather over ``group``, default the
+    parameter's: TP, or EP for an expert weight): the inverse of :func:`shard_like` (concatenation only, no
+    arithmetic)."""
+    split = _split_axis(param)
+    if split is None:
         return local
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim, stride, own = split
+    group = own if group is None else group
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    size = dist.get_world_size(group)
     parts = [torch.empty_like(local.contiguous()) for _ in range(size)]
     dist.all_gather(parts, local.contiguous(), group=group)
     chunks = [part.chunk(stride, dim=dim) for part in parts]
     return torch.cat([chunks[r][j] for j in range(stride) for r in range(size)], dim=dim)
+
+
+def expert_sharded_tensor(tensor: torch.Tensor, key: str, sharded_offsets=()):
+    """Megatron's ``ShardedTensor`` of an expert stack ``[E/e, ...]`` split over the EP group (axis 0, global offset
+    ``rank E/e``), replicated over the expert-data-parallel ranks -- the offsets Megatron's own experts save with."""
+    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+    return make_tp_sharded_tensor_for_checkpoint(tensor, key, 0, prepend_offsets=sharded_offsets, tp_group=ep_group(),
+                                                 dp_cp_group=_expert_data_group())

@@ -72,6 +72,8 @@ class CheckConfig:
     engine_tp: int = 1  # vLLM tensor_parallel_size of the engines (dense and MoE models; vllm_plugin/parallel.py)
     trainer_tp: int = 1  # tensor-parallel size of the consistent Megatron recompute (>1: ranks, see trainer_logprobs)
     trainer_pp: int = 1  # pipeline-parallel size of the consistent Megatron recompute (>1: ranks, see trainer_logprobs)
+    trainer_dp: int = 1  # data-parallel replicas of the recompute, each with its share of the sequences (>1: ranks)
+    trainer_ep: int = 1  # expert-parallel size of the recompute (MoE at trainer TP 1; divides trainer_dp)
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
     engine_args: str = ""  # JSON object of extra vLLM engine arguments for every engine, e.g. '{"async_scheduling": false}'
@@ -99,6 +101,8 @@ class CheckConfig:
         integer("--engine-tp", self.engine_tp)
         integer("--trainer-tp", self.trainer_tp)
         integer("--trainer-pp", self.trainer_pp)
+        integer("--trainer-dp", self.trainer_dp)
+        integer("--trainer-ep", self.trainer_ep)
         integer("--shared-prefix-len", self.shared_prefix_len, 0)
         positive_float("--temperature", self.temperature)
         positive_float("--engine-timeout-s", self.engine_timeout_s)
@@ -135,29 +139,41 @@ class CheckConfig:
 
 
 def trainer_parallel(cfg: CheckConfig) -> bool:
-    """Whether the consistent recompute runs in ``trainer_tp * trainer_pp`` ranks (else in this process): gloo on the
-    CPU, NCCL on CUDA (one device per rank)."""
-    return cfg.trainer_tp * cfg.trainer_pp > 1
+    """Whether the consistent recompute runs in ``trainer_tp * trainer_pp * trainer_dp`` ranks (else in this process):
+    gloo on the CPU, NCCL on CUDA (one device per rank)."""
+    return cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp > 1
+
+
+def trainer_flags(cfg: CheckConfig) -> str:
+    """The trainer layout flags as given, for messages: ``--trainer-tp T`` and the others that are not 1."""
+    extra = [(flag, v) for flag, v in (("--trainer-pp", cfg.trainer_pp), ("--trainer-dp", cfg.trainer_dp),
+                                       ("--trainer-ep", cfg.trainer_ep)) if v != 1]
+    return " ".join([f"--trainer-tp {cfg.trainer_tp}", *(f"{flag} {v}" for flag, v in extra)])
 
 
 def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
-    """Why the trainer layout ``--trainer-tp`` / ``--trainer-pp`` cannot run here ("" when it can)."""
+    """Why the trainer layout ``--trainer-tp`` / ``--trainer-pp`` / ``--trainer-dp`` / ``--trainer-ep`` cannot run here
+    ("" when it can)."""
     from ..config import UnsupportedConfigError
     from ..layers.builder import check_tp_shapes
     from ..layers.parallel import check_parallel_sizes, check_rank_devices
 
-    tp, pp = cfg.trainer_tp, cfg.trainer_pp
+    tp, pp, dp, ep = cfg.trainer_tp, cfg.trainer_pp, cfg.trainer_dp, cfg.trainer_ep
     try:  # the helper's own refusals (layers/distributed.py recompute_logprobs_parallel)
-        check_parallel_sizes(tp, pp, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
-        check_tp_shapes(arch, tp, pp)
-        check_rank_devices(cfg.resolved_device(), tp * pp)
+        check_parallel_sizes(tp, pp, expert_model_parallel_size=ep, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
+        check_tp_shapes(arch, tp, pp, ep)
+        check_rank_devices(cfg.resolved_device(), tp * pp * dp)
     except UnsupportedConfigError as e:
         return str(e)
-    if tp * pp == 1:
+    if dp % ep:
+        return f"EP={ep} must divide the data-parallel size DP={dp} (expert-parallel groups are carved from it)"
+    if dp > cfg.num_prompts:
+        return f"DP={dp} replicas need at least as many sequences (--num-prompts {cfg.num_prompts})"
+    if tp * pp * dp == 1:
         return ""
     if cfg.quantization:
         return (f"--quantization {cfg.quantization} with trainer model parallelism: the FP8 / NVFP4 trainer forward "
-                "(layers.fp8.enable_fp8) runs at TP = PP = 1 only")
+                "(layers.fp8.enable_fp8) runs at TP = PP = DP = 1 only")
     if cfg.kv_cache_dtype != "auto":
         return (f"--kv-cache-dtype {cfg.kv_cache_dtype} with trainer model parallelism: the trainer's FP8 KV round trip "
                 "(layers.fp8.enable_fp8_kv) is not applied in the parallel recompute's ranks")
@@ -181,8 +197,7 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             raise ValueError(f"--engine-tp {cfg.engine_tp}: {e}") from None
     reason = trainer_refusal(cfg, arch)
     if reason:
-        flags = f"--trainer-tp {cfg.trainer_tp}" + (f" --trainer-pp {cfg.trainer_pp}" if cfg.trainer_pp != 1 else "")
-        raise UnsupportedConfigError(f"{flags}: {reason}")
+        raise UnsupportedConfigError(f"{trainer_flags(cfg)}: {reason}")
     engine = {"tensor_parallel_size": cfg.engine_tp}
     if cfg.engine_tp > 1:
         engine.update(column="q|k|v, gate|up: heads / MLP columns split", row="o_proj, down: K subtrees all-gathered in rank "
@@ -191,9 +206,12 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             engine["moe"] = ("experts sharded over the TP ranks, each rank's (token, slot) outputs all-gathered in rank "
                              "order and summed (one value and zeros: exact), router and shared expert replicated")
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
+    if cfg.trainer_dp != 1:
+        trainer.update(data_parallel_size=cfg.trainer_dp, data="each replica recomputes its contiguous share of the "
+                       "sequences (layers.distributed.data_parallel_chunks)")
     if trainer_parallel(cfg):
         device = cfg.resolved_device()
-        trainer.update(ranks=f"{cfg.trainer_tp * cfg.trainer_pp} {rank_backend(device)} processes"
+        trainer.update(ranks=f"{cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp} {rank_backend(device)} processes"
                        + (" (rank r on cuda:r)" if device == "cuda" else "") + " (layers.recompute_logprobs_parallel) on the "
                        "HF folder the engines serve", applies_to="the consistent row (the stock baseline trainer runs at TP = PP = 1)")
         if cfg.trainer_tp > 1:
@@ -204,6 +222,11 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             trainer["moe"] = ("ConsistentMoELayer: experts sharded over the TP ranks, each rank's (token, slot) outputs "
                               "summed (one value and zeros: exact), router and shared expert replicated"
                               if cfg.trainer_tp > 1 else "ConsistentMoELayer, all experts on each stage")
+        if cfg.trainer_ep > 1:
+            trainer.update(expert_model_parallel_size=cfg.trainer_ep, moe=(
+                f"ConsistentMoELayer: experts sharded over EP groups of {cfg.trainer_ep} replicas; each rank routes its "
+                "own tokens, the group's tokens gathered in rank order, each (token, slot) output formed by the rank "
+                "holding its expert and summed back to the token's rank (one value and zeros: exact)"))
     return {"engine": engine, "trainer": trainer}
 
 
@@ -220,7 +243,8 @@ def kernel_switches(device: torch.device) -> dict:
 
 
 def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, responses, temperature: float, route_sink=None) -> torch.Tensor:
-    """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp`` x ``cfg.trainer_pp`` (1-D float32,
+    """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp`` x ``cfg.trainer_pp`` x
+    ``cfg.trainer_dp`` (EP ``cfg.trainer_ep``; 1-D float32,
     response by response, in prompt order — what :func:`recompute` returns).
 
     TP = PP = 1: :func:`recompute` of ``model`` in this process.  Otherwise one call of
@@ -237,12 +261,13 @@ def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, response
     width = max(len(s) for s in seqs)
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64)
     lp, routes = recompute_logprobs_parallel(str(model_dir), str(model_dir), ids, tp=cfg.trainer_tp, pp=cfg.trainer_pp,
+                                             dp=cfg.trainer_dp, ep=cfg.trainer_ep,
                                              temperature=temperature, workdir=Path(cfg.out_dir) / "trainer_ranks",
                                              batch=cfg.recompute_batch, return_routes=True, device=cfg.resolved_device())
     if route_sink is not None:
-        for c, layers in sorted(routes.items()):
-            b0 = c * cfg.recompute_batch
-            route_sink(b0, [len(s) for s in seqs[b0 : b0 + cfg.recompute_batch]], layers)
+        for b0, layers in sorted(routes.items()):
+            rows = next(iter(layers.values())).shape[0] // width  # routes [s * b_chunk, k]
+            route_sink(b0, [len(s) for s in seqs[b0 : b0 + rows]], layers)
     return torch.cat([lp[i, len(p) - 1 : len(p) - 1 + len(r)] for i, (p, r) in enumerate(zip(prompts, responses))])
 
 
@@ -492,7 +517,8 @@ def render(report: dict) -> str:
     title = (f"megatron-consistent check  model={s['arch']['architecture']} ({Path(s['hf_config']).name})  prompts={s['num_prompts']} "
              f"max_tokens={s['max_tokens']} temperature={s['temperature']} logprobs={s['logprobs_mode']} "
              f"max_num_batched_tokens={s['max_num_batched_tokens']}  engine TP={s.get('engine_tp', 1)} trainer TP={s.get('trainer_tp', 1)}"
-             + (f" PP={s['trainer_pp']}" if s.get("trainer_pp", 1) != 1 else ""))
+             + "".join(f" {k}={s[key]}" for k, key in (("PP", "trainer_pp"), ("DP", "trainer_dp"), ("EP", "trainer_ep"))
+                       if s.get(key, 1) != 1))
     text = "\n".join([format_table(rows, METRIC_COLUMNS, title), *unavailable])
     if s.get("kernel_switches"):
         text += "\nkernel switches: " + "  ".join(f"{k}={v}" for k, v in s["kernel_switches"].items())

@@ -9,7 +9,7 @@ from .processes import ENGINE_TIMEOUT_S
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
          "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
-         "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp", "trainer_pp", "engine_timeout_s"]
+         "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp", "trainer_pp", "trainer_dp", "trainer_ep", "engine_timeout_s"]
 
 
 def add_arguments(p) -> None:
@@ -39,6 +39,12 @@ def add_arguments(p) -> None:
                    help="tensor-parallel size of the consistent Megatron recompute (1, 2, 4 or 8; default 1; >1: CPU gloo ranks)")
     p.add_argument("--trainer-pp", dest="trainer_pp", type=int,
                    help="pipeline-parallel size of the consistent Megatron recompute (default 1; >1: CPU gloo ranks)")
+    p.add_argument("--trainer-dp", dest="trainer_dp", type=int,
+                   help="data-parallel replicas of the consistent Megatron recompute, each with its share of the sequences "
+                   "(default 1; >1: ranks)")
+    p.add_argument("--trainer-ep", dest="trainer_ep", type=int,
+                   help="expert-parallel size of the consistent Megatron recompute (MoE, trainer TP 1; divides --trainer-dp; "
+                   "default 1)")
     p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
                    "trainer and engines run on its weights")
     p.add_argument("--engine-args", dest="engine_args",
@@ -53,7 +59,7 @@ def validate(args):
     from .inputs import hf_arch, output_dir, output_file
 
     cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
-    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp > 1 or cfg.trainer_pp > 1:
+    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp * cfg.trainer_ep > 1:
         from ..config import builtin_model_dir
         from .check import check_layouts
 
