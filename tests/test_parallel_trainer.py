@@ -476,6 +476,15 @@ def _moe_ep2_worker(rank: int, workdir: str) -> None:
         if getattr(p, "allreduce", True):  # Megatron's DDP: replicated weights over the DP ranks; experts over EDP (1)
             dist.all_reduce(p.grad)
     grads = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
+    real_backward = tpar._SumRowsToOwners.backward
+    # broken backward: the other rank's tokens send no gradient to this rank's experts (zeros for their rows)
+    tpar._SumRowsToOwners.backward = staticmethod(lambda ctx, g: (torch.cat(
+        [g if r == rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None))
+    model32.zero_grad()
+    (-stage_logprobs(model32, mine).sum() / ids[:, 1:].numel()).backward()
+    tpar._SumRowsToOwners.backward = real_backward
+    broken_grads = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()
+                    if not getattr(p, "allreduce", True)}
     model = build_parallel_model(cfg, weights, ep=2, dtype=torch.bfloat16)
     fc1 = model.decoder.layers[1].mlp.experts.linear_fc1.weight
     sharded = model.sharded_state_dict()["decoder.layers.1.mlp.experts.linear_fc1.weight"]
@@ -491,6 +500,7 @@ def _moe_ep2_worker(rank: int, workdir: str) -> None:
     save_file({"broken_logits": broken}, str(work / f"broken{rank}.safetensors"))
     if rank == 0:
         save_file(grads, str(work / "grads.safetensors"))
+        save_file({**grads, **broken_grads}, str(work / "grads_broken.safetensors"))
     (work / f"experts{rank}.json").write_text(json.dumps(meta))
 
 
@@ -513,6 +523,9 @@ def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path)
     errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
     print(f"EP=2 MoE gradients: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
     assert max(errs.values()) < GRAD_REL_TOL, errs
+    broken_errs = _gradient_errors(tmp_path / "grads_broken.safetensors", weights, ids)
+    print(f"EP=2 MoE gradients, the other rank's tokens left out of the experts': max relative error {max(broken_errs.values()):.3g}")
+    assert max(broken_errs.values()) > 1e3 * GRAD_REL_TOL, "experts' gradients missing the other rank's tokens not caught"
     for rank in (0, 1):
         meta = json.loads((tmp_path / f"experts{rank}.json").read_text())
         assert meta["local"][0] == 32 and meta["allreduce"] is False, meta
@@ -522,6 +535,42 @@ def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path)
     want = megatron_state_from_hf(ArchConfig.from_hf(load_hf_config(QWEN2MOE)), read_hf_tensors(weights))
     for name, tensor in want.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+def _export_worker(rank: int, workdir: str, config: str, tp: int, pp: int, ep: int) -> None:
+    from megatron_consistent.layers.distributed import build_parallel_model, export_hf_parallel
+
+    work = Path(workdir)
+    model = build_parallel_model(config, work / "weights", tp=tp, pp=pp, ep=ep)
+    export_hf_parallel(model, work / "export")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, tp, pp, dp, ep", [(LLAMA, 2, 2, 1, 1), (QWEN2MOE, 2, 1, 1, 1), (QWEN2MOE, 1, 1, 2, 2),
+                                                    (MODELS_DIR / "tiny-qwen3moe-top1", 1, 2, 2, 2)])
+def test_export_from_a_parallel_layout_is_the_one_process_checkpoint(tmp_path, config, tp, pp, dp, ep):
+    """A model loaded at TP / PP / DP / EP and exported by every rank (TP and EP pieces gathered, one file a pipeline
+    stage and an index at PP > 1) is the one-process HF checkpoint tensor for tensor, bit for bit, and imports back;
+    a second export into the same folder is refused by every rank before any collective."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    from megatron_consistent.config import ArchConfig
+    from megatron_consistent.conversion import import_hf
+    from megatron_consistent.layers import build_consistent_model
+    from megatron_consistent.layers.distributed import read_hf_tensors, spawn_ranks
+
+    weights, *_ = reference(config, tmp_path)
+    spawn_ranks(_export_worker, tp * pp * dp, tmp_path, str(config), tp, pp, ep)
+    want, got = read_hf_tensors(weights), read_hf_tensors(tmp_path / "export")
+    assert want.keys() == got.keys()
+    for name, tensor in want.items():
+        assert tensor.dtype == got[name].dtype and torch.equal(tensor, got[name]), name
+    assert (tmp_path / "export" / "model.safetensors.index.json").exists() == (pp > 1)
+    assert ArchConfig.from_hf(load_hf_config(tmp_path / "export")) == ArchConfig.from_hf(load_hf_config(weights))
+    model = build_consistent_model(config, seed=1, moe_impl="module" if ep > 1 or tp > 1 else None)
+    import_hf(model, model.arch_config, tmp_path / "export")  # the exported folder as a checkpoint: complete, loadable
+    with pytest.raises(ProcessRaisedException, match="already holds"):
+        spawn_ranks(_export_worker, tp * pp * dp, tmp_path, str(config), tp, pp, ep)
 
 
 # ---------------------------------------------------------------------------------------------- experts over TP ranks

@@ -124,27 +124,39 @@ def hf_state_dict(model, arch: ArchConfig, *, copy: bool = True) -> dict[str, to
     split needs one) — read them before the next optimizer step.
     """
     params = _model_params(model, arch)
-    tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for mname, hf_names, kind in _plan(arch):
-            p = params[mname].detach()
-            for hf_name, part in zip(hf_names, _split(arch, kind, p)):
-                part = part.to("cpu").contiguous()
-                tensors[hf_name] = part.clone() if copy else part
+        return hf_tensors_from_megatron(arch, {m: p.detach() for m, p in params.items()}, copy=copy)
+
+
+def hf_tensors_from_megatron(arch: ArchConfig, full: dict[str, torch.Tensor], *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """HF-named CPU tensors of the whole (TP = 1) Megatron tensors ``full`` (global layer numbers) by the weight table's
+    splits; entries of the table ``full`` does not hold (another pipeline stage's) are skipped."""
+    tensors: dict[str, torch.Tensor] = {}
+    for mname, hf_names, kind in _plan(arch):
+        if mname not in full:
+            continue
+        for hf_name, part in zip(hf_names, _split(arch, kind, full[mname])):
+            part = part.to("cpu").contiguous()
+            tensors[hf_name] = part.clone() if copy else part
     return tensors
+
+
+def write_hf_config(arch: ArchConfig, dtypes, out_dir) -> None:
+    """``config.json`` of an export: ``arch.to_hf()`` with ``torch_dtype`` when the tensors share one dtype."""
+    hf = arch.to_hf()
+    dtypes = set(dtypes)
+    if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_STR:
+        hf["torch_dtype"] = _DTYPE_STR[next(iter(dtypes))]
+    (Path(out_dir) / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
 
 
 def export_hf(model, arch: ArchConfig, out_dir) -> Path:
     """Write ``config.json`` (``arch.to_hf()``, ``torch_dtype`` = the parameters' dtype) and ``model.safetensors``."""
     tensors = hf_state_dict(model, arch)
-    dtypes = {t.dtype for t in tensors.values()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf = arch.to_hf()
-    if len(dtypes) == 1 and next(iter(dtypes)) in _DTYPE_STR:
-        hf["torch_dtype"] = _DTYPE_STR[next(iter(dtypes))]
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    write_hf_config(arch, (t.dtype for t in tensors.values()), out)
     return out
 
 

@@ -44,7 +44,8 @@ from ..config import ArchConfig, UnsupportedConfigError
 from . import tensor_parallel as tpar
 from .parallel import check_rank_devices, rank_backend
 
-__all__ = ["NVLINK_MULTICAST_OFF", "build_parallel_model", "gather_vocab", "load_full_megatron_state", "megatron_state_from_hf",
+__all__ = ["NVLINK_MULTICAST_OFF", "build_parallel_model", "data_parallel_chunks", "export_hf_parallel", "gather_vocab",
+           "load_full_megatron_state", "megatron_state_from_hf",
            "rank_device", "recompute_logprobs_parallel", "spawn_ranks", "stage_forward", "stage_logprobs"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -101,6 +102,44 @@ def load_full_megatron_state(model, full: dict[str, torch.Tensor]) -> None:
         p.data.copy_(piece.to(p.dtype))
     if missing:
         raise ValueError(f"the weights lack {missing[:8]}")
+
+
+@torch.no_grad()
+def export_hf_parallel(model, out_dir) -> Path:
+    """The HF checkpoint of a model trained at any TP x PP x DP (EP) layout, bit for bit the tensors of the same
+    weights at TP = PP = EP = 1 -- what a rollout engine loads or a weight push sends.  Every rank of the job calls it
+    (collectives).  Each parameter's TP or EP pieces are all-gathered (concatenation, :func:`tensor_parallel.unshard_like`);
+    data-parallel replica 0's first TP rank of each pipeline stage writes that stage's tensors
+    (``model.safetensors`` at PP = 1, else ``model-0000k-of-0000p.safetensors``), then global rank 0 writes the index
+    (PP > 1) and ``config.json``.  ``out_dir``: one folder every rank sees, new or without model files (else every
+    rank refuses before any collective)."""
+    from megatron.core import parallel_state as ps
+
+    from ..conversion.hf import hf_tensors_from_megatron, write_hf_config
+
+    arch = model.arch_config
+    out = Path(out_dir)
+    old = sorted(f.name for f in out.glob("model*.safetensors*"))
+    if old:  # every rank sees the folder, so every rank refuses, before any collective
+        raise ValueError(f"export to {out}: the folder already holds {old[:3]}; export into a new or empty folder")
+    dist.barrier()  # every rank has looked before any writes
+    full = {_global_name(model, n): tpar.unshard_like(p.detach(), p) for n, p in model.named_parameters()}
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    name = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(hf_tensors_from_megatron(arch, full), str(out / name), metadata={"format": "pt"})
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if stages > 1:
+            weight_map = {}
+            for f in sorted(out.glob("model-*-of-*.safetensors")):
+                with safe_open(str(f), framework="pt") as sf:
+                    weight_map.update(dict.fromkeys(sf.keys(), f.name))
+            (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        write_hf_config(arch, {p.dtype for p in model.parameters()}, out)
+    dist.barrier()
+    return out
 
 
 def rank_device() -> torch.device:
