@@ -1,18 +1,10 @@
-# Call 6 (after call 3's install; carry .whl), session 32's new work on the GPU:
-# 1. `diagnose` on the GPU -- tests/test_gpu_diagnose.py (a fault named exactly and replayed on the GPU; an MoE
-#    model's every op equal; -s prints each report's table into the log);
-# 2. the split decode's merge as a programmatic dependent launch (MC_ATTN_PDL): its bits tests, then the decode
-#    cases of bench_gpu_attention.py --quick (the PDL row among the split variants, bits against the default);
-# 3. a TP rank's experts (others' pairs as expert -1): bench_gpu_moe.py --owned-tp 2, bits checked;
-# 4. the hybrid's diagnose (tiny-nemotronh, a fault in its MLP layer), for what is left of the call.
+# Call 6 (after call 3's install; carry .whl): the GPU engine and lifecycle tests, last run before the Gluon kernels
+# became the default on Hopper (session 31) -- the compiled vLLM engine vs the trainer on tiny-llama / the MoE model /
+# the hybrid (eager vs CUDA graphs), and the GRPO lifecycle with Megatron's optimizer and a dist_checkpointing restore.
 TAG=${TAG:-next}
 source benchmarks/gpu_setup.sh > "$OUT/${TAG}_setup6.log" 2>&1 || echo "gpu_setup failed"
 date +%T
-timeout 200 python -m pytest -q -p no:cacheprovider -s tests/test_gpu_diagnose.py -k "not hybrid" \
-  > "$OUT/${TAG}_diagnose_tests.log" 2>&1
-echo "diagnose gpu tests rc $?"; grep -E "FIRST DIVERGENCE|no divergence|passed|failed|Error" "$OUT/${TAG}_diagnose_tests.log" | tail -8
-date +%T
-source benchmarks/device_calls/pdl_and_owned_experts.sh
-# last, as long as the call lasts: the hybrid's diagnose (its engine's first start compiles the SSD kernels)
-python -m pytest -q -p no:cacheprovider -s tests/test_gpu_diagnose.py -k hybrid > "$OUT/${TAG}_diagnose_hybrid.log" 2>&1
-echo "diagnose hybrid rc $?"; grep -E "FIRST DIVERGENCE|passed|failed" "$OUT/${TAG}_diagnose_hybrid.log" | tail -3; date +%T
+timeout 500 python -m pytest -q -p no:cacheprovider tests/test_gpu_vllm.py tests/test_gpu_lifecycle.py \
+  > "$OUT/${TAG}_engine_lifecycle_tests.log" 2>&1
+echo "engine / lifecycle tests rc $?"; tail -3 "$OUT/${TAG}_engine_lifecycle_tests.log"
+grep -E "^FAILED" "$OUT/${TAG}_engine_lifecycle_tests.log" | head -8; date +%T

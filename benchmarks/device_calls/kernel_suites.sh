@@ -1,4 +1,4 @@
-# Sourced by c1.sh and solo.sh (repo root, on the GPU; $OUT, TAG and SUITES_TIMEOUT set): the GPU's name and versions,
+# Sourced by solo.sh (repo root, on the GPU; $OUT, TAG and SUITES_TIMEOUT set): the GPU's name and versions,
 # then the kernel suites with the Gluon kernels on by default (session 31) -- GEMM / tree / attention, block-FP8, paged
 # attention (the 32-bit pages test mended in session 31), the attention backward.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/${TAG}_gpu.txt" 2>&1
