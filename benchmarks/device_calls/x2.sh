@@ -1,9 +1,10 @@
 # Issue #19's calls on two GPUs (kind nvidia-h200-x2 or nvidia-h100-x2), docs/parallel.md "Two GPUs": one call a step,
-# back to back within 30 s, each from the repo root: `TAG=s32 bash benchmarks/device_calls/x2.sh STEP`.
+# back to back within 30 s, each from the repo root: `TAG=s34 bash benchmarks/device_calls/x2.sh STEP`.
 #   1  carry .gw/part1        stash part 1; the NCCL trainer tests (tests/test_gpu_parallel.py, no vLLM)
 #   2  carry .gw/part2        stash part 2
 #   3  carry .gw/part3 .gw/install.sh .whl   install vLLM 0.26; check, dense, trainer TP 2 / engine TP 2
-#   4  carry .whl             check: MoE at (2, 2); engine TP 2 against the one-GPU trainer, dense and MoE
+#   4  carry .whl             check: MoE at (2, 2); engine TP 2 against the one-GPU trainer, dense and MoE; the
+#                             trainer's experts over EP 2 (DP 2) against engine TP 2
 #   5  carry .whl             rollout at engine TP 2, consistent vs stock (1B and 8B Llama widths), then the 8B and
 #                             Qwen3-30B-A3B widths' check at (2, 2)
 # NVLink multicast stays off (gpu_setup.sh exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -29,10 +30,12 @@ case "$STEP" in
   echo "dense (2, 2) rc $?"; tail -4 "$OUT/${TAG}_x2_llama_t2_e2.log" ;;
 4)
   source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
-  for run in "moe-t2-e2 2 tiny-qwen3moe-top1" "llama-t1-e2 1 tiny-llama" "moe-t1-e2 1 tiny-qwen3moe-top1"; do
+  # the last run: the trainer's experts over EP 2 (= DP 2: two NCCL replicas, their batches differ; all_to_all_single)
+  for run in "moe-t2-e2 2 tiny-qwen3moe-top1" "llama-t1-e2 1 tiny-llama" "moe-t1-e2 1 tiny-qwen3moe-top1" \
+             "moe-dp2ep2-e2 1 tiny-qwen2moe-top8-shared --trainer-dp 2 --trainer-ep 2"; do
     set -- $run
     timeout 180 megatron-consistent check --device cuda --mode consistent --trainer-tp "$2" --engine-tp 2 --block-size 16 \
-      --num-prompts 64 --max-tokens 64 --hf-config "megatron_consistent/configs/models/$3" --out-dir "/tmp/x2/$1" \
+      --num-prompts 64 --max-tokens 64 --hf-config "megatron_consistent/configs/models/$3" --out-dir "/tmp/x2/$1" "${@:4}" \
       > "$OUT/${TAG}_x2_$1.log" 2>&1
     echo "$1 rc $?"; tail -3 "$OUT/${TAG}_x2_$1.log"
   done ;;
