@@ -455,46 +455,57 @@ def test_logits_equal_across_data_and_expert_parallel_layouts(tmp_path):
 
 
 def _moe_ep2_worker(rank: int, workdir: str) -> None:
-    """EP=2 (= DP=2) on the MoE config, rank 0 with 3 rows, rank 1 with 2: float32 gradients (the replicated weights'
-    summed over the ranks as DDP does; an expert's already covers both ranks' tokens), the experts' sharded_state_dict
-    offsets, a dist checkpoint, and the logits with each rank's own expert outputs only (the broken variant)."""
+    """EP=2 over the DP ranks (2 or 4: one or two expert-data-parallel replicas) on the MoE config, the 5 rows split by
+    ``data_parallel_chunks`` (unequal shares): float32 gradients (summed as Megatron's DDP does: the replicated weights
+    over the DP ranks, the experts over the expert-data-parallel ranks; an expert's already covers its EP group's
+    tokens), the experts' sharded_state_dict offsets and replica ids, a dist checkpoint, the logits with each rank's own
+    expert outputs only (a broken forward) and the experts' gradients without the other ranks' tokens (a broken
+    backward)."""
     import torch.distributed as dist
 
     from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
     from megatron_consistent.layers import tensor_parallel as tpar
     from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
-    from megatron_consistent.layers.distributed import build_parallel_model, stage_forward, stage_logprobs
+    from megatron_consistent.layers.distributed import (build_parallel_model, data_parallel_chunks, stage_forward,
+                                                        stage_logprobs)
 
     work = Path(workdir)
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
-    mine = ids[:3] if rank == 0 else ids[3:]
+    [(b0, b1)] = data_parallel_chunks(ids.shape[0], dist.get_world_size(), None)[rank]
+    mine = ids[b0:b1]
     cfg, weights = work / "weights" / "config.json", work / "weights"
     model32 = build_parallel_model(cfg, weights, ep=2, dtype=torch.float32)
-    (-stage_logprobs(model32, mine).sum() / ids[:, 1:].numel()).backward()  # the ranks' losses sum to the batch mean
-    for p in model32.parameters():
-        if getattr(p, "allreduce", True):  # Megatron's DDP: replicated weights over the DP ranks; experts over EDP (1)
-            dist.all_reduce(p.grad)
-    grads = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
+    ep_rank = ps.get_expert_model_parallel_rank()
+
+    def gradients(only_experts=False):
+        model32.zero_grad()
+        (-stage_logprobs(model32, mine).sum() / ids[:, 1:].numel()).backward()  # the ranks' losses sum to the batch mean
+        for p in model32.parameters():
+            expert = not getattr(p, "allreduce", True)
+            dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group() if expert else None)
+        return {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()
+                if not only_experts or not getattr(p, "allreduce", True)}
+
+    grads = gradients()
     real_backward = tpar._SumRowsToOwners.backward
-    # broken backward: the other rank's tokens send no gradient to this rank's experts (zeros for their rows)
+    # broken backward: the other ranks' tokens send no gradient to this rank's experts (zeros for their rows)
     tpar._SumRowsToOwners.backward = staticmethod(lambda ctx, g: (torch.cat(
-        [g if r == rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None))
-    model32.zero_grad()
-    (-stage_logprobs(model32, mine).sum() / ids[:, 1:].numel()).backward()
+        [g if r == ep_rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None))
+    broken_grads = gradients(only_experts=True)
     tpar._SumRowsToOwners.backward = real_backward
-    broken_grads = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()
-                    if not getattr(p, "allreduce", True)}
     model = build_parallel_model(cfg, weights, ep=2, dtype=torch.bfloat16)
     fc1 = model.decoder.layers[1].mlp.experts.linear_fc1.weight
     sharded = model.sharded_state_dict()["decoder.layers.1.mlp.experts.linear_fc1.weight"]
-    meta = {"local": list(fc1.shape), "allreduce": fc1.allreduce, "global_shape": list(sharded.global_shape),
-            "global_offset": list(sharded.global_offset), "replica_id": list(sharded.replica_id)}
+    meta = {"ep_rank": ep_rank, "local": list(fc1.shape), "allreduce": fc1.allreduce,
+            "global_shape": list(sharded.global_shape), "global_offset": list(sharded.global_offset),
+            "replica_id": list(sharded.replica_id)}
     (work / "dist").mkdir(exist_ok=True)
     dist.barrier()
     with cuda_stubs_for_checkpoint():
         dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
-    tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:rank]):sum(counts[:rank + 1])]  # broken: own experts
+    tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:ep_rank]):sum(counts[:ep_rank + 1])]  # broken
     with torch.no_grad():
         broken = stage_forward(model, mine).contiguous()
     save_file({"broken_logits": broken}, str(work / f"broken{rank}.safetensors"))
@@ -505,10 +516,12 @@ def _moe_ep2_worker(rank: int, workdir: str) -> None:
 
 
 @pytest.mark.slow
-def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path):
-    """EP=2: each rank holds 32 of the 64 experts (allreduce=False, Megatron's expert mark; offsets 0 / 32 in the
-    sharded_state_dict, replicated over the one expert-data-parallel rank); gradients within GRAD_REL_TOL of float64;
-    the EP=2 dist checkpoint loads at EP=1 bit for bit; ranks that keep only their own experts' outputs are caught."""
+@pytest.mark.parametrize("dp", [2, 4])
+def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path, dp):
+    """EP=2 over DP=2 or 4: each rank holds 32 of the 64 experts (allreduce=False, Megatron's expert mark; offsets
+    0 / 32 by EP rank in the sharded_state_dict, replica id = the expert-data-parallel rank); gradients within
+    GRAD_REL_TOL of float64; the dist checkpoint loads at EP=1 bit for bit; ranks that keep only their own experts'
+    outputs, and experts' gradients without the other ranks' tokens, are caught."""
     from megatron_consistent.checkpoint import _load_dist_staged
     from megatron_consistent.config import ArchConfig
     from megatron_consistent.layers import build_consistent_model
@@ -517,20 +530,24 @@ def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path)
 
     weights, ids, logits, _ = reference(QWEN2MOE, tmp_path, batch=5)
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
-    spawn_ranks(_moe_ep2_worker, 2, tmp_path)
-    broken = torch.cat([load_file(str(tmp_path / f"broken{r}.safetensors"))["broken_logits"] for r in (0, 1)])
+    spawn_ranks(_moe_ep2_worker, dp, tmp_path)
+    broken = torch.cat([load_file(str(tmp_path / f"broken{r}.safetensors"))["broken_logits"] for r in range(dp)])
     assert not torch.equal(broken, logits), "expert outputs kept on the computing rank were not caught"
     errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
-    print(f"EP=2 MoE gradients: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
+    print(f"EP=2 DP={dp} MoE gradients: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
     assert max(errs.values()) < GRAD_REL_TOL, errs
     broken_errs = _gradient_errors(tmp_path / "grads_broken.safetensors", weights, ids)
-    print(f"EP=2 MoE gradients, the other rank's tokens left out of the experts': max relative error {max(broken_errs.values()):.3g}")
-    assert max(broken_errs.values()) > 1e3 * GRAD_REL_TOL, "experts' gradients missing the other rank's tokens not caught"
-    for rank in (0, 1):
+    print(f"EP=2 DP={dp}, the other ranks' tokens left out of the experts' gradients: max relative error "
+          f"{max(broken_errs.values()):.3g}")
+    assert max(broken_errs.values()) > 1e3 * GRAD_REL_TOL, "experts' gradients missing the other ranks' tokens not caught"
+    for rank in range(dp):
         meta = json.loads((tmp_path / f"experts{rank}.json").read_text())
         assert meta["local"][0] == 32 and meta["allreduce"] is False, meta
-        # global shape [layers, E, 2I, H] (the decoder's layer axis first): rank r holds experts 32 r .. 32 r + 31
-        assert meta["global_shape"][1] == 64 and meta["global_offset"][1] == 32 * rank, meta
+        # global shape [layers, E, 2I, H] (the decoder's layer axis first): EP rank e holds experts 32 e .. 32 e + 31
+        assert meta["global_shape"][1] == 64 and meta["global_offset"][1] == 32 * meta["ep_rank"], meta
+    replicas = sorted((m["ep_rank"], m["replica_id"][-1]) for m in
+                      (json.loads((tmp_path / f"experts{r}.json").read_text()) for r in range(dp)))
+    assert replicas == sorted((e, d) for e in range(2) for d in range(dp // 2)), replicas  # one replica 0 per expert shard
     loaded = _load_dist_staged(build_consistent_model(QWEN2MOE, seed=1, moe_impl="module"), tmp_path / "dist")
     want = megatron_state_from_hf(ArchConfig.from_hf(load_hf_config(QWEN2MOE)), read_hf_tensors(weights))
     for name, tensor in want.items():
