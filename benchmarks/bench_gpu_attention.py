@@ -13,8 +13,9 @@
   the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
   time (launch gaps) shows; and the split path's scheduling variants (``SPLIT_VARIANTS``: the merge loop pipelined
   over 1-4 stages, ``attention.MERGE_STAGES``; the merge launch cut into 2-8 head-dimension slices, one program
-  each, ``attention.MERGE_DSPLIT``; the merge as a programmatic dependent launch, ``attention.SPLIT_PDL``), each
-  checked bitwise against the committed setting;
+  each, ``attention.MERGE_DSPLIT``; the merge as a programmatic dependent launch, ``attention.SPLIT_PDL``; the call
+  without its padding rows' zeroing launch, ``paged_attention.ZERO_PADDING_ROWS``), each checked bitwise against the
+  committed setting;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16, and page 64: one key block per page; called as the vLLM backend calls
   it, with the step's K/V, ``k_new``, read for pages of 16; page 16 also reading every key from the cache) vs SDPA
@@ -110,10 +111,13 @@ def _try(fn):
         return float("nan")
 
 
-# scheduling variants of the split decode path (module knobs of attention.py; loads and launches only, never bits)
-SPLIT_VARIANTS = ([(f"merge stages {n}", {"MERGE_STAGES": n, "MERGE_DSPLIT": 1}) for n in (1, 2, 3, 4)]
-                  + [(f"merge stages 4, {k} head-dim slices", {"MERGE_STAGES": 4, "MERGE_DSPLIT": k}) for k in (2, 4, 8)]
-                  + [("merge as a dependent launch (PDL)", {"SPLIT_PDL": True})])
+# scheduling variants of the split decode path (module knobs of attention.py, and of paged_attention.py for the
+# padding rows' zeroing launch, which these cases do not need; loads and launches only, never bits)
+SPLIT_VARIANTS = ([(f"merge stages {n}", "attention", {"MERGE_STAGES": n, "MERGE_DSPLIT": 1}) for n in (1, 2, 3, 4)]
+                  + [(f"merge stages 4, {k} head-dim slices", "attention", {"MERGE_STAGES": 4, "MERGE_DSPLIT": k})
+                     for k in (2, 4, 8)]
+                  + [("merge as a dependent launch (PDL)", "attention", {"SPLIT_PDL": True}),
+                     ("without the padding-zeroing launch", "paged_attention", {"ZERO_PADDING_ROWS": False})])
 
 
 def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:
@@ -157,8 +161,8 @@ def decode_case(b, ctx, bw, rows):
         ours(split=True)[0]()
         ref = outs[0].clone()
         r["split_variants_ms"], r["split_variants_bits_equal"] = {}, {}
-        for name, knobs in SPLIT_VARIANTS:
-            with module_knobs(tattn, knobs):
+        for name, module, knobs in SPLIT_VARIANTS:
+            with module_knobs({"attention": tattn, "paged_attention": tpa}[module], knobs):
                 r["split_variants_ms"][name] = bench(ours(split=True))
                 ours(split=True)[0]()
                 r["split_variants_bits_equal"][name] = bool(torch.equal(outs[0], ref))

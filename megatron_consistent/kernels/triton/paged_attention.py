@@ -38,6 +38,9 @@ PAGE_SIZES = (16, 32, 64, 128)
 # Read key blocks of the step's new tokens from its K/V tensors when the caller passes them (``k_new``): loads
 # only, never bits; ``MC_ATTN_NEW_KV=0`` reads every key from the cache (a rollout benchmark variant's A/B).
 NEW_KV_FROM_STEP = os.environ.get("MC_ATTN_NEW_KV", "1") != "0"
+# the padding rows' zeroing launch (``_zero_rows_kernel``, one per call); False only in bench_gpu_attention.py's split
+# variant that measures what the launch costs a decode step (its cases have no padding rows: the same bits)
+ZERO_PADDING_ROWS = True
 
 __all__ = ["PAGE_SIZES", "paged_attention", "paged_plan", "write_kv_cache"]
 
@@ -182,9 +185,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                               kv_block=KV_BLOCK_GPU, part_blocks=_part_blocks(max_seq_len), schedule=gluon)
     elif nseq > 0:
         committed(q, block_table, query_start_loc, seq_lens, out3, nseq, t_all, max_query_len, k_new, v_new)
-    bt = 16
-    _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
-                                                  ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
+    if ZERO_PADDING_ROWS:
+        bt = 16
+        _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
+                                                      ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
     return out
 
 
