@@ -489,12 +489,12 @@ def _moe_ep2_worker(rank: int, workdir: str) -> None:
                 if not only_experts or not getattr(p, "allreduce", True)}
 
     grads = gradients()
-    real_backward = tpar._SumRowsToOwners.backward
-    # broken backward: the other ranks' tokens send no gradient to this rank's experts (zeros for their rows)
-    tpar._SumRowsToOwners.backward = staticmethod(lambda ctx, g: (torch.cat(
-        [g if r == ep_rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None))
+    real_backward = tpar._RowExchange.backward
+    # broken backward of the sum to the owners: the other ranks' tokens send no gradient to this rank's experts
+    tpar._RowExchange.backward = staticmethod(lambda ctx, g: real_backward(ctx, g) if ctx.gather else (torch.cat(
+        [g if r == ep_rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None, None))
     broken_grads = gradients(only_experts=True)
-    tpar._SumRowsToOwners.backward = real_backward
+    tpar._RowExchange.backward = real_backward
     model = build_parallel_model(cfg, weights, ep=2, dtype=torch.bfloat16)
     fc1 = model.decoder.layers[1].mlp.experts.linear_fc1.weight
     sharded = model.sharded_state_dict()["decoder.layers.1.mlp.experts.linear_fc1.weight"]

@@ -179,47 +179,34 @@ def _sum_rows_to_owners(y: torch.Tensor, counts: list[int], group) -> torch.Tens
     return out.view(e, mine, *y.shape[1:]).sum(0)
 
 
-class _GatherRows(torch.autograd.Function):
-    """Forward: the ranks' rows in rank order; backward: each rank's rows get the sum of the ranks' gradients."""
+class _RowExchange(torch.autograd.Function):
+    """``gather=True``: the ranks' rows in rank order (:func:`_gather_rows`); ``False``: its adjoint, each rank's rows
+    of the sum over the ranks (:func:`_sum_rows_to_owners`).  The backward of either is the other."""
 
     @staticmethod
-    def forward(ctx, x, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _gather_rows(x, counts, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _sum_rows_to_owners(g, ctx.counts, ctx.group), None, None
-
-
-class _SumRowsToOwners(torch.autograd.Function):
-    """Forward: :func:`_sum_rows_to_owners`; backward: every rank gets the gradient of every rank's rows (gather)."""
-
-    @staticmethod
-    def forward(ctx, y, counts, group):
-        ctx.counts, ctx.group = counts, group
-        return _sum_rows_to_owners(y, counts, group)
+    def forward(ctx, x, counts, group, gather):
+        ctx.counts, ctx.group, ctx.gather = counts, group, gather
+        return (_gather_rows if gather else _sum_rows_to_owners)(x, counts, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather_rows(g, ctx.counts, ctx.group), None, None
+        return (_sum_rows_to_owners if ctx.gather else _gather_rows)(g, ctx.counts, ctx.group), None, None, None
 
 
 def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     """``[sum(counts), ...]``: the ranks' rows (rank r holds ``counts[r]``: :func:`row_counts`) in rank order --
     concatenation, exact.  Differentiable (backward: the sum over the ranks of the gradients of this rank's rows)."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _GatherRows.apply(x, counts, group)
+        return _RowExchange.apply(x, counts, group, True)
     return _gather_rows(x, counts, group)
 
 
 def sum_rows_to_owners(y: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     """Rank r's rows of the sum over the ranks of ``y [sum(counts), ...]`` (rows in rank order, rank r's
     ``counts[r]``).  Used where each element is non-zero on one rank at most (the MoE's expert outputs under EP):
-    exact in any order, as :class:`_SumOwnedSlots`.  Differentiable (backward: :func:`gather_rows` of the
-    gradients)."""
+    exact in any order, as :class:`_SumOwnedSlots`.  Differentiable (backward: the gather of the gradients)."""
     if torch.is_grad_enabled() and y.requires_grad:
-        return _SumRowsToOwners.apply(y, counts, group)
+        return _RowExchange.apply(y, counts, group, False)
     return _sum_rows_to_owners(y, counts, group)
 
 
