@@ -53,10 +53,11 @@ def test_trainer_layout_refused_by_name(tmp_path, overrides, words):
 
 
 @pytest.mark.parametrize("overrides, words", [
-    ({"trainer_dp": 3, "trainer_ep": 2}, "--trainer-tp 1 --trainer-dp 3 --trainer-ep 2: EP=2 must divide the data-parallel "
-     "size DP=3"),
+    ({"trainer_dp": 3, "trainer_ep": 2}, "--trainer-tp 1 --trainer-dp 3 --trainer-ep 2: EP=2 must divide TP x DP = 3"),
     ({"trainer_tp": 2, "trainer_dp": 2, "trainer_ep": 2}, "--trainer-tp 2 --trainer-dp 2 --trainer-ep 2: the consistent "
-     "Megatron layers do not support: expert parallelism at TP > 1"),
+     "Megatron layers do not support: expert parallelism at TP > 1 without sequence parallelism"),
+    ({"trainer_sp": True}, "--trainer-tp 1 --trainer-sp: the consistent Megatron layers do not support: sequence "
+     "parallelism without tensor parallelism"),
     ({"trainer_dp": 16, "trainer_ep": 16}, "EP=16 cannot split Qwen3MoeForCausalLM: num_experts=8 is not divisible by EP=16"),
 ])
 def test_trainer_expert_parallel_layout_refused_by_name(tmp_path, overrides, words):
@@ -65,10 +66,13 @@ def test_trainer_expert_parallel_layout_refused_by_name(tmp_path, overrides, wor
 
 
 def test_layouts_state_the_data_and_expert_parallel_trainer(tmp_path):
+    lay = check_layouts(load_check_config(trainer_tp=2, trainer_sp=True, trainer_ep=2, device="cpu", out_dir=str(tmp_path)),
+                        _arch("tiny-qwen3moe-top1"))["trainer"]
+    assert lay["sequence_parallel"] and lay["expert_model_parallel_size"] == 2 and "EP groups of 2 ranks" in lay["moe"]
     lay = check_layouts(load_check_config(trainer_dp=4, trainer_ep=2, device="cpu", out_dir=str(tmp_path)),
                         _arch("tiny-qwen3moe-top1"))["trainer"]
     assert lay["data_parallel_size"] == 4 and lay["expert_model_parallel_size"] == 2
-    assert lay["ranks"].startswith("4 gloo processes") and "EP groups of 2 replicas" in lay["moe"]
+    assert lay["ranks"].startswith("4 gloo processes") and "EP groups of 2 ranks" in lay["moe"]
 
 
 @pytest.mark.parametrize("visible", [0, 1])
@@ -105,10 +109,12 @@ def test_layouts_name_nccl_ranks_on_cuda(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layout", [("tiny-llama", {"trainer_tp": 2}), ("tiny-qwen3moe-top1", {"trainer_tp": 2}),
                                           ("tiny-llama", {"trainer_dp": 2}),
-                                          ("tiny-qwen3moe-top1", {"trainer_dp": 2, "trainer_ep": 2})])
+                                          ("tiny-qwen3moe-top1", {"trainer_dp": 2, "trainer_ep": 2}),
+                                          ("tiny-qwen3moe-top1", {"trainer_tp": 2, "trainer_sp": True, "trainer_ep": 2})])
 def test_trainer_logprobs_parallel_equals_one_process(tmp_path, name, layout):
-    """The recompute at TP = 2, at DP = 2 (shares of 3 and 2 sequences, chunks of up to 2) and with the experts over EP = 2
-    gives the in-process log-probs and, for MoE, the same routes per request."""
+    """The recompute at TP = 2, at DP = 2 (shares of 3 and 2 sequences, chunks of up to 2), with the experts over EP = 2
+    replicas and over TP = 2 ranks with sequence parallelism (width padded to a multiple of TP) gives the in-process
+    log-probs and, for MoE, the same routes per request."""
     from megatron_consistent.conversion import export_hf
     from megatron_consistent.layers import build_consistent_gpt_model
     from megatron_consistent.verify.check import trainer_logprobs

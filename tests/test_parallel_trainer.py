@@ -141,9 +141,9 @@ def test_parallel_refusals_are_named(tmp_path):
         build_consistent_model(LLAMA, expert_model_parallel_size=2)
     with pytest.raises(UnsupportedConfigError, match="num_experts=3 is not divisible by EP=2"):
         recompute_logprobs_parallel(three, {}, ids, dp=2, ep=2)
-    with pytest.raises(UnsupportedConfigError, match="expert parallelism at TP > 1"):
+    with pytest.raises(UnsupportedConfigError, match="expert parallelism at TP > 1 without sequence parallelism"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3moe-top1", {}, ids, tp=2, dp=2, ep=2)
-    with pytest.raises(UnsupportedConfigError, match="EP=2 must divide it"):
+    with pytest.raises(UnsupportedConfigError, match=r"EP=2 must divide TP x DP = 3"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3moe-top1", {}, ids, dp=3, ep=2)
     with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with model parallelism"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-nemotronh-moe", {}, ids, dp=2, ep=2)
@@ -151,7 +151,7 @@ def test_parallel_refusals_are_named(tmp_path):
         recompute_logprobs_parallel(LLAMA, {}, ids, dp=2)
     # one process: before torch.distributed is up (the first) or at world size 1 (after an earlier test started it)
     with pytest.raises(UnsupportedConfigError, match="EP=2 (needs torch.distributed initialized by the caller|must divide "
-                       "the data-parallel size)"):
+                       "the ranks of a pipeline stage)"):
         build_consistent_model(MODELS_DIR / "tiny-qwen3moe-top1", expert_model_parallel_size=2)
 
 
@@ -438,27 +438,32 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
 def test_logits_equal_across_data_and_expert_parallel_layouts(tmp_path):
     """DP = 2 replicas (5 rows: shares of 3 and 2) and DP = 4 (one or two rows each), dense and MoE, and the MoE
     experts sharded over EP = 2 / 4 of those replicas (their batches differ: the EP layer's gathers and sums carry
-    unequal row counts; PP = 2 at EP = 2 on an untied MoE config too), in one forward or in chunks of 2 rows: every
-    row's logits and log-probs are the single-process bits."""
+    unequal row counts; PP = 2 at EP = 2 on an untied MoE config too), over TP = 2 ranks with sequence parallelism
+    (EP = 2: the EP group is the TP group, each rank its chunk; EP = 4: two replicas of TP = 2), in one forward or in
+    chunks of 2 rows: every row's logits and log-probs are the single-process bits."""
     from megatron_consistent.layers.distributed import recompute_logprobs_parallel
 
-    for config, layouts in ((LLAMA, [(2, 1, 1, None)]),
-                            (QWEN2MOE, [(2, 1, 1, None), (2, 2, 1, None), (2, 2, 1, 2), (4, 4, 1, None)]),
-                            (MODELS_DIR / "tiny-qwen3moe-top1", [(2, 2, 2, None)])):  # untied: PP > 1 on the CPU
+    qwen3moe = MODELS_DIR / "tiny-qwen3moe-top1"  # untied: PP > 1 on the CPU
+    for config, layouts in ((LLAMA, [{"dp": 2}]),
+                            (QWEN2MOE, [{"dp": 2}, {"dp": 2, "ep": 2}, {"dp": 2, "ep": 2, "batch": 2}, {"dp": 4, "ep": 4},
+                                        {"tp": 2, "ep": 2, "sequence_parallel": True},
+                                        {"tp": 2, "dp": 2, "ep": 4, "sequence_parallel": True}]),
+                            (qwen3moe, [{"dp": 2, "ep": 2, "pp": 2}])):
         weights, ids, logits, lp = reference(config, tmp_path / config.name, batch=5)
-        for dp, ep, pp, batch in layouts:
-            got_lp, got_logits = recompute_logprobs_parallel(config, weights, ids, dp=dp, ep=ep, pp=pp, batch=batch,
-                                                             return_logits=True, workdir=tmp_path / f"{config.name}-{dp}{ep}{pp}{batch}")
-            where = f"{config.name} DP={dp} EP={ep} PP={pp} batch={batch}"
+        for layout in layouts:
+            where = f"{config.name} " + " ".join(f"{k}={v}" for k, v in layout.items())
+            got_lp, got_logits = recompute_logprobs_parallel(config, weights, ids, return_logits=True, **layout,
+                                                             workdir=tmp_path / where.replace(" ", "_"))
             assert torch.equal(got_logits, logits), f"logits differ at {where}"
             assert torch.equal(got_lp, lp), f"log-probs differ at {where}"
 
 
-def _moe_ep2_worker(rank: int, workdir: str) -> None:
-    """EP=2 over the DP ranks (2 or 4: one or two expert-data-parallel replicas) on the MoE config, the 5 rows split by
-    ``data_parallel_chunks`` (unequal shares): float32 gradients (summed as Megatron's DDP does: the replicated weights
-    over the DP ranks, the experts over the expert-data-parallel ranks; an expert's already covers its EP group's
-    tokens), the experts' sharded_state_dict offsets and replica ids, a dist checkpoint, the logits with each rank's own
+def _moe_ep2_worker(rank: int, workdir: str, tp: int) -> None:
+    """EP=2 over the DP ranks (2 or 4: one or two expert-data-parallel replicas), or over the two ranks of TP = 2 with
+    sequence parallelism, on the MoE config, the 5 rows split over the DP ranks by ``data_parallel_chunks`` (unequal
+    shares): float32 gradients (summed as Megatron does: sequence-parallel weights over the TP ranks, the replicated
+    weights over the DP ranks, the experts over the expert-data-parallel ranks; an expert's already covers its EP
+    group's tokens), the experts' sharded_state_dict offsets and replica ids, a dist checkpoint, the logits with each rank's own
     expert outputs only (a broken forward) and the experts' gradients without the other ranks' tokens (a broken
     backward)."""
     import torch.distributed as dist
@@ -468,23 +473,29 @@ def _moe_ep2_worker(rank: int, workdir: str) -> None:
 
     from megatron_consistent.layers import tensor_parallel as tpar
     from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
-    from megatron_consistent.layers.distributed import (build_parallel_model, data_parallel_chunks, stage_forward,
-                                                        stage_logprobs)
+    from megatron_consistent.layers.distributed import (build_parallel_model, data_parallel_chunks, gather_vocab,
+                                                        stage_forward, stage_logprobs)
 
     work = Path(workdir)
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
-    [(b0, b1)] = data_parallel_chunks(ids.shape[0], dist.get_world_size(), None)[rank]
-    mine = ids[b0:b1]
+    sp = tp > 1
     cfg, weights = work / "weights" / "config.json", work / "weights"
-    model32 = build_parallel_model(cfg, weights, ep=2, dtype=torch.float32)
+    model32 = build_parallel_model(cfg, weights, tp=tp, ep=2, dtype=torch.float32, sequence_parallel=sp)
+    [(b0, b1)] = data_parallel_chunks(ids.shape[0], ps.get_data_parallel_world_size(), None)[ps.get_data_parallel_rank()]
+    mine = ids[b0:b1]
     ep_rank = ps.get_expert_model_parallel_rank()
 
     def gradients(only_experts=False):
         model32.zero_grad()
-        (-stage_logprobs(model32, mine).sum() / ids[:, 1:].numel()).backward()  # the ranks' losses sum to the batch mean
+        # the DP replicas' losses sum to the batch mean (the TP ranks of a replica compute the same loss)
+        (-stage_logprobs(model32, mine).sum() / ids[:, 1:].numel()).backward()
         for p in model32.parameters():
-            expert = not getattr(p, "allreduce", True)
-            dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group() if expert else None)
+            if not getattr(p, "allreduce", True):
+                dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
+                continue
+            if getattr(p, "sequence_parallel", False):  # finalize_model_grads: over the TP ranks
+                dist.all_reduce(p.grad, group=tpar.tp_group())
+            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
         return {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()
                 if not only_experts or not getattr(p, "allreduce", True)}
 
@@ -495,7 +506,7 @@ def _moe_ep2_worker(rank: int, workdir: str) -> None:
         [g if r == ep_rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None, None))
     broken_grads = gradients(only_experts=True)
     tpar._RowExchange.backward = real_backward
-    model = build_parallel_model(cfg, weights, ep=2, dtype=torch.bfloat16)
+    model = build_parallel_model(cfg, weights, tp=tp, ep=2, dtype=torch.bfloat16, sequence_parallel=sp)
     fc1 = model.decoder.layers[1].mlp.experts.linear_fc1.weight
     sharded = model.sharded_state_dict()["decoder.layers.1.mlp.experts.linear_fc1.weight"]
     meta = {"ep_rank": ep_rank, "local": list(fc1.shape), "allreduce": fc1.allreduce,
@@ -507,8 +518,9 @@ def _moe_ep2_worker(rank: int, workdir: str) -> None:
         dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
     tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:ep_rank]):sum(counts[:ep_rank + 1])]  # broken
     with torch.no_grad():
-        broken = stage_forward(model, mine).contiguous()
-    save_file({"broken_logits": broken}, str(work / f"broken{rank}.safetensors"))
+        broken = gather_vocab(stage_forward(model, mine)).contiguous()
+    if ps.get_tensor_model_parallel_rank() == 0:
+        save_file({"broken_logits": broken}, str(work / f"broken{ps.get_data_parallel_rank()}.safetensors"))
     if rank == 0:
         save_file(grads, str(work / "grads.safetensors"))
         save_file({**grads, **broken_grads}, str(work / "grads_broken.safetensors"))
@@ -516,12 +528,13 @@ def _moe_ep2_worker(rank: int, workdir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp", [2, 4])
-def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path, dp):
-    """EP=2 over DP=2 or 4: each rank holds 32 of the 64 experts (allreduce=False, Megatron's expert mark; offsets
-    0 / 32 by EP rank in the sharded_state_dict, replica id = the expert-data-parallel rank); gradients within
-    GRAD_REL_TOL of float64; the dist checkpoint loads at EP=1 bit for bit; ranks that keep only their own experts'
-    outputs, and experts' gradients without the other ranks' tokens, are caught."""
+@pytest.mark.parametrize("tp, world", [(1, 2), (1, 4), (2, 2)])
+def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path, tp, world):
+    """EP=2 over DP=2 or 4, or over TP=2 with sequence parallelism: each rank holds 32 of the 64 experts
+    (allreduce=False, Megatron's expert mark; offsets 0 / 32 by EP rank in the sharded_state_dict, replica id = the
+    expert-data-parallel rank); gradients within GRAD_REL_TOL of float64; the dist checkpoint loads at EP=1 bit for
+    bit; ranks that keep only their own experts' outputs, and experts' gradients without the other ranks' tokens, are
+    caught."""
     from megatron_consistent.checkpoint import _load_dist_staged
     from megatron_consistent.config import ArchConfig
     from megatron_consistent.layers import build_consistent_model
@@ -530,24 +543,26 @@ def test_moe_experts_over_ep_ranks_gradients_checkpoint_and_broken_sum(tmp_path,
 
     weights, ids, logits, _ = reference(QWEN2MOE, tmp_path, batch=5)
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
-    spawn_ranks(_moe_ep2_worker, dp, tmp_path)
-    broken = torch.cat([load_file(str(tmp_path / f"broken{r}.safetensors"))["broken_logits"] for r in range(dp)])
+    spawn_ranks(_moe_ep2_worker, world, tmp_path, tp)
+    dp = world // tp
+    broken = torch.cat([load_file(str(tmp_path / f"broken{d}.safetensors"))["broken_logits"] for d in range(dp)])
     assert not torch.equal(broken, logits), "expert outputs kept on the computing rank were not caught"
     errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
-    print(f"EP=2 DP={dp} MoE gradients: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
+    print(f"EP=2 TP={tp} DP={dp} MoE gradients: max relative error vs float64 {max(errs.values()):.3g} "
+          f"({max(errs, key=errs.get)})")
     assert max(errs.values()) < GRAD_REL_TOL, errs
     broken_errs = _gradient_errors(tmp_path / "grads_broken.safetensors", weights, ids)
-    print(f"EP=2 DP={dp}, the other ranks' tokens left out of the experts' gradients: max relative error "
+    print(f"EP=2 TP={tp} DP={dp}, the other ranks' tokens left out of the experts' gradients: max relative error "
           f"{max(broken_errs.values()):.3g}")
     assert max(broken_errs.values()) > 1e3 * GRAD_REL_TOL, "experts' gradients missing the other ranks' tokens not caught"
-    for rank in range(dp):
+    for rank in range(world):
         meta = json.loads((tmp_path / f"experts{rank}.json").read_text())
         assert meta["local"][0] == 32 and meta["allreduce"] is False, meta
         # global shape [layers, E, 2I, H] (the decoder's layer axis first): EP rank e holds experts 32 e .. 32 e + 31
         assert meta["global_shape"][1] == 64 and meta["global_offset"][1] == 32 * meta["ep_rank"], meta
     replicas = sorted((m["ep_rank"], m["replica_id"][-1]) for m in
-                      (json.loads((tmp_path / f"experts{r}.json").read_text()) for r in range(dp)))
-    assert replicas == sorted((e, d) for e in range(2) for d in range(dp // 2)), replicas  # one replica 0 per expert shard
+                      (json.loads((tmp_path / f"experts{r}.json").read_text()) for r in range(world)))
+    assert replicas == sorted((e, d) for e in range(2) for d in range(world // 2)), replicas  # one replica 0 a shard
     loaded = _load_dist_staged(build_consistent_model(QWEN2MOE, seed=1, moe_impl="module"), tmp_path / "dist")
     want = megatron_state_from_hf(ArchConfig.from_hf(load_hf_config(QWEN2MOE)), read_hf_tensors(weights))
     for name, tensor in want.items():

@@ -109,7 +109,7 @@ def prepare_build(hf_config, dtype, parallel: dict, *, feature: str | None = Non
     check_parallel_sizes(tp, pp, parallel.get("context_parallel_size", 1), parallel.get("sequence_parallel", False),
                          ep, feature=feature)
     check_tp_shapes(arch, tp, pp, ep)
-    init_cpu_process_group(tp, pp, expert_model_parallel_size=ep)
+    init_cpu_process_group(tp, pp, expert_model_parallel_size=ep, sequence_parallel=parallel.get("sequence_parallel", False))
     return arch, dtype or arch.torch_dtype
 
 
@@ -128,7 +128,7 @@ def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1) -> None:
                     ("intermediate_size", arch.intermediate_size)):
         if n % tp:
             problems.append(f"{name}={n} is not divisible by TP={tp}")
-    if tp > 1 and arch.is_moe and arch.num_experts % tp:
+    if tp > 1 and ep == 1 and arch.is_moe and arch.num_experts % tp:
         problems.append(f"num_experts={arch.num_experts} is not divisible by TP={tp} (the trainer shards the experts "
                         "over the TP ranks)")
     if tp > 1 and arch.vocab_size % 8:

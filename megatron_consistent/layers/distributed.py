@@ -353,8 +353,9 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     (and those of the vLLM plugin for the same weights); with ``return_logits=True`` also the full float32
     logits ``[b, s, V]``.  ``sequence_parallel`` (TP > 1; s divisible by TP): Megatron's sequence parallelism,
     same bits.  ``dp``: data-parallel replicas, each forwarding its own contiguous share of the rows
-    (:func:`data_parallel_chunks`; ``b >= dp``); ``ep`` (MoE, TP = 1, dividing ``dp``): the experts sharded over
-    expert-parallel groups of that many replicas, whose batches differ -- same bits.  Spawns the ranks once, whatever
+    (:func:`data_parallel_chunks`; ``b >= dp``); ``ep`` (MoE, dividing ``tp * dp``; at TP > 1 with
+    ``sequence_parallel``): the experts sharded over expert-parallel groups of that many ranks, whose tokens differ
+    -- same bits.  Spawns the ranks once, whatever
     the batch; ``workdir`` (default: a temporary folder) holds the job files.  ``batch``: forward the rows in chunks
     of at most this many (bounds the logits' memory; the same bits).
     ``return_routes`` (MoE): also ``{first row of a chunk: {layer: experts [s*b_chunk, k]}}`` (global 0-based layer
@@ -369,8 +370,9 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, expert_model_parallel_size=ep,
                          feature="hybrid (Mamba) model" if arch.is_hybrid else None)
     check_tp_shapes(arch, tp, pp, ep)
-    if dp < 1 or dp % ep:
-        raise UnsupportedConfigError(f"DP={dp}: the data-parallel size must be positive and EP={ep} must divide it")
+    if dp < 1 or (tp * dp) % ep:
+        raise UnsupportedConfigError(f"DP={dp}: the data-parallel size must be positive and EP={ep} must divide "
+                                     f"TP x DP = {tp * dp} (the ranks of a pipeline stage)")
     check_rank_devices(device, tp * pp * dp)
     ids = torch.as_tensor(input_ids, dtype=torch.int64)
     if ids.dim() != 2:

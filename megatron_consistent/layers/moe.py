@@ -20,16 +20,18 @@ its own chunk).  So the bits are the TP = 1 bits, whatever t.  Megatron's token 
 all-to-all) are not used; every token's expert result is independent of which other tokens share the expert
 (row-invariant linear), which is what a dispatcher would have to preserve.
 
-Expert parallelism (EP = e > 1 at TP = 1; the EP group carved from the data-parallel ranks, as Megatron's): rank r of
-the EP group holds experts ``[r E/e, (r+1) E/e)`` (marked ``allreduce=False``, as Megatron marks its expert weights,
-so its DDP reduces their gradients over the expert-data-parallel group).  The ranks run different batches: each routes
-its own tokens, the ranks' tokens and routes are concatenated in rank order (:func:`.tensor_parallel.gather_rows`),
-each rank forms the (token, slot) outputs of the pairs routed to its experts (zeros for the others, the same
-row-invariant expert MLP), every rank receives the sum over the ranks of its own tokens' rows
+Expert parallelism (EP = e > 1; Megatron's EP groups at expert-tensor-parallel size 1, carved from the ranks of a
+pipeline stage; at TP > 1 with sequence parallelism, each rank then holding its own chunk): rank r of the EP group
+holds experts ``[r E/e, (r+1) E/e)`` (marked ``allreduce=False``, as Megatron marks its expert weights, so its DDP
+reduces their gradients over the expert-data-parallel group). The ranks run different batches: each routes its own
+tokens, the ranks' tokens and routes are concatenated in rank order (:func:`.tensor_parallel.gather_rows`), each rank
+forms the (token, slot) outputs of the pairs routed to its experts (zeros for the others, the same row-invariant
+expert MLP), every rank receives the sum over the ranks of its own tokens' rows
 (:func:`.tensor_parallel.sum_rows_to_owners`: one value and zeros per element, exact) and combines them in slot order
-as at EP = 1.  So a rank's logits are the bits of its batch alone on one rank, whatever the other ranks' batches
-(their sizes may differ).  What a token dispatcher's all-to-all moves, in a layout chosen for exactness: every rank
-receives all the EP group's tokens and sends ``T_all x k x H`` outputs.
+as at EP = 1 (under sequence parallelism the router and the shared expert see the rank's chunk only: their weights are
+marked ``sequence_parallel``, as at TP > 1 without EP). So a rank's logits are the bits of its batch alone on one
+rank, whatever the other ranks' batches (their sizes may differ). What a token dispatcher's all-to-all moves, in a
+layout chosen for exactness: every rank receives all the EP group's tokens and sends ``T_all x k x H`` outputs.
 
 Parameters (the "Megatron layout" the converters use; stacked per expert)::
 
@@ -143,9 +145,9 @@ class ConsistentMoELayer(nn.Module):
         if E % self.ep:
             raise UnsupportedConfigError(f"num_experts={E} is not divisible by EP={self.ep} (the experts are sharded "
                                          "over the EP ranks)")
-        if self.tp > 1 or self.ep > 1:
-            size = max(self.tp, self.ep)  # EP > 1 only at TP = 1 (layers/parallel.py)
-            rank = tpar.tp_rank() if self.tp > 1 else dist.get_rank(ep_group)
+        if self.tp > 1 or self.ep > 1:  # over the EP group where there is one, else over the TP ranks
+            size = self.ep if self.ep > 1 else self.tp
+            rank = dist.get_rank(ep_group) if self.ep > 1 else tpar.tp_rank()
             self.expert_offset = rank * (E // size)
             fc1, fc2 = (_expert_shard(w, rank, size, expert_parallel=self.ep > 1) for w in (fc1, fc2))
         else:
@@ -170,8 +172,8 @@ class ConsistentMoELayer(nn.Module):
         self.layer_number = n
 
     def forward(self, x: torch.Tensor, padding_mask=None, **unused):
-        group = tpar.tp_group() if self.tp > 1 else None
         ep_group = tpar.ep_group() if self.ep > 1 else None
+        group = tpar.tp_group() if self.tp > 1 and ep_group is None else None  # experts over the TP ranks
         if group is not None and self.sequence_parallel:  # every rank routes all tokens
             x = tpar.gather_sequence(x, group)
         shape = x.shape
@@ -181,6 +183,8 @@ class ConsistentMoELayer(nn.Module):
         w, experts = kmoe.route_logits(z, self.top_k, a.moe_scoring, getattr(self.router, "expert_bias", None), a.norm_topk_prob,
                                        a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor)
         self.last_routes = experts.detach()
+        if ep_group is not None and self.tp > 1:  # sequence parallelism: the whole sequence's routes, as at EP = 1
+            self.last_routes = tpar.gather_sequence(self.last_routes, tpar.tp_group())
         if self.capture is not None:
             self.capture(z, experts)
         shared = None
@@ -218,7 +222,8 @@ class ConsistentMoELayer(nn.Module):
         from .linear import sharded_state_dict_tp1
 
         names = ("experts.linear_fc1.weight", "experts.linear_fc2.weight")
-        state = sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, dict.fromkeys(names, 0) if self.tp > 1 else {})
+        by_tp = self.tp > 1 and self.ep == 1
+        state = sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, dict.fromkeys(names, 0) if by_tp else {})
         if self.ep > 1:  # split over the EP ranks, replicated over the expert-data-parallel ranks (Megatron's experts)
             for n in names:
                 state[prefix + n] = tpar.expert_sharded_tensor(self.get_parameter(n), prefix + n, sharded_offsets)

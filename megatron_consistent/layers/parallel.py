@@ -5,22 +5,23 @@ vocabulary log-softmax tree have 8 segments, so t must divide 8; shapes must
 divide too — checked where the layer is built), pipeline parallelism
 (stages pass activations unchanged, so any PP size is neutral; tested at 2),
 data parallelism (replicas run their own batches: every op is batch-invariant),
-and expert parallelism at TP = 1 (EP groups carved from the data-parallel ranks, experts sharded over them:
-``layers/moe.py``), for the GPT layers (dense, and MoE with ``moe_impl="module"``: at TP > 1 experts sharded over
+and expert parallelism (Megatron's EP groups with expert-tensor-parallel size 1, experts sharded over them:
+``layers/moe.py``; at TP > 1 with sequence parallelism), for the GPT layers (dense, and MoE with ``moe_impl="module"``: at TP > 1 experts sharded over
 the TP ranks, the router and shared expert replicated).  See ``docs/parallel.md`` for the contract.
 
 Sequence parallelism (TP > 1) is supported by the same layers.
 
-Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1,
-context parallelism, expert parallelism at TP > 1 (the MoE layer shards its experts over the TP ranks there
-already), TP other than 1/2/4/8, and — at TP > 1, PP > 1 or EP > 1 — Megatron's MoELayer (``moe_impl="megatron"``),
-hybrid (Mamba) models and FP8 (their modules call :func:`check_parallel_config` with a ``feature`` name).
+Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1, context parallelism, expert
+parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8, and — at TP > 1, PP > 1 or EP > 1 —
+Megatron's MoELayer (``moe_impl="megatron"``), hybrid (Mamba) models and FP8 (their modules call
+:func:`check_parallel_config` with a ``feature`` name).
 
 Initialization: world size 1 uses gloo over an in-process ``HashStore`` (no
 TCP port, no file), so concurrent pytest processes never collide; a larger
 world must already be initialized by the caller (e.g.
 :func:`megatron_consistent.layers.tensor_parallel.recompute_logprobs_parallel`)
-with a world size that TP * PP divides (the quotient is the data-parallel size DP, which EP must divide).
+with a world size that TP * PP divides (the quotient is the data-parallel size DP; EP must divide TP * DP, the
+ranks of a pipeline stage, as Megatron's expert groups at expert-tensor-parallel size 1).
 Megatron's ``parallel_state`` is initialized once with those sizes, and checked against them when already
 initialized.
 
@@ -89,9 +90,10 @@ def check_parallel_sizes(
     ep = expert_model_parallel_size
     if ep < 1:
         refused.append(f"expert_model_parallel_size={ep}")
-    elif ep != 1 and tp != 1:
-        refused.append(f"expert parallelism at TP > 1 (expert_model_parallel_size={ep}, tensor_model_parallel_size={tp}: "
-                       "the MoE layer shards its experts over the TP ranks already; use TP or EP)")
+    elif ep != 1 and tp != 1 and not sequence_parallel:
+        refused.append(f"expert parallelism at TP > 1 without sequence parallelism (expert_model_parallel_size={ep}, "
+                       f"tensor_model_parallel_size={tp}: the TP ranks would send the EP group the same tokens; "
+                       "Megatron's MoE at TP > 1 asks for sequence parallelism too)")
     if refused:
         raise UnsupportedConfigError("the consistent Megatron layers do not support: " + "; ".join(refused))
     if feature is not None and (tp != 1 or pp != 1 or ep != 1):
@@ -118,12 +120,14 @@ def init_cpu_process_group(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    sequence_parallel: bool = False,
 ) -> None:
     """Initialize ``torch.distributed`` (gloo; world size 1 unless the caller did) and Megatron model parallel, once.
 
-    The data-parallel size is what the world leaves: ``world / (TP * PP)``; EP must divide it."""
+    The data-parallel size is what the world leaves: ``world / (TP * PP)``; EP must divide ``TP * DP`` (the expert
+    groups at expert-tensor-parallel size 1, Megatron's layout for them)."""
     tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-    check_parallel_sizes(tp, pp, context_parallel_size, expert_model_parallel_size=ep)
+    check_parallel_sizes(tp, pp, context_parallel_size, sequence_parallel, expert_model_parallel_size=ep)
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -133,12 +137,12 @@ def init_cpu_process_group(
                 "TP x PP divides and EP divides the quotient (see layers.distributed.recompute_logprobs_parallel)")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tp * pp) or (world // (tp * pp)) % ep:
+    if world % (tp * pp) or (world // pp) % ep:
         raise UnsupportedConfigError(
             f"torch.distributed is initialized with world size {world}; TP={tp} x PP={pp} must divide it and EP={ep} "
-            f"must divide the data-parallel size world / (TP x PP) (expert-parallel groups are carved from it)")
+            f"must divide the ranks of a pipeline stage, TP x DP = world / PP (expert-parallel groups are carved from them)")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
         if torch.cuda.is_available():  # Megatron's stock core attention forks the model-parallel CUDA RNG state on GPU
             from megatron.core import tensor_parallel
 
@@ -147,7 +151,7 @@ def init_cpu_process_group(
         got = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
                parallel_state.get_context_parallel_world_size())
         got_ep = parallel_state.get_expert_model_parallel_world_size()
-        check_parallel_sizes(*got, expert_model_parallel_size=got_ep)
+        check_parallel_sizes(*got, sequence_parallel, expert_model_parallel_size=got_ep)
         if (*got[:2], got_ep) != (tp, pp, ep):
             raise UnsupportedConfigError(f"Megatron parallel_state is initialized with TP={got[0]}, PP={got[1]}, EP={got_ep}; "
                                          f"this model asks for TP={tp}, PP={pp}, EP={ep}")

@@ -73,7 +73,8 @@ class CheckConfig:
     trainer_tp: int = 1  # tensor-parallel size of the consistent Megatron recompute (>1: ranks, see trainer_logprobs)
     trainer_pp: int = 1  # pipeline-parallel size of the consistent Megatron recompute (>1: ranks, see trainer_logprobs)
     trainer_dp: int = 1  # data-parallel replicas of the recompute, each with its share of the sequences (>1: ranks)
-    trainer_ep: int = 1  # expert-parallel size of the recompute (MoE at trainer TP 1; divides trainer_dp)
+    trainer_ep: int = 1  # expert-parallel size of the recompute (MoE; divides trainer_tp * trainer_dp; TP > 1: with SP)
+    trainer_sp: bool = False  # Megatron's sequence parallelism in the recompute (trainer_tp > 1)
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
     engine_args: str = ""  # JSON object of extra vLLM engine arguments for every engine, e.g. '{"async_scheduling": false}'
@@ -148,7 +149,8 @@ def trainer_flags(cfg: CheckConfig) -> str:
     """The trainer layout flags as given, for messages: ``--trainer-tp T`` and the others that are not 1."""
     extra = [(flag, v) for flag, v in (("--trainer-pp", cfg.trainer_pp), ("--trainer-dp", cfg.trainer_dp),
                                        ("--trainer-ep", cfg.trainer_ep)) if v != 1]
-    return " ".join([f"--trainer-tp {cfg.trainer_tp}", *(f"{flag} {v}" for flag, v in extra)])
+    return " ".join([f"--trainer-tp {cfg.trainer_tp}", *(f"{flag} {v}" for flag, v in extra),
+                     *(["--trainer-sp"] if cfg.trainer_sp else [])])
 
 
 def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
@@ -160,13 +162,15 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
 
     tp, pp, dp, ep = cfg.trainer_tp, cfg.trainer_pp, cfg.trainer_dp, cfg.trainer_ep
     try:  # the helper's own refusals (layers/distributed.py recompute_logprobs_parallel)
-        check_parallel_sizes(tp, pp, expert_model_parallel_size=ep, feature="hybrid (Mamba) model" if arch.is_hybrid else None)
+        check_parallel_sizes(tp, pp, sequence_parallel=cfg.trainer_sp, expert_model_parallel_size=ep,
+                             feature="hybrid (Mamba) model" if arch.is_hybrid else None)
         check_tp_shapes(arch, tp, pp, ep)
         check_rank_devices(cfg.resolved_device(), tp * pp * dp)
     except UnsupportedConfigError as e:
         return str(e)
-    if dp % ep:
-        return f"EP={ep} must divide the data-parallel size DP={dp} (expert-parallel groups are carved from it)"
+    if (tp * dp) % ep:
+        return (f"EP={ep} must divide TP x DP = {tp * dp}, the ranks of a pipeline stage (expert-parallel groups are "
+                "carved from them)")
     if dp > cfg.num_prompts:
         return f"DP={dp} replicas need at least as many sequences (--num-prompts {cfg.num_prompts})"
     if tp * pp * dp == 1:
@@ -206,6 +210,8 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             engine["moe"] = ("experts sharded over the TP ranks, each rank's (token, slot) outputs all-gathered in rank "
                              "order and summed (one value and zeros: exact), router and shared expert replicated")
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
+    if cfg.trainer_sp:
+        trainer["sequence_parallel"] = True
     if cfg.trainer_dp != 1:
         trainer.update(data_parallel_size=cfg.trainer_dp, data="each replica recomputes its contiguous share of the "
                        "sequences (layers.distributed.data_parallel_chunks)")
@@ -224,7 +230,7 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
                               if cfg.trainer_tp > 1 else "ConsistentMoELayer, all experts on each stage")
         if cfg.trainer_ep > 1:
             trainer.update(expert_model_parallel_size=cfg.trainer_ep, moe=(
-                f"ConsistentMoELayer: experts sharded over EP groups of {cfg.trainer_ep} replicas; each rank routes its "
+                f"ConsistentMoELayer: experts sharded over EP groups of {cfg.trainer_ep} ranks; each rank routes its "
                 "own tokens, the group's tokens gathered in rank order, each (token, slot) output formed by the rank "
                 "holding its expert and summed back to the token's rank (one value and zeros: exact)"))
     return {"engine": engine, "trainer": trainer}
@@ -259,9 +265,11 @@ def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, response
 
     seqs = [p + r for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
+    if cfg.trainer_sp:  # sequence parallelism splits the positions over the TP ranks (padding at the end: never seen)
+        width = -(-width // cfg.trainer_tp) * cfg.trainer_tp
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64)
     lp, routes = recompute_logprobs_parallel(str(model_dir), str(model_dir), ids, tp=cfg.trainer_tp, pp=cfg.trainer_pp,
-                                             dp=cfg.trainer_dp, ep=cfg.trainer_ep,
+                                             dp=cfg.trainer_dp, ep=cfg.trainer_ep, sequence_parallel=cfg.trainer_sp,
                                              temperature=temperature, workdir=Path(cfg.out_dir) / "trainer_ranks",
                                              batch=cfg.recompute_batch, return_routes=True, device=cfg.resolved_device())
     if route_sink is not None:

@@ -9,7 +9,8 @@ from .processes import ENGINE_TIMEOUT_S
 
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
          "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
-         "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp", "trainer_pp", "trainer_dp", "trainer_ep", "engine_timeout_s"]
+         "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp", "trainer_pp", "trainer_dp", "trainer_ep", "trainer_sp",
+         "engine_timeout_s"]
 
 
 def add_arguments(p) -> None:
@@ -43,8 +44,10 @@ def add_arguments(p) -> None:
                    help="data-parallel replicas of the consistent Megatron recompute, each with its share of the sequences "
                    "(default 1; >1: ranks)")
     p.add_argument("--trainer-ep", dest="trainer_ep", type=int,
-                   help="expert-parallel size of the consistent Megatron recompute (MoE, trainer TP 1; divides --trainer-dp; "
-                   "default 1)")
+                   help="expert-parallel size of the consistent Megatron recompute (MoE; divides trainer TP x DP; at "
+                   "trainer TP > 1 with --trainer-sp; default 1)")
+    p.add_argument("--trainer-sp", dest="trainer_sp", action="store_true", default=None,
+                   help="Megatron's sequence parallelism in the consistent recompute (trainer TP > 1)")
     p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
                    "trainer and engines run on its weights")
     p.add_argument("--engine-args", dest="engine_args",
