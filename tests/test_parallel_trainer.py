@@ -573,17 +573,18 @@ def _export_worker(rank: int, workdir: str, config: str, tp: int, pp: int, ep: i
     from megatron_consistent.layers.distributed import build_parallel_model, export_hf_parallel
 
     work = Path(workdir)
-    model = build_parallel_model(config, work / "weights", tp=tp, pp=pp, ep=ep)
+    model = build_parallel_model(config, work / "weights", tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1 and ep > 1)
     export_hf_parallel(model, work / "export")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, tp, pp, dp, ep", [(LLAMA, 2, 2, 1, 1), (QWEN2MOE, 2, 1, 1, 1), (QWEN2MOE, 1, 1, 2, 2),
-                                                    (MODELS_DIR / "tiny-qwen3moe-top1", 1, 2, 2, 2)])
+                                                    (QWEN2MOE, 2, 1, 2, 4), (MODELS_DIR / "tiny-qwen3moe-top1", 1, 2, 2, 2)])
 def test_export_from_a_parallel_layout_is_the_one_process_checkpoint(tmp_path, config, tp, pp, dp, ep):
-    """A model loaded at TP / PP / DP / EP and exported by every rank (TP and EP pieces gathered, one file a pipeline
-    stage and an index at PP > 1) is the one-process HF checkpoint tensor for tensor, bit for bit, and imports back;
-    a second export into the same folder is refused by every rank before any collective."""
+    """A model loaded at TP / PP / DP / EP (EP at TP 2 with sequence parallelism) and exported by every rank (TP and EP
+    pieces gathered, one file a pipeline stage and an index at PP > 1) is the one-process HF checkpoint tensor for
+    tensor, bit for bit, and imports back; a second export into the same folder is refused by every rank before any
+    collective."""
     from torch.multiprocessing import ProcessRaisedException
 
     from megatron_consistent.config import ArchConfig

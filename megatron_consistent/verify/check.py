@@ -526,7 +526,7 @@ def render(report: dict) -> str:
              f"max_tokens={s['max_tokens']} temperature={s['temperature']} logprobs={s['logprobs_mode']} "
              f"max_num_batched_tokens={s['max_num_batched_tokens']}  engine TP={s.get('engine_tp', 1)} trainer TP={s.get('trainer_tp', 1)}"
              + "".join(f" {k}={s[key]}" for k, key in (("PP", "trainer_pp"), ("DP", "trainer_dp"), ("EP", "trainer_ep"))
-                       if s.get(key, 1) != 1))
+                       if s.get(key, 1) != 1) + (" SP" if s.get("trainer_sp") else ""))
     text = "\n".join([format_table(rows, METRIC_COLUMNS, title), *unavailable])
     if s.get("kernel_switches"):
         text += "\nkernel switches: " + "  ".join(f"{k}={v}" for k, v in s["kernel_switches"].items())
