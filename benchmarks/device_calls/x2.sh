@@ -3,14 +3,14 @@
 #   1  carry .gw/part1        stash part 1; the NCCL trainer tests (tests/test_gpu_parallel.py, no vLLM)
 #   2  carry .gw/part2        stash part 2
 #   3  carry .gw/part3 .gw/install.sh .whl   install vLLM 0.26; check, dense, trainer TP 2 / engine TP 2
-#   4  carry .whl             check: MoE at (2, 2); engine TP 2 against the one-GPU trainer, dense and MoE; the
-#                             trainer's experts over EP 2 (DP 2) against engine TP 2
+#   4  carry .whl             check: MoE at (2, 2); engine TP 2 against the one-GPU trainer, dense and MoE
 #   5  carry .whl             rollout at engine TP 2, consistent vs stock (1B and 8B Llama widths), then the 8B and
 #                             Qwen3-30B-A3B widths' check at (2, 2)
+#   6  carry .whl             check: the trainer's experts over EP 2 (DP 2; TP 2 + SP) against engine TP 2
 # NVLink multicast stays off (gpu_setup.sh exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVSHMEM_DISABLE_NVLS=1; the NCCL ranks of the trainer set them too).
 TAG=${TAG:-next}
-STEP=${1:?step 1-5}
+STEP=${1:?step 1-6}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /tmp/stash
 case "$STEP" in
@@ -30,9 +30,7 @@ case "$STEP" in
   echo "dense (2, 2) rc $?"; tail -4 "$OUT/${TAG}_x2_llama_t2_e2.log" ;;
 4)
   source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
-  # the last run: the trainer's experts over EP 2 (= DP 2: two NCCL replicas, their batches differ; all_to_all_single)
-  for run in "moe-t2-e2 2 tiny-qwen3moe-top1" "llama-t1-e2 1 tiny-llama" "moe-t1-e2 1 tiny-qwen3moe-top1" \
-             "moe-dp2ep2-e2 1 tiny-qwen2moe-top8-shared --trainer-dp 2 --trainer-ep 2"; do
+  for run in "moe-t2-e2 2 tiny-qwen3moe-top1" "llama-t1-e2 1 tiny-llama" "moe-t1-e2 1 tiny-qwen3moe-top1"; do
     set -- $run
     timeout 180 megatron-consistent check --device cuda --mode consistent --trainer-tp "$2" --engine-tp 2 --block-size 16 \
       --num-prompts 64 --max-tokens 64 --hf-config "megatron_consistent/configs/models/$3" --out-dir "/tmp/x2/$1" "${@:4}" \
@@ -47,5 +45,16 @@ case "$STEP" in
   timeout 250 python benchmarks/check_shapes_gpu.py --shapes b d --layers 4 --engine-tp 2 --trainer-tp 2 \
     --out "$OUT/${TAG}_x2_check_shapes.json" > "$OUT/${TAG}_x2_check_shapes.log" 2>&1
   echo "check shapes (2, 2) rc $?"; tail -6 "$OUT/${TAG}_x2_check_shapes.log" ;;
-*) echo "step $STEP: expected 1-5"; exit 2 ;;
+6)
+  # the trainer's experts over EP 2: two NCCL replicas (DP 2, their batches differ), then the TP group with sequence
+  # parallelism (each rank its chunk); all_to_all_single on NCCL
+  source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
+  for run in "moe-dp2ep2-e2 1 --trainer-dp 2 --trainer-ep 2" "moe-t2sp-ep2-e2 2 --trainer-sp --trainer-ep 2"; do
+    set -- $run
+    timeout 250 megatron-consistent check --device cuda --mode consistent --trainer-tp "$2" --engine-tp 2 --block-size 16 \
+      --num-prompts 64 --max-tokens 64 --hf-config megatron_consistent/configs/models/tiny-qwen2moe-top8-shared \
+      --out-dir "/tmp/x2/$1" "${@:3}" > "$OUT/${TAG}_x2_$1.log" 2>&1
+    echo "$1 rc $?"; tail -3 "$OUT/${TAG}_x2_$1.log"
+  done ;;
+*) echo "step $STEP: expected 1-6"; exit 2 ;;
 esac
