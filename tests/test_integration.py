@@ -20,6 +20,7 @@ engine side of the refit test (``python tests/test_integration.py engine REQ RES
 from __future__ import annotations
 
 import argparse
+import re
 import dataclasses
 import inspect
 import json
@@ -141,6 +142,28 @@ def test_spec_refuses_learned_absolute_positions(cpu_megatron, megatron_lm_args)
     spec = import_module(("megatron_consistent.layers.entry_points", "consistent_layer_spec"))
     with pytest.raises(UnsupportedConfigError, match="position_embedding_type='learned_absolute'"):
         _gpt_model_like_megatron_lm(args, make_transformer_config(arch, arch.torch_dtype, consistent=False), spec)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("num_moe_experts", 8, "MoE (num_moe_experts)"),
+    ("sequence_parallel", True, "sequence parallelism (sequence_parallel=True) through the entry-point specs"),
+    ("context_parallel_size", 2, "context parallelism (context_parallel_size=2)"),
+    ("virtual_pipeline_model_parallel_size", 2, "virtual pipeline stages"),
+    ("tensor_model_parallel_size", 3, "tensor parallelism of size 3"),
+    ("normalization", "LayerNorm", "unsupported normalization 'LayerNorm'"),
+])
+def test_entry_point_refuses_by_name_before_building(field, value, words):
+    """What the entry-point specs do not implement is refused in one line by the spec call, before any module exists
+    (TP 2 / PP 2 are accepted: tests/test_parallel_trainer.py builds them)."""
+    from megatron_consistent.config import UnsupportedConfigError
+    from megatron_consistent.layers import make_transformer_config
+    from megatron_consistent.layers.entry_points import consistent_layer_spec_provider
+
+    arch = _arch(ENGINE_MODEL)
+    config = make_transformer_config(arch, arch.torch_dtype, consistent=False)
+    setattr(config, field, value)
+    with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
+        consistent_layer_spec_provider(config)
 
 
 def test_function_forms_megatron_019_builder_and_slime(cpu_megatron, megatron_lm_args):

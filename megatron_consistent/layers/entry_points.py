@@ -30,10 +30,13 @@ Every path puts every numerics-bearing op on the consistent kernels, including
 the two modules a layer spec cannot name: the block's final norm and
 ``GPTModel.output_layer`` (swapped by the module-registration hook of :mod:`.head_swap`).
 
+Tensor, pipeline and data parallelism as the framework sets them up: TP ∈ {1, 2, 4, 8} (the row-parallel K tree
+and the vocabulary tree have 8 segments: the bits of TP = 1) and any PP (the stage's layers).
+
 Refused by name at build time: LayerNorm, MoE, MLA, MTP, learned absolute
 position embeddings, partial or interleaved RoPE, biases other than q/k/v,
-non-SwiGLU MLPs, TP/PP/CP/SP > 1 (the entry-point specs are TP = PP = 1; :func:`.model.build_consistent_model`
-takes TP / PP / SP, ``docs/parallel.md``).
+non-SwiGLU MLPs, CP > 1, virtual pipeline stages, sequence parallelism (:func:`.model.build_consistent_model` takes
+it, ``docs/parallel.md``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from .hybrid import get_consistent_hybrid_stack_spec
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear
 from .mlp import ConsistentSiluAndMul, consistent_bias_dropout_add
 from .norm import ConsistentRMSNorm
+from .parallel import check_parallel_config
 
 __all__ = [
     "ConsistentSelfAttention",
@@ -160,11 +164,12 @@ def _check_config(config) -> None:
     act = getattr(config, "activation_func", F.silu)
     if act is not F.silu:
         raise UnsupportedConfigError(f"unsupported activation {getattr(act, '__name__', act)!r} (SwiGLU: silu only)")
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        if (getattr(config, name, 1) or 1) != 1:
-            raise UnsupportedConfigError(f"{name}={getattr(config, name)}: the consistent layers support 1 only")
     if getattr(config, "sequence_parallel", False):
-        raise UnsupportedConfigError("sequence parallelism (sequence_parallel=True) is not supported")
+        raise UnsupportedConfigError("sequence parallelism (sequence_parallel=True) through the entry-point specs is not "
+                                     "supported (build_consistent_model takes it: docs/parallel.md)")
+    if getattr(config, "virtual_pipeline_model_parallel_size", None):
+        raise UnsupportedConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size) are not supported")
+    check_parallel_config(config)  # TP in {1, 2, 4, 8}, any PP; CP refused by name
 
 
 # --- modules that adapt to the config they are built with ----------------------------------------------------------
@@ -262,9 +267,15 @@ consistent_hybrid_stack_spec: ModuleSpec = get_consistent_hybrid_stack_spec()
 
 
 def _block_spec(config, rope: RopeConfig | None) -> TransformerBlockSubmodules:
+    """The consistent layers of this pipeline stage (all ``num_layers`` at PP = 1) and the consistent final norm."""
     _check_config(config)
     layer = make_consistent_layer_spec(rope)
-    return TransformerBlockSubmodules(layer_specs=[layer] * int(config.num_layers), layer_norm=ConsistentRMSNorm)
+    layers = int(config.num_layers)
+    if (getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+        layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=ConsistentRMSNorm)
 
 
 def consistent_layer_spec_provider(provider_or_config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
@@ -272,12 +283,11 @@ def consistent_layer_spec_provider(provider_or_config, vp_stage: int | None = No
 
     Reads RoPE from the provider (``rotary_base``, ...) when it has the fields
     (else at build time, :func:`resolve_rope`).  Returns a fresh
-    ``TransformerBlockSubmodules`` on every call: all ``num_layers`` consistent
-    layers (PP=1) and the consistent final norm.  (A block spec also keeps
-    Bridge's ``attention_backend=local`` override, which rewrites
-    ``spec.submodules...core_attention`` on a layer ModuleSpec, from touching it.)
-    ``vp_stage`` is accepted for the callers that pass it; virtual pipeline
-    stages are refused with PP > 1.
+    ``TransformerBlockSubmodules`` on every call: the consistent layers of this pipeline stage (all ``num_layers``
+    at PP = 1, Megatron's ``get_num_layers_to_build`` at PP > 1) and the consistent final norm.  (A block spec also
+    keeps Bridge's ``attention_backend=local`` override, which rewrites ``spec.submodules...core_attention`` on a
+    layer ModuleSpec, from touching it.)  ``vp_stage`` is accepted for the callers that pass it; virtual pipeline
+    stages are refused by name.
     """
     config = provider_or_config
     _check_config(config)
