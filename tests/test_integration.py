@@ -146,7 +146,7 @@ def test_spec_refuses_learned_absolute_positions(cpu_megatron, megatron_lm_args)
 
 @pytest.mark.parametrize("field, value, words", [
     ("num_moe_experts", 8, "MoE (num_moe_experts)"),
-    ("sequence_parallel", True, "sequence parallelism (sequence_parallel=True) through the entry-point specs"),
+    ("sequence_parallel", True, "sequence parallelism without tensor parallelism"),
     ("context_parallel_size", 2, "context parallelism (context_parallel_size=2)"),
     ("virtual_pipeline_model_parallel_size", 2, "virtual pipeline stages"),
     ("tensor_model_parallel_size", 3, "tensor parallelism of size 3"),
@@ -154,7 +154,7 @@ def test_spec_refuses_learned_absolute_positions(cpu_megatron, megatron_lm_args)
 ])
 def test_entry_point_refuses_by_name_before_building(field, value, words):
     """What the entry-point specs do not implement is refused in one line by the spec call, before any module exists
-    (TP 2 / PP 2 are accepted: tests/test_parallel_trainer.py builds them)."""
+    (TP 2 / PP 2 / TP 2 + SP are accepted: tests/test_parallel_trainer.py builds them)."""
     from megatron_consistent.config import UnsupportedConfigError
     from megatron_consistent.layers import make_transformer_config
     from megatron_consistent.layers.entry_points import consistent_layer_spec_provider

@@ -434,7 +434,7 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- framework entry points
-def _entry_point_worker(rank: int, workdir: str, config: str, tp: int, pp: int) -> None:
+def _entry_point_worker(rank: int, workdir: str, config: str, tp: int, pp: int, sp: bool) -> None:
     """A GPTModel built the way Megatron-Bridge / Megatron-LM 0.19 build one from ``consistent_layer_spec_provider``
     (the framework's own TransformerConfig at TP / PP, its GPTModel call with Megatron's RoPE arguments), the reference
     weights loaded as the rank's shards, the logits gathered over the vocabulary."""
@@ -451,13 +451,14 @@ def _entry_point_worker(rank: int, workdir: str, config: str, tp: int, pp: int) 
     init_cpu_process_group(tp, pp)
     apply_cpu_shims()  # Megatron's own RotaryEmbedding (computed, then ignored, under 'rope') asks for CUDA otherwise
     cfg = make_transformer_config(arch, arch.torch_dtype, consistent=False, tensor_model_parallel_size=tp,
-                                  pipeline_model_parallel_size=pp)
+                                  pipeline_model_parallel_size=pp, sequence_parallel=sp)
     cfg.consistent_rope = arch.rope
     model = GPTModel(config=cfg, transformer_layer_spec=consistent_layer_spec_provider(cfg), vocab_size=arch.vocab_size,
                      max_sequence_length=arch.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage(), parallel_output=True,
                      share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
                      rotary_base=arch.rope_theta)
+    model.sequence_parallel = sp  # what stage_forward reads for a stage's received chunk
     load_full_megatron_state(model, megatron_state_from_hf(arch, read_hf_tensors(work / "weights")))
     with torch.no_grad():
         logits = stage_forward(model, load_file(str(work / "inputs.safetensors"))["input_ids"])
@@ -468,15 +469,16 @@ def _entry_point_worker(rank: int, workdir: str, config: str, tp: int, pp: int) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
-def test_entry_point_spec_at_tp_and_pp_gives_the_one_process_logits(tmp_path, tp, pp):
-    """The framework entry point (``consistent_layer_spec_provider``) at TP 2, PP 2 and TP 2 x PP 2 on tiny-llama: the
-    logits of the model the framework builds are the single-process model's, bit for bit."""
+@pytest.mark.parametrize("tp, pp, sp", [(2, 1, False), (1, 2, False), (2, 2, False), (2, 1, True), (2, 2, True)])
+def test_entry_point_spec_at_tp_and_pp_gives_the_one_process_logits(tmp_path, tp, pp, sp):
+    """The framework entry point (``consistent_layer_spec_provider``) at TP 2, PP 2, TP 2 x PP 2, with and without
+    sequence parallelism, on tiny-llama: the logits of the model the framework builds are the single-process model's,
+    bit for bit."""
     from megatron_consistent.layers.distributed import spawn_ranks
 
     weights, ids, logits, _ = reference(LLAMA, tmp_path)
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
-    spawn_ranks(_entry_point_worker, tp * pp, tmp_path, str(LLAMA), tp, pp)
+    spawn_ranks(_entry_point_worker, tp * pp, tmp_path, str(LLAMA), tp, pp, sp)
     assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["logits"], logits)
 
 

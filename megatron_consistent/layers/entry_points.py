@@ -31,12 +31,12 @@ the two modules a layer spec cannot name: the block's final norm and
 ``GPTModel.output_layer`` (swapped by the module-registration hook of :mod:`.head_swap`).
 
 Tensor, pipeline and data parallelism as the framework sets them up: TP ∈ {1, 2, 4, 8} (the row-parallel K tree
-and the vocabulary tree have 8 segments: the bits of TP = 1) and any PP (the stage's layers).
+and the vocabulary tree have 8 segments: the bits of TP = 1), sequence parallelism at TP > 1 and any PP (the stage's
+layers).
 
 Refused by name at build time: LayerNorm, MoE, MLA, MTP, learned absolute
 position embeddings, partial or interleaved RoPE, biases other than q/k/v,
-non-SwiGLU MLPs, CP > 1, virtual pipeline stages, sequence parallelism (:func:`.model.build_consistent_model` takes
-it, ``docs/parallel.md``).
+non-SwiGLU MLPs, CP > 1, virtual pipeline stages (``docs/parallel.md``).
 """
 
 from __future__ import annotations
@@ -164,12 +164,9 @@ def _check_config(config) -> None:
     act = getattr(config, "activation_func", F.silu)
     if act is not F.silu:
         raise UnsupportedConfigError(f"unsupported activation {getattr(act, '__name__', act)!r} (SwiGLU: silu only)")
-    if getattr(config, "sequence_parallel", False):
-        raise UnsupportedConfigError("sequence parallelism (sequence_parallel=True) through the entry-point specs is not "
-                                     "supported (build_consistent_model takes it: docs/parallel.md)")
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
         raise UnsupportedConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size) are not supported")
-    check_parallel_config(config)  # TP in {1, 2, 4, 8}, any PP; CP refused by name
+    check_parallel_config(config)  # TP in {1, 2, 4, 8}, any PP, SP at TP > 1; CP refused by name
 
 
 # --- modules that adapt to the config they are built with ----------------------------------------------------------

@@ -7,7 +7,9 @@ process).  The hook then, for a ``TransformerBlock`` whose layers are all consis
 swaps the stock ``final_layernorm`` for :class:`.norm.ConsistentRMSNorm` and, for a model whose
 ``decoder`` is such a block or a consistent hybrid stack, wraps the stock ``output_layer`` in
 :class:`.output.ConsistentOutputLayer` (same weight ``Parameter``, same state-dict keys, float32
-logits).  Modules of any other model are never touched.
+logits); under sequence parallelism the model's embedding (registered before its decoder) gets
+:func:`.tensor_parallel.sequence_parallel_embedding`, as :func:`.model.build_consistent_model` gives it.  Modules of
+any other model are never touched.
 
 The hook knows those classes by their class attributes (``megatron_consistent = True`` on the
 consistent transformer layer, ``megatron_consistent_hybrid_stack = True`` on the hybrid stack),
@@ -36,6 +38,13 @@ def _is_consistent_hybrid_stack(block) -> bool:
 
 def _swap_final_norm_and_head(parent, name: str, child):
     if child is None:
+        return None
+    embedding = parent._modules.get("embedding")
+    if name == "decoder" and embedding is not None and getattr(getattr(child, "config", None), "sequence_parallel", False) \
+            and _is_consistent_block(child):
+        from .tensor_parallel import sequence_parallel_embedding
+
+        sequence_parallel_embedding(embedding)  # its reduce-scatter as an all-reduce (exact) and the rank's chunk
         return None
     if name == "final_layernorm" and not isinstance(child, ConsistentRMSNorm) and _is_consistent_block(parent):
         cfg = parent.config
