@@ -1,7 +1,7 @@
-"""Running the consistent model at a TP x PP layout — CPU ranks (gloo) or GPU ranks (NCCL) — and recomputing
-token log-probs there.
+"""Running the consistent model at a TP x PP x DP (EP) layout — CPU ranks (gloo) or GPU ranks (NCCL) — recomputing
+token log-probs there, and exporting the whole model from it.
 
-* :func:`spawn_ranks` — ``TP * PP`` processes (CPU: forked from one spawned launcher that imported the
+* :func:`spawn_ranks` — ``TP * PP * DP`` processes (CPU: forked from one spawned launcher that imported the
   modules once; CUDA: ``torch.multiprocessing`` spawn), each with
   ``torch.distributed`` (a ``FileStore`` in a work folder: no TCP port) and one thread;
   ``device="cpu"``: gloo; ``device="cuda"``: NCCL, rank r on ``cuda:r`` (NVLink multicast off:
@@ -14,7 +14,9 @@ token log-probs there.
 * :func:`stage_forward` / :func:`stage_logprobs` — one pipeline stage: receives the previous
   stage's activations (``dist.recv``), runs, sends its output on (``dist.send``); the
   activations pass unchanged, so PP is bitwise neutral.
-* :func:`recompute_logprobs_parallel` — all of the above from the caller's process.
+* :func:`recompute_logprobs_parallel` — all of the above from the caller's process (data-parallel replicas each
+  take a share of the rows: :func:`data_parallel_chunks`).
+* :func:`export_hf_parallel` — from every rank: the one-process HF checkpoint of the model (TP / EP pieces gathered).
 
 Why not Megatron's ``get_forward_backward_func`` schedules: their point-to-point layer
 allocates its receive buffers with ``device=torch.cuda.current_device()`` and the schedules
@@ -154,7 +156,8 @@ def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, d
                          seed: int = 0, sequence_parallel: bool = False, ep: int = 1):
     """In a rank of a ``TP * PP * DP`` job: the consistent model of this rank (weights: HF checkpoint path or HF
     tensors dict; ``None`` keeps the seeded initialization), built and loaded on the CPU, then moved to
-    :func:`rank_device` (a no-op in a gloo job).  ``ep``: expert parallelism (MoE, TP = 1)."""
+    :func:`rank_device` (a no-op in a gloo job).  ``ep``: expert parallelism (MoE; at TP > 1 with
+    ``sequence_parallel``)."""
     from .model import build_consistent_model
 
     model = build_consistent_model(hf_config, seed=seed, dtype=dtype, tensor_model_parallel_size=tp,

@@ -98,9 +98,9 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
     ``context_parallel_size`` / ``sequence_parallel`` / ``expert_model_parallel_size``: TP ∈ {1, 2, 4, 8}, any PP
     and sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs,
-    EP at TP = 1 for MoE configs (experts sharded over the EP ranks, carved from data parallelism)
+    EP for MoE configs (experts sharded over Megatron's EP groups; at TP > 1 with sequence parallelism)
     (``torch.distributed`` initialized by the caller with a world size TP x PP divides; contract in
-    ``docs/parallel.md``); CP, EP at TP > 1, and TP/PP/EP > 1
+    ``docs/parallel.md``); CP, EP at TP > 1 without sequence parallelism, and TP/PP/EP > 1
     for hybrid configs are refused (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
