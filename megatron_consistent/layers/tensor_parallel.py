@@ -38,11 +38,12 @@ Contract (``docs/parallel.md``):
   entry equal to -0.0 comes back as +0.0, a difference no later op sees (norms and
   residual adds are row-wise; every linear's accumulator starts at +0.0, which
   erases the sign of a zero), so logits and log-probs keep their bits.
-* **Expert parallelism** (EP = e > 1, TP = 1; the MoE layer's experts sharded over the EP group, whose ranks
-  run different batches): :func:`gather_rows` concatenates the ranks' rows in rank order (their counts may
-  differ; an all-to-all that only moves bytes), and :func:`sum_rows_to_owners` brings each rank the sum, over the
-  ranks, of the rows it owns -- for the (token, slot) expert outputs one value and zeros per element (the rank
-  holding the pair's expert), exact in any order.  Each is the other's backward (gradient sums in any order).
+* **Expert parallelism** (EP = e > 1; the MoE layer's experts sharded over the EP group, whose ranks hold different
+  tokens: other replicas' batches, or at TP > 1 their sequence-parallel chunks): :func:`gather_rows` concatenates
+  the ranks' rows in rank order (their counts may differ; an all-to-all that only moves bytes), and
+  :func:`sum_rows_to_owners` brings each rank the sum, over the ranks, of the rows it owns -- for the (token, slot)
+  expert outputs one value and zeros per element (the rank holding the pair's expert), exact in any order. Each is
+  the other's backward (gradient sums in any order).
 * **Vocab-parallel log-probs** (:func:`vocab_parallel_logprobs`): the LM head
   gives the rank's float32 logits shard; global max by all-reduce MAX (exact);
   the rank's subtree of the 8-segment sum-exp tree
