@@ -130,17 +130,21 @@ def init_cpu_process_group(
     check_parallel_sizes(tp, pp, context_parallel_size, sequence_parallel, expert_model_parallel_size=ep)
     from megatron.core import parallel_state
 
+    layout = f"TP={tp} x PP={pp}" + (f" x EP={ep}" if ep != 1 else "")
     if not dist.is_initialized():
         if tp * pp * ep != 1:
             raise UnsupportedConfigError(
-                f"TP={tp} x PP={pp} x EP={ep} needs torch.distributed initialized by the caller with a world size that "
-                "TP x PP divides and EP divides the quotient (see layers.distributed.recompute_logprobs_parallel)")
+                f"{layout} needs torch.distributed initialized by the caller with a world size that TP x PP divides "
+                "(the quotient is the data-parallel size; see layers.distributed.recompute_logprobs_parallel)")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tp * pp) or (world // pp) % ep:
+    if world % (tp * pp):
+        raise UnsupportedConfigError(f"torch.distributed is initialized with world size {world}; TP={tp} x PP={pp} needs "
+                                     "a world size it divides (the quotient is the data-parallel size)")
+    if (world // pp) % ep:
         raise UnsupportedConfigError(
-            f"torch.distributed is initialized with world size {world}; TP={tp} x PP={pp} must divide it and EP={ep} "
-            f"must divide the ranks of a pipeline stage, TP x DP = world / PP (expert-parallel groups are carved from them)")
+            f"torch.distributed is initialized with world size {world}; EP={ep} must divide the ranks of a pipeline "
+            f"stage, TP x DP = {world // pp} (expert-parallel groups are carved from them)")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
         if torch.cuda.is_available():  # Megatron's stock core attention forks the model-parallel CUDA RNG state on GPU
