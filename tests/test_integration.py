@@ -145,7 +145,7 @@ def test_spec_refuses_learned_absolute_positions(cpu_megatron, megatron_lm_args)
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("num_moe_experts", 8, "MoE (num_moe_experts)"),
+    ("multi_latent_attention", True, "multi-latent attention"),
     ("sequence_parallel", True, "sequence parallelism without tensor parallelism"),
     ("context_parallel_size", 2, "context parallelism (context_parallel_size=2)"),
     ("virtual_pipeline_model_parallel_size", 2, "virtual pipeline stages"),
@@ -164,6 +164,32 @@ def test_entry_point_refuses_by_name_before_building(field, value, words):
     setattr(config, field, value)
     with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
         consistent_layer_spec_provider(config)
+
+
+@pytest.mark.parametrize("model_name, moe_layer_freq", [("tiny-qwen3moe-top1", [0, 1]), ("tiny-qwen2moe-top8-shared", 1)])
+def test_function_form_builds_moe_layers_by_moe_layer_freq(cpu_megatron, megatron_lm_args, model_name, moe_layer_freq):
+    """A MoE model through ``consistent_layer_spec_provider``: the framework's own TransformerConfig with Megatron's MoE
+    fields (``moe_layer_freq`` picking the MoE layers: tiny-qwen3moe-top1's dense layer 0; top-8 with a gated shared
+    expert), Megatron's MoELayer with the consistent router and experts -- the logits of ``build_consistent_model`` bit
+    for bit.  The ModuleSpec constant (every layer dense) refuses a MoE config by name."""
+    from megatron.core.transformer.spec_utils import import_module
+
+    from megatron_consistent.config import UnsupportedConfigError
+    from megatron_consistent.layers import make_transformer_config
+    from megatron_consistent.layers.entry_points import consistent_layer_spec_provider
+    from megatron_consistent.layers.moe_megatron import megatron_moe_config_kwargs
+
+    arch = _arch(model_name)
+    args = megatron_lm_args(_megatron_lm_args(arch))
+    config = make_transformer_config(arch, arch.torch_dtype, consistent=False, **megatron_moe_config_kwargs(arch),
+                                     moe_layer_freq=moe_layer_freq)
+    model = _gpt_model_like_megatron_lm(args, config, consistent_layer_spec_provider(config))
+    assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == [
+        "MoELayer" if arch.layer_is_moe(i) else "MLP" for i in range(arch.num_layers)]
+    _assert_same_logits_as_reference(model, arch)
+    constant = import_module(("megatron_consistent.layers.entry_points", "consistent_layer_spec"))
+    with pytest.raises(UnsupportedConfigError, match="MoE .num_moe_experts. through the ModuleSpec constant"):
+        _gpt_model_like_megatron_lm(args, config, constant)
 
 
 def test_function_forms_megatron_019_builder_and_slime(cpu_megatron, megatron_lm_args):

@@ -34,7 +34,11 @@ Tensor, pipeline and data parallelism as the framework sets them up: TP ∈ {1, 
 and the vocabulary tree have 8 segments: the bits of TP = 1), sequence parallelism at TP > 1 and any PP (the stage's
 layers).
 
-Refused by name at build time: LayerNorm, MoE, MLA, MTP, learned absolute
+MoE (the function forms): the layers ``moe_layer_freq`` names run Megatron's ``MoELayer`` with the consistent router
+and experts (``layers/moe_megatron.py``, at TP = EP = 1, which it refuses otherwise by name); the router's
+renormalisation follows ``moe_router_pre_softmax``.
+
+Refused by name at build time: LayerNorm, MoE through the ``ModuleSpec`` constant, MLA, MTP, learned absolute
 position embeddings, partial or interleaved RoPE, biases other than q/k/v,
 non-SwiGLU MLPs, CP > 1, virtual pipeline stages (``docs/parallel.md``).
 """
@@ -147,7 +151,6 @@ def resolve_rope(config) -> RopeConfig:
 def _check_config(config) -> None:
     """Refuse, by name, what the consistent layers do not implement (before any module is built)."""
     refusals = [
-        (getattr(config, "num_moe_experts", None), "MoE (num_moe_experts)"),
         (getattr(config, "multi_latent_attention", False), "multi-latent attention"),
         (getattr(config, "mtp_num_layers", None), "multi-token prediction (mtp_num_layers)"),
         (getattr(config, "add_bias_linear", False), "add_bias_linear (biases other than q/k/v)"),
@@ -211,8 +214,12 @@ class ConsistentTransformerLayer(TransformerLayer):
 
     megatron_consistent = True  # read by the head-swap hook (layers/head_swap.py)
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, layers_by_config: bool = False, **kwargs):
         _check_config(config)
+        if getattr(config, "num_moe_experts", None) and not layers_by_config:
+            raise UnsupportedConfigError("MoE (num_moe_experts) through the ModuleSpec constant (every layer dense): use "
+                                         "consistent_layer_spec_provider / consistent_slime_spec, whose layers follow "
+                                         "moe_layer_freq")
         install_head_swap_hook()
         if not getattr(config, "use_te_activation_func", False):
             config = copy.copy(config)
@@ -263,16 +270,36 @@ consistent_layer_spec: ModuleSpec = make_consistent_layer_spec()
 consistent_hybrid_stack_spec: ModuleSpec = get_consistent_hybrid_stack_spec()
 
 
+def _moe_pattern(config) -> list[bool]:
+    """Which layers are MoE: Megatron's ``moe_layer_freq`` (an int k: every k-th layer from 0; a list: 1 / 0 a layer)."""
+    n, freq = int(config.num_layers), getattr(config, "moe_layer_freq", 1)
+    if not getattr(config, "num_moe_experts", None):
+        return [False] * n
+    pattern = [i % freq == 0 for i in range(n)] if isinstance(freq, int) else [bool(f) for f in freq]
+    if len(pattern) != n:
+        raise UnsupportedConfigError(f"moe_layer_freq {freq} names {len(pattern)} layers, the model has {n}")
+    return pattern
+
+
 def _block_spec(config, rope: RopeConfig | None) -> TransformerBlockSubmodules:
-    """The consistent layers of this pipeline stage (all ``num_layers`` at PP = 1) and the consistent final norm."""
+    """The consistent layers of this pipeline stage (all ``num_layers`` at PP = 1) and the consistent final norm; MoE
+    layers (``moe_layer_freq``) on Megatron's ``MoELayer`` with the consistent router and experts
+    (:func:`.moe_megatron.moe_layer_spec_from`, which refuses the options it does not implement at build time)."""
+    from .moe_megatron import moe_layer_spec_from, norm_topk_prob_of
+
     _check_config(config)
-    layer = make_consistent_layer_spec(rope)
-    layers = int(config.num_layers)
+    dense = make_consistent_layer_spec(rope)
+    dense.params = {**dense.params, "layers_by_config": True}
+    first, layers = 0, int(config.num_layers)
     if (getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1:
         from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-        layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=ConsistentRMSNorm)
+        first, layers = get_transformer_layer_offset(config), get_num_layers_to_build(config)
+    moe = moe_layer_spec_from(dense, norm_topk_prob_of(config)) if getattr(config, "num_moe_experts", None) else None
+    pattern = _moe_pattern(config)[first:first + layers]
+    return TransformerBlockSubmodules(layer_specs=[moe if is_moe else dense for is_moe in pattern],
+                                      layer_norm=ConsistentRMSNorm)
 
 
 def consistent_layer_spec_provider(provider_or_config, vp_stage: int | None = None) -> TransformerBlockSubmodules:

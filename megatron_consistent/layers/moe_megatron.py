@@ -429,12 +429,24 @@ def megatron_moe_config_kwargs(arch, dispatcher: str = "allgather", aux_loss_coe
 
 def megatron_moe_layer_spec(dense_layer_spec, arch):
     """A copy of the consistent dense TransformerLayer spec whose ``mlp`` is Megatron's ``MoELayer`` with our submodules."""
+    check_megatron_moe_arch(arch)
+    return moe_layer_spec_from(dense_layer_spec, arch.norm_topk_prob)
+
+
+def norm_topk_prob_of(config) -> bool:
+    """Whether a Megatron ``TransformerConfig``'s router renormalises its top-k weights: top-k of the scores, then a
+    softmax over them (``moe_router_pre_softmax=False``, k > 1) -- HF's ``norm_topk_prob`` (the inverse of
+    :func:`megatron_moe_config_kwargs`)."""
+    return int(config.moe_router_topk) > 1 and not getattr(config, "moe_router_pre_softmax", False)
+
+
+def moe_layer_spec_from(dense_layer_spec, norm_topk_prob: bool):
+    """:func:`megatron_moe_layer_spec` from the router's one option (a framework config without an ``arch``)."""
     import copy
 
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    check_megatron_moe_arch(arch)
     context = RoutingContext()
     spec = copy.deepcopy(dense_layer_spec)
     spec.submodules.mlp = ModuleSpec(
@@ -442,7 +454,7 @@ def megatron_moe_layer_spec(dense_layer_spec, arch):
         submodules=MoESubmodules(
             experts=ModuleSpec(module=ConsistentExperts, params={"context": context}),
             shared_experts=ConsistentSharedExperts,
-            router=functools.partial(_LazyRouter().get(), context=context, norm_topk_prob=arch.norm_topk_prob),
+            router=functools.partial(_LazyRouter().get(), context=context, norm_topk_prob=norm_topk_prob),
         ),
     )
     spec.submodules.mlp_bda = consistent_moe_bias_dropout_add
