@@ -186,6 +186,8 @@ def test_function_form_builds_moe_layers_by_moe_layer_freq(cpu_megatron, megatro
     model = _gpt_model_like_megatron_lm(args, config, consistent_layer_spec_provider(config))
     assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == [
         "MoELayer" if arch.layer_is_moe(i) else "MLP" for i in range(arch.num_layers)]
+    contexts = [layer.mlp.experts.context for layer in model.decoder.layers if arch.layer_is_moe(layer.layer_number - 1)]
+    assert len({id(c) for c in contexts}) == len(contexts)  # each MoE layer its own router-to-experts hand-over
     _assert_same_logits_as_reference(model, arch)
     constant = import_module(("megatron_consistent.layers.entry_points", "consistent_layer_spec"))
     with pytest.raises(UnsupportedConfigError, match="MoE .num_moe_experts. through the ModuleSpec constant"):

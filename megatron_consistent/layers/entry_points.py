@@ -296,10 +296,9 @@ def _block_spec(config, rope: RopeConfig | None) -> TransformerBlockSubmodules:
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         first, layers = get_transformer_layer_offset(config), get_num_layers_to_build(config)
-    moe = moe_layer_spec_from(dense, norm_topk_prob_of(config)) if getattr(config, "num_moe_experts", None) else None
-    pattern = _moe_pattern(config)[first:first + layers]
-    return TransformerBlockSubmodules(layer_specs=[moe if is_moe else dense for is_moe in pattern],
-                                      layer_norm=ConsistentRMSNorm)
+    pattern = _moe_pattern(config)[first:first + layers]  # a MoE spec a layer: each its own router-to-experts context
+    return TransformerBlockSubmodules(layer_specs=[moe_layer_spec_from(dense, norm_topk_prob_of(config)) if is_moe
+                                                   else dense for is_moe in pattern], layer_norm=ConsistentRMSNorm)
 
 
 def consistent_layer_spec_provider(provider_or_config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
