@@ -189,7 +189,9 @@ def test_check_refuses_tp_flags_before_any_work(tmp_path, capsys):
                           "--trainer-tp 2 --trainer-pp 2: TP=2, PP=2 cannot split Qwen3ForCausalLM: tied word embeddings"),
                          (["--trainer-dp", "2", "--trainer-ep", "2"], "--trainer-tp 1 --trainer-dp 2 --trainer-ep 2: TP=1, PP=1, "
                           "EP=2 cannot split LlamaForCausalLM: expert parallelism on a model without experts"),
-                         (["--trainer-dp", "0"], "--trainer-dp must be")):
+                         (["--trainer-dp", "0"], "--trainer-dp must be"),
+                         (["--trainer-sp"], "--trainer-tp 1 --trainer-sp: the consistent Megatron layers do not support: "
+                          "sequence parallelism without tensor parallelism")):
         assert cli_main(["check", "--out-dir", str(out), *flags]) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err

@@ -62,7 +62,8 @@ def validate(args):
     from .inputs import hf_arch, output_dir, output_file
 
     cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
-    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp * cfg.trainer_ep > 1:
+    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp * cfg.trainer_ep > 1 \
+            or cfg.trainer_sp:
         from ..config import builtin_model_dir
         from .check import check_layouts
 
