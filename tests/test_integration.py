@@ -11,7 +11,8 @@
   (original architecture name) samples, takes a NeMo-RL-shaped (bucketed) and a
   verl-shaped (per tensor) HF-named stream of new weights through
   ``collective_rpc`` + shared memory, and samples again; the trainer's
-  recompute matches both rollouts bit for bit.
+  recompute matches both rollouts bit for bit.  Sampled with a generator per request
+  (``RolloutRequest.request_seeds``), a prompt alone draws the tokens it drew in the batch.
 
 Zero means zero: ``torch.equal`` only.  This file also runs as a script: the
 engine side of the refit test (``python tests/test_integration.py engine REQ RES``).
@@ -377,6 +378,8 @@ def _engine_main(req_path: str, res_path: str) -> int:
     rreq = RolloutRequest(**req["rollout"])
     llm = engine(rreq)
     res = {"pointers_before": llm.collective_rpc("mc_weight_pointers")[0], "before": generate(llm, rreq)}
+    seeded = dataclasses.replace(rreq, request_seeds=True)  # a generator per request: the batch, then prompt 3 alone
+    res["seeded"] = [generate(llm, seeded), generate(llm, dataclasses.replace(seeded, prompts=rreq.prompts[3:4], seed=rreq.seed + 3))]
     res["updates"] = [llm.collective_rpc("mc_update_weights_from_shm", args=(m,))[0] for m in req["manifests"]]
     llm.reset_prefix_cache()
     res["after"] = generate(llm, rreq)
@@ -436,6 +439,8 @@ def test_refit_stream_updates_live_engine_in_place(tmp_path):
         assert "error" not in upd and upd["storage_unchanged"], upd
     assert [u["loaded"] for u in res["updates"]] == [half, len(stream) - half]
     assert res["pointers_after"] == res["pointers_before"]
+    batch, alone = res["seeded"]  # request_seeds: a request's tokens depend on its own logits and seed, not on its batch
+    assert (alone["tokens"][0], alone["logprobs"][0]) == (batch["tokens"][3], batch["logprobs"][3])
     assert "unexpected checkpoint tensor 'model.layers.99.mlp.up_proj.weight'" in res["bad"][0]["error"]
     assert f"{name0}: checkpoint shape" in res["bad"][1]["error"]
 

@@ -33,6 +33,8 @@ class RolloutRequest:
     temperature: float = 1.0
     max_tokens: int = 64
     seed: int = 0
+    request_seeds: bool = False  # prompt i sampled with its own generator (vLLM's per-request seed, seed + i): its tokens
+    # then depend on its own logits alone, not on the batch's draw from the engine's global generator
     logprobs_mode: str = "processed"
     max_num_batched_tokens: int = 64
     block_size: int = 32
@@ -140,7 +142,8 @@ def generate(llm, req: RolloutRequest) -> dict:
     routes come with its outputs, writes them to ``req.stock_routes_dir`` after the timing)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens, logprobs=0, ignore_eos=True)
+    params = [SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens, logprobs=0, ignore_eos=True,
+                             seed=req.seed + i if req.request_seeds else None) for i in range(len(req.prompts))]
     t0 = time.perf_counter()
     done = completions(llm, req.prompts, params)
     seconds = time.perf_counter() - t0
