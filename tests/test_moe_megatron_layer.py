@@ -141,10 +141,10 @@ def test_megatron_path_row_alone_equals_row_in_batch(lens, pick, seed):
         assert torch.equal(routes_alone[layer], r.view(s, len(lens), -1)[: lens[i], i])
 
 
-def _native_megatron_rows(y, w_rows, row_of_pair):
-    """BROKEN on purpose: Megatron's SequentialMLP convention — each row weighted in the model dtype, the
+def _native_megatron_rows(products, pair_of_row, routes, n_local, group=None):
+    """BROKEN on purpose: Megatron's SequentialMLP convention -- each row's weighted output in the model dtype, the
     unpermute's scatter_add sums a token's rows (no fp32 slot-order combine)."""
-    return (y * w_rows.unsqueeze(-1).to(y.dtype)).to(torch.float32)
+    return products.to(torch.bfloat16).to(torch.float32)
 
 
 def test_broken_combine_and_broken_layout_are_caught(monkeypatch):
@@ -159,8 +159,14 @@ def test_broken_combine_and_broken_layout_are_caught(monkeypatch):
         assert not torch.equal(_logits(meg, ids), ref)
         monkeypatch.undo()
         # a row order other than Megatron's (tokens descending within each expert) must be detected, not used
-        right = mm.permuted_layout
-        monkeypatch.setattr(mm, "permuted_layout", lambda r: right(r.flip(0)).flip(0))
+        right = mm.dispatched_pairs
+
+        def tokens_descending(routes, first, count):
+            t, k = routes.shape
+            flipped = right(routes.flip(0), first, count)
+            return (t - 1 - flipped // k) * k + flipped % k
+
+        monkeypatch.setattr(mm, "dispatched_pairs", tokens_descending)
         with pytest.raises(RuntimeError, match="expert-major, token-ascending"):
             _logits(meg, ids)
         monkeypatch.undo()
@@ -303,9 +309,10 @@ def test_unsupported_options_refused_by_name():
         build_consistent_gpt_model(path, moe_impl="megatron", moe_token_dispatcher="flex")
     with pytest.raises(UnsupportedConfigError, match="moe_impl"):
         build_consistent_gpt_model(path, moe_impl="sequential")
-    cfg = types.SimpleNamespace(expert_model_parallel_size=2, moe_token_dispatcher_type="allgather",
-                                moe_expert_capacity_factor=1.0, moe_permute_fusion=True)
-    with pytest.raises(UnsupportedConfigError, match=r"expert parallelism.*moe_expert_capacity_factor=1.0.*moe_permute_fusion"):
-        mm._refuse(cfg)
+    cfg = types.SimpleNamespace(expert_model_parallel_size=3, num_moe_experts=8, tensor_model_parallel_size=2,
+                                moe_token_dispatcher_type="allgather", moe_expert_capacity_factor=1.0, moe_permute_fusion=True)
+    with pytest.raises(UnsupportedConfigError, match=r"expert_model_parallel_size=3 with num_moe_experts=8.*tensor "
+                       r"parallelism .tensor_model_parallel_size=2.*moe_expert_capacity_factor=1.0.*moe_permute_fusion"):
+        mm.check_megatron_moe_config(cfg)
     with pytest.raises(UnsupportedConfigError, match="hybrid"):
         mm.check_megatron_moe_arch(types.SimpleNamespace(is_moe=True, is_hybrid=True))

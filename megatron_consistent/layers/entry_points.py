@@ -284,10 +284,12 @@ def _moe_pattern(config) -> list[bool]:
 def _block_spec(config, rope: RopeConfig | None) -> TransformerBlockSubmodules:
     """The consistent layers of this pipeline stage (all ``num_layers`` at PP = 1) and the consistent final norm; MoE
     layers (``moe_layer_freq``) on Megatron's ``MoELayer`` with the consistent router and experts
-    (:func:`.moe_megatron.moe_layer_spec_from`, which refuses the options it does not implement at build time)."""
-    from .moe_megatron import moe_layer_spec_from, norm_topk_prob_of
+    (:func:`.moe_megatron.moe_layer_spec_from`; the MoE options it does not implement are refused here, by name)."""
+    from .moe_megatron import check_megatron_moe_config, moe_layer_spec_from, norm_topk_prob_of
 
     _check_config(config)
+    if getattr(config, "num_moe_experts", None):
+        check_megatron_moe_config(config)
     dense = make_consistent_layer_spec(rope)
     dense.params = {**dense.params, "layers_by_config": True}
     first, layers = 0, int(config.num_layers)

@@ -96,7 +96,9 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch)
     tp, pp = getattr(model, "parallel_sizes", (1, 1))
-    ep = getattr(model, "expert_parallel_size", 1)
+    ep = max([getattr(model, "expert_parallel_size", 1)] +  # a framework-built model: its Megatron MoELayers' experts
+             [layer.mlp.experts.ep for layer in model.decoder.layers
+              if isinstance(getattr(layer.mlp, "experts", None), ConsistentExperts)])
     if (tp, pp, ep) != (1, 1, 1):
         raise UnsupportedConfigError(f"FP8 with model parallelism (TP={tp}, PP={pp}, EP={ep}) is not supported by the "
                                      "consistent layers")

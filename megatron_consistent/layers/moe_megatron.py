@@ -77,16 +77,19 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import UnsupportedConfigError
 from ..kernels import add_residual
 from ..kernels import moe as kmoe
-from .moe import _Container, _init, _mark
+from . import tensor_parallel as tpar
+from .moe import _Container, _expert_shard, _init, _mark
 
 __all__ = [
     "ConsistentExperts", "ConsistentSharedExperts", "ConsistentTopKRouter", "DISPATCHERS", "RoutingContext",  # noqa: F822 (module __getattr__)
-    "check_megatron_moe_arch", "consistent_moe_bias_dropout_add", "megatron_moe_config_kwargs", "megatron_moe_layer_spec",
+    "check_megatron_moe_arch", "check_megatron_moe_config", "consistent_moe_bias_dropout_add", "megatron_moe_config_kwargs",
+    "megatron_moe_layer_spec",
 ]
 
 DISPATCHERS = ("allgather", "alltoall")
@@ -119,16 +122,20 @@ def check_megatron_moe_arch(arch) -> None:
         raise UnsupportedConfigError("the Megatron MoELayer path has no router selection bias (e_score_correction_bias)")
 
 
-def _refuse(config) -> None:
+def check_megatron_moe_config(config) -> None:
     """Every Megatron MoE option that would break the combine contract, named, before any work."""
     bad = []
     g = lambda name, default=None: getattr(config, name, default)  # noqa: E731
-    if g("expert_model_parallel_size", 1) != 1:
-        bad.append(f"expert parallelism (expert_model_parallel_size={g('expert_model_parallel_size')})")
+    ep = g("expert_model_parallel_size", 1) or 1
+    if ep < 1 or g("num_moe_experts", 0) % ep:
+        bad.append(f"expert_model_parallel_size={ep} with num_moe_experts={g('num_moe_experts')} (EP must divide the "
+                   "number of experts)")
     if (g("expert_tensor_parallel_size", 1) or 1) != 1:
         bad.append(f"expert tensor parallelism (expert_tensor_parallel_size={g('expert_tensor_parallel_size')})")
     if g("tensor_model_parallel_size", 1) != 1:
-        bad.append(f"tensor parallelism (tensor_model_parallel_size={g('tensor_model_parallel_size')})")
+        bad.append(f"tensor parallelism (tensor_model_parallel_size={g('tensor_model_parallel_size')}; this path runs "
+                   "at TP = 1, with expert parallelism over the data-parallel ranks; MoE at TP > 1: "
+                   "build_consistent_model(moe_impl='module'))")
     if g("moe_token_dispatcher_type") not in DISPATCHERS:
         bad.append(f"moe_token_dispatcher_type={g('moe_token_dispatcher_type')!r} (supported: {', '.join(DISPATCHERS)})")
     elif g("moe_token_dispatcher_type") == "alltoall" and not torch.cuda.is_available():
@@ -173,7 +180,7 @@ def _router_class():
 
         def __init__(self, config, pg_collection=None, *, context: RoutingContext | None = None,
                      norm_topk_prob: bool | None = None, **kwargs):
-            _refuse(config)
+            check_megatron_moe_config(config)
             super().__init__(config=config, pg_collection=pg_collection, **kwargs)
             self.context = context
             self.norm_topk_prob = (not config.moe_router_pre_softmax) if norm_topk_prob is None else bool(norm_topk_prob)
@@ -250,49 +257,84 @@ def _sharded(module, prefix, sharded_offsets, metadata):
     return sharded_state_dict_tp1(module, prefix, sharded_offsets, metadata, {})
 
 
-def permuted_layout(routes: torch.Tensor) -> torch.Tensor:
-    """Row of every (token, slot) pair ``[T, k]`` in Megatron's permute order (expert-major, tokens ascending)."""
+def dispatched_pairs(routes: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Pair index ``token * k + slot`` of every row the experts ``[first, first + count)`` receive ``[N]``, in
+    Megatron's permute order: expert-major, within an expert the tokens ascending (``routes [T, k]``: the EP group's
+    tokens in rank order, as both dispatchers gather them)."""
+    flat = routes.reshape(-1)
+    pairs = ((flat >= first) & (flat < first + count)).nonzero()[:, 0]
+    return pairs[torch.sort(flat[pairs], stable=True).indices]
+
+
+def slot_order_rows(products: torch.Tensor, pair_of_row: torch.Tensor, routes: torch.Tensor, n_local: int,
+                    group=None) -> torch.Tensor:
+    """float32 ``[N, H]``: the row of each owned token's slot 0 = ``((0 + p_0) + p_1) + ...`` (slot order), others +0.0.
+
+    ``products [N, H]``: ``w * float32(y)`` of this rank's rows (``pair_of_row``: :func:`dispatched_pairs`);
+    ``routes [T, k]``: the EP group's (``group``; ``None`` at EP = 1), ``n_local`` experts a rank.  A token is owned
+    by the rank holding its slot-0 expert.  The tokens are grouped by owner (ascending within), every rank places
+    its products at their (token, slot) of a float32 ``[T, k, H]`` of zeros, and
+    :func:`.tensor_parallel.sum_rows_to_owners` brings each owner its tokens' k products (one value and zeros per
+    element: exact); the owner sums them in slot order."""
     t, k = routes.shape
-    order = torch.sort(routes.reshape(-1), stable=True).indices  # pair index (t*k + j) of each row
-    row_of_pair = torch.empty_like(order)
-    row_of_pair[order] = torch.arange(t * k, device=routes.device)
-    return row_of_pair.view(t, k)
-
-
-def slot_order_rows(y: torch.Tensor, w_rows: torch.Tensor, row_of_pair: torch.Tensor) -> torch.Tensor:
-    """float32 ``[N, H]``: row ``row_of_pair[t, 0]`` = ``sum_j w_j * float32(y_j)`` (slot order), other rows +0.0."""
-    t, k = row_of_pair.shape
-    acc = torch.zeros(t, y.shape[-1], dtype=torch.float32, device=y.device)
+    e, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    owner = torch.div(routes[:, 0], n_local, rounding_mode="floor")
+    by_owner = torch.sort(owner, stable=True).indices
+    place = torch.empty_like(by_owner)
+    place[by_owner] = torch.arange(t, device=routes.device)
+    h = products.shape[-1]
+    token, slot = torch.div(pair_of_row, k, rounding_mode="floor"), pair_of_row % k
+    full = products.new_zeros(t * k, h).index_copy(0, place[token] * k + slot, products).view(t, k * h)
+    counts = torch.bincount(owner, minlength=e).tolist()
+    if e > 1:
+        full = tpar.sum_rows_to_owners(full, counts, group)
+    full = full.view(-1, k, h)
+    acc = products.new_zeros(full.shape[0], h)
     for j in range(k):
-        rows = row_of_pair[:, j]
-        acc = acc + w_rows[rows].unsqueeze(-1) * y[rows].to(torch.float32)
-    out = torch.zeros(y.shape[0], y.shape[-1], dtype=torch.float32, device=y.device)
-    return out.index_copy(0, row_of_pair[:, 0], acc)
+        acc = acc + full[:, j]
+    row_of_pair = torch.full((t * k,), -1, dtype=torch.int64, device=routes.device)
+    row_of_pair[pair_of_row] = torch.arange(pair_of_row.numel(), device=routes.device)
+    mine = by_owner[sum(counts[:rank]):sum(counts[:rank + 1])]
+    return products.new_zeros(products.shape).index_copy(0, row_of_pair[mine * k], acc)
 
 
 class ConsistentExperts(nn.Module):
-    """Megatron's experts slot: ``forward(rows [N, H], tokens_per_expert [E], permuted_probs [N]) -> (out [N, H] fp32, None)``.
+    """Megatron's experts slot: ``forward(rows [N, H], tokens_per_expert [E/e], permuted_probs [N]) -> (out [N, H] fp32, None)``.
 
-    Rows arrive grouped by expert (``tokens_per_expert`` each, ascending expert); every group runs
-    ``kmoe.expert_mlp`` with its expert's weights; the result is combined per token in slot order (see the
-    module docstring) so that Megatron's unpermute is a pure gather.
+    At EP = e (Megatron's expert-parallel group, ``tensor_parallel.ep_group()``) the module holds experts
+    ``[r E/e, (r+1) E/e)`` of EP rank r (``allreduce=False``, as Megatron marks expert weights; drawn as the whole
+    EP = 1 stack, then sliced).  Rows arrive grouped by local expert (``tokens_per_expert`` each, ascending expert),
+    within an expert in the EP group's token order; every group runs ``kmoe.expert_mlp`` with its expert's
+    weights; the products ``w * float32(y)`` are combined per token in slot order on the rank holding its slot 0
+    (:func:`slot_order_rows`; see the module docstring) so that Megatron's unpermute and its reduce-scatter /
+    all-to-all back add one value and zeros.
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None, *, context: RoutingContext | None = None,
                  name: str | None = None, **unused):
         super().__init__()
-        _refuse(config)
+        check_megatron_moe_config(config)
         if context is None:
             raise UnsupportedConfigError("ConsistentExperts needs the layer's RoutingContext (build it with "
                                          "megatron_moe_layer_spec)")
-        if num_local_experts != config.num_moe_experts:
-            raise UnsupportedConfigError(f"expert parallelism: {num_local_experts} local of {config.num_moe_experts} experts")
-        self.config, self.context = config, context
-        E, H, inter, dt = num_local_experts, config.hidden_size, config.moe_ffn_hidden_size, config.params_dtype
+        group = tpar.ep_group()
+        self.ep = 1 if group is None else dist.get_world_size(group)
+        E = config.num_moe_experts
+        if num_local_experts * self.ep != E:
+            raise UnsupportedConfigError(f"ConsistentExperts: {num_local_experts} local experts x EP={self.ep} (Megatron's "
+                                         f"expert-parallel group) != num_moe_experts={E}")
+        self.config, self.context, self.num_local_experts = config, context, num_local_experts
+        self.expert_offset = (0 if group is None else dist.get_rank(group)) * num_local_experts
+        H, inter, dt = config.hidden_size, config.moe_ffn_hidden_size, config.params_dtype
+        fc1 = _init((E, 2 * inter, H), getattr(config, "init_method", None), dt)  # the EP = 1 draws
+        fc2 = _init((E, H, inter), getattr(config, "output_layer_init_method", None), dt)
+        if self.ep > 1:
+            fc1, fc2 = (_expert_shard(w, dist.get_rank(group), self.ep, expert_parallel=True) for w in (fc1, fc2))
+        else:
+            fc1, fc2 = _mark(fc1), _mark(fc2)
         self.linear_fc1 = _Container()
         self.linear_fc2 = _Container()
-        self.linear_fc1.weight = _mark(_init((E, 2 * inter, H), getattr(config, "init_method", None), dt))
-        self.linear_fc2.weight = _mark(_init((E, H, inter), getattr(config, "output_layer_init_method", None), dt))
+        self.linear_fc1.weight, self.linear_fc2.weight = fc1, fc2
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor, **kwargs):
         if any(v is not None for v in kwargs.values()):
@@ -303,26 +345,32 @@ class ConsistentExperts(nn.Module):
             raise RuntimeError("ConsistentExperts: no routing from the layer's ConsistentTopKRouter for this forward")
         if permuted_probs.dtype != torch.float32:
             raise RuntimeError(f"ConsistentExperts: dispatched probs must be float32, got {permuted_probs.dtype}")
-        counts = torch.as_tensor(tokens_per_expert).to("cpu", torch.int64)
-        expected = torch.bincount(routes.reshape(-1).cpu(), minlength=counts.numel())
-        row_of_pair = permuted_layout(routes)
-        token_of_row = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
-        token_of_row[row_of_pair.reshape(-1)] = torch.arange(routes.shape[0], device=rows.device).repeat_interleave(routes.shape[1])
+        group = tpar.ep_group() if self.ep > 1 else None
         with torch.no_grad():
-            layout_ok = (rows.shape[0] == routes.numel() and torch.equal(counts, expected)
+            if group is not None:  # the EP group's tokens in rank order, as the dispatchers gather them
+                counts = tpar.row_counts(routes.shape[0], group, routes.device)
+                routes, hidden = tpar.gather_rows(routes, counts, group), tpar.gather_rows(hidden, counts, group)
+            n, first = self.num_local_experts, self.expert_offset
+            pair_of_row = dispatched_pairs(routes, first, n)
+            flat = routes.reshape(-1)
+            expected = torch.bincount(flat[(flat >= first) & (flat < first + n)].cpu() - first, minlength=n)
+            counts = torch.as_tensor(tokens_per_expert).to("cpu", torch.int64)
+            token_of_row = torch.div(pair_of_row, routes.shape[1], rounding_mode="floor")
+            layout_ok = (rows.shape[0] == pair_of_row.numel() and torch.equal(counts, expected)
                          and torch.equal(rows, hidden[token_of_row]))
         if not layout_ok:
             raise RuntimeError("ConsistentExperts: the dispatched rows are not in the expert-major, token-ascending "
                                "order of Megatron's permute (this megatron-core permutes differently)")
         pieces, start = [], 0
         mlp = self._expert_mlp()
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                pieces.append(mlp(rows[start : start + n], e))
-                start += n
+        for e, m in enumerate(counts.tolist()):
+            if m:
+                pieces.append(mlp(rows[start : start + m], e))
+                start += m
         w2 = self.linear_fc2.weight
         y = torch.cat(pieces) if pieces else rows.new_zeros(0, w2.shape[1])
-        return slot_order_rows(y, permuted_probs, row_of_pair), None
+        products = permuted_probs.unsqueeze(-1) * y.to(torch.float32)
+        return slot_order_rows(products, pair_of_row, routes, n, group), None
 
     def _expert_mlp(self):
         """``f(rows, e)``: expert ``e``'s SwiGLU MLP; block-FP8 (``kernels.fp8.fp8_expert_mlp``, quantized per forward
@@ -340,7 +388,11 @@ class ConsistentExperts(nn.Module):
         return None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        return _sharded(self, prefix, sharded_offsets, metadata)
+        state = _sharded(self, prefix, sharded_offsets, metadata)
+        if self.ep > 1:  # split over the EP ranks, replicated over the expert-data-parallel ranks (Megatron's experts)
+            for n in ("linear_fc1.weight", "linear_fc2.weight"):
+                state[prefix + n] = tpar.expert_sharded_tensor(self.get_parameter(n), prefix + n, sharded_offsets)
+        return state
 
 
 class ConsistentSharedExperts(nn.Module):
@@ -353,7 +405,7 @@ class ConsistentSharedExperts(nn.Module):
 
     def __init__(self, config, pg_collection=None, gate: bool = False, name: str | None = None, **unused):
         super().__init__()
-        _refuse(config)
+        check_megatron_moe_config(config)
         s, H, dt = config.moe_shared_expert_intermediate_size, config.hidden_size, config.params_dtype
         init, out_init = getattr(config, "init_method", None), getattr(config, "output_layer_init_method", None)
         self.linear_fc1 = _Container()
