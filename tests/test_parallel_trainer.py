@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import json
+import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -434,24 +436,27 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- framework entry points
-def _entry_point_worker(rank: int, workdir: str, config: str, tp: int, pp: int, sp: bool) -> None:
+def _entry_point_model(arch, weights: Path, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, dtype=None):
     """A GPTModel built the way Megatron-Bridge / Megatron-LM 0.19 build one from ``consistent_layer_spec_provider``
-    (the framework's own TransformerConfig at TP / PP, its GPTModel call with Megatron's RoPE arguments), the reference
-    weights loaded as the rank's shards, the logits gathered over the vocabulary."""
+    (the framework's own TransformerConfig at TP / PP / EP -- a MoE config with Megatron's MoE fields, ``moe_layer_freq``
+    from the architecture --, its GPTModel call with Megatron's RoPE arguments), the reference weights loaded as the
+    rank's shards."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_consistent.layers import apply_cpu_shims, as_arch_config, init_cpu_process_group, make_transformer_config
-    from megatron_consistent.layers.distributed import (gather_vocab, load_full_megatron_state, megatron_state_from_hf,
-                                                        read_hf_tensors, stage_forward)
+    from megatron_consistent.layers import apply_cpu_shims, init_cpu_process_group, make_transformer_config
+    from megatron_consistent.layers.distributed import load_full_megatron_state, megatron_state_from_hf, read_hf_tensors
     from megatron_consistent.layers.entry_points import consistent_layer_spec_provider
+    from megatron_consistent.layers.moe_megatron import megatron_moe_config_kwargs
 
-    work = Path(workdir)
-    arch = as_arch_config(config)
-    init_cpu_process_group(tp, pp)
+    init_cpu_process_group(tp, pp, expert_model_parallel_size=ep, sequence_parallel=sp)
     apply_cpu_shims()  # Megatron's own RotaryEmbedding (computed, then ignored, under 'rope') asks for CUDA otherwise
-    cfg = make_transformer_config(arch, arch.torch_dtype, consistent=False, tensor_model_parallel_size=tp,
-                                  pipeline_model_parallel_size=pp, sequence_parallel=sp)
+    moe = {}
+    if arch.is_moe:
+        moe = {**megatron_moe_config_kwargs(arch), "expert_model_parallel_size": ep,
+               "moe_layer_freq": [int(arch.layer_is_moe(i)) for i in range(arch.num_layers)]}
+    cfg = make_transformer_config(arch, dtype or arch.torch_dtype, consistent=False, tensor_model_parallel_size=tp,
+                                  pipeline_model_parallel_size=pp, sequence_parallel=sp, **moe)
     cfg.consistent_rope = arch.rope
     model = GPTModel(config=cfg, transformer_layer_spec=consistent_layer_spec_provider(cfg), vocab_size=arch.vocab_size,
                      max_sequence_length=arch.max_position_embeddings, pre_process=ps.is_pipeline_first_stage(),
@@ -459,7 +464,19 @@ def _entry_point_worker(rank: int, workdir: str, config: str, tp: int, pp: int, 
                      share_embeddings_and_output_weights=arch.tie_word_embeddings, position_embedding_type="rope",
                      rotary_base=arch.rope_theta)
     model.sequence_parallel = sp  # what stage_forward reads for a stage's received chunk
-    load_full_megatron_state(model, megatron_state_from_hf(arch, read_hf_tensors(work / "weights")))
+    load_full_megatron_state(model, megatron_state_from_hf(arch, read_hf_tensors(weights)))
+    return model
+
+
+def _entry_point_worker(rank: int, workdir: str, config: str, tp: int, pp: int, sp: bool) -> None:
+    """The entry-point model (:func:`_entry_point_model`) at TP / PP, the logits gathered over the vocabulary."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_consistent.layers import as_arch_config
+    from megatron_consistent.layers.distributed import gather_vocab, stage_forward
+
+    work = Path(workdir)
+    model = _entry_point_model(as_arch_config(config), work / "weights", tp, pp, sp)
     with torch.no_grad():
         logits = stage_forward(model, load_file(str(work / "inputs.safetensors"))["input_ids"])
     if logits is not None:
@@ -507,6 +524,46 @@ def test_logits_equal_across_data_and_expert_parallel_layouts(tmp_path):
             assert torch.equal(got_lp, lp), f"log-probs differ at {where}"
 
 
+def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_experts: bool = False) -> dict:
+    """Float32 gradients of ``-sum(log-probs of this replica's rows mine) / tokens`` (the DP replicas' losses sum to the
+    batch mean; the TP ranks of a replica compute the same loss), summed as Megatron's ``finalize_model_grads`` does:
+    sequence-parallel weights over the TP ranks, the replicated weights over the DP ranks, the experts
+    (``allreduce=False``) over the expert-data-parallel ranks (an expert's already covers its EP group's tokens);
+    gathered to the full tensors by name (``only_experts``: the experts' alone)."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_consistent.layers import tensor_parallel as tpar
+    from megatron_consistent.layers.distributed import stage_logprobs
+
+    (-stage_logprobs(model, mine).sum() / tokens).backward()
+    for p in model.parameters():
+        if not getattr(p, "allreduce", True):
+            dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
+            continue
+        if getattr(p, "sequence_parallel", False):  # finalize_model_grads: over the TP ranks
+            dist.all_reduce(p.grad, group=tpar.tp_group())
+        dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+    return {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model.named_parameters()
+            if not only_experts or not getattr(p, "allreduce", True)}
+
+
+@contextmanager
+def _experts_without_other_ranks_gradients(ep_rank: int):
+    """BROKEN on purpose, inside the ``with``: the backward of ``tensor_parallel.sum_rows_to_owners`` gives the other
+    EP ranks' rows no gradient, so this rank's experts miss the gradients of the other ranks' tokens."""
+    from megatron_consistent.layers import tensor_parallel as tpar
+
+    real = tpar._RowExchange.backward
+    tpar._RowExchange.backward = staticmethod(lambda ctx, g: real(ctx, g) if ctx.gather else (torch.cat(
+        [g if r == ep_rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None, None))
+    try:
+        yield
+    finally:
+        tpar._RowExchange.backward = real
+
+
 def _moe_ep2_worker(rank: int, workdir: str, tp: int) -> None:
     """EP=2 over the DP ranks (2 or 4: one or two expert-data-parallel replicas), or over the two ranks of TP = 2 with
     sequence parallelism, on the MoE config, the 5 rows split over the DP ranks by ``data_parallel_chunks`` (unequal
@@ -523,7 +580,7 @@ def _moe_ep2_worker(rank: int, workdir: str, tp: int) -> None:
     from megatron_consistent.layers import tensor_parallel as tpar
     from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
     from megatron_consistent.layers.distributed import (build_parallel_model, data_parallel_chunks, gather_vocab,
-                                                        stage_forward, stage_logprobs)
+                                                        stage_forward)
 
     work = Path(workdir)
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
@@ -536,25 +593,11 @@ def _moe_ep2_worker(rank: int, workdir: str, tp: int) -> None:
 
     def gradients(only_experts=False):
         model32.zero_grad()
-        # the DP replicas' losses sum to the batch mean (the TP ranks of a replica compute the same loss)
-        (-stage_logprobs(model32, mine).sum() / ids[:, 1:].numel()).backward()
-        for p in model32.parameters():
-            if not getattr(p, "allreduce", True):
-                dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
-                continue
-            if getattr(p, "sequence_parallel", False):  # finalize_model_grads: over the TP ranks
-                dist.all_reduce(p.grad, group=tpar.tp_group())
-            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-        return {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()
-                if not only_experts or not getattr(p, "allreduce", True)}
+        return _data_parallel_gradients(model32, mine, ids[:, 1:].numel(), only_experts)
 
     grads = gradients()
-    real_backward = tpar._RowExchange.backward
-    # broken backward of the sum to the owners: the other ranks' tokens send no gradient to this rank's experts
-    tpar._RowExchange.backward = staticmethod(lambda ctx, g: real_backward(ctx, g) if ctx.gather else (torch.cat(
-        [g if r == ep_rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None, None))
-    broken_grads = gradients(only_experts=True)
-    tpar._RowExchange.backward = real_backward
+    with _experts_without_other_ranks_gradients(ep_rank):
+        broken_grads = gradients(only_experts=True)
     model = build_parallel_model(cfg, weights, tp=tp, ep=2, dtype=torch.bfloat16, sequence_parallel=sp)
     fc1 = model.decoder.layers[1].mlp.experts.linear_fc1.weight
     sharded = model.sharded_state_dict()["decoder.layers.1.mlp.experts.linear_fc1.weight"]
@@ -727,3 +770,166 @@ def test_moe_experts_over_tp_ranks_gradients_checkpoint_and_broken_sum(tmp_path)
     want = megatron_state_from_hf(ArchConfig.from_hf(load_hf_config(QWEN2MOE)), read_hf_tensors(weights))
     for name, tensor in want.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+# ---------------------------------------------------------------------------------------------- Megatron's MoELayer at EP > 1
+def _gloo_moe_dispatch_collectives() -> None:
+    """TEST-ONLY shim (CPU gloo ranks): Megatron's ``tensor_parallel.mappings._gather_along_first_dim`` /
+    ``_reduce_scatter_along_first_dim`` -- the all-gather / reduce-scatter of its allgather token dispatcher, forward and
+    backward -- allocate on ``torch.cuda.current_device()``; here they are the package's row exchanges over the same
+    group (``tensor_parallel._gather_rows``: concatenation in rank order; ``_sum_rows_to_owners``: each rank's block of
+    the sum over the ranks).  The forward's reduce-scatter adds, per element, one value and zeros (the consistent
+    experts' combine), so it is exact in any order; the backward's sums are gradients (float64-reference bound)."""
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    from megatron_consistent.layers.tensor_parallel import _gather_rows, _sum_rows_to_owners
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        e = group.size()
+        return input_ if e == 1 else _gather_rows(input_, list(output_split_sizes or [input_.shape[0]] * e), group)
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        e = group.size()
+        return input_ if e == 1 else _sum_rows_to_owners(input_, list(input_split_sizes or [input_.shape[0] // e] * e),
+                                                         group)
+
+    mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather, reduce_scatter
+
+
+def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, ep: int) -> None:
+    """DP = EP = ``ep`` ranks (one EP group: the replicas), each its own rows, the model built through the entry point
+    with Megatron's MoELayer and its allgather dispatcher: the logits (bf16), a dist checkpoint and the experts'
+    sharded offsets, float32 gradients summed as Megatron does; then three broken variants: the experts' gradients
+    without the other ranks' tokens, the slot-0 row left without the other ranks' products (the owners' sum skipped),
+    and the layout derived from this rank's routes alone (the verification must raise)."""
+    import torch.distributed as dist
+
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatron_consistent.layers import as_arch_config
+    from megatron_consistent.layers import tensor_parallel as tpar
+    from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
+    from megatron_consistent.layers.distributed import stage_forward
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    work = Path(workdir)
+    arch = as_arch_config(config)
+    ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
+    n = ids.shape[0] // ep
+    mine = ids[rank * n:(rank + 1) * n]
+    _gloo_moe_dispatch_collectives()
+    model = _entry_point_model(arch, work / "weights", ep=ep)
+    assert ps.get_expert_model_parallel_rank() == rank and ps.get_data_parallel_world_size() == ep
+    with torch.no_grad():
+        out = {"logits": stage_forward(model, mine).contiguous()}
+    moe_layer = next(i for i in range(arch.num_layers) if arch.layer_is_moe(i))
+    key = f"decoder.layers.{moe_layer}.mlp.experts.linear_fc1.weight"
+    fc1, sharded = model.get_parameter(key), model.sharded_state_dict()[key]
+    meta = {"local": list(fc1.shape), "allreduce": fc1.allreduce, "global_shape": list(sharded.global_shape),
+            "global_offset": list(sharded.global_offset)}
+    (work / "dist").mkdir(exist_ok=True)
+    dist.barrier()
+    with cuda_stubs_for_checkpoint():
+        dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
+
+    model32 = _entry_point_model(arch, work / "weights", ep=ep, dtype=torch.float32)
+    grads = _data_parallel_gradients(model32, mine, ids[:, 1:].numel())
+    model32.zero_grad()
+    with _experts_without_other_ranks_gradients(rank):
+        broken_grads = _data_parallel_gradients(model32, mine, ids[:, 1:].numel(), only_experts=True)
+
+    real_sum, real_gather = tpar.sum_rows_to_owners, tpar.gather_rows
+    tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:rank]):sum(counts[:rank + 1])]  # broken
+    with torch.no_grad():
+        out["broken_logits"] = stage_forward(model, mine).contiguous()
+    tpar.sum_rows_to_owners = real_sum
+    tpar.gather_rows = lambda x, counts, group: x  # broken: this rank's routes and tokens taken for the EP group's
+    try:
+        with torch.no_grad():
+            stage_forward(model, mine)
+        meta["layout_error"] = None
+    except RuntimeError as err:
+        meta["layout_error"] = str(err)
+    tpar.gather_rows = real_gather
+    model.arch_config = arch  # what enable_fp8 reads: FP8 is refused at EP > 1 (read from the experts), nothing bound
+    try:
+        meta["fp8_error"] = enable_fp8(model)
+    except UnsupportedConfigError as err:
+        meta["fp8_error"] = str(err)
+    save_file(out, str(work / f"out{rank}.safetensors"))
+    if rank == 0:
+        save_file(grads, str(work / "grads.safetensors"))
+        save_file({**grads, **broken_grads}, str(work / "grads_broken.safetensors"))
+    (work / f"experts{rank}.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, ep", [(QWEN2MOE, 2), (MODELS_DIR / "tiny-qwen3moe-top1", 2), (QWEN2MOE, 4)],
+                         ids=["qwen2moe-top8-shared-ep2", "qwen3moe-top1-ep2", "qwen2moe-top8-shared-ep4"])
+def test_entry_point_megatron_moelayer_at_ep_bits_gradients_checkpoint_and_broken_combine(tmp_path, config, ep):
+    """Megatron's own MoELayer built through ``consistent_layer_spec_provider`` at DP = EP = ``ep`` (allgather
+    dispatcher; its all-gather / reduce-scatter through a TEST-ONLY gloo shim, :func:`_gloo_moe_dispatch_collectives`),
+    each rank its own rows: the logits are the one-process ``build_consistent_model``'s bit for bit; float32 gradients
+    (every expert's included) within GRAD_REL_TOL of float64; each rank holds its E/ep experts (``allreduce=False``,
+    offset ``rank E/ep`` in the sharded_state_dict) and the EP dist checkpoint loads at EP = 1 bit for bit; the slot-0
+    row left without the other ranks' products changes the logits and experts' gradients without the other ranks' tokens
+    are caught (top-k > 1; at top-1 no product moves, and neither changes anything), a layout not the EP group's is
+    refused, and so is FP8."""
+    from megatron_consistent.checkpoint import _load_dist_staged
+    from megatron_consistent.config import ArchConfig
+    from megatron_consistent.layers.distributed import megatron_state_from_hf, read_hf_tensors, spawn_ranks
+    from megatron_consistent.verify.reference import GRAD_REL_TOL
+
+    weights, ids, logits, _ = reference(config, tmp_path, batch=ep)
+    save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
+    spawn_ranks(_megatron_moe_ep_worker, ep, tmp_path, str(config), ep)
+    outs = [load_file(str(tmp_path / f"out{r}.safetensors")) for r in range(ep)]
+    assert torch.equal(torch.cat([o["logits"] for o in outs]), logits)
+    arch = ArchConfig.from_hf(load_hf_config(config))
+    moved = arch.num_experts_per_tok > 1  # top-1: a token's one product is formed on its owner, nothing moves
+    broken = torch.cat([o["broken_logits"] for o in outs])
+    assert moved == (not torch.equal(broken, logits)), "the slot-0 row without the other ranks' products was not caught"
+    errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
+    print(f"{config.name} Megatron MoELayer DP=EP={ep}: max relative gradient error vs float64 {max(errs.values()):.3g} "
+          f"({max(errs, key=errs.get)})")
+    assert max(errs.values()) < GRAD_REL_TOL, errs
+    broken_errs = _gradient_errors(tmp_path / "grads_broken.safetensors", weights, ids)
+    print(f"  the other ranks' tokens left out of the experts' gradients: max relative error {max(broken_errs.values()):.3g}")
+    assert moved == (max(broken_errs.values()) > 1e3 * GRAD_REL_TOL), "experts' gradients without the other ranks' tokens"
+    for rank in range(ep):
+        meta = json.loads((tmp_path / f"experts{rank}.json").read_text())
+        per = arch.num_experts // ep
+        assert meta["local"][0] == per and meta["allreduce"] is False, meta
+        # per-layer keys (moe_layer_freq a list: Megatron's non-homogeneous layers): [E, 2I, H], offset per * rank
+        assert meta["global_shape"][0] == arch.num_experts and meta["global_offset"][0] == per * rank, meta
+        assert meta["layout_error"] and "expert-major, token-ascending" in meta["layout_error"], meta
+        assert f"FP8 with model parallelism (TP=1, PP=1, EP={ep})" in meta["fp8_error"], meta
+    # the EP checkpoint into the same framework's model at EP = 1 (fresh buffers: the model's own weights untouched)
+    loaded = _load_dist_staged(_entry_point_model(arch, weights), tmp_path / "dist")
+    want = megatron_state_from_hf(arch, read_hf_tensors(weights))
+    for name, tensor in want.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2},
+     "tensor parallelism (tensor_model_parallel_size=2; this path runs at TP = 1"),
+    ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2},
+     "expert parallelism at TP > 1 without sequence parallelism"),
+    ({"expert_model_parallel_size": 3}, "expert_model_parallel_size=3 with num_moe_experts=64"),
+    ({"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 2}, "expert tensor parallelism"),
+])
+def test_entry_point_megatron_moelayer_refusals_by_name(fields, words):
+    """What the entry point's Megatron MoELayer does not implement at EP > 1 is refused in one line by the spec call,
+    before any module is built (no process group needed)."""
+    from megatron_consistent.layers import as_arch_config, make_transformer_config
+    from megatron_consistent.layers.entry_points import consistent_layer_spec_provider
+    from megatron_consistent.layers.moe_megatron import megatron_moe_config_kwargs
+
+    arch = as_arch_config(QWEN2MOE)
+    config = make_transformer_config(arch, arch.torch_dtype, consistent=False, **megatron_moe_config_kwargs(arch))
+    for name, value in fields.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
+        consistent_layer_spec_provider(config)
