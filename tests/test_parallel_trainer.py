@@ -796,12 +796,14 @@ def _gloo_moe_dispatch_collectives() -> None:
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather, reduce_scatter
 
 
-def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, ep: int) -> None:
-    """DP = EP = ``ep`` ranks (one EP group: the replicas), each its own rows, the model built through the entry point
-    with Megatron's MoELayer and its allgather dispatcher: the logits (bf16), a dist checkpoint and the experts'
-    sharded offsets, float32 gradients summed as Megatron does; then three broken variants: the experts' gradients
-    without the other ranks' tokens, the slot-0 row left without the other ranks' products (the owners' sum skipped),
-    and the layout derived from this rank's routes alone (the verification must raise)."""
+def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, tp: int, ep: int) -> None:
+    """TP (with sequence parallelism at TP > 1) x DP ranks, the experts over EP of them (DP = EP at TP = 1: the
+    replicas; TP = 2, EP = 2: the TP group itself), each replica its own rows, the model built through the entry point
+    with Megatron's MoELayer and its allgather dispatcher: the logits (bf16, gathered over the vocabulary), a dist
+    checkpoint and the experts' sharded offsets, float32 gradients summed as Megatron does; then, at EP > 1, three
+    broken variants -- the experts' gradients without the other ranks' tokens, the slot-0 row left without the other
+    ranks' products (the owners' sum skipped), the layout derived from this rank's routes alone (the verification must
+    raise) -- and FP8, refused."""
     import torch.distributed as dist
 
     from megatron.core import dist_checkpointing
@@ -810,111 +812,118 @@ def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, ep: int) -> No
     from megatron_consistent.layers import as_arch_config
     from megatron_consistent.layers import tensor_parallel as tpar
     from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
-    from megatron_consistent.layers.distributed import stage_forward
+    from megatron_consistent.layers.distributed import gather_vocab, stage_forward
     from megatron_consistent.layers.fp8 import enable_fp8
 
     work = Path(workdir)
     arch = as_arch_config(config)
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
-    n = ids.shape[0] // ep
-    mine = ids[rank * n:(rank + 1) * n]
     _gloo_moe_dispatch_collectives()
-    model = _entry_point_model(arch, work / "weights", ep=ep)
-    assert ps.get_expert_model_parallel_rank() == rank and ps.get_data_parallel_world_size() == ep
-    with torch.no_grad():
-        out = {"logits": stage_forward(model, mine).contiguous()}
+    model = _entry_point_model(arch, work / "weights", tp=tp, sp=tp > 1, ep=ep)
+    replica, ep_rank = ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank()
+    n = ids.shape[0] // ps.get_data_parallel_world_size()
+    mine = ids[replica * n:(replica + 1) * n]
+
+    def logits():
+        with torch.no_grad():
+            return gather_vocab(stage_forward(model, mine)).contiguous()
+
+    out = {"logits": logits()}
     moe_layer = next(i for i in range(arch.num_layers) if arch.layer_is_moe(i))
     key = f"decoder.layers.{moe_layer}.mlp.experts.linear_fc1.weight"
     fc1, sharded = model.get_parameter(key), model.sharded_state_dict()[key]
-    meta = {"local": list(fc1.shape), "allreduce": fc1.allreduce, "global_shape": list(sharded.global_shape),
-            "global_offset": list(sharded.global_offset)}
+    meta = {"ep_rank": ep_rank, "local": list(fc1.shape), "allreduce": fc1.allreduce,
+            "global_shape": list(sharded.global_shape), "global_offset": list(sharded.global_offset)}
     (work / "dist").mkdir(exist_ok=True)
     dist.barrier()
     with cuda_stubs_for_checkpoint():
         dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
 
-    model32 = _entry_point_model(arch, work / "weights", ep=ep, dtype=torch.float32)
+    model32 = _entry_point_model(arch, work / "weights", tp=tp, sp=tp > 1, ep=ep, dtype=torch.float32)
     grads = _data_parallel_gradients(model32, mine, ids[:, 1:].numel())
-    model32.zero_grad()
-    with _experts_without_other_ranks_gradients(rank):
-        broken_grads = _data_parallel_gradients(model32, mine, ids[:, 1:].numel(), only_experts=True)
-
-    real_sum, real_gather = tpar.sum_rows_to_owners, tpar.gather_rows
-    tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:rank]):sum(counts[:rank + 1])]  # broken
-    with torch.no_grad():
-        out["broken_logits"] = stage_forward(model, mine).contiguous()
-    tpar.sum_rows_to_owners = real_sum
-    tpar.gather_rows = lambda x, counts, group: x  # broken: this rank's routes and tokens taken for the EP group's
-    try:
-        with torch.no_grad():
-            stage_forward(model, mine)
-        meta["layout_error"] = None
-    except RuntimeError as err:
-        meta["layout_error"] = str(err)
-    tpar.gather_rows = real_gather
-    model.arch_config = arch  # what enable_fp8 reads: FP8 is refused at EP > 1 (read from the experts), nothing bound
-    try:
-        meta["fp8_error"] = enable_fp8(model)
-    except UnsupportedConfigError as err:
-        meta["fp8_error"] = str(err)
-    save_file(out, str(work / f"out{rank}.safetensors"))
     if rank == 0:
         save_file(grads, str(work / "grads.safetensors"))
-        save_file({**grads, **broken_grads}, str(work / "grads_broken.safetensors"))
+    if ep > 1:
+        model32.zero_grad()
+        with _experts_without_other_ranks_gradients(ep_rank):
+            broken_grads = _data_parallel_gradients(model32, mine, ids[:, 1:].numel(), only_experts=True)
+        if rank == 0:
+            save_file({**grads, **broken_grads}, str(work / "grads_broken.safetensors"))
+        real_sum, real_gather = tpar.sum_rows_to_owners, tpar.gather_rows
+        tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:ep_rank]):sum(counts[:ep_rank + 1])]  # broken
+        out["broken_logits"] = logits()
+        tpar.sum_rows_to_owners = real_sum
+        tpar.gather_rows = lambda x, counts, group: x  # broken: this rank's routes and tokens taken for the EP group's
+        try:
+            logits()
+        except RuntimeError as err:
+            meta["layout_error"] = str(err)
+        tpar.gather_rows = real_gather
+        model.arch_config = arch  # what enable_fp8 reads: FP8 is refused at EP > 1 (read from the experts)
+        with pytest.raises(UnsupportedConfigError, match=re.escape(f"FP8 with model parallelism (TP=1, PP=1, EP={ep})")):
+            enable_fp8(model)
+    if ps.get_tensor_model_parallel_rank() == 0:
+        save_file(out, str(work / f"out{replica}.safetensors"))
     (work / f"experts{rank}.json").write_text(json.dumps(meta))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, ep", [(QWEN2MOE, 2), (MODELS_DIR / "tiny-qwen3moe-top1", 2), (QWEN2MOE, 4)],
-                         ids=["qwen2moe-top8-shared-ep2", "qwen3moe-top1-ep2", "qwen2moe-top8-shared-ep4"])
-def test_entry_point_megatron_moelayer_at_ep_bits_gradients_checkpoint_and_broken_combine(tmp_path, config, ep):
-    """Megatron's own MoELayer built through ``consistent_layer_spec_provider`` at DP = EP = ``ep`` (allgather
-    dispatcher; its all-gather / reduce-scatter through a TEST-ONLY gloo shim, :func:`_gloo_moe_dispatch_collectives`),
-    each rank its own rows: the logits are the one-process ``build_consistent_model``'s bit for bit; float32 gradients
-    (every expert's included) within GRAD_REL_TOL of float64; each rank holds its E/ep experts (``allreduce=False``,
-    offset ``rank E/ep`` in the sharded_state_dict) and the EP dist checkpoint loads at EP = 1 bit for bit; the slot-0
-    row left without the other ranks' products changes the logits and experts' gradients without the other ranks' tokens
-    are caught (top-k > 1; at top-1 no product moves, and neither changes anything), a layout not the EP group's is
-    refused, and so is FP8."""
+@pytest.mark.parametrize("config, tp, ep, world", [
+    (QWEN2MOE, 1, 2, 2), (MODELS_DIR / "tiny-qwen3moe-top1", 1, 2, 2), (QWEN2MOE, 1, 4, 4), (QWEN2MOE, 2, 2, 2),
+    (QWEN2MOE, 2, 4, 4), (QWEN2MOE, 2, 1, 2)],
+    ids=["qwen2moe-dp2-ep2", "qwen3moe-top1-dp2-ep2", "qwen2moe-dp4-ep4", "qwen2moe-tp2sp-ep2", "qwen2moe-tp2sp-dp2-ep4",
+         "qwen2moe-tp2sp-ep1"])
+def test_entry_point_megatron_moelayer_at_ep_bits_gradients_checkpoint_and_broken_combine(tmp_path, config, tp, ep,
+                                                                                        world):
+    """Megatron's own MoELayer built through ``consistent_layer_spec_provider`` at EP = ``ep`` over DP replicas, or
+    over TP = 2 ranks with sequence parallelism (allgather dispatcher; its all-gather / reduce-scatter through a
+    TEST-ONLY gloo shim, :func:`_gloo_moe_dispatch_collectives`), each replica its own rows: the logits are the
+    one-process ``build_consistent_model``'s bit for bit; float32 gradients (every expert's included) within
+    GRAD_REL_TOL of float64; each rank holds its E/ep experts (``allreduce=False``, offset ``ep_rank E/ep`` in the
+    sharded_state_dict) and the dist checkpoint loads at EP = TP = 1 bit for bit.  At EP > 1: the slot-0 row left
+    without the other ranks' products changes the logits and experts' gradients without the other ranks' tokens are
+    caught (top-k > 1; at top-1 no product moves, and neither changes anything), a layout not the EP group's and FP8
+    are refused."""
     from megatron_consistent.checkpoint import _load_dist_staged
     from megatron_consistent.config import ArchConfig
     from megatron_consistent.layers.distributed import megatron_state_from_hf, read_hf_tensors, spawn_ranks
     from megatron_consistent.verify.reference import GRAD_REL_TOL
 
-    weights, ids, logits, _ = reference(config, tmp_path, batch=ep)
+    dp = world // tp
+    weights, ids, logits, _ = reference(config, tmp_path, batch=max(2, dp))
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
-    spawn_ranks(_megatron_moe_ep_worker, ep, tmp_path, str(config), ep)
-    outs = [load_file(str(tmp_path / f"out{r}.safetensors")) for r in range(ep)]
+    spawn_ranks(_megatron_moe_ep_worker, world, tmp_path, str(config), tp, ep)
+    outs = [load_file(str(tmp_path / f"out{d}.safetensors")) for d in range(dp)]
     assert torch.equal(torch.cat([o["logits"] for o in outs]), logits)
     arch = ArchConfig.from_hf(load_hf_config(config))
-    moved = arch.num_experts_per_tok > 1  # top-1: a token's one product is formed on its owner, nothing moves
-    broken = torch.cat([o["broken_logits"] for o in outs])
-    assert moved == (not torch.equal(broken, logits)), "the slot-0 row without the other ranks' products was not caught"
     errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
-    print(f"{config.name} Megatron MoELayer DP=EP={ep}: max relative gradient error vs float64 {max(errs.values()):.3g} "
-          f"({max(errs, key=errs.get)})")
+    print(f"{config.name} Megatron MoELayer TP={tp} DP={dp} EP={ep}: max relative gradient error vs float64 "
+          f"{max(errs.values()):.3g} ({max(errs, key=errs.get)})")
     assert max(errs.values()) < GRAD_REL_TOL, errs
-    broken_errs = _gradient_errors(tmp_path / "grads_broken.safetensors", weights, ids)
-    print(f"  the other ranks' tokens left out of the experts' gradients: max relative error {max(broken_errs.values()):.3g}")
-    assert moved == (max(broken_errs.values()) > 1e3 * GRAD_REL_TOL), "experts' gradients without the other ranks' tokens"
-    for rank in range(ep):
+    per = arch.num_experts // ep
+    for rank in range(world):
         meta = json.loads((tmp_path / f"experts{rank}.json").read_text())
-        per = arch.num_experts // ep
         assert meta["local"][0] == per and meta["allreduce"] is False, meta
-        # per-layer keys (moe_layer_freq a list: Megatron's non-homogeneous layers): [E, 2I, H], offset per * rank
-        assert meta["global_shape"][0] == arch.num_experts and meta["global_offset"][0] == per * rank, meta
-        assert meta["layout_error"] and "expert-major, token-ascending" in meta["layout_error"], meta
-        assert f"FP8 with model parallelism (TP=1, PP=1, EP={ep})" in meta["fp8_error"], meta
-    # the EP checkpoint into the same framework's model at EP = 1 (fresh buffers: the model's own weights untouched)
+        # per-layer keys (moe_layer_freq a list: Megatron's non-homogeneous layers): [E, 2I, H], offset per * ep_rank
+        assert meta["global_shape"][0] == arch.num_experts and meta["global_offset"][0] == per * meta["ep_rank"], meta
+        assert ("expert-major, token-ascending" in meta.get("layout_error", "")) == (ep > 1), meta
+    # the checkpoint into the same framework's model at TP = EP = 1 (fresh buffers: the model's own weights untouched)
     loaded = _load_dist_staged(_entry_point_model(arch, weights), tmp_path / "dist")
     want = megatron_state_from_hf(arch, read_hf_tensors(weights))
     for name, tensor in want.items():
         assert torch.equal(loaded[name], tensor), name
+    if ep > 1:
+        moved = arch.num_experts_per_tok > 1  # top-1: a token's one product is formed on its owner, nothing moves
+        broken = torch.cat([o["broken_logits"] for o in outs])
+        assert moved == (not torch.equal(broken, logits)), "the slot-0 row without the other ranks' products"
+        broken_errs = _gradient_errors(tmp_path / "grads_broken.safetensors", weights, ids)
+        print(f"  the other ranks' tokens left out of the experts' gradients: max relative error "
+              f"{max(broken_errs.values()):.3g}")
+        assert moved == (max(broken_errs.values()) > 1e3 * GRAD_REL_TOL), "experts' gradients without the other ranks' tokens"
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2},
-     "tensor parallelism (tensor_model_parallel_size=2; this path runs at TP = 1"),
+    ({"tensor_model_parallel_size": 2}, "tensor parallelism without sequence parallelism (tensor_model_parallel_size=2"),
     ({"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2},
      "expert parallelism at TP > 1 without sequence parallelism"),
     ({"expert_model_parallel_size": 3}, "expert_model_parallel_size=3 with num_moe_experts=64"),

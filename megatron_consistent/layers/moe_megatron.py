@@ -131,11 +131,11 @@ def check_megatron_moe_config(config) -> None:
         bad.append(f"expert_model_parallel_size={ep} with num_moe_experts={g('num_moe_experts')} (EP must divide the "
                    "number of experts)")
     if (g("expert_tensor_parallel_size", 1) or 1) != 1:
-        bad.append(f"expert tensor parallelism (expert_tensor_parallel_size={g('expert_tensor_parallel_size')})")
-    if g("tensor_model_parallel_size", 1) != 1:
-        bad.append(f"tensor parallelism (tensor_model_parallel_size={g('tensor_model_parallel_size')}; this path runs "
-                   "at TP = 1, with expert parallelism over the data-parallel ranks; MoE at TP > 1: "
-                   "build_consistent_model(moe_impl='module'))")
+        bad.append(f"expert tensor parallelism (expert_tensor_parallel_size={g('expert_tensor_parallel_size')}; set it "
+                   "to 1 -- Megatron's TransformerConfig defaults it to the TP size)")
+    if g("tensor_model_parallel_size", 1) != 1 and not g("sequence_parallel", False):
+        bad.append(f"tensor parallelism without sequence parallelism (tensor_model_parallel_size="
+                   f"{g('tensor_model_parallel_size')}: Megatron's MoELayer trains at TP > 1 only with sequence_parallel=True)")
     if g("moe_token_dispatcher_type") not in DISPATCHERS:
         bad.append(f"moe_token_dispatcher_type={g('moe_token_dispatcher_type')!r} (supported: {', '.join(DISPATCHERS)})")
     elif g("moe_token_dispatcher_type") == "alltoall" and not torch.cuda.is_available():
@@ -328,8 +328,9 @@ class ConsistentExperts(nn.Module):
         H, inter, dt = config.hidden_size, config.moe_ffn_hidden_size, config.params_dtype
         fc1 = _init((E, 2 * inter, H), getattr(config, "init_method", None), dt)  # the EP = 1 draws
         fc2 = _init((E, H, inter), getattr(config, "output_layer_init_method", None), dt)
-        if self.ep > 1:
-            fc1, fc2 = (_expert_shard(w, dist.get_rank(group), self.ep, expert_parallel=True) for w in (fc1, fc2))
+        if self.ep > 1 or config.tensor_model_parallel_size > 1:  # gradients over the expert-data-parallel ranks
+            rank = 0 if group is None else dist.get_rank(group)
+            fc1, fc2 = (_expert_shard(w, rank, self.ep, expert_parallel=True) for w in (fc1, fc2))
         else:
             fc1, fc2 = _mark(fc1), _mark(fc2)
         self.linear_fc1 = _Container()
@@ -408,11 +409,12 @@ class ConsistentSharedExperts(nn.Module):
         check_megatron_moe_config(config)
         s, H, dt = config.moe_shared_expert_intermediate_size, config.hidden_size, config.params_dtype
         init, out_init = getattr(config, "init_method", None), getattr(config, "output_layer_init_method", None)
+        sp = bool(getattr(config, "sequence_parallel", False))  # a rank's gradient covers its sequence chunk
         self.linear_fc1 = _Container()
         self.linear_fc2 = _Container()
-        self.linear_fc1.weight = _mark(_init((2 * s, H), init, dt))
-        self.linear_fc2.weight = _mark(_init((H, s), out_init, dt))
-        self.gate_weight = _mark(_init((1, H), init, dt)) if gate else None
+        self.linear_fc1.weight = _mark(_init((2 * s, H), init, dt), sp)
+        self.linear_fc2.weight = _mark(_init((H, s), out_init, dt), sp)
+        self.gate_weight = _mark(_init((1, H), init, dt), sp) if gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, x.shape[-1])
@@ -452,7 +454,8 @@ def consistent_moe_bias_dropout_add(training: bool, fused: bool):
 
 
 def megatron_moe_config_kwargs(arch, dispatcher: str = "allgather", aux_loss_coeff: float = 0.0) -> dict:
-    """``TransformerConfig`` MoE fields for ``arch`` (EP=1, no fusions, our router's options)."""
+    """``TransformerConfig`` MoE fields for ``arch`` (EP=1 -- a framework sets its own --, expert TP 1, no fusions, our
+    router's options)."""
     check_megatron_moe_arch(arch)
     if dispatcher not in DISPATCHERS:
         raise UnsupportedConfigError(f"unsupported moe_token_dispatcher_type {dispatcher!r}; supported: {', '.join(DISPATCHERS)}")
@@ -476,6 +479,7 @@ def megatron_moe_config_kwargs(arch, dispatcher: str = "allgather", aux_loss_coe
         moe_permute_fusion=False,
         moe_router_fusion=False,
         expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
     )
 
 
