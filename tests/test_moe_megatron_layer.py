@@ -312,7 +312,8 @@ def test_unsupported_options_refused_by_name():
     cfg = types.SimpleNamespace(expert_model_parallel_size=3, num_moe_experts=8, tensor_model_parallel_size=2,
                                 moe_token_dispatcher_type="allgather", moe_expert_capacity_factor=1.0, moe_permute_fusion=True)
     with pytest.raises(UnsupportedConfigError, match=r"expert_model_parallel_size=3 with num_moe_experts=8.*tensor "
-                       r"parallelism .tensor_model_parallel_size=2.*moe_expert_capacity_factor=1.0.*moe_permute_fusion"):
+                       r"parallelism without sequence parallelism .tensor_model_parallel_size=2.*moe_expert_capacity_factor=1.0.*"
+                       r"moe_permute_fusion"):
         mm.check_megatron_moe_config(cfg)
     with pytest.raises(UnsupportedConfigError, match="hybrid"):
         mm.check_megatron_moe_arch(types.SimpleNamespace(is_moe=True, is_hybrid=True))
