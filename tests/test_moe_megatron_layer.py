@@ -71,54 +71,32 @@ def test_megatron_moelayer_equals_module_path(name):
     assert sorted(ra) == sorted(rb) and all(torch.equal(ra[i], rb[i]) for i in ra)
 
 
-class _NoopStream:
-    """Stand-in for ``torch.cuda.Stream`` on a CPU-only machine: CPU ops are synchronous, so every stream
-    operation Megatron's all-to-all dispatcher issues (side-stream D2H copies, wait, record/sync event) is a no-op."""
-
-    def __init__(self, *a, **k):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-    def record_event(self, *a):
-        return types.SimpleNamespace(synchronize=lambda: None)
-
-
 @pytest.mark.parametrize("name", ["tiny-mixtral-top2"])  # all three configs: tests/test_gpu_moe_dispatch.py (CUDA)
-def test_alltoall_dispatcher_equals_allgather_on_cpu(name, monkeypatch):
+def test_alltoall_dispatcher_equals_allgather_on_cpu(name):
     """Megatron's MoEAlltoAllTokenDispatcher at EP=1 on the CPU (its CUDA stream calls stubbed as no-ops; the
     product refuses 'alltoall' without CUDA): values, routes and gradients equal to the all-gather dispatcher."""
-    import contextlib
-
+    from _cuda_on_cpu import alltoall_dispatcher_stubs
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    if not torch.cuda.is_available():
-        current = _NoopStream()
-        monkeypatch.setattr(torch.cuda, "Stream", _NoopStream)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current)
-        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only for the build-time refusal
-    a2a = build_consistent_gpt_model(builtin_model_dir(name), seed=0, moe_impl="megatron", moe_token_dispatcher="alltoall")
-    monkeypatch.undo()
+    from megatron_consistent.layers import init_cpu_process_group
+
+    init_cpu_process_group()  # before claiming CUDA (it seeds Megatron's CUDA RNG where CUDA is available)
+    with alltoall_dispatcher_stubs(claim_cuda=True):
+        a2a = build_consistent_gpt_model(builtin_model_dir(name), seed=0, moe_impl="megatron", moe_token_dispatcher="alltoall")
     assert isinstance(a2a.decoder.layers[1].mlp.token_dispatcher, MoEAlltoAllTokenDispatcher)
-    if not torch.cuda.is_available():  # the forward needs the stream stubs again
-        current = _NoopStream()
-        monkeypatch.setattr(torch.cuda, "Stream", _NoopStream)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: current)
-        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     module, ag = _model(name, "module"), _model(name, "megatron")
     ag.load_state_dict(module.state_dict())
     a2a.load_state_dict(module.state_dict())
     ids = _ids(module.arch_config.vocab_size, 3, 29, seed=6)
-    with torch.no_grad():
+    with alltoall_dispatcher_stubs(), torch.no_grad():  # the forward needs the stream stubs again
         lm, la, lg = _logits(module, ids), _logits(a2a, ids), _logits(ag, ids)
         ra, rg = collect_routes(a2a), collect_routes(ag)
     assert torch.equal(la, lg) and torch.equal(lg, lm)
     assert sorted(ra) == sorted(rg) and all(torch.equal(ra[i], rg[i]) for i in ra)
-    for m in (a2a, ag):
-        m.zero_grad(set_to_none=True)
-        _logits(m, ids).float().square().mean().backward()
+    with alltoall_dispatcher_stubs():
+        for m in (a2a, ag):
+            m.zero_grad(set_to_none=True)
+            _logits(m, ids).float().square().mean().backward()
     pa, pg = dict(a2a.named_parameters()), dict(ag.named_parameters())
     assert all(torch.equal(pa[k].grad, pg[k].grad) for k in pa)  # CPU: even the backward is identical
     ag.zero_grad(set_to_none=True)

@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -436,7 +436,8 @@ def test_tp2_bits_gradients_checkpoint_offsets_and_broken_reduction(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- framework entry points
-def _entry_point_model(arch, weights: Path, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, dtype=None):
+def _entry_point_model(arch, weights: Path, tp: int = 1, pp: int = 1, sp: bool = False, ep: int = 1, dtype=None,
+                       dispatcher: str = "allgather"):
     """A GPTModel built the way Megatron-Bridge / Megatron-LM 0.19 build one from ``consistent_layer_spec_provider``
     (the framework's own TransformerConfig at TP / PP / EP -- a MoE config with Megatron's MoE fields, ``moe_layer_freq``
     from the architecture --, its GPTModel call with Megatron's RoPE arguments), the reference weights loaded as the
@@ -453,7 +454,7 @@ def _entry_point_model(arch, weights: Path, tp: int = 1, pp: int = 1, sp: bool =
     apply_cpu_shims()  # Megatron's own RotaryEmbedding (computed, then ignored, under 'rope') asks for CUDA otherwise
     moe = {}
     if arch.is_moe:
-        moe = {**megatron_moe_config_kwargs(arch), "expert_model_parallel_size": ep,
+        moe = {**megatron_moe_config_kwargs(arch, dispatcher), "expert_model_parallel_size": ep,
                "moe_layer_freq": [int(arch.layer_is_moe(i)) for i in range(arch.num_layers)]}
     cfg = make_transformer_config(arch, dtype or arch.torch_dtype, consistent=False, tensor_model_parallel_size=tp,
                                   pipeline_model_parallel_size=pp, sequence_parallel=sp, **moe)
@@ -549,7 +550,7 @@ def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_expert
             if not only_experts or not getattr(p, "allreduce", True)}
 
 
-@contextmanager
+@contextlib.contextmanager
 def _experts_without_other_ranks_gradients(ep_rank: int):
     """BROKEN on purpose, inside the ``with``: the backward of ``tensor_parallel.sum_rows_to_owners`` gives the other
     EP ranks' rows no gradient, so this rank's experts miss the gradients of the other ranks' tokens."""
@@ -796,30 +797,44 @@ def _gloo_moe_dispatch_collectives() -> None:
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather, reduce_scatter
 
 
-def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, tp: int, ep: int) -> None:
+def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, tp: int, ep: int, dispatcher: str) -> None:
     """TP (with sequence parallelism at TP > 1) x DP ranks, the experts over EP of them (DP = EP at TP = 1: the
     replicas; TP = 2, EP = 2: the TP group itself), each replica its own rows, the model built through the entry point
-    with Megatron's MoELayer and its allgather dispatcher: the logits (bf16, gathered over the vocabulary), a dist
+    with Megatron's MoELayer and its ``dispatcher`` (alltoall: its CUDA calls TEST-ONLY stubbed,
+    ``_cuda_on_cpu.alltoall_dispatcher_stubs``): the logits (bf16, gathered over the vocabulary), a dist
     checkpoint and the experts' sharded offsets, float32 gradients summed as Megatron does; then, at EP > 1, three
     broken variants -- the experts' gradients without the other ranks' tokens, the slot-0 row left without the other
     ranks' products (the owners' sum skipped), the layout derived from this rank's routes alone (the verification must
     raise) -- and FP8, refused."""
+    from _cuda_on_cpu import alltoall_dispatcher_stubs
+
+    from megatron_consistent.layers import apply_cpu_shims, as_arch_config, init_cpu_process_group
+
+    stubs = alltoall_dispatcher_stubs if dispatcher == "alltoall" else lambda claim_cuda=False: contextlib.nullcontext()
+    init_cpu_process_group(tp, 1, expert_model_parallel_size=ep, sequence_parallel=tp > 1)  # both before claiming CUDA
+    apply_cpu_shims()
+    with stubs():
+        _megatron_moe_ep_job(rank, Path(workdir), as_arch_config(config), tp, ep, dispatcher, stubs)
+
+
+def _megatron_moe_ep_job(rank: int, work: Path, arch, tp: int, ep: int, dispatcher: str, stubs) -> None:
+    """:func:`_megatron_moe_ep_worker`'s job (inside the dispatcher's stubs)."""
     import torch.distributed as dist
 
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from megatron_consistent.layers import as_arch_config
     from megatron_consistent.layers import tensor_parallel as tpar
     from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
     from megatron_consistent.layers.distributed import gather_vocab, stage_forward
     from megatron_consistent.layers.fp8 import enable_fp8
 
-    work = Path(workdir)
-    arch = as_arch_config(config)
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
     _gloo_moe_dispatch_collectives()
-    model = _entry_point_model(arch, work / "weights", tp=tp, sp=tp > 1, ep=ep)
+    with stubs(claim_cuda=True):  # the product refuses 'alltoall' without CUDA
+        model = _entry_point_model(arch, work / "weights", tp=tp, sp=tp > 1, ep=ep, dispatcher=dispatcher)
+        model32 = _entry_point_model(arch, work / "weights", tp=tp, sp=tp > 1, ep=ep, dtype=torch.float32,
+                                     dispatcher=dispatcher)
     replica, ep_rank = ps.get_data_parallel_rank(), ps.get_expert_model_parallel_rank()
     n = ids.shape[0] // ps.get_data_parallel_world_size()
     mine = ids[replica * n:(replica + 1) * n]
@@ -839,7 +854,6 @@ def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, tp: int, ep: i
     with cuda_stubs_for_checkpoint():
         dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
 
-    model32 = _entry_point_model(arch, work / "weights", tp=tp, sp=tp > 1, ep=ep, dtype=torch.float32)
     grads = _data_parallel_gradients(model32, mine, ids[:, 1:].numel())
     if rank == 0:
         save_file(grads, str(work / "grads.safetensors"))
@@ -868,16 +882,18 @@ def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, tp: int, ep: i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, tp, ep, world", [
-    (QWEN2MOE, 1, 2, 2), (MODELS_DIR / "tiny-qwen3moe-top1", 1, 2, 2), (QWEN2MOE, 1, 4, 4), (QWEN2MOE, 2, 2, 2),
-    (QWEN2MOE, 2, 4, 4), (QWEN2MOE, 2, 1, 2)],
+@pytest.mark.parametrize("config, tp, ep, world, dispatcher", [
+    (QWEN2MOE, 1, 2, 2, "allgather"), (MODELS_DIR / "tiny-qwen3moe-top1", 1, 2, 2, "allgather"),
+    (QWEN2MOE, 1, 4, 4, "allgather"), (QWEN2MOE, 2, 2, 2, "allgather"), (QWEN2MOE, 2, 4, 4, "allgather"),
+    (QWEN2MOE, 2, 1, 2, "allgather"), (QWEN2MOE, 1, 2, 2, "alltoall"), (QWEN2MOE, 2, 4, 4, "alltoall")],
     ids=["qwen2moe-dp2-ep2", "qwen3moe-top1-dp2-ep2", "qwen2moe-dp4-ep4", "qwen2moe-tp2sp-ep2", "qwen2moe-tp2sp-dp2-ep4",
-         "qwen2moe-tp2sp-ep1"])
+         "qwen2moe-tp2sp-ep1", "qwen2moe-dp2-ep2-alltoall", "qwen2moe-tp2sp-dp2-ep4-alltoall"])
 def test_entry_point_megatron_moelayer_at_ep_bits_gradients_checkpoint_and_broken_combine(tmp_path, config, tp, ep,
-                                                                                        world):
+                                                                                        world, dispatcher):
     """Megatron's own MoELayer built through ``consistent_layer_spec_provider`` at EP = ``ep`` over DP replicas, or
-    over TP = 2 ranks with sequence parallelism (allgather dispatcher; its all-gather / reduce-scatter through a
-    TEST-ONLY gloo shim, :func:`_gloo_moe_dispatch_collectives`), each replica its own rows: the logits are the
+    over TP = 2 ranks with sequence parallelism, with the allgather or the alltoall dispatcher (TEST-ONLY on the CPU:
+    the allgather's all-gather / reduce-scatter through :func:`_gloo_moe_dispatch_collectives`, the alltoall's CUDA
+    streams and allocation through ``_cuda_on_cpu.alltoall_dispatcher_stubs``), each replica its own rows: the logits are the
     one-process ``build_consistent_model``'s bit for bit; float32 gradients (every expert's included) within
     GRAD_REL_TOL of float64; each rank holds its E/ep experts (``allreduce=False``, offset ``ep_rank E/ep`` in the
     sharded_state_dict) and the dist checkpoint loads at EP = TP = 1 bit for bit.  At EP > 1: the slot-0 row left
@@ -892,7 +908,7 @@ def test_entry_point_megatron_moelayer_at_ep_bits_gradients_checkpoint_and_broke
     dp = world // tp
     weights, ids, logits, _ = reference(config, tmp_path, batch=max(2, dp))
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
-    spawn_ranks(_megatron_moe_ep_worker, world, tmp_path, str(config), tp, ep)
+    spawn_ranks(_megatron_moe_ep_worker, world, tmp_path, str(config), tp, ep, dispatcher)
     outs = [load_file(str(tmp_path / f"out{d}.safetensors")) for d in range(dp)]
     assert torch.equal(torch.cat([o["logits"] for o in outs]), logits)
     arch = ArchConfig.from_hf(load_hf_config(config))
