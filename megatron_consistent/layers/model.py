@@ -120,9 +120,10 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     if arch.is_moe and model_parallel:
         if moe_impl == "megatron":
             raise UnsupportedConfigError(
-                "moe_impl='megatron' with TP/PP/EP > 1 is not supported: Megatron's MoELayer refuses training at TP > 1 "
-                "without sequence parallelism (moe_layer.py) and its token dispatchers were not verified against the "
-                "consistent combine; use moe_impl='module' (experts sharded over the TP or EP ranks, the TP = 1 bits)")
+                "moe_impl='megatron' with TP/PP/EP > 1 is not supported by build_consistent_model (its ranks may be gloo CPU "
+                "ranks, where Megatron's token dispatchers allocate their collectives on CUDA); Megatron's MoELayer at EP > 1 (and at TP > 1 "
+                "with sequence parallelism) is built by the framework entry points (consistent_layer_spec_provider / "
+                "consistent_slime_spec); here use moe_impl='module' (experts sharded over the TP or EP ranks, the same bits)")
         moe_impl = "module"
     arch, dtype = prepare_build(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
