@@ -13,15 +13,16 @@ Megatron code (used as is)             ours (this module, computing through :mod
 ``routed_experts_compute`` /           ``kmoe.route_logits`` (deterministic softmax/sigmoid, stable
 ``combine`` / ``postprocess``          top-k: exact ties -> lowest expert index, ``norm_topk_prob``);
                                        returns Megatron's ``(probs [T, E] float32, routing_map [T, E])``
-token dispatcher chosen by             :class:`ConsistentExperts` (the experts slot): each expert's rows
-``moe_token_dispatcher_type``:         through ``kmoe.expert_mlp`` (batch-invariant linear ->
-``allgather`` (CPU and GPU) or         silu_and_mul -> linear, one call per expert over its contiguous
-``alltoall`` (GPU: Megatron creates    rows: row-invariant, so a token's result does not depend on the
-a ``torch.cuda.Stream``) — their       tokens sharing its expert), then the **combine of our contract**:
-``permute`` / ``unpermute``            per token ``acc = sum_j w_j * float32(y_j)`` in top-k SLOT order
-(``scatter_add``), ``all_to_all`` /    (float32, ``w_j`` = the dispatched ``permuted_probs``), written
-``sort_chunks_by_idxs`` (identities    to the row of the token's slot 0; its other k-1 rows are exact
-at EP=1)                               zeros.  Output float32.
+token dispatcher chosen by             :class:`ConsistentExperts` (the experts slot; at EP = e its E/e
+``moe_token_dispatcher_type``:         experts): each expert's rows through ``kmoe.expert_mlp``
+``allgather`` (CPU and GPU) or         (batch-invariant linear -> silu_and_mul -> linear, one call per
+``alltoall`` (GPU: Megatron creates    expert over its contiguous rows: row-invariant, so a token's result
+a ``torch.cuda.Stream``) — their       does not depend on the tokens sharing its expert), then the
+``permute`` / ``unpermute``            **combine of our contract**: per token ``acc = sum_j w_j *
+(``scatter_add``), all-gather /        float32(y_j)`` in top-k SLOT order (float32, ``w_j`` = the
+reduce-scatter or ``all_to_all`` /     dispatched ``permuted_probs``), formed on the rank holding the
+``sort_chunks_by_idxs`` (identities    token's slot-0 expert and written to that row; the token's other
+at EP=1)                               k-1 rows are exact zeros.  Output float32.
 ``TopKRouter`` aux-loss machinery      :class:`ConsistentSharedExperts`: ``g * float32(y_shared)``
 (``apply_z_loss``, ``_apply_aux_loss``  float32 (``g`` = float32 sigmoid gate or 1)
 / seq / global, ``MoEAuxLossAuto-
@@ -41,20 +42,52 @@ The layer's output is float32; the MoE layers' ``mlp_bda``
 dtype and then does the usual residual add — bitwise the kernel path's
 ``round(acc)`` followed by ``add_residual``.
 
-Row layout: the experts slot gets the dispatched rows in Megatron's permute
-order (expert-major, tokens ascending — the order of ``permute`` in 0.16 and
-0.19, both dispatchers at EP=1).  The router hands the slot-ordered experts
-and its input to the experts through a per-layer :class:`RoutingContext`; the
-experts derive each row's (token, slot) from them and **verify** it on every
-forward (row count, ``tokens_per_expert``, and ``dispatched rows ==
-input[token of row]`` exactly), raising if Megatron ever permutes differently.
+Row layout: the experts slot gets the dispatched rows in Megatron's permute order (expert-major, tokens ascending — the
+order of ``permute`` in 0.16 and 0.19, both dispatchers at EP = 1).  The router hands the slot-ordered experts and its input to
+the experts through a per-layer :class:`RoutingContext`; the experts derive each row's (token, slot) from them
+(:func:`dispatched_pairs`) and **verify** it on every forward (row count, ``tokens_per_expert``, and ``dispatched rows
+== input[token of row]`` exactly), raising if Megatron ever permutes differently.
 
-Scope: expert-parallel size 1, expert TP 1, TP 1; no token dropping
-(capacity factor), no permute/router fusion (TE), no shared-expert overlap,
-no latent MoE, no expert bias / input jitter / sinkhorn; each refused by name
-(:class:`UnsupportedConfigError`) before anything is built.  Expert
-parallelism would put a token's slots on different ranks, whose partial
-results Megatron sums with a reduce-scatter / all-to-all — not our combine.
+Expert parallelism (EP = e > 1; Megatron's EP group at expert-tensor-parallel size 1, carved from the TP x DP ranks of
+a pipeline stage; :func:`.tensor_parallel.ep_group`): EP rank r holds experts ``[r E/e, (r+1) E/e)`` (drawn as the
+EP = 1 stack, then sliced; ``allreduce=False``, Megatron's expert mark, so its DDP reduces their gradients over the
+expert-data-parallel group; ``sharded_state_dict`` split along the expert axis over the EP group,
+:func:`.tensor_parallel.expert_sharded_tensor`, so an EP = e ``dist_checkpointing`` save loads at EP = 1 bit for bit).
+Both dispatchers (megatron-core 0.16.1, read and tested; another version's order is checked by the per-forward
+verification below) hand rank r its local experts' rows **local-expert-major, within an expert the tokens ascending in the
+EP group's rank-major token order** (allgather: the ``[T_all, E]`` routing map all-gathered over the EP group, its local
+columns permuted; alltoall: the all-to-all's ``[source rank][local expert]`` chunks sorted by ``sort_chunks_by_idxs`` to
+``[local expert][source rank]``, each source rank's tokens ascending).  The experts all-gather the ranks' routes and
+router inputs (:func:`.tensor_parallel.row_counts` / :func:`.tensor_parallel.gather_rows`: concatenation; the ranks'
+token counts may differ under alltoall), derive every row's (group token, slot) from them and verify the rows as at
+EP = 1.  Combine (:func:`slot_order_rows`): each rank forms the float32 products ``w_j * float32(y_j)`` of its own rows
+(the op the EP = 1 combine forms); a token is *owned* by the rank holding its slot-0 expert; every rank places its
+products at their (token, slot) in a float32 ``[T_all, k, H]`` of zeros, tokens grouped by owner, and
+:func:`.tensor_parallel.sum_rows_to_owners` (an all-to-all and a sum over the ranks' blocks) brings each owner its
+tokens' k products -- one value and zeros per element, exact in any order (a ``-0.0`` product may arrive ``+0.0``,
+which an accumulator started at ``+0.0`` cannot tell apart).  The owner sums them in slot order from ``+0.0``, exactly
+the EP = 1 ``acc``, and writes it into the token's slot-0 row; every other row of the token, on every rank, is ``+0.0``.
+Megatron's combine then adds one value and zeros per element: the ``unpermute`` ``scatter_add`` and the allgather
+dispatcher's reduce-scatter over the EP group, or the alltoall dispatcher's all-to-all back and ``unpermute`` on the
+token's rank -- exact in any order.  So every rank's logits are the bits of its batch at EP = 1 on one rank.  Backward:
+``sum_rows_to_owners``' adjoint is the gather of the owners' gradients, so each expert's weights get the gradients of
+every EP rank's tokens routed to it; inputs and router weights get theirs through Megatron's dispatch adjoints.  What
+moves beyond Megatron's own dispatch: ``T_all x k x H`` float32 a rank (sent), the routes and router inputs (gathered,
+for the layout check).  At top-1 a token's one product is formed on its owner: nothing moves but zeros.
+
+Tensor parallelism (TP = t > 1, with sequence parallelism only: Megatron's MoELayer trains at TP > 1 only so; expert
+TP 1): each rank routes its own sequence chunk; the dispatchers work over the EP group (at EP = 1, no collective: each
+rank runs all experts on its chunk); the experts are marked ``allreduce=False`` (their gradients summed over the
+expert-data-parallel group, which holds the TP ranks), the shared experts ``sequence_parallel`` (a rank's gradient
+covers its chunk: Megatron's ``finalize_model_grads`` sums them over the TP group), the router's weight is marked by
+Megatron's ``TopKRouter``.  The router's ``last_routes`` then hold the rank's chunk's routes.
+
+Scope: expert TP 1, TP > 1 only with sequence parallelism; no token dropping (capacity factor), no permute/router
+fusion (TE), no shared-expert overlap, no latent MoE, no expert bias / input jitter / sinkhorn; each refused by name
+(:class:`UnsupportedConfigError`, :func:`check_megatron_moe_config`) before anything is built.
+:func:`.model.build_consistent_model` builds this path at TP = PP = EP = 1 only (its ranks may be gloo CPU ranks, where
+Megatron's dispatcher collectives allocate on CUDA); the framework entry points (:mod:`.entry_points`) build it at any
+EP and at TP > 1 with sequence parallelism.
 
 Aux loss: with ``moe_aux_loss_coeff`` > 0 (``build_consistent_model(...,
 moe_aux_loss_coeff=...)``), training mode and autograd on, Megatron's own
