@@ -35,8 +35,11 @@ and the vocabulary tree have 8 segments: the bits of TP = 1), sequence paralleli
 layers).
 
 MoE (the function forms): the layers ``moe_layer_freq`` names run Megatron's ``MoELayer`` with the consistent router
-and experts (``layers/moe_megatron.py``, at TP = EP = 1, which it refuses otherwise by name); the router's
-renormalisation follows ``moe_router_pre_softmax``.
+and experts (``layers/moe_megatron.py``), at any expert parallelism (``expert_model_parallel_size`` over the TP x DP
+ranks, ``allgather`` or ``alltoall`` dispatcher) and at TP > 1 with sequence parallelism, with the one-process bits;
+expert TP must be 1 (Megatron defaults it to the TP size).  The spec call refuses by name what it does not implement
+(:func:`.moe_megatron.check_megatron_moe_config`: TP > 1 without sequence parallelism, expert TP > 1, token dropping,
+fusions, ...).  The router's renormalisation follows ``moe_router_pre_softmax``.
 
 Refused by name at build time: LayerNorm, MoE through the ``ModuleSpec`` constant, MLA, MTP, learned absolute
 position embeddings, partial or interleaved RoPE, biases other than q/k/v,

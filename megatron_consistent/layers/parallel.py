@@ -13,8 +13,9 @@ Sequence parallelism (TP > 1) is supported by the same layers.
 
 Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1, context parallelism, expert
 parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8, and — at TP > 1, PP > 1 or EP > 1 —
-Megatron's MoELayer (``moe_impl="megatron"``), hybrid (Mamba) models and FP8 (their modules call
-:func:`check_parallel_config` with a ``feature`` name).
+hybrid (Mamba) models and FP8 (their modules call :func:`check_parallel_config` with a ``feature`` name) and
+``build_consistent_model(moe_impl="megatron")`` (Megatron's MoELayer at EP > 1 / TP > 1 + SP: the framework entry
+points, ``layers/moe_megatron.py``).
 
 Initialization: world size 1 uses gloo over an in-process ``HashStore`` (no
 TCP port, no file), so concurrent pytest processes never collide; a larger
