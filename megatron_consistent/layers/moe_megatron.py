@@ -382,8 +382,8 @@ class ConsistentExperts(nn.Module):
         group = tpar.ep_group() if self.ep > 1 else None
         with torch.no_grad():
             if group is not None:  # the EP group's tokens in rank order, as the dispatchers gather them
-                counts = tpar.row_counts(routes.shape[0], group, routes.device)
-                routes, hidden = tpar.gather_rows(routes, counts, group), tpar.gather_rows(hidden, counts, group)
+                sizes = tpar.row_counts(routes.shape[0], group, routes.device)
+                routes, hidden = tpar.gather_rows(routes, sizes, group), tpar.gather_rows(hidden, sizes, group)
             n, first = self.num_local_experts, self.expert_offset
             pair_of_row = dispatched_pairs(routes, first, n)
             flat = routes.reshape(-1)
