@@ -1,8 +1,5 @@
-# Call 7: carry .whl. The hybrid's rollout at 13 layers, consistent and stock (vLLM from call 3 in /tmp/vsite; the SSD
-# kernels compiled by call 4's check, so the timed passes compile nothing -- session 31's did).
-TAG=${TAG:-next}
-source benchmarks/gpu_setup.sh > "$OUT/${TAG}_setup7.log" 2>&1 || echo "gpu_setup failed"
-date +%T
-timeout 560 python benchmarks/bench_rollout_gpu.py --shapes h --layers 13 --engines consistent stock --prompts 64 \
-  --min-seconds 10 --engine-timeout 300 --out "$OUT/${TAG}_rollout_h13.json" > "$OUT/${TAG}_rollout_h13.log" 2>&1
-echo "rollout h13 rc $?"; grep -E "^\[h\]|failed|ratio" "$OUT/${TAG}_rollout_h13.log" | cut -c1-300; date +%T
+# Call 7: carry .whl. The hybrid's check (shape h, 4 layers) at session 28's SSD defaults (its engine's first start
+# compiles the SSD kernels' unrolled trees: 480 s; they stay in Triton's cache for call 8's rollout).
+source benchmarks/device_calls/engine_tests.sh
+engine_call check_h 560 python benchmarks/check_shapes_gpu.py --shapes h --layers 4 --num-prompts 16 --max-prompt-len 256 \
+  --max-tokens 32 --work /tmp/w_h --out "$OUT/${TAG}_check_h.json"
