@@ -552,17 +552,21 @@ def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_expert
 
 @contextlib.contextmanager
 def _experts_without_other_ranks_gradients(ep_rank: int):
-    """BROKEN on purpose, inside the ``with``: the backward of ``tensor_parallel.sum_rows_to_owners`` gives the other
-    EP ranks' rows no gradient, so this rank's experts miss the gradients of the other ranks' tokens."""
+    """BROKEN on purpose, inside the ``with``: the backward of ``tensor_parallel.sum_rows_to_owners`` (the consistent
+    MoE layer) gives the other EP ranks' rows no gradient, and that of ``tensor_parallel.exchange_rows`` (Megatron's
+    MoELayer path) sends the other ranks no gradient back, so this rank's experts miss the gradients of the other
+    ranks' tokens."""
     from megatron_consistent.layers import tensor_parallel as tpar
 
-    real = tpar._RowExchange.backward
+    real, real_exchange = tpar._RowExchange.backward, tpar._RowsToRanks.backward
     tpar._RowExchange.backward = staticmethod(lambda ctx, g: real(ctx, g) if ctx.gather else (torch.cat(
         [g if r == ep_rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None, None))
+    tpar._RowsToRanks.backward = staticmethod(lambda ctx, g: real_exchange(ctx, torch.cat(
+        [block if r == ep_rank else torch.zeros_like(block) for r, block in enumerate(g.split(ctx.recv))])))
     try:
         yield
     finally:
-        tpar._RowExchange.backward = real
+        tpar._RowExchange.backward, tpar._RowsToRanks.backward = real, real_exchange
 
 
 def _moe_ep2_worker(rank: int, workdir: str, tp: int) -> None:
@@ -863,10 +867,17 @@ def _megatron_moe_ep_job(rank: int, work: Path, arch, tp: int, ep: int, dispatch
             broken_grads = _data_parallel_gradients(model32, mine, ids[:, 1:].numel(), only_experts=True)
         if rank == 0:
             save_file({**grads, **broken_grads}, str(work / "grads_broken.safetensors"))
-        real_sum, real_gather = tpar.sum_rows_to_owners, tpar.gather_rows
-        tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:ep_rank]):sum(counts[:ep_rank + 1])]  # broken
+        real_exchange, real_gather = tpar.exchange_rows, tpar.gather_rows
+
+        def own_rows_only(x, send, recv, group):  # broken: the products from the other ranks arrive as zeros
+            got = x.new_zeros(sum(recv), *x.shape[1:])
+            start = sum(recv[:ep_rank])
+            got[start:start + recv[ep_rank]] = x[sum(send[:ep_rank]):sum(send[:ep_rank + 1])]
+            return got
+
+        tpar.exchange_rows = own_rows_only
         out["broken_logits"] = logits()
-        tpar.sum_rows_to_owners = real_sum
+        tpar.exchange_rows = real_exchange
         tpar.gather_rows = lambda x, counts, group: x  # broken: this rank's routes and tokens taken for the EP group's
         try:
             logits()

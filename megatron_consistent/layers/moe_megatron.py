@@ -61,19 +61,20 @@ columns permuted; alltoall: the all-to-all's ``[source rank][local expert]`` chu
 router inputs (:func:`.tensor_parallel.row_counts` / :func:`.tensor_parallel.gather_rows`: concatenation; the ranks'
 token counts may differ under alltoall), derive every row's (group token, slot) from them and verify the rows as at
 EP = 1.  Combine (:func:`slot_order_rows`): each rank forms the float32 products ``w_j * float32(y_j)`` of its own rows
-(the op the EP = 1 combine forms); a token is *owned* by the rank holding its slot-0 expert; every rank places its
-products at their (token, slot) in a float32 ``[T_all, k, H]`` of zeros, tokens grouped by owner, and
-:func:`.tensor_parallel.sum_rows_to_owners` (an all-to-all and a sum over the ranks' blocks) brings each owner its
-tokens' k products -- one value and zeros per element, exact in any order (a ``-0.0`` product may arrive ``+0.0``,
-which an accumulator started at ``+0.0`` cannot tell apart).  The owner sums them in slot order from ``+0.0``, exactly
-the EP = 1 ``acc``, and writes it into the token's slot-0 row; every other row of the token, on every rank, is ``+0.0``.
+(the op the EP = 1 combine forms); a token is *owned* by the rank holding its slot-0 expert; every rank sends each
+product to its token's owner (:func:`.tensor_parallel.exchange_rows`: one all-to-all, bytes only, grouped by owner in
+the rank's row order), and the owner, which derives from the EP group's routes which pairs each rank sends it and in
+which order, places them at their (token, slot) -- each pair arrives once.  The owner sums a token's k products in
+slot order from ``+0.0``, exactly the EP = 1 ``acc``, and writes it into the token's slot-0 row; every other row of the
+token, on every rank, is ``+0.0``.
 Megatron's combine then adds one value and zeros per element: the ``unpermute`` ``scatter_add`` and the allgather
 dispatcher's reduce-scatter over the EP group, or the alltoall dispatcher's all-to-all back and ``unpermute`` on the
 token's rank -- exact in any order.  So every rank's logits are the bits of its batch at EP = 1 on one rank.  Backward:
-``sum_rows_to_owners``' adjoint is the gather of the owners' gradients, so each expert's weights get the gradients of
-every EP rank's tokens routed to it; inputs and router weights get theirs through Megatron's dispatch adjoints.  What
-moves beyond Megatron's own dispatch: ``T_all x k x H`` float32 a rank (sent), the routes and router inputs (gathered,
-for the layout check).  At top-1 a token's one product is formed on its owner: nothing moves but zeros.
+the exchange's adjoint sends each product's gradient back to the rank that formed it, so each expert's weights get
+the gradients of every EP rank's tokens routed to it; inputs and router weights get theirs through Megatron's dispatch
+adjoints.  What moves beyond Megatron's own dispatch: a rank's products, ``N x H`` float32 (its rows; at top-1 each
+product is formed on its owner and stays), the routes and router inputs (gathered, for the layout check and the
+exchange's plan).
 
 Tensor parallelism (TP = t > 1, with sequence parallelism only: Megatron's MoELayer trains at TP > 1 only so; expert
 TP 1): each rank routes its own sequence chunk; the dispatchers work over the EP group (at EP = 1, no collective: each
@@ -305,30 +306,36 @@ def slot_order_rows(products: torch.Tensor, pair_of_row: torch.Tensor, routes: t
 
     ``products [N, H]``: ``w * float32(y)`` of this rank's rows (``pair_of_row``: :func:`dispatched_pairs`);
     ``routes [T, k]``: the EP group's (``group``; ``None`` at EP = 1), ``n_local`` experts a rank.  A token is owned
-    by the rank holding its slot-0 expert.  The tokens are grouped by owner (ascending within), every rank places
-    its products at their (token, slot) of a float32 ``[T, k, H]`` of zeros, and
-    :func:`.tensor_parallel.sum_rows_to_owners` brings each owner its tokens' k products (one value and zeros per
-    element: exact); the owner sums them in slot order."""
+    by the rank holding its slot-0 expert.  Every rank sends each product to its token's owner
+    (:func:`.tensor_parallel.exchange_rows`, grouped by owner in this rank's row order: pure data movement); the
+    owner knows, from the EP group's routes, which pairs each rank sends it and in which order, places them at their
+    (token, slot) -- each of its tokens' k pairs arrives once -- and sums them in slot order."""
     t, k = routes.shape
     e, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     owner = torch.div(routes[:, 0], n_local, rounding_mode="floor")
-    by_owner = torch.sort(owner, stable=True).indices
-    place = torch.empty_like(by_owner)
-    place[by_owner] = torch.arange(t, device=routes.device)
-    h = products.shape[-1]
-    token, slot = torch.div(pair_of_row, k, rounding_mode="floor"), pair_of_row % k
-    full = products.new_zeros(t * k, h).index_copy(0, place[token] * k + slot, products).view(t, k * h)
-    counts = torch.bincount(owner, minlength=e).tolist()
     if e > 1:
-        full = tpar.sum_rows_to_owners(full, counts, group)
-    full = full.view(-1, k, h)
-    acc = products.new_zeros(full.shape[0], h)
+        dest = owner[torch.div(pair_of_row, k, rounding_mode="floor")]
+        arriving = []  # the pairs rank s sends this one: its rows' pairs whose token this rank owns, in its row order
+        for s in range(e):
+            pairs = dispatched_pairs(routes, s * n_local, n_local)
+            arriving.append(pairs[owner[torch.div(pairs, k, rounding_mode="floor")] == rank])
+        received = tpar.exchange_rows(products[torch.sort(dest, stable=True).indices],
+                                      torch.bincount(dest, minlength=e).tolist(), [len(a) for a in arriving], group)
+        received_pairs = torch.cat(arriving)
+    else:
+        received, received_pairs = products, pair_of_row
+    owned = (owner == rank).nonzero()[:, 0]  # ascending
+    place = torch.full((t,), -1, dtype=torch.int64, device=routes.device)
+    place[owned] = torch.arange(owned.numel(), device=routes.device)
+    slots = received.new_zeros(owned.numel() * k, products.shape[-1]).index_copy(
+        0, place[torch.div(received_pairs, k, rounding_mode="floor")] * k + received_pairs % k, received)
+    slots = slots.view(owned.numel(), k, -1)
+    acc = products.new_zeros(owned.numel(), products.shape[-1])
     for j in range(k):
-        acc = acc + full[:, j]
+        acc = acc + slots[:, j]
     row_of_pair = torch.full((t * k,), -1, dtype=torch.int64, device=routes.device)
     row_of_pair[pair_of_row] = torch.arange(pair_of_row.numel(), device=routes.device)
-    mine = by_owner[sum(counts[:rank]):sum(counts[:rank + 1])]
-    return products.new_zeros(products.shape).index_copy(0, row_of_pair[mine * k], acc)
+    return products.new_zeros(products.shape).index_copy(0, row_of_pair[owned * k], acc)
 
 
 class ConsistentExperts(nn.Module):

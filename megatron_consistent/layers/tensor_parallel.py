@@ -162,22 +162,24 @@ def row_counts(rows: int, group, device=None) -> list[int]:
     return [int(n) for n in _all_gather(torch.tensor([rows], dtype=torch.int64, device=device), group)[:, 0]]
 
 
-def _gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
-    """``[sum(counts), ...]``: every rank's ``x`` (``counts[r]`` rows) in rank order (all-to-all: bytes only)."""
-    e = len(counts)
-    out = x.new_empty(sum(counts), *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous().repeat(e, *([1] * (x.dim() - 1))), output_split_sizes=counts,
-                           input_split_sizes=[x.shape[0]] * e, group=group)
+def _exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """``[sum(recv), ...]``: the rows every rank sent this one, in rank order; ``x``'s rows go out grouped by
+    destination, ``send[r]`` to rank r (one all-to-all: bytes only)."""
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
+
+
+def _gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
+    """``[sum(counts), ...]``: every rank's ``x`` (``counts[r]`` rows) in rank order."""
+    return _exchange_rows(x.repeat(len(counts), *([1] * (x.dim() - 1))), [x.shape[0]] * len(counts), counts, group)
 
 
 def _sum_rows_to_owners(y: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     """``[counts[r], ...]`` on rank r: the sum over the ranks of their rows ``[start_r, start_r + counts[r])`` of ``y``
-    (all-to-all, then a sum over the ranks' blocks)."""
+    (an exchange, then a sum over the ranks' blocks)."""
     e, mine = len(counts), counts[dist.get_rank(group)]
-    out = y.new_empty(e * mine, *y.shape[1:])
-    dist.all_to_all_single(out, y.contiguous(), output_split_sizes=[mine] * e, input_split_sizes=counts, group=group)
-    return out.view(e, mine, *y.shape[1:]).sum(0)
+    return _exchange_rows(y, counts, [mine] * e, group).view(e, mine, *y.shape[1:]).sum(0)
 
 
 class _RowExchange(torch.autograd.Function):
@@ -192,6 +194,28 @@ class _RowExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return (_sum_rows_to_owners if ctx.gather else _gather_rows)(g, ctx.counts, ctx.group), None, None, None
+
+
+class _RowsToRanks(torch.autograd.Function):
+    """:func:`_exchange_rows`; backward: the gradients sent back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _exchange_rows(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange_rows(g, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """The rows the ranks send this one (``recv[r]`` from rank r), in rank order; ``x`` holds this rank's outgoing
+    rows grouped by destination (``send[r]`` to rank r).  Pure data movement, exact.  Differentiable (backward: each
+    row's gradient goes back to the rank that sent it)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RowsToRanks.apply(x, send, recv, group)
+    return _exchange_rows(x, send, recv, group)
 
 
 def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
