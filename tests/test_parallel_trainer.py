@@ -552,21 +552,32 @@ def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_expert
 
 @contextlib.contextmanager
 def _experts_without_other_ranks_gradients(ep_rank: int):
-    """BROKEN on purpose, inside the ``with``: the backward of ``tensor_parallel.sum_rows_to_owners`` (the consistent
-    MoE layer) gives the other EP ranks' rows no gradient, and that of ``tensor_parallel.exchange_rows`` (Megatron's
-    MoELayer path) sends the other ranks no gradient back, so this rank's experts miss the gradients of the other
-    ranks' tokens."""
+    """BROKEN on purpose, inside the ``with``: the backward of ``tensor_parallel.exchange_rows`` sends the other ranks
+    no gradient back, so this rank's experts miss the gradients of the other ranks' tokens (the consistent MoE layer:
+    the outputs' way back; Megatron's MoELayer path: the products')."""
     from megatron_consistent.layers import tensor_parallel as tpar
 
-    real, real_exchange = tpar._RowExchange.backward, tpar._RowsToRanks.backward
-    tpar._RowExchange.backward = staticmethod(lambda ctx, g: real(ctx, g) if ctx.gather else (torch.cat(
-        [g if r == ep_rank else g.new_zeros(n, *g.shape[1:]) for r, n in enumerate(ctx.counts)]), None, None, None))
-    tpar._RowsToRanks.backward = staticmethod(lambda ctx, g: real_exchange(ctx, torch.cat(
+    real = tpar._RowsToRanks.backward
+    tpar._RowsToRanks.backward = staticmethod(lambda ctx, g: real(ctx, torch.cat(
         [block if r == ep_rank else torch.zeros_like(block) for r, block in enumerate(g.split(ctx.recv))])))
     try:
         yield
     finally:
-        tpar._RowExchange.backward, tpar._RowsToRanks.backward = real, real_exchange
+        tpar._RowsToRanks.backward = real
+
+
+def _own_rows_only(ep_rank: int):
+    """BROKEN on purpose: ``tensor_parallel.exchange_rows`` whose rows from the other ranks arrive as zeros (the
+    consistent MoE layer: each rank's pairs through its own experts only; Megatron's MoELayer path: the slot-0 row
+    without the other ranks' products)."""
+
+    def exchange(x, send, recv, group):
+        got = x.new_zeros(sum(recv), *x.shape[1:])
+        start = sum(recv[:ep_rank])
+        got[start:start + recv[ep_rank]] = x[sum(send[:ep_rank]):sum(send[:ep_rank + 1])]
+        return got
+
+    return exchange
 
 
 def _moe_ep2_worker(rank: int, workdir: str, tp: int) -> None:
@@ -613,7 +624,7 @@ def _moe_ep2_worker(rank: int, workdir: str, tp: int) -> None:
     dist.barrier()
     with cuda_stubs_for_checkpoint():
         dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
-    tpar.sum_rows_to_owners = lambda y, counts, group: y[sum(counts[:ep_rank]):sum(counts[:ep_rank + 1])]  # broken
+    tpar.exchange_rows = _own_rows_only(ep_rank)
     with torch.no_grad():
         broken = gather_vocab(stage_forward(model, mine)).contiguous()
     if ps.get_tensor_model_parallel_rank() == 0:
@@ -782,21 +793,25 @@ def _gloo_moe_dispatch_collectives() -> None:
     """TEST-ONLY shim (CPU gloo ranks): Megatron's ``tensor_parallel.mappings._gather_along_first_dim`` /
     ``_reduce_scatter_along_first_dim`` -- the all-gather / reduce-scatter of its allgather token dispatcher, forward and
     backward -- allocate on ``torch.cuda.current_device()``; here they are the package's row exchanges over the same
-    group (``tensor_parallel._gather_rows``: concatenation in rank order; ``_sum_rows_to_owners``: each rank's block of
-    the sum over the ranks).  The forward's reduce-scatter adds, per element, one value and zeros (the consistent
-    experts' combine), so it is exact in any order; the backward's sums are gradients (float64-reference bound)."""
+    group (``tensor_parallel.gather_rows``: concatenation in rank order; a reduce-scatter: each rank's blocks from
+    the ranks by ``exchange_rows``, summed).  The forward's reduce-scatter adds, per element, one value and zeros (the
+    consistent experts' combine), so it is exact in any order; the backward's sums are gradients (float64-reference
+    bound)."""
     import megatron.core.tensor_parallel.mappings as mappings
 
-    from megatron_consistent.layers.tensor_parallel import _gather_rows, _sum_rows_to_owners
+    from megatron_consistent.layers.tensor_parallel import _exchange_rows, gather_rows
 
     def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
         e = group.size()
-        return input_ if e == 1 else _gather_rows(input_, list(output_split_sizes or [input_.shape[0]] * e), group)
+        return input_ if e == 1 else gather_rows(input_, list(output_split_sizes or [input_.shape[0]] * e), group)
 
     def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
         e = group.size()
-        return input_ if e == 1 else _sum_rows_to_owners(input_, list(input_split_sizes or [input_.shape[0] // e] * e),
-                                                         group)
+        if e == 1:
+            return input_
+        counts = list(input_split_sizes or [input_.shape[0] // e] * e)
+        mine = counts[group.rank()]
+        return _exchange_rows(input_, counts, [mine] * e, group).view(e, mine, *input_.shape[1:]).sum(0)
 
     mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim = gather, reduce_scatter
 
@@ -868,14 +883,7 @@ def _megatron_moe_ep_job(rank: int, work: Path, arch, tp: int, ep: int, dispatch
         if rank == 0:
             save_file({**grads, **broken_grads}, str(work / "grads_broken.safetensors"))
         real_exchange, real_gather = tpar.exchange_rows, tpar.gather_rows
-
-        def own_rows_only(x, send, recv, group):  # broken: the products from the other ranks arrive as zeros
-            got = x.new_zeros(sum(recv), *x.shape[1:])
-            start = sum(recv[:ep_rank])
-            got[start:start + recv[ep_rank]] = x[sum(send[:ep_rank]):sum(send[:ep_rank + 1])]
-            return got
-
-        tpar.exchange_rows = own_rows_only
+        tpar.exchange_rows = _own_rows_only(ep_rank)
         out["broken_logits"] = logits()
         tpar.exchange_rows = real_exchange
         tpar.gather_rows = lambda x, counts, group: x  # broken: this rank's routes and tokens taken for the EP group's

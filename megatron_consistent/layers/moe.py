@@ -24,14 +24,13 @@ Expert parallelism (EP = e > 1; Megatron's EP groups at expert-tensor-parallel s
 pipeline stage; at TP > 1 with sequence parallelism, each rank then holding its own chunk): rank r of the EP group
 holds experts ``[r E/e, (r+1) E/e)`` (marked ``allreduce=False``, as Megatron marks its expert weights, so its DDP
 reduces their gradients over the expert-data-parallel group). The ranks run different batches: each routes its own
-tokens, the ranks' tokens and routes are concatenated in rank order (:func:`.tensor_parallel.gather_rows`), each rank
-forms the (token, slot) outputs of the pairs routed to its experts (zeros for the others, the same row-invariant
-expert MLP), every rank receives the sum over the ranks of its own tokens' rows
-(:func:`.tensor_parallel.sum_rows_to_owners`: one value and zeros per element, exact) and combines them in slot order
-as at EP = 1 (under sequence parallelism the router and the shared expert see the rank's chunk only: their weights are
-marked ``sequence_parallel``, as at TP > 1 without EP). So a rank's logits are the bits of its batch alone on one
-rank, whatever the other ranks' batches (their sizes may differ). What a token dispatcher's all-to-all moves, in a
-layout chosen for exactness: every rank receives all the EP group's tokens and sends ``T_all x k x H`` outputs.
+tokens and sends every (token, slot) pair's row to the rank holding its expert (:func:`pairs_through_expert_ranks`:
+:func:`.tensor_parallel.exchange_rows`, bytes only), which puts the rows it receives through the same row-invariant
+expert MLP and sends each output back; each rank then combines its own tokens' outputs in slot order as at EP = 1
+(under sequence parallelism the router and the shared expert see the rank's chunk only: their weights are marked
+``sequence_parallel``, as at TP > 1 without EP). So a rank's logits are the bits of its batch alone on one rank,
+whatever the other ranks' batches (their sizes may differ). What moves: a rank's ``T x k`` pair rows out and their
+outputs back (model dtype, ``H`` each) -- a token dispatcher's all-to-all -- and a ``[e, e]`` table of pair counts.
 
 Parameters (the "Megatron layout" the converters use; stacked per expert)::
 
@@ -200,12 +199,9 @@ class ConsistentMoELayer(nn.Module):
                                              self.experts.linear_fc2.weight, self.activation)
             y = tpar.sum_owned_slots(mine, group, self.sequence_parallel)
             out = kmoe.combine_experts(h, y, w, shared, self.activation)
-        elif ep_group is not None:  # the EP group's tokens and routes, this rank's experts, its own tokens' sums back
-            counts = tpar.row_counts(h.shape[0], ep_group, h.device)
-            mine = kmoe.owned_expert_outputs(tpar.gather_rows(h, counts, ep_group), tpar.gather_rows(experts, counts, ep_group),
-                                             self.expert_offset, self.experts.linear_fc1.weight,
-                                             self.experts.linear_fc2.weight, self.activation)
-            y = tpar.sum_rows_to_owners(mine, counts, ep_group)
+        elif ep_group is not None:  # each pair's row to its expert's rank, its output back
+            y = pairs_through_expert_ranks(h, experts, ep_group, self.experts.linear_fc1.weight,
+                                           self.experts.linear_fc2.weight, self.activation)
             out = kmoe.combine_experts(h, y, w, shared, self.activation)
         else:
             out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared,
@@ -228,6 +224,28 @@ class ConsistentMoELayer(nn.Module):
             for n in names:
                 state[prefix + n] = tpar.expert_sharded_tensor(self.get_parameter(n), prefix + n, sharded_offsets)
         return state
+
+
+def pairs_through_expert_ranks(hidden: torch.Tensor, experts: torch.Tensor, group, w_gate_up: torch.Tensor,
+                               w_down: torch.Tensor, activation: str) -> torch.Tensor:
+    """``[T, k, H]``: this rank's (token, slot) pairs (``experts [T, k]``, global expert indices) through their experts,
+    held over the EP ``group`` in runs of ``w_gate_up.shape[0]`` (rank r: experts ``[r E/e, (r+1) E/e)``).  Each pair's
+    row goes to its expert's rank (pairs grouped by rank, pair order within: :func:`.tensor_parallel.exchange_rows`),
+    which puts the rows it receives through :func:`kernels.moe.expert_outputs` -- row-invariant, so each output is the
+    bits it has with every expert on one rank -- and sends each output back the way its row came.  Differentiable
+    (the exchanges' adjoints carry the gradients back)."""
+    t, k = experts.shape
+    n_local, e, rank = w_gate_up.shape[0], dist.get_world_size(group), dist.get_rank(group)
+    flat = experts.reshape(-1)
+    dest = torch.div(flat, n_local, rounding_mode="floor")
+    order = torch.sort(dest, stable=True).indices
+    counts = torch.bincount(dest, minlength=e)
+    send, recv = counts.tolist(), tpar.incoming_counts(counts, group)
+    rows = tpar.exchange_rows(hidden[torch.div(order, k, rounding_mode="floor")], send, recv, group)
+    local = tpar.exchange_rows(flat[order], send, recv, group) - rank * n_local
+    y = kmoe.expert_outputs(rows, local[:, None], w_gate_up, w_down, activation)[:, 0]
+    back = tpar.exchange_rows(y, recv, send, group)
+    return back.new_zeros(t * k, back.shape[-1]).index_copy(0, order, back).view(t, k, -1)
 
 
 def moe_layer_spec(dense_layer_spec, arch):

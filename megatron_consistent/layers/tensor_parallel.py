@@ -39,11 +39,11 @@ Contract (``docs/parallel.md``):
   residual adds are row-wise; every linear's accumulator starts at +0.0, which
   erases the sign of a zero), so logits and log-probs keep their bits.
 * **Expert parallelism** (EP = e > 1; the MoE layer's experts sharded over the EP group, whose ranks hold different
-  tokens: other replicas' batches, or at TP > 1 their sequence-parallel chunks): :func:`gather_rows` concatenates
-  the ranks' rows in rank order (their counts may differ; an all-to-all that only moves bytes), and
-  :func:`sum_rows_to_owners` brings each rank the sum, over the ranks, of the rows it owns -- for the (token, slot)
-  expert outputs one value and zeros per element (the rank holding the pair's expert), exact in any order. Each is
-  the other's backward (gradient sums in any order).
+  tokens: other replicas' batches, or at TP > 1 their sequence-parallel chunks): :func:`exchange_rows` sends rows
+  grouped by destination rank and returns what the ranks sent this one, in rank order (one all-to-all: bytes only,
+  exact; its backward sends each gradient back the way its row came) -- a (token, slot) pair's row to its expert's
+  rank and the output back, or a product to its token's owner; :func:`gather_rows` concatenates the ranks' rows in
+  rank order (their counts may differ) with it.
 * **Vocab-parallel log-probs** (:func:`vocab_parallel_logprobs`): the LM head
   gives the rank's float32 logits shard; global max by all-reduce MAX (exact);
   the rank's subtree of the 8-segment sum-exp tree
@@ -63,9 +63,9 @@ from .. import kernels
 from ..kernels.logprobs import VOCAB_SEGMENTS, log_softmax_normalise, scale_by_temperature, sum_exp_subtree
 from ..kernels.numerics import adjacent_tree_sum
 
-__all__ = ["copy_to_tp", "ep_group", "gather_rows", "gather_sequence", "gather_tree", "gather_tree_scatter_sequence",
-           "row_counts", "row_parallel_forward", "scatter_sequence", "sequence_parallel_embedding", "shard_like",
-           "sum_owned_slots", "sum_rows_to_owners", "tp_group", "tp_rank", "tp_size", "unshard_like",
+__all__ = ["copy_to_tp", "ep_group", "exchange_rows", "gather_rows", "gather_sequence", "gather_tree", "gather_tree_scatter_sequence",
+           "incoming_counts", "row_counts", "row_parallel_forward", "scatter_sequence", "sequence_parallel_embedding", "shard_like",
+           "sum_owned_slots", "tp_group", "tp_rank", "tp_size", "unshard_like",
            "vocab_parallel_logprobs"]
 
 
@@ -162,38 +162,18 @@ def row_counts(rows: int, group, device=None) -> list[int]:
     return [int(n) for n in _all_gather(torch.tensor([rows], dtype=torch.int64, device=device), group)[:, 0]]
 
 
+def incoming_counts(send: torch.Tensor, group) -> list[int]:
+    """What every rank sends this one, in rank order, given what this one sends each (``send [e]`` int64): the
+    ``recv`` of :func:`exchange_rows` (an all-gather of the ranks' ``send``)."""
+    return _all_gather(send, group)[:, dist.get_rank(group)].tolist()
+
+
 def _exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     """``[sum(recv), ...]``: the rows every rank sent this one, in rank order; ``x``'s rows go out grouped by
     destination, ``send[r]`` to rank r (one all-to-all: bytes only)."""
     out = x.new_empty(sum(recv), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
-
-
-def _gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
-    """``[sum(counts), ...]``: every rank's ``x`` (``counts[r]`` rows) in rank order."""
-    return _exchange_rows(x.repeat(len(counts), *([1] * (x.dim() - 1))), [x.shape[0]] * len(counts), counts, group)
-
-
-def _sum_rows_to_owners(y: torch.Tensor, counts: list[int], group) -> torch.Tensor:
-    """``[counts[r], ...]`` on rank r: the sum over the ranks of their rows ``[start_r, start_r + counts[r])`` of ``y``
-    (an exchange, then a sum over the ranks' blocks)."""
-    e, mine = len(counts), counts[dist.get_rank(group)]
-    return _exchange_rows(y, counts, [mine] * e, group).view(e, mine, *y.shape[1:]).sum(0)
-
-
-class _RowExchange(torch.autograd.Function):
-    """``gather=True``: the ranks' rows in rank order (:func:`_gather_rows`); ``False``: its adjoint, each rank's rows
-    of the sum over the ranks (:func:`_sum_rows_to_owners`).  The backward of either is the other."""
-
-    @staticmethod
-    def forward(ctx, x, counts, group, gather):
-        ctx.counts, ctx.group, ctx.gather = counts, group, gather
-        return (_gather_rows if gather else _sum_rows_to_owners)(x, counts, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return (_sum_rows_to_owners if ctx.gather else _gather_rows)(g, ctx.counts, ctx.group), None, None, None
 
 
 class _RowsToRanks(torch.autograd.Function):
@@ -213,6 +193,10 @@ def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> t
     """The rows the ranks send this one (``recv[r]`` from rank r), in rank order; ``x`` holds this rank's outgoing
     rows grouped by destination (``send[r]`` to rank r).  Pure data movement, exact.  Differentiable (backward: each
     row's gradient goes back to the rank that sent it)."""
+    return _exchange_differentiable(x, send, recv, group)
+
+
+def _exchange_differentiable(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _RowsToRanks.apply(x, send, recv, group)
     return _exchange_rows(x, send, recv, group)
@@ -220,19 +204,10 @@ def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group) -> t
 
 def gather_rows(x: torch.Tensor, counts: list[int], group) -> torch.Tensor:
     """``[sum(counts), ...]``: the ranks' rows (rank r holds ``counts[r]``: :func:`row_counts`) in rank order --
-    concatenation, exact.  Differentiable (backward: the sum over the ranks of the gradients of this rank's rows)."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _RowExchange.apply(x, counts, group, True)
-    return _gather_rows(x, counts, group)
-
-
-def sum_rows_to_owners(y: torch.Tensor, counts: list[int], group) -> torch.Tensor:
-    """Rank r's rows of the sum over the ranks of ``y [sum(counts), ...]`` (rows in rank order, rank r's
-    ``counts[r]``).  Used where each element is non-zero on one rank at most (the MoE's expert outputs under EP):
-    exact in any order, as :class:`_SumOwnedSlots`.  Differentiable (backward: the gather of the gradients)."""
-    if torch.is_grad_enabled() and y.requires_grad:
-        return _RowExchange.apply(y, counts, group, False)
-    return _sum_rows_to_owners(y, counts, group)
+    concatenation, exact (every rank sends its rows to every rank: :func:`exchange_rows`).  Differentiable (backward:
+    the sum over the ranks of the gradients of this rank's rows)."""
+    e = len(counts)
+    return _exchange_differentiable(x.repeat(e, *([1] * (x.dim() - 1))), [x.shape[0]] * e, counts, group)
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
