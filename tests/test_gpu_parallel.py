@@ -59,3 +59,19 @@ def test_nccl_ranks_one_gpu_each_multicast_off(tmp_path):
 ])
 def test_nccl_layouts_equal_one_gpu(tmp_path, name, layouts):
     check_layouts(builtin_model_dir(name), layouts, tmp_path, device="cuda")
+
+
+@pytest.mark.parametrize("dp, ep, tp", [(2, 2, 1), (1, 2, 2)], ids=["dp2-ep2", "tp2sp-ep2"])
+def test_nccl_expert_parallel_equal_one_gpu(tmp_path, dp, ep, tp):
+    """The consistent MoE layer's experts over EP = 2 NCCL ranks (two replicas with different rows, or the TP = 2 group
+    with sequence parallelism, each rank its chunk): every pair's row to its expert's GPU and the output back by
+    ``all_to_all_single`` on NCCL -- the single-GPU logits and log-probs bit for bit."""
+    from _parallel_layouts import reference
+
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+
+    config = builtin_model_dir("tiny-qwen2moe-top8-shared")
+    weights, ids, logits, lp = reference(config, tmp_path, batch=3, device="cuda")
+    got_lp, got_logits = recompute_logprobs_parallel(config, weights, ids, tp=tp, dp=dp, ep=ep, sequence_parallel=tp > 1,
+                                                     return_logits=True, device="cuda", workdir=tmp_path / "ranks")
+    assert torch.equal(got_logits, logits) and torch.equal(got_lp, lp)

@@ -1,6 +1,7 @@
 # Issue #19's calls on two GPUs (kind nvidia-h200-x2 or nvidia-h100-x2), docs/parallel.md "Two GPUs": one call a step,
-# back to back within 30 s, each from the repo root: `TAG=s34 bash benchmarks/device_calls/x2.sh STEP`.
-#   1  carry .gw/part1        stash part 1; the NCCL trainer tests (tests/test_gpu_parallel.py, no vLLM)
+# back to back within 30 s, each from the repo root: `TAG=s35 bash benchmarks/device_calls/x2.sh STEP`.
+#   1  carry .gw/part1 .whl   stash part 1; Megatron-Core 0.19.2 into /tmp/site; the NCCL trainer tests
+#                             (tests/test_gpu_parallel.py: TP / PP / SP layouts, the experts over EP 2; no vLLM)
 #   2  carry .gw/part2        stash part 2
 #   3  carry .gw/part3 .gw/install.sh .whl   install vLLM 0.26; check, dense, trainer TP 2 / engine TP 2
 #   4  carry .whl             check: MoE at (2, 2); engine TP 2 against the one-GPU trainer, dense and MoE
@@ -17,7 +18,8 @@ case "$STEP" in
 1)
   cp -r .gw/part1 /tmp/stash/ && echo part1 stashed
   nvidia-smi -L > "$OUT/${TAG}_x2_gpus.txt" 2>&1; cat "$OUT/${TAG}_x2_gpus.txt"
-  PYTHONPATH=$PWD timeout 500 python -m pytest -q -s -rs tests/test_gpu_parallel.py > "$OUT/${TAG}_x2_nccl_tests.log" 2>&1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
+  PYTHONPATH=/tmp/site:$PWD timeout 500 python -m pytest -q -s -rs tests/test_gpu_parallel.py > "$OUT/${TAG}_x2_nccl_tests.log" 2>&1
   echo "NCCL trainer tests rc $?"; tail -3 "$OUT/${TAG}_x2_nccl_tests.log" ;;
 2)
   cp -r .gw/part2 /tmp/stash/ && echo part2 stashed && ls /tmp/stash ;;
