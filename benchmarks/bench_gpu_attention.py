@@ -14,7 +14,8 @@
   time (launch gaps) shows; and the split path's scheduling variants (``SPLIT_VARIANTS``: the merge loop pipelined
   over 1-4 stages, ``attention.MERGE_STAGES``; the merge launch cut into 2-8 head-dimension slices, one program
   each, ``attention.MERGE_DSPLIT``; the merge as a programmatic dependent launch, ``attention.SPLIT_PDL``; the call
-  without its padding rows' zeroing launch, ``paged_attention.ZERO_PADDING_ROWS``), each checked bitwise against the
+  without its padding rows' zeroing -- programs of the last launch since session 34, a launch of its own before --,
+  ``paged_attention.ZERO_PADDING_ROWS``), each checked bitwise against the
   committed setting;
 * prefill: one sequence of T in {4k, 16k}, GQA 32/8 and MHA 32/32: ``attention_fwd`` (dense, the
   trainer) and ``paged_attention`` (page 16, and page 64: one key block per page; called as the vLLM backend calls
@@ -112,12 +113,12 @@ def _try(fn):
 
 
 # scheduling variants of the split decode path (module knobs of attention.py, and of paged_attention.py for the
-# padding rows' zeroing launch, which these cases do not need; loads and launches only, never bits)
+# padding rows' zeroing, which these cases do not need; loads and launches only, never bits)
 SPLIT_VARIANTS = ([(f"merge stages {n}", "attention", {"MERGE_STAGES": n, "MERGE_DSPLIT": 1}) for n in (1, 2, 3, 4)]
                   + [(f"merge stages 4, {k} head-dim slices", "attention", {"MERGE_STAGES": 4, "MERGE_DSPLIT": k})
                      for k in (2, 4, 8)]
                   + [("merge as a dependent launch (PDL)", "attention", {"SPLIT_PDL": True}),
-                     ("without the padding-zeroing launch", "paged_attention", {"ZERO_PADDING_ROWS": False})])
+                     ("without the padding rows' zeroing", "paged_attention", {"ZERO_PADDING_ROWS": False})])
 
 
 def split_phases_ms(fn, iters: int = 20) -> tuple[float, float]:

@@ -74,6 +74,7 @@ from ._common import GLUON, next_pow2, on_hopper
 KV_BLOCK_GPU = 64
 PART_BLOCKS = 8
 PART_KEYS = KV_BLOCK_GPU * PART_BLOCKS
+ZERO_BLOCK_T = tl.constexpr(16)  # padding-token rows a zeroing program of a paged call's last launch writes
 
 # Test-only: when True the partition size is derived from the call's longest key range (a batch
 # property), which breaks the contract on purpose; tests/test_gpu_paged_attention.py must catch it.
@@ -359,15 +360,28 @@ def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_AC
     _store_rows(O, LSE, out, lse, b64, b, t, hq, rv, rv, d, sob, sot, soh, HQ, Tq, D, STORE_LSE)
 
 
-@triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS"])
+@triton.jit
+def _zero_padding_rows(O, QSL, NSEQ, Tq, z, kvh, sot, soh, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``O[t, kvh G .. (kvh + 1) G) = 0`` for the padding tokens ``query_start_loc[NSEQ] <= t < Tq`` among rows
+    ``[z ZERO_BLOCK_T, (z + 1) ZERO_BLOCK_T)`` (a paged call's CUDA-graph padding)."""
+    t = z * ZERO_BLOCK_T + tl.arange(0, ZERO_BLOCK_T)
+    tm = (t >= tl.load(QSL + NSEQ)) & (t < Tq)
+    d = tl.arange(0, BLOCK_D)
+    rows = O + t.to(tl.int64)[:, None] * sot + d[None, :]
+    for g in tl.static_range(G):
+        tl.store(rows + (kvh * G + g) * soh, tl.zeros((ZERO_BLOCK_T, BLOCK_D), dtype=O.dtype.element_ty),
+                 mask=tm[:, None] & (d < D)[None, :])
+
+
+@triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS", "ZFROM"])
 def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, qk_scale, kv_scale,
-                 NSEQ, Tq, Tk, HQ, HKV, NPARTS,
+                 NSEQ, Tq, Tk, HQ, HKV, NPARTS, ZFROM,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sknt, sknh, svnt, svnh, sob, sot, soh, spb, spt,
                  stab, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
                  FP8: tl.constexpr, NEW_KV: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr,
                  NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_DSPLIT: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, ZERO_ROWS: tl.constexpr = False):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
@@ -378,12 +392,20 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     ``q_len`` positions); key blocks of new tokens only are read from them (see :func:`_walk`).  ``PDL`` (split path,
     Hopper): the merge launch is a programmatic dependent launch -- every MODE 1 program lets it start at once, and
     MODE 2 waits for MODE 1's grid (``griddepcontrol.wait``: its writes visible) before anything it reads from the
-    workspace; scheduling only, the same loads and arithmetic."""
+    workspace; scheduling only, the same loads and arithmetic.  ``ZERO_ROWS`` (a paged call's last launch): the
+    programs from ``ZFROM`` on along axis 0 write the padding tokens' rows 0 (:func:`_zero_padding_rows`; slice 0
+    of a sliced merge) in place of a launch of their own."""
     tl.static_assert(not (NEW_KV and FP8), "an FP8 cache is read from the cache only")
+    tl.static_assert(not (ZERO_ROWS and MODE == 1), "the padding rows are written by the last launch")
     if PDL and MODE == 1:
         gdc_launch_dependents()
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
+    if ZERO_ROWS:
+        if pid0 >= ZFROM:
+            if tl.program_id(2) == 0:
+                _zero_padding_rows(O, QSL, NSEQ, Tq, pid0 - ZFROM, pid1, sot, soh, G, D, BLOCK_D)
+            return
     work, tile, b, kvh, rv, t, hq, pos, kl, kbound, tab, new0, tnew0 = _map_tile(
         pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt, stab, G, BLOCK_M, PAGE)
     if not work:
@@ -580,10 +602,11 @@ def _workspace(rows: int, block_d: int, dev: torch.device) -> tuple[torch.Tensor
 
 def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, nseq, tq, tk, hq, hkv,
             qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, d, k_new=None, v_new=None,
-            programs: int = 0):
+            programs: int = 0, zero_padding: bool = False):
     """One attention call's launches.  ``k_new, v_new [T, Hkv, D]`` (paged, non-FP8 cache): the step's new keys and
     values, read in place of the cache for key blocks of new tokens only (same values: never a bit).  ``programs``:
-    the programs of the ``grid0 x n1`` grid that have rows (0: all of them), for the merge's slices."""
+    the programs of the ``grid0 x n1`` grid that have rows (0: all of them), for the merge's slices.
+    ``zero_padding`` (paged): the last launch also writes the rows of tokens ``query_start_loc[nseq] .. tq`` 0."""
     g = hq // hkv
     block_d = max(16, next_pow2(d))
     part_blocks = _part_blocks(max_kv)
@@ -609,17 +632,19 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     kn, vn = (k_new, v_new) if k_new is not None else (k, v)
     new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1)) if k_new is not None else (0, 0, 0, 0)
     args = (q, k, v, kn, vn, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale,
-            float(kv_scale), nseq, tq, tk, hq, hkv, nparts, *qs, *ks, *vs, *new_strides, *os_, *ps, stab)
+            float(kv_scale), nseq, tq, tk, hq, hkv, nparts, grid0, *qs, *ks, *vs, *new_strides, *os_, *ps, stab)
+    last0 = grid0 + (triton.cdiv(tq, ZERO_BLOCK_T.value) if zero_padding else 0)  # the last launch's axis 0
     if use_split:
         pdl = SPLIT_PDL and on_hopper(q)
         _attn_kernel[grid](*args, MODE=1, **dict(common, PDL=pdl))
         dsplit = _merge_slices(programs or grid0 * n1, block_d, q.device)
-        merge = dict(common, MERGE_DSPLIT=dsplit, PDL=pdl, MERGE_STAGES=_merge_stages(bm, block_d))
+        merge = dict(common, MERGE_DSPLIT=dsplit, PDL=pdl, MERGE_STAGES=_merge_stages(bm, block_d),
+                     ZERO_ROWS=zero_padding)
         if pdl:  # the launch option only where it is on: every other launch exactly as before
             merge["launch_pdl"] = True
-        _attn_kernel[(grid0, n1, dsplit)](*args, MODE=2, **merge)
+        _attn_kernel[(last0, n1, dsplit)](*args, MODE=2, **merge)
     else:
-        _attn_kernel[grid](*args, MODE=0, **common)
+        _attn_kernel[(last0,) + grid[1:]](*args, MODE=0, **dict(common, ZERO_ROWS=zero_padding))
     return use_split
 
 

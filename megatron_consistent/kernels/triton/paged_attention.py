@@ -38,8 +38,9 @@ PAGE_SIZES = (16, 32, 64, 128)
 # Read key blocks of the step's new tokens from its K/V tensors when the caller passes them (``k_new``): loads
 # only, never bits; ``MC_ATTN_NEW_KV=0`` reads every key from the cache (a rollout benchmark variant's A/B).
 NEW_KV_FROM_STEP = os.environ.get("MC_ATTN_NEW_KV", "1") != "0"
-# the padding rows' zeroing launch (``_zero_rows_kernel``, one per call); False only in bench_gpu_attention.py's split
-# variant that measures what the launch costs a decode step (its cases have no padding rows: the same bits)
+# the padding rows written 0: by the Triton kernel's last launch (its programs past the query tiles), or by a launch of
+# their own (``_zero_rows_kernel``) after the Gluon kernel or with no sequence; False only in bench_gpu_attention.py's
+# variant that measures what the zeroing costs a decode step (its cases have no padding rows: the same bits)
 ZERO_PADDING_ROWS = True
 
 __all__ = ["PAGE_SIZES", "paged_attention", "paged_plan", "write_kv_cache"]
@@ -161,7 +162,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             and on_hopper(q) and all(map(tma_ok, operands)):
         gluon = GLUON_ATTENTION_SCHEDULE
 
-    def committed(q, tab, qsl, seqs, out3, n, t, max_q, k_new, v_new):  # the Triton kernel on sequences / rows
+    def committed(q, tab, qsl, seqs, out3, n, t, max_q, k_new, v_new, zero_padding=False):  # the Triton kernel
         bm, grid0, split_path, programs = paged_plan(t, hq, hkv, n, max_q, max_seq_len, q.device, split=split,
                                                      block_m=block_m, head_dim=d)
         _launch(q=q, k=k_cache, v=v_cache, tab=tab, qsl=qsl, seq=seqs, qpos=seqs, klen=seqs, out=out3, lse=None,
@@ -170,7 +171,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 vs=(0, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)),
                 os_=(0, out3.stride(0), out3.stride(1)), ps=(0, 0), stab=tab.stride(0),
                 grid0=grid0, n1=hkv, max_kv=max_seq_len, page=page, fp8=fp8, split=split_path,
-                bm=bm, d=d, k_new=k_new, v_new=v_new, programs=programs)
+                bm=bm, d=d, k_new=k_new, v_new=v_new, programs=programs, zero_padding=zero_padding)
 
     if nseq > 0 and gluon is not None:
         from .gluon_attention import gluon_paged_attention
@@ -183,9 +184,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                               query_start_loc[rest] - nd if nd else query_start_loc, seq_lens[rest], scale, out3[rest],
                               *((k_new[rest], v_new[rest]) if k_new is not None else (None, None)),
                               kv_block=KV_BLOCK_GPU, part_blocks=_part_blocks(max_seq_len), schedule=gluon)
-    elif nseq > 0:
-        committed(q, block_table, query_start_loc, seq_lens, out3, nseq, t_all, max_query_len, k_new, v_new)
-    if ZERO_PADDING_ROWS:
+    elif nseq > 0:  # its last launch writes the padding rows 0 as well
+        committed(q, block_table, query_start_loc, seq_lens, out3, nseq, t_all, max_query_len, k_new, v_new,
+                  zero_padding=ZERO_PADDING_ROWS)
+    if ZERO_PADDING_ROWS and (nseq == 0 or gluon is not None):
         bt = 16
         _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
                                                       ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
