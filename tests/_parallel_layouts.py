@@ -10,13 +10,16 @@ import torch
 from megatron_consistent import kernels
 
 
-def reference(config, tmp_path: Path, dtype=torch.bfloat16, batch=2, seq=12, device="cpu"):
+def reference(config, tmp_path: Path, dtype=torch.bfloat16, batch=2, seq=12, device="cpu", prepare=None):
     """The single-process (TP=1, PP=1) model on ``device``: its weights as an HF checkpoint, tokens, logits and
-    log-probs (the tensors on the CPU)."""
+    log-probs (the tensors on the CPU).  ``prepare``: called on the seeded model before anything else (e.g. to give
+    weights initialized to constants other values)."""
     from megatron_consistent.conversion import export_hf
     from megatron_consistent.layers import build_consistent_model, compute_token_logprobs
 
     model = build_consistent_model(config, seed=5, dtype=dtype)
+    if prepare is not None:
+        prepare(model)
     arch = model.arch_config
     export_hf(model, arch, tmp_path / "weights")
     ids = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(7))

@@ -256,6 +256,30 @@ def reference_logprobs_f64(w: dict, arch: ArchConfig, ids: torch.Tensor, routes:
 GRAD_REL_TOL = 2e-5
 
 
+def gradient_errors_vs_f64(arch: ArchConfig, weights: dict, grads: dict, ids: torch.Tensor, routes: dict) -> tuple[float, dict[str, float]]:
+    """(loss, relative Frobenius error of every gradient) of a model's gradients vs the float64 reference, from the
+    HF-named weights and the HF-named gradients (the loss: ``-mean`` of the reference's token log-probs)."""
+    w64 = {k: v.double().requires_grad_(True) for k, v in weights.items()}
+    ref = -reference_logprobs_f64(w64, arch, ids, routes).mean()
+    ref.backward()
+    errs = {}
+    for k, t in w64.items():
+        if k.endswith("e_score_correction_bias"):
+            continue  # a selection bias: no gradient on either side
+        scale = t.grad.norm().item()
+        errs[k] = (grads[k].double() - t.grad).norm().item() / scale if scale > 0 else grads[k].double().norm().item()
+    return ref.item(), errs
+
+
+def hf_gradients(hf_config, arch: ArchConfig, grads: dict) -> dict:
+    """HF-named gradients of a model's (full, TP = 1) Megatron-named ``grads`` (``None``: zeros), through a twin."""
+    twin = build_consistent_hybrid_model(hf_config, seed=0, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in twin.named_parameters():
+            p.copy_(grads[n] if grads.get(n) is not None else torch.zeros_like(p))
+    return hf_state_dict(twin, arch)
+
+
 def _hybrid_gradient_errors(name: str, seed: int = 3) -> tuple[float, dict[str, float]]:
     model = build_consistent_hybrid_model(builtin_model_dir(name), seed=seed, dtype=torch.float32)
     arch = model.arch_config
@@ -265,22 +289,9 @@ def _hybrid_gradient_errors(name: str, seed: int = 3) -> tuple[float, dict[str, 
     loss.backward()
     routes = {i: model.decoder.layers[i].mlp.last_routes.reshape(ids.shape[1], ids.shape[0], -1).transpose(0, 1)
               for i in arch.moe_layers}
-    twin = build_consistent_hybrid_model(builtin_model_dir(name), seed=0, dtype=torch.float32)
-    grads = dict(model.named_parameters())
-    with torch.no_grad():
-        for n, p in twin.named_parameters():
-            p.copy_(grads[n].grad if grads[n].grad is not None else torch.zeros_like(p))
-    got = hf_state_dict(twin, arch)
-    w64 = {k: v.double().requires_grad_(True) for k, v in weights.items()}
-    ref = -reference_logprobs_f64(w64, arch, ids, routes).mean()
-    ref.backward()
-    errs = {}
-    for k, t in w64.items():
-        if k.endswith("e_score_correction_bias"):
-            continue  # a selection bias: no gradient on either side
-        scale = t.grad.norm().item()
-        errs[k] = (got[k].double() - t.grad).norm().item() / scale if scale > 0 else got[k].double().norm().item()
-    return abs(loss.item() - ref.item()) / abs(ref.item()), errs
+    got = hf_gradients(builtin_model_dir(name), arch, {n: p.grad for n, p in model.named_parameters()})
+    ref, errs = gradient_errors_vs_f64(arch, weights, got, ids, routes)
+    return abs(loss.item() - ref) / abs(ref), errs
 
 
 @pytest.mark.parametrize("name", ["tiny-mamba2", "tiny-nemotronh-moe"])

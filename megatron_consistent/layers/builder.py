@@ -97,7 +97,7 @@ PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "
 def prepare_build(hf_config, dtype, parallel: dict, *, feature: str | None = None) -> tuple[ArchConfig, torch.dtype]:
     """Validate the config and the parallel sizes (one named error before any work), then initialize the groups.
 
-    ``feature``: a model kind that supports no model parallelism (MoE, hybrid): TP / PP must be 1.
+    ``feature``: a model kind that supports tensor parallelism only (hybrid): PP / EP must be 1, no sequence parallelism.
     """
     arch = as_arch_config(hf_config)  # validates: UnsupportedConfigError before anything is built
     unknown = sorted(set(parallel) - set(PARALLEL_KEYS))
@@ -115,7 +115,7 @@ def prepare_build(hf_config, dtype, parallel: dict, *, feature: str | None = Non
 
 def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1) -> None:
     """Refuse, by name, shapes a TP / PP / EP layout cannot split (heads, KV groups, FFN, vocabulary, layers,
-    experts)."""
+    experts, the Mamba mixer's heads and groups)."""
     if tp == 1 and pp == 1 and ep == 1:
         return
     problems = []
@@ -128,6 +128,11 @@ def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1) -> None:
                     ("intermediate_size", arch.intermediate_size)):
         if n % tp:
             problems.append(f"{name}={n} is not divisible by TP={tp}")
+    if arch.ssm is not None:  # a rank's Mamba heads and the groups their B / C / gated norm read: whole, its own
+        for name, n in (("mamba_num_heads", arch.ssm.num_heads), ("n_groups", arch.ssm.n_groups)):
+            if n % tp:
+                problems.append(f"{name}={n} is not divisible by TP={tp} (the Mamba mixer's heads and groups are "
+                                "sharded over the TP ranks)")
     if tp > 1 and ep == 1 and arch.is_moe and arch.num_experts % tp:
         problems.append(f"num_experts={arch.num_experts} is not divisible by TP={tp} (the trainer shards the experts "
                         "over the TP ranks)")

@@ -58,9 +58,9 @@ from ..config import ArchConfig, SSMConfig, UnsupportedConfigError
 from .attention import ConsistentCoreAttention, _check_attention_features
 from .builder import CONSISTENT, make_transformer_config, prepare_build, seeded_build
 from .head_swap import install_head_swap_hook
-from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear, sharded_state_dict_tp1
+from . import tensor_parallel as tpar
+from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear, _set_tp_attributes, sharded_state_dict_tp1
 from .mlp import consistent_bias_dropout_add
-from .moe import _mark
 from .norm import ConsistentRMSNorm
 from .output import ConsistentOutputLayer
 from .parallel import check_parallel_config
@@ -69,6 +69,9 @@ __all__ = [
     "ConsistentHybridNorm", "ConsistentHybridStack", "ConsistentMambaMixer", "ConsistentNoRopeCoreAttention", "ConsistentReluSquared",
     "build_consistent_hybrid_model", "get_consistent_hybrid_stack_spec", "hybrid_pattern",
 ]
+
+
+HYBRID_FEATURE = "hybrid (Mamba) model"  # parallel.check_parallel_sizes: tensor parallelism only
 
 
 def hybrid_pattern(arch: ArchConfig) -> str:
@@ -107,7 +110,7 @@ class ConsistentNoRopeCoreAttention(ConsistentCoreAttention):
     def __init__(self, *, config, layer_number: int = 1, attn_mask_type=None, attention_type: str = "self",
                  softmax_scale: float | None = None, **unused):
         nn.Module.__init__(self)
-        check_parallel_config(config, feature="hybrid (Mamba) model")
+        check_parallel_config(config, feature=HYBRID_FEATURE)
         _check_attention_features(config, attention_type, attn_mask_type)
         self.layer_number = layer_number
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
@@ -139,6 +142,15 @@ class ConsistentMambaMixer(nn.Module):
     Init (seeded, float32 then cast): linears as Megatron's; conv uniform(+-1/sqrt(K)) like
     ``nn.Conv1d``; ``dt_bias`` = softplus^-1 of log-uniform dt in [1e-3, 1e-1] (floor 1e-4);
     ``A_log = log(1..nh)`` (HF NemotronH); ``D = 1``; ``norm.weight = 1``.
+
+    Tensor parallelism (TP = t dividing ``num_heads`` and ``n_groups``, Megatron's layout of its own mixer): rank r
+    holds heads ``[r nh/t, (r+1) nh/t)`` and the groups they read, ``[r G/t, (r+1) G/t)`` (heads of a group are
+    consecutive): the rows of each ``in_proj`` block z | x | B | C | dt (``partition_sections``,
+    :func:`.tensor_parallel.shard_like`), the ``conv1d`` channels of its x | B | C, its ``dt_bias`` / ``A_log`` /
+    ``D`` and the ``norm.weight`` of its groups; ``out_proj`` is row-parallel (the 8-segment K tree: rank subtrees
+    all-gathered in rank order).  Every op between the two linears is per channel (conv), per head (dt, SSD scan)
+    or per group (the gated RMSNorm's sum of squares), so a rank computes whole the values it owns and the output
+    is bitwise that of TP = 1; the seeded init draws the full tensors, then takes the rank's piece.
     """
 
     capture = None  # diagnostics: a callable(in_proj, dt, ssd, gated_norm) of each sequence's [1, T, ...]; None = off
@@ -146,35 +158,47 @@ class ConsistentMambaMixer(nn.Module):
     def __init__(self, config, d_model: int | None = None, layer_number: int | None = None, pg_collection=None,
                  pp_layer_offset: int = 0, *, ssm: SSMConfig | None = None, chunk_size: int = 128, **unused):
         super().__init__()
-        check_parallel_config(config, feature="hybrid (Mamba) model")
+        check_parallel_config(config, feature=HYBRID_FEATURE)
         self.config = config
         self.ssm = s = ssm or ssm_config_from_transformer_config(config, chunk_size)
         d_model = d_model or config.hidden_size
         self.d_model, self.layer_number = d_model, layer_number
         if s.d_inner % s.n_groups or s.num_heads % s.n_groups:
             raise UnsupportedConfigError(f"Mamba mixer: n_groups {s.n_groups} must divide num_heads {s.num_heads}")
+        t, rank = tpar.tp_size(), tpar.tp_rank()
+        if s.num_heads % t or s.n_groups % t:
+            raise UnsupportedConfigError(f"Mamba mixer at TP={t}: TP must divide num_heads {s.num_heads} and n_groups "
+                                         f"{s.n_groups} (each rank holds whole heads and groups)")
+        self.local_ssm = dataclasses.replace(s, num_heads=s.num_heads // t, n_groups=s.n_groups // t)  # this rank's
+        gn = s.n_groups * s.state_size
         dt = config.params_dtype
-        self.in_proj = ConsistentColumnParallelLinear(d_model, s.in_proj_size, config=config, init_method=config.init_method, bias=False)
+        self.in_proj = ConsistentColumnParallelLinear(d_model, s.in_proj_size, config=config, init_method=config.init_method,
+                                                      bias=False, partition_sections=(s.d_inner, s.d_inner, gn, gn, s.num_heads))
+
+        def piece(full: torch.Tensor, sections=None) -> nn.Parameter:  # this rank's piece of a seeded full tensor
+            p = nn.Parameter(torch.empty(full.shape[0] // t, *full.shape[1:], dtype=dt))
+            _set_tp_attributes(p, 0, 1, sections)
+            p.data.copy_(tpar.shard_like(full.to(dt), p, rank, t))
+            return p
+
         self.conv1d = _Params()
         bound = 1.0 / math.sqrt(s.conv_kernel)
-        self.conv1d.weight = _mark(nn.Parameter(torch.empty(s.conv_dim, 1, s.conv_kernel).uniform_(-bound, bound).to(dt)))
-        if s.use_conv_bias:
-            self.conv1d.bias = _mark(nn.Parameter(torch.empty(s.conv_dim).uniform_(-bound, bound).to(dt)))
-        else:
-            self.conv1d.bias = None
+        xbc = (s.d_inner, gn, gn)
+        self.conv1d.weight = piece(torch.empty(s.conv_dim, 1, s.conv_kernel).uniform_(-bound, bound), xbc)
+        self.conv1d.bias = piece(torch.empty(s.conv_dim).uniform_(-bound, bound), xbc) if s.use_conv_bias else None
         dt0 = torch.exp(torch.rand(s.num_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
-        self.dt_bias = _mark(nn.Parameter((dt0 + torch.log(-torch.expm1(-dt0))).to(dt)))
-        self.A_log = _mark(nn.Parameter(torch.log(torch.arange(1, s.num_heads + 1, dtype=torch.float32)).to(dt)))
-        self.D = _mark(nn.Parameter(torch.ones(s.num_heads, dtype=dt)))
+        self.dt_bias = piece(dt0 + torch.log(-torch.expm1(-dt0)))
+        self.A_log = piece(torch.log(torch.arange(1, s.num_heads + 1, dtype=torch.float32)))
+        self.D = piece(torch.ones(s.num_heads))
         self.norm = _Params()
-        self.norm.weight = _mark(nn.Parameter(torch.ones(s.d_inner, dtype=dt)))
+        self.norm.weight = piece(torch.ones(s.d_inner))
         self.out_proj = ConsistentRowParallelLinear(s.d_inner, d_model, config=config,
                                                     init_method=getattr(config, "output_layer_init_method", None), bias=False)
 
     # -- forward ---------------------------------------------------------------------------------------------
     def mix(self, h: torch.Tensor) -> torch.Tensor:
         """``[b, T, H] -> [b, T, H]`` for sequences that start at position 0."""
-        s = self.ssm
+        s = self.local_ssm
         b, t, _ = h.shape
         zxbcdt, _ = self.in_proj(h)
         z, xbc, dt_raw = torch.split(zxbcdt, [s.d_inner, s.conv_dim, s.num_heads], dim=-1)
@@ -214,7 +238,22 @@ class ConsistentMambaMixer(nn.Module):
         return torch.cat(outs, dim=0).reshape(h.shape)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        return sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, {})
+        """Megatron's mixer checkpoint layout: TP-split tensors with their global offsets, ``in_proj.weight`` saved as
+        its blocks ``.z .x .B .C .dt`` and ``conv1d.*`` as ``.x .B .C`` (Megatron's ``_split_tensor_factory``), so a
+        checkpoint saved at one TP loads at another."""
+        from megatron.core.ssm.mamba_mixer import _split_tensor_factory
+
+        axes = {"in_proj.weight": 0, "conv1d.weight": 0, "conv1d.bias": 0, "dt_bias": 0, "A_log": 0, "D": 0, "norm.weight": 0,
+                "out_proj.weight": 1}
+        out = sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, axes)
+        s = self.local_ssm
+        gn = s.n_groups * s.state_size
+        out[f"{prefix}in_proj.weight"] = _split_tensor_factory(out[f"{prefix}in_proj.weight"],
+                                                               [s.d_inner, s.d_inner, gn, gn, s.num_heads], ["z", "x", "B", "C", "dt"], 0)
+        for name in ("conv1d.weight", "conv1d.bias"):
+            if f"{prefix}{name}" in out:
+                out[f"{prefix}{name}"] = _split_tensor_factory(out[f"{prefix}{name}"], [s.d_inner, gn, gn], ["x", "B", "C"], 0)
+        return out
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, {self.ssm}"
@@ -350,7 +389,7 @@ def get_consistent_hybrid_stack_spec(arch: ArchConfig | None = None):
 
 
 # ---------------------------------------------------------------------------------------------- the model
-def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype):
+def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype, tensor_model_parallel_size: int = 1):
     """``TransformerConfig`` of a hybrid ``arch``: non-gated relu2 MLP, Mamba sizes, no attention placeholders needed."""
     heads = arch.num_heads or 1  # pure Mamba-2: no attention layer is built; Megatron still wants > 0 heads
     if not arch.num_heads:
@@ -363,7 +402,7 @@ def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype):
     if arch.ssm is not None:
         extra.update(mamba_state_dim=arch.ssm.state_size, mamba_head_dim=arch.ssm.head_dim, mamba_num_groups=arch.ssm.n_groups,
                      mamba_num_heads=arch.ssm.num_heads)
-    return make_transformer_config(arch, dtype, consistent=True, **extra)
+    return make_transformer_config(arch, dtype, consistent=True, tensor_model_parallel_size=tensor_model_parallel_size, **extra)
 
 
 def _hybrid_model_class():
@@ -393,11 +432,15 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
     Same conventions as :func:`.model.build_consistent_model` (seeded init with
     the global RNG restored, CPU init, exact vocabulary, ``consistent_kind`` and
     ``arch_config`` attributes, float32 logits): ``compute_token_logprobs`` works on it.
+    ``parallel``: ``tensor_model_parallel_size`` (1, 2, 4, 8, dividing the attention heads, KV heads, MLP width,
+    Mamba heads and groups; ``torch.distributed`` initialized by the caller) — the bits of TP = 1; PP, EP, CP and
+    sequence parallelism are refused by name.
     """
-    arch, dtype = prepare_build(hf_config, dtype, parallel, feature="hybrid (Mamba) model")
+    arch, dtype = prepare_build(hf_config, dtype, parallel, feature=HYBRID_FEATURE)
     if not arch.is_hybrid:
         raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture; use build_consistent_model")
-    config = make_hybrid_transformer_config(arch, dtype)
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    config = make_hybrid_transformer_config(arch, dtype, tp)
     cls = _hybrid_model_class()
     spec = get_consistent_hybrid_stack_spec(arch)
 
@@ -408,6 +451,7 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
         return model
 
     model = seeded_build(seed, build)
+    model.parallel_sizes = (tp, 1)
     model.consistent_kind = CONSISTENT
     model.arch_config = arch
     return model

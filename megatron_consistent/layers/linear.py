@@ -46,11 +46,14 @@ from . import tensor_parallel as tpar
 __all__ = ["ConsistentColumnParallelLinear", "ConsistentRowParallelLinear", "sharded_state_dict_tp1"]
 
 
-def _set_tp_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1) -> None:
-    """The attributes Megatron's DDP / optimizer / checkpointing read from TP parameters."""
+def _set_tp_attributes(param: nn.Parameter, partition_dim: int, stride: int = 1, sections=None) -> None:
+    """The attributes Megatron's DDP / optimizer / checkpointing read from TP parameters (``sections``: our
+    ``partition_sections``, unequal sub-blocks each split over the ranks: :func:`.tensor_parallel.shard_like`)."""
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = stride
+    if sections is not None:
+        param.partition_sections = tuple(sections)
     param.allreduce = True
     param.sequence_parallel = False
 
@@ -91,6 +94,7 @@ class _ConsistentLinearBase(nn.Module):
         skip_weight_param_allocation: bool = False,
         gather_output: bool = False,
         input_is_parallel: bool = True,
+        partition_sections: tuple[int, ...] | None = None,
         **unused,
     ):
         super().__init__()
@@ -108,6 +112,10 @@ class _ConsistentLinearBase(nn.Module):
                                          + (f" x stride {stride}" if stride > 1 else ""))
         if self._row_parallel:
             check_segments(input_size, ROW_PARALLEL_SEGMENTS)
+        if partition_sections is not None and (self._row_parallel or stride != 1 or sum(partition_sections) != output_size
+                                               or any(n % t for n in partition_sections)):
+            raise UnsupportedConfigError(f"partition_sections {tuple(partition_sections)}: column-parallel rows of "
+                                         f"{output_size} in blocks that TP={t} divides, stride 1")
         if is_expert:
             raise UnsupportedConfigError("expert (MoE) linears are not supported by the consistent layers")
         if skip_weight_param_allocation:
@@ -121,7 +129,7 @@ class _ConsistentLinearBase(nn.Module):
         local_out = output_size if self._row_parallel else output_size // t
         local_in = input_size // t if self._row_parallel else input_size
         self.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=dtype))
-        _set_tp_attributes(self.weight, self._partition_dim, stride)
+        _set_tp_attributes(self.weight, self._partition_dim, stride, partition_sections)
         if getattr(config, "perform_initialization", True) and init_method is not None:
             # Same recipe (and RNG consumption) as Megatron's CPU initialization: float32 master of the full shape,
             # cast, then this rank's split (tensor_parallel.shard_like, Megatron's _initialize_affine_weight_cpu split).
@@ -135,7 +143,7 @@ class _ConsistentLinearBase(nn.Module):
                 # under sequence parallelism each rank adds it to its chunk: partial gradient, all-reduced by Megatron
                 self.bias.sequence_parallel = self.sequence_parallel
             else:
-                _set_tp_attributes(self.bias, 0, stride)
+                _set_tp_attributes(self.bias, 0, stride, partition_sections)
         else:
             self.register_parameter("bias", None)
 

@@ -12,8 +12,9 @@ the TP ranks, the router and shared expert replicated).  See ``docs/parallel.md`
 Sequence parallelism (TP > 1) is supported by the same layers.
 
 Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1, context parallelism, expert
-parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8, and — at TP > 1, PP > 1 or EP > 1 —
-hybrid (Mamba) models and FP8 (their modules call :func:`check_parallel_config` with a ``feature`` name) and
+parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8, hybrid (Mamba) models at PP > 1, EP > 1
+or with sequence parallelism (their modules call :func:`check_parallel_config` with a ``feature`` name; at TP > 1
+they run: ``layers/hybrid.py``), FP8 at TP > 1 (``layers/linear.py``), and
 ``build_consistent_model(moe_impl="megatron")`` (Megatron's MoELayer at EP > 1 / TP > 1 + SP: the framework entry
 points, ``layers/moe_megatron.py``).
 
@@ -75,8 +76,8 @@ def check_parallel_sizes(
 ) -> None:
     """Refuse every parallelism the consistent layers do not implement, naming it.
 
-    ``feature``: a part that supports no model parallelism at all (e.g. ``"MoE"``, ``"hybrid (Mamba)"``,
-    ``"FP8"``): then TP and PP must be 1 too.
+    ``feature``: a part that supports tensor parallelism only (``"hybrid (Mamba) model"``): then PP and EP must be 1
+    and sequence parallelism off.
     """
     refused = []
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
@@ -97,11 +98,11 @@ def check_parallel_sizes(
                        "Megatron's MoE at TP > 1 asks for sequence parallelism too)")
     if refused:
         raise UnsupportedConfigError("the consistent Megatron layers do not support: " + "; ".join(refused))
-    if feature is not None and (tp != 1 or pp != 1 or ep != 1):
+    if feature is not None and (pp != 1 or ep != 1 or sequence_parallel):
         raise UnsupportedConfigError(
-            f"{feature} with model parallelism (tensor_model_parallel_size={tp}, pipeline_model_parallel_size={pp}, "
-            f"expert_model_parallel_size={ep}) is not supported by the consistent layers — only TP = PP = EP = 1 "
-            "(GPT layers support TP/PP, MoE GPT layers EP)")
+            f"{feature} with model parallelism other than TP (pipeline_model_parallel_size={pp}, "
+            f"expert_model_parallel_size={ep}, sequence_parallel={sequence_parallel}) is not supported by the consistent "
+            "layers — only tensor parallelism (GPT layers support PP and sequence parallelism, MoE GPT layers EP)")
 
 
 def check_parallel_config(config, *, feature: str | None = None) -> None:

@@ -391,15 +391,27 @@ def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperat
 
 
 def _split_axis(param: torch.nn.Parameter):
-    """``(dim, stride, group)`` of a parameter split over ranks (``group``: Megatron's, ``None`` before it is
+    """``(dim, group)`` of a parameter split over ranks (``group``: Megatron's, ``None`` before it is
     initialized), ``None`` for a whole one.  Megatron's marks: an expert weight under expert parallelism
     (``allreduce=False``) is split along dim 0 over the EP group; a tensor-parallel one (``tensor_model_parallel``)
     along ``partition_dim`` over the TP group."""
     if not getattr(param, "allreduce", True):
-        return 0, 1, ep_group()
+        return 0, ep_group()
     if getattr(param, "tensor_model_parallel", False):
-        return param.partition_dim, getattr(param, "partition_stride", 1), tp_group()
+        return param.partition_dim, tp_group()
     return None
+
+
+def _sections(param: torch.nn.Parameter, full_size: int) -> list[int]:
+    """The full-size sub-blocks along the split axis that are split over the ranks each on its own:
+    ``partition_sections`` (the Mamba ``in_proj`` z | x | B | C | dt, ``conv1d`` x | B | C: each rank holds its piece
+    of every block, in block order), else ``partition_stride`` equal blocks (Megatron's stride: ``linear_fc1`` of a
+    GLU = gate | up)."""
+    sections = getattr(param, "partition_sections", None)
+    if sections is not None:
+        return list(sections)
+    stride = getattr(param, "partition_stride", 1)
+    return [full_size // stride] * stride
 
 
 def shard_like(full: torch.Tensor, param: torch.nn.Parameter, rank: int | None = None, size: int | None = None) -> torch.Tensor:
@@ -407,22 +419,23 @@ def shard_like(full: torch.Tensor, param: torch.nn.Parameter, rank: int | None =
 
     Reads Megatron's attributes: ``tensor_model_parallel``, ``partition_dim``, ``partition_stride`` (stride 2 =
     ``linear_fc1`` of a GLU: each rank holds its gate shard then its up shard) — the split of Megatron's
-    ``_initialize_affine_weight_cpu`` — and ``allreduce=False`` (an expert weight: split along the expert axis over
-    the EP group).  ``rank`` / ``size``: default this rank's place in the parameter's group.
+    ``_initialize_affine_weight_cpu`` — our ``partition_sections`` (unequal sub-blocks, each split over the ranks:
+    the Mamba mixer's ``in_proj`` / ``conv1d``, as Megatron's mixer holds them), and ``allreduce=False`` (an expert
+    weight: split along the expert axis over the EP group).  ``rank`` / ``size``: default this rank's place in the
+    parameter's group.
     """
     split = _split_axis(param)
     if split is None or tuple(full.shape) == tuple(param.shape):
         return full
-    dim, stride, group = split
+    dim, group = split
     if rank is None or size is None:
         if group is None:
             return full
         rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1:
         return full
-    per_stride = param.shape[dim] // stride
-    pieces = torch.split(full, per_stride, dim=dim)[rank::size]
-    return torch.cat(pieces, dim=dim)
+    blocks = torch.split(full, _sections(param, full.shape[dim]), dim=dim)
+    return torch.cat([block.chunk(size, dim=dim)[rank] for block in blocks], dim=dim)
 
 
 def unshard_like(local: torch.Tensor, param: torch.nn.Parameter, group=None) -> torch.Tensor:
@@ -432,15 +445,16 @@ def unshard_like(local: torch.Tensor, param: torch.nn.Parameter, group=None) -> 
     split = _split_axis(param)
     if split is None:
         return local
-    dim, stride, own = split
+    dim, own = split
     group = own if group is None else group
     if group is None or dist.get_world_size(group) == 1:
         return local
     size = dist.get_world_size(group)
     parts = [torch.empty_like(local.contiguous()) for _ in range(size)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    chunks = [part.chunk(stride, dim=dim) for part in parts]
-    return torch.cat([chunks[r][j] for j in range(stride) for r in range(size)], dim=dim)
+    local_sections = [n // size for n in _sections(param, local.shape[dim] * size)]
+    chunks = [part.split(local_sections, dim=dim) for part in parts]
+    return torch.cat([chunks[r][j] for j in range(len(local_sections)) for r in range(size)], dim=dim)
 
 
 def expert_sharded_tensor(tensor: torch.Tensor, key: str, sharded_offsets=()):
