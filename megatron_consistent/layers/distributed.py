@@ -367,11 +367,11 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     ``tp * pp * dp`` visible CUDA devices, raise ``UnsupportedConfigError`` in the caller before any process starts.
     """
     from .builder import as_arch_config, check_tp_shapes
-    from .parallel import check_parallel_sizes
+    from .parallel import HYBRID_FEATURE, check_parallel_sizes
 
     arch = as_arch_config(hf_config)
     check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, expert_model_parallel_size=ep,
-                         feature="hybrid (Mamba) model" if arch.is_hybrid else None)
+                         feature=HYBRID_FEATURE if arch.is_hybrid else None)
     check_tp_shapes(arch, tp, pp, ep)
     if dp < 1 or (tp * dp) % ep:
         raise UnsupportedConfigError(f"DP={dp}: the data-parallel size must be positive and EP={ep} must divide "

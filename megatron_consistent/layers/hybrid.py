@@ -63,15 +63,12 @@ from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear,
 from .mlp import consistent_bias_dropout_add
 from .norm import ConsistentRMSNorm
 from .output import ConsistentOutputLayer
-from .parallel import check_parallel_config
+from .parallel import HYBRID_FEATURE, check_parallel_config
 
 __all__ = [
     "ConsistentHybridNorm", "ConsistentHybridStack", "ConsistentMambaMixer", "ConsistentNoRopeCoreAttention", "ConsistentReluSquared",
     "build_consistent_hybrid_model", "get_consistent_hybrid_stack_spec", "hybrid_pattern",
 ]
-
-
-HYBRID_FEATURE = "hybrid (Mamba) model"  # parallel.check_parallel_sizes: tensor parallelism only
 
 
 def hybrid_pattern(arch: ArchConfig) -> str:

@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 from ..config import UnsupportedConfigError
 
-__all__ = ["RANK_BACKENDS", "SUPPORTED_TP_SIZES", "check_parallel_config", "check_parallel_sizes", "check_rank_devices",
+__all__ = ["HYBRID_FEATURE", "RANK_BACKENDS", "SUPPORTED_TP_SIZES", "check_parallel_config", "check_parallel_sizes", "check_rank_devices",
            "init_cpu_process_group", "rank_backend"]
 
 SUPPORTED_TP_SIZES = (1, 2, 4, 8)
+HYBRID_FEATURE = "hybrid (Mamba) model"  # the ``feature`` of hybrid models: tensor parallelism only
 RANK_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # the torch.distributed backend of a job's ranks, by their device
 
 

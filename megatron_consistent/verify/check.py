@@ -158,12 +158,12 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     ("" when it can)."""
     from ..config import UnsupportedConfigError
     from ..layers.builder import check_tp_shapes
-    from ..layers.parallel import check_parallel_sizes, check_rank_devices
+    from ..layers.parallel import HYBRID_FEATURE, check_parallel_sizes, check_rank_devices
 
     tp, pp, dp, ep = cfg.trainer_tp, cfg.trainer_pp, cfg.trainer_dp, cfg.trainer_ep
     try:  # the helper's own refusals (layers/distributed.py recompute_logprobs_parallel)
         check_parallel_sizes(tp, pp, sequence_parallel=cfg.trainer_sp, expert_model_parallel_size=ep,
-                             feature="hybrid (Mamba) model" if arch.is_hybrid else None)
+                             feature=HYBRID_FEATURE if arch.is_hybrid else None)
         check_tp_shapes(arch, tp, pp, ep)
         check_rank_devices(cfg.resolved_device(), tp * pp * dp)
     except UnsupportedConfigError as e:
