@@ -40,8 +40,17 @@ compute in float32.
 Model builder: :func:`build_consistent_hybrid_model` (also reached through
 :func:`.model.build_consistent_model`, which dispatches on ``arch.is_hybrid``);
 the class is Megatron's ``HybridModel`` when it exists (0.19) else ``MambaModel``
-(0.16), with ``position_embedding_type='none'``.  Refused by name: TP/PP/CP/SP > 1,
-inference contexts (KV / SSM cache inside Megatron), ``residual_in_fp32``.
+(0.16), with ``position_embedding_type='none'``.
+
+Tensor parallelism (TP = t ∈ {1, 2, 4, 8} dividing the Mamba groups, hence the heads; the attention / MLP widths
+as for GPT layers): the numerics contract is the bits of TP = 1.  The mixer's rank holds whole heads and groups
+(:class:`ConsistentMambaMixer`), every op between ``in_proj`` and ``out_proj`` reduces only within one head or one
+group (the gated RMSNorm's sum of squares: one group's ``d_inner / G`` channels), ``out_proj`` / ``linear_proj`` /
+``linear_fc2`` run the row-parallel K tree (rank subtrees all-gathered in rank order), the MoE layers shard their
+experts over the TP ranks (:mod:`.moe`), embedding / LM head / log-softmax are vocab-parallel
+(``docs/parallel.md``).  Refused by name: PP / EP / CP > 1 and sequence parallelism
+(:data:`.parallel.HYBRID_FEATURE`), a TP not dividing the groups, inference contexts (KV / SSM cache inside
+Megatron), ``residual_in_fp32``.
 """
 
 from __future__ import annotations
