@@ -1,14 +1,16 @@
 """The hybrid (Mamba-2 / Nemotron-H) trainer at tensor parallelism TP = 2 on gloo CPU ranks: the bits of TP = 1.
 
-* logits and token log-probs ``torch.equal`` to the one-process model (``tiny-nemotronh``: Mamba mixers with
-  n_groups 2 and 8 heads, attention, relu2 MLP; ``tiny-nemotronh-moe``: its experts over the TP ranks);
+* logits and token log-probs ``torch.equal`` to the one-process model at TP 2, PP 2 and TP 2 x PP 2
+  (``tiny-nemotronh``: Mamba mixers with n_groups 2 and 8 heads, attention, relu2 MLP) and at TP 2, TP 2 x PP 2
+  (``tiny-nemotronh-moe``: its experts over the TP ranks);
 * the seeded init at TP = 2 is the TP = 1 init's shard; the mixer's parameters are the rank's heads / groups;
 * TP=2 gradients vs the float64 reference (``tests/test_hybrid_megatron.py``) within ``GRAD_REL_TOL``;
 * a TP=2 ``dist_checkpointing`` save loads into the TP=1 model bit for bit (Megatron's mixer layout: ``in_proj``
   blocks ``z x B C dt``, ``conv1d`` blocks ``x B C``, each split over the ranks);
 * broken variants are caught: each rank's gated norm with the other rank's group slice of ``norm.weight``, and
   the ``out_proj`` rank partials summed by an all-reduce instead of the 8-segment tree;
-* refusals by name: TP not dividing the Mamba groups / heads, PP and sequence parallelism for hybrids.
+* refusals by name: TP not dividing the Mamba groups / heads, layers not dividing PP, sequence parallelism for
+  hybrids.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def _randomize_mixers(model) -> None:
 
 @pytest.mark.slow
 def test_hybrid_logits_and_logprobs_equal_at_tp2(tmp_path):
-    check_layouts(NEMOTRONH, [(2, 1)], tmp_path / "nemotronh")
-    check_layouts(MODELS_DIR / "tiny-nemotronh-moe", [(2, 1)], tmp_path / "moe")
+    check_layouts(NEMOTRONH, [(2, 1), (1, 2), (2, 2)], tmp_path / "nemotronh")
+    check_layouts(MODELS_DIR / "tiny-nemotronh-moe", [(2, 1), (2, 2)], tmp_path / "moe")
 
 
 def _hybrid_tp2_worker(rank: int, workdir: str) -> None:
@@ -136,7 +138,7 @@ def test_hybrid_tp_refusals_are_named():
         recompute_logprobs_parallel(NEMOTRONH, {}, ids, tp=4)
     with pytest.raises(UnsupportedConfigError, match="n_groups=1 is not divisible by TP=2"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-mamba2", {}, ids, tp=2)
-    with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with model parallelism other than TP"):
-        recompute_logprobs_parallel(NEMOTRONH, {}, ids, tp=2, pp=2)
-    with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with model parallelism other than TP"):
+    with pytest.raises(UnsupportedConfigError, match="num_hidden_layers=3 is not divisible by PP=2"):
+        recompute_logprobs_parallel(MODELS_DIR / "tiny-mamba2", {}, ids, pp=2)
+    with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with expert or sequence parallelism"):
         recompute_logprobs_parallel(NEMOTRONH, {}, ids, tp=2, sequence_parallel=True)

@@ -48,7 +48,8 @@ as for GPT layers): the numerics contract is the bits of TP = 1.  The mixer's ra
 group (the gated RMSNorm's sum of squares: one group's ``d_inner / G`` channels), ``out_proj`` / ``linear_proj`` /
 ``linear_fc2`` run the row-parallel K tree (rank subtrees all-gathered in rank order), the MoE layers shard their
 experts over the TP ranks (:mod:`.moe`), embedding / LM head / log-softmax are vocab-parallel
-(``docs/parallel.md``).  Refused by name: PP / EP / CP > 1 and sequence parallelism
+(``docs/parallel.md``).  Pipeline parallelism: Megatron's stack builds the stage's slice of the pattern and the
+stages pass activations unchanged.  Refused by name: EP / CP > 1 and sequence parallelism
 (:data:`.parallel.HYBRID_FEATURE`), a TP not dividing the groups, inference contexts (KV / SSM cache inside
 Megatron), ``residual_in_fp32``.
 """
@@ -395,7 +396,8 @@ def get_consistent_hybrid_stack_spec(arch: ArchConfig | None = None):
 
 
 # ---------------------------------------------------------------------------------------------- the model
-def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype, tensor_model_parallel_size: int = 1):
+def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype, tensor_model_parallel_size: int = 1,
+                                   pipeline_model_parallel_size: int = 1):
     """``TransformerConfig`` of a hybrid ``arch``: non-gated relu2 MLP, Mamba sizes, no attention placeholders needed."""
     heads = arch.num_heads or 1  # pure Mamba-2: no attention layer is built; Megatron still wants > 0 heads
     if not arch.num_heads:
@@ -408,7 +410,8 @@ def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype, tensor_
     if arch.ssm is not None:
         extra.update(mamba_state_dim=arch.ssm.state_size, mamba_head_dim=arch.ssm.head_dim, mamba_num_groups=arch.ssm.n_groups,
                      mamba_num_heads=arch.ssm.num_heads)
-    return make_transformer_config(arch, dtype, consistent=True, tensor_model_parallel_size=tensor_model_parallel_size, **extra)
+    return make_transformer_config(arch, dtype, consistent=True, tensor_model_parallel_size=tensor_model_parallel_size,
+                                   pipeline_model_parallel_size=pipeline_model_parallel_size, **extra)
 
 
 def _hybrid_model_class():
@@ -424,8 +427,11 @@ def _hybrid_model_class():
 
 def _hybrid_model_kwargs(cls, arch: ArchConfig, config, spec) -> dict:
     params = inspect.signature(cls.__init__).parameters
-    kwargs = dict(config=config, vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings, pre_process=True,
-                  post_process=True, parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+    from megatron.core import parallel_state
+
+    kwargs = dict(config=config, vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
+                  pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+                  parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
                   position_embedding_type="none")
     kwargs["hybrid_stack_spec" if "hybrid_stack_spec" in params else "mamba_stack_spec"] = spec
     kwargs["hybrid_layer_pattern" if "hybrid_layer_pattern" in params else "hybrid_override_pattern"] = hybrid_pattern(arch)
@@ -439,25 +445,25 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
     the global RNG restored, CPU init, exact vocabulary, ``consistent_kind`` and
     ``arch_config`` attributes, float32 logits): ``compute_token_logprobs`` works on it.
     ``parallel``: ``tensor_model_parallel_size`` (1, 2, 4, 8, dividing the attention heads, KV heads, MLP width,
-    Mamba heads and groups; ``torch.distributed`` initialized by the caller) — the bits of TP = 1; PP, EP, CP and
-    sequence parallelism are refused by name.
+    Mamba heads and groups) and ``pipeline_model_parallel_size`` (``torch.distributed`` initialized by the caller) —
+    the bits of TP = PP = 1; EP, CP and sequence parallelism are refused by name.
     """
     arch, dtype = prepare_build(hf_config, dtype, parallel, feature=HYBRID_FEATURE)
     if not arch.is_hybrid:
         raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture; use build_consistent_model")
-    tp = parallel.get("tensor_model_parallel_size", 1)
-    config = make_hybrid_transformer_config(arch, dtype, tp)
+    tp, pp = parallel.get("tensor_model_parallel_size", 1), parallel.get("pipeline_model_parallel_size", 1)
+    config = make_hybrid_transformer_config(arch, dtype, tp, pp)
     cls = _hybrid_model_class()
     spec = get_consistent_hybrid_stack_spec(arch)
 
     def build():
         model = cls(**_hybrid_model_kwargs(cls, arch, config, spec))
-        if not isinstance(model.output_layer, ConsistentOutputLayer):  # the registration hook may have swapped it already
+        if model.post_process and not isinstance(model.output_layer, ConsistentOutputLayer):  # the hook may have swapped it
             model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
         return model
 
     model = seeded_build(seed, build)
-    model.parallel_sizes = (tp, 1)
+    model.parallel_sizes = (tp, pp)
     model.consistent_kind = CONSISTENT
     model.arch_config = arch
     return model

@@ -224,6 +224,9 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             trainer.update(column="linear_qkv, linear_fc1: heads / MLP columns split", row="linear_proj, linear_fc2: fp32 "
                            "subtrees all-gathered in rank order, top of the tree", vocab="embedding / output layer vocab-parallel, "
                            "vocab-segmented log-softmax")
+            if arch.is_hybrid:
+                trainer["mamba"] = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|C per block, "
+                                    "dt_bias / A_log / D per head, gated-norm weight per group; out_proj row-parallel tree")
         if arch.is_moe:
             trainer["moe"] = ("ConsistentMoELayer: experts sharded over the TP ranks, each rank's (token, slot) outputs "
                               "summed (one value and zeros: exact), router and shared expert replicated"
