@@ -687,7 +687,8 @@ def _export_worker(rank: int, workdir: str, config: str, tp: int, pp: int, ep: i
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config, tp, pp, dp, ep", [(LLAMA, 2, 2, 1, 1), (QWEN2MOE, 2, 1, 1, 1), (QWEN2MOE, 1, 1, 2, 2),
-                                                    (QWEN2MOE, 2, 1, 2, 4), (MODELS_DIR / "tiny-qwen3moe-top1", 1, 2, 2, 2)])
+                                                    (QWEN2MOE, 2, 1, 2, 4), (MODELS_DIR / "tiny-qwen3moe-top1", 1, 2, 2, 2),
+                                                    (MODELS_DIR / "tiny-nemotronh", 2, 2, 1, 1)])
 def test_export_from_a_parallel_layout_is_the_one_process_checkpoint(tmp_path, config, tp, pp, dp, ep):
     """A model loaded at TP / PP / DP / EP (EP at TP 2 with sequence parallelism) and exported by every rank (TP and EP
     pieces gathered, one file a pipeline stage and an index at PP > 1) is the one-process HF checkpoint tensor for
