@@ -1,16 +1,16 @@
 """The hybrid (Mamba-2 / Nemotron-H) trainer at tensor parallelism TP = 2 on gloo CPU ranks: the bits of TP = 1.
 
-* logits and token log-probs ``torch.equal`` to the one-process model at TP 2, PP 2 and TP 2 x PP 2
-  (``tiny-nemotronh``: Mamba mixers with n_groups 2 and 8 heads, attention, relu2 MLP) and at TP 2, TP 2 x PP 2
-  (``tiny-nemotronh-moe``: its experts over the TP ranks);
+* logits and token log-probs ``torch.equal`` to the one-process model at TP 2, PP 2, TP 2 x PP 2, TP 2 + SP and
+  TP 2 x PP 2 + SP (``tiny-nemotronh``: Mamba mixers with n_groups 2 and 8 heads, attention, relu2 MLP) and at TP 2,
+  TP 2 x PP 2, TP 2 + SP (``tiny-nemotronh-moe``: its experts over the TP ranks);
 * the seeded init at TP = 2 is the TP = 1 init's shard; the mixer's parameters are the rank's heads / groups;
-* TP=2 gradients vs the float64 reference (``tests/test_hybrid_megatron.py``) within ``GRAD_REL_TOL``;
+* TP=2 gradients, without and with sequence parallelism, vs the float64 reference (``tests/test_hybrid_megatron.py``)
+  within ``GRAD_REL_TOL``;
 * a TP=2 ``dist_checkpointing`` save loads into the TP=1 model bit for bit (Megatron's mixer layout: ``in_proj``
   blocks ``z x B C dt``, ``conv1d`` blocks ``x B C``, each split over the ranks);
 * broken variants are caught: each rank's gated norm with the other rank's group slice of ``norm.weight``, and
   the ``out_proj`` rank partials summed by an all-reduce instead of the 8-segment tree;
-* refusals by name: TP not dividing the Mamba groups / heads, layers not dividing PP, sequence parallelism for
-  hybrids.
+* refusals by name: TP not dividing the Mamba groups / heads, layers not dividing PP, EP for hybrids.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def _randomize_mixers(model) -> None:
 
 @pytest.mark.slow
 def test_hybrid_logits_and_logprobs_equal_at_tp2(tmp_path):
-    check_layouts(NEMOTRONH, [(2, 1), (1, 2), (2, 2)], tmp_path / "nemotronh")
-    check_layouts(MODELS_DIR / "tiny-nemotronh-moe", [(2, 1), (2, 2)], tmp_path / "moe")
+    check_layouts(NEMOTRONH, [(2, 1), (1, 2), (2, 2), (2, 1, True), (2, 2, True)], tmp_path / "nemotronh")
+    check_layouts(MODELS_DIR / "tiny-nemotronh-moe", [(2, 1), (2, 2), (2, 1, True)], tmp_path / "moe")
 
 
 def _hybrid_tp2_worker(rank: int, workdir: str) -> None:
@@ -74,9 +74,14 @@ def _hybrid_tp2_worker(rank: int, workdir: str) -> None:
     with cuda_stubs_for_checkpoint():
         dist_checkpointing.save(model.sharded_state_dict(), str(work / "dist"))
 
-    model32 = build_parallel_model(cfg, weights, tp=2, dtype=torch.float32)
-    (-stage_logprobs(model32, ids).mean()).backward()
-    grads = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
+    grads = {}
+    for sp in (False, True):  # float32 gradients without and with sequence parallelism
+        model32 = build_parallel_model(cfg, weights, tp=2, dtype=torch.float32, sequence_parallel=sp)
+        (-stage_logprobs(model32, ids).mean()).backward()
+        for p in model32.parameters():  # what Megatron's finalize_model_grads does for sequence-parallel parameters
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=tpar.tp_group())
+        grads[sp] = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
 
     with torch.no_grad():  # broken: each rank normalizes its groups with the other rank's norm.weight slice
         kept = [m.norm.weight.clone() for m in mixers]
@@ -100,7 +105,8 @@ def _hybrid_tp2_worker(rank: int, workdir: str) -> None:
         out["broken_out_proj_logits"] = gather_vocab(stage_forward(model, ids)).contiguous()
     if rank == 0:
         save_file(out, str(work / "out.safetensors"))
-        save_file(grads, str(work / "grads.safetensors"))
+        for sp, g in grads.items():
+            save_file(g, str(work / f"grads.sp{int(sp)}.safetensors"))
 
 
 @pytest.mark.slow
@@ -120,10 +126,12 @@ def test_hybrid_tp2_bits_gradients_checkpoint_and_broken_variants(tmp_path):
 
     arch = ArchConfig.from_hf(load_hf_config(NEMOTRONH))
     hf = read_hf_tensors(weights)
-    got = hf_gradients(NEMOTRONH, arch, load_file(str(tmp_path / "grads.safetensors")))
-    _, errs = gradient_errors_vs_f64(arch, hf, got, ids, {})
-    print(f"hybrid TP=2 gradients: max relative error vs float64 {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
-    assert max(errs.values()) < GRAD_REL_TOL, errs
+    for sp in (0, 1):
+        got = hf_gradients(NEMOTRONH, arch, load_file(str(tmp_path / f"grads.sp{sp}.safetensors")))
+        _, errs = gradient_errors_vs_f64(arch, hf, got, ids, {})
+        print(f"hybrid TP=2 SP={sp} gradients: max relative error vs float64 {max(errs.values()):.3g} "
+              f"({max(errs, key=errs.get)})")
+        assert max(errs.values()) < GRAD_REL_TOL, (sp, errs)
 
     loaded = _load_dist_staged(build_consistent_model(NEMOTRONH, seed=1), tmp_path / "dist")
     for name, tensor in megatron_state_from_hf(arch, hf).items():
@@ -140,5 +148,5 @@ def test_hybrid_tp_refusals_are_named():
         recompute_logprobs_parallel(MODELS_DIR / "tiny-mamba2", {}, ids, tp=2)
     with pytest.raises(UnsupportedConfigError, match="num_hidden_layers=3 is not divisible by PP=2"):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-mamba2", {}, ids, pp=2)
-    with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with expert or sequence parallelism"):
-        recompute_logprobs_parallel(NEMOTRONH, {}, ids, tp=2, sequence_parallel=True)
+    with pytest.raises(UnsupportedConfigError, match=r"hybrid \(Mamba\) model with expert parallelism"):
+        recompute_logprobs_parallel(MODELS_DIR / "tiny-nemotronh-moe", {}, ids, dp=2, ep=2)

@@ -97,7 +97,7 @@ PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "
 def prepare_build(hf_config, dtype, parallel: dict, *, feature: str | None = None) -> tuple[ArchConfig, torch.dtype]:
     """Validate the config and the parallel sizes (one named error before any work), then initialize the groups.
 
-    ``feature``: a model kind that supports tensor and pipeline parallelism only (hybrid): EP = 1, no sequence parallelism.
+    ``feature``: a model kind without expert parallelism (hybrid): EP must be 1.
     """
     arch = as_arch_config(hf_config)  # validates: UnsupportedConfigError before anything is built
     unknown = sorted(set(parallel) - set(PARALLEL_KEYS))

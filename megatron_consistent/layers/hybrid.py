@@ -49,9 +49,10 @@ group (the gated RMSNorm's sum of squares: one group's ``d_inner / G`` channels)
 ``linear_fc2`` run the row-parallel K tree (rank subtrees all-gathered in rank order), the MoE layers shard their
 experts over the TP ranks (:mod:`.moe`), embedding / LM head / log-softmax are vocab-parallel
 (``docs/parallel.md``).  Pipeline parallelism: Megatron's stack builds the stage's slice of the pattern and the
-stages pass activations unchanged.  Refused by name: EP / CP > 1 and sequence parallelism
-(:data:`.parallel.HYBRID_FEATURE`), a TP not dividing the groups, inference contexts (KV / SSM cache inside
-Megatron), ``residual_in_fp32``.
+stages pass activations unchanged.  Sequence parallelism: the mixer's ``in_proj`` takes the rank's ``[s/t, b, H]``
+chunk and gives the whole sequence (all-gathered input), the scan runs on whole sequences, ``out_proj`` returns
+the rank's chunk of the same tree.  Refused by name: EP / CP > 1 (:data:`.parallel.HYBRID_FEATURE`), a TP not
+dividing the groups, inference contexts (KV / SSM cache inside Megatron), ``residual_in_fp32``.
 """
 
 from __future__ import annotations
@@ -204,10 +205,15 @@ class ConsistentMambaMixer(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------------------
     def mix(self, h: torch.Tensor) -> torch.Tensor:
-        """``[b, T, H] -> [b, T, H]`` for sequences that start at position 0."""
-        s = self.local_ssm
-        b, t, _ = h.shape
+        """``[b, T, H] -> [b, T, H]`` for sequences that start at position 0 (no sequence parallelism)."""
         zxbcdt, _ = self.in_proj(h)
+        out, _ = self.out_proj(self._scan(zxbcdt))
+        return out
+
+    def _scan(self, zxbcdt: torch.Tensor) -> torch.Tensor:
+        """``in_proj`` rows of this rank ``[b, T, P]`` -> the gated-norm output of its heads ``[b, T, d_inner / t]``."""
+        s = self.local_ssm
+        b, t, _ = zxbcdt.shape
         z, xbc, dt_raw = torch.split(zxbcdt, [s.d_inner, s.conv_dim, s.num_heads], dim=-1)
         zero_state = xbc.new_zeros(b, s.conv_kernel - 1, s.conv_dim)  # sequences start at position 0 (explicit: autograd-safe)
         xbc, _ = kernels.causal_conv1d(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, zero_state, "silu")
@@ -220,29 +226,32 @@ class ConsistentMambaMixer(nn.Module):
         g = kernels.gated_rms_norm(y.reshape(b, t, s.d_inner), z, self.norm.weight, s.group_size, s.norm_eps)
         if self.capture is not None:
             self.capture(zxbcdt, dt, y.reshape(b, t, s.d_inner), g)
-        out, _ = self.out_proj(g)
-        return out
+        return g
 
     def forward(self, hidden_states: torch.Tensor, inference_context=None, packed_seq_params=None, inference_params=None, **unused):
         if inference_context is not None or inference_params is not None:
             raise UnsupportedConfigError("Megatron inference contexts (SSM/conv state caches) are not supported by the consistent "
                                          "Mamba mixer; generate with the vLLM plugin")
+        zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, P]; under sequence parallelism the whole sequence (gathered)
         if packed_seq_params is not None:
-            return self._forward_packed(hidden_states, packed_seq_params), None
-        return self.mix(hidden_states.transpose(0, 1)).transpose(0, 1), None
+            g = self._scan_packed(zxbcdt, packed_seq_params)
+        else:
+            g = self._scan(zxbcdt.transpose(0, 1)).transpose(0, 1)
+        out, _ = self.out_proj(g)  # under sequence parallelism: this rank's sequence chunk of the tree
+        return out, None
 
-    def _forward_packed(self, h: torch.Tensor, psp) -> torch.Tensor:
+    def _scan_packed(self, zxbcdt: torch.Tensor, psp) -> torch.Tensor:
         fmt = getattr(psp, "qkv_format", "thd")
         if fmt != "thd" or psp.cu_seqlens_q is None:
             raise UnsupportedConfigError(f"unsupported packed_seq_params (qkv_format {fmt!r}; thd with cu_seqlens_q only)")
-        if h.dim() == 3 and h.shape[1] != 1:
-            raise UnsupportedConfigError(f"packed (thd) input must have batch 1, got {h.shape[1]}")
-        flat = h.reshape(h.shape[0], h.shape[-1])
+        if zxbcdt.dim() == 3 and zxbcdt.shape[1] != 1:
+            raise UnsupportedConfigError(f"packed (thd) input must have batch 1, got {zxbcdt.shape[1]}")
+        flat = zxbcdt.reshape(zxbcdt.shape[0], zxbcdt.shape[-1])
         bounds = [int(x) for x in psp.cu_seqlens_q.tolist()]
         if bounds[0] != 0 or bounds[-1] != flat.shape[0] or any(b1 < b0 for b0, b1 in zip(bounds, bounds[1:])):
             raise UnsupportedConfigError(f"cu_seqlens_q {bounds} does not partition the {flat.shape[0]} packed tokens")
-        outs = [self.mix(flat[s0:s1][None])[0] for s0, s1 in zip(bounds, bounds[1:]) if s1 > s0]
-        return torch.cat(outs, dim=0).reshape(h.shape)
+        outs = [self._scan(flat[s0:s1][None])[0] for s0, s1 in zip(bounds, bounds[1:]) if s1 > s0]
+        return torch.cat(outs, dim=0).reshape(*zxbcdt.shape[:-1], -1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Megatron's mixer checkpoint layout: TP-split tensors with their global offsets, ``in_proj.weight`` saved as
@@ -396,8 +405,7 @@ def get_consistent_hybrid_stack_spec(arch: ArchConfig | None = None):
 
 
 # ---------------------------------------------------------------------------------------------- the model
-def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype, tensor_model_parallel_size: int = 1,
-                                   pipeline_model_parallel_size: int = 1):
+def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype, **parallel):
     """``TransformerConfig`` of a hybrid ``arch``: non-gated relu2 MLP, Mamba sizes, no attention placeholders needed."""
     heads = arch.num_heads or 1  # pure Mamba-2: no attention layer is built; Megatron still wants > 0 heads
     if not arch.num_heads:
@@ -410,8 +418,7 @@ def make_hybrid_transformer_config(arch: ArchConfig, dtype: torch.dtype, tensor_
     if arch.ssm is not None:
         extra.update(mamba_state_dim=arch.ssm.state_size, mamba_head_dim=arch.ssm.head_dim, mamba_num_groups=arch.ssm.n_groups,
                      mamba_num_heads=arch.ssm.num_heads)
-    return make_transformer_config(arch, dtype, consistent=True, tensor_model_parallel_size=tensor_model_parallel_size,
-                                   pipeline_model_parallel_size=pipeline_model_parallel_size, **extra)
+    return make_transformer_config(arch, dtype, consistent=True, **parallel, **extra)
 
 
 def _hybrid_model_class():
@@ -445,14 +452,19 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
     the global RNG restored, CPU init, exact vocabulary, ``consistent_kind`` and
     ``arch_config`` attributes, float32 logits): ``compute_token_logprobs`` works on it.
     ``parallel``: ``tensor_model_parallel_size`` (1, 2, 4, 8, dividing the attention heads, KV heads, MLP width,
-    Mamba heads and groups) and ``pipeline_model_parallel_size`` (``torch.distributed`` initialized by the caller) —
-    the bits of TP = PP = 1; EP, CP and sequence parallelism are refused by name.
+    Mamba heads and groups), ``pipeline_model_parallel_size`` and ``sequence_parallel`` (``torch.distributed``
+    initialized by the caller) — the bits of TP = PP = 1; EP and CP are refused by name.
     """
     arch, dtype = prepare_build(hf_config, dtype, parallel, feature=HYBRID_FEATURE)
     if not arch.is_hybrid:
         raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture; use build_consistent_model")
-    tp, pp = parallel.get("tensor_model_parallel_size", 1), parallel.get("pipeline_model_parallel_size", 1)
-    config = make_hybrid_transformer_config(arch, dtype, tp, pp)
+    sizes = {k: parallel[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel")
+             if k in parallel}
+    config = make_hybrid_transformer_config(arch, dtype, **sizes)
+    if config.sequence_parallel and not torch.cuda.is_available():
+        from .cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()  # the sequence-parallel block forks Megatron's CUDA RNG tracker (no RNG is drawn: dropout 0)
     cls = _hybrid_model_class()
     spec = get_consistent_hybrid_stack_spec(arch)
 
@@ -460,10 +472,13 @@ def build_consistent_hybrid_model(hf_config, *, seed: int = 0, dtype: torch.dtyp
         model = cls(**_hybrid_model_kwargs(cls, arch, config, spec))
         if model.post_process and not isinstance(model.output_layer, ConsistentOutputLayer):  # the hook may have swapped it
             model.output_layer = ConsistentOutputLayer.from_megatron(model.output_layer)
+        if model.pre_process and config.sequence_parallel:
+            tpar.sequence_parallel_embedding(model.embedding)
         return model
 
     model = seeded_build(seed, build)
-    model.parallel_sizes = (tp, pp)
+    model.parallel_sizes = (config.tensor_model_parallel_size, config.pipeline_model_parallel_size)
+    model.sequence_parallel = bool(config.sequence_parallel)
     model.consistent_kind = CONSISTENT
     model.arch_config = arch
     return model

@@ -100,8 +100,8 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     and sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs,
     EP for MoE configs (experts sharded over Megatron's EP groups; at TP > 1 with sequence parallelism)
     (``torch.distributed`` initialized by the caller with a world size TP x PP divides; contract in
-    ``docs/parallel.md``; hybrid configs at TP and PP: the Mamba mixer's heads and groups over the TP ranks); CP, EP at
-    TP > 1 without sequence parallelism, and EP / sequence parallelism for hybrid configs are refused
+    ``docs/parallel.md``; hybrid configs too: the Mamba mixer's heads and groups over the TP ranks); CP, EP at
+    TP > 1 without sequence parallelism, and EP for hybrid configs are refused
     (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;

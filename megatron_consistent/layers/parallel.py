@@ -12,8 +12,8 @@ the TP ranks, the router and shared expert replicated).  See ``docs/parallel.md`
 Sequence parallelism (TP > 1) is supported by the same layers.
 
 Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1, context parallelism, expert
-parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8, hybrid (Mamba) models at EP > 1 or with
-sequence parallelism (their modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1 they
+parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8, hybrid (Mamba) models at EP > 1 (their
+modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1 and with sequence parallelism they
 run: ``layers/hybrid.py``), FP8 at TP > 1 (``layers/linear.py``), and
 ``build_consistent_model(moe_impl="megatron")`` (Megatron's MoELayer at EP > 1 / TP > 1 + SP: the framework entry
 points, ``layers/moe_megatron.py``).
@@ -42,7 +42,7 @@ __all__ = ["HYBRID_FEATURE", "RANK_BACKENDS", "SUPPORTED_TP_SIZES", "check_paral
            "init_cpu_process_group", "rank_backend"]
 
 SUPPORTED_TP_SIZES = (1, 2, 4, 8)
-HYBRID_FEATURE = "hybrid (Mamba) model"  # the ``feature`` of hybrid models: tensor and pipeline parallelism only
+HYBRID_FEATURE = "hybrid (Mamba) model"  # the ``feature`` of hybrid models: no expert parallelism
 RANK_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # the torch.distributed backend of a job's ranks, by their device
 
 
@@ -77,8 +77,7 @@ def check_parallel_sizes(
 ) -> None:
     """Refuse every parallelism the consistent layers do not implement, naming it.
 
-    ``feature``: a part that supports tensor and pipeline parallelism only (``"hybrid (Mamba) model"``): then EP must
-    be 1 and sequence parallelism off.
+    ``feature``: a part without expert parallelism (``"hybrid (Mamba) model"``): then EP must be 1.
     """
     refused = []
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
@@ -99,11 +98,10 @@ def check_parallel_sizes(
                        "Megatron's MoE at TP > 1 asks for sequence parallelism too)")
     if refused:
         raise UnsupportedConfigError("the consistent Megatron layers do not support: " + "; ".join(refused))
-    if feature is not None and (ep != 1 or sequence_parallel):
+    if feature is not None and ep != 1:
         raise UnsupportedConfigError(
-            f"{feature} with expert or sequence parallelism (expert_model_parallel_size={ep}, sequence_parallel="
-            f"{sequence_parallel}) is not supported by the consistent layers — only tensor and pipeline parallelism "
-            "(GPT layers support sequence parallelism, MoE GPT layers EP)")
+            f"{feature} with expert parallelism (expert_model_parallel_size={ep}) is not supported by the consistent "
+            "layers — tensor, pipeline and sequence parallelism are (MoE GPT layers support EP)")
 
 
 def check_parallel_config(config, *, feature: str | None = None) -> None:
