@@ -56,9 +56,9 @@ def _copy(megatron: str, hf: str, shape: tuple[int, ...], dtype: str, engine: st
 
 def _mamba(arch: ArchConfig, m: str, h: str, e: str) -> list[WeightEntry]:
     s, H, dt = arch.ssm, arch.hidden_size, arch.dtype
-    rows = [("in_proj.weight", "in_proj", (s.in_proj_size, H), "column"),
-            ("conv1d.weight", "conv_weight", (s.conv_dim, 1, s.conv_kernel), "column"),
-            ("conv1d.bias", "conv_bias", (s.conv_dim,), "column"),
+    rows = [("in_proj.weight", "in_proj", (s.in_proj_size, H), "blocks"),
+            ("conv1d.weight", "conv_weight", (s.conv_dim, 1, s.conv_kernel), "blocks"),
+            ("conv1d.bias", "conv_bias", (s.conv_dim,), "blocks"),
             ("dt_bias", "dt_bias", (s.num_heads,), "column"), ("A_log", "A_log", (s.num_heads,), "column"),
             ("D", "D", (s.num_heads,), "column"), ("norm.weight", "norm_weight", (s.d_inner,), "column"),
             ("out_proj.weight", "out_proj", (H, s.d_inner), "row")]

@@ -43,7 +43,9 @@ import torch
 __all__ = ["LAYOUTS", "SHARD_RULES", "WeightEntry", "engine_views", "tp_held_shape", "tp_part"]
 
 LAYOUTS = ("copy", "qkv", "fc1", "experts_fc1", "experts_fc2")
-SHARD_RULES = ("replicated", "column", "row", "vocab", "experts")
+# "blocks": rows split over the ranks per sub-block (the Mamba mixer's in_proj z | x | B | C | dt, conv1d x | B | C: the
+# trainer's ``partition_sections``); the vLLM plugin runs hybrid models at TP = 1, so tp_part refuses it at TP > 1
+SHARD_RULES = ("replicated", "column", "row", "vocab", "experts", "blocks")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ def tp_part(entry: WeightEntry, index: int, rank: int = 0, size: int = 1) -> tup
             raise ValueError(f"{entry.megatron}: {experts} experts cannot be cut into {size} equal runs")
         run = experts // size
         return None if rank * run <= index // per < (rank + 1) * run else (0, 0, 0)
+    if entry.shard == "blocks":
+        raise ValueError(f"{entry.megatron}: rows split per sub-block over the TP ranks (the Mamba mixer); the vLLM "
+                         "plugin runs hybrid models at TP = 1")
     shape = entry.hf_shapes[index]
     dim = len(shape) - 1 if entry.shard == "row" else 0
     n = shape[dim]
