@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from ._common import GLUON, next_pow2, on_hopper, tma_ok
-from .attention import (GLUON_ATTENTION_HEAD_DIMS, GLUON_ATTENTION_SCHEDULE, KV_BLOCK_GPU, PART_KEYS, _block_m_for,
-                        _launch, _part_blocks, _use_split)
+from .attention import (GLUON_ATTENTION_HEAD_DIMS, GLUON_ATTENTION_SCHEDULE, KV_BLOCK_GPU, PART_KEYS, ZERO_BLOCK_T,
+                        _block_m_for, _launch, _part_blocks, _use_split, _zero_padding_rows)
 
 PAGE_SIZES = (16, 32, 64, 128)
 # Read key blocks of the step's new tokens from its K/V tensors when the caller passes them (``k_new``): loads
@@ -47,16 +47,10 @@ __all__ = ["PAGE_SIZES", "paged_attention", "paged_plan", "write_kv_cache"]
 
 
 @triton.jit
-def _zero_rows_kernel(O, QSL, NSEQ, T, sot, ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``out[t] = 0`` for the padding tokens ``t >= query_start_loc[-1]`` (rows of ``ROW`` elements)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    end = tl.load(QSL + NSEQ)
-    tm = (t >= end) & (t < T)
-    for c0 in range(0, ROW, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        z = tl.zeros((BLOCK_T, BLOCK_C), dtype=O.dtype.element_ty)
-        tl.store(O + t.to(tl.int64)[:, None] * sot + c[None, :], z, mask=tm[:, None] & (c < ROW)[None, :])
-
+def _zero_rows_kernel(O, QSL, NSEQ, T, sot, soh, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[t] = 0`` for the padding tokens ``t >= query_start_loc[-1]``: the attention kernel's own zeroing
+    (:func:`.attention._zero_padding_rows`) as a launch of its own, grid (row blocks, KV heads)."""
+    _zero_padding_rows(O, QSL, NSEQ, T, tl.program_id(0), tl.program_id(1), sot, soh, G, D, BLOCK_D)
 
 
 def paged_plan(t_all: int, hq: int, hkv: int, nseq: int, max_query_len: int, max_seq_len: int,
@@ -188,9 +182,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         committed(q, block_table, query_start_loc, seq_lens, out3, nseq, t_all, max_query_len, k_new, v_new,
                   zero_padding=ZERO_PADDING_ROWS)
     if ZERO_PADDING_ROWS and (nseq == 0 or gluon is not None):
-        bt = 16
-        _zero_rows_kernel[(triton.cdiv(t_all, bt),)](out3, query_start_loc, nseq, t_all, out3.stride(0),
-                                                      ROW=hq * d, BLOCK_T=bt, BLOCK_C=min(1024, next_pow2(hq * d)))
+        _zero_rows_kernel[(triton.cdiv(t_all, ZERO_BLOCK_T.value), hkv)](
+            out3, query_start_loc, nseq, t_all, out3.stride(0), out3.stride(1), G=hq // hkv, D=d,
+            BLOCK_D=max(16, next_pow2(d)))
     return out
 
 
