@@ -46,7 +46,7 @@ SHAPES = {"8B o_proj 4096x4096": (4096, 4096), "8B down 4096x14336": (4096, 1433
 MS = [1, 16, 64, 256, 1024, 4096]
 QUICK_SHAPES = ["8B o_proj 4096x4096", "8B down 4096x14336"]
 QUICK_MS = [1, 64, 1024, 4096]
-SEGMENTS = 8
+SEGMENTS = [8]  # the contract's K segments S (--segments: each S in one run; 8 = the default model's)
 # forced schedules (path, REG); "parallel" only where the tiles are few enough to matter
 # (path, REG[, tile[, lanes]]): a tile overrides the segment config's BM / BN / warps / stages (never BK or the split: the numerics)
 VARIANTS = {"serial r1": ("serial", 1), "serial r2": ("serial", 2), "flat r1": ("flat", 1), "flat r2": ("flat", 2),
@@ -68,8 +68,9 @@ def _variants_for(m, enabled):
     return {k: v for k, v in VARIANTS.items() if v[0] != "parallel" or m <= PARALLEL_MAX_M}
 
 
-def _fns(x, w, variants, gluon=False):
-    """name -> callable(x, w) returning the bf16 output (``gluon``: also the Gluon candidates, from GLUON_MIN_M rows)."""
+def _fns(x, w, variants, gluon=False, segments=8):
+    """name -> callable(x, w) returning the bf16 output of the ``segments``-segment tree (``gluon``: also the Gluon
+    candidates, from GLUON_MIN_M rows)."""
     from megatron_consistent.kernels.numerics import adjacent_tree_sum
     from megatron_consistent.kernels.triton import linear as tlin
     from megatron_consistent.kernels.triton import segment_tree as tst
@@ -77,43 +78,43 @@ def _fns(x, w, variants, gluon=False):
     fns = {
         "cublas": lambda xx, ww: torch.nn.functional.linear(xx, ww),
         "gemm": lambda xx, ww: tlin.gemm(xx, ww, None, torch.bfloat16),
-        "naive": lambda xx, ww: adjacent_tree_sum(tst.linear_segments_naive(xx, ww, SEGMENTS), dim=0).to(torch.bfloat16),
-        "tree": lambda xx, ww: tst.segment_tree_gemm(xx, ww, SEGMENTS, None, torch.bfloat16),
-        "default": lambda xx, ww: tst._linear_segment_tree_cuda(xx, ww, SEGMENTS, None, torch.bfloat16),
+        "naive": lambda xx, ww: adjacent_tree_sum(tst.linear_segments_naive(xx, ww, segments), dim=0).to(torch.bfloat16),
+        "tree": lambda xx, ww: tst.segment_tree_gemm(xx, ww, segments, None, torch.bfloat16),
+        "default": lambda xx, ww: tst._linear_segment_tree_cuda(xx, ww, segments, None, torch.bfloat16),
     }
     for name, (path, reg, *extra) in variants.items():
         tile, lanes = (extra + [None, None])[:2]
         cfg = None
         if tile:
             bm, bn, warps, stages = tile
-            cfg = {**tst.segment_config(w.shape[0], w.shape[1], SEGMENTS, w.dtype, x.shape[0]),
+            cfg = {**tst.segment_config(w.shape[0], w.shape[1], segments, w.dtype, x.shape[0]),
                    "BM": bm, "BN": bn, "W": warps, "S": stages}
         fns[name] = (lambda p, r, c, ln: lambda xx, ww: tst.segment_tree_gemm(
-            xx, ww, SEGMENTS, None, torch.bfloat16, cfg=c, path=p, reg_segments=r, lanes=ln))(path, reg, cfg, lanes)
+            xx, ww, segments, None, torch.bfloat16, cfg=c, path=p, reg_segments=r, lanes=ln))(path, reg, cfg, lanes)
     if gluon and x.shape[0] >= GLUON_MIN_M:
         from megatron_consistent.kernels.triton.gluon_segment_tree import gluon_segment_tree
 
         for name in GLUON_NAMES:
-            fns[name] = (lambda sch: lambda xx, ww: gluon_segment_tree(xx, ww, SEGMENTS, None, torch.bfloat16, sch))(
+            fns[name] = (lambda sch: lambda xx, ww: gluon_segment_tree(xx, ww, segments, None, torch.bfloat16, sch))(
                 name.split(maxsplit=1)[1])
     return fns
 
 
 def _warm(job):
-    """Compile (and run once) one kernel family ``(n, k, [m...], variants_enabled, name)`` in this worker."""
-    n, k, ms, variants, name = job
+    """Compile (and run once) one kernel family ``(n, k, [m...], variants_enabled, name, segments)`` in this worker."""
+    n, k, ms, variants, name, segments = job
     dev = DEV
     errors = []
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     x = torch.randn(max(ms), k, device=dev, dtype=torch.bfloat16)
     for m in ms:
-        fn = _fns(x[:m], w, _variants_for(m, variants), gluon=name in GLUON_NAMES).get(name)
+        fn = _fns(x[:m], w, _variants_for(m, variants), gluon=name in GLUON_NAMES, segments=segments).get(name)
         if fn is None:
             continue
         try:
             fn(x[:m], w)
         except Exception as e:  # noqa: BLE001
-            errors.append(f"{n}x{k} M={m} {name}: {type(e).__name__}: {str(e)[:200]}")
+            errors.append(f"{n}x{k} M={m} S={segments} {name}: {type(e).__name__}: {str(e)[:200]}")
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return errors
@@ -145,7 +146,7 @@ def bench(fn, rep):
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
-def run(shapes, ms, variants, rep, gluon=False):
+def run(shapes, ms, variants, rep, gluon=False, segments=8):
     from megatron_consistent.kernels.numerics import adjacent_tree_sum
     from megatron_consistent.kernels.triton import segment_tree as tst
     from megatron_consistent.kernels.triton._common import num_sms
@@ -160,7 +161,7 @@ def run(shapes, ms, variants, rep, gluon=False):
         xs = torch.randn(max(ms), k, device=dev, dtype=torch.bfloat16)
         for m in ms:
             x = xs[:m]
-            fns = _fns(x, ws[0], _variants_for(m, variants), gluon)
+            fns = _fns(x, ws[0], _variants_for(m, variants), gluon, segments)
             times = {}
             for name, fn in list(fns.items()):
                 try:
@@ -173,8 +174,8 @@ def run(shapes, ms, variants, rep, gluon=False):
             tree = fns["tree"](x, ws[0])
             # the contract in float32 (one launch = loop + adjacent_tree_sum), then the bf16 outputs (the interpreter of
             # --cpu-smoke truncates to bf16 where torch rounds: bf16 compared on the GPU only)
-            naive32 = adjacent_tree_sum(tst.linear_segments_naive(x, ws[0], SEGMENTS), dim=0)
-            bits_ok = torch.equal(tst.segment_tree_gemm(x, ws[0], SEGMENTS).view(torch.int32), naive32.view(torch.int32))
+            naive32 = adjacent_tree_sum(tst.linear_segments_naive(x, ws[0], segments), dim=0)
+            bits_ok = torch.equal(tst.segment_tree_gemm(x, ws[0], segments).view(torch.int32), naive32.view(torch.int32))
             if DEV.type == "cuda":
                 bits_ok = bits_ok and torch.equal(tree.view(torch.int16), fns["naive"](x, ws[0]).view(torch.int16))
             for name in fns:
@@ -186,13 +187,13 @@ def run(shapes, ms, variants, rep, gluon=False):
 
                 xh, wh = x[:, : k // 2].contiguous(), ws[0][:, : k // 2].contiguous()
                 gluon_bits[name] = (torch.equal(fns[name](x, ws[0]).view(torch.int16), tree.view(torch.int16))
-                                    and torch.equal(gluon_segment_tree(xh, wh, SEGMENTS // 2, None, torch.float32,
-                                                                       name.split(maxsplit=1)[1]),
-                                                    tst.segment_tree_gemm(xh, wh, SEGMENTS // 2, None, torch.float32)))
-            p = tst.plan(m, n, k, SEGMENTS, torch.bfloat16, sms=sms)
+                                    and (segments < 2 or torch.equal(
+                                        gluon_segment_tree(xh, wh, segments // 2, None, torch.float32, name.split(maxsplit=1)[1]),
+                                        tst.segment_tree_gemm(xh, wh, segments // 2, None, torch.float32))))
+            p = tst.plan(m, n, k, segments, torch.bfloat16, sms=sms)
             flops = 2.0 * m * n * k
             best = min((t, nm) for nm, t in times.items() if nm == "tree" or nm in VARIANTS)
-            r = {"shape": shape, "M": m, "N": n, "K": k, "ms": times,
+            r = {"shape": shape, "segments": segments, "M": m, "N": n, "K": k, "ms": times,
                  "tflops": {nm: flops / t * 1e-9 for nm, t in times.items()},
                  "tree_vs_cublas": times["cublas"] / times["tree"], "tree_vs_gemm": times["gemm"] / times["tree"],
                  "default_vs_cublas": times["cublas"] / times["default"], "default_vs_gemm": times["gemm"] / times["default"],
@@ -204,7 +205,7 @@ def run(shapes, ms, variants, rep, gluon=False):
                           for name in GLUON_NAMES if name in times}
             rows.append(r)
             var = "  ".join(f"{nm} {times['gemm'] / t:.3f}" for nm, t in times.items() if nm in VARIANTS)
-            print(f"{shape:22s} M={m:5d}  cuBLAS {times['cublas'] * 1e3:8.1f} us  gemm {times['gemm'] * 1e3:8.1f}  "
+            print(f"{shape:22s} S={segments} M={m:5d}  cuBLAS {times['cublas'] * 1e3:8.1f} us  gemm {times['gemm'] * 1e3:8.1f}  "
                   f"naive {times['naive'] * 1e3:8.1f}  tree {times['tree'] * 1e3:8.1f} us [{p['path']} r{p['REG']}]  "
                   f"tree/cuBLAS {r['tree_vs_cublas']:.3f}  tree/gemm {r['tree_vs_gemm']:.3f}  "
                   f"default/gemm {r['default_vs_gemm']:.3f}  bits {'ok' if bits_ok else 'DIFFER'}"
@@ -219,24 +220,26 @@ def run(shapes, ms, variants, rep, gluon=False):
 
 
 def table(rows) -> str:
-    lines = ["| shape | M | cuBLAS us | gemm us | naive us | tree us | schedule | tree/cuBLAS | tree/gemm | naive/gemm |"
+    lines = ["| shape | S | M | cuBLAS us | gemm us | naive us | tree us | schedule | tree/cuBLAS | tree/gemm | naive/gemm |"
              " best variant (vs gemm) | default/cuBLAS | default/gemm | bits |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
     for r in rows:
         t = r["ms"]
-        lines.append(f"| {r['shape']} | {r['M']} | {t['cublas'] * 1e3:.1f} | {t['gemm'] * 1e3:.1f} | "
+        lines.append(f"| {r['shape']} | {r['segments']} | {r['M']} | {t['cublas'] * 1e3:.1f} | {t['gemm'] * 1e3:.1f} | "
                      f"{t['naive'] * 1e3:.1f} | {t['tree'] * 1e3:.1f} | {r['plan']['path']} r{r['plan']['REG']} | "
                      f"{r['tree_vs_cublas']:.3f} | {r['tree_vs_gemm']:.3f} | {r['naive_vs_gemm']:.3f} | "
                      f"{r['best_variant']} ({r['best_vs_gemm']:.3f}) | {r['default_vs_cublas']:.3f} | "
                      f"{r['default_vs_gemm']:.3f} | {'ok' if r['bits_ok'] else 'DIFFER'} |")
     for r in rows:
         for nm, g in r.get("gluon", {}).items():
-            lines.append(f"| {r['shape']} | {r['M']} | {nm} candidate | | | {r['ms'][nm] * 1e3:.1f} | | "
+            lines.append(f"| {r['shape']} | {r['segments']} | {r['M']} | {nm} candidate | | | {r['ms'][nm] * 1e3:.1f} | | "
                          f"{g['vs_cublas']:.3f} | {g['vs_gemm']:.3f} | | | | | {'ok' if g['bits_ok'] else 'DIFFER'} (vs tree) |")
-    worst = min(rows, key=lambda r: r["default_vs_gemm"])
-    lines += ["", f"worst default/gemm: {worst['default_vs_gemm']:.3f} ({worst['shape']}, M={worst['M']}); "
-              f"target >= 0.97 everywhere: {'met' if worst['default_vs_gemm'] >= 0.97 else 'NOT met'}; "
-              f"bits: {'all equal to the per-segment loop' if all(r['bits_ok'] for r in rows) else 'SOME DIFFER'}"]
+    lines.append("")
+    for s in sorted({r["segments"] for r in rows}):
+        worst = min((r for r in rows if r["segments"] == s), key=lambda r: r["default_vs_gemm"])
+        lines.append(f"S = {s}: worst default/gemm {worst['default_vs_gemm']:.3f} ({worst['shape']}, M={worst['M']}); "
+                     f"target >= 0.97 everywhere: {'met' if worst['default_vs_gemm'] >= 0.97 else 'NOT met'}")
+    lines.append(f"bits: {'all equal to the per-segment loop' if all(r['bits_ok'] for r in rows) else 'SOME DIFFER'}")
     return "\n".join(lines) + "\n"
 
 
@@ -250,6 +253,8 @@ def main():
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     ap.add_argument("--gluon", action="store_true",
                     help="also the Gluon tree (kernels/triton/gluon_segment_tree.py) at M >= GLUON_MIN_M: bits vs the tree, time")
+    ap.add_argument("--segments", default="8",
+                    help="comma-separated segment counts S of the contract (a model's consistent_row_parallel_segments)")
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global DEV
@@ -272,11 +277,12 @@ def main():
             if v not in keep:
                 del VARIANTS[v]
     names = ["gemm", "naive", "tree", "default"] + (list(VARIANTS) if variants else []) + (list(GLUON_NAMES) if args.gluon else [])
-    jobs = [(*SHAPES[s], ms, variants, nm) for s in shapes for nm in names]
+    SEGMENTS[:] = [int(v) for v in args.segments.split(",")]
+    jobs = [(*SHAPES[s], ms, variants, nm, seg) for seg in SEGMENTS for s in shapes for nm in names]
     errors = [] if args.cpu_smoke else precompile(jobs, max(1, min(args.workers, len(jobs))))
     import triton
 
-    rows = run(shapes, ms, variants, args.rep, args.gluon)
+    rows = [r for seg in SEGMENTS for r in run(shapes, ms, variants, args.rep, args.gluon, seg)]
     res = {"gpu": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter smoke)",
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,

@@ -11,9 +11,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from test_gpu_vllm import _engine_runs  # noqa: E402
 
+CASES = (("global generator", 1.0, False), ("generator per request", 1.0, True), ("greedy", 0.0, False))
+wanted = sys.argv[1:] or [label for label, _, _ in CASES]  # e.g. `probe_moe_graphs.py "global generator"`
 out = {}
-for label, temperature, request_seeds in (("global generator", 1.0, False), ("generator per request", 1.0, True),
-                                         ("greedy", 0.0, False)):
+for label, temperature, request_seeds in (case for case in CASES if case[0] in wanted):
     with tempfile.TemporaryDirectory() as tmp:
         runs = _engine_runs(Path(tmp), "tiny-qwen3moe-top1", {"eager": (True, {}), "graphs": (False, {})},
                             enable_prefix_caching=True, temperature=temperature, request_seeds=request_seeds)
