@@ -1,5 +1,4 @@
-# Call 1 (no vLLM): carry .gw/part1 .whl. Stashes the bundle's part 1, installs Megatron-Core 0.19.2 into /tmp/site;
-# the paged-attention suite (the padding rows written by the Triton kernel's last launch since session 34: one launch
+# Call 1 (no vLLM): carry .gw/part1 (with .whl the carry passes 64 MiB). Stashes the bundle's part 1; the paged-attention suite (the padding rows written by the Triton kernel's last launch since session 34: one launch
 # fewer a call) and the decode timings with the variant without the zeroing; then the row-parallel tree at S = 1, 2, 4
 # and 8 K segments (a model's consistent_row_parallel_segments) against the pre-tree GEMM in one run (issue #18's
 # figure; call 4 runs the MoE trainer on CUDA).
@@ -7,8 +6,7 @@
 TAG=${TAG:-next}
 mkdir -p /tmp/stash && cp -r .gw/part1 /tmp/stash/ && echo part1 stashed
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/${TAG}_gpu.txt" 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 date +%T
 timeout 240 python -m pytest -q -p no:cacheprovider tests/test_gpu_paged_attention.py > "$OUT/${TAG}_paged_tests.log" 2>&1
 echo "paged attention tests rc $?"; tail -2 "$OUT/${TAG}_paged_tests.log"; grep -E "^FAILED" "$OUT/${TAG}_paged_tests.log" | head
