@@ -12,7 +12,8 @@ baseline :func:`build_stock_gpt_model` / :func:`compute_stock_token_logprobs`.
 from .attention import ConsistentCoreAttention, consistent_core_attention
 from .builder import as_arch_config, make_transformer_config
 from .cpu_shims import apply_cpu_shims
-from .distributed import build_parallel_model, recompute_logprobs_parallel, spawn_ranks, stage_forward, stage_logprobs
+from .distributed import (build_parallel_model, recompute_logprobs_parallel, spawn_ranks, stage_backward, stage_forward,
+                          stage_logprobs)
 from .hybrid import build_consistent_hybrid_model, get_consistent_hybrid_stack_spec
 from .linear import ConsistentColumnParallelLinear, ConsistentRowParallelLinear
 from .mlp import ConsistentSiluAndMul, consistent_bias_dropout_add
@@ -32,7 +33,7 @@ from .tensor_parallel import vocab_parallel_logprobs
 
 __all__ = [
     "apply_cpu_shims", "as_arch_config", "build_parallel_model", "recompute_logprobs_parallel", "spawn_ranks",
-    "stage_forward", "stage_logprobs", "vocab_parallel_logprobs", "build_consistent_gpt_model", "build_consistent_hybrid_model",
+    "stage_backward", "stage_forward", "stage_logprobs", "vocab_parallel_logprobs", "build_consistent_gpt_model", "build_consistent_hybrid_model",
     "build_consistent_model", "build_stock_gpt_model", "check_parallel_sizes", "compute_stock_token_logprobs",
     "compute_token_logprobs", "consistent_bias_dropout_add", "consistent_core_attention",
     "ConsistentColumnParallelLinear", "ConsistentCoreAttention", "ConsistentExperts", "ConsistentOutputLayer",

@@ -13,7 +13,8 @@ token log-probs there, and exporting the whole model from it.
   the rank's device (:func:`rank_device`).
 * :func:`stage_forward` / :func:`stage_logprobs` — one pipeline stage: receives the previous
   stage's activations (``dist.recv``), runs, sends its output on (``dist.send``); the
-  activations pass unchanged, so PP is bitwise neutral.
+  activations pass unchanged, so PP is bitwise neutral.  :func:`stage_backward` — the same forward, then the
+  backward, the activations' gradients sent back stage by stage (training at PP > 1).
 * :func:`recompute_logprobs_parallel` — all of the above from the caller's process (data-parallel replicas each
   take a share of the rows: :func:`data_parallel_chunks`).
 * :func:`export_hf_parallel` — from every rank: the one-process HF checkpoint of the model (TP / EP pieces gathered).
@@ -48,7 +49,8 @@ from .parallel import check_rank_devices, rank_backend
 
 __all__ = ["NVLINK_MULTICAST_OFF", "build_parallel_model", "data_parallel_chunks", "export_hf_parallel", "gather_vocab",
            "load_full_megatron_state", "megatron_state_from_hf",
-           "rank_device", "recompute_logprobs_parallel", "spawn_ranks", "stage_forward", "stage_logprobs"]
+           "rank_device", "recompute_logprobs_parallel", "spawn_ranks", "stage_backward", "stage_forward",
+           "stage_logprobs"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # NVLink multicast stays off in NCCL ranks (as benchmarks/gpu_setup.sh sets for every GPU run): NCCL's NVLS
@@ -170,9 +172,10 @@ def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, d
 
 
 # ---------------------------------------------------------------------------------------------- one stage
-def stage_forward(model, input_ids: torch.Tensor):
-    """This pipeline stage's forward: float32 logits shard ``[b, s, V/TP]`` on the last stage, ``None`` elsewhere.
-    ``input_ids`` on the model's device (the received activations land there too)."""
+def _stage_run(model, input_ids: torch.Tensor, *, requires_grad: bool = False):
+    """``(received, out)``: the activations received from the previous stage (``None`` on the first; a leaf that
+    requires grad when ``requires_grad``) and this stage's output -- the float32 logits shard on the last stage, else
+    the activations, sent on to the next stage (detached: the sent tensor is a copy of the bytes)."""
     from megatron.core import parallel_state as ps
 
     b, s = input_ids.shape
@@ -180,16 +183,28 @@ def stage_forward(model, input_ids: torch.Tensor):
     t = tpar.tp_size()
     if getattr(model, "sequence_parallel", False) and s % t:
         raise ValueError(f"sequence parallelism: sequence length {s} is not divisible by TP={t}")
+    received = None
     if not model.pre_process:
         chunk = s // t if getattr(model, "sequence_parallel", False) else s
-        h = torch.empty(chunk, b, model.config.hidden_size, dtype=model.config.params_dtype, device=input_ids.device)
-        dist.recv(h, src=ps.get_pipeline_model_parallel_prev_rank())
-        model.set_input_tensor(h)
+        received = torch.empty(chunk, b, model.config.hidden_size, dtype=model.config.params_dtype,
+                               device=input_ids.device)
+        dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(received.requires_grad_(requires_grad))
     out = model(input_ids, positions, None)
     if not model.post_process:
         dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-        return None
-    return out
+    return received, out
+
+
+def stage_forward(model, input_ids: torch.Tensor):
+    """This pipeline stage's forward: float32 logits shard ``[b, s, V/TP]`` on the last stage, ``None`` elsewhere.
+    ``input_ids`` on the model's device (the received activations land there too)."""
+    _, out = _stage_run(model, input_ids)
+    return out if model.post_process else None
+
+
+def _token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    return tpar.vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
 
 
 def stage_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0):
@@ -197,7 +212,31 @@ def stage_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0):
     logits = stage_forward(model, input_ids)
     if logits is None:
         return None
-    return tpar.vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    return _token_logprobs(logits, input_ids, temperature)
+
+
+def stage_backward(model, input_ids: torch.Tensor, loss_fn, temperature: float = 1.0):
+    """One micro-batch's forward and backward through this pipeline stage (every rank of the job calls it): the last
+    stage backpropagates ``loss_fn(token log-probs [b, s-1])`` (a scalar), every other stage its output with the
+    gradient the next stage sends back; each stage but the first then sends its input's gradient to the previous one
+    (``dist.send`` / ``dist.recv``: the bytes unchanged, as the forward's activations).  The parameters' ``.grad``
+    accumulate this stage's gradients, to be reduced over the TP / DP / expert-data-parallel ranks as usual (Megatron's
+    ``finalize_model_grads``).  At PP = 1 it is ``loss_fn(stage_logprobs(...)).backward()``.  Returns the loss on the
+    last stage, ``None`` elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    received, out = _stage_run(model, input_ids, requires_grad=True)
+    loss = None
+    if model.post_process:
+        loss = loss_fn(_token_logprobs(out, input_ids, temperature))
+        loss.backward()
+    else:
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=ps.get_pipeline_model_parallel_next_rank())
+        out.backward(grad)
+    if received is not None:
+        dist.send(received.grad.contiguous(), dst=ps.get_pipeline_model_parallel_prev_rank())
+    return loss
 
 
 def gather_vocab(shard: torch.Tensor) -> torch.Tensor:
@@ -328,7 +367,7 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int, ep: int) -> Non
                 for i, r in collect_routes(model).items():
                     routes[f"r{b0}.l{model.decoder.layers[i].layer_number - 1}"] = r.cpu().contiguous()
             if logits is not None:
-                lps.append(tpar.vocab_parallel_logprobs(logits[:, :-1], chunk[:, 1:], job["temperature"]))
+                lps.append(_token_logprobs(logits, chunk, job["temperature"]))
                 if job["return_logits"]:
                     logits_parts.append(gather_vocab(logits))
     first_tp = ps.get_tensor_model_parallel_rank() == 0
