@@ -60,10 +60,11 @@ TEST_WORKERS ?= 2
 # engine 258, robustness 226, parallel trainer 142, hybrid lifecycle 106, parallel check 104, lifecycle 64, integration
 # 64, sync 60, vllm check 56, vllm hybrid 39, fp8 38; 11.7 min in all): the workers take files in this order, so the
 # last ones to start are short and both workers finish close together.  The files that start several gloo rank
-# processes (test_parallel_*) alternate with single-engine ones, so two of them rarely share the two cores.
+# processes (test_parallel_*, test_pipeline_trainer: 76 s alone) alternate with single-engine ones, so two of them
+# rarely share the two cores.
 SLOW_TEST_FILES := tests/test_parallel_engine.py tests/test_robustness.py tests/test_parallel_trainer.py \
-	tests/test_vllm_check.py tests/test_parallel_check.py tests/test_hybrid_lifecycle.py tests/test_lifecycle.py \
-	tests/test_vllm_hybrid.py tests/test_integration.py tests/test_sync.py tests/test_fp8.py
+	tests/test_vllm_check.py tests/test_parallel_check.py tests/test_hybrid_lifecycle.py tests/test_pipeline_trainer.py \
+	tests/test_lifecycle.py tests/test_vllm_hybrid.py tests/test_integration.py tests/test_sync.py tests/test_fp8.py
 TEST_FILES := $(SLOW_TEST_FILES) $(filter-out $(SLOW_TEST_FILES),$(sort $(wildcard tests/test_*.py)))
 
 test: setup

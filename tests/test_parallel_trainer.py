@@ -525,18 +525,19 @@ def test_logits_equal_across_data_and_expert_parallel_layouts(tmp_path):
 
 def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_experts: bool = False) -> dict:
     """Float32 gradients of ``-sum(log-probs of this replica's rows mine) / tokens`` (the DP replicas' losses sum to the
-    batch mean; the TP ranks of a replica compute the same loss), summed as Megatron's ``finalize_model_grads`` does:
+    batch mean; the TP ranks of a replica compute the same loss; at PP > 1 backpropagated stage by stage,
+    ``stage_backward``), summed as Megatron's ``finalize_model_grads`` does:
     sequence-parallel weights over the TP ranks, the replicated weights over the DP ranks, the experts
     (``allreduce=False``) over the expert-data-parallel ranks (an expert's already covers its EP group's tokens);
-    gathered to the full tensors by name (``only_experts``: the experts' alone)."""
+    gathered to the full tensors of this pipeline stage by global name (``only_experts``: the experts' alone)."""
     import torch.distributed as dist
 
     from megatron.core import parallel_state as ps
 
     from megatron_consistent.layers import tensor_parallel as tpar
-    from megatron_consistent.layers.distributed import stage_logprobs
+    from megatron_consistent.layers.distributed import _global_name, stage_backward
 
-    (-stage_logprobs(model, mine).sum() / tokens).backward()
+    stage_backward(model, mine, lambda logprobs: -logprobs.sum() / tokens)
     for p in model.parameters():
         if not getattr(p, "allreduce", True):
             dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
@@ -544,7 +545,7 @@ def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_expert
         if getattr(p, "sequence_parallel", False):  # finalize_model_grads: over the TP ranks
             dist.all_reduce(p.grad, group=tpar.tp_group())
         dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-    return {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model.named_parameters()
+    return {_global_name(model, name): tpar.unshard_like(p.grad, p).contiguous() for name, p in model.named_parameters()
             if not only_experts or not getattr(p, "allreduce", True)}
 
 
