@@ -11,6 +11,9 @@ per-layer ``layer_types`` tuple (``"mamba" | "attention" | "mlp" | "moe"``) and 
 layers use no rotary embedding (``use_rope=False``), their MLPs / experts are
 non-gated ``relu2`` (``hidden_act``), their MoE routing is sigmoid + selection
 bias (``moe_scoring``, ``moe_n_group``, ``moe_topk_group``, ``routed_scaling_factor``).
+
+Every model also carries the segment count S of its row-parallel K tree (``row_parallel_segments``, HF key
+``consistent_row_parallel_segments``, :mod:`.kernels.linear`): the bits depend on S, never on the TP degree.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .kernels.linear import SEGMENT_COUNTS
 from .kernels.rotary import RopeConfig, rope_scaling_items
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
@@ -32,10 +36,24 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3
                 "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                 "NemotronHForCausalLM": "nemotron_h", "Mamba2ForCausalLM": "mamba2"}
 SUPPORTED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ROW_PARALLEL_SEGMENTS_KEY = "consistent_row_parallel_segments"  # HF config key (and Megatron config attribute) of S
 
 
 class UnsupportedConfigError(ValueError):
     """A model or run configuration the consistent path refuses (named in the message)."""
+
+
+def row_parallel_refusal(segments, tp: int = 1) -> str:
+    """Why a model whose row-parallel K tree has ``segments`` segments cannot run at tensor-parallel degree ``tp``
+    ('' when it can): S must be one of :data:`.kernels.linear.SEGMENT_COUNTS` and ``tp`` must divide it (each rank
+    holds ``S / tp`` whole segments)."""
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments not in SEGMENT_COUNTS:
+        return (f"{ROW_PARALLEL_SEGMENTS_KEY}={segments!r}: the row-parallel K tree's segment count must be one of "
+                f"{SEGMENT_COUNTS}")
+    if tp < 1 or segments % tp:
+        return (f"{ROW_PARALLEL_SEGMENTS_KEY}={segments}: the row-parallel K tree has {segments} segments, so TP must "
+                f"divide {segments} (one of {tuple(c for c in SEGMENT_COUNTS if c <= segments)}), got TP={tp}")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,16 @@ class ArchConfig:
     moe_n_group: int = 1
     moe_topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # S: the number of K segments of every row-parallel linear's tree (o_proj / linear_proj, down / linear_fc2, the
+    # Mamba out_proj; kernels/linear.py), 1, 2, 4 or 8 -- the largest tensor-parallel degree this model's trainer or
+    # engine will use.  The bits depend on S and never on the TP degree t (t must divide S).  HF key
+    # ``consistent_row_parallel_segments`` (absent: 8).
+    row_parallel_segments: int = 8
+
+    def __post_init__(self):
+        reason = row_parallel_refusal(self.row_parallel_segments)
+        if reason:
+            raise UnsupportedConfigError(reason)
 
     @property
     def is_moe(self) -> bool:
@@ -199,6 +227,7 @@ class ArchConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=dtype,
+            row_parallel_segments=_row_parallel_segments(hf),
             **_moe_fields(arch, hf),
         )
         if cfg.num_heads % cfg.num_kv_heads:
@@ -210,9 +239,14 @@ class ArchConfig:
         return cfg
 
     def to_hf(self) -> dict:
-        """The HF ``config.json`` dict this architecture is exported as."""
-        if self.is_hybrid:
-            return _hybrid_to_hf(self)
+        """The HF ``config.json`` dict this architecture is exported as (``consistent_row_parallel_segments`` only when
+        S is not the default 8)."""
+        hf = _hybrid_to_hf(self) if self.is_hybrid else self._dense_to_hf()
+        if self.row_parallel_segments != ArchConfig.row_parallel_segments:
+            hf[ROW_PARALLEL_SEGMENTS_KEY] = self.row_parallel_segments
+        return hf
+
+    def _dense_to_hf(self) -> dict:
         hf = {
             "architectures": [self.architecture],
             "model_type": _MODEL_TYPES[self.architecture],
@@ -259,6 +293,11 @@ class ArchConfig:
             ssm["time_step_limit"] = tuple(float(x) for x in ssm["time_step_limit"])
             d["ssm"] = SSMConfig(**ssm)
         return cls(**d)
+
+
+def _row_parallel_segments(hf: dict):
+    """S from the HF config (absent: ArchConfig's default); validated by ArchConfig itself."""
+    return hf.get(ROW_PARALLEL_SEGMENTS_KEY, ArchConfig.row_parallel_segments)
 
 
 def _require(arch: str, hf: dict, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
@@ -425,7 +464,8 @@ def _hybrid_from_hf(cls, arch: str, hf: dict) -> ArchConfig:
     _require_float(hf, ("layer_norm_epsilon",))
     hidden, eps = int(hf["hidden_size"]), float(hf.get("layer_norm_epsilon", 1e-5))
     common = dict(architecture=arch, vocab_size=int(hf["vocab_size"]), hidden_size=hidden, rms_norm_eps=eps,
-                  rope_theta=10000.0, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype, use_rope=False)
+                  rope_theta=10000.0, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
+                  use_rope=False, row_parallel_segments=_row_parallel_segments(hf))
     if arch == "Mamba2ForCausalLM":
         _refuse_set(arch, hf, {"hidden_act": "silu", "use_bias": False})
         layers = int(hf.get("num_hidden_layers", 64))

@@ -292,10 +292,10 @@ def test_segment_tree_batch_invariant_and_fused(n, k):
     unfused = (tree + b.to(torch.float32)).to(torch.bfloat16)
     for path in ("serial", "parallel", "flat"):
         assert bits_equal(tst.segment_tree_gemm(x[:300], w, 8, b, torch.bfloat16, path=path), unfused), path
-    assert bits_equal(torch.ops.megatron_consistent.row_parallel_linear(x[:300], w, b), unfused)
+    assert bits_equal(torch.ops.megatron_consistent.row_parallel_linear(x[:300], w, 8, b), unfused)
     assert bits_equal(inference_ops.linear_segment_tree(x[:300], w, 8), tree)
     with torch.no_grad():
-        assert bits_equal(trainer_row_parallel(x[:300], w, b), unfused)
+        assert bits_equal(trainer_row_parallel(x[:300], w, 8, b), unfused)
 
 
 @pytest.mark.parametrize("n,k", SEG_SHAPES, ids=lambda v: str(v))

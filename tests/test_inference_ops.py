@@ -49,8 +49,8 @@ def test_row_parallel_equals_training_path(m, j, n, bias, dt, seed):
     w = torch.randn(n, k, generator=g).to(dt).to(_device())
     b = torch.randn(n, generator=g).to(dt).to(_device()) if bias else None
     with torch.no_grad():
-        assert torch.equal(inference_ops.row_parallel_linear(x, w, b), row_parallel_linear(x, w, b))
-        assert torch.equal(inference_ops.row_parallel_linear(x[None], w, b)[0], row_parallel_linear(x, w, b))
+        assert torch.equal(inference_ops.row_parallel_linear(x, w, 8, b), row_parallel_linear(x, w, 8, b))
+        assert torch.equal(inference_ops.row_parallel_linear(x[None], w, 8, b)[0], row_parallel_linear(x, w, 8, b))
         tp1 = inference_ops.linear_segment_tree(x, w, 8)
         for segments in (1, 2, 4, 8):
             assert torch.equal(inference_ops.linear_segment_tree(x, w, segments),

@@ -93,14 +93,15 @@ def kernel_only_logprobs(w: dict[str, torch.Tensor], arch: ArchConfig, ids: torc
         q = kernels.apply_rope(q, pos, arch.rope)
         k = kernels.apply_rope(k, pos, arch.rope)
         o = kernels.attention(q, k, v, pos, scale=arch.softmax_scale).reshape(b, s, arch.num_heads * arch.head_dim)
-        o = kernels.row_parallel_linear(o, w[p + "self_attn.o_proj.weight"])
+        o = kernels.row_parallel_linear(o, w[p + "self_attn.o_proj.weight"], arch.row_parallel_segments)
         h, residual = kernels.rms_norm(o, w[p + "post_attention_layernorm.weight"], eps, residual)
         if arch.layer_is_moe(i):  # MoE block from the HF per-expert tensors (kernels.moe)
             x = _kernel_only_moe(w, arch, p, h)
             continue
         gate = kernels.linear(h, w[p + "mlp.gate_proj.weight"])
         up = kernels.linear(h, w[p + "mlp.up_proj.weight"])
-        x = kernels.row_parallel_linear(kernels.silu_and_mul(torch.cat([gate, up], dim=-1)), w[p + "mlp.down_proj.weight"])
+        act = kernels.silu_and_mul(torch.cat([gate, up], dim=-1))
+        x = kernels.row_parallel_linear(act, w[p + "mlp.down_proj.weight"], arch.row_parallel_segments)
     h, _ = kernels.rms_norm(x, w["model.norm.weight"], eps, residual)
     lm_head = w["model.embed_tokens.weight"] if arch.tie_word_embeddings else w["lm_head.weight"]
     return kernels.gather_logprobs(kernels.compute_logits(h, lm_head)[:, :-1], ids[:, 1:], 1.0)

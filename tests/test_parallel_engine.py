@@ -30,7 +30,7 @@ import torch
 
 from megatron_consistent.architectures import engine_views, tp_held_shape, tp_part, weight_entries
 from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
-from megatron_consistent.kernels import ROW_PARALLEL_SEGMENTS, inference_ops
+from megatron_consistent.kernels import inference_ops
 from megatron_consistent.kernels.numerics import adjacent_tree_sum
 from megatron_consistent.vllm_plugin.parallel import tp_refusal
 
@@ -85,11 +85,11 @@ def test_row_parallel_tree_split_is_exact_and_naive_split_is_not():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 256, generator=g).to(torch.bfloat16)
     w = (torch.randn(128, 256, generator=g) * 0.05).to(torch.bfloat16)
-    one = inference_ops.row_parallel_linear(x, w)
+    one = inference_ops.row_parallel_linear(x, w, 8)
     naive_differs = False
     for tp in (2, 4, 8):
         k = w.shape[1] // tp
-        subtrees = [inference_ops.linear_segment_tree(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k], ROW_PARALLEL_SEGMENTS // tp)
+        subtrees = [inference_ops.linear_segment_tree(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k], 8 // tp)
                     for r in range(tp)]
         assert torch.equal(adjacent_tree_sum(torch.stack(subtrees), dim=0).to(x.dtype), one), tp
         naive = sum(inference_ops.linear(x[:, r * k:(r + 1) * k], w[:, r * k:(r + 1) * k]).float() for r in range(tp))

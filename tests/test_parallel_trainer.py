@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_consistent import kernels
 from megatron_consistent.config import UnsupportedConfigError, load_hf_config
+from megatron_consistent.kernels.linear import SEGMENT_COUNTS
 from megatron_consistent.kernels.numerics import adjacent_tree_sum
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "megatron_consistent" / "configs" / "models"
@@ -34,11 +35,12 @@ QWEN2MOE = MODELS_DIR / "tiny-qwen2moe-top8-shared"  # 64 experts, top-8, a gate
 
 
 # ---------------------------------------------------------------------------------------------- kernel level
-def _simulated_row_parallel(x, w, bias, t):
-    """What t ranks compute under the contract: per rank the subtree of its K shard, then the tree's top."""
+def _simulated_row_parallel(x, w, bias, t, segments):
+    """What t ranks compute under the contract of ``segments`` K segments: per rank the subtree of its K shard, then
+    the tree's top."""
     k = w.shape[1]
     subtrees = [adjacent_tree_sum(kernels.linear_segments(x[..., r * k // t:(r + 1) * k // t], w[:, r * k // t:(r + 1) * k // t],
-                                                          kernels.ROW_PARALLEL_SEGMENTS // t), dim=0) for r in range(t)]
+                                                          segments // t), dim=0) for r in range(t)]
     total = adjacent_tree_sum(torch.stack(subtrees), dim=0)
     if bias is not None:
         total = total + bias.float()
@@ -47,32 +49,38 @@ def _simulated_row_parallel(x, w, bias, t):
 
 @settings(max_examples=12)
 @given(m=st.integers(1, 9), k8=st.integers(1, 40), n=st.integers(1, 24), bias=st.booleans(), seed=st.integers(0, 2**31 - 1),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
-def test_row_parallel_linear_equals_simulated_tp_split(m, k8, n, bias, seed, dtype):
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), segments=st.sampled_from(SEGMENT_COUNTS))
+def test_row_parallel_linear_equals_simulated_tp_split(m, k8, n, bias, seed, dtype, segments):
+    """Every S: the tree split over every t dividing S = the one-rank tree."""
     g = torch.Generator().manual_seed(seed)
     k = 8 * k8
     x = torch.randn(m, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    whole = kernels.row_parallel_linear(x, w, b)
-    for t in (1, 2, 4, 8):
-        assert torch.equal(_simulated_row_parallel(x, w, b, t), whole), f"TP={t}"
-    assert torch.equal(kernels.inference_ops.row_parallel_linear(x, w, b), whole)
+    whole = kernels.row_parallel_linear(x, w, segments, b)
+    for t in (t for t in SEGMENT_COUNTS if t <= segments):
+        assert torch.equal(_simulated_row_parallel(x, w, b, t, segments), whole), f"S={segments} TP={t}"
+    assert torch.equal(kernels.inference_ops.row_parallel_linear(x, w, segments, b), whole)
 
 
 def test_row_parallel_tree_is_real():
     """The 8-segment tree differs from the blocked left fold of ``kernels.linear`` and from a left fold of the
-    8 segments on some input (so the tests above would catch an implementation that ignores the tree)."""
+    8 segments on some input (so the tests above would catch an implementation that ignores the tree); the trees of
+    S = 1, 2, 4, 8 differ from each other (so a plumbing that ignores the model's S is caught), and S = 1 is
+    ``kernels.linear`` itself."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 1024, generator=g)
     w = torch.randn(32, 1024, generator=g)
-    tree = kernels.row_parallel_linear(x, w, out_dtype=torch.float32)
+    tree = kernels.row_parallel_linear(x, w, 8, out_dtype=torch.float32)
     seg = kernels.linear_segments(x, w, 8)
     left = seg[0]
     for s in range(1, 8):
         left = left + seg[s]
     assert not torch.equal(tree, kernels.linear(x, w, out_dtype=torch.float32))
     assert not torch.equal(tree, left)
+    trees = {s: kernels.row_parallel_linear(x, w, s, out_dtype=torch.float32) for s in SEGMENT_COUNTS}
+    assert all(not torch.equal(trees[a], trees[b]) for a in SEGMENT_COUNTS for b in SEGMENT_COUNTS if a < b)
+    assert torch.equal(trees[1], kernels.linear(x, w, out_dtype=torch.float32))
 
 
 @settings(max_examples=12)
@@ -373,7 +381,7 @@ def _tp2_worker(rank: int, workdir: str) -> None:
     grads = {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
 
     # broken variant: a row-parallel layer that all-reduces (SUM) its bf16-rounded partial products
-    def broken(x, weight, bias, group, out_dtype=None):
+    def broken(x, weight, bias, group, segments, out_dtype=None):
         y = kernels.linear(x, weight, None).contiguous()
         dist.all_reduce(y, group=group)
         return y if bias is None else y + bias

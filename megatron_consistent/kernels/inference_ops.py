@@ -16,7 +16,7 @@ There is no backward: these are for rollout engines only.
 Ops (``torch.ops.megatron_consistent.<name>``):
 
 * ``linear(x, weight, bias)``: ``x [..., K]`` -> ``[..., N]`` in ``x.dtype``;
-* ``row_parallel_linear(x, weight, bias)``: the K-segment tree of
+* ``row_parallel_linear(x, weight, segments, bias)``: the tree of ``segments`` (the model's S) K segments of
   :func:`..linear.row_parallel_linear` on one rank, in ``x.dtype``;
 * ``linear_segment_tree(x, weight, segments)``: a rank's float32 subtree over
   ``segments`` K segments (``adjacent_tree_sum`` of ``linear_segments``), to
@@ -62,7 +62,6 @@ import torch
 from . import fp8 as kfp8
 from . import moe as kmoe
 from .dispatch import implementation
-from .linear import ROW_PARALLEL_SEGMENTS
 
 
 @torch.library.custom_op("megatron_consistent::linear", mutates_args=())
@@ -89,14 +88,14 @@ def _linear_segment_tree_fake(x, weight, segments):
 
 
 @torch.library.custom_op("megatron_consistent::row_parallel_linear", mutates_args=())
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = implementation("linear_segment_tree", x.device)(x.reshape(-1, x.shape[-1]), weight, ROW_PARALLEL_SEGMENTS,
-                                                        bias, x.dtype)
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, segments: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = implementation("linear_segment_tree", x.device)(x.reshape(-1, x.shape[-1]), weight, segments, bias, x.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @row_parallel_linear.register_fake
-def _row_parallel_linear_fake(x, weight, bias=None):
+def _row_parallel_linear_fake(x, weight, segments, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -13,23 +13,32 @@ Numerics contract (CPU):
 A row's result therefore depends on that row and the weights only — never on
 how many rows share the call, their order, or the thread count.
 
-Row-parallel linears (``o_proj`` / ``linear_proj``, ``down`` / ``linear_fc2``)
-use :func:`row_parallel_linear`, whose K reduction is a fixed tree that any
-tensor-parallel degree can split without changing a bit:
+Row-parallel linears (``o_proj`` / ``linear_proj``, ``down`` / ``linear_fc2``,
+the Mamba ``out_proj``) use :func:`row_parallel_linear`, whose K reduction is a
+fixed tree that any tensor-parallel degree dividing its segment count can split
+without changing a bit:
 
-* K is cut into ``ROW_PARALLEL_SEGMENTS`` (S = 8, the largest TP degree
-  supported) equal contiguous segments (K must be divisible by S);
+* K is cut into S equal contiguous segments (K must be divisible by S).  S is a
+  property of the model, ``ArchConfig.row_parallel_segments`` (HF config key
+  ``consistent_row_parallel_segments``, default 8; one of
+  :data:`SEGMENT_COUNTS`): the largest TP degree its trainer or engine will use.
+  The caller passes it (``segments``); this module has no default;
 * each segment is the linear above over its K slice, kept in float32
   (:func:`linear_segments`; no bias, no rounding);
 * the S float32 partials are summed by :func:`numerics.adjacent_tree_sum`
-  (``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))``), the bias (float32)
-  is added, then one rounding to ``out_dtype``.
+  (S = 8: ``((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))``; S = 1: the
+  one segment as is), the bias (float32) is added, then one rounding to
+  ``out_dtype``.
 
 At TP = t (t divides S) rank r holds K columns ``[r K/t, (r+1) K/t)``, i.e.
 segments ``r S/t ... (r+1) S/t - 1``: it computes their subtree
 (:func:`linear_segments` then ``adjacent_tree_sum``), the t float32 subtree
 values are all-gathered in rank order and reduced by ``adjacent_tree_sum`` —
-the top of the same tree.  TP = 1, 2, 4, 8 give identical bits.
+the top of the same tree.  Every t dividing S gives identical bits; a different
+S gives a different tree, hence in general different bits.  A smaller S means
+longer segments -- on the GPU the 8-segment tree costs up to 26 % against the
+GEMM without a tree on o_proj-shaped GEMMs (K = 4096) -- but caps the
+tensor-parallel degree at S (S = 1: TP = 1 only).
 
 Backward: deterministic matmuls for a given shape — float32 on CPU; on CUDA
 with bf16/fp16 inputs, tensor-core matmuls in the input dtype (float32
@@ -46,7 +55,7 @@ from .dispatch import implementation, register
 from .numerics import adjacent_tree_sum, ceil_to, tree_sum
 
 K_BLOCK = 64
-ROW_PARALLEL_SEGMENTS = 8
+SEGMENT_COUNTS = (1, 2, 4, 8)  # the row-parallel tree's segment counts S (and the per-rank S / t)
 _CHUNK_ELEMENTS = 1 << 20  # rows per call are processed in chunks of about this many products
 
 
@@ -157,10 +166,10 @@ class LinearSegmentsFunction(torch.autograd.Function):
 
 
 def check_segments(k: int, segments: int) -> None:
-    """Refuse a K that the row-parallel contract cannot cut into ``segments`` equal segments."""
-    if segments < 1 or segments & (segments - 1) or k % segments:
+    """Refuse a K that the row-parallel contract cannot cut into ``segments`` equal segments (every device)."""
+    if segments not in SEGMENT_COUNTS or k % segments:
         raise ValueError(f"row-parallel linear: K={k} cannot be cut into {segments} equal segments "
-                         f"(the contract needs K divisible by {ROW_PARALLEL_SEGMENTS} and a power-of-two segment count)")
+                         f"(segments must be one of {SEGMENT_COUNTS} and divide K)")
 
 
 def linear_segments(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
@@ -171,10 +180,11 @@ def linear_segments(x: torch.Tensor, weight: torch.Tensor, segments: int) -> tor
     return LinearSegmentsFunction.apply(x, weight, segments)
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, segments: int, bias: torch.Tensor | None = None,
                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The whole K-segment tree on one rank (TP = 1): ``round(adjacent_tree_sum(segments) + bias)``."""
-    total = adjacent_tree_sum(linear_segments(x, weight, ROW_PARALLEL_SEGMENTS), dim=0)
+    """The whole tree of ``segments`` K segments (the model's S) on one rank (TP = 1):
+    ``round(adjacent_tree_sum(linear_segments(x, weight, segments)) + bias)``."""
+    total = adjacent_tree_sum(linear_segments(x, weight, segments), dim=0)
     if bias is not None:
         total = total + bias.to(torch.float32)
     return total.to(out_dtype or x.dtype)

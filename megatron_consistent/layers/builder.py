@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..config import ArchConfig, UnsupportedConfigError, load_hf_config
+from ..config import ROW_PARALLEL_SEGMENTS_KEY, ArchConfig, UnsupportedConfigError, load_hf_config, row_parallel_refusal
 from .parallel import check_parallel_sizes, init_cpu_process_group
 
 __all__ = ["CONSISTENT", "STOCK", "as_arch_config", "filter_kwargs", "make_transformer_config", "prepare_build", "seeded_build"]
@@ -47,7 +47,8 @@ def filter_kwargs(fn, kwargs: dict) -> dict:
 
 
 def make_transformer_config(arch: ArchConfig, dtype: torch.dtype, *, consistent: bool, **parallel):
-    """The Megatron ``TransformerConfig`` for ``arch`` (no dropout, no fusions, CPU init; TP/PP/CP = 1 unless ``parallel``)."""
+    """The Megatron ``TransformerConfig`` for ``arch`` (no dropout, no fusions, CPU init; TP/PP/CP = 1 unless
+    ``parallel``), carrying the model's S as ``consistent_row_parallel_segments`` (read by the row-parallel layers)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -87,7 +88,9 @@ def make_transformer_config(arch: ArchConfig, dtype: torch.dtype, *, consistent:
         sequence_parallel=False,
     )
     kwargs.update(parallel)
-    return TransformerConfig(**filter_kwargs(TransformerConfig, kwargs))
+    config = TransformerConfig(**filter_kwargs(TransformerConfig, kwargs))
+    setattr(config, ROW_PARALLEL_SEGMENTS_KEY, arch.row_parallel_segments)
+    return config
 
 
 PARALLEL_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "sequence_parallel",
@@ -115,7 +118,7 @@ def prepare_build(hf_config, dtype, parallel: dict, *, feature: str | None = Non
 
 def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1) -> None:
     """Refuse, by name, shapes a TP / PP / EP layout cannot split (heads, KV groups, FFN, vocabulary, layers,
-    experts, the Mamba mixer's heads and groups)."""
+    experts, the Mamba mixer's heads and groups, the row-parallel tree's S segments)."""
     if tp == 1 and pp == 1 and ep == 1:
         return
     problems = []
@@ -136,6 +139,9 @@ def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1) -> None:
     if tp > 1 and ep == 1 and arch.is_moe and arch.num_experts % tp:
         problems.append(f"num_experts={arch.num_experts} is not divisible by TP={tp} (the trainer shards the experts "
                         "over the TP ranks)")
+    reason = row_parallel_refusal(arch.row_parallel_segments, tp)
+    if reason:
+        problems.append(reason)
     if tp > 1 and arch.vocab_size % 8:
         problems.append(f"vocab_size={arch.vocab_size} is not divisible by 8 (the vocab-parallel log-softmax has 8 segments)")
     if arch.num_layers % pp:

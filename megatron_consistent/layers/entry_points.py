@@ -30,9 +30,10 @@ Every path puts every numerics-bearing op on the consistent kernels, including
 the two modules a layer spec cannot name: the block's final norm and
 ``GPTModel.output_layer`` (swapped by the module-registration hook of :mod:`.head_swap`).
 
-Tensor, pipeline and data parallelism as the framework sets them up: TP ∈ {1, 2, 4, 8} (the row-parallel K tree
-and the vocabulary tree have 8 segments: the bits of TP = 1), sequence parallelism at TP > 1 and any PP (the stage's
-layers).
+Tensor, pipeline and data parallelism as the framework sets them up: TP ∈ {1, 2, 4, 8} dividing the model's S (the
+row-parallel K tree has S segments, 8 unless the config carries ``consistent_row_parallel_segments``: set it on the
+framework's config as the HF checkpoint's ``config.json`` has it; the vocabulary tree has 8: the bits of TP = 1),
+sequence parallelism at TP > 1 and any PP (the stage's layers).
 
 MoE (the function forms): the layers ``moe_layer_freq`` names run Megatron's ``MoELayer`` with the consistent router
 and experts (``layers/moe_megatron.py``), at any expert parallelism (``expert_model_parallel_size`` over the TP x DP

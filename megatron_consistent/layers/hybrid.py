@@ -155,9 +155,9 @@ class ConsistentMambaMixer(nn.Module):
     holds heads ``[r nh/t, (r+1) nh/t)`` and the groups they read, ``[r G/t, (r+1) G/t)`` (heads of a group are
     consecutive): the rows of each ``in_proj`` block z | x | B | C | dt (``partition_sections``,
     :func:`.tensor_parallel.shard_like`), the ``conv1d`` channels of its x | B | C, its ``dt_bias`` / ``A_log`` /
-    ``D`` and the ``norm.weight`` of its groups; ``out_proj`` is row-parallel (the 8-segment K tree: rank subtrees
-    all-gathered in rank order).  Every op between the two linears is per channel (conv), per head (dt, SSD scan)
-    or per group (the gated RMSNorm's sum of squares), so a rank computes whole the values it owns and the output
+    ``D`` and the ``norm.weight`` of its groups; ``out_proj`` is row-parallel (the model's S-segment K tree: rank
+    subtrees all-gathered in rank order).  Every op between the two linears is per channel (conv), per head (dt, SSD
+    scan) or per group (the gated RMSNorm's sum of squares), so a rank computes whole the values it owns and the output
     is bitwise that of TP = 1; the seeded init draws the full tensors, then takes the rank's piece.
     """
 

@@ -4,7 +4,8 @@ Numerics contract: the column-parallel forward is exactly ``kernels.linear(x,
 weight, bias)`` (batch-invariant blocked float32 accumulation, bias added in
 float32 before the single rounding to the input dtype); the row-parallel
 forward is ``kernels.row_parallel_linear`` (the K reduction as a fixed tree of
-8 K segments, the shape any tensor-parallel degree can split).  Because every output feature is an
+S K segments, the shape any tensor-parallel degree dividing S can split; S is the
+model's, read from the config by :func:`.parallel.row_parallel_segments`).  Because every output feature is an
 independent dot product, the fused ``linear_qkv`` / ``linear_fc1`` weights
 give bitwise the same values as the separate q/k/v or gate/up projections of
 the HF layout.  Backward: the kernel's float32 matmuls; gradients land in
@@ -21,7 +22,7 @@ Tensor parallelism (Megatron's sharding and parameter attributes; contract in
 rows (``linear_fc1`` with stride 2: its gate shard then its up shard), runs
 ``kernels.linear`` on them and all-reduces ``grad_x`` in backward; the
 row-parallel layer holds ``input_size / t`` columns and runs
-:func:`.tensor_parallel.row_parallel_forward` (rank subtree of the 8-segment K
+:func:`.tensor_parallel.row_parallel_forward` (rank subtree of the S-segment K
 tree, float32 all-gather in rank order, top of the tree) — the bits of TP=1.
 Initialization follows Megatron's CPU recipe (float32 master of the full
 shape, then the rank's split), so a seeded build has the same full weights at
@@ -38,9 +39,9 @@ import torch
 from torch import nn
 
 from .. import kernels
-from ..kernels.linear import ROW_PARALLEL_SEGMENTS, check_segments
+from ..kernels.linear import check_segments
 from ..config import UnsupportedConfigError
-from .parallel import check_parallel_config
+from .parallel import check_parallel_config, row_parallel_segments
 from . import tensor_parallel as tpar
 
 __all__ = ["ConsistentColumnParallelLinear", "ConsistentRowParallelLinear", "sharded_state_dict_tp1"]
@@ -111,7 +112,8 @@ class _ConsistentLinearBase(nn.Module):
             raise UnsupportedConfigError(f"{'input' if self._row_parallel else 'output'} size {split} is not divisible by TP={t}"
                                          + (f" x stride {stride}" if stride > 1 else ""))
         if self._row_parallel:
-            check_segments(input_size, ROW_PARALLEL_SEGMENTS)
+            self.row_parallel_segments = row_parallel_segments(config)  # S, the model's (TP divides it: checked above)
+            check_segments(input_size, self.row_parallel_segments)
         if partition_sections is not None and (self._row_parallel or stride != 1 or sum(partition_sections) != output_size
                                                or any(n % t for n in partition_sections)):
             raise UnsupportedConfigError(f"partition_sections {tuple(partition_sections)}: column-parallel rows of "
@@ -164,10 +166,11 @@ class _ConsistentLinearBase(nn.Module):
             return (fp8(x, self.weight, None), self.bias) if self.skip_bias_add else (fp8(x, self.weight, self.bias), None)
         bias = None if self.skip_bias_add else self.bias
         if self._row_parallel:
+            s = self.row_parallel_segments
             if self.sequence_parallel:  # keyword only when used: a patched row_parallel_forward may not take it
-                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group, sequence_parallel=True)
+                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group, s, sequence_parallel=True)
             else:
-                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group)
+                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group, s)
         elif self.sequence_parallel:
             y = kernels.linear(tpar.gather_sequence(x, self.tp_group), self.weight, bias)
         else:

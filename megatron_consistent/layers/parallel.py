@@ -1,8 +1,8 @@
 """Megatron process groups of the consistent layers, the parallel sizes they accept, and the ranks' backend.
 
-Supported: tensor parallelism TP ∈ {1, 2, 4, 8} (the row-parallel K tree and the
-vocabulary log-softmax tree have 8 segments, so t must divide 8; shapes must
-divide too — checked where the layer is built), pipeline parallelism
+Supported: tensor parallelism TP ∈ {1, 2, 4, 8} (the vocabulary log-softmax tree has 8 segments, so t must divide
+8, and t must divide the model's row-parallel segment count S, :func:`row_parallel_segments`; shapes must divide
+too — checked where the layer is built), pipeline parallelism
 (stages pass activations unchanged, so any PP size is neutral; tested at 2),
 data parallelism (replicas run their own batches: every op is batch-invariant),
 and expert parallelism (Megatron's EP groups with expert-tensor-parallel size 1, experts sharded over them:
@@ -12,9 +12,9 @@ the TP ranks, the router and shared expert replicated).  See ``docs/parallel.md`
 Sequence parallelism (TP > 1) is supported by the same layers.
 
 Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1, context parallelism, expert
-parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8, hybrid (Mamba) models at EP > 1 (their
-modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1 and with sequence parallelism they
-run: ``layers/hybrid.py``), FP8 at TP > 1 (``layers/linear.py``), and
+parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8 or not dividing the model's S, hybrid
+(Mamba) models at EP > 1 (their modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1
+and with sequence parallelism they run: ``layers/hybrid.py``), FP8 at TP > 1 (``layers/linear.py``), and
 ``build_consistent_model(moe_impl="megatron")`` (Megatron's MoELayer at EP > 1 / TP > 1 + SP: the framework entry
 points, ``layers/moe_megatron.py``).
 
@@ -36,10 +36,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import UnsupportedConfigError
+from ..config import ROW_PARALLEL_SEGMENTS_KEY, ArchConfig, UnsupportedConfigError, row_parallel_refusal
 
 __all__ = ["HYBRID_FEATURE", "RANK_BACKENDS", "SUPPORTED_TP_SIZES", "check_parallel_config", "check_parallel_sizes", "check_rank_devices",
-           "init_cpu_process_group", "rank_backend"]
+           "init_cpu_process_group", "rank_backend", "row_parallel_segments"]
 
 SUPPORTED_TP_SIZES = (1, 2, 4, 8)
 HYBRID_FEATURE = "hybrid (Mamba) model"  # the ``feature`` of hybrid models: no expert parallelism
@@ -104,16 +104,28 @@ def check_parallel_sizes(
             "layers — tensor, pipeline and sequence parallelism are (MoE GPT layers support EP)")
 
 
+def row_parallel_segments(config) -> int:
+    """S, the K segments of every row-parallel linear's tree, for the layers built with a Megatron config: its
+    ``consistent_row_parallel_segments`` (set from the ArchConfig by ``make_transformer_config``; on a framework's
+    own config, set by hand like ``consistent_rope``), else the ArchConfig default (8)."""
+    return getattr(config, ROW_PARALLEL_SEGMENTS_KEY, ArchConfig.row_parallel_segments)
+
+
 def check_parallel_config(config, *, feature: str | None = None) -> None:
-    """:func:`check_parallel_sizes` on a Megatron ``TransformerConfig`` / ``ModelParallelConfig``."""
+    """:func:`check_parallel_sizes` on a Megatron ``TransformerConfig`` / ``ModelParallelConfig``, and its S
+    (:func:`row_parallel_segments`: one of 1, 2, 4, 8 that the TP size divides)."""
+    tp = getattr(config, "tensor_model_parallel_size", 1)
     check_parallel_sizes(
-        getattr(config, "tensor_model_parallel_size", 1),
+        tp,
         getattr(config, "pipeline_model_parallel_size", 1),
         getattr(config, "context_parallel_size", 1),
         bool(getattr(config, "sequence_parallel", False)),
         getattr(config, "expert_model_parallel_size", 1),
         feature=feature,
     )
+    reason = row_parallel_refusal(row_parallel_segments(config), tp)
+    if reason:
+        raise UnsupportedConfigError(f"the consistent Megatron layers do not support: {reason}")
 
 
 def init_cpu_process_group(

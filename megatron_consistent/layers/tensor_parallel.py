@@ -9,8 +9,9 @@ Contract (``docs/parallel.md``):
   :func:`copy_to_tp` all-reduces ``grad_x`` (SUM, any order: gradients are held
   to the float64-reference tolerance, not to bits).
 * **Row-parallel** linear (``linear_proj``, ``linear_fc2``; input columns split):
-  rank r holds K columns ``[r K/t, (r+1) K/t)`` = segments ``r 8/t ... (r+1) 8/t - 1``
-  of the :func:`kernels.row_parallel_linear` tree; it computes its float32
+  rank r holds K columns ``[r K/t, (r+1) K/t)`` = segments ``r S/t ... (r+1) S/t - 1``
+  of the :func:`kernels.row_parallel_linear` tree (S: the model's segment count,
+  ``ArchConfig.row_parallel_segments``, which t divides); it computes its float32
   subtree, :func:`gather_tree` all-gathers the t subtree values **in rank order**
   (``all_gather``, never ``all_reduce``, whose order is not ours) and reduces them
   by ``adjacent_tree_sum``; bias in float32; one rounding.  Bits = TP=1.
@@ -333,15 +334,15 @@ def gather_tree_scatter_sequence(partial: torch.Tensor, group) -> torch.Tensor:
     return _GatherTreeScatterSequence.apply(partial, group)
 
 
-def row_parallel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
+def row_parallel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, segments: int,
                          out_dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> torch.Tensor:
-    """Row-parallel linear on this rank's K shard ``weight [N, K/t]`` (x: the matching K slice); bits of TP=1.
+    """Row-parallel linear on this rank's K shard ``weight [N, K/t]`` (x: the matching K slice) of a tree of
+    ``segments`` (the model's S, which t divides) K segments; bits of TP=1.
     ``sequence_parallel``: return this rank's sequence chunk (dim 0) of the result."""
     t = 1 if group is None else dist.get_world_size(group)
     if t == 1:
-        return kernels.row_parallel_linear(x, weight, bias, out_dtype)
-    segments = kernels.ROW_PARALLEL_SEGMENTS // t
-    subtree = adjacent_tree_sum(kernels.linear_segments(x, weight, segments), dim=0)
+        return kernels.row_parallel_linear(x, weight, segments, bias, out_dtype)
+    subtree = adjacent_tree_sum(kernels.linear_segments(x, weight, segments // t), dim=0)
     total = gather_tree_scatter_sequence(subtree, group) if sequence_parallel else gather_tree(subtree, group)
     if bias is not None:
         total = total + bias.to(torch.float32)

@@ -345,7 +345,7 @@ def run_op(op: str, arch: ArchConfig, inputs: dict[str, torch.Tensor], weights: 
     if name == "qkv":
         return kernels.linear(x[0], torch.cat(w[:3]), torch.cat(w[3:]) if arch.qkv_bias else None)
     if name in ("o_proj", "down"):
-        return kernels.row_parallel_linear(x[0], w[0])
+        return kernels.row_parallel_linear(x[0], w[0], arch.row_parallel_segments)
     return kernels.linear(x[0], torch.cat(w) if len(w) > 1 else w[0])
 
 

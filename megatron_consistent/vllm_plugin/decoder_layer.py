@@ -42,11 +42,14 @@ def _fault_router(x, w):
     return _fault_linear(x, w).float()
 
 
-def _linears(idx: int, tp_size: int = 1) -> dict:
+def _linears(arch: ArchConfig, idx: int, tp_size: int = 1) -> dict:
+    """The contract's linears of layer ``idx`` (an injected fault in place of one: :mod:`.probe`); the row-parallel
+    ones with the model's S (``arch.row_parallel_segments``)."""
     fault = os.environ.get(probe.FAULT_ENV, "")
     if fault:
         logger.warning("megatron-consistent: %s=%s — injected fault active", probe.FAULT_ENV, fault)
-    row = row_parallel_for(tp_size)  # TP > 1: this rank's K shard, subtrees all-gathered (vllm_plugin/parallel.py)
+    # TP > 1: this rank's K shard, subtrees all-gathered (vllm_plugin/parallel.py)
+    row = row_parallel_for(arch.row_parallel_segments, tp_size)
     contract = {"qkv": inference_ops.linear, "o_proj": row, "gate_up": inference_ops.linear, "down": row,
                 "router_logits": inference_ops.router_logits}
     faulty = {"router_logits": _fault_router}
@@ -72,7 +75,7 @@ class ConsistentDecoderLayer(nn.Module):
         self.arch = arch
         self.idx = int(prefix.rsplit(".", 1)[-1])
         _, tp = tp_rank_size()
-        self.lin = _linears(self.idx, tp)
+        self.lin = _linears(arch, self.idx, tp)
         self.num_heads, self.num_kv_heads, inter = a.num_heads // tp, a.num_kv_heads // tp, a.intermediate_size // tp
         self.q_size, self.kv_size = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
         self.input_layernorm = _param(a.hidden_size, dtype=dt)

@@ -54,7 +54,7 @@ class AttentionMixer(nn.Module):
         self.q, self.kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         self.qkv_proj = _param(self.q + 2 * self.kv, a.hidden_size, dtype=dt)
         self.o_proj = _param(a.hidden_size, self.q, dtype=dt)
-        self.lin = _linears(int(prefix.split(".")[-2]))  # the contract's linears (an injected fault: vllm_plugin/probe.py)
+        self.lin = _linears(arch, int(prefix.split(".")[-2]))  # the contract's linears (a fault: vllm_plugin/probe.py)
         self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads, cache_config=cache_config,
                               prefix=f"{prefix}.attn", attn_backend=attention_backend_class())
 
@@ -71,7 +71,7 @@ class MLPMixer(nn.Module):
         dt = arch.torch_dtype
         self.up_proj = _param(arch.intermediate_size, arch.hidden_size, dtype=dt)
         self.down_proj = _param(arch.hidden_size, arch.intermediate_size, dtype=dt)
-        self.down = _linears(idx)["down"]  # the contract's row-parallel linear (an injected fault: vllm_plugin/probe.py)
+        self.down = _linears(arch, idx)["down"]  # the contract's row-parallel linear (a fault: vllm_plugin/probe.py)
 
     def forward(self, x):
         return self.down(inference_ops.relu_squared(inference_ops.linear(x, self.up_proj)), self.down_proj)

@@ -217,7 +217,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
             layer = "layer" + self.prefix.split(".")[-2]
             for name, val in (("in_proj", zxbcdt), ("dt", dt), ("ssd", y), ("gated_norm", g)):
                 cap(f"{layer}.{name}", val)
-        return inference_ops.row_parallel_linear(g, self.out_proj)
+        return inference_ops.row_parallel_linear(g, self.out_proj, self.arch.row_parallel_segments)
 
     def mix(self, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor, meta) -> None:
         """Conv + SSD of every request of the step into ``y [T, d_inner]`` (rows of no request: zeros), reading and

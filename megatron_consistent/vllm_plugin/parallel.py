@@ -1,12 +1,13 @@
-"""Tensor parallelism of the plugin's dense and MoE models (issue #18): the same bits at TP = 1, 2, 4, 8.
+"""Tensor parallelism of the plugin's dense and MoE models (issue #18): the same bits at every TP dividing S.
 
 Placement comes from the weight table's ``shard`` rule (:func:`..architectures.tp_part`):
 
 * ``column`` (q|k|v, gate|up, their biases): each output feature whole on one rank — a rank's
   attention heads and MLP columns are computed exactly as at TP = 1;
 * ``row`` (o_proj, down): rank r holds K columns ``[r K/t, (r+1) K/t)``, i.e. segments
-  ``r 8/t .. (r+1) 8/t - 1`` of the row-parallel contract (:mod:`..kernels.linear`): it computes
-  their float32 subtree (``inference_ops.linear_segment_tree(x, w, 8 // t)``), the t subtrees are
+  ``r S/t .. (r+1) S/t - 1`` of the row-parallel contract (:mod:`..kernels.linear`; S =
+  ``ArchConfig.row_parallel_segments``, the model's): it computes their float32 subtree
+  (``inference_ops.linear_segment_tree(x, w, S // t)``), the t subtrees are
   **all-gathered** in rank order (never all-reduced: a reduction's order is the communicator's)
   and summed by ``adjacent_tree_sum`` — the top of the TP = 1 tree; bias in float32, one rounding;
 * ``vocab`` (embedding, lm head): rows in parts of ``ceil(V / t)``.  The embedding: each rank
@@ -25,8 +26,9 @@ Placement comes from the weight table's ``shard`` rule (:func:`..architectures.t
 
 Every collective is vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op:
 ``torch.compile`` and CUDA-graph capture see one node).  Refused by name at TP > 1, before any
-weight is read: TP not dividing 8, hybrid Mamba-2 models, FP8 / NVFP4 checkpoints,
-head / KV-head / MLP sizes and numbers of experts that TP does not divide.
+weight is read: TP not dividing the model's S, hybrid Mamba-2 models, FP8 / NVFP4 checkpoints,
+head / KV-head / MLP sizes and numbers of experts that TP does not divide; at every TP, a row-parallel
+weight whose K the model's S does not divide.
 
 This module imports vLLM only inside functions (``verify`` calls :func:`tp_refusal` before any engine starts).
 """
@@ -36,21 +38,24 @@ from __future__ import annotations
 import torch
 
 from ..architectures import tp_part, weight_entries
-from ..config import ArchConfig, UnsupportedConfigError
-from ..kernels import ROW_PARALLEL_SEGMENTS, inference_ops
+from ..config import ROW_PARALLEL_SEGMENTS_KEY, ArchConfig, UnsupportedConfigError, row_parallel_refusal
+from ..kernels import inference_ops
 from ..kernels.numerics import adjacent_tree_sum
-
-TP_SIZES = tuple(s for s in range(1, ROW_PARALLEL_SEGMENTS + 1) if ROW_PARALLEL_SEGMENTS % s == 0)
 
 
 def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
     """Why the plugin cannot run ``arch`` at tensor-parallel size ``tp`` ('' when it can)."""
+    segments = arch.row_parallel_segments
+    reason = row_parallel_refusal(segments, tp)
+    if reason:
+        return f"tensor_parallel_size={tp}: {reason}"
+    name = f"{arch.architecture} at tensor_parallel_size={tp}"
+    for entry in weight_entries(arch):
+        if entry.shard == "row" and entry.shape[-1] % segments:
+            return (f"{name}: {entry.megatron} K = {entry.shape[-1]} cannot be cut into {segments} row-parallel "
+                    f"segments ({ROW_PARALLEL_SEGMENTS_KEY})")
     if tp == 1:
         return ""
-    if tp not in TP_SIZES:
-        return (f"tensor_parallel_size={tp}: the row-parallel contract cuts K into {ROW_PARALLEL_SEGMENTS} segments, "
-                f"so TP must divide {ROW_PARALLEL_SEGMENTS} (one of {TP_SIZES})")
-    name = f"{arch.architecture} at tensor_parallel_size={tp}"
     if arch.is_hybrid:
         return f"{name}: hybrid Mamba-2 models run at TP=1 only in megatron-consistent"
     if quantized:
@@ -61,10 +66,6 @@ def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
                     ("experts", arch.num_experts if arch.is_moe else tp)):
         if n % tp:
             return f"{name}: {what} ({n}) not divisible by {tp}"
-    for what, k in (("o_proj K (heads x head_dim)", arch.num_heads * arch.head_dim),
-                    ("down K", arch.intermediate_size if dense_mlp else ROW_PARALLEL_SEGMENTS)):
-        if k % ROW_PARALLEL_SEGMENTS:
-            return f"{name}: {what} = {k} cannot be cut into {ROW_PARALLEL_SEGMENTS} row-parallel segments"
     try:
         for entry in weight_entries(arch):
             for i in range(len(entry.hf)):
@@ -94,20 +95,23 @@ def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     return tensor_parallel_all_gather(x, dim)
 
 
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, size: int) -> torch.Tensor:
-    """This rank's K shard ``weight [N, K/size]`` of a row-parallel linear; the full result, on every rank, in x.dtype."""
-    partial = inference_ops.linear_segment_tree(x, weight, ROW_PARALLEL_SEGMENTS // size)  # float32 subtree
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int,
+                        size: int) -> torch.Tensor:
+    """This rank's K shard ``weight [N, K/size]`` of a row-parallel linear whose tree has ``segments`` (the model's S)
+    K segments; the full result, on every rank, in x.dtype."""
+    partial = inference_ops.linear_segment_tree(x, weight, segments // size)  # float32 subtree
     total = adjacent_tree_sum(_all_gather(partial.unsqueeze(0), 0), dim=0)  # [size, ..., N] in rank order -> tree top
     if bias is not None:
         total = total + bias.to(torch.float32)
     return total.to(x.dtype)
 
 
-def row_parallel_for(size: int):
-    """The row-parallel linear ``f(x, w, b=None)`` of a layer at TP = ``size`` (TP = 1: the one-rank custom op)."""
+def row_parallel_for(segments: int, size: int):
+    """The row-parallel linear ``f(x, w, b=None)`` of a layer at TP = ``size`` whose tree has ``segments`` (the model's
+    S) K segments (TP = 1: the one-rank custom op; ``segments`` an int constant to ``torch.compile``)."""
     if size == 1:
-        return inference_ops.row_parallel_linear
-    return lambda x, w, b=None: row_parallel_linear(x, w, b, size)
+        return lambda x, w, b=None: inference_ops.row_parallel_linear(x, w, segments, b)
+    return lambda x, w, b=None: row_parallel_linear(x, w, b, segments, size)
 
 
 def sum_owned_slots(y: torch.Tensor) -> torch.Tensor:

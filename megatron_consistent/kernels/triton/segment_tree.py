@@ -44,11 +44,11 @@ import triton
 import triton.language as tl
 
 from ..dispatch import register
+from ..linear import SEGMENT_COUNTS, check_segments
 from ._common import GLUON, device_index, gemm_output, num_sms, on_hopper, tile_coords, tma_ok, tma_sources
 from .linear import (_INTERPRETER_SMS, _counters, _epilogue, _epilogue_t, _k_step, _serial_splits, _tile_offsets,
                      config_for, gemm)
 
-SEGMENT_COUNTS = (1, 2, 4, 8)
 REG_BUDGET = 128  # float32 accumulator registers per thread a tree group may keep live (the rest spills to L2)
 SMEM_BUDGET = 200 * 1024  # operand bytes the pipeline stages may hold (H100 / H200: 227 KB per block, less scratch)
 LANES_MAX_STEPS = 8  # the planner's default LANES is 2 up to this many BLOCK_K steps per segment
@@ -354,12 +354,6 @@ def _segment_tree_kernel(a_src, b_src, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
-
-def check_segments(k: int, segments: int) -> None:
-    if segments not in SEGMENT_COUNTS or k % segments:
-        raise ValueError(f"row-parallel GEMM: K={k} cannot be cut into {segments} equal segments "
-                         f"(segments must be one of {SEGMENT_COUNTS} and divide K)")
-
 
 def segment_config(n: int, k_local: int, segments: int, dtype: torch.dtype, m: int | None = None) -> dict:
     """The config of one segment: ``config_for(N, K_local / segments, dtype, M)`` -- the naive per-segment GEMM's."""
