@@ -31,16 +31,16 @@ def reference(config, tmp_path: Path, dtype=torch.bfloat16, batch=2, seq=12, dev
     return tmp_path / "weights", ids, logits.cpu(), lp.cpu()
 
 
-def check_layouts(config, layouts, tmp_path: Path, device="cpu"):
+def check_layouts(config, layouts, tmp_path: Path, device="cpu", dtype=torch.bfloat16):
     """Each ``(tp, pp[, sequence_parallel])`` layout, spawned on ``device`` (gloo / NCCL ranks), gives the reference's
-    logits and log-probs bit for bit."""
+    logits and log-probs bit for bit (both models in ``dtype``)."""
     from megatron_consistent.layers.distributed import recompute_logprobs_parallel
 
-    weights, ids, logits, lp = reference(config, tmp_path, device=device)
+    weights, ids, logits, lp = reference(config, tmp_path, dtype=dtype, device=device)
     for tp, pp, *sp in layouts:
         sp = bool(sp and sp[0])
         got_lp, got_logits = recompute_logprobs_parallel(config, weights, ids, tp=tp, pp=pp, sequence_parallel=sp,
-                                                         return_logits=True, device=device,
+                                                         dtype=dtype, return_logits=True, device=device,
                                                          workdir=tmp_path / f"tp{tp}pp{pp}sp{int(sp)}")
         assert torch.equal(got_logits, logits), f"logits differ at TP={tp} PP={pp} SP={sp} on {device}"
         assert torch.equal(got_lp, lp), f"log-probs differ at TP={tp} PP={pp} SP={sp} on {device}"

@@ -119,13 +119,15 @@ def rank_main(rank: int, port: int, jobs_file: str, tp: int) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from megatron_consistent import vllm_plugin
+    from megatron_consistent.config import ArchConfig, load_hf_config
 
     vllm_plugin.register()
     torch.set_num_threads(1)
     jobs = json.loads(Path(jobs_file).read_text())
 
     def config(model_dir: str) -> VllmConfig:
-        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256)
+        dtype = ArchConfig.from_hf(load_hf_config(model_dir)).dtype  # the checkpoint's (the plugin refuses another)
+        mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=256)
         return VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
                           load_config=LoadConfig(load_format="dummy"), compilation_config=CompilationConfig(mode=0))
 

@@ -98,6 +98,30 @@ def test_check_device_cuda_refuses_too_few_gpus_before_any_work(tmp_path, capsys
     assert not out.exists() or not any(out.iterdir())  # nothing built, no engine started
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--engine-tp", "4"], "--engine-tp 4: tensor_parallel_size=4: consistent_row_parallel_segments=2: the row-parallel "
+     "K tree has 2 segments, so TP must divide 2 (one of (1, 2)), got TP=4"),
+    (["--trainer-tp", "4"], "--trainer-tp 4: TP=4, PP=1 cannot split LlamaForCausalLM: consistent_row_parallel_segments=2: "
+     "the row-parallel K tree has 2 segments, so TP must divide 2 (one of (1, 2)), got TP=4"),
+])
+def test_check_refuses_tp_not_dividing_the_models_s_before_any_work(tmp_path, capsys, flags, words):
+    """A model whose config sets ``consistent_row_parallel_segments`` = 2 (4 KV heads: nothing else stops TP = 4): an
+    engine or trainer TP of 4 is refused in one line, exit 2, nothing built."""
+    import json
+
+    from megatron_consistent.cli import main as cli_main
+
+    model = tmp_path / "s2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**load_hf_config(builtin_model_dir("tiny-llama")), "num_key_value_heads": 4,
+                                                   "consistent_row_parallel_segments": 2}))
+    out = tmp_path / "o"
+    assert cli_main(["check", "--hf-config", str(model), "--out-dir", str(out), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+    assert not (out / "model").exists()  # nothing built, no engine started
+
+
 def test_layouts_name_nccl_ranks_on_cuda(tmp_path, monkeypatch):
     """On CUDA the report states NCCL ranks (one GPU each); the stubbed count of 2 lets TP = 2 through."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from megatron_consistent.architectures import engine_views, tp_held_shape, tp_part, weight_entries
+from megatron_consistent.config import ROW_PARALLEL_SEGMENTS_KEY as S_KEY
 from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
 from megatron_consistent.kernels import inference_ops
 from megatron_consistent.kernels.numerics import adjacent_tree_sum
@@ -38,6 +39,9 @@ HERE = Path(__file__).parent
 DENSE = ["tiny-llama", "tiny-qwen3-qknorm-tied", "tiny-llama3-rope-oddvocab", "tiny-mistral-gqa"]
 MOE = ["tiny-qwen3moe-top1", "tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"]
 MOE_MISFIT, MOE_NAN = "model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.1.mlp.experts.6.gate_proj.weight"
+# S's trees differ by float32 rounding, which a bf16 tiny model's few linear outputs rarely keep after their rounding to
+# bf16: the S tests run float32 models
+FLOAT32 = {"torch_dtype": "float32"}
 
 
 def _arch(name: str) -> ArchConfig:
@@ -118,6 +122,22 @@ def test_moe_experts_not_divisible_by_tp_refused_by_name():
     hf = load_hf_config(str(builtin_model_dir("tiny-qwen3moe-top1")))
     assert tp_refusal(ArchConfig.from_hf({**hf, "num_experts": 5}), 2) == (
         "Qwen3MoeForCausalLM at tensor_parallel_size=2: experts (5) not divisible by 2")
+
+
+def test_tp_not_dividing_the_models_s_refused_and_k_checked_against_s():
+    """The plugin's TP sizes are the divisors of the model's S (S = 2: TP 1, 2; S = 1: TP 1), and every row-parallel
+    weight's K is checked against S at every TP (tiny-llama with a down K of 260: 4 divides it, 8 does not)."""
+    hf = load_hf_config(str(builtin_model_dir("tiny-llama")))
+    s2 = ArchConfig.from_hf({**hf, S_KEY: 2})
+    assert tp_refusal(s2, 1) == tp_refusal(s2, 2) == ""
+    assert tp_refusal(s2, 4) == ("tensor_parallel_size=4: consistent_row_parallel_segments=2: the row-parallel K tree has "
+                                 "2 segments, so TP must divide 2 (one of (1, 2)), got TP=4")
+    assert "so TP must divide 1 (one of (1,)), got TP=2" in tp_refusal(ArchConfig.from_hf({**hf, S_KEY: 1}), 2)
+    odd_k = {**hf, "intermediate_size": 260}
+    assert tp_refusal(ArchConfig.from_hf(odd_k), 1) == (
+        "LlamaForCausalLM at tensor_parallel_size=1: decoder.layers.0.mlp.linear_fc2.weight K = 260 cannot be cut into 8 "
+        "row-parallel segments (consistent_row_parallel_segments)")
+    assert tp_refusal(ArchConfig.from_hf({**odd_k, S_KEY: 4}), 1) == ""
 
 
 def _simulated_moe(seed: int = 4, shared: bool = True):
@@ -232,17 +252,24 @@ def test_cpu_engine_in_process_for_one_cpu_rank_only(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ gloo ranks
-def _model_dir(tmp: Path, name: str, seed: int) -> Path:
+def _model_dir(tmp: Path, name: str, seed: int, **fields) -> Path:
+    """A checkpoint of the built-in config ``name`` (``fields`` set in its config.json) with random weights of ``seed``
+    (the same values for every ``fields`` that keep the shapes)."""
     from safetensors.torch import save_file
 
     from megatron_consistent.architectures import hf_tensor_specs
 
-    d = tmp / f"{name}-{seed}"
+    d = tmp / "-".join([f"{name}-{seed}", *(f"{k}{v}" for k, v in fields.items())])
     d.mkdir(parents=True, exist_ok=True)
-    shutil.copy(builtin_model_dir(name) / "config.json", d / "config.json")
+    if fields:
+        (d / "config.json").write_text(json.dumps({**json.loads((builtin_model_dir(name) / "config.json").read_text()),
+                                                   **fields}))
+    else:
+        shutil.copy(builtin_model_dir(name) / "config.json", d / "config.json")
     g = torch.Generator().manual_seed(seed)
     save_file({n: (torch.randn(s, generator=g) * (1.0 if "norm" in n else 0.05)).to(getattr(torch, dt))
-               for n, (s, dt) in hf_tensor_specs(_arch(name)).items()}, str(d / "model.safetensors"))
+               for n, (s, dt) in hf_tensor_specs(ArchConfig.from_hf(load_hf_config(str(d)))).items()},
+              str(d / "model.safetensors"))
     return d
 
 
@@ -268,7 +295,8 @@ def gloo_runs(tmp_path_factory):
     """One rank group per TP size, its jobs run one after the other: TP=1 and TP=2 (plain, broken reduction, after a
     sharded sync) over tiny-llama, TP=1 on the pushed weights; tiny-qwen3moe-top1 at TP=1 and 2 (plain, without the
     ranks' sum, with the wrong expert slice, after a sharded sync), TP=1 on its pushed weights; tiny-qwen2moe-top8-shared
-    at TP=1 and 2; the odd-vocabulary config at TP=1 and 4."""
+    at TP=1 and 2; the odd-vocabulary config at TP=1 and 4; float32 tiny-llama at S = 8 (TP=1), S = 4 (TP=1 and 2) and
+    S = 1 (TP=1) on the same weights."""
     from safetensors.torch import load_file
 
     from megatron_consistent.sync.protocol import pack_update
@@ -277,6 +305,7 @@ def gloo_runs(tmp_path_factory):
     base, pushed = _model_dir(tmp, "tiny-llama", 0), _model_dir(tmp, "tiny-llama", 1)
     moe, moe_pushed = _model_dir(tmp, "tiny-qwen3moe-top1", 0), _model_dir(tmp, "tiny-qwen3moe-top1", 1)
     shared, odd = _model_dir(tmp, "tiny-qwen2moe-top8-shared", 0), _model_dir(tmp, "tiny-llama3-rope-oddvocab", 0)
+    s8, s4, s1 = (_model_dir(tmp, "tiny-llama", 0, **FLOAT32, **({S_KEY: s} if s != 8 else {})) for s in (8, 4, 1))
     new = load_file(str(pushed / "model.safetensors"))
     bad = dict(new)
     bad["model.layers.0.self_attn.o_proj.weight"] = bad["model.layers.0.self_attn.o_proj.weight"][:, :64].contiguous()
@@ -295,17 +324,19 @@ def gloo_runs(tmp_path_factory):
     try:
         one = _ranks(tmp, 1, {"tp1": {"model_dir": base}, "tp1_pushed": {"model_dir": pushed}, "moe_tp1": {"model_dir": moe},
                               "moe_tp1_pushed": {"model_dir": moe_pushed}, "shared_tp1": {"model_dir": shared},
-                              "odd_tp1": {"model_dir": odd}})
+                              "odd_tp1": {"model_dir": odd}, "s8_tp1": {"model_dir": s8}, "s4_tp1": {"model_dir": s4},
+                              "s1_tp1": {"model_dir": s1}})
         two = _ranks(tmp, 2, {"tp2": {"model_dir": base}, "broken": {"model_dir": base, "fault": "allreduce"},
                               "synced": {"model_dir": base, "update": str(upd)}, "moe_tp2": {"model_dir": moe},
                               "moe_nosum": {"model_dir": moe, "fault": "moe_nosum"},
                               "moe_slice": {"model_dir": moe, "fault": "moe_slice"},
-                              "moe_synced": {"model_dir": moe, "update": str(moe_upd)}, "shared_tp2": {"model_dir": shared}})
+                              "moe_synced": {"model_dir": moe, "update": str(moe_upd)}, "shared_tp2": {"model_dir": shared},
+                              "s4_tp2": {"model_dir": s4}})
         four = _ranks(tmp, 4, {"odd_tp4": {"model_dir": odd}})
     finally:
         for u in updates + moe_updates:
             Path(u["path"]).unlink(missing_ok=True)
-    return {**one, **two, **four}
+    return {**one, **two, **four, "s4_dir": s4}
 
 
 @pytest.mark.slow
@@ -396,6 +427,34 @@ def test_gloo_tp4_equals_tp1_odd_vocab(gloo_runs):
         assert torch.equal(one["out"][k], four["out"][k]), k
     assert all(torch.equal(o["logits"], four["out"]["logits"]) for o in four["others"])
     assert four["ranks"][3]["held"]["embed_tokens"][0] == 128
+
+
+@pytest.mark.slow
+def test_gloo_row_parallel_segments_4_tp2_equals_tp1_and_the_trainer(gloo_runs):
+    """float32 tiny-llama at S = 4: TP = 2 (S / t = 2 segments a rank) gives every layer output, the logits and the
+    log-probs of TP = 1, and the trainer's S = 4 logits on the same weights; the same weights at S = 8 give other
+    logits (so an engine that ignores the key is caught), and S = 1 runs at TP = 1 with other bits again."""
+    from megatron_consistent.conversion import import_hf
+    from megatron_consistent.kernels import causal_positions
+    from megatron_consistent.layers import build_consistent_model
+
+    from _tp_ranks import PROMPT
+
+    one, two = gloo_runs["s4_tp1"], gloo_runs["s4_tp2"]
+    for k in one["out"]:
+        assert torch.equal(one["out"][k], two["out"][k]), k
+    assert torch.equal(two["others"][0]["logits"], two["out"]["logits"])
+    eight, single = gloo_runs["s8_tp1"]["out"], gloo_runs["s1_tp1"]["out"]
+    assert torch.equal(eight["embed"], one["out"]["embed"])  # the same weights
+    assert not torch.equal(eight["logits"], one["out"]["logits"])
+    assert torch.isfinite(single["logits"]).all() and not torch.equal(single["logits"], eight["logits"])
+    model_dir = gloo_runs["s4_dir"]
+    model = build_consistent_model(model_dir)
+    import_hf(model, model.arch_config, model_dir)
+    ids = torch.tensor(PROMPT)[None] % model.arch_config.vocab_size
+    with torch.no_grad():
+        trainer = model(ids, causal_positions(1, len(PROMPT)), None)[0]
+    assert torch.equal(trainer, one["out"]["logits"])
 
 
 # ------------------------------------------------------------------------------------------------ real vLLM engine

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from megatron_consistent import kernels
-from megatron_consistent.config import UnsupportedConfigError, load_hf_config
+from megatron_consistent.config import ROW_PARALLEL_SEGMENTS_KEY, ArchConfig, UnsupportedConfigError, load_hf_config
 from megatron_consistent.kernels.linear import SEGMENT_COUNTS
 from megatron_consistent.kernels.numerics import adjacent_tree_sum
 
@@ -237,13 +237,17 @@ def test_rank_main_selects_backend_device_and_multicast_off(tmp_path, monkeypatc
 
 
 # ---------------------------------------------------------------------------------------------- model level
+def _config_dir(tmp_path: Path, base: Path = LLAMA, **fields) -> Path:
+    """``base``'s config with ``fields`` set, in a folder of its own under ``tmp_path``."""
+    out = tmp_path / "-".join([base.name, *(f"{k}{v}" for k, v in fields.items())])
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**load_hf_config(base), **fields}))
+    return out
+
+
 def _mha_config(tmp_path: Path, base: Path = LLAMA) -> Path:
     """``base`` with 4 KV heads (Megatron splits KV groups across TP ranks: TP=4 needs 4 of them)."""
-    cfg = {**load_hf_config(base), "num_key_value_heads": 4}
-    out = tmp_path / f"{base.name}-mha"
-    out.mkdir(exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    return _config_dir(tmp_path, base, num_key_value_heads=4)
 
 
 @pytest.mark.slow
@@ -275,6 +279,96 @@ def test_logits_and_logprobs_equal_across_tp_pp_moe(tmp_path):
 def test_logits_and_logprobs_equal_moe_tp4(tmp_path):
     """tiny-qwen3moe-top1 with 4 KV heads at TP=4 (two of its 8 experts a rank) and TP=4 + sequence parallelism."""
     check_layouts(_mha_config(tmp_path, MODELS_DIR / "tiny-qwen3moe-top1"), [(4, 1), (4, 1, True)], tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- S, the model's segments
+S_KEY = ROW_PARALLEL_SEGMENTS_KEY
+TP4_NOT_IN_S2 = "consistent_row_parallel_segments=2: the row-parallel K tree has 2 segments, so TP must divide 2"
+# S's trees differ in float32 rounding (~1 ulp); in a bf16 model those differences rarely survive the rounding of a
+# tiny model's few linear outputs to bf16 (tiny-llama at S = 4 and S = 8: the same bf16 logits), so the S tests run
+# float32 models, whose row-parallel outputs keep them
+FLOAT32 = {"dtype": "float32"}  # transformers writes the dtype as "dtype"
+
+
+def test_row_parallel_segments_read_written_kept_and_refused():
+    """S comes from the HF key (absent: 8, and to_hf writes no key: every existing config and its bits unchanged), is
+    written back by to_hf when it is not 8 and kept by as_dict / from_dict (through JSON too), dense and hybrid; any S
+    but 1, 2, 4, 8 is refused by name in from_hf."""
+    for name in ("tiny-llama", "tiny-nemotronh"):
+        hf = load_hf_config(MODELS_DIR / name)
+        arch = ArchConfig.from_hf(hf)
+        assert arch.row_parallel_segments == 8 and S_KEY not in arch.to_hf()
+        for segments in (1, 2, 4):
+            arch = ArchConfig.from_hf({**hf, S_KEY: segments})
+            assert arch.row_parallel_segments == segments and arch.to_hf()[S_KEY] == segments
+            assert ArchConfig.from_hf(arch.to_hf()) == arch
+            assert ArchConfig.from_dict(json.loads(json.dumps(arch.as_dict()))) == arch
+        for bad in (3, 16, 0, "4", 4.0, True):
+            with pytest.raises(UnsupportedConfigError, match=re.escape(f"{S_KEY}={bad!r}: the row-parallel K tree's "
+                                                                       "segment count must be one of (1, 2, 4, 8)")):
+                ArchConfig.from_hf({**hf, S_KEY: bad})
+
+
+def test_row_parallel_segments_change_the_trainer_bits(tmp_path):
+    """The same seeded weights at S = 4 and S = 8 give different logits and log-probs (float32 tiny-llama, K = 128 /
+    256: segments of 32 / 64 columns against 16 / 32 sum in another order), so a plumbing that ignores the key is caught
+    by the TP test of the S = 4 model; S = 1 (one segment: the plain linear) runs at TP = 1, with other bits again."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for segments in (8, 4, 1):
+        config = _config_dir(tmp_path, LLAMA, **FLOAT32, **({} if segments == 8 else {S_KEY: segments}))
+        out[segments] = reference(config, tmp_path / f"s{segments}", dtype=torch.float32)
+    weights = {s: load_file(str(o[0] / "model.safetensors")) for s, o in out.items()}
+    assert all(torch.equal(weights[s][n], w) for s in (4, 1) for n, w in weights[8].items())  # the same weights
+    assert all(torch.equal(out[s][1], out[8][1]) for s in (4, 1))  # the same tokens
+    for segments in (4, 1):
+        assert torch.isfinite(out[segments][2]).all()
+        assert not torch.equal(out[segments][2], out[8][2]) and not torch.equal(out[segments][3], out[8][3]), segments
+    assert not torch.equal(out[4][2], out[1][2])
+
+
+def test_entry_point_layers_take_s_from_the_framework_config(tmp_path):
+    """The framework entry point (``consistent_layer_spec_provider``) builds its row-parallel layers with the config's
+    ``consistent_row_parallel_segments``: the S = 4 model's logits; the same weights under an S = 8 config differ."""
+    from megatron_consistent.layers import as_arch_config
+    from megatron_consistent.layers.distributed import stage_forward
+
+    eight, s4 = _config_dir(tmp_path, LLAMA, **FLOAT32), _config_dir(tmp_path, LLAMA, **FLOAT32, **{S_KEY: 4})
+    weights, ids, logits, _ = reference(s4, tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        got = stage_forward(_entry_point_model(as_arch_config(s4), weights), ids)
+        eight = stage_forward(_entry_point_model(as_arch_config(eight), weights), ids)
+    assert torch.equal(got, logits) and not torch.equal(eight, logits)
+
+
+def test_tp_not_dividing_the_models_s_refused_by_name(tmp_path):
+    """S = 2 at TP = 4 (4 KV heads: nothing else stops it) and S = 1 at TP = 2, before any work: the parallel recompute,
+    the build, and a framework's config through the entry point."""
+    from megatron_consistent.layers import as_arch_config, build_consistent_model, make_transformer_config
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+    from megatron_consistent.layers.entry_points import consistent_layer_spec_provider
+
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    s2 = _config_dir(tmp_path, LLAMA, num_key_value_heads=4, **{S_KEY: 2})
+    with pytest.raises(UnsupportedConfigError, match=f"TP=4, PP=1 cannot split LlamaForCausalLM: {TP4_NOT_IN_S2}"):
+        recompute_logprobs_parallel(s2, {}, ids, tp=4)
+    with pytest.raises(UnsupportedConfigError, match=TP4_NOT_IN_S2):
+        build_consistent_model(s2, tensor_model_parallel_size=4)
+    config = make_transformer_config(as_arch_config(s2), torch.bfloat16, consistent=False, tensor_model_parallel_size=4)
+    with pytest.raises(UnsupportedConfigError, match=TP4_NOT_IN_S2):
+        consistent_layer_spec_provider(config)
+    with pytest.raises(UnsupportedConfigError, match="segments=1: the row-parallel K tree has 1 segments, so TP must "
+                       "divide 1"):
+        recompute_logprobs_parallel(_config_dir(tmp_path, LLAMA, **{S_KEY: 1}), {}, ids, tp=2)
+
+
+@pytest.mark.slow
+def test_row_parallel_segments_4_logits_equal_at_tp_1_2_4(tmp_path):
+    """float32 tiny-llama with 4 KV heads at S = 4: TP = 2 and TP = 4 (S / t = 2 and 1 segments a rank) give the
+    one-process S = 4 model's logits and log-probs (which differ from S = 8: the test above)."""
+    check_layouts(_config_dir(tmp_path, LLAMA, num_key_value_heads=4, **FLOAT32, **{S_KEY: 4}), [(2, 1), (4, 1)], tmp_path,
+                  dtype=torch.float32)
 
 
 def _gradient_errors(grads_file: Path, weights: Path, ids: torch.Tensor) -> dict[str, float]:

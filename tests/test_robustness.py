@@ -113,6 +113,8 @@ def test_mamba2_residual_in_fp32_accepted_as_vllm_does(tmp_path):
     ("tiny-mamba2", {"num_heads": 0}, "field num_heads must be > 0"),
     ("tiny-nemotronh", {"vocab_size": None}, "missing field vocab_size"),
     ("tiny-llama", {"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
+    ("tiny-llama", {"consistent_row_parallel_segments": 3}, "consistent_row_parallel_segments=3: the row-parallel K tree"),
+    ("tiny-nemotronh", {"consistent_row_parallel_segments": 16}, "consistent_row_parallel_segments=16: the row-parallel"),
 ])
 def test_config_bad_fields_named(tmp_path, name, edit, message):
     """Missing / zero / negative fields: one structured line (was KeyError / ZeroDivisionError)."""
