@@ -32,6 +32,7 @@ def test_layouts_state_the_trainer_layout(tmp_path):
     assert "gloo" in lay["trainer"]["ranks"] and "experts sharded over the TP ranks" in lay["trainer"]["moe"]
     assert "experts sharded over the TP ranks" in lay["engine"]["moe"]
     assert lay["engine"]["tensor_parallel_size"] == 2
+    assert "tree of S = 8 segments" in lay["trainer"]["row"] and "tree of S = 8 segments" in lay["engine"]["row"]
     assert check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path)), _arch("tiny-llama"))["trainer"] == {
         "tensor_parallel_size": 1, "pipeline_model_parallel_size": 1}
 

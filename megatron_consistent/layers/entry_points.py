@@ -173,7 +173,7 @@ def _check_config(config) -> None:
         raise UnsupportedConfigError(f"unsupported activation {getattr(act, '__name__', act)!r} (SwiGLU: silu only)")
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
         raise UnsupportedConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size) are not supported")
-    check_parallel_config(config)  # TP in {1, 2, 4, 8}, any PP, SP at TP > 1; CP refused by name
+    check_parallel_config(config)  # TP in {1, 2, 4, 8} dividing S, any PP, SP at TP > 1; CP refused by name
 
 
 # --- modules that adapt to the config they are built with ----------------------------------------------------------

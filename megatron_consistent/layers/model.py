@@ -96,7 +96,8 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     ``hf_config``: HF config dict, :class:`ArchConfig`, or path.  ``dtype``
     defaults to the config's.  ``parallel`` may name
     ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
-    ``context_parallel_size`` / ``sequence_parallel`` / ``expert_model_parallel_size``: TP ∈ {1, 2, 4, 8}, any PP
+    ``context_parallel_size`` / ``sequence_parallel`` / ``expert_model_parallel_size``: TP ∈ {1, 2, 4, 8} dividing the
+    model's ``row_parallel_segments``, any PP
     and sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs,
     EP for MoE configs (experts sharded over Megatron's EP groups; at TP > 1 with sequence parallelism)
     (``torch.distributed`` initialized by the caller with a world size TP x PP divides; contract in

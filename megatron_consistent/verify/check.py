@@ -205,7 +205,8 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     engine = {"tensor_parallel_size": cfg.engine_tp}
     if cfg.engine_tp > 1:
         engine.update(column="q|k|v, gate|up: heads / MLP columns split", row="o_proj, down: K subtrees all-gathered in rank "
-                      "order, adjacent tree", vocab="embedding / lm head vocab-parallel, all-gathered")
+                      f"order, adjacent tree of S = {arch.row_parallel_segments} segments",
+                      vocab="embedding / lm head vocab-parallel, all-gathered")
         if arch.is_moe:
             engine["moe"] = ("experts sharded over the TP ranks, each rank's (token, slot) outputs all-gathered in rank "
                              "order and summed (one value and zeros: exact), router and shared expert replicated")
@@ -222,8 +223,8 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
                        "HF folder the engines serve", applies_to="the consistent row (the stock baseline trainer runs at TP = PP = 1)")
         if cfg.trainer_tp > 1:
             trainer.update(column="linear_qkv, linear_fc1: heads / MLP columns split", row="linear_proj, linear_fc2: fp32 "
-                           "subtrees all-gathered in rank order, top of the tree", vocab="embedding / output layer vocab-parallel, "
-                           "vocab-segmented log-softmax")
+                           f"subtrees all-gathered in rank order, top of the tree of S = {arch.row_parallel_segments} "
+                           "segments", vocab="embedding / output layer vocab-parallel, vocab-segmented log-softmax")
             if arch.is_hybrid:
                 trainer["mamba"] = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|C per block, "
                                     "dt_bias / A_log / D per head, gated-norm weight per group; out_proj row-parallel tree")
