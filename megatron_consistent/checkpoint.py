@@ -200,9 +200,11 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, *, arch: ArchConfig | None 
     manifest = read_manifest(ckpt)
     problems = []
     want = _arch_json(arch)
-    for k in sorted(set(want) | set(manifest["arch"])):
-        if want.get(k) != manifest["arch"].get(k):
-            problems.append(f"architecture {k}: checkpoint {manifest['arch'].get(k)!r}, model {want.get(k)!r}")
+    # a manifest written before the row-parallel segment count was an ArchConfig field: S = 8, the only one then
+    saved = {"row_parallel_segments": ArchConfig.row_parallel_segments, **manifest["arch"]}
+    for k in sorted(set(want) | set(saved)):
+        if want.get(k) != saved.get(k):
+            problems.append(f"architecture {k}: checkpoint {saved.get(k)!r}, model {want.get(k)!r}")
     opt_sd = None
     megatron_opt = _is_megatron(optimizer)
     saved_opt = manifest["files"].get("optimizer")

@@ -326,6 +326,29 @@ def test_restore_validates_optimizer_before_copying_anything(saved, edit, messag
     assert _same(before, _snapshot(dst, dst_opt))
 
 
+def test_restore_manifest_from_before_the_segment_count_reads_s_8(saved):
+    """A manifest written before ``row_parallel_segments`` was an ArchConfig field restores into an S = 8 model; one
+    with another S is refused by name."""
+    import json
+
+    from megatron_consistent.checkpoint import load_checkpoint
+    from megatron_consistent.conversion import CheckpointMismatchError
+
+    ckpt, dst, dst_opt = saved
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for segments, refused in ((None, False), (4, True)):
+        if segments is None:
+            manifest["arch"].pop("row_parallel_segments")
+        else:
+            manifest["arch"]["row_parallel_segments"] = segments
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+        if refused:
+            with pytest.raises(CheckpointMismatchError, match="architecture row_parallel_segments: checkpoint 4, model 8"):
+                load_checkpoint(ckpt, dst, dst_opt)
+        else:
+            load_checkpoint(ckpt, dst, dst_opt)
+
+
 def test_restore_nonfinite_weights_refused_and_opt_out(saved):
     from safetensors.torch import load_file, save_file
 
