@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -92,6 +92,26 @@ class SSMConfig:
     @property
     def group_size(self) -> int:
         return self.d_inner // self.n_groups
+
+    @property
+    def in_proj_blocks(self) -> tuple[int, ...]:
+        """Rows of ``in_proj`` by block: z, x, B, C, dt (B and C: ``n_groups * state_size`` each).  At TP = t each
+        block is cut into t equal runs, rank r holding the r-th of each: its heads and the groups they read."""
+        gn = self.n_groups * self.state_size
+        return (self.d_inner, self.d_inner, gn, gn, self.num_heads)
+
+    @property
+    def conv_blocks(self) -> tuple[int, ...]:
+        """Channels of the causal conv by block: x, B, C (cut over the TP ranks as :attr:`in_proj_blocks`)."""
+        return self.in_proj_blocks[1:4]
+
+    def per_rank(self, size: int) -> "SSMConfig":
+        """The mixer one of ``size`` tensor-parallel ranks holds: ``num_heads / size`` heads and ``n_groups / size``
+        groups (``size`` must divide both; ``head_dim``, ``state_size`` and the group size unchanged)."""
+        if self.num_heads % size or self.n_groups % size:
+            raise UnsupportedConfigError(f"Mamba mixer at TP={size}: TP must divide num_heads {self.num_heads} and n_groups "
+                                         f"{self.n_groups} (each rank holds whole heads and groups)")
+        return replace(self, num_heads=self.num_heads // size, n_groups=self.n_groups // size)
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from ..config import ArchConfig
 from .dense import dense_entries
 from .hybrid import canonical_hf_name, hybrid_entries
 from .moe import moe_entries, router_hf_modules
-from .weights import LAYOUTS, SHARD_RULES, WeightEntry, engine_views, tp_held_shape, tp_part
+from .weights import LAYOUTS, SHARD_RULES, WeightEntry, block_part, engine_views, join_parts, take_part, tp_held_shape, tp_part
 
-__all__ = ["LAYOUTS", "SHARD_RULES", "WeightEntry", "canonical_hf_name", "engine_views", "family", "hf_names", "hf_tensor_specs",
-           "router_hf_modules", "tp_held_shape", "tp_part", "weight_entries"]
+__all__ = ["LAYOUTS", "SHARD_RULES", "WeightEntry", "block_part", "canonical_hf_name", "engine_views", "family", "hf_names",
+           "hf_tensor_specs", "join_parts", "router_hf_modules", "take_part", "tp_held_shape", "tp_part", "weight_entries"]
 
 _FAMILIES = {"dense": dense_entries, "moe": moe_entries, "hybrid": hybrid_entries}
 

@@ -50,21 +50,25 @@ def canonical_hf_name(name: str) -> str:
     return name
 
 
-def _copy(megatron: str, hf: str, shape: tuple[int, ...], dtype: str, engine: str, shard: str = "replicated") -> WeightEntry:
-    return WeightEntry(megatron, (hf,), shape, (shape,), dtype, "copy", engine, shard)
+def _copy(megatron: str, hf: str, shape: tuple[int, ...], dtype: str, engine: str, shard: str = "replicated",
+          blocks: tuple[int, ...] = ()) -> WeightEntry:
+    return WeightEntry(megatron, (hf,), shape, (shape,), dtype, "copy", engine, shard, blocks)
 
 
 def _mamba(arch: ArchConfig, m: str, h: str, e: str) -> list[WeightEntry]:
+    """A Mamba layer's entries; at TP > 1 a rank holds whole heads and the groups they read: ``in_proj`` / ``conv1d``
+    cut per block (z | x | B | C | dt, x | B | C), ``dt_bias`` / ``A_log`` / ``D`` its heads, the gated-norm weight its
+    groups' channels, ``out_proj`` row-parallel."""
     s, H, dt = arch.ssm, arch.hidden_size, arch.dtype
-    rows = [("in_proj.weight", "in_proj", (s.in_proj_size, H), "blocks"),
-            ("conv1d.weight", "conv_weight", (s.conv_dim, 1, s.conv_kernel), "blocks"),
-            ("conv1d.bias", "conv_bias", (s.conv_dim,), "blocks"),
-            ("dt_bias", "dt_bias", (s.num_heads,), "column"), ("A_log", "A_log", (s.num_heads,), "column"),
-            ("D", "D", (s.num_heads,), "column"), ("norm.weight", "norm_weight", (s.d_inner,), "column"),
-            ("out_proj.weight", "out_proj", (H, s.d_inner), "row")]
+    rows = [("in_proj.weight", "in_proj", (s.in_proj_size, H), "blocks", s.in_proj_blocks),
+            ("conv1d.weight", "conv_weight", (s.conv_dim, 1, s.conv_kernel), "blocks", s.conv_blocks),
+            ("conv1d.bias", "conv_bias", (s.conv_dim,), "blocks", s.conv_blocks),
+            ("dt_bias", "dt_bias", (s.num_heads,), "column", ()), ("A_log", "A_log", (s.num_heads,), "column", ()),
+            ("D", "D", (s.num_heads,), "column", ()), ("norm.weight", "norm_weight", (s.d_inner,), "column", ()),
+            ("out_proj.weight", "out_proj", (H, s.d_inner), "row", ())]
     out = [_copy(m + "norm.weight", h + "norm.weight", (H,), dt, e + "norm")]
-    return out + [_copy(m + "mixer." + n, h + "mixer." + n, shape, dt, e + "mixer." + held, shard) for n, held, shape, shard in rows
-                  if n != "conv1d.bias" or s.use_conv_bias]
+    return out + [_copy(m + "mixer." + n, h + "mixer." + n, shape, dt, e + "mixer." + held, shard, blocks)
+                  for n, held, shape, shard, blocks in rows if n != "conv1d.bias" or s.use_conv_bias]
 
 
 def _attention(arch: ArchConfig, m: str, h: str, e: str) -> list[WeightEntry]:

@@ -31,7 +31,16 @@ concatenation of its parts —
 ``experts``     a stack of experts (``experts_fc1`` / ``experts_fc2``): the experts cut into t equal
                 contiguous runs, rank r holds experts ``[r E/t, (r+1) E/t)`` — each of their HF
                 tensors whole — and nothing of the other experts' (an empty part: ``(0, 0, 0)``)
+``blocks``      rows made of consecutive sub-blocks (``WeightEntry.blocks``: the Mamba mixer's
+                ``in_proj`` z | x | B | C | dt, ``conv1d`` x | B | C), each cut into t equal
+                contiguous runs: rank r holds the r-th run of every block, in block order — whole
+                heads and the groups they read (the trainer's ``partition_sections``: the trainer
+                and the plugin both cut by :func:`block_part`)
 ==============  ==================================================================================
+
+A part is ``(dim, start_0, stop_0, start_1, stop_1, ...)``: the runs ``[start_i, stop_i)`` of the HF tensor
+along ``dim``, concatenated (:func:`take_part`; one run for every rule but ``blocks``); :func:`join_parts`
+puts the ranks' pieces back together.
 """
 
 from __future__ import annotations
@@ -40,11 +49,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYOUTS", "SHARD_RULES", "WeightEntry", "engine_views", "tp_held_shape", "tp_part"]
+__all__ = ["LAYOUTS", "SHARD_RULES", "WeightEntry", "block_part", "engine_views", "join_parts", "take_part", "tp_held_shape",
+           "tp_part"]
 
 LAYOUTS = ("copy", "qkv", "fc1", "experts_fc1", "experts_fc2")
-# "blocks": rows split over the ranks per sub-block (the Mamba mixer's in_proj z | x | B | C | dt, conv1d x | B | C: the
-# trainer's ``partition_sections``); the vLLM plugin runs hybrid models at TP = 1, so tp_part refuses it at TP > 1
 SHARD_RULES = ("replicated", "column", "row", "vocab", "experts", "blocks")
 
 
@@ -60,18 +68,59 @@ class WeightEntry:
     layout: str                           # one of LAYOUTS
     engine: str                           # attribute path of the vLLM plugin parameter holding the HF tensors
     shard: str = "replicated"             # tensor-parallel rule (SHARD_RULES), see tp_part
+    blocks: tuple[int, ...] = ()          # shard "blocks": the sizes of the consecutive sub-blocks along dim 0
 
     def __post_init__(self):
         stacked = self.layout in ("experts_fc1", "experts_fc2")
         if (self.layout not in LAYOUTS or self.shard not in SHARD_RULES or len(self.hf) != len(self.hf_shapes)
-                or (self.shard == "experts" and not stacked)):
+                or (self.shard == "experts" and not stacked)
+                or (self.shard == "blocks") != bool(self.blocks)
+                or (self.blocks and (self.layout != "copy" or sum(self.blocks) != self.hf_shapes[0][0]))):
             raise ValueError(f"malformed weight entry {self}")
 
 
-def tp_part(entry: WeightEntry, index: int, rank: int = 0, size: int = 1) -> tuple[int, int, int] | None:
-    """``(dim, start, stop)``: the part of HF tensor ``entry.hf[index]`` that tensor-parallel rank ``rank`` of ``size``
-    holds (``None``: all of it; ``(0, 0, 0)``: nothing of it, another rank's expert).  A shape the rule cannot cut into
-    ``size`` equal parts raises ``ValueError`` naming it."""
+def block_part(blocks: tuple[int, ...], rank: int, size: int, dim: int = 0) -> tuple[int, ...]:
+    """The part (``(dim, start_0, stop_0, ...)``) that rank ``rank`` of ``size`` holds of a tensor whose ``dim`` is
+    made of consecutive blocks of sizes ``blocks``: the ``rank``-th of ``size`` equal contiguous runs of every block,
+    in block order.  One block: the plain ``rank``-th run.  A block ``size`` does not divide raises ``ValueError``."""
+    part, start = [dim], 0
+    for n in blocks:
+        if n % size:
+            raise ValueError(f"a block of {n} cannot be cut into {size} equal parts")
+        part += [start + rank * n // size, start + (rank + 1) * n // size]
+        start += n
+    return tuple(part)
+
+
+def _runs(part: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` of a part."""
+    return list(zip(part[1::2], part[2::2]))
+
+
+def take_part(tensor: torch.Tensor, part: tuple[int, ...] | None) -> torch.Tensor:
+    """The part ``part`` of ``tensor`` (``None``: all of it): its runs along the part's dim, concatenated (one run:
+    a view)."""
+    if part is None:
+        return tensor
+    pieces = [tensor.narrow(part[0], a, b - a) for a, b in _runs(part)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part[0])
+
+
+def join_parts(pieces: list[torch.Tensor], parts: list[tuple[int, ...]]) -> torch.Tensor:
+    """The whole tensor from ``pieces[i] = take_part(whole, parts[i])`` that together cover it once (the ranks'
+    pieces): every run of every piece, concatenated in the order of where it starts (concatenation only)."""
+    dim = parts[0][0]
+    runs = []
+    for piece, part in zip(pieces, parts):
+        starts = _runs(part)
+        runs += zip((a for a, _ in starts), piece.split([b - a for a, b in starts], dim=dim))
+    return torch.cat([run for _, run in sorted(runs, key=lambda r: r[0])], dim=dim)
+
+
+def tp_part(entry: WeightEntry, index: int, rank: int = 0, size: int = 1) -> tuple[int, ...] | None:
+    """The part (``(dim, start, stop)``; ``blocks``: one run a block) of HF tensor ``entry.hf[index]`` that
+    tensor-parallel rank ``rank`` of ``size`` holds (``None``: all of it; ``(0, 0, 0)``: nothing of it, another
+    rank's expert).  A shape the rule cannot cut into ``size`` equal parts raises ``ValueError`` naming it."""
     if not 0 <= rank < size:
         raise ValueError(f"tensor-parallel rank {rank} outside 0..{size - 1}")
     if size == 1 or entry.shard == "replicated":
@@ -84,8 +133,10 @@ def tp_part(entry: WeightEntry, index: int, rank: int = 0, size: int = 1) -> tup
         run = experts // size
         return None if rank * run <= index // per < (rank + 1) * run else (0, 0, 0)
     if entry.shard == "blocks":
-        raise ValueError(f"{entry.megatron}: rows split per sub-block over the TP ranks (the Mamba mixer); the vLLM "
-                         "plugin runs hybrid models at TP = 1")
+        try:
+            return block_part(entry.blocks, rank, size)
+        except ValueError as e:
+            raise ValueError(f"{entry.hf[index]}: the blocks {entry.blocks} of its rows: {e}") from None
     shape = entry.hf_shapes[index]
     dim = len(shape) - 1 if entry.shard == "row" else 0
     n = shape[dim]
@@ -109,7 +160,7 @@ def _local_shape(entry: WeightEntry, index: int, size: int) -> tuple[int, ...]:
     shape = list(entry.hf_shapes[index])
     cut = tp_part(entry, index, 0, size)
     if cut is not None:
-        shape[cut[0]] = cut[2] - cut[1]
+        shape[cut[0]] = sum(b - a for a, b in _runs(cut))
     return tuple(shape)
 
 

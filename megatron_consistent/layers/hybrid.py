@@ -174,14 +174,10 @@ class ConsistentMambaMixer(nn.Module):
         if s.d_inner % s.n_groups or s.num_heads % s.n_groups:
             raise UnsupportedConfigError(f"Mamba mixer: n_groups {s.n_groups} must divide num_heads {s.num_heads}")
         t, rank = tpar.tp_size(), tpar.tp_rank()
-        if s.num_heads % t or s.n_groups % t:
-            raise UnsupportedConfigError(f"Mamba mixer at TP={t}: TP must divide num_heads {s.num_heads} and n_groups "
-                                         f"{s.n_groups} (each rank holds whole heads and groups)")
-        self.local_ssm = dataclasses.replace(s, num_heads=s.num_heads // t, n_groups=s.n_groups // t)  # this rank's
-        gn = s.n_groups * s.state_size
+        self.local_ssm = s.per_rank(t)  # this rank's heads and groups
         dt = config.params_dtype
         self.in_proj = ConsistentColumnParallelLinear(d_model, s.in_proj_size, config=config, init_method=config.init_method,
-                                                      bias=False, partition_sections=(s.d_inner, s.d_inner, gn, gn, s.num_heads))
+                                                      bias=False, partition_sections=s.in_proj_blocks)
 
         def piece(full: torch.Tensor, sections=None) -> nn.Parameter:  # this rank's piece of a seeded full tensor
             p = nn.Parameter(torch.empty(full.shape[0] // t, *full.shape[1:], dtype=dt))
@@ -191,9 +187,8 @@ class ConsistentMambaMixer(nn.Module):
 
         self.conv1d = _Params()
         bound = 1.0 / math.sqrt(s.conv_kernel)
-        xbc = (s.d_inner, gn, gn)
-        self.conv1d.weight = piece(torch.empty(s.conv_dim, 1, s.conv_kernel).uniform_(-bound, bound), xbc)
-        self.conv1d.bias = piece(torch.empty(s.conv_dim).uniform_(-bound, bound), xbc) if s.use_conv_bias else None
+        self.conv1d.weight = piece(torch.empty(s.conv_dim, 1, s.conv_kernel).uniform_(-bound, bound), s.conv_blocks)
+        self.conv1d.bias = piece(torch.empty(s.conv_dim).uniform_(-bound, bound), s.conv_blocks) if s.use_conv_bias else None
         dt0 = torch.exp(torch.rand(s.num_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp(min=1e-4)
         self.dt_bias = piece(dt0 + torch.log(-torch.expm1(-dt0)))
         self.A_log = piece(torch.log(torch.arange(1, s.num_heads + 1, dtype=torch.float32)))
@@ -263,12 +258,11 @@ class ConsistentMambaMixer(nn.Module):
                 "out_proj.weight": 1}
         out = sharded_state_dict_tp1(self, prefix, sharded_offsets, metadata, axes)
         s = self.local_ssm
-        gn = s.n_groups * s.state_size
-        out[f"{prefix}in_proj.weight"] = _split_tensor_factory(out[f"{prefix}in_proj.weight"],
-                                                               [s.d_inner, s.d_inner, gn, gn, s.num_heads], ["z", "x", "B", "C", "dt"], 0)
+        out[f"{prefix}in_proj.weight"] = _split_tensor_factory(out[f"{prefix}in_proj.weight"], list(s.in_proj_blocks),
+                                                               ["z", "x", "B", "C", "dt"], 0)
         for name in ("conv1d.weight", "conv1d.bias"):
             if f"{prefix}{name}" in out:
-                out[f"{prefix}{name}"] = _split_tensor_factory(out[f"{prefix}{name}"], [s.d_inner, gn, gn], ["x", "B", "C"], 0)
+                out[f"{prefix}{name}"] = _split_tensor_factory(out[f"{prefix}{name}"], list(s.conv_blocks), ["x", "B", "C"], 0)
         return out
 
     def extra_repr(self) -> str:

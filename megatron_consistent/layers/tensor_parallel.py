@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..architectures import block_part, join_parts, take_part
 from ..kernels.logprobs import VOCAB_SEGMENTS, log_softmax_normalise, scale_by_temperature, sum_exp_subtree
 from ..kernels.numerics import adjacent_tree_sum
 
@@ -435,8 +436,7 @@ def shard_like(full: torch.Tensor, param: torch.nn.Parameter, rank: int | None =
         rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size == 1:
         return full
-    blocks = torch.split(full, _sections(param, full.shape[dim]), dim=dim)
-    return torch.cat([block.chunk(size, dim=dim)[rank] for block in blocks], dim=dim)
+    return take_part(full, block_part(_sections(param, full.shape[dim]), rank, size, dim))
 
 
 def unshard_like(local: torch.Tensor, param: torch.nn.Parameter, group=None) -> torch.Tensor:
@@ -451,11 +451,10 @@ def unshard_like(local: torch.Tensor, param: torch.nn.Parameter, group=None) -> 
     if group is None or dist.get_world_size(group) == 1:
         return local
     size = dist.get_world_size(group)
-    parts = [torch.empty_like(local.contiguous()) for _ in range(size)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    local_sections = [n // size for n in _sections(param, local.shape[dim] * size)]
-    chunks = [part.split(local_sections, dim=dim) for part in parts]
-    return torch.cat([chunks[r][j] for j in range(len(local_sections)) for r in range(size)], dim=dim)
+    pieces = [torch.empty_like(local.contiguous()) for _ in range(size)]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    sections = _sections(param, local.shape[dim] * size)
+    return join_parts(pieces, [block_part(sections, r, size, dim) for r in range(size)])
 
 
 def expert_sharded_tensor(tensor: torch.Tensor, key: str, sharded_offsets=()):

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..architectures import take_part
 from .protocol import WeightSyncError, pack_update, raw_digest
 
 __all__ = ["WORKER_EXTENSION", "SyncReport", "WeightSyncChannel"]
@@ -154,12 +155,10 @@ class WeightSyncChannel:
         differ = set()
         for rank_digests, rank_parts in zip(digests, parts):
             for name in tensors.keys() | rank_digests.keys():
-                cut = rank_parts.get(name)
                 if name not in tensors or name not in rank_digests:
                     differ.add(name)
                     continue
-                part = tensors[name] if cut is None else tensors[name].narrow(cut[0], cut[1], cut[2] - cut[1])
-                if raw_digest(part) != rank_digests[name]:
+                if raw_digest(take_part(tensors[name], rank_parts.get(name))) != rank_digests[name]:
                     differ.add(name)
         return {"equal": not differ, "differ": sorted(differ)[:16], "tensors": len(tensors), "ranks": len(digests)}
 

@@ -94,8 +94,9 @@ class WeightSyncExtension:
         return {n: raw_digest(wire(n, t.detach())) for n, t in model.hf_targets().items()}
 
     def mc_sync_parts(self) -> dict:
-        """``{HF name: [dim, start, stop]}`` of the whole HF tensor this TP rank holds, for the tensors it holds a part
-        of (``[0, 0, 0]``: nothing, another rank's expert); empty at TP = 1 and for a stock model."""
+        """``{HF name: part}`` of the whole HF tensor this TP rank holds, for the tensors it holds a part of
+        (:func:`..architectures.tp_part` as a list: ``[dim, start, stop]``, one run a block for a Mamba mixer's
+        ``in_proj`` / ``conv1d``; ``[0, 0, 0]``: nothing, another rank's expert); empty at TP = 1 and for a stock model."""
         model = self._mc_model()
         if getattr(model, "tp_size", 1) == 1 or not hasattr(model, "hf_parts"):
             return {}
