@@ -184,6 +184,10 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     return ""
 
 
+MAMBA_SPLIT = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|C per block, dt_bias / A_log / D per "
+               "head, gated-norm weight per group; out_proj row-parallel tree")  # a hybrid's Mamba mixers at TP > 1
+
+
 def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     """Refuse, before any work, an engine / trainer tensor-parallel layout this build cannot run (one-line
     ``ValueError`` naming the flag); returns the layouts the report states."""
@@ -210,6 +214,8 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
         if arch.is_moe:
             engine["moe"] = ("experts sharded over the TP ranks, each rank's (token, slot) outputs all-gathered in rank "
                              "order and summed (one value and zeros: exact), router and shared expert replicated")
+        if arch.is_hybrid:
+            engine["mamba"] = MAMBA_SPLIT + "; the state cache holds the rank's heads and groups"
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
     if cfg.trainer_sp:
         trainer["sequence_parallel"] = True
@@ -226,8 +232,7 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
                            f"subtrees all-gathered in rank order, top of the tree of S = {arch.row_parallel_segments} "
                            "segments", vocab="embedding / output layer vocab-parallel, vocab-segmented log-softmax")
             if arch.is_hybrid:
-                trainer["mamba"] = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|C per block, "
-                                    "dt_bias / A_log / D per head, gated-norm weight per group; out_proj row-parallel tree")
+                trainer["mamba"] = MAMBA_SPLIT
         if arch.is_moe:
             trainer["moe"] = ("ConsistentMoELayer: experts sharded over the TP ranks, each rank's (token, slot) outputs "
                               "summed (one value and zeros: exact), router and shared expert replicated"

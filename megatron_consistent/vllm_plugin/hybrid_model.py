@@ -16,11 +16,17 @@ a splitting op run eagerly between piecewise CUDA graphs (:mod:`.mamba` says why
 The op probe (:mod:`.probe`) sees ``embed``, per layer ``layer<i>.norm`` / ``.mixer`` / ``.residual`` (a Mamba mixer
 also ``.in_proj`` / ``.dt`` / ``.ssd`` / ``.gated_norm``: :mod:`.mamba`), ``final_norm`` and the logits.
 
+Tensor parallelism (TP = t dividing the Mamba groups, the attention heads / KV heads, the MLP size and the experts;
+:mod:`.parallel`): a Mamba mixer holds its rank's heads and the groups they read (the weight table's ``blocks`` rule
+for ``in_proj`` / ``conv1d``) and its state cache only theirs (:mod:`.mamba`); attention holds its heads, the MLP
+its columns, the MoE its run of experts (router and shared expert whole); ``o_proj`` / ``down`` / ``out_proj`` run
+the row-parallel tree, embedding and lm head are vocabulary-parallel: the bits of TP = 1.
+
 Refused by name: prefix caching (vLLM's mamba "align" cache mode keeps the running
 state at block ends, not the chunk-boundary state + pending tokens this path
-replays), speculative decoding, ReplaySSM, TP/PP > 1.  Weights: HF names
+replays), speculative decoding, ReplaySSM, PP > 1, a TP that does not divide what it cuts.  Weights: HF names
 (``backbone.*``; ``model.*`` / ``embed_tokens`` aliases accepted), loaded and
-refitted in place by :meth:`ConsistentForCausalLM.load_weights`.
+refitted in place by :meth:`ConsistentForCausalLM.load_weights` (at TP > 1 each rank copies its part).
 """
 
 from __future__ import annotations
@@ -34,28 +40,31 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 
 from ..architectures import canonical_hf_name, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
-from ..kernels import add_residual, compute_logits, inference_ops
-from . import announce, probe
+from ..kernels import add_residual, inference_ops
+from . import probe
 from . import moe as plugin_moe
 from .compat import attention_backend_class, compiled_by_vllm
 from .decoder_layer import _linears, _param
 from .mamba import ConsistentMambaMixer, run_mixer_between_graphs, state_dtypes, state_shapes
 from .model import ConsistentForCausalLM, compile_enabled, check_engine_config
+from .parallel import check_tp, tp_rank_size
 
 logger = init_logger("vllm.plugins.megatron_consistent.hybrid")
 
 
 class AttentionMixer(nn.Module):
-    """Nemotron-H attention: fused q|k|v rows, vLLM's paged attention (consistent backend), no rope."""
+    """Nemotron-H attention: fused q|k|v rows, vLLM's paged attention (consistent backend), no rope.  At TP = t: this
+    rank's heads and KV heads (column-parallel q|k|v), ``o_proj`` its K shard (row-parallel tree)."""
 
-    def __init__(self, arch: ArchConfig, cache_config, prefix: str):
+    def __init__(self, arch: ArchConfig, cache_config, prefix: str, tp: int):
         super().__init__()
         a, dt = arch, arch.torch_dtype
-        self.q, self.kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        heads, kv_heads = a.num_heads // tp, a.num_kv_heads // tp
+        self.q, self.kv = heads * a.head_dim, kv_heads * a.head_dim
         self.qkv_proj = _param(self.q + 2 * self.kv, a.hidden_size, dtype=dt)
         self.o_proj = _param(a.hidden_size, self.q, dtype=dt)
-        self.lin = _linears(arch, int(prefix.split(".")[-2]))  # the contract's linears (a fault: vllm_plugin/probe.py)
-        self.attn = Attention(a.num_heads, a.head_dim, a.softmax_scale, num_kv_heads=a.num_kv_heads, cache_config=cache_config,
+        self.lin = _linears(arch, int(prefix.split(".")[-2]), tp)  # the contract's linears (a fault: vllm_plugin/probe.py)
+        self.attn = Attention(heads, a.head_dim, a.softmax_scale, num_kv_heads=kv_heads, cache_config=cache_config,
                               prefix=f"{prefix}.attn", attn_backend=attention_backend_class())
 
     def forward(self, x):
@@ -64,14 +73,14 @@ class AttentionMixer(nn.Module):
 
 
 class MLPMixer(nn.Module):
-    """Nemotron-H non-gated MLP: ``down(relu2(up(x)))``."""
+    """Nemotron-H non-gated MLP: ``down(relu2(up(x)))``; at TP = t this rank's ``intermediate_size / t`` columns."""
 
-    def __init__(self, arch: ArchConfig, idx: int):
+    def __init__(self, arch: ArchConfig, idx: int, tp: int):
         super().__init__()
-        dt = arch.torch_dtype
-        self.up_proj = _param(arch.intermediate_size, arch.hidden_size, dtype=dt)
-        self.down_proj = _param(arch.hidden_size, arch.intermediate_size, dtype=dt)
-        self.down = _linears(arch, idx)["down"]  # the contract's row-parallel linear (a fault: vllm_plugin/probe.py)
+        dt, inter = arch.torch_dtype, arch.intermediate_size // tp
+        self.up_proj = _param(inter, arch.hidden_size, dtype=dt)
+        self.down_proj = _param(arch.hidden_size, inter, dtype=dt)
+        self.down = _linears(arch, idx, tp)["down"]  # the contract's row-parallel linear (a fault: vllm_plugin/probe.py)
 
     def forward(self, x):
         return self.down(inference_ops.relu_squared(inference_ops.linear(x, self.up_proj)), self.down_proj)
@@ -79,17 +88,20 @@ class MLPMixer(nn.Module):
 
 class MoEMixer(nn.Module):
     """Nemotron-H MoE: float32 router logits, sigmoid + e_score_correction_bias selection (group limit, scaling),
-    non-gated relu2 experts and an ungated shared expert, combined once (:mod:`kernels.moe`, as opaque ops)."""
+    non-gated relu2 experts and an ungated shared expert, combined once (:mod:`kernels.moe`, as opaque ops).  At
+    TP = t rank r holds experts ``[r E/t, (r+1) E/t)``, the router and the shared expert whole
+    (:func:`.moe.routed_experts`)."""
 
-    def __init__(self, arch: ArchConfig, idx: int):
+    def __init__(self, arch: ArchConfig, idx: int, rank: int, tp: int):
         super().__init__()
         a, dt = arch, arch.torch_dtype
         E, inter, s = a.num_experts, a.moe_intermediate_size, a.shared_expert_intermediate_size
-        self.arch, self.idx = a, idx
+        self.arch, self.idx, self.tp_size = a, idx, tp
+        self.expert_first = rank * (E // tp)
         self.gate = _param(E, a.hidden_size, dtype=dt)
         self.score_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
-        self.experts_up = _param(E, inter, a.hidden_size, dtype=dt)
-        self.experts_down = _param(E, a.hidden_size, inter, dtype=dt)
+        self.experts_up = _param(E // tp, inter, a.hidden_size, dtype=dt)
+        self.experts_down = _param(E // tp, a.hidden_size, inter, dtype=dt)
         self.shared_up = _param(s, a.hidden_size, dtype=dt) if s else None
         self.shared_down = _param(a.hidden_size, s, dtype=dt) if s else None
 
@@ -100,8 +112,8 @@ class MoEMixer(nn.Module):
                                              a.moe_n_group, a.moe_topk_group, a.routed_scaling_factor)
         if plugin_moe.RECORDER is not None:
             plugin_moe.RECORDER.record(self.idx, positions, experts)
-        return inference_ops.moe_experts(x, experts, w, self.experts_up, self.experts_down, self.shared_up, self.shared_down, None,
-                                         "relu2")
+        return plugin_moe.routed_experts(x, experts, w, self.experts_up, self.experts_down,
+                                         (self.shared_up, self.shared_down, None), "relu2", self.expert_first, self.tp_size)
 
 
 class HybridLayer(nn.Module):
@@ -112,14 +124,15 @@ class HybridLayer(nn.Module):
         self.arch, self.kind = arch, kind
         self.idx = int(prefix.rsplit(".", 1)[-1])
         self.norm = _param(arch.hidden_size, dtype=arch.torch_dtype)
+        rank, tp = tp_rank_size()
         if kind == "mamba":
             self.mixer = ConsistentMambaMixer(arch, vllm_config, f"{prefix}.mixer")
         elif kind == "attention":
-            self.mixer = AttentionMixer(arch, vllm_config.cache_config, f"{prefix}.mixer")
+            self.mixer = AttentionMixer(arch, vllm_config.cache_config, f"{prefix}.mixer", tp)
         elif kind == "mlp":
-            self.mixer = MLPMixer(arch, self.idx)
+            self.mixer = MLPMixer(arch, self.idx, tp)
         elif kind == "moe":
-            self.mixer = MoEMixer(arch, self.idx)
+            self.mixer = MoEMixer(arch, self.idx, rank, tp)
         else:
             raise UnsupportedConfigError(f"unsupported hybrid layer type {kind!r}")
 
@@ -150,7 +163,8 @@ def _check_engine(arch: ArchConfig, vllm_config: VllmConfig) -> None:
 
 @compiled_by_vllm(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0}, enable_if=compile_enabled)
 class _ConsistentHybridBase(ConsistentForCausalLM):
-    """Shared body of the two hybrid model classes (weights / refit / logits inherited from the dense class)."""
+    """Shared body of the two hybrid model classes (weights / refit, the vocabulary-parallel embedding and logits
+    inherited from the dense class)."""
 
     @classmethod
     def _arch(cls, vllm_config: VllmConfig) -> ArchConfig:
@@ -158,7 +172,11 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return state_shapes(cls._arch(vllm_config).ssm)
+        """One request's state slot on one tensor-parallel rank: its heads' and groups' states only (refused by name
+        where TP does not divide what it cuts)."""
+        arch, tp = cls._arch(vllm_config), vllm_config.parallel_config.tensor_parallel_size
+        check_tp(arch, tp)
+        return state_shapes(arch.ssm.per_rank(tp))
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
@@ -173,25 +191,16 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
         arch = self._arch(vllm_config)
         if not arch.is_hybrid:
             raise UnsupportedConfigError(f"{arch.architecture} is not a hybrid architecture")
-        _check_engine(arch, vllm_config)  # TP > 1 refused by name (vllm_plugin/parallel.py)
+        _check_engine(arch, vllm_config)  # a TP that does not divide what it cuts refused by name (vllm_plugin/parallel.py)
         run_mixer_between_graphs(vllm_config.compilation_config)
-        self.arch = arch
-        self.tp_rank, self.tp_size = 0, 1
-        self._loaded_targets: set[str] = set()
-        self._dummy_start = str(getattr(vllm_config.load_config, "load_format", "")).lower().endswith("dummy")
+        self._hold_rank_and_vocabulary(arch, vllm_config)
         self.fp8_formats = None
-        dt = arch.torch_dtype
-        self.embed_tokens = _param(arch.vocab_size, arch.hidden_size, dtype=dt)
         self.layers = nn.ModuleList(HybridLayer(arch, kind, vllm_config, f"{prefix}backbone.layers.{i}")
                                     for i, kind in enumerate(arch.layer_types))
-        self.norm = _param(arch.hidden_size, dtype=dt)
-        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(arch.vocab_size, arch.hidden_size, dtype=dt)
-        if arch.is_moe:
-            plugin_moe.start_recorder(arch, vllm_config)  # route recording (vllm_plugin/moe.py)
-        probe.install_from_env()
-        announce()
-        logger.info("megatron-consistent: %s (%s) runs on the consistent kernels, Mamba state replayed from chunk boundaries",
-                    arch.architecture, arch.hybrid_pattern)
+        self.norm = _param(arch.hidden_size, dtype=arch.torch_dtype)
+        self._finish_build(vllm_config)
+        logger.info("megatron-consistent: %s (%s) runs on the consistent kernels, Mamba state replayed from chunk boundaries, "
+                    "TP rank %d of %d", arch.architecture, arch.hybrid_pattern, self.tp_rank, self.tp_size)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
         h = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
@@ -206,12 +215,6 @@ class _ConsistentHybridBase(ConsistentForCausalLM):
             cap("final_norm", out)
             cap.end()
         return out
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden_states, self.lm_head)
-        if probe.PROBE is not None:
-            probe.PROBE.logits(hidden_states, logits)
-        return logits
 
     def hf_wire_dtypes(self) -> dict[str, str]:
         """HF name -> the dtype a checkpoint / weight update carries, for the targets held wider than that: the Mamba

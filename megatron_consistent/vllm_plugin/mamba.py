@@ -10,7 +10,8 @@ The op sequence is the one of ``docs/hybrid.md`` / the Megatron hybrid layer, op
     out = row_parallel_linear(gated_rms_norm(y, z, W_norm, d_inner // n_groups, eps), W_out)
 
 vLLM allocates and tracks this state per request (one slot per request: prefix
-caching is refused for hybrid models).  A slot holds, in this order:
+caching is refused for hybrid models).  A slot holds, in this order (``H``, ``conv_dim``: this tensor-parallel
+rank's heads and x | B | C channels, see below):
 
 * ``ssm``   ``[H, P, N]`` float32 — the SSD state at the last chunk boundary
   (absolute positions ``0, L, 2L, ...``, ``L = chunk_size``), NOT after the last token;
@@ -48,6 +49,16 @@ graphs in every step (same bits; session 26 on the H200: 0.48x the rollout speed
 Everything else of the layer (in/out projections, ``mamba_dt``, the gated norm) is compiled and captured, each
 an opaque op of :mod:`..kernels.inference_ops`.  Rows the mixer does not compute (the padding of a piecewise
 graph's batch) are zeros.
+
+Tensor parallelism (TP = t dividing ``n_groups``, hence the heads): rank r holds heads ``[r H/t, (r+1) H/t)`` and
+the groups they read, ``[r G/t, (r+1) G/t)`` (:meth:`..config.SSMConfig.per_rank`; a group's heads are
+consecutive) -- its rows of every ``in_proj`` block z | x | B | C | dt and its ``conv1d`` channels of x | B | C (the
+weight table's ``blocks`` rule), its ``dt_bias`` / ``A_log`` / ``D`` and gated-norm weight -- so its ``in_proj``
+output is z | xBC | dt of its own heads and groups, in the layout of a one-rank mixer with ``H/t`` heads and ``G/t``
+groups, and its state slot (sized by that mixer, as vLLM sizes its own Mamba-2 state per rank) holds only their
+states.  Every op between ``in_proj`` and ``out_proj`` reduces within one channel (conv), one head (``dt``, the
+scan) or one group (the gated norm's sum of squares over ``d_inner / G`` channels), so the rank computes whole the
+values it owns; ``out_proj`` is the row-parallel tree (:func:`.parallel.row_parallel_for`): the bits of TP = 1.
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ from ..kernels import (causal_conv1d, inference_ops, ssd_continue, ssd_step_end_
 from ..kernels.ssd import torch_ssd_evaluation
 from ..kernels.dispatch import env_switch
 from . import probe
+from .parallel import row_parallel_for, tp_rank_size
 
 MIXER_OP = "megatron_consistent::mamba_mixer"
 
@@ -167,15 +179,19 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
 
     Small parameters (``A_log``, ``D``, ``dt_bias``, conv weight/bias, gated-norm weight)
     are held in float32 — every kernel reads them as float32, so this is bit-neutral and
-    loads a float32 or a bf16 checkpoint exactly.
+    loads a float32 or a bf16 checkpoint exactly.  ``ssm``: the mixer this tensor-parallel rank holds (its heads and
+    groups; the whole mixer at TP = 1).
     """
 
     _last_pieces: ClassVar[tuple] = (None, None)  # (metadata, its prefill pieces), for the step's other mixers
 
     def __init__(self, arch: ArchConfig, vllm_config, prefix: str):
         nn.Module.__init__(self)
-        s = arch.ssm
+        _, tp = tp_rank_size()
+        s = arch.ssm.per_rank(tp)
         self.arch, self.ssm, self.prefix = arch, s, prefix
+        # the row-parallel tree over the model's S segments (TP > 1: this rank's K shard, subtrees all-gathered)
+        self.out = row_parallel_for(arch.row_parallel_segments, tp)
         self.dtype = arch.torch_dtype
         self.in_proj = nn.Parameter(torch.zeros(s.in_proj_size, arch.hidden_size, dtype=self.dtype), requires_grad=False)
         self.conv_weight = _f32(s.conv_dim, 1, s.conv_kernel)  # HF conv1d.weight layout [C, 1, K]
@@ -217,7 +233,7 @@ class ConsistentMambaMixer(MambaBase, nn.Module):
             layer = "layer" + self.prefix.split(".")[-2]
             for name, val in (("in_proj", zxbcdt), ("dt", dt), ("ssd", y), ("gated_norm", g)):
                 cap(f"{layer}.{name}", val)
-        return inference_ops.row_parallel_linear(g, self.out_proj, self.arch.row_parallel_segments)
+        return self.out(g, self.out_proj)
 
     def mix(self, xbc: torch.Tensor, dt: torch.Tensor, y: torch.Tensor, meta) -> None:
         """Conv + SSD of every request of the step into ``y [T, d_inner]`` (rows of no request: zeros), reading and

@@ -23,7 +23,7 @@ import vllm.envs as envs
 from vllm.config import CompilationMode, CUDAGraphMode, VllmConfig
 from vllm.logger import init_logger
 
-from ..architectures import engine_views, tp_part, weight_entries
+from ..architectures import engine_views, take_part, tp_part, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels import CUDA_MAX_HEAD_DIM, compute_logits, inference_ops, rope_cache
 from . import announce, probe
@@ -62,8 +62,8 @@ def compile_enabled(vllm_config: VllmConfig) -> bool:
 
 def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     """Refuse by name an engine whose dtype differs from the checkpoint's, PP > 1, a TP the plugin cannot run
-    (:func:`.parallel.tp_refusal`: dense and MoE models at TP dividing the model's S; hybrid and FP8 / NVFP4 at TP=1
-    only; a row-parallel K that S does not divide at any TP), on
+    (:func:`.parallel.tp_refusal`: TP dividing the model's S and the shapes it cuts, hybrids' Mamba groups included;
+    FP8 / NVFP4 at TP=1 only; a row-parallel K that S does not divide at any TP), on
     CUDA a head dim the attention kernel does not serve, and a compiled engine recording MoE routes with vLLM's compile
     cache on (its key does not see :data:`.moe.ROUTES_ENV`: a cached graph without the recorder could be loaded)."""
     from .fp8 import quantization_of
@@ -106,6 +106,26 @@ class ConsistentForCausalLM(nn.Module):
         mc = vllm_config.model_config
         arch = ArchConfig.from_hf(mc.hf_config.to_dict())
         check_engine_config(arch, vllm_config)
+        self._hold_rank_and_vocabulary(arch, vllm_config)
+        dt = arch.torch_dtype
+        from .fp8 import layer_factory, quantization_of  # block-FP8 checkpoints (issue #9): vllm_plugin/fp8.py
+
+        self.fp8_formats = quantization_of(mc.hf_config.to_dict())
+        fp8_layer = layer_factory(arch, self.fp8_formats) if self.fp8_formats else None
+        self.layers = nn.ModuleList(
+            (fp8_layer or decoder_layer_class(arch, i))(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
+        self.norm = _param(arch.hidden_size, dtype=dt)
+        cos, sin = rope_cache(arch.rope, torch.device(vllm_config.device_config.device))  # the trainer's float32 tables
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._finish_build(vllm_config)
+        logger.info("megatron-consistent: %s runs on the consistent kernels (bitwise-matching the Megatron trainer), "
+                    "TP rank %d of %d", arch.architecture, self.tp_rank, self.tp_size)
+
+    def _hold_rank_and_vocabulary(self, arch: ArchConfig, vllm_config: VllmConfig) -> None:
+        """The start every model class shares: ``arch``, this process's place in vLLM's tensor-parallel group (checked
+        against the engine's ``tensor_parallel_size``), the refit bookkeeping, and the embedding / lm head holding
+        this rank's vocabulary part (weight table rule ``vocab``; the whole vocabulary at TP = 1)."""
         self.arch = arch
         self.tp_rank, self.tp_size = tp_rank_size()
         if self.tp_size != vllm_config.parallel_config.tensor_parallel_size:
@@ -114,28 +134,19 @@ class ConsistentForCausalLM(nn.Module):
         # refit bookkeeping (load_weights): HF targets ever loaded; a dummy-started engine gets its weights from refits
         self._loaded_targets: set[str] = set()
         self._dummy_start = str(getattr(vllm_config.load_config, "load_format", "")).lower().endswith("dummy")
-        dt = arch.torch_dtype
-        from .fp8 import layer_factory, quantization_of  # block-FP8 checkpoints (issue #9): vllm_plugin/fp8.py
-
-        self.fp8_formats = quantization_of(mc.hf_config.to_dict())
-        fp8_layer = layer_factory(arch, self.fp8_formats) if self.fp8_formats else None
         vocab_rows = -(-arch.vocab_size // self.tp_size)  # TP > 1: this rank's vocabulary part (weight table: "vocab")
-        self.embed_tokens = _param(vocab_rows, arch.hidden_size, dtype=dt)
-        self.layers = nn.ModuleList(
-            (fp8_layer or decoder_layer_class(arch, i))(arch, vllm_config.cache_config, f"{prefix}model.layers.{i}") for i in range(arch.num_layers))
-        self.norm = _param(arch.hidden_size, dtype=dt)
-        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(vocab_rows, arch.hidden_size, dtype=dt)
-        cos, sin = rope_cache(arch.rope, torch.device(vllm_config.device_config.device))  # the trainer's float32 tables
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        if arch.is_moe and self.tp_rank == 0:  # one rank's routes (every rank computes the same ones)
-            start_recorder(arch, vllm_config)  # route recording (vllm_plugin/moe.py)
+        self.embed_tokens = _param(vocab_rows, arch.hidden_size, dtype=arch.torch_dtype)
+        self.lm_head = self.embed_tokens if arch.tie_word_embeddings else _param(vocab_rows, arch.hidden_size, dtype=arch.torch_dtype)
+
+    def _finish_build(self, vllm_config: VllmConfig) -> None:
+        """The end every model class shares: MoE route recording on rank 0 (every rank computes the same routes), the
+        held shapes checked against the weight table's parts at TP > 1 (refused by name if not), the op probe."""
+        if self.arch.is_moe and self.tp_rank == 0:
+            start_recorder(self.arch, vllm_config)  # route recording (vllm_plugin/moe.py)
         if self.tp_size > 1:
-            self.hf_targets()  # every held shape against the weight table's part at this TP (refused by name if not)
+            self.hf_targets()
         probe.install_from_env()
         announce()
-        logger.info("megatron-consistent: %s runs on the consistent kernels (bitwise-matching the Megatron trainer), "
-                    "TP rank %d of %d", arch.architecture, self.tp_rank, self.tp_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -178,9 +189,10 @@ class ConsistentForCausalLM(nn.Module):
                 out.update(block_scales(entry, held))
         return out
 
-    def hf_parts(self) -> dict[str, tuple[int, int, int] | None]:
-        """HF tensor name -> ``(dim, start, stop)`` of the full HF tensor this TP rank holds (``None``: all of it;
-        ``(0, 0, 0)``: nothing, another rank's expert)."""
+    def hf_parts(self) -> dict[str, tuple[int, ...] | None]:
+        """HF tensor name -> the part of the full HF tensor this TP rank holds (:func:`..architectures.tp_part`:
+        ``(dim, start, stop)``, one run a block for the Mamba mixer's blocks; ``None``: all of it; ``(0, 0, 0)``:
+        nothing, another rank's expert)."""
         return {n: tp_part(entry, i, self.tp_rank, self.tp_size)
                 for entry in weight_entries(self.arch) for i, n in enumerate(entry.hf)}
 
@@ -190,8 +202,7 @@ class ConsistentForCausalLM(nn.Module):
 
     def hf_local(self, name: str, tensor: torch.Tensor, parts: dict | None = None) -> torch.Tensor:
         """The part of the whole HF tensor ``name`` this TP rank keeps (the tensor itself at TP=1)."""
-        cut = (parts if parts is not None else self.hf_parts()).get(name)
-        return tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1])
+        return take_part(tensor, (parts if parts is not None else self.hf_parts()).get(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into this model's storage in place (no data pointer ever changes).

@@ -168,12 +168,20 @@ class ConsistentMoEDecoderLayer(ConsistentDecoderLayer):
         w, experts = inference_ops.moe_route(z, self.arch.num_experts_per_tok, "softmax", None, self.arch.norm_topk_prob, 1, 1, 1.0)
         if RECORDER is not None:
             RECORDER.record(self.idx, positions, experts)
-        shared = self.shared or (None, None, None)
-        if self.tp_size == 1:
-            return z, experts, inference_ops.moe_experts(x, experts, w, self.experts_fc1, self.experts_fc2, *shared, "swiglu")
-        mine = inference_ops.moe_owned_expert_outputs(x, experts, self.expert_first, self.experts_fc1, self.experts_fc2,
-                                                      "swiglu")
-        return z, experts, inference_ops.moe_combine(x, sum_owned_slots(mine), w, *shared, "swiglu")
+        return z, experts, routed_experts(x, experts, w, self.experts_fc1, self.experts_fc2, self.shared or (None, None, None),
+                                          "swiglu", self.expert_first, self.tp_size)
+
+
+def routed_experts(x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                   shared: tuple, activation: str, first: int, tp_size: int) -> torch.Tensor:
+    """The MoE block's output for routes ``(w, experts)``, the layer holding experts ``[first, first + len(fc1))`` and
+    the shared expert ``shared`` (its three tensors or ``None``s): at TP = 1 ``moe_experts``; at TP > 1 this rank's
+    experts' (token, slot) outputs, summed over the ranks (:func:`.parallel.sum_owned_slots`) and combined in slot
+    order with the shared expert -- the bits of TP = 1."""
+    if tp_size == 1:
+        return inference_ops.moe_experts(x, experts, w, fc1, fc2, *shared, activation)
+    mine = inference_ops.moe_owned_expert_outputs(x, experts, first, fc1, fc2, activation)
+    return inference_ops.moe_combine(x, sum_owned_slots(mine), w, *shared, activation)
 
 
 def decoder_layer_class(arch, idx: int):

@@ -1,4 +1,4 @@
-"""Tensor parallelism of the plugin's dense and MoE models (issue #18): the same bits at every TP dividing S.
+"""Tensor parallelism of the plugin's dense, MoE and hybrid models (issue #18): the same bits at every TP dividing S.
 
 Placement comes from the weight table's ``shard`` rule (:func:`..architectures.tp_part`):
 
@@ -22,12 +22,14 @@ Placement comes from the weight table's ``shard`` rule (:func:`..architectures.t
   (``inference_ops.moe_owned_expert_outputs``: a masked computation over all pairs, no data-dependent shape);
   the ranks' ``[T, k, H]`` tensors are **all-gathered** in rank order and summed (:func:`sum_owned_slots`: one
   value and zeros per element, exact), then every rank combines them with the replicated shared expert in slot
-  order (``inference_ops.moe_combine``) — the TP = 1 bits.
+  order (``inference_ops.moe_combine``) — the TP = 1 bits;
+* ``blocks`` (a hybrid's Mamba ``in_proj`` z | x | B | C | dt and ``conv1d`` x | B | C): rank r holds the r-th of t
+  runs of every block -- its heads and the groups they read, whose values it computes whole (:mod:`.mamba`).
 
 Every collective is vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op:
 ``torch.compile`` and CUDA-graph capture see one node).  Refused by name at TP > 1, before any
-weight is read: TP not dividing the model's S, hybrid Mamba-2 models, FP8 / NVFP4 checkpoints,
-head / KV-head / MLP sizes and numbers of experts that TP does not divide; at every TP, a row-parallel
+weight is read: TP not dividing the model's S, FP8 / NVFP4 checkpoints, head / KV-head / MLP sizes, numbers of
+experts and Mamba groups that TP does not divide (a hybrid's Mamba mixers: :mod:`.mamba`); at every TP, a row-parallel
 weight whose K the model's S does not divide.
 
 This module imports vLLM only inside functions (``verify`` calls :func:`tp_refusal` before any engine starts).
@@ -56,8 +58,8 @@ def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
                     f"segments ({ROW_PARALLEL_SEGMENTS_KEY})")
     if tp == 1:
         return ""
-    if arch.is_hybrid:
-        return f"{name}: hybrid Mamba-2 models run at TP=1 only in megatron-consistent"
+    if arch.is_hybrid and arch.ssm.n_groups % tp:  # a rank holds whole groups and their heads (vllm_plugin/mamba.py)
+        return f"{name}: Mamba groups (n_groups={arch.ssm.n_groups}) not divisible by {tp}"
     if quantized:
         return f"{name}: FP8 / NVFP4 checkpoints run at TP=1 only in megatron-consistent"
     dense_mlp = any(not arch.layer_is_moe(i) for i in range(arch.num_layers))
