@@ -1,4 +1,4 @@
-"""The plugin's dense model at tensor-parallel size t, driven directly under a t-rank gloo group (tests/test_parallel_engine.py).
+"""The plugin's models at tensor-parallel size t, driven directly under a t-rank gloo group (tests/test_parallel_engine.py).
 
 ``python tests/_tp_ranks.py MODEL_DIR OUT_DIR TP [--fault allreduce] [--update UPDATE.json]``, or
 ``python tests/_tp_ranks.py --jobs JOBS.json TP`` (a JSON list of ``{"model_dir", "out_dir", "fault", "update"}``: every
@@ -6,8 +6,8 @@ job in the same ``TP`` ranks, one after the other, each on a model of its own).
 
 Spawns ``TP`` processes (plain subprocesses: argv in, safetensors / JSON out, no pickle).  Each rank
 initialises vLLM's distributed state (``init_distributed_environment`` + ``initialize_model_parallel``,
-backend gloo) once; per job it builds a fresh :class:`ConsistentForCausalLM` with ``tensor_parallel_size=TP``
-(a ``VllmConfig`` of its own), loads the
+backend gloo) once; per job it builds a fresh :class:`ConsistentForCausalLM` (a hybrid config: the plugin's hybrid
+model class) with ``tensor_parallel_size=TP`` (a ``VllmConfig`` of its own), loads the
 whole-tensor checkpoint ``MODEL_DIR/model.safetensors`` through ``load_weights`` (each rank keeps its
 part), optionally applies a weight update through the sync worker's ``mc_sync_apply`` (the update is a
 JSON schema naming a shared-memory file, :mod:`megatron_consistent.sync.protocol`), then runs one
@@ -15,13 +15,15 @@ prompt through embedding, every decoder layer and the lm head.  vLLM's paged att
 forward context; each layer's ``attn`` is replaced by the consistent causal attention kernel over this
 rank's heads (heads are independent, so this is the same function at every TP).  Rank 0 writes
 ``OUT_DIR/tp<TP>.safetensors`` (``embed``, ``layer<i>``, ``logits`` float32, ``logprobs``) and every
-rank ``OUT_DIR/tp<TP>.rank<r>.json`` (sync replies, its held shapes).
+rank ``OUT_DIR/tp<TP>.rank<r>.json`` (sync replies and, after them, the digests and parts the weight check reads;
+its held shapes; the part of every HF tensor it holds).
+A hybrid model runs two requests through chunked-prefill and decode steps instead (tests/_tp_hybrid.py: outputs
+``step<j>.*``; its faults ``norm_group`` and ``conv_state``).
 
 ``--fault allreduce``: o_proj and down computed the naive way — each rank's K shard through the
 one-rank linear rounded to bf16, then ``all_reduce`` of the rounded partials (what the contract forbids).
 ``--fault moe_nosum``: every MoE layer combines its own experts' outputs without the ranks' sum;
 ``--fault moe_slice``: every MoE layer takes its weights for the next rank's run of experts (the wrong slice).
-MoE models: every rank's JSON also lists the part of each expert HF tensor it holds (``expert_parts``).
 """
 
 from __future__ import annotations
@@ -77,21 +79,33 @@ def launch_jobs(jobs: list[dict], tp: int, log_dir: str, timeout: float = 600) -
     return logs
 
 
-def _attention_stub(arch, positions_holder):
-    """A callable standing in for vLLM's ``Attention`` (one prompt, causal): the consistent attention kernel."""
-    import torch
+class AttentionStub:
+    """A layer's vLLM ``Attention`` stand-in: the consistent causal attention kernel, each request's new queries over
+    the keys / values it wrote so far, as vLLM's paged cache holds them (``rows``: the step's ``(request, computed
+    tokens, new tokens)`` in batch order, kept up to date by the caller)."""
 
-    from megatron_consistent.kernels import attention
+    def __init__(self, head_dim: int, scale: float, rows: list):
+        self.head_dim, self.scale, self.rows = head_dim, scale, rows
+        self.keys: dict = {}
+        self.values: dict = {}
 
-    def attn(q, k, v):
-        t = q.shape[0]
-        hd = arch.head_dim
-        qh, kh, vh = q.reshape(1, t, -1, hd), k.reshape(1, t, -1, hd), v.reshape(1, t, -1, hd)
-        pos = positions_holder[0].reshape(1, t)
-        out = attention(qh, kh, vh, pos, torch.tensor([t]), scale=arch.softmax_scale)
-        return out.reshape(t, -1)
+    def __call__(self, q, k, v):
+        import torch
 
-    return attn
+        from megatron_consistent.kernels import attention
+
+        hd, out, first = self.head_dim, [], 0
+        for r, computed, n in self.rows:
+            sl = slice(first, first + n)
+            first += n
+            self.keys[r] = torch.cat([self.keys.get(r, k[:0]), k[sl]])
+            self.values[r] = torch.cat([self.values.get(r, v[:0]), v[sl]])
+            kk, vv = self.keys[r], self.values[r]
+            pos = torch.arange(computed, computed + n).reshape(1, n)
+            o = attention(q[sl].reshape(1, n, -1, hd), kk.reshape(1, kk.shape[0], -1, hd), vv.reshape(1, vv.shape[0], -1, hd),
+                          pos, scale=self.scale)
+            out.append(o.reshape(n, -1))
+        return torch.cat(out)
 
 
 def _broken_row_parallel(x, w, b=None):
@@ -115,7 +129,8 @@ class _Worker:
 
 def rank_main(rank: int, port: int, jobs_file: str, tp: int) -> None:
     import torch
-    from vllm.config import CompilationConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import (CacheConfig, CompilationConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig,
+                             set_current_vllm_config)
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from megatron_consistent import vllm_plugin
@@ -129,6 +144,7 @@ def rank_main(rank: int, port: int, jobs_file: str, tp: int) -> None:
         dtype = ArchConfig.from_hf(load_hf_config(model_dir)).dtype  # the checkpoint's (the plugin refuses another)
         mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, max_model_len=256)
         return VllmConfig(model_config=mc, parallel_config=ParallelConfig(tensor_parallel_size=tp),
+                          cache_config=CacheConfig(enable_prefix_caching=False),  # refused for hybrids
                           load_config=LoadConfig(load_format="dummy"), compilation_config=CompilationConfig(mode=0))
 
     with set_current_vllm_config(config(jobs[0]["model_dir"])):
@@ -141,19 +157,23 @@ def rank_main(rank: int, port: int, jobs_file: str, tp: int) -> None:
 
 def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, update: str) -> None:
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
 
     from megatron_consistent.sync.worker import WeightSyncExtension
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     with set_current_vllm_config(vc):
+        from megatron_consistent.config import ArchConfig
+        from megatron_consistent.vllm_plugin.hybrid_model import ConsistentMamba2ForCausalLM, ConsistentNemotronHForCausalLM
         from megatron_consistent.vllm_plugin.model import ConsistentForCausalLM
 
-        model = ConsistentForCausalLM(vllm_config=vc)
+        arch = ArchConfig.from_hf(vc.model_config.hf_config.to_dict())
+        cls = {"NemotronHForCausalLM": ConsistentNemotronHForCausalLM, "Mamba2ForCausalLM": ConsistentMamba2ForCausalLM}
+        model = cls.get(arch.architecture, ConsistentForCausalLM)(vllm_config=vc)
     model.load_weights(load_file(str(Path(model_dir) / "model.safetensors")).items())
     report = {"rank": rank, "tp": model.tp_size, "held": {n: list(p.shape) for n, p in model.named_parameters()},
-              "expert_parts": {n: cut for n, cut in model.hf_parts().items() if ".experts." in n}}
+              "parts": model.hf_parts()}
     if update:
         worker = type("W", (_Worker, WeightSyncExtension), {})(model, vc)
         for u in json.loads(Path(update).read_text()):
@@ -162,13 +182,19 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
             after = {n: p.data_ptr() for n, p in model.named_parameters()}
             reply["pointers_same"] = before == after
             report.setdefault("sync", []).append(reply)
-    arch = model.arch
+        report.update(digests=worker.mc_sync_digests(), sync_parts=worker.mc_sync_parts())  # what the weight check reads
+    out = {}
+    if arch.is_hybrid:
+        from _tp_hybrid import run_steps
+
+        run_steps(model, fault, out)
+        _write(rank, tp, out_dir, out, report)
+        return
     ids = torch.tensor(PROMPT) % arch.vocab_size
     positions = torch.arange(len(PROMPT))
-    holder = [positions]
     for layer in model.layers:
         del layer.attn  # the vLLM Attention module -> a plain callable
-        layer.attn = _attention_stub(arch, holder)
+        layer.attn = AttentionStub(arch.head_dim, arch.softmax_scale, [(0, 0, len(PROMPT))])
         if fault == "allreduce":
             layer.lin = {**layer.lin, "o_proj": _broken_row_parallel, "down": _broken_row_parallel}
         if fault == "moe_slice" and hasattr(layer, "expert_first"):
@@ -178,16 +204,21 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
     summed = plugin_moe.sum_owned_slots
     if fault == "moe_nosum":
         plugin_moe.sum_owned_slots = lambda y: y  # this job only (restored below)
-    out = {}
     try:
         _forward(model, ids, positions, out)
     finally:
         plugin_moe.sum_owned_slots = summed
+    _write(rank, tp, out_dir, out, report)
+
+
+def _write(rank: int, tp: int, out_dir: str, out: dict, report: dict) -> None:
+    """Rank 0: every output; every other rank: its logits (every rank holds the same full logits); each its report."""
+    from safetensors.torch import save_file
+
     if rank == 0:
         save_file(out, str(Path(out_dir) / f"tp{tp}.safetensors"))
-    else:  # every rank holds the same full logits
-        report["logits_equal_rank0"] = None
-        save_file({"logits": out["logits"]}, str(Path(out_dir) / f"tp{tp}.rank{rank}.safetensors"))
+    else:
+        save_file({k: v for k, v in out.items() if k.endswith("logits")}, str(Path(out_dir) / f"tp{tp}.rank{rank}.safetensors"))
     Path(out_dir, f"tp{tp}.rank{rank}.json").write_text(json.dumps(report))
 
 

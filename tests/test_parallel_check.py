@@ -6,7 +6,8 @@ Zero means zero: ``torch.equal`` / ``exact_fraction`` 1.0.
   ``tests/test_parallel_engine.py::test_check_refuses_tp_flags_before_any_work``).
 * slow: :func:`verify.check.trainer_logprobs` at TP = 2 (one spawn, row chunks of ``recompute_batch``) gives the
   in-process TP = 1 log-probs and, for MoE, the same routes.
-* engine: ``run_check`` at (T, E) = (2, 1) and (2, 2) on tiny-llama, zero mismatch.
+* engine: ``run_check`` at (T, E) = (2, 1) and (2, 2) on tiny-llama, zero mismatch; the hybrids at engine TP = 2
+  (tiny-nemotronh at (2, 2), tiny-nemotronh-moe at (1, 2)), zero mismatch, routes agreeing.
 """
 
 from __future__ import annotations
@@ -176,3 +177,23 @@ def test_check_trainer_tp_zero_mismatch(tmp_path: Path, trainer_tp, engine_tp):
     assert layouts["trainer"]["tensor_parallel_size"] == trainer_tp and layouts["engine"]["tensor_parallel_size"] == engine_tp
     assert report["consistent"]["tokens"] == 8 * 12 and report["consistent"]["exact_fraction"] == 1.0
     assert report["zero_mismatch"]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, trainer_tp", [("tiny-nemotronh", 2), ("tiny-nemotronh-moe", 1)])
+def test_check_hybrid_engine_tp2_zero_mismatch(tmp_path: Path, name, trainer_tp):
+    """A hybrid engine at TP = 2 (its Mamba mixers' heads, groups and state slots split over vLLM's two ranks; chunked
+    prefill at 32 batched tokens, decode steps across chunk boundaries) against the recompute at trainer TP = 2 or 1:
+    every token's log-prob bitwise equal, the MoE routes agreeing."""
+    from megatron_consistent.verify.check import run_check
+
+    report = run_check(load_check_config(hf_config=str(builtin_model_dir(name)), num_prompts=6, max_tokens=12,
+                                         max_num_batched_tokens=32, out_dir=str(tmp_path), max_prompt_len=40,
+                                         mode="consistent", device="cpu", engine_tp=2, trainer_tp=trainer_tp))
+    layouts = report["settings"]["layouts"]
+    assert layouts["engine"]["tensor_parallel_size"] == 2 and "state cache" in layouts["engine"]["mamba"]
+    assert layouts["trainer"]["tensor_parallel_size"] == trainer_tp
+    assert report["consistent"]["tokens"] == 6 * 12 and report["consistent"]["exact_fraction"] == 1.0
+    assert report["zero_mismatch"]
+    assert ("routing_agreement" in report["consistent"]) == name.endswith("-moe")
+    assert report["consistent"].get("routing_agreement", 1.0) == 1.0

