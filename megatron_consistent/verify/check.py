@@ -69,7 +69,7 @@ class CheckConfig:
         if self.device != "auto":
             return self.device
         return "cuda" if torch.cuda.is_available() else "cpu"
-    engine_tp: int = 1  # vLLM tensor_parallel_size of the engines (dense and MoE models; vllm_plugin/parallel.py)
+    engine_tp: int = 1  # vLLM tensor_parallel_size of the engines (dense, MoE and hybrid models; vllm_plugin/parallel.py)
     trainer_tp: int = 1  # tensor-parallel size of the consistent Megatron recompute (>1: ranks, see trainer_logprobs)
     trainer_pp: int = 1  # pipeline-parallel size of the consistent Megatron recompute (>1: ranks, see trainer_logprobs)
     trainer_dp: int = 1  # data-parallel replicas of the recompute, each with its share of the sequences (>1: ranks)

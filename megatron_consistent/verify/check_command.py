@@ -35,7 +35,8 @@ def add_arguments(p) -> None:
     p.add_argument("--engine-timeout-s", dest="engine_timeout_s", type=float,
                    help=f"seconds one engine run may take (default {ENGINE_TIMEOUT_S:.0f}); past it the engine is killed with its processes")
     p.add_argument("--engine-tp", dest="engine_tp", type=int,
-                   help="vLLM tensor_parallel_size of the engines (dense and MoE models; 1, 2, 4 or 8; default 1)")
+                   help="vLLM tensor_parallel_size of the engines (1, 2, 4 or 8 dividing what it cuts: heads, experts, a "
+                        "hybrid's Mamba groups; default 1)")
     p.add_argument("--trainer-tp", dest="trainer_tp", type=int,
                    help="tensor-parallel size of the consistent Megatron recompute (1, 2, 4 or 8; default 1; >1: CPU gloo ranks)")
     p.add_argument("--trainer-pp", dest="trainer_pp", type=int,
