@@ -24,7 +24,7 @@ import torch
 from _mamba_meta import mamba_meta
 from _tp_ranks import AttentionStub
 
-# (request, tokens), in order; a request's steps: its first prefill piece, then the rest, then one token a step
+# request -> its tokens (fixed: no sampling); its steps: its prefill pieces (PREFILL), then one token a step
 REQUESTS = {0: [5, 17, 300, 42, 7, 511, 256, 3, 99, 128, 64, 1, 2, 450, 33, 77, 200, 301, 12, 8, 400, 9, 10, 11, 250, 499,
                 6, 13, 14, 15, 16, 18, 19, 20, 21, 22, 23, 24],
             1: [44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72]}
@@ -58,7 +58,8 @@ def _norm_over_wrong_groups(tp: int):
 
 def _next_ranks_conv_state(mixer):
     """``mixer.mix`` followed by each rank's conv state replaced with the next rank's (the wrong channels)."""
-    from megatron_consistent.vllm_plugin.parallel import _all_gather, tp_rank_size
+    from megatron_consistent.vllm_plugin.compat import tensor_parallel_all_gather
+    from megatron_consistent.vllm_plugin.parallel import tp_rank_size
 
     mix = mixer.mix
     rank, size = tp_rank_size()
@@ -66,7 +67,7 @@ def _next_ranks_conv_state(mixer):
     def wrong(xbc, dt, y, meta):
         mix(xbc, dt, y, meta)
         conv = mixer.kv_cache[2]
-        conv.copy_(_all_gather(conv.unsqueeze(0), 0)[(rank + 1) % size])
+        conv.copy_(tensor_parallel_all_gather(conv.unsqueeze(0), 0)[(rank + 1) % size])
 
     return wrong
 
