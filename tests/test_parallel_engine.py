@@ -324,7 +324,8 @@ def _model_dir(tmp: Path, name: str, seed: int, **fields) -> Path:
 
     d = tmp / "-".join([f"{name}-{seed}", *(f"{k}{v}" for k, v in fields.items())])
     d.mkdir(parents=True, exist_ok=True)
-    hf = {**load_hf_config(str(builtin_model_dir(name))), **fields}
+    # the built-in file as written (not load_hf_config's dict, whose "dtype" would outrank a "torch_dtype" field)
+    hf = {**json.loads((builtin_model_dir(name) / "config.json").read_text()), **fields}
     (d / "config.json").write_text(json.dumps(hf))
     g = torch.Generator().manual_seed(seed)
     save_file({n: (torch.randn(s, generator=g) * (1.0 if "norm" in n else 0.05)).to(getattr(torch, dt))
