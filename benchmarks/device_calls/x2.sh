@@ -1,26 +1,26 @@
 # Issue #19's calls on two GPUs (kind nvidia-h200-x2 or nvidia-h100-x2), docs/parallel.md "Two GPUs": one call a step,
 # back to back within 30 s, each from the repo root: `TAG=s35 bash benchmarks/device_calls/x2.sh STEP`.
-#   1  carry .gw/part1 .whl   stash part 1; Megatron-Core 0.19.2 into /tmp/site; the NCCL trainer tests
-#                             (tests/test_gpu_parallel.py: TP / PP / SP layouts, the experts over EP 2; no vLLM)
+#   1  carry .gw/part1        stash part 1 (with .whl the carry passes 64 MiB)
 #   2  carry .gw/part2        stash part 2
-#   3  carry .gw/part3 .gw/install.sh .whl   install vLLM 0.26; check, dense, trainer TP 2 / engine TP 2
-#   4  carry .whl             check: MoE at (2, 2); engine TP 2 against the one-GPU trainer, dense and MoE
-#   5  carry .whl             rollout at engine TP 2, consistent vs stock (1B and 8B Llama widths), then the 8B and
+#   3  carry .gw/part3 .gw/install.sh .whl   install vLLM 0.26 and Megatron-Core 0.19.2; check, dense, trainer TP 2 /
+#                             engine TP 2
+#   4  carry .whl             the NCCL trainer tests (tests/test_gpu_parallel.py: TP / PP / SP layouts, the experts
+#                             over EP 2)
+#   5  carry .whl             check: MoE at (2, 2); engine TP 2 against the one-GPU trainer, dense and MoE; the hybrid
+#                             (tiny-nemotronh) at (2, 2) and (1, 2)
+#   6  carry .whl             rollout at engine TP 2, consistent vs stock (1B and 8B Llama widths), then the 8B and
 #                             Qwen3-30B-A3B widths' check at (2, 2)
-#   6  carry .whl             check: the trainer's experts over EP 2 (DP 2; TP 2 + SP) against engine TP 2
+#   7  carry .whl             check: the trainer's experts over EP 2 (DP 2; TP 2 + SP) against engine TP 2
 # NVLink multicast stays off (gpu_setup.sh exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVSHMEM_DISABLE_NVLS=1; the NCCL ranks of the trainer set them too).
 TAG=${TAG:-next}
-STEP=${1:?step 1-6}
+STEP=${1:?step 1-7}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /tmp/stash
 case "$STEP" in
 1)
   cp -r .gw/part1 /tmp/stash/ && echo part1 stashed
-  nvidia-smi -L > "$OUT/${TAG}_x2_gpus.txt" 2>&1; cat "$OUT/${TAG}_x2_gpus.txt"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1
-  PYTHONPATH=/tmp/site:$PWD timeout 500 python -m pytest -q -s -rs tests/test_gpu_parallel.py > "$OUT/${TAG}_x2_nccl_tests.log" 2>&1
-  echo "NCCL trainer tests rc $?"; tail -3 "$OUT/${TAG}_x2_nccl_tests.log" ;;
+  nvidia-smi -L > "$OUT/${TAG}_x2_gpus.txt" 2>&1; cat "$OUT/${TAG}_x2_gpus.txt" ;;
 2)
   cp -r .gw/part2 /tmp/stash/ && echo part2 stashed && ls /tmp/stash ;;
 3)
@@ -32,14 +32,19 @@ case "$STEP" in
   echo "dense (2, 2) rc $?"; tail -4 "$OUT/${TAG}_x2_llama_t2_e2.log" ;;
 4)
   source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
-  for run in "moe-t2-e2 2 tiny-qwen3moe-top1" "llama-t1-e2 1 tiny-llama" "moe-t1-e2 1 tiny-qwen3moe-top1"; do
+  timeout 500 python -m pytest -q -s -rs tests/test_gpu_parallel.py > "$OUT/${TAG}_x2_nccl_tests.log" 2>&1
+  echo "NCCL trainer tests rc $?"; tail -3 "$OUT/${TAG}_x2_nccl_tests.log" ;;
+5)
+  source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
+  for run in "moe-t2-e2 2 tiny-qwen3moe-top1" "llama-t1-e2 1 tiny-llama" "moe-t1-e2 1 tiny-qwen3moe-top1" \
+             "hybrid-t2-e2 2 tiny-nemotronh" "hybrid-t1-e2 1 tiny-nemotronh"; do
     set -- $run
-    timeout 180 megatron-consistent check --device cuda --mode consistent --trainer-tp "$2" --engine-tp 2 --block-size 16 \
+    timeout 110 megatron-consistent check --device cuda --mode consistent --trainer-tp "$2" --engine-tp 2 --block-size 16 \
       --num-prompts 64 --max-tokens 64 --hf-config "megatron_consistent/configs/models/$3" --out-dir "/tmp/x2/$1" "${@:4}" \
       > "$OUT/${TAG}_x2_$1.log" 2>&1
     echo "$1 rc $?"; tail -3 "$OUT/${TAG}_x2_$1.log"
   done ;;
-5)
+6)
   source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
   timeout 330 python benchmarks/bench_rollout_gpu.py --shapes a b --engines consistent stock --tensor-parallel-size 2 \
     --out "$OUT/${TAG}_x2_rollout_tp2.json" > "$OUT/${TAG}_x2_rollout_tp2.log" 2>&1
@@ -47,7 +52,7 @@ case "$STEP" in
   timeout 250 python benchmarks/check_shapes_gpu.py --shapes b d --layers 4 --engine-tp 2 --trainer-tp 2 \
     --out "$OUT/${TAG}_x2_check_shapes.json" > "$OUT/${TAG}_x2_check_shapes.log" 2>&1
   echo "check shapes (2, 2) rc $?"; tail -6 "$OUT/${TAG}_x2_check_shapes.log" ;;
-6)
+7)
   # the trainer's experts over EP 2: two NCCL replicas (DP 2, their batches differ), then the TP group with sequence
   # parallelism (each rank its chunk); all_to_all_single on NCCL
   source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
