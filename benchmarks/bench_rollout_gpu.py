@@ -100,9 +100,11 @@ ENGINES = {"consistent": {"MEGATRON_CONSISTENT_VLLM": "1"},
            "stock_batch_invariant": {"MEGATRON_CONSISTENT_VLLM": "0", "VLLM_BATCH_INVARIANT": "1"}}
 
 
-def write_model(folder: Path, dims: dict, max_len: int, quantization: str = "") -> None:
+def write_model(folder: Path, dims: dict, max_len: int, quantization: str = "", row_parallel_segments: int = 8) -> None:
     """config.json of a random-weight model; ``quantization="fp8"``: the block-FP8 entries an FP8 export writes (the
-    standard ``quantization_config`` for stock vLLM, ``megatron_consistent_quantization`` for the plugin)."""
+    standard ``quantization_config`` for stock vLLM, ``megatron_consistent_quantization`` for the plugin);
+    ``row_parallel_segments``: the model's S (``consistent_row_parallel_segments``, written unless 8; stock vLLM
+    ignores it)."""
     folder.mkdir(parents=True, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5,
            "rope_theta": 500000.0, "max_position_embeddings": max(32768, max_len), "tie_word_embeddings": False,
@@ -119,6 +121,10 @@ def write_model(folder: Path, dims: dict, max_len: int, quantization: str = "") 
             from megatron_consistent.config import ArchConfig
 
             cfg["quantization_config"]["modules_to_not_convert"] = router_hf_modules(ArchConfig.from_hf(cfg))
+    if row_parallel_segments != 8:
+        from megatron_consistent.config import ROW_PARALLEL_SEGMENTS_KEY
+
+        cfg[ROW_PARALLEL_SEGMENTS_KEY] = row_parallel_segments
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
@@ -454,7 +460,9 @@ def main() -> int:
     ap.add_argument("--min-seconds", type=float, default=20.0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--out", default="benchmarks/results/rollout_gpu.json")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="engine TP (the plugin's K-segment tree needs TP | 8)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="engine TP (must divide the model's S)")
+    ap.add_argument("--row-parallel-segments", type=int, default=8, metavar="S",
+                    help="the models' row-parallel K segments (consistent_row_parallel_segments: 1, 2, 4 or 8)")
     ap.add_argument("--profile", action="store_true", help="after timing, profile one short generation per engine")
     ap.add_argument("--profile-prompts", type=int, default=64)
     ap.add_argument("--profile-tokens", type=int, default=128)
@@ -485,6 +493,11 @@ def main() -> int:
         raise SystemExit(f"--layers {args.layers}: must be >= 0")
     if args.interleave < 0:
         raise SystemExit(f"--interleave {args.interleave}: the number of rounds must be >= 1")
+    from megatron_consistent.config import row_parallel_refusal
+
+    refusal = row_parallel_refusal(args.row_parallel_segments, args.tensor_parallel_size)
+    if refusal:
+        raise SystemExit(f"--row-parallel-segments / --tensor-parallel-size: {refusal}")
     engine_envs = {name: ENGINES[name] for name in args.engines} | dict(parse_variant(v) for v in args.variant)
     if args.block_size is not None:
         from megatron_consistent.kernels.triton.paged_attention import PAGE_SIZES
@@ -511,7 +524,7 @@ def main() -> int:
                 shape = shape | {"model": fewer_layers(shape["model"], args.layers)}
             model_dir = Path(tmp) / f"llama-{key}"
             max_len = shape["max_len"] + shape["max_tokens"]
-            write_model(model_dir, shape["model"], max_len, shape.get("quantization", ""))
+            write_model(model_dir, shape["model"], max_len, shape.get("quantization", ""), args.row_parallel_segments)
             request = {"model_dir": str(model_dir), "prompts": prompts_for(shape, shape["model"]["vocab_size"]),
                        "max_tokens": shape["max_tokens"], "min_seconds": args.min_seconds,
                        "gpu_memory_utilization": args.gpu_memory_utilization / (len(engine_envs) if args.interleave else 1),

@@ -68,7 +68,8 @@ def run_shape(key: str, args, work: Path) -> dict:
     folder = work / f"model-{key}"
     settings = check_settings(args)
     dims = shape_dims(key, args.layers)
-    write_model(folder, dims, settings["max_model_len"])  # bf16 config: the check quantizes (--quantization) itself
+    # bf16 config: the check quantizes (--quantization) itself
+    write_model(folder, dims, settings["max_model_len"], row_parallel_segments=args.row_parallel_segments)
     config = work / f"check-{key}.yaml"
     config.write_text(json.dumps(settings))  # JSON is YAML
     report_path = work / f"check-{key}.json"
@@ -130,6 +131,8 @@ def main() -> int:
                     help="cpu: a smoke run of this script on vLLM's CPU platform (block size a multiple of 32)")
     ap.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor_parallel_size (one GPU a rank)")
     ap.add_argument("--trainer-tp", type=int, default=1, help="the Megatron recompute's TP size (NCCL ranks, one GPU each)")
+    ap.add_argument("--row-parallel-segments", type=int, default=8, metavar="S",
+                    help="the models' row-parallel K segments (consistent_row_parallel_segments: 1, 2, 4 or 8)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one shape's check may take")
     ap.add_argument("--out", default="benchmarks/results/check_shapes_gpu.json")
     ap.add_argument("--work", default="", help="folder for models, logs and reports (default: a temporary one)")
@@ -138,6 +141,11 @@ def main() -> int:
         raise SystemExit(f"--layers {args.layers}: must be >= 0")
     for key in args.shapes:  # a hybrid with too few layers is refused here, before any shape runs
         shape_dims(key, args.layers)
+    from megatron_consistent.config import row_parallel_refusal
+
+    for tp in (args.engine_tp, args.trainer_tp):
+        if row_parallel_refusal(args.row_parallel_segments, tp):
+            raise SystemExit(f"--row-parallel-segments: {row_parallel_refusal(args.row_parallel_segments, tp)}")
     if args.min_prompt_len > args.max_prompt_len:
         raise SystemExit(f"--min-prompt-len {args.min_prompt_len} > --max-prompt-len {args.max_prompt_len}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # fail on a bad path before any work
