@@ -36,8 +36,8 @@ segments ``r S/t ... (r+1) S/t - 1``: it computes their subtree
 values are all-gathered in rank order and reduced by ``adjacent_tree_sum`` —
 the top of the same tree.  Every t dividing S gives identical bits; a different
 S gives a different tree, hence in general different bits.  A smaller S means
-longer segments -- on the GPU the 8-segment tree costs up to 26 % against the
-GEMM without a tree on o_proj-shaped GEMMs (K = 4096) -- but caps the
+longer segments -- on the GPU the 8-segment tree ran at 0.74-0.94 of the GEMM
+without a tree on the 8B o_proj (K = 4096; docs/parallel.md) -- but caps the
 tensor-parallel degree at S (S = 1: TP = 1 only).
 
 Backward: deterministic matmuls for a given shape — float32 on CPU; on CUDA
