@@ -224,7 +224,7 @@ def _shape_args(mod, *extra):
 
     args = argparse.Namespace(layers=4, num_prompts=4, max_tokens=8, min_prompt_len=8, max_prompt_len=40,
                               max_num_batched_tokens=64, block_size=32, recompute_batch=2, gpu_memory_utilization=0.3,
-                              device="cpu", timeout=5.0, engine_tp=1, trainer_tp=1)
+                              device="cpu", timeout=5.0, engine_tp=1, trainer_tp=1, row_parallel_segments=8)
     for key, value in extra:
         setattr(args, key, value)
     return args
@@ -253,6 +253,10 @@ def test_check_shapes_configs_are_the_rollout_shapes_and_valid_check_settings(tm
     assert row["zero_mismatch"] and row["layers"] == 4 and "ZERO MISMATCH" in mod.render([row])
     mod.run_shape(key, _shape_args(mod, ("engine_tp", 2), ("trainer_tp", 4)), tmp_path)
     assert seen[1][seen[1].index("--engine-tp") + 1] == "2" and seen[1][seen[1].index("--trainer-tp") + 1] == "4"
+    assert "consistent_row_parallel_segments" not in cfg  # S = 8: the key absent, the default
+    mod.run_shape(key, _shape_args(mod, ("row_parallel_segments", 2)), tmp_path)
+    folder = Path(seen[2][seen[2].index("--hf-config") + 1])
+    assert ArchConfig.from_hf(load_hf_config(str(folder))).row_parallel_segments == 2
 
 
 def test_check_shapes_refuses_a_hybrid_too_short_for_its_layer_kinds(tmp_path, monkeypatch):
