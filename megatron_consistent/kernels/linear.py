@@ -36,9 +36,9 @@ segments ``r S/t ... (r+1) S/t - 1``: it computes their subtree
 values are all-gathered in rank order and reduced by ``adjacent_tree_sum`` —
 the top of the same tree.  Every t dividing S gives identical bits; a different
 S gives a different tree, hence in general different bits.  A smaller S means
-longer segments -- on the GPU the 8-segment tree ran at 0.74-0.94 of the GEMM
-without a tree on the 8B o_proj (K = 4096; docs/parallel.md) -- but caps the
-tensor-parallel degree at S (S = 1: TP = 1 only).
+longer segments and caps the tensor-parallel degree at S (S = 1: TP = 1 only);
+on the GPU it is not faster with today's schedules, tuned for S = 8
+(docs/parallel.md, session 35).
 
 Backward: deterministic matmuls for a given shape — float32 on CPU; on CUDA
 with bf16/fp16 inputs, tensor-core matmuls in the input dtype (float32
