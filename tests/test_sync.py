@@ -82,6 +82,29 @@ def test_validation_refuses(case, packed):
     assert any(key in p for p in problems), problems
 
 
+def test_validation_refuses_another_architecture(packed):
+    """Every tensor fits, but the sender's model differs in a field no shape shows: refused, naming each field; the
+    engine's own architecture (after a JSON round trip, as it crosses the RPC) and the fields that change no value pass."""
+    import dataclasses
+    import json
+
+    u = packed(_tensors(), 1)
+    engine = ARCH.as_dict()
+    u["arch"] = json.loads(json.dumps(ARCH.as_dict()))
+    assert validate_update(u, hf_tensor_specs(ARCH), 0, expected_arch=engine) == []
+    u["arch"] = json.loads(json.dumps(dataclasses.replace(ARCH, dtype="float32", max_position_embeddings=512).as_dict()))
+    assert validate_update(u, hf_tensor_specs(ARCH), 0, expected_arch=engine) == []
+    other = dataclasses.replace(ARCH, row_parallel_segments=2, rms_norm_eps=1e-5)
+    u["arch"] = json.loads(json.dumps(other.as_dict()))
+    problems = validate_update(u, hf_tensor_specs(ARCH), 0, expected_arch=engine)
+    assert len(problems) == 1 and "another architecture" in problems[0], problems
+    assert "row_parallel_segments 2 (update) vs 8 (engine)" in problems[0] and "rms_norm_eps" in problems[0], problems
+    u["arch"] = "LlamaForCausalLM"
+    assert any("arch must be a dict" in p for p in validate_update(u, hf_tensor_specs(ARCH), 0, expected_arch=engine))
+    del u["arch"]  # a push without it (a framework's refit of bare tensors): the tensors alone are checked
+    assert validate_update(u, hf_tensor_specs(ARCH), 0, expected_arch=engine) == []
+
+
 def test_pack_refuses_unsupported_dtype():
     with pytest.raises(WeightSyncError, match="dtype"):
         pack_update({"x": torch.zeros(2, dtype=torch.int64)}, 1)
@@ -112,9 +135,11 @@ def test_live_engine_inplace_updates_and_rejections(tmp_path):
         assert rec["engine_version"] == i + 1 and rec["sync_bytes"] > 0
     assert r["after_last_push"]["bitwise_equal"]
     cases = {e["case"]: e for e in r["rejections"]}
-    assert set(cases) == {"missing tensor", "extra tensor", "mis-shaped tensor", "wrong dtype", "stale version"}
+    assert set(cases) == {"missing tensor", "extra tensor", "mis-shaped tensor", "wrong dtype", "stale version",
+                          "another architecture"}
     for e in cases.values():
         assert e["refused"] and e["version_unchanged"] and e["pointers_unchanged"], e
         assert e["old_weights_served"] and e["engine_weights_equal_trainer"], e
     assert "stale version" in cases["stale version"]["error"]
     assert "missing tensors" in cases["missing tensor"]["error"]
+    assert "row_parallel_segments 4 (update) vs 8 (engine)" in cases["another architecture"]["error"]

@@ -25,8 +25,11 @@ def _strip(check: dict) -> dict:
     return {k: v for k, v in check.items() if k not in ("tokens_sampled", "rollout_logprobs")}
 
 
-def _bad_updates(tensors: dict, version: int) -> list[tuple[str, dict, int]]:
-    """(case, tensors, version) of refused pushes; every case carries weights that differ from the engine's."""
+def _bad_updates(tensors: dict, version: int, arch) -> list[tuple[str, dict, int, object]]:
+    """(case, tensors, version, sender's ArchConfig) of refused pushes; every case carries weights that differ from
+    the engine's.  The last fits every tensor but comes from another row-parallel tree width S."""
+    import dataclasses
+
     import torch
 
     names = list(tensors)
@@ -43,6 +46,9 @@ def _bad_updates(tensors: dict, version: int) -> list[tuple[str, dict, int]]:
     wrong_dtype[first] = tensors[first].float()
     cases.append(("wrong dtype", wrong_dtype, version + 1))
     cases.append(("stale version", dict(tensors), version))
+    cases = [(case, t, v, arch) for case, t, v in cases]
+    other = dataclasses.replace(arch, row_parallel_segments=4 if arch.row_parallel_segments == 8 else 8)
+    cases.append(("another architecture", dict(tensors), version + 1, other))
     return cases
 
 
@@ -76,10 +82,10 @@ def _scenario_weight_update(cfg: LifecycleConfig) -> dict:
             with torch.no_grad():
                 perturbed = {n: (t.float() + 0.01).to(t.dtype) for n, t in hf_state_dict(session.model, arch).items()}
             pointers = session.channel.engine_pointers()
-            for case, tensors, version in _bad_updates(perturbed, session.channel.version):
+            for case, tensors, version, sender in _bad_updates(perturbed, session.channel.version, arch):
                 entry = {"case": case}
                 try:
-                    session.channel.push_tensors(tensors, version)
+                    session.channel.push_tensors(tensors, version, arch=sender)
                     entry["refused"] = False
                 except WeightSyncError as e:
                     entry["refused"], entry["error"] = True, str(e)[:400]

@@ -14,6 +14,7 @@ weights and version.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -168,11 +169,13 @@ class WeightSyncChannel:
         return bool(engine is not None and engine.has_unfinished_requests())
 
     def push_tensors(self, tensors: dict[str, torch.Tensor], version: int | None = None, *, drained: bool = False,
-                     allow_nonfinite: bool = False) -> SyncReport:
+                     allow_nonfinite: bool = False, arch=None) -> SyncReport:
         """Send HF-named tensors as ``version`` (default: current + 1); raises :class:`WeightSyncError` on refusal.
 
         ``drained``: the caller drained or paused the engine itself; without it a push while requests are in flight is
-        refused.  ``allow_nonfinite``: accept NaN/Inf values (refused by name otherwise, here and in the engine)."""
+        refused.  ``allow_nonfinite``: accept NaN/Inf values (refused by name otherwise, here and in the engine).
+        ``arch``: the sender's ``ArchConfig``; the engine refuses the update whole if it runs another one
+        (:func:`.protocol.arch_problems`: S, eps, rope, ...)."""
         if not drained and self.inflight_requests():
             raise WeightSyncError("push refused: the engine has requests in flight (one sample would span two weight "
                                   "versions); finish or abort them, or pause the engine and pass drained=True")
@@ -187,6 +190,8 @@ class WeightSyncChannel:
         version = self.version + 1 if version is None else version
         update = pack_update(tensors, version, require_inplace=self.require_inplace)
         update["allow_nonfinite"] = bool(allow_nonfinite)
+        if arch is not None:
+            update["arch"] = json.loads(json.dumps(arch.as_dict()))
         t1 = time.perf_counter()
         try:
             replies = self._rpc("mc_sync_apply", update, timeout=self.push_timeout)
@@ -217,8 +222,9 @@ class WeightSyncChannel:
 
     def push_model(self, model, arch=None, version: int | None = None, *, drained: bool = False,
                    allow_nonfinite: bool = False) -> SyncReport:
-        """Export the Megatron ``model`` (consistent or stock) in HF naming and push it."""
+        """Export the Megatron ``model`` (consistent or stock) in HF naming and push it with its architecture."""
         from ..conversion import hf_state_dict
 
         arch = arch or model.arch_config
-        return self.push_tensors(hf_state_dict(model, arch, copy=False), version, drained=drained, allow_nonfinite=allow_nonfinite)
+        return self.push_tensors(hf_state_dict(model, arch, copy=False), version, drained=drained,
+                                 allow_nonfinite=allow_nonfinite, arch=arch)

@@ -7,7 +7,15 @@ vLLM's ``collective_rpc`` msgpack channel unchanged)::
      "require_inplace": true,
      "tensors": [{"name": "model.embed_tokens.weight", "dtype": "bfloat16", "shape": [64, 64],
                   "offset": 0, "nbytes": 8192}, ...],
-     "buckets": [[0, 5], [5, 9], ...]}
+     "buckets": [[0, 5], [5, 9], ...],
+     "arch": {"architecture": "LlamaForCausalLM", ..., "row_parallel_segments": 8}}
+
+``arch`` (optional; the trainer's ``push_model`` sends it) is the sender's ``ArchConfig.as_dict()``: a whole update
+also needs the engine to run the *same* model, and what makes two models' bits differ is not all in the tensors'
+shapes -- the row-parallel tree width S (``consistent_row_parallel_segments``), norm eps, rope theta and scaling,
+the router's scoring, the activation.  :func:`arch_problems` names every field that differs (the storage dtype and
+``max_position_embeddings`` aside: the tensors' dtypes are checked one by one, and the position limit changes no
+value), so an engine started from another ``config.json`` refuses the push whole instead of serving other bits.
 
 ``path`` is a file in ``/dev/shm`` (tmpfs, i.e. POSIX shared memory) holding
 the tensors' raw little-endian bytes back to back, each at a 64-byte aligned
@@ -40,13 +48,14 @@ import torch
 
 from ..architectures import hf_tensor_specs
 
-__all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "hf_tensor_specs", "pack_update", "validate_update", "tensor_views",
-           "iter_buckets"]
+__all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "arch_problems", "hf_tensor_specs", "pack_update", "validate_update",
+           "tensor_views", "iter_buckets"]
 
 PROTOCOL = 1
 ALIGN = 64
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ARCH_FIELDS_IGNORED = ("dtype", "max_position_embeddings")  # checked per tensor / changes no value (module docstring)
 
 
 class WeightSyncError(RuntimeError):
@@ -108,8 +117,31 @@ def _split(entries: list[dict], bucket_bytes: int | None) -> list[list[int]]:
     return buckets
 
 
+def arch_problems(sent, engine: dict) -> list[str]:
+    """The fields of the update's ``arch`` (``ArchConfig.as_dict()``, JSON round trip) that differ from the engine's
+    (:data:`ARCH_FIELDS_IGNORED` aside), one problem naming them all; empty when they agree."""
+    if not isinstance(sent, dict):
+        return [f"arch must be a dict (ArchConfig.as_dict()), got {type(sent).__name__}"]
+    differ = [f"{key} {sent.get(key)!r} (update) vs {engine.get(key)!r} (engine)"
+              for key in sorted(sent.keys() | engine.keys())
+              if key not in ARCH_FIELDS_IGNORED and _json_form(sent.get(key)) != _json_form(engine.get(key))]
+    if not differ:
+        return []
+    return ["the update comes from another architecture than the engine runs (same tensors would give other bits; "
+            "start the engine from the trainer's config.json): " + "; ".join(differ)]
+
+
+def _json_form(value):
+    """``value`` as a JSON round trip gives it (tuples as lists), so a sent dict and a local one compare alike."""
+    if isinstance(value, dict):
+        return {k: _json_form(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_form(v) for v in value]
+    return value
+
+
 def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]] | None = None,
-                    current_version: int | None = None) -> list[str]:
+                    current_version: int | None = None, expected_arch: dict | None = None) -> list[str]:
     """Every problem of ``update`` against ``expected`` ``{name: (shape, dtype)}``; empty list = it fits entirely.
 
     Checks: protocol and field types; version strictly greater than
@@ -119,7 +151,8 @@ def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]] | N
     runs; the shared-memory file exists with ``total_nbytes`` bytes.
     ``expected=None``: names and shapes are not checked (a partial update, any
     subset; dtypes must still be ones :data:`DTYPES` knows); ``current_version=None``:
-    the version need only be an int.
+    the version need only be an int.  ``expected_arch``: the engine's ``ArchConfig.as_dict()``; an update that carries
+    an ``arch`` is checked against it (:func:`arch_problems`).
     """
     if not isinstance(update, dict):
         return [f"update must be a dict, got {type(update).__name__}"]
@@ -140,6 +173,8 @@ def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]] | N
         problems.append(f"shared-memory file {path!r} does not exist")
     elif total is not None and os.path.getsize(path) != total:
         problems.append(f"shared-memory file holds {os.path.getsize(path)} bytes, schema says {total}")
+    if expected_arch is not None and "arch" in update:
+        problems += arch_problems(update["arch"], expected_arch)
     entries = update.get("tensors")
     if not isinstance(entries, list):
         return problems + [f"tensors must be a list, got {type(entries).__name__}"]

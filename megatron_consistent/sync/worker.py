@@ -23,7 +23,9 @@ Arguments and results are plain JSON-like values (see :mod:`.protocol`).
   update goes through vLLM's own ``reload_weights`` (layerwise reload, which
   re-packs).  Pointers are still reported, with ``require_inplace`` False.
 
-A refused update (see :func:`.protocol.validate_update`) copies nothing and
+An update that carries the sender's architecture (``push_model``) is refused whole when the engine runs another
+(:func:`.protocol.arch_problems`, e.g. another row-parallel tree width S).  A refused update
+(see :func:`.protocol.validate_update`) copies nothing and
 leaves the version unchanged; the engine keeps serving the previous weights.
 """
 
@@ -142,7 +144,7 @@ class WeightSyncExtension:
         model = self._mc_model()
         version = self.mc_sync_version()
         expected, targets = self._mc_expected(model)
-        problems = validate_update(update, expected, version)
+        problems = validate_update(update, expected, version, expected_arch=self._mc_arch().as_dict())
         if problems:
             return {"ok": False, "version": version, "problems": problems}
         views = tensor_views(update)
