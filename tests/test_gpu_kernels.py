@@ -293,6 +293,9 @@ def test_segment_tree_batch_invariant_and_fused(n, k):
     for path in ("serial", "parallel", "flat"):
         assert bits_equal(tst.segment_tree_gemm(x[:300], w, 8, b, torch.bfloat16, path=path), unfused), path
     assert bits_equal(torch.ops.megatron_consistent.row_parallel_linear(x[:300], w, 8, b), unfused)
+    for m in (1, 300, 2048):  # S = 1 runs the GEMM itself (every M class, the Gluon tree's M included): the tree's bits
+        one = (tst.segment_tree_gemm(x[:m], w, 1) + b.to(torch.float32)).to(torch.bfloat16)
+        assert bits_equal(torch.ops.megatron_consistent.row_parallel_linear(x[:m], w, 1, b), one), m
     assert bits_equal(inference_ops.linear_segment_tree(x[:300], w, 8), tree)
     with torch.no_grad():
         assert bits_equal(trainer_row_parallel(x[:300], w, 8, b), unfused)

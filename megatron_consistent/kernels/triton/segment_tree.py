@@ -526,6 +526,8 @@ def gluon_tree_applies(m: int, n: int, k_local: int, segments: int, dtype: torch
 def _linear_segment_tree_cuda(x2d: torch.Tensor, weight: torch.Tensor, segments: int, bias: torch.Tensor | None,
                               out_dtype: torch.dtype) -> torch.Tensor:
     m, k = x2d.shape
+    if segments == 1:  # one segment: the GEMM over all of K -- gemm's own bits (its split and epilogue), at its speed
+        return gemm(x2d, weight, bias, out_dtype)
     if (gluon_tree_applies(m, weight.shape[0], k, segments, x2d.dtype, out_dtype) and weight.dtype == x2d.dtype
             and on_hopper(x2d) and tma_ok(x2d) and tma_ok(weight)):
         from .gluon_segment_tree import gluon_segment_tree
