@@ -23,7 +23,12 @@ A hybrid model runs two requests through chunked-prefill and decode steps instea
 ``--fault allreduce``: o_proj and down computed the naive way — each rank's K shard through the
 one-rank linear rounded to bf16, then ``all_reduce`` of the rounded partials (what the contract forbids).
 ``--fault moe_nosum``: every MoE layer combines its own experts' outputs without the ranks' sum;
-``--fault moe_slice``: every MoE layer takes its weights for the next rank's run of experts (the wrong slice).
+``--fault moe_slice``: every MoE layer takes its weights for the next rank's run of experts (the wrong slice);
+``--fault fp8_notree``: a block-FP8 model's o_proj and down sum each rank's K shard as one FP8 linear (one segment)
+instead of the subtree of its S/t segments.
+A job's ``reload`` (a model folder): after the first load, that folder's checkpoint is loaded again in place through
+``load_weights`` (what a refit does; block-FP8: values and block scales, each rank its part); the report gets
+``reload_pointers_same``.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def launch_jobs(jobs: list[dict], tp: int, log_dir: str, timeout: float = 600) -
     procs = []
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     jobs_file = Path(log_dir) / f"tp{tp}.jobs.json"
-    jobs_file.write_text(json.dumps([{"fault": "", "update": "", **j} for j in jobs]))
+    jobs_file.write_text(json.dumps([{"fault": "", "update": "", "reload": "", **j} for j in jobs]))
     for r in range(tp):
         log = open(Path(log_dir) / f"tp{tp}.rank{r}.log", "w")
         cmd = [sys.executable, __file__, "--rank", str(r), str(port), str(jobs_file), str(tp)]
@@ -152,10 +157,11 @@ def rank_main(rank: int, port: int, jobs_file: str, tp: int) -> None:
                                      local_rank=rank, backend="gloo")
         initialize_model_parallel(tensor_model_parallel_size=tp, backend="gloo")
     for job in jobs:
-        _run_job(rank, tp, config(job["model_dir"]), job["model_dir"], job["out_dir"], job["fault"], job["update"])
+        _run_job(rank, tp, config(job["model_dir"]), job["model_dir"], job["out_dir"], job["fault"], job["update"],
+                 job.get("reload", ""))
 
 
-def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, update: str) -> None:
+def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, update: str, reload: str = "") -> None:
     import torch
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
@@ -174,6 +180,10 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
     model.load_weights(load_file(str(Path(model_dir) / "model.safetensors")).items())
     report = {"rank": rank, "tp": model.tp_size, "held": {n: list(p.shape) for n, p in model.named_parameters()},
               "parts": model.hf_parts()}
+    if reload:
+        before = {n: p.data_ptr() for n, p in model.named_parameters()}
+        model.load_weights(load_file(str(Path(reload) / "model.safetensors")).items())
+        report["reload_pointers_same"] = before == {n: p.data_ptr() for n, p in model.named_parameters()}
     if update:
         worker = type("W", (_Worker, WeightSyncExtension), {})(model, vc)
         for u in json.loads(Path(update).read_text()):
@@ -201,13 +211,18 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
             layer.expert_first = (rank + 1) % tp * layer.experts_fc1.shape[0]
     from megatron_consistent.vllm_plugin import moe as plugin_moe
 
-    summed = plugin_moe.sum_owned_slots
+    from megatron_consistent.kernels import inference_ops
+
+    summed, fp8_tree = plugin_moe.sum_owned_slots, inference_ops.fp8_linear_segment_tree
     if fault == "moe_nosum":
         plugin_moe.sum_owned_slots = lambda y: y  # this job only (restored below)
+    if fault == "fp8_notree":  # the rank's K shard as one segment (restored below)
+        inference_ops.fp8_linear_segment_tree = lambda x, w_q, rows, w_fmt, a_fmt, block_rows, segments: fp8_tree(
+            x, w_q, rows, w_fmt, a_fmt, block_rows, 1)
     try:
         _forward(model, ids, positions, out)
     finally:
-        plugin_moe.sum_owned_slots = summed
+        plugin_moe.sum_owned_slots, inference_ops.fp8_linear_segment_tree = summed, fp8_tree
     _write(rank, tp, out_dir, out, report)
 
 

@@ -138,12 +138,15 @@ def test_row_parallel_tree_split_is_exact_and_naive_split_is_not():
     ("tiny-llama", 3, False, "TP must divide 8"),
     ("tiny-nemotronh", 4, False, "NemotronHForCausalLM at tensor_parallel_size=4: Mamba groups (n_groups=2) not divisible by 4"),
     ("tiny-mamba2", 2, False, "Mamba2ForCausalLM at tensor_parallel_size=2: Mamba groups (n_groups=1) not divisible by 2"),
-    ("tiny-nemotronh", 2, True, "FP8 / NVFP4"),
-    ("tiny-llama", 2, True, "FP8 / NVFP4"),
+    ("tiny-nemotronh", 2, True, "fp8 quantization at TP=2: hybrid Mamba architectures"),
+    ("tiny-llama", 2, True, "q_proj.weight (128, 128) gives each rank 64 rows, not whole 128-wide scale blocks"),
+    ("tiny-qwen3moe-top1", 2, True, "fp8 quantization at TP=2: FP8 MoE experts"),
     ("tiny-qwen2-mqa", 2, False, "KV heads (1) not divisible by 2"),
 ])
 def test_unsupported_tp_refused_by_name(name, tp, quantized, words):
-    reason = tp_refusal(_arch(name), tp, quantized)
+    from megatron_consistent.kernels.fp8 import E4M3_WEIGHT_128
+
+    reason = tp_refusal(_arch(name), tp, E4M3_WEIGHT_128 if quantized else None)
     assert words in reason and (str(tp) in reason)
 
 

@@ -35,13 +35,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..architectures import router_hf_modules
+from ..architectures import router_hf_modules, tp_part, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
 from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, quantize
 from ..kernels.nvfp4 import nvfp4_quantize, pack_e2m1
 from .hf import _DTYPE_STR, _model_params, _plan, _split
 
-__all__ = ["QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "export_hf_fp8", "fp8_hf_state_dict", "quantization_entry", "quantized_parts"]
+__all__ = ["QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "export_hf_fp8", "fp8_hf_state_dict", "fp8_tp_refusal", "quantization_entry",
+           "quantized_parts", "scale_part"]
 
 QUANT_KEY = "megatron_consistent_quantization"
 QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
@@ -55,6 +56,51 @@ def check_fp8_arch(arch: ArchConfig) -> None:
         raise UnsupportedConfigError(f"fp8 quantization: hybrid Mamba architectures ({arch.architecture}) are not supported")
     if arch.is_moe and not arch.mlp_gated:
         raise UnsupportedConfigError(f"fp8 quantization: non-gated (relu2) MoE experts ({arch.architecture}) are not supported")
+
+
+def fp8_tp_refusal(arch: ArchConfig, tp: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
+    """Why ``arch``'s decoder linears cannot run in ``fmt`` at tensor-parallel size ``tp`` > 1 ('' when they can; both
+    engines ask it, before any work).  Block-FP8 dense models only (NVFP4 and MoE experts: TP = 1).  Every rank's part
+    of every quantized HF tensor (the weight table's ``shard`` rule) must hold whole scale blocks -- column-parallel
+    rows in runs of ``block[0]``, row-parallel K in runs of ``block[1]`` -- and every segment of the row-parallel K
+    tree (K / S, S the model's) whole activation groups / weight block columns: no quantization group straddles a
+    rank or a segment boundary (docs/fp8.md, "Tensor parallelism")."""
+    if tp == 1:
+        return ""
+    name = f"{'nvfp4' if fmt.name == 'e2m1' else 'fp8'} quantization at TP={tp}"
+    if fmt.name != "e4m3":
+        return f"{name}: only block-FP8 (e4m3) checkpoints run at TP > 1 (NVFP4: TP=1 only)"
+    if arch.is_hybrid:
+        return f"{name}: hybrid Mamba architectures ({arch.architecture}) are not supported"
+    if arch.is_moe:
+        return f"{name}: FP8 MoE experts ({arch.architecture}) run at TP=1 only"
+    segments = arch.row_parallel_segments
+    for entry in weight_entries(arch):
+        if not is_quantized(entry.megatron):
+            continue
+        for i, (hf, shape) in enumerate(zip(entry.hf, entry.hf_shapes)):
+            cut = tp_part(entry, i, 0, tp)
+            if cut is None:
+                continue
+            dim = cut[0]
+            block = fmt.block[0] if dim == 0 else fmt.block[1]
+            if (cut[2] - cut[1]) % block:
+                return (f"{name}: {hf} {tuple(shape)} gives each rank {cut[2] - cut[1]} "
+                        f"{'rows' if dim == 0 else 'K columns'}, not whole {block}-wide scale blocks")
+            if entry.shard == "row" and (shape[-1] // segments) % fmt.block[1]:
+                return (f"{name}: {hf} K = {shape[-1]} in S = {segments} row-parallel segments of {shape[-1] // segments}, "
+                        f"not whole {fmt.block[1]}-wide activation groups / weight blocks")
+    return ""
+
+
+def scale_part(part: tuple[int, ...] | None, fmt: QuantFormat = E4M3_WEIGHT_128) -> tuple[int, ...] | None:
+    """The part of a block-scale tensor ``[ceil(N/br), ceil(K/bc)]`` that goes with the part ``part`` of its weight
+    (:func:`..architectures.tp_part`, one run; whole blocks, as :func:`fp8_tp_refusal` requires)."""
+    if part is None:
+        return None
+    dim, start, stop = part
+    block = fmt.block[0] if dim == 0 else fmt.block[1]
+    return dim, start // block, -(-stop // block)
 
 
 def is_quantized(megatron_name: str) -> bool:

@@ -54,6 +54,17 @@ Weights travel as ``(w_q [N, K] fp8, row_scales [N, ceil(K/128)] fp32)``:
 rows (:func:`weight_row_scales`), so fused weights (q/k/v, gate/up) whose
 parts have their own block grids are concatenated row-wise.
 
+Row-parallel FP8 linear (``fp8_linear(..., segments=S)``, registered as
+``fp8_linear_segment_tree``): the contract of :func:`.linear.row_parallel_linear`
+on the FP8 linear -- segment ``s`` is the float32 FP8 linear over K slice ``s``
+of S equal slices (on CPU: the K slice of the dequantized operands), the S
+partials summed by ``adjacent_tree_sum``, bias, one rounding.  A rank of a
+tensor-parallel layer runs it on its K shard with S/t segments, float32 out,
+no bias (its subtree).  Activation groups and weight block columns are aligned
+at the shard's first column, so a shard or a segment of whole 128-wide groups
+sees exactly the groups of the full K (``conversion.fp8.fp8_tp_refusal``
+refuses other layouts at TP > 1).
+
 Backward (:class:`FP8LinearSTE`): a straight-through estimator — the
 quantizers are treated as the identity in the backward, so with
 ``xd = dq(q(x))`` and ``wd = dq(q(W))``: ``dL/dx = g @ wd`` and
@@ -75,6 +86,7 @@ import torch
 
 from . import moe as kmoe
 from .dispatch import implementation, register
+from .linear import check_segments
 from .nvfp4 import E2M1_MAX, decode_e2m1, encode_e2m1, nvfp4_effective_scales, nvfp4_quantize
 from .silu_and_mul import silu_and_mul
 
@@ -296,17 +308,37 @@ def _fp8_linear_cpu(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt=E4M3_WEIGHT_1
     return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
 
 
+@register("fp8_linear_segment_tree", "cpu")
+def _fp8_linear_segment_tree_cpu(x2d, w_q, w_row_scales, segments, bias, out_dtype, w_fmt=E4M3_WEIGHT_128,
+                                 a_fmt=E4M3_ACT_1x128, w_block_rows=0):
+    """The row-parallel FP8 linear over ``segments`` K segments: the dequantized operands (activation groups aligned
+    at this K's first column), then ``linear_segment_tree``'s contract -- segment ``s`` the float32 linear over K
+    slice ``s``, the adjacent tree, bias, one rounding to ``out_dtype`` (float32 without bias: a rank's subtree)."""
+    xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
+    return implementation("linear_segment_tree", x2d.device)(xd, wd, segments, bias, out_dtype)
+
+
+def _fp8_forward(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt, a_fmt, w_block_rows, segments):
+    """The device's FP8 linear (``segments`` 0) or its row-parallel tree of ``segments`` K segments."""
+    if segments:
+        check_segments(w_q.shape[-1], segments)
+        return implementation("fp8_linear_segment_tree", x2d.device)(x2d, w_q, w_row_scales, segments, bias, out_dtype,
+                                                                     w_fmt, a_fmt, w_block_rows)
+    return implementation("fp8_linear", x2d.device)(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt, a_fmt, w_block_rows)
+
+
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None, *, w_fmt: QuantFormat = E4M3_WEIGHT_128,
-               a_fmt: QuantFormat = E4M3_ACT_1x128, w_block_rows: int = 0) -> torch.Tensor:
+               a_fmt: QuantFormat = E4M3_ACT_1x128, w_block_rows: int = 0, segments: int = 0) -> torch.Tensor:
     """Inference FP8 linear (no autograd): dynamic per-token activation quantization, then the batch-invariant linear.
     ``w_block_rows``: the row scales are constant over aligned runs of that many rows (:func:`constant_row_block`;
-    0 = unknown) -- lets the CUDA GEMM load one scale per tile; never changes a bit."""
+    0 = unknown) -- lets the CUDA GEMM load one scale per tile; never changes a bit.  ``segments`` S > 0: the
+    row-parallel contract -- the float32 FP8 linear of each of S equal K slices, ``adjacent_tree_sum``, bias, one
+    rounding (``out_dtype`` float32 without bias: a tensor-parallel rank's subtree)."""
     if x.shape[-1] != w_q.shape[-1]:
         raise ValueError(f"fp8_linear: input has {x.shape[-1]} features, weight expects {w_q.shape[-1]}")
     x2d = x.reshape(-1, x.shape[-1])
-    y = implementation("fp8_linear", x.device)(x2d, w_q, w_row_scales, bias, out_dtype or x.dtype, w_fmt, a_fmt,
-                                               w_block_rows)
+    y = _fp8_forward(x2d, w_q, w_row_scales, bias, out_dtype or x.dtype, w_fmt, a_fmt, w_block_rows, segments)
     return y.reshape(*x.shape[:-1], w_q.shape[0])
 
 
@@ -314,10 +346,10 @@ class FP8LinearSTE(torch.autograd.Function):
     """FP8 forward (as :func:`fp8_linear`) with a straight-through backward to the input and the master weight."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_q, w_row_scales, out_dtype, w_fmt, a_fmt, w_block_rows=0):
+    def forward(ctx, x, weight, bias, w_q, w_row_scales, out_dtype, w_fmt, a_fmt, w_block_rows=0, segments=0):
         x2d = x.reshape(-1, x.shape[-1])
-        # the registered fp8_linear of the device: on CPU dequantize + linear, on CUDA the FP8 Triton GEMM
-        y = implementation("fp8_linear", x.device)(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt, a_fmt, w_block_rows)
+        # the registered fp8_linear (or its K-segment tree) of the device: on CPU dequantize + linear, on CUDA the FP8 GEMM
+        y = _fp8_forward(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt, a_fmt, w_block_rows, segments)
         ctx.save_for_backward(x2d, w_q, w_row_scales)  # dequantized operands are recomputed in the backward
         ctx.fmts = (w_fmt, a_fmt)
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
@@ -340,18 +372,19 @@ class FP8LinearSTE(torch.autograd.Function):
             grad_w = (g.t() @ xd.to(compute)).to(ctx.w_dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = g32.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def fp8_linear_ste(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w_q: torch.Tensor, w_row_scales: torch.Tensor,
                    out_dtype: torch.dtype | None = None, *, w_fmt: QuantFormat = E4M3_WEIGHT_128,
-                   a_fmt: QuantFormat = E4M3_ACT_1x128, w_block_rows: int = 0) -> torch.Tensor:
+                   a_fmt: QuantFormat = E4M3_ACT_1x128, w_block_rows: int = 0, segments: int = 0) -> torch.Tensor:
     """Training FP8 linear: forward bitwise :func:`fp8_linear` on ``(w_q, w_row_scales)`` (the quantized ``weight``);
-    gradients flow to ``x``, the master ``weight`` and ``bias`` by the straight-through estimator; ``w_block_rows``
-    as in :func:`fp8_linear`."""
+    gradients flow to ``x``, the master ``weight`` and ``bias`` by the straight-through estimator (the same for the
+    K-segment tree: a sum of the segments' linears); ``w_block_rows`` and ``segments`` as in :func:`fp8_linear`."""
     if x.shape[-1] != w_q.shape[-1] or tuple(weight.shape) != tuple(w_q.shape):
         raise ValueError(f"fp8_linear_ste: shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, w_q {tuple(w_q.shape)} disagree")
-    return FP8LinearSTE.apply(x, weight, bias, w_q, w_row_scales, out_dtype or x.dtype, w_fmt, a_fmt, w_block_rows)
+    return FP8LinearSTE.apply(x, weight, bias, w_q, w_row_scales, out_dtype or x.dtype, w_fmt, a_fmt, w_block_rows,
+                              segments)
 
 
 # ------------------------------------------------------------------------------------------- FP8 MoE experts

@@ -36,6 +36,10 @@ Ops (``torch.ops.megatron_consistent.<name>``):
 * ``fp8_linear(x, w_q, w_row_scales, bias, w_fmt, a_fmt, w_block_rows)``: :func:`..fp8.fp8_linear` (block-FP8 /
   NVFP4 weights, ``x.dtype`` out); the formats as :attr:`..fp8.QuantFormat.spec` strings, ``a_fmt`` ``""`` for
   unquantized activations (W4A16), NVFP4 codes unpacked one per byte, ``w_block_rows`` the row scales' constant runs;
+* ``fp8_row_parallel_linear(x, w_q, w_row_scales, bias, w_fmt, a_fmt, w_block_rows, segments)``: the FP8 linear's
+  row-parallel tree of ``segments`` K segments on one rank (``kfp8.fp8_linear(..., segments=S)``), ``x.dtype`` out;
+* ``fp8_linear_segment_tree(x, w_q, w_row_scales, w_fmt, a_fmt, w_block_rows, segments)``: a tensor-parallel rank's
+  float32 subtree of it over its K shard's ``segments`` segments (all-gathered and topped by the caller);
 * ``fp8_moe_experts(hidden, experts, weights, fc1_q, fc1_rows, fc2_q, fc2_rows, shared_fc1_q, shared_fc1_rows,
   shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt, a_fmt)``: :func:`..fp8.fp8_moe_experts` without masters
   (E4M3 experts with per-row scales; CUDA: grouped FP8 GEMMs, no host read), ``[T, H]``;
@@ -170,16 +174,43 @@ def _gated_rms_norm_fake(y, z, weight, group_size, eps):
     return torch.empty_like(y)
 
 
+def _fp8_formats(w_fmt: str, a_fmt: str) -> dict:
+    return {"w_fmt": kfp8.QuantFormat.from_spec(w_fmt), "a_fmt": kfp8.QuantFormat.from_spec(a_fmt) if a_fmt else None}
+
+
 @torch.library.custom_op("megatron_consistent::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None, w_fmt: str,
                a_fmt: str, w_block_rows: int = 0) -> torch.Tensor:
-    return kfp8.fp8_linear(x, w_q, w_row_scales, bias, w_fmt=kfp8.QuantFormat.from_spec(w_fmt),
-                           a_fmt=kfp8.QuantFormat.from_spec(a_fmt) if a_fmt else None, w_block_rows=w_block_rows)
+    return kfp8.fp8_linear(x, w_q, w_row_scales, bias, w_block_rows=w_block_rows, **_fp8_formats(w_fmt, a_fmt))
 
 
 @fp8_linear.register_fake
 def _fp8_linear_fake(x, w_q, w_row_scales, bias, w_fmt, a_fmt, w_block_rows=0):
     return x.new_empty(*x.shape[:-1], w_q.shape[0])
+
+
+@torch.library.custom_op("megatron_consistent::fp8_row_parallel_linear", mutates_args=())
+def fp8_row_parallel_linear(x: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, bias: torch.Tensor | None,
+                            w_fmt: str, a_fmt: str, w_block_rows: int, segments: int) -> torch.Tensor:
+    return kfp8.fp8_linear(x, w_q, w_row_scales, bias, w_block_rows=w_block_rows, segments=segments,
+                           **_fp8_formats(w_fmt, a_fmt))
+
+
+@fp8_row_parallel_linear.register_fake
+def _fp8_row_parallel_linear_fake(x, w_q, w_row_scales, bias, w_fmt, a_fmt, w_block_rows, segments):
+    return x.new_empty(*x.shape[:-1], w_q.shape[0])
+
+
+@torch.library.custom_op("megatron_consistent::fp8_linear_segment_tree", mutates_args=())
+def fp8_linear_segment_tree(x: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, w_fmt: str, a_fmt: str,
+                            w_block_rows: int, segments: int) -> torch.Tensor:
+    return kfp8.fp8_linear(x, w_q, w_row_scales, None, torch.float32, w_block_rows=w_block_rows, segments=segments,
+                           **_fp8_formats(w_fmt, a_fmt))
+
+
+@fp8_linear_segment_tree.register_fake
+def _fp8_linear_segment_tree_fake(x, w_q, w_row_scales, w_fmt, a_fmt, w_block_rows, segments):
+    return x.new_empty(*x.shape[:-1], w_q.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("megatron_consistent::fp8_moe_experts", mutates_args=())

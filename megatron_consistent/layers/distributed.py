@@ -354,6 +354,12 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int, ep: int) -> Non
                                  dtype=_DTYPES[job["dtype"]] if job["dtype"] else None,
                                  sequence_parallel=job["sequence_parallel"])
     model.eval()
+    if job.get("quantization"):  # block-FP8 forward on the loaded bf16 masters (layers/fp8.py)
+        from ..kernels.fp8 import QuantFormat
+        from .fp8 import enable_fp8
+
+        w_spec, a_spec = job["quantization"]
+        enable_fp8(model, QuantFormat.from_spec(w_spec), QuantFormat.from_spec(a_spec) if a_spec else None)
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"].to(rank_device())
     d, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     lps, logits_parts, routes = [], [], {}
@@ -383,7 +389,8 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int, ep: int) -> Non
 def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, tp: int = 1, pp: int = 1,
                                 dtype: torch.dtype | None = None, temperature: float = 1.0, return_logits: bool = False,
                                 sequence_parallel: bool = False, workdir=None, batch: int | None = None,
-                                return_routes: bool = False, device: str = "cpu", dp: int = 1, ep: int = 1):
+                                return_routes: bool = False, device: str = "cpu", dp: int = 1, ep: int = 1,
+                                quantization=None):
     """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp``, DP = ``dp``,
     EP = ``ep``: ``tp * pp * dp`` gloo ranks on the CPU (``device="cpu"``) or NCCL ranks on as many GPUs
     (``device="cuda"``, rank r on ``cuda:r``).
@@ -404,6 +411,9 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     numbers, each chunk's routes in Megatron's ``[s, b]`` order, as ``layers.moe.collect_routes``) — appended to the
     return value.  Returned tensors are on the CPU.  Unsupported layouts, and ``device="cuda"`` with fewer than
     ``tp * pp * dp`` visible CUDA devices, raise ``UnsupportedConfigError`` in the caller before any process starts.
+    ``quantization``: ``(weight format, activation format or None)`` -- every rank runs the FP8 / NVFP4 forward on
+    the loaded masters (:func:`.fp8.enable_fp8`; PP = EP = 1, and at TP > 1 block-FP8 dense layouts of whole scale
+    blocks, refused here by name).
     """
     from .builder import as_arch_config, check_tp_shapes
     from .parallel import HYBRID_FEATURE, check_parallel_sizes
@@ -412,6 +422,13 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, expert_model_parallel_size=ep,
                          feature=HYBRID_FEATURE if arch.is_hybrid else None)
     check_tp_shapes(arch, tp, pp, ep)
+    if quantization is not None:
+        from ..conversion.fp8 import fp8_tp_refusal
+
+        reason = fp8_tp_refusal(arch, tp, quantization[0]) or (f"FP8 / NVFP4 forward at PP={pp}, EP={ep}: PP = EP = 1 only"
+                                                               if (pp, ep) != (1, 1) else "")
+        if reason:
+            raise UnsupportedConfigError(reason)
     if dp < 1 or (tp * dp) % ep:
         raise UnsupportedConfigError(f"DP={dp}: the data-parallel size must be positive and EP={ep} must divide "
                                      f"TP x DP = {tp * dp} (the ranks of a pipeline stage)")
@@ -440,7 +457,8 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
         dname = {v: k for k, v in _DTYPES.items()}.get(dtype) if dtype is not None else None
         job = {"config": config_path, "weights": weights_path, "dtype": dname, "temperature": float(temperature),
                "return_logits": bool(return_logits), "sequence_parallel": bool(sequence_parallel), "batch": batch,
-               "return_routes": bool(return_routes)}
+               "return_routes": bool(return_routes),
+               "quantization": None if quantization is None else [quantization[0].spec, quantization[1].spec if quantization[1] else ""]}
         (work / "job.json").write_text(json.dumps(job))
         for old in [*work.glob("out.dp*.safetensors"), *work.glob("routes.dp*.safetensors")]:
             old.unlink()

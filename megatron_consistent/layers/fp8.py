@@ -22,41 +22,65 @@ from __future__ import annotations
 import torch
 
 from ..config import ArchConfig, UnsupportedConfigError
-from ..conversion.fp8 import check_fp8_arch, is_quantized, quantized_parts
+from ..conversion.fp8 import check_fp8_arch, fp8_tp_refusal, is_quantized, quantized_parts
 from ..conversion.hf import _join, _plan
 from ..conversion.moe import MOE_KINDS
 from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, constant_row_block,
                            fp8_linear_ste, fp8_moe_experts, gate_up_block_rows, kv_round_trip, part_block_ids, row_block_of_parts,
                            weight_row_scales)
+from . import tensor_parallel as tpar
 
 __all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
 
 
-def _joined_row_block(arch: ArchConfig, kind: str, part_rows: list[int], fmt: QuantFormat) -> int:
-    """``w_block_rows`` of a Megatron fused weight whose HF parts (``part_rows`` rows each) were quantized one by one:
-    the parts' scale-block ids joined in Megatron's row order (interleaved per query group for qkv)."""
-    return constant_row_block(_join(arch, kind, part_block_ids(part_rows, fmt.block[0])))
+def _joined_block_ids(arch: ArchConfig, kind: str, part_rows: list[int], fmt: QuantFormat) -> torch.Tensor:
+    """Each row's scale-block id of a Megatron fused weight whose HF parts (``part_rows`` rows each) were quantized one
+    by one: the parts' ids joined in Megatron's row order (interleaved per query group for qkv)."""
+    return _join(arch, kind, part_block_ids(part_rows, fmt.block[0]))
+
+
+def _tp_split(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is this rank's tensor-parallel shard of a larger Megatron tensor."""
+    return getattr(weight, "tensor_model_parallel", False) and tpar.tp_size() > 1
 
 
 class FP8Binding:
-    """Quantize a Megatron fused weight as the export does, then the FP8 linear with STE backward."""
+    """Quantize a Megatron fused weight as the export does, then the FP8 linear with STE backward.
+
+    At TP > 1 the rank's ``weight`` is a shard: the full Megatron tensor is all-gathered (bytes only,
+    ``tensor_parallel.unshard_like``), quantized per HF tensor on the HF tensor's own block grid (the export's
+    :func:`quantized_parts`), and the rank keeps its part of values and per-row scales (``shard_like``: rows of a
+    column-parallel weight, whole 128-wide K blocks of a row-parallel one) -- the values and scales the engine's rank
+    loads.  Row-parallel linears run :meth:`subtree` (the FP8 linear's K-segment tree, ``kernels.fp8``)."""
 
     def __init__(self, arch: ArchConfig, kind: str, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128):
         self.arch, self.kind, self.w_fmt, self.a_fmt = arch, kind, w_fmt, a_fmt
-        self.block_rows = None  # of the joined row scales, from the parts' shapes at the first call
+        self.block_rows = None  # of the rank's row scales, from the parts' shapes at the first call
 
     def quantize_weight(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w_q, row_scales)`` of the fused weight, in Megatron's row order."""
-        parts = quantized_parts(self.arch, self.kind, weight, self.w_fmt)
-        if self.block_rows is None:
-            self.block_rows = _joined_row_block(self.arch, self.kind, [q.shape[0] for q, _ in parts], self.w_fmt)
+        """``(w_q, row_scales)`` of the fused weight (this rank's part at TP > 1), in Megatron's row order."""
+        split = _tp_split(weight)
+        full = tpar.unshard_like(weight.detach(), weight) if split else weight
+        parts = quantized_parts(self.arch, self.kind, full, self.w_fmt)
         w_q = _join(self.arch, self.kind, [q for q, _ in parts])
         rows = _join(self.arch, self.kind, [weight_row_scales(s, q.shape[0], self.w_fmt) for q, s in parts])
+        if self.block_rows is None:
+            ids = _joined_block_ids(self.arch, self.kind, [q.shape[0] for q, _ in parts], self.w_fmt)
+            self.block_rows = constant_row_block(tpar.shard_like(ids, weight) if split and weight.partition_dim == 0 else ids)
+        if split:
+            w_q, rows = tpar.shard_like(w_q, weight), tpar.shard_like(rows, weight)
         return w_q.contiguous(), rows.contiguous()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w_q, rows = self.quantize_weight(weight)
         return fp8_linear_ste(x, weight, bias, w_q, rows, w_fmt=self.w_fmt, a_fmt=self.a_fmt, w_block_rows=self.block_rows)
+
+    def subtree(self, x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+        """The float32 FP8 subtree of ``segments`` K segments of this rank's row-parallel shard (no bias, STE backward):
+        ``tensor_parallel.row_parallel_forward``'s ``subtree``."""
+        w_q, rows = self.quantize_weight(weight)
+        return fp8_linear_ste(x, weight, None, w_q, rows, torch.float32, w_fmt=self.w_fmt, a_fmt=self.a_fmt,
+                              w_block_rows=self.block_rows, segments=segments)
 
 
 class FP8MoEBinding:
@@ -99,11 +123,14 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     ep = max([getattr(model, "expert_parallel_size", 1)] +  # a framework-built model: its Megatron MoELayers' experts
              [layer.mlp.experts.ep for layer in model.decoder.layers
               if isinstance(getattr(layer.mlp, "experts", None), ConsistentExperts)])
-    if (tp, pp, ep) != (1, 1, 1):
-        raise UnsupportedConfigError(f"FP8 with model parallelism (TP={tp}, PP={pp}, EP={ep}) is not supported by the "
-                                     "consistent layers")
+    if (pp, ep) != (1, 1):
+        raise UnsupportedConfigError(f"FP8 with pipeline / expert parallelism (TP={tp}, PP={pp}, EP={ep}) is not supported "
+                                     "by the consistent layers")
     if w_fmt.name == "e2m1" and arch.is_moe:
         raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
+    reason = fp8_tp_refusal(arch, tp, w_fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
+    if reason:
+        raise UnsupportedConfigError(reason)
     bound = []
     for i, layer in enumerate(model.decoder.layers):
         if isinstance(layer.mlp, ConsistentMoELayer):

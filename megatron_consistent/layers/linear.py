@@ -159,22 +159,18 @@ class _ConsistentLinearBase(nn.Module):
         pass
 
     def forward(self, x: torch.Tensor):
-        fp8 = getattr(self, "fp8", None)  # layers/fp8.py enable_fp8: block-FP8 forward on the bf16 master, STE backward
-        if fp8 is not None:
-            if self.tp_size > 1:
-                raise UnsupportedConfigError("FP8 linears at TP > 1 are not supported by the consistent layers")
-            return (fp8(x, self.weight, None), self.bias) if self.skip_bias_add else (fp8(x, self.weight, self.bias), None)
+        # layers/fp8.py enable_fp8: block-FP8 forward on the bf16 master (the row-parallel tree's segments too), STE backward
+        fp8 = getattr(self, "fp8", None)
         bias = None if self.skip_bias_add else self.bias
         if self._row_parallel:
             s = self.row_parallel_segments
-            if self.sequence_parallel:  # keyword only when used: a patched row_parallel_forward may not take it
-                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group, s, sequence_parallel=True)
-            else:
-                y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group, s)
-        elif self.sequence_parallel:
-            y = kernels.linear(tpar.gather_sequence(x, self.tp_group), self.weight, bias)
+            # keywords only when used: a patched row_parallel_forward may not take them
+            kw = {**({"sequence_parallel": True} if self.sequence_parallel else {}),
+                  **({"subtree": fp8.subtree} if fp8 is not None else {})}
+            y = tpar.row_parallel_forward(x, self.weight, bias, self.tp_group, s, **kw)
         else:
-            y = kernels.linear(tpar.copy_to_tp(x, self.tp_group), self.weight, bias)
+            x = tpar.gather_sequence(x, self.tp_group) if self.sequence_parallel else tpar.copy_to_tp(x, self.tp_group)
+            y = kernels.linear(x, self.weight, bias) if fp8 is None else fp8(x, self.weight, bias)
         return (y, self.bias) if self.skip_bias_add else (y, None)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):

@@ -336,15 +336,19 @@ def gather_tree_scatter_sequence(partial: torch.Tensor, group) -> torch.Tensor:
 
 
 def row_parallel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, segments: int,
-                         out_dtype: torch.dtype | None = None, sequence_parallel: bool = False) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None, sequence_parallel: bool = False,
+                         subtree=None) -> torch.Tensor:
     """Row-parallel linear on this rank's K shard ``weight [N, K/t]`` (x: the matching K slice) of a tree of
     ``segments`` (the model's S, which t divides) K segments; bits of TP=1.
-    ``sequence_parallel``: return this rank's sequence chunk (dim 0) of the result."""
+    ``sequence_parallel``: return this rank's sequence chunk (dim 0) of the result.  ``subtree(x, weight, n)``: the
+    float32 subtree of the rank's ``n`` segments (default the linear's: ``adjacent_tree_sum(linear_segments)``; the
+    FP8 forward passes its own, layers/fp8.py), at every t."""
     t = 1 if group is None else dist.get_world_size(group)
-    if t == 1:
+    if t == 1 and subtree is None:
         return kernels.row_parallel_linear(x, weight, segments, bias, out_dtype)
-    subtree = adjacent_tree_sum(kernels.linear_segments(x, weight, segments // t), dim=0)
-    total = gather_tree_scatter_sequence(subtree, group) if sequence_parallel else gather_tree(subtree, group)
+    partial = (adjacent_tree_sum(kernels.linear_segments(x, weight, segments // t), dim=0) if subtree is None
+               else subtree(x, weight, segments // t))
+    total = gather_tree_scatter_sequence(partial, group) if sequence_parallel else gather_tree(partial, group)
     if bias is not None:
         total = total + bias.to(torch.float32)
     return total.to(out_dtype or x.dtype)

@@ -153,6 +153,14 @@ def trainer_flags(cfg: CheckConfig) -> str:
                      *(["--trainer-sp"] if cfg.trainer_sp else [])])
 
 
+def quantization_formats(quantization: str):
+    """``(weight format, activation format)`` of ``--quantization`` (``fp8``: 128x128 E4M3 weights, dynamic 1x128 E4M3
+    activations; ``nvfp4``: NVFP4 weights, unquantized activations, W4A16)."""
+    from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
+
+    return (NVFP4_WEIGHT, None) if quantization == "nvfp4" else (E4M3_WEIGHT_128, E4M3_ACT_1x128)
+
+
 def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     """Why the trainer layout ``--trainer-tp`` / ``--trainer-pp`` / ``--trainer-dp`` / ``--trainer-ep`` cannot run here
     ("" when it can)."""
@@ -175,9 +183,15 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
         return f"DP={dp} replicas need at least as many sequences (--num-prompts {cfg.num_prompts})"
     if tp * pp * dp == 1:
         return ""
-    if cfg.quantization:
+    if cfg.quantization and (pp, dp, ep) != (1, 1, 1):
         return (f"--quantization {cfg.quantization} with trainer model parallelism: the FP8 / NVFP4 trainer forward "
-                "(layers.fp8.enable_fp8) runs at TP = PP = DP = 1 only")
+                "(layers.fp8.enable_fp8) runs at PP = DP = EP = 1 only (TP > 1: block-FP8 dense models)")
+    if cfg.quantization:
+        from ..conversion.fp8 import fp8_tp_refusal
+
+        reason = fp8_tp_refusal(arch, tp, quantization_formats(cfg.quantization)[0])
+        if reason:
+            return f"--quantization {cfg.quantization} with trainer model parallelism: {reason}"
     if cfg.kv_cache_dtype != "auto":
         return (f"--kv-cache-dtype {cfg.kv_cache_dtype} with trainer model parallelism: the trainer's FP8 KV round trip "
                 "(layers.fp8.enable_fp8_kv) is not applied in the parallel recompute's ranks")
@@ -195,7 +209,7 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     from ..layers.parallel import check_rank_devices, rank_backend
     from ..vllm_plugin.parallel import tp_refusal
 
-    reason = tp_refusal(arch, cfg.engine_tp, bool(cfg.quantization))
+    reason = tp_refusal(arch, cfg.engine_tp, quantization_formats(cfg.quantization)[0] if cfg.quantization else None)
     if reason:
         raise ValueError(f"--engine-tp {cfg.engine_tp}: {reason}")
     if cfg.engine_tp > 1:  # vLLM's tensor-parallel workers: one GPU each, like the trainer's ranks
@@ -277,10 +291,13 @@ def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, response
     if cfg.trainer_sp:  # sequence parallelism splits the positions over the TP ranks (padding at the end: never seen)
         width = -(-width // cfg.trainer_tp) * cfg.trainer_tp
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64)
+    if cfg.quantization:  # the ranks quantize the bf16 masters in their forward (layers.fp8.enable_fp8), as this process
+        model_dir = Path(cfg.out_dir) / "model_bf16"
     lp, routes = recompute_logprobs_parallel(str(model_dir), str(model_dir), ids, tp=cfg.trainer_tp, pp=cfg.trainer_pp,
                                              dp=cfg.trainer_dp, ep=cfg.trainer_ep, sequence_parallel=cfg.trainer_sp,
                                              temperature=temperature, workdir=Path(cfg.out_dir) / "trainer_ranks",
-                                             batch=cfg.recompute_batch, return_routes=True, device=cfg.resolved_device())
+                                             batch=cfg.recompute_batch, return_routes=True, device=cfg.resolved_device(),
+                                             quantization=quantization_formats(cfg.quantization) if cfg.quantization else None)
     if route_sink is not None:
         for b0, layers in sorted(routes.items()):
             rows = next(iter(layers.values())).shape[0] // width  # routes [s * b_chunk, k]
@@ -391,10 +408,9 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
                                                     cfg.max_model_len, lambda: make_prompts(cfg, arch.vocab_size))
     elif cfg.quantization:  # trainer: FP8 / NVFP4 forward on the bf16 masters; engines: the quantized export of them
         from ..conversion.fp8 import export_hf_fp8
-        from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
         from ..layers.fp8 import enable_fp8
 
-        formats = (NVFP4_WEIGHT, None) if cfg.quantization == "nvfp4" else (E4M3_WEIGHT_128, E4M3_ACT_1x128)  # NVFP4: W4A16
+        formats = quantization_formats(cfg.quantization)
         enable_fp8(model, *formats)
         export_hf_fp8(model, arch, model_dir, *formats)
         export_hf(model, arch, out / "model_bf16")  # the stock trainer's weights (bf16 masters); the stock FP8 engine's too

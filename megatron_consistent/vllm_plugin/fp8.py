@@ -27,16 +27,22 @@ unpacks and runs the same ``fp8_linear`` with ``a_fmt=None``.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
+from ..architectures import tp_part
 from ..config import ArchConfig, UnsupportedConfigError
-from ..conversion.fp8 import QUANT_KEY, check_fp8_arch, formats_from_entry
+from ..conversion.fp8 import QUANT_KEY, check_fp8_arch, formats_from_entry, scale_part
 from ..kernels import inference_ops
 from ..kernels.fp8 import row_block_of_parts, weight_row_scales
 from ..kernels.nvfp4 import nvfp4_effective_scales, unpack_e2m1
 from .decoder_layer import ConsistentDecoderLayer
 from .moe import ConsistentMoEDecoderLayer
+from .parallel import fp8_row_parallel_for, tp_rank_size
+
+_SCALE_SUFFIX = re.compile(r"_scale(_inv|_2)?$")  # a scale tensor's HF name = its weight's + this
 
 __all__ = ["FP8DecoderLayer", "quantization_of"]
 
@@ -47,6 +53,7 @@ _FUSED = {
     "gate_up": ("gate_up_proj", ("gate_proj", "up_proj")),
     "down": ("down_proj", ("down_proj",)),
 }
+ROW_PARALLEL_OPS = ("o_proj", "down")  # the K-segment tree (docs/parallel.md), in FP8 as in the model dtype
 
 
 def quantization_of(hf: dict):
@@ -70,8 +77,9 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
     nv = layer.nvfp4 = layer.w_fmt.name == "e2m1"  # NVFP4: codes packed two per byte, E4M3 block scales + float32 global
     layer._rows = {}
     layer._scale_stems = {_FUSED[op][0]: _FUSED[op][1] for op in ops}
+    _, tp = tp_rank_size()  # TP > 1: the rank's rows of q|k|v and gate|up; o_proj / down: its K columns (old.shape)
     sizes = {"q_proj": layer.q_size, "k_proj": layer.kv_size, "v_proj": layer.kv_size, "o_proj": arch.hidden_size,
-             "gate_proj": arch.intermediate_size, "up_proj": arch.intermediate_size, "down_proj": arch.hidden_size}
+             "gate_proj": arch.intermediate_size // tp, "up_proj": arch.intermediate_size // tp, "down_proj": arch.hidden_size}
     for op in ops:
         pname, parts = _FUSED[op]
         old = getattr(layer, pname)
@@ -88,19 +96,26 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
                 continue
             setattr(layer, f"{short}_scale", nn.Parameter(torch.ones(-(-n // br), -(-k // bc), dtype=torch.float32), requires_grad=False))
         layer._rows[op] = [sizes[s] for s in parts]
-        layer.lin[op] = _make_linear(layer, op)
+        layer.lin[op] = _make_linear(layer, op, tp)
 
 
-def _make_linear(layer, op: str):
+def _make_linear(layer, op: str, tp: int):
+    """The FP8 linear of ``op``: column-parallel ones (qkv, gate_up) the whole-K ``fp8_linear``; the row-parallel ones
+    (o_proj, down) the FP8 linear's K-segment tree of the model's S segments (TP > 1: this rank's subtree, all-gathered,
+    the top of the tree; :func:`.parallel.fp8_row_parallel_for`)."""
     parts = _FUSED[op][1]
     formats = layer.format_specs
     block_rows = row_block_of_parts(tuple(layer._rows[op]), layer.w_fmt.block[0])  # the parts' blocks, stacked
+    row = fp8_row_parallel_for(layer.arch.row_parallel_segments, tp) if op in ROW_PARALLEL_OPS else None
 
     def run(x, w_q, b=None):
         if layer.nvfp4:
             rows = torch.cat([nvfp4_effective_scales(getattr(layer, f"{s}_scale"), getattr(layer, f"{s}_scale_2")) for s in parts])
-            return inference_ops.fp8_linear(x, unpack_e2m1(w_q), rows, b, *formats, block_rows)
-        rows = torch.cat([weight_row_scales(getattr(layer, f"{s}_scale"), n, layer.w_fmt) for s, n in zip(parts, layer._rows[op])])
+            w_q = unpack_e2m1(w_q)
+        else:
+            rows = torch.cat([weight_row_scales(getattr(layer, f"{s}_scale"), n, layer.w_fmt) for s, n in zip(parts, layer._rows[op])])
+        if row is not None:
+            return row(x, w_q, rows, b, *formats, block_rows)
         return inference_ops.fp8_linear(x, w_q, rows, b, *formats, block_rows)
 
     return run
@@ -122,6 +137,21 @@ class _BlockScales:
         if self.nvfp4:
             return {n + f"_scale{k}": getattr(self, f"{s}_scale{k}") for n, s in zip(entry.hf, stems) for k in ("", "_2")}
         return {n + "_scale_inv": getattr(self, f"{s}_scale") for n, s in zip(entry.hf, stems)}
+
+    def block_scale_layout(self, entry, held: str, rank: int, size: int) -> dict[str, tuple]:
+        """HF scale name of ``entry`` -> (the part of the whole scale tensor this tensor-parallel rank holds, the whole
+        tensor's shape): at TP = 1 all of it, as held; at TP > 1 (block-FP8 dense only: ``fp8_tp_refusal``) the part of
+        its weight (the weight table's ``shard`` rule, :func:`..architectures.tp_part`) in whole blocks
+        (:func:`..conversion.fp8.scale_part`) of the ``[ceil(N/br), ceil(K/bc)]`` grid."""
+        out = {}
+        for name, view in self.block_scales(entry, held).items():
+            if size == 1:
+                out[name] = (None, tuple(view.shape))
+                continue
+            i = entry.hf.index(_SCALE_SUFFIX.sub("", name))
+            (n, k), (br, bc) = entry.hf_shapes[i], self.w_fmt.block
+            out[name] = (scale_part(tp_part(entry, i, rank, size), self.w_fmt), (-(-n // br), -(-k // bc)))
+        return out
 
 
 class FP8DecoderLayer(_BlockScales, ConsistentDecoderLayer):

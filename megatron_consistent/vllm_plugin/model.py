@@ -63,7 +63,8 @@ def compile_enabled(vllm_config: VllmConfig) -> bool:
 def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     """Refuse by name an engine whose dtype differs from the checkpoint's, PP > 1, a TP the plugin cannot run
     (:func:`.parallel.tp_refusal`: TP dividing the model's S and the shapes it cuts, a hybrid's Mamba groups included;
-    FP8 / NVFP4 at TP=1 only; a row-parallel K that S does not divide at any TP), on CUDA a head dim the attention
+    FP8 layouts that are not whole scale blocks per rank, NVFP4 / FP8 MoE at TP=1 only;
+    a row-parallel K that S does not divide at any TP), on CUDA a head dim the attention
     kernel does not serve, and a compiled engine recording MoE routes with vLLM's compile cache on (its key does not
     see :data:`.moe.ROUTES_ENV`: a cached graph without the recorder could be loaded)."""
     from .fp8 import quantization_of
@@ -76,7 +77,8 @@ def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp != 1:
         raise UnsupportedConfigError(f"megatron-consistent supports PP=1 only (got PP={pp})")
-    check_tp(arch, tp, bool(quantization_of(mc.hf_config.to_dict())))
+    formats = quantization_of(mc.hf_config.to_dict())
+    check_tp(arch, tp, formats[0] if formats else None)
     if vllm_config.model_config.max_model_len > arch.rope.max_positions:
         raise UnsupportedConfigError(
             f"max_model_len {vllm_config.model_config.max_model_len} exceeds the rope table ({arch.rope.max_positions})")
@@ -193,12 +195,25 @@ class ConsistentForCausalLM(nn.Module):
         """HF tensor name -> the part of the full HF tensor this TP rank holds (:func:`..architectures.tp_part`:
         ``(dim, start, stop)``, one run a block for the Mamba mixer's blocks; ``None``: all of it; ``(0, 0, 0)``:
         nothing, another rank's expert)."""
-        return {n: tp_part(entry, i, self.tp_rank, self.tp_size)
-                for entry in weight_entries(self.arch) for i, n in enumerate(entry.hf)}
+        parts = {n: tp_part(entry, i, self.tp_rank, self.tp_size)
+                 for entry in weight_entries(self.arch) for i, n in enumerate(entry.hf)}
+        return {**parts, **{n: part for n, (part, _) in self._block_scale_layout().items()}}
 
     def hf_full_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape of the whole HF tensor (what a checkpoint and a weight update carry)."""
-        return {n: tuple(s) for entry in weight_entries(self.arch) for n, s in zip(entry.hf, entry.hf_shapes)}
+        shapes = {n: tuple(s) for entry in weight_entries(self.arch) for n, s in zip(entry.hf, entry.hf_shapes)}
+        return {**shapes, **{n: shape for n, (_, shape) in self._block_scale_layout().items()}}
+
+    def _block_scale_layout(self) -> dict[str, tuple]:
+        """Block-FP8 / NVFP4 scale tensors: HF name -> (this rank's part, the whole shape) (the layers'
+        ``block_scale_layout``, vllm_plugin/fp8.py; empty for a model-dtype checkpoint)."""
+        out = {}
+        for entry in weight_entries(self.arch):
+            module, _, held = entry.engine.rpartition(".")
+            layout = getattr(self.get_submodule(module), "block_scale_layout", None)
+            if layout is not None:
+                out.update(layout(entry, held, self.tp_rank, self.tp_size))
+        return out
 
     def hf_local(self, name: str, tensor: torch.Tensor, parts: dict | None = None) -> torch.Tensor:
         """The part of the whole HF tensor ``name`` this TP rank keeps (the tensor itself at TP=1)."""

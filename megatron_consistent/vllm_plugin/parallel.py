@@ -28,9 +28,15 @@ Placement comes from the weight table's ``shard`` rule (:func:`..architectures.t
 
 Every collective is vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op:
 ``torch.compile`` and CUDA-graph capture see one node).  Refused by name at TP > 1, before any
-weight is read: TP not dividing the model's S, FP8 / NVFP4 checkpoints, head / KV-head / MLP sizes, numbers of
-experts and Mamba groups that TP does not divide (a hybrid's Mamba mixers: :mod:`.mamba`); at every TP, a row-parallel
-weight whose K the model's S does not divide.
+weight is read: TP not dividing the model's S, head / KV-head / MLP sizes, numbers of
+experts and Mamba groups that TP does not divide (a hybrid's Mamba mixers: :mod:`.mamba`), FP8 layouts whose rank parts
+or row-parallel segments are not whole 128-wide scale blocks, NVFP4 and FP8 MoE checkpoints
+(:func:`..conversion.fp8.fp8_tp_refusal`); at every TP, a row-parallel weight whose K the model's S does not divide.
+
+Block-FP8 dense checkpoints at TP > 1 (:mod:`.fp8`): each rank holds its part of every E4M3 weight and of its
+block-scale tensor (the same ``shard`` rule, scale rows / columns = weight rows / columns / 128); o_proj and down run
+:func:`fp8_row_parallel_for` (the FP8 linear's float32 subtree of the rank's segments, all-gathered, the top of the
+tree).
 
 This module imports vLLM only inside functions (``verify`` calls :func:`tp_refusal` before any engine starts).
 """
@@ -41,12 +47,14 @@ import torch
 
 from ..architectures import tp_part, weight_entries
 from ..config import ROW_PARALLEL_SEGMENTS_KEY, ArchConfig, UnsupportedConfigError, row_parallel_refusal
+from ..conversion.fp8 import fp8_tp_refusal
 from ..kernels import inference_ops
 from ..kernels.numerics import adjacent_tree_sum
 
 
-def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
-    """Why the plugin cannot run ``arch`` at tensor-parallel size ``tp`` ('' when it can)."""
+def tp_refusal(arch: ArchConfig, tp: int, quantized=None) -> str:
+    """Why the plugin cannot run ``arch`` at tensor-parallel size ``tp`` ('' when it can); ``quantized``: the
+    checkpoint's weight :class:`~..kernels.fp8.QuantFormat` (None: the model dtype)."""
     segments = arch.row_parallel_segments
     reason = row_parallel_refusal(segments, tp)
     if reason:
@@ -60,8 +68,8 @@ def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
         return ""
     if arch.is_hybrid and arch.ssm.n_groups % tp:  # a rank holds whole groups and their heads (vllm_plugin/mamba.py)
         return f"{name}: Mamba groups (n_groups={arch.ssm.n_groups}) not divisible by {tp}"
-    if quantized:
-        return f"{name}: FP8 / NVFP4 checkpoints run at TP=1 only in megatron-consistent"
+    if quantized is not None and (reason := fp8_tp_refusal(arch, tp, quantized)):
+        return f"{name}: {reason}"
     dense_mlp = any(not arch.layer_is_moe(i) for i in range(arch.num_layers))
     for what, n in (("attention heads", arch.num_heads), ("KV heads", arch.num_kv_heads),
                     ("MLP intermediate size", arch.intermediate_size if dense_mlp else tp),
@@ -77,7 +85,7 @@ def tp_refusal(arch: ArchConfig, tp: int, quantized: bool = False) -> str:
     return ""
 
 
-def check_tp(arch: ArchConfig, tp: int, quantized: bool = False) -> None:
+def check_tp(arch: ArchConfig, tp: int, quantized=None) -> None:
     """Raise :class:`UnsupportedConfigError` with :func:`tp_refusal`'s reason, if any."""
     reason = tp_refusal(arch, tp, quantized)
     if reason:
@@ -97,15 +105,20 @@ def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     return tensor_parallel_all_gather(x, dim)
 
 
+def tree_top(partial: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The ranks' float32 subtrees ``partial [..., N]`` all-gathered in rank order, the top of the tree
+    (``adjacent_tree_sum``), bias in float32, one rounding to ``dtype``: the full result, on every rank."""
+    total = adjacent_tree_sum(_all_gather(partial.unsqueeze(0), 0), dim=0)  # [size, ..., N] in rank order -> tree top
+    if bias is not None:
+        total = total + bias.to(torch.float32)
+    return total.to(dtype)
+
+
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, segments: int,
                         size: int) -> torch.Tensor:
     """This rank's K shard ``weight [N, K/size]`` of a row-parallel linear whose tree has ``segments`` (the model's S)
     K segments; the full result, on every rank, in x.dtype."""
-    partial = inference_ops.linear_segment_tree(x, weight, segments // size)  # float32 subtree
-    total = adjacent_tree_sum(_all_gather(partial.unsqueeze(0), 0), dim=0)  # [size, ..., N] in rank order -> tree top
-    if bias is not None:
-        total = total + bias.to(torch.float32)
-    return total.to(x.dtype)
+    return tree_top(inference_ops.linear_segment_tree(x, weight, segments // size), bias, x.dtype)
 
 
 def row_parallel_for(segments: int, size: int):
@@ -114,6 +127,18 @@ def row_parallel_for(segments: int, size: int):
     if size == 1:
         return lambda x, w, b=None: inference_ops.row_parallel_linear(x, w, segments, b)
     return lambda x, w, b=None: row_parallel_linear(x, w, b, segments, size)
+
+
+def fp8_row_parallel_for(segments: int, size: int):
+    """:func:`row_parallel_for` of an FP8 linear: ``f(x, w_q, row_scales, b, w_fmt, a_fmt, w_block_rows)`` -- at TP = 1
+    the one-rank custom op ``fp8_row_parallel_linear``; at TP > 1 this rank's K shard (whole 128-wide activation
+    groups and weight blocks: ``conversion.fp8.fp8_tp_refusal``) through ``fp8_linear_segment_tree`` (its float32
+    subtree of ``segments // size`` segments), then :func:`tree_top`."""
+    if size == 1:
+        return lambda x, w_q, rows, b, w_fmt, a_fmt, block_rows: inference_ops.fp8_row_parallel_linear(
+            x, w_q, rows, b, w_fmt, a_fmt, block_rows, segments)
+    return lambda x, w_q, rows, b, w_fmt, a_fmt, block_rows: tree_top(
+        inference_ops.fp8_linear_segment_tree(x, w_q, rows, w_fmt, a_fmt, block_rows, segments // size), b, x.dtype)
 
 
 def sum_owned_slots(y: torch.Tensor) -> torch.Tensor:

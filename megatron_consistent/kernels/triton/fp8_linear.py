@@ -43,6 +43,7 @@ import triton.language as tl
 from ..dispatch import implementation, register
 from ..fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, TENSOR_CORE_GROUP, QuantFormat, _dequantized_operands,
                    quantize, tensor_core_formats)
+from ..numerics import adjacent_tree_sum
 from ._common import GLUON, device_index, gemm_output, num_sms, on_hopper, tile_coords, tma_ok, tma_sources
 from .linear import _epilogue
 
@@ -371,6 +372,11 @@ def _fp8_linear_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.T
         xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
         return implementation("linear", x2d.device)(xd, wd, bias, out_dtype)
     xq, xs = quantize_activations(x2d, a_fmt)
+    return _quantized_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype, w_block_rows)
+
+
+def _quantized_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype, w_block_rows):
+    """Contract steps 2-5 on quantized activations: the Gluon GEMM where it applies, else :func:`fp8_gemm` (same bits)."""
     m, n, k = xq.shape[0], w_q.shape[0], xq.shape[1]
     if gluon_fp8_applies(m, n, k, out_dtype, w_block_rows) and on_hopper(xq) and tma_ok(xq) and tma_ok(w_q):
         from .gluon_fp8_gemm import gluon_fp8_gemm
@@ -378,3 +384,31 @@ def _fp8_linear_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.T
         return gluon_fp8_gemm(xq, xs.to(torch.float32), w_q, w_row_scales.to(torch.float32), bias, out_dtype,
                               fp8_config(n, k)["SPLIT_GROUPS"], w_block_rows, gluon_fp8_schedule(n, k))
     return fp8_gemm(xq, xs, w_q, w_row_scales, bias, out_dtype, w_block_rows=w_block_rows)
+
+
+@register("fp8_linear_segment_tree", "cuda")
+def _fp8_linear_segment_tree_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_scales: torch.Tensor, segments: int,
+                                  bias: torch.Tensor | None, out_dtype: torch.dtype, w_fmt: QuantFormat = E4M3_WEIGHT_128,
+                                  a_fmt: QuantFormat | None = E4M3_ACT_1x128, w_block_rows: int = 0) -> torch.Tensor:
+    """The row-parallel FP8 linear (``kernels.fp8`` module doc) by construction: the activations quantized once (per
+    token, 128-wide groups from column 0), then per K segment of whole groups one FP8 GEMM (:func:`_quantized_gemm`,
+    contract steps 2-4, float32 out, no bias) on the segment's columns and scale groups -- the bits of
+    ``fp8_linear`` on that K slice -- the S partials by ``adjacent_tree_sum``, bias, one rounding.  Formats the GEMM
+    does not serve, or segments that are not whole groups (tiny models at TP = 1): the dequantized operands through
+    the CUDA ``linear_segment_tree`` (the CPU path's arithmetic)."""
+    k = w_q.shape[1]
+    seg = k // segments
+    if not fp8_kernel_applies(w_fmt, a_fmt, w_q) or seg % GROUP:
+        xd, wd = _dequantized_operands(x2d, w_q, w_row_scales, w_fmt, a_fmt)
+        return implementation("linear_segment_tree", x2d.device)(xd, wd, segments, bias, out_dtype)
+    xq, xs = quantize_activations(x2d, a_fmt)
+    g = seg // GROUP
+    partials = torch.stack([
+        _quantized_gemm(xq[:, s * seg:(s + 1) * seg].contiguous(), xs[:, s * g:(s + 1) * g].contiguous(),
+                        w_q[:, s * seg:(s + 1) * seg].contiguous(), w_row_scales[:, s * g:(s + 1) * g].contiguous(),
+                        None, torch.float32, w_block_rows)
+        for s in range(segments)])
+    total = adjacent_tree_sum(partials, dim=0)
+    if bias is not None:
+        total = total + bias.to(torch.float32)
+    return total.to(out_dtype)

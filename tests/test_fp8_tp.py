@@ -1,0 +1,262 @@
+"""Block-FP8 dense models at tensor parallelism > 1, trainer and engine (docs/fp8.md, "Tensor parallelism").
+
+* kernel level (no processes): the FP8 row-parallel linear (``kernels.fp8.fp8_linear(..., segments=S)``) split over
+  t ranks (each its K shard's subtree of S/t segments, then the top of the tree) gives the one-rank bits; summing a
+  rank's shard as one FP8 linear (no tree) and the plain whole-K FP8 linear do not;
+* the alignment the layout needs: at a misaligned layout (tiny-llama's 64 q rows a rank) a rank that quantized its own
+  slice would get other scales than the HF tensor's grid -- which is why such layouts are refused by name (trainer,
+  engine, ``check``), before any work;
+* gloo ranks (slow): the trainer (``recompute_logprobs_parallel`` with the FP8 forward) at TP 2 and 4 gives the TP 1
+  logits and log-probs; the plugin's FP8 decoder layers at TP 2 (``tests/_tp_ranks.py``) give every layer output and
+  the logits of TP 1 and of the trainer; an in-place reload at TP 2 equals TP 1 on those weights; a rank that sums
+  its K shard without the tree is caught.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_consistent.config import ArchConfig, UnsupportedConfigError, builtin_model_dir, load_hf_config
+from megatron_consistent.conversion.fp8 import fp8_tp_refusal, scale_part
+from megatron_consistent.kernels.fp8 import E4M3_WEIGHT_128, NVFP4_WEIGHT, fp8_linear, quantize, weight_row_scales
+from megatron_consistent.kernels.numerics import adjacent_tree_sum
+
+HERE = Path(__file__).parent
+FP8TP = builtin_model_dir("tiny-llama-fp8tp")  # hidden 256, 4 x 128 heads, 4 KV heads, MLP 512, S = 4
+
+
+def _arch(name: str, **fields) -> ArchConfig:
+    return ArchConfig.from_hf({**load_hf_config(builtin_model_dir(name)), **fields})
+
+
+def _operands(seed: int, m: int = 9, n: int = 48, k: int = 512):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) * torch.logspace(-2, 1, k)).to(torch.bfloat16)  # K blocks of other amax
+    q, s = quantize(w, E4M3_WEIGHT_128)
+    return x, q, weight_row_scales(s, n), torch.randn(n, generator=g).to(torch.bfloat16)
+
+
+def _ranks_tree(x, q, rows, bias, segments: int, t: int, per_rank: int | None = None) -> torch.Tensor:
+    """t ranks: each its K shard (whole 128-wide groups) -> its float32 subtree; the tree's top; bias; one rounding."""
+    k = q.shape[1]
+    cut, groups = k // t, k // t // 128
+    subtrees = [fp8_linear(x[:, r * cut:(r + 1) * cut], q[:, r * cut:(r + 1) * cut], rows[:, r * groups:(r + 1) * groups],
+                           None, torch.float32, segments=per_rank or segments // t) for r in range(t)]
+    return (adjacent_tree_sum(torch.stack(subtrees), dim=0) + bias.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fp8_row_parallel_tree_split_over_ranks_is_exact(seed):
+    x, q, rows, b = _operands(seed)
+    whole = fp8_linear(x, q, rows, b, segments=4)
+    for t in (1, 2, 4):
+        assert torch.equal(_ranks_tree(x, q, rows, b, 4, t), whole), t
+    x8, q8, rows8, b8 = _operands(seed, k=1024)
+    whole8 = fp8_linear(x8, q8, rows8, b8, segments=8)
+    for t in (2, 4, 8):
+        assert torch.equal(_ranks_tree(x8, q8, rows8, b8, 8, t), whole8), t
+
+
+def test_fp8_row_parallel_without_the_tree_is_caught():
+    """Summing each rank's shard as one FP8 linear, or the whole-K FP8 linear, is not the tree (float32 out: the
+    partials' bits show)."""
+    x, q, rows, b = _operands(5, m=32, n=64, k=1024)
+    b32 = b.float()
+    whole = fp8_linear(x, q, rows, b32, torch.float32, segments=8)
+    assert not torch.equal(fp8_linear(x, q, rows, b32, torch.float32), whole)
+    no_tree = _ranks_tree(x.float(), q, rows, b32, 8, 2, per_rank=1)
+    assert torch.equal(_ranks_tree(x.float(), q, rows, b32, 8, 2), fp8_linear(x.float(), q, rows, b32, torch.float32, segments=8))
+    assert not torch.equal(no_tree, fp8_linear(x.float(), q, rows, b32, torch.float32, segments=8))
+
+
+def test_a_rank_quantizing_its_own_slice_differs_at_a_misaligned_layout():
+    """tiny-llama's q_proj at TP 2: 64 rows a rank, half a 128-row scale block -- a rank quantizing its slice on its own
+    grid gets another scale than the HF tensor's block; the layout is refused (next test) rather than run."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 128, generator=g).to(torch.bfloat16)
+    w[64:] *= 8  # rank 1's rows hold the block's amax
+    _, s_full = quantize(w, E4M3_WEIGHT_128)
+    _, s_rank0 = quantize(w[:64].contiguous(), E4M3_WEIGHT_128)
+    assert not torch.equal(s_rank0, s_full)
+    assert "64 rows, not whole 128-wide scale blocks" in fp8_tp_refusal(_arch("tiny-llama"), 2)
+
+
+@pytest.mark.parametrize("name, fields, tp, fmt, words", [
+    ("tiny-llama", {}, 2, E4M3_WEIGHT_128, "q_proj.weight (128, 128) gives each rank 64 rows, not whole 128-wide scale blocks"),
+    ("tiny-mistral-gqa", {}, 2, E4M3_WEIGHT_128, "k_proj.weight (64, 256) gives each rank 32 rows"),
+    ("tiny-llama-fp8tp", {"consistent_row_parallel_segments": 8}, 2, E4M3_WEIGHT_128,
+     "o_proj.weight K = 512 in S = 8 row-parallel segments of 64, not whole 128-wide activation groups"),
+    ("tiny-llama-fp8tp", {"intermediate_size": 384}, 2, E4M3_WEIGHT_128, "gate_proj.weight (384, 256) gives each rank 192 rows"),
+    ("tiny-llama-fp8tp", {}, 2, NVFP4_WEIGHT, "nvfp4 quantization at TP=2: only block-FP8 (e4m3) checkpoints run at TP > 1"),
+    ("tiny-qwen3moe-top1", {}, 2, E4M3_WEIGHT_128, "fp8 quantization at TP=2: FP8 MoE experts (Qwen3MoeForCausalLM) run at TP=1"),
+])
+def test_misaligned_fp8_layouts_refused_by_name(name, fields, tp, fmt, words):
+    from megatron_consistent.vllm_plugin.parallel import tp_refusal
+
+    arch = _arch(name, **fields)
+    assert words in fp8_tp_refusal(arch, tp, fmt)
+    reason = tp_refusal(arch, tp, fmt)
+    assert words in reason and f"tensor_parallel_size={tp}" in reason and "\n" not in reason
+
+
+def test_fp8_tp_config_accepted_at_tp_1_2_4_and_scale_parts_are_whole_blocks():
+    from megatron_consistent.architectures import tp_part, weight_entries
+    from megatron_consistent.vllm_plugin.parallel import tp_refusal
+
+    arch = _arch("tiny-llama-fp8tp")
+    for t in (1, 2, 4):
+        assert fp8_tp_refusal(arch, t) == "" and tp_refusal(arch, t, E4M3_WEIGHT_128) == ""
+    entries = {e.megatron.split(".", 3)[-1]: e for e in weight_entries(arch) if e.megatron.startswith("decoder.layers.0.")}
+    o = entries["self_attention.linear_proj.weight"]
+    assert [scale_part(tp_part(o, 0, r, 2)) for r in range(2)] == [(1, 0, 2), (1, 2, 4)]  # K 512: 4 blocks, 2 a rank
+    qkv = entries["self_attention.linear_qkv.weight"]
+    assert [scale_part(tp_part(qkv, 1, r, 4)) for r in range(4)] == [(0, r, r + 1) for r in range(4)]  # k rows 512
+
+
+def test_check_refuses_misaligned_fp8_layouts_before_any_work(tmp_path, capsys):
+    from megatron_consistent.cli import main as cli_main
+
+    out = tmp_path / "o"
+    for flags, words in ((["--engine-tp", "2"], "--engine-tp 2: LlamaForCausalLM at tensor_parallel_size=2: fp8 quantization at "
+                          "TP=2: model.layers.0.self_attn.q_proj.weight (128, 128) gives each rank 64 rows"),
+                         (["--trainer-tp", "2"], "--trainer-tp 2: --quantization fp8 with trainer model parallelism: fp8 "
+                          "quantization at TP=2: model.layers.0.self_attn.q_proj.weight"),
+                         (["--trainer-tp", "2", "--trainer-pp", "2", "--hf-config", str(FP8TP)],
+                          "--quantization fp8 with trainer model parallelism: the FP8 / NVFP4 trainer forward")):
+        assert cli_main(["check", "--out-dir", str(out), "--quantization", "fp8", *flags]) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+    assert not (out / "model").exists()
+
+
+def test_enable_fp8_refuses_a_misaligned_tp_model_by_name():
+    from types import SimpleNamespace
+
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    model = SimpleNamespace(arch_config=_arch("tiny-llama"), parallel_sizes=(2, 1), decoder=SimpleNamespace(layers=[]))
+    with pytest.raises(UnsupportedConfigError, match="q_proj.weight .* gives each rank 64 rows"):
+        enable_fp8(model)
+    model.parallel_sizes = (2, 2)
+    with pytest.raises(UnsupportedConfigError, match=r"FP8 with pipeline / expert parallelism \(TP=2, PP=2, EP=1\)"):
+        enable_fp8(model)
+
+
+# ------------------------------------------------------------------------------------------------ gloo ranks
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    from megatron_consistent.architectures import hf_tensor_specs
+
+    arch = ArchConfig.from_hf(load_hf_config(FP8TP))
+    g = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(s, generator=g) * (1.0 if "norm" in n else 0.05)).to(getattr(torch, dt))
+            for n, (s, dt) in hf_tensor_specs(arch).items()}
+
+
+def _trainer_tp1(weights: dict, ids: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """The one-process FP8 trainer's float32 logits ``[b, s, V]`` and the model (for the export)."""
+    from megatron_consistent.kernels import causal_positions
+    from megatron_consistent.layers import build_consistent_model
+    from megatron_consistent.layers.distributed import load_full_megatron_state, megatron_state_from_hf
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    model = build_consistent_model(FP8TP)
+    load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, weights))
+    enable_fp8(model)
+    with torch.no_grad():
+        return model(ids, causal_positions(*ids.shape), None), model
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(tmp_path_factory):
+    """Trainer: TP 1 in this process, TP 2 and 4 in gloo ranks (the FP8 forward on the bf16 masters).  Engine: the
+    FP8 export of the same masters at TP 1 and 2 (plain, without the tree, reloaded in place with a second export)."""
+    import time
+
+    from megatron_consistent.conversion.fp8 import export_hf_fp8
+    from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+
+    from _tp_ranks import PROMPT
+
+    tmp = tmp_path_factory.mktemp("fp8tp")
+    weights = _weights(0)
+    ids = (torch.tensor([PROMPT, PROMPT[::-1]]) % 512)
+    logits1, model = _trainer_tp1(weights, ids)
+    engine_dir, reload_dir = tmp / "fp8", tmp / "fp8_reload"
+    export_hf_fp8(model, model.arch_config, engine_dir)
+    _, model_b = _trainer_tp1(_weights(1), ids[:1])
+    export_hf_fp8(model_b, model_b.arch_config, reload_dir)
+    secs = {}
+    trainer = {}
+    for tp in (2, 4):
+        t0 = time.perf_counter()
+        trainer[tp] = recompute_logprobs_parallel(FP8TP, weights, ids, tp=tp, return_logits=True,
+                                                  quantization=(E4M3_WEIGHT_128, E4M3_ACT_1x128), workdir=tmp / f"trainer{tp}")
+        secs[f"trainer_tp{tp}"] = time.perf_counter() - t0
+    engine = {}
+    for tp, jobs in ((1, {"tp1": {}, "tp1_reload": {"model_dir": reload_dir}}),
+                     (2, {"tp2": {}, "notree": {"fault": "fp8_notree"}, "reloaded": {"reload": str(reload_dir)}})):
+        jobs = {n: {"model_dir": str(engine_dir), **j, "out_dir": str(tmp / f"engine-{n}")} for n, j in jobs.items()}
+        jobs = {n: {**j, "model_dir": str(j["model_dir"])} for n, j in jobs.items()}
+        (tmp / f"jobs{tp}.json").write_text(json.dumps(list(jobs.values())))
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, str(HERE / "_tp_ranks.py"), "--jobs", str(tmp / f"jobs{tp}.json"), str(tp)], check=True)
+        secs[f"engine_tp{tp}"] = time.perf_counter() - t0
+        for n, j in jobs.items():
+            out = Path(j["out_dir"])
+            from safetensors.torch import load_file
+
+            engine[n] = {"out": load_file(str(out / f"tp{tp}.safetensors")),
+                         "ranks": [json.loads((out / f"tp{tp}.rank{r}.json").read_text()) for r in range(tp)]}
+    print("fp8 tp seconds:", secs)
+    return {"ids": ids, "logits1": logits1, "trainer": trainer, "engine": engine}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fp8_trainer_tp_logits_equal_tp1(fp8_runs, tp):
+    from megatron_consistent.kernels import log_softmax
+
+    lp, logits = fp8_runs["trainer"][tp]
+    ids = fp8_runs["ids"]
+    one = fp8_runs["logits1"]  # [s, b, V] (Megatron's order) -> [b, s, V]
+    one = one.transpose(0, 1) if one.shape[0] != ids.shape[0] else one
+    assert torch.equal(logits, one.float())
+    want = log_softmax(one.float())[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    assert torch.equal(lp, want)
+
+
+@pytest.mark.slow
+def test_fp8_engine_tp2_equals_tp1_and_the_trainer(fp8_runs):
+    one, two = fp8_runs["engine"]["tp1"]["out"], fp8_runs["engine"]["tp2"]["out"]
+    assert set(one) == set(two) and "logits" in one
+    for k in one:
+        assert torch.equal(one[k], two[k]), k
+    trainer = fp8_runs["logits1"]
+    trainer = trainer.transpose(0, 1) if trainer.shape[0] != 2 else trainer
+    assert torch.equal(one["logits"], trainer[0].float())  # the engine's prompt = the trainer's first row
+    r0, r1 = (fp8_runs["engine"]["tp2"]["ranks"][r] for r in range(2))
+    assert r0["held"]["layers.0.o_proj"] == [256, 256] and r0["held"]["layers.0.o_proj_scale"] == [2, 2]
+    assert r1["parts"]["model.layers.0.self_attn.o_proj.weight_scale_inv"] == [1, 2, 4]
+    assert r1["parts"]["model.layers.0.mlp.gate_proj.weight_scale_inv"] == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_fp8_engine_tp2_reload_in_place_equals_tp1(fp8_runs):
+    reloaded, direct = fp8_runs["engine"]["reloaded"], fp8_runs["engine"]["tp1_reload"]["out"]
+    assert all(r["reload_pointers_same"] for r in reloaded["ranks"])
+    assert not torch.equal(direct["logits"], fp8_runs["engine"]["tp1"]["out"]["logits"])  # other weights
+    for k in direct:
+        assert torch.equal(reloaded["out"][k], direct[k]), k
+
+
+@pytest.mark.slow
+def test_fp8_engine_row_parallel_without_the_tree_is_caught(fp8_runs):
+    assert not torch.equal(fp8_runs["engine"]["notree"]["out"]["logits"], fp8_runs["engine"]["tp1"]["out"]["logits"])
