@@ -24,8 +24,8 @@ A hybrid model runs two requests through chunked-prefill and decode steps instea
 one-rank linear rounded to bf16, then ``all_reduce`` of the rounded partials (what the contract forbids).
 ``--fault moe_nosum``: every MoE layer combines its own experts' outputs without the ranks' sum;
 ``--fault moe_slice``: every MoE layer takes its weights for the next rank's run of experts (the wrong slice);
-``--fault fp8_notree``: a block-FP8 model's o_proj and down sum each rank's K shard as one FP8 linear (one segment)
-instead of the subtree of its S/t segments.
+``--fault fp8_notree``: a block-FP8 model's o_proj and down sum the ranks' K shards each as one FP8 linear rounded
+to the model dtype (no subtree of its S/t segments, an extra rounding).
 A job's ``reload`` (a model folder): after the first load, that folder's checkpoint is loaded again in place through
 ``load_weights`` (what a refit does; block-FP8: values and block scales, each rank its part); the report gets
 ``reload_pointers_same``.
@@ -216,9 +216,9 @@ def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, u
     summed, fp8_tree = plugin_moe.sum_owned_slots, inference_ops.fp8_linear_segment_tree
     if fault == "moe_nosum":
         plugin_moe.sum_owned_slots = lambda y: y  # this job only (restored below)
-    if fault == "fp8_notree":  # the rank's K shard as one segment (restored below)
-        inference_ops.fp8_linear_segment_tree = lambda x, w_q, rows, w_fmt, a_fmt, block_rows, segments: fp8_tree(
-            x, w_q, rows, w_fmt, a_fmt, block_rows, 1)
+    if fault == "fp8_notree":  # the rank's K shard as one rounded FP8 linear (restored below)
+        inference_ops.fp8_linear_segment_tree = lambda x, w_q, rows, w_fmt, a_fmt, block_rows, segments: inference_ops.fp8_linear(
+            x, w_q, rows, None, w_fmt, a_fmt, block_rows).float()
     try:
         _forward(model, ids, positions, out)
     finally:
