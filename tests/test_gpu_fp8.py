@@ -366,3 +366,55 @@ def test_nvfp4_quantize_on_cuda_equals_the_cpu():
     codes = torch.arange(16, dtype=torch.uint8, device=DEV)
     grid = torch.tensor([*E2M1_GRID, *(-v for v in E2M1_GRID)], dtype=torch.float32)
     assert _bits_equal(decode_e2m1(codes).cpu(), grid)
+
+
+# ------------------------------------------------------------------------------------------- row-parallel FP8 tree
+def _segment_reference(x, q, rows, bias, segments, out_dtype):
+    """Per K segment the CUDA ``fp8_linear`` of its slice (float32 out, no bias), ``adjacent_tree_sum``, bias, one
+    rounding: the row-parallel FP8 contract, launch by launch."""
+    from megatron_consistent.kernels.numerics import adjacent_tree_sum
+
+    k = q.shape[1]
+    seg, g = k // segments, k // segments // 128
+    parts = torch.stack([implementation("fp8_linear", x.device)(x[:, s * seg:(s + 1) * seg].contiguous(),
+                                                                q[:, s * seg:(s + 1) * seg].contiguous(),
+                                                                rows[:, s * g:(s + 1) * g].contiguous(), None, torch.float32)
+                         for s in range(segments)])
+    total = adjacent_tree_sum(parts, dim=0)
+    return (total if bias is None else total + bias.float()).to(out_dtype)
+
+
+@pytest.mark.parametrize("n,k,segments", [(4096, 4096, 8), (4096, 14336, 8), (1024, 2048, 4), (256, 1024, 2), (512, 1024, 1)])
+@pytest.mark.parametrize("m", [1, 64, 300])
+def test_fp8_row_parallel_tree_equals_the_per_segment_fp8_linears(n, k, segments, m):
+    """``fp8_linear(..., segments=S)`` on CUDA (``fp8_linear_segment_tree``) = the per-segment reference, bitwise, in bf16
+    with bias and as a float32 subtree; a rank's half (S/2 segments on its K shard) and the top of the tree give the
+    same bits (TP 2); each row alone = in the batch."""
+    _, q, rows = _weight(n, k, seed=2)
+    x = _acts(m, k, seed=3)
+    b = torch.randn(n, device=DEV).to(torch.bfloat16)
+    want = _segment_reference(x, q, rows, b, segments, torch.bfloat16)
+    got = fp8.fp8_linear(x, q, rows, b, segments=segments)
+    assert _bits_equal(got, want)
+    assert _bits_equal(fp8.fp8_linear(x, q, rows, None, torch.float32, segments=segments),
+                       _segment_reference(x, q, rows, None, segments, torch.float32))
+    if segments > 1:
+        from megatron_consistent.kernels.numerics import adjacent_tree_sum
+
+        h, gh = k // 2, k // 256
+        halves = [fp8.fp8_linear(x[:, r * h:(r + 1) * h].contiguous(), q[:, r * h:(r + 1) * h].contiguous(),
+                                 rows[:, r * gh:(r + 1) * gh].contiguous(), None, torch.float32, segments=segments // 2)
+                  for r in range(2)]
+        assert _bits_equal((adjacent_tree_sum(torch.stack(halves), dim=0) + b.float()).to(torch.bfloat16), got)
+    for i in {0, m - 1}:
+        assert _bits_equal(fp8.fp8_linear(x[i:i + 1], q, rows, b, segments=segments), got[i:i + 1])
+
+
+def test_fp8_row_parallel_tree_small_segments_take_the_dequantized_tree():
+    """Segments narrower than a 128-wide group (tiny models at TP 1): the dequantized operands through the CUDA
+    ``linear_segment_tree`` -- the CPU path's arithmetic, not the FP8 GEMM."""
+    _, q, rows = _weight(64, 128, seed=4)
+    x = _acts(5, 128, seed=5)
+    xd, wd = fp8._dequantized_operands(x, q, rows, fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)
+    want = implementation("linear_segment_tree", DEV)(xd, wd, 8, None, torch.bfloat16)
+    assert _bits_equal(fp8.fp8_linear(x, q, rows, segments=8), want)

@@ -231,3 +231,23 @@ def test_segment_tree_m_class_table_rows_identical():
     finally:
         tlin.M_CLASS_TABLE.clear()
         tlin.M_CLASS_TABLE.update(saved)
+
+
+def test_fp8_row_parallel_tree_launches_equal_the_per_segment_fp8_linears():
+    """The CUDA ``fp8_linear_segment_tree`` launcher on CPU tensors: the activations quantized once, one FP8 GEMM per
+    128-aligned K segment, the tree, bias, one rounding = the CUDA ``fp8_linear`` of each segment's slice, summed by the
+    same tree; narrower segments take the dequantized ``linear_segment_tree``."""
+    g = torch.Generator().manual_seed(7)
+    wq, s = fp8.quantize(torch.randn(48, 512, generator=g) * 0.05, fp8.E4M3_WEIGHT_128)
+    rows = fp8.weight_row_scales(s, 48)
+    x = torch.randn(5, 512, generator=g).to(torch.bfloat16)
+    b = torch.randn(48, generator=g).to(torch.bfloat16)
+    got = tf8._fp8_linear_segment_tree_cuda(x, wq, rows, 4, b, torch.bfloat16)
+    parts = torch.stack([tf8._fp8_linear_cuda(x[:, i * 128:(i + 1) * 128].contiguous(), wq[:, i * 128:(i + 1) * 128].contiguous(),
+                                              rows[:, i:i + 1].contiguous(), None, torch.float32) for i in range(4)])
+    assert torch.equal(got, (adjacent_tree_sum(parts, dim=0) + b.float()).to(torch.bfloat16))
+    xd, wd = fp8._dequantized_operands(x, wq, rows, fp8.E4M3_WEIGHT_128, fp8.E4M3_ACT_1x128)
+    from megatron_consistent.kernels.dispatch import implementation
+
+    assert torch.equal(tf8._fp8_linear_segment_tree_cuda(x, wq, rows, 8, b, torch.bfloat16),
+                       implementation("linear_segment_tree", x.device)(xd, wd, 8, b, torch.bfloat16))
