@@ -202,6 +202,10 @@ MAMBA_SPLIT = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|
                "head, gated-norm weight per group; out_proj row-parallel tree")  # a hybrid's Mamba mixers at TP > 1
 
 
+FP8_SPLIT = ("block-FP8 at TP > 1: scale blocks whole per rank; o_proj / down (linear_proj / linear_fc2): the FP8 "
+             "linear's float32 subtrees of the row-parallel tree")  # docs/fp8.md, "Tensor parallelism"
+
+
 def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     """Refuse, before any work, an engine / trainer tensor-parallel layout this build cannot run (one-line
     ``ValueError`` naming the flag); returns the layouts the report states."""
@@ -230,6 +234,8 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
                              "order and summed (one value and zeros: exact), router and shared expert replicated")
         if arch.is_hybrid:
             engine["mamba"] = MAMBA_SPLIT + "; the state cache holds the rank's heads and groups"
+        if cfg.quantization:
+            engine["fp8"] = FP8_SPLIT + "; each rank loads its part of every E4M3 weight and of its weight_scale_inv"
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
     if cfg.trainer_sp:
         trainer["sequence_parallel"] = True
@@ -240,13 +246,17 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
         device = cfg.resolved_device()
         trainer.update(ranks=f"{cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp} {rank_backend(device)} processes"
                        + (" (rank r on cuda:r)" if device == "cuda" else "") + " (layers.recompute_logprobs_parallel) on the "
-                       "HF folder the engines serve", applies_to="the consistent row (the stock baseline trainer runs at TP = PP = 1)")
+                       + ("bf16 masters of the quantized checkpoint the engines serve, FP8 forward (layers.fp8.enable_fp8)"
+                          if cfg.quantization else "HF folder the engines serve"),
+                       applies_to="the consistent row (the stock baseline trainer runs at TP = PP = 1)")
         if cfg.trainer_tp > 1:
             trainer.update(column="linear_qkv, linear_fc1: heads / MLP columns split", row="linear_proj, linear_fc2: fp32 "
                            f"subtrees all-gathered in rank order, top of the tree of S = {arch.row_parallel_segments} "
                            "segments", vocab="embedding / output layer vocab-parallel, vocab-segmented log-softmax")
             if arch.is_hybrid:
                 trainer["mamba"] = MAMBA_SPLIT
+            if cfg.quantization:
+                trainer["fp8"] = FP8_SPLIT + "; each rank quantizes the full HF tensors (bf16 masters all-gathered) and keeps its part"
         if arch.is_moe:
             trainer["moe"] = ("ConsistentMoELayer: experts sharded over the TP ranks, each rank's (token, slot) outputs "
                               "summed (one value and zeros: exact), router and shared expert replicated"
