@@ -127,8 +127,8 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
              [layer.mlp.experts.ep for layer in model.decoder.layers
               if isinstance(getattr(layer.mlp, "experts", None), ConsistentExperts)])
     if (pp, ep) != (1, 1):
-        raise UnsupportedConfigError(f"FP8 with pipeline / expert parallelism (TP={tp}, PP={pp}, EP={ep}) is not supported "
-                                     "by the consistent layers")
+        raise UnsupportedConfigError(f"FP8 with model parallelism (TP={tp}, PP={pp}, EP={ep}) is not supported by the "
+                                     "consistent layers (PP = EP = 1; TP > 1: dense layouts of whole scale blocks)")
     if w_fmt.name == "e2m1" and arch.is_moe:
         raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
     reason = fp8_tp_refusal(arch, tp, w_fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
