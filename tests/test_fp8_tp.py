@@ -92,9 +92,12 @@ def test_a_rank_quantizing_its_own_slice_differs_at_a_misaligned_layout():
     ("tiny-llama", {}, 2, E4M3_WEIGHT_128, "q_proj.weight (128, 128) gives each rank 64 rows, not whole 128-wide scale blocks"),
     ("tiny-mistral-gqa", {}, 2, E4M3_WEIGHT_128, "k_proj.weight (64, 256) gives each rank 32 rows"),
     ("tiny-llama-fp8tp", {"consistent_row_parallel_segments": 8}, 2, E4M3_WEIGHT_128,
-     "o_proj.weight K = 512 in S = 8 row-parallel segments of 64, not whole 128-wide activation groups"),
+     "o_proj.weight K = 512 in S = 8 row-parallel segments of 64, not whole 128-wide quantization groups"),
     ("tiny-llama-fp8tp", {"intermediate_size": 384}, 2, E4M3_WEIGHT_128, "gate_proj.weight (384, 256) gives each rank 192 rows"),
-    ("tiny-llama-fp8tp", {}, 2, NVFP4_WEIGHT, "nvfp4 quantization at TP=2: only block-FP8 (e4m3) checkpoints run at TP > 1"),
+    ("tiny-llama", {"intermediate_size": 200}, 2, NVFP4_WEIGHT,
+     "nvfp4 quantization at TP=2: model.layers.0.mlp.down_proj.weight (128, 200) gives each rank 100 K columns, not whole "
+     "16-wide scale blocks"),
+    ("tiny-qwen3moe-top1", {}, 2, NVFP4_WEIGHT, "nvfp4 quantization at TP=2: FP8 MoE experts"),
     ("tiny-qwen3moe-top1", {}, 2, E4M3_WEIGHT_128, "fp8 quantization at TP=2: FP8 MoE experts (Qwen3MoeForCausalLM) run at TP=1"),
 ])
 def test_misaligned_fp8_layouts_refused_by_name(name, fields, tp, fmt, words):
@@ -113,6 +116,8 @@ def test_fp8_tp_config_accepted_at_tp_1_2_4_and_scale_parts_are_whole_blocks():
     arch = _arch("tiny-llama-fp8tp")
     for t in (1, 2, 4):
         assert fp8_tp_refusal(arch, t) == "" and tp_refusal(arch, t, E4M3_WEIGHT_128) == ""
+        assert fp8_tp_refusal(arch, t, NVFP4_WEIGHT) == ""
+    assert fp8_tp_refusal(_arch("tiny-llama"), 2, NVFP4_WEIGHT) == ""  # NVFP4: 1 x 16 blocks fit the shipped tiny model
     entries = {e.megatron.split(".", 3)[-1]: e for e in weight_entries(arch) if e.megatron.startswith("decoder.layers.0.")}
     o = entries["self_attention.linear_proj.weight"]
     assert [scale_part(tp_part(o, 0, r, 2)) for r in range(2)] == [(1, 0, 2), (1, 2, 4)]  # K 512: 4 blocks, 2 a rank
@@ -145,7 +150,7 @@ def test_enable_fp8_refuses_a_misaligned_tp_model_by_name():
     with pytest.raises(UnsupportedConfigError, match="q_proj.weight .* gives each rank 64 rows"):
         enable_fp8(model)
     model.parallel_sizes = (2, 2)
-    with pytest.raises(UnsupportedConfigError, match=r"FP8 with pipeline / expert parallelism \(TP=2, PP=2, EP=1\)"):
+    with pytest.raises(UnsupportedConfigError, match=r"FP8 with model parallelism \(TP=2, PP=2, EP=1\)"):
         enable_fp8(model)
 
 
@@ -159,8 +164,8 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
             for n, (s, dt) in hf_tensor_specs(arch).items()}
 
 
-def _trainer_tp1(weights: dict, ids: torch.Tensor) -> tuple[torch.Tensor, object]:
-    """The one-process FP8 trainer's float32 logits ``[b, s, V]`` and the model (for the export)."""
+def _trainer_tp1(weights: dict, ids: torch.Tensor, formats=()) -> tuple[torch.Tensor, object]:
+    """The one-process FP8 (``formats``: e.g. NVFP4) trainer's float32 logits and the model (for the export)."""
     from megatron_consistent.kernels import causal_positions
     from megatron_consistent.layers import build_consistent_model
     from megatron_consistent.layers.distributed import load_full_megatron_state, megatron_state_from_hf
@@ -168,15 +173,16 @@ def _trainer_tp1(weights: dict, ids: torch.Tensor) -> tuple[torch.Tensor, object
 
     model = build_consistent_model(FP8TP)
     load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, weights))
-    enable_fp8(model)
+    enable_fp8(model, *formats)
     with torch.no_grad():
         return model(ids, causal_positions(*ids.shape), None), model
 
 
 @pytest.fixture(scope="module")
 def fp8_runs(tmp_path_factory):
-    """Trainer: TP 1 in this process, TP 2 and 4 in gloo ranks (the FP8 forward on the bf16 masters).  Engine: the
-    FP8 export of the same masters at TP 1 and 2 (plain, without the tree, reloaded in place with a second export)."""
+    """Trainer: TP 1 in this process, TP 2 and 4 (and 2 with sequence parallelism) in gloo ranks (the FP8 forward on
+    the bf16 masters).  Engine: the FP8 export of the same masters at TP 1 and 2 (plain, without the tree, reloaded in
+    place with a second export).  NVFP4 (W4A16): trainer TP 1 and 2, the engine on its export at TP 1 and 2."""
     import time
 
     from megatron_consistent.conversion.fp8 import export_hf_fp8
@@ -187,22 +193,30 @@ def fp8_runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("fp8tp")
     weights = _weights(0)
-    ids = (torch.tensor([PROMPT, PROMPT[::-1]]) % 512)
+    ids = (torch.tensor([PROMPT[:36], PROMPT[::-1][:36]]) % 512)  # 36 positions: sequence parallelism cuts them by TP
     logits1, model = _trainer_tp1(weights, ids)
     engine_dir, reload_dir = tmp / "fp8", tmp / "fp8_reload"
     export_hf_fp8(model, model.arch_config, engine_dir)
     _, model_b = _trainer_tp1(_weights(1), ids[:1])
     export_hf_fp8(model_b, model_b.arch_config, reload_dir)
+    nvfp4 = (NVFP4_WEIGHT, None)
+    logits1_nv, model_nv = _trainer_tp1(weights, ids, nvfp4)
+    nv_dir = tmp / "nvfp4"
+    export_hf_fp8(model_nv, model_nv.arch_config, nv_dir, *nvfp4)
     secs = {}
     trainer = {}
-    for tp in (2, 4):
+    for tp, sp in ((2, False), (4, False), (2, True)):
         t0 = time.perf_counter()
-        trainer[tp] = recompute_logprobs_parallel(FP8TP, weights, ids, tp=tp, return_logits=True,
-                                                  quantization=(E4M3_WEIGHT_128, E4M3_ACT_1x128), workdir=tmp / f"trainer{tp}")
-        secs[f"trainer_tp{tp}"] = time.perf_counter() - t0
+        trainer[tp, sp] = recompute_logprobs_parallel(FP8TP, weights, ids, tp=tp, return_logits=True, sequence_parallel=sp,
+                                                      quantization=(E4M3_WEIGHT_128, E4M3_ACT_1x128),
+                                                      workdir=tmp / f"trainer{tp}{sp}")
+        secs[f"trainer_tp{tp}{'_sp' if sp else ''}"] = time.perf_counter() - t0
+    trainer["nvfp4"] = recompute_logprobs_parallel(FP8TP, weights, ids, tp=2, return_logits=True, quantization=nvfp4,
+                                                   workdir=tmp / "trainer_nvfp4")
     engine = {}
-    for tp, jobs in ((1, {"tp1": {}, "tp1_reload": {"model_dir": reload_dir}}),
-                     (2, {"tp2": {}, "notree": {"fault": "fp8_notree"}, "reloaded": {"reload": str(reload_dir)}})):
+    for tp, jobs in ((1, {"tp1": {}, "tp1_reload": {"model_dir": reload_dir}, "nv_tp1": {"model_dir": nv_dir}}),
+                     (2, {"tp2": {}, "notree": {"fault": "fp8_notree"}, "reloaded": {"reload": str(reload_dir)},
+                          "nv_tp2": {"model_dir": nv_dir}})):
         jobs = {n: {"model_dir": str(engine_dir), **j, "out_dir": str(tmp / f"engine-{n}")} for n, j in jobs.items()}
         jobs = {n: {**j, "model_dir": str(j["model_dir"])} for n, j in jobs.items()}
         (tmp / f"jobs{tp}.json").write_text(json.dumps(list(jobs.values())))
@@ -216,15 +230,16 @@ def fp8_runs(tmp_path_factory):
             engine[n] = {"out": load_file(str(out / f"tp{tp}.safetensors")),
                          "ranks": [json.loads((out / f"tp{tp}.rank{r}.json").read_text()) for r in range(tp)]}
     print("fp8 tp seconds:", secs)
-    return {"ids": ids, "logits1": logits1, "trainer": trainer, "engine": engine}
+    return {"ids": ids, "logits1": logits1, "logits1_nv": logits1_nv, "trainer": trainer, "engine": engine}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 4])
-def test_fp8_trainer_tp_logits_equal_tp1(fp8_runs, tp):
+@pytest.mark.parametrize("tp, sp", [(2, False), (4, False), (2, True)])
+def test_fp8_trainer_tp_logits_equal_tp1(fp8_runs, tp, sp):
+    """TP 2 and 4 (S / t = 2 and 1 segments a rank), and TP 2 with sequence parallelism: the TP 1 logits and log-probs."""
     from megatron_consistent.kernels import log_softmax
 
-    lp, logits = fp8_runs["trainer"][tp]
+    lp, logits = fp8_runs["trainer"][tp, sp]
     ids = fp8_runs["ids"]
     one = fp8_runs["logits1"]  # [s, b, V] (Megatron's order) -> [b, s, V]
     one = one.transpose(0, 1) if one.shape[0] != ids.shape[0] else one
@@ -241,7 +256,7 @@ def test_fp8_engine_tp2_equals_tp1_and_the_trainer(fp8_runs):
         assert torch.equal(one[k], two[k]), k
     trainer = fp8_runs["logits1"]
     trainer = trainer.transpose(0, 1) if trainer.shape[0] != 2 else trainer
-    assert torch.equal(one["logits"], trainer[0].float())  # the engine's prompt = the trainer's first row
+    assert torch.equal(one["logits"][:36], trainer[0].float())  # the engine's prompt starts with the trainer's first row
     r0, r1 = (fp8_runs["engine"]["tp2"]["ranks"][r] for r in range(2))
     assert r0["held"]["layers.0.o_proj"] == [256, 256] and r0["held"]["layers.0.o_proj_scale"] == [2, 2]
     assert r1["parts"]["model.layers.0.self_attn.o_proj.weight_scale_inv"] == [1, 2, 4]
@@ -260,3 +275,21 @@ def test_fp8_engine_tp2_reload_in_place_equals_tp1(fp8_runs):
 @pytest.mark.slow
 def test_fp8_engine_row_parallel_without_the_tree_is_caught(fp8_runs):
     assert not torch.equal(fp8_runs["engine"]["notree"]["out"]["logits"], fp8_runs["engine"]["tp1"]["out"]["logits"])
+
+
+@pytest.mark.slow
+def test_nvfp4_trainer_and_engine_tp2_equal_tp1(fp8_runs):
+    """NVFP4 (W4A16, 1 x 16 E4M3 block scales, one float32 global scale per HF tensor): trainer TP 2 = TP 1; the
+    engine's packed codes and scales split at TP 2 = TP 1 = the trainer; NVFP4 is not the FP8 model."""
+    one = fp8_runs["logits1_nv"]
+    one = one.transpose(0, 1) if one.shape[0] != 2 else one
+    assert torch.equal(fp8_runs["trainer"]["nvfp4"][1], one.float())
+    e1, e2 = fp8_runs["engine"]["nv_tp1"]["out"], fp8_runs["engine"]["nv_tp2"]["out"]
+    for k in e1:
+        assert torch.equal(e1[k], e2[k]), k
+    assert torch.equal(e1["logits"][:36], one[0].float())
+    assert not torch.equal(e1["logits"], fp8_runs["engine"]["tp1"]["out"]["logits"])
+    parts = fp8_runs["engine"]["nv_tp2"]["ranks"][1]["parts"]
+    assert parts["model.layers.0.self_attn.o_proj.weight"] == [1, 128, 256]  # codes [256, 256]: K 512 / 2 a byte
+    assert parts["model.layers.0.self_attn.o_proj.weight_scale"] == [1, 16, 32]  # K / 16
+    assert parts["model.layers.0.self_attn.o_proj.weight_scale_2"] is None

@@ -177,12 +177,14 @@ def tp_held_shape(entry: WeightEntry, size: int = 1) -> tuple[int, ...]:
     return (experts, *local[0])
 
 
-def engine_views(entry: WeightEntry, held: torch.Tensor, rank: int = 0, size: int = 1) -> list[torch.Tensor]:
+def engine_views(entry: WeightEntry, held: torch.Tensor, rank: int = 0, size: int = 1, packing: int = 1) -> list[torch.Tensor]:
     """Views of the plugin's parameter ``held``, one per HF tensor of ``entry`` (same order): at tensor-parallel
     rank ``rank`` of ``size``, each view holds that rank's part (:func:`tp_part`) of the HF tensor (an empty part:
-    an empty view of ``held``, so copying the part copies nothing)."""
-    if size > 1 and tuple(held.shape) != tp_held_shape(entry, size):
-        raise ValueError(f"{entry.engine}: held shape {tuple(held.shape)} != {tp_held_shape(entry, size)} "
+    an empty view of ``held``, so copying the part copies nothing).  ``packing``: ``held`` stores that many values
+    an element along its last dim (NVFP4 codes: 2 a byte)."""
+    shape = (*held.shape[:-1], held.shape[-1] * packing) if held.dim() else tuple(held.shape)
+    if size > 1 and tuple(shape) != tp_held_shape(entry, size):
+        raise ValueError(f"{entry.engine}: held shape {tuple(shape)} != {tp_held_shape(entry, size)} "
                          f"(the weight table's {entry.shard}-parallel part at TP={size})")
     if entry.layout == "copy":
         views = [held]

@@ -60,16 +60,14 @@ def check_fp8_arch(arch: ArchConfig) -> None:
 
 def fp8_tp_refusal(arch: ArchConfig, tp: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
     """Why ``arch``'s decoder linears cannot run in ``fmt`` at tensor-parallel size ``tp`` > 1 ('' when they can; both
-    engines ask it, before any work).  Block-FP8 dense models only (NVFP4 and MoE experts: TP = 1).  Every rank's part
-    of every quantized HF tensor (the weight table's ``shard`` rule) must hold whole scale blocks -- column-parallel
-    rows in runs of ``block[0]``, row-parallel K in runs of ``block[1]`` -- and every segment of the row-parallel K
-    tree (K / S, S the model's) whole activation groups / weight block columns: no quantization group straddles a
-    rank or a segment boundary (docs/fp8.md, "Tensor parallelism")."""
+    engines ask it, before any work).  Dense models only (MoE experts: TP = 1).  Every rank's part of every quantized
+    HF tensor (the weight table's ``shard`` rule) must hold whole scale blocks -- column-parallel rows in runs of
+    ``block[0]`` (block-FP8 128, NVFP4 1), row-parallel K in runs of ``block[1]`` (128, 16) -- and every segment of
+    the row-parallel K tree (K / S, S the model's) whole activation groups / weight block columns: no quantization
+    group straddles a rank or a segment boundary (docs/fp8.md, "Tensor parallelism")."""
     if tp == 1:
         return ""
     name = f"{'nvfp4' if fmt.name == 'e2m1' else 'fp8'} quantization at TP={tp}"
-    if fmt.name != "e4m3":
-        return f"{name}: only block-FP8 (e4m3) checkpoints run at TP > 1 (NVFP4: TP=1 only)"
     if arch.is_hybrid:
         return f"{name}: hybrid Mamba architectures ({arch.architecture}) are not supported"
     if arch.is_moe:
@@ -84,12 +82,12 @@ def fp8_tp_refusal(arch: ArchConfig, tp: int, fmt: QuantFormat = E4M3_WEIGHT_128
                 continue
             dim = cut[0]
             block = fmt.block[0] if dim == 0 else fmt.block[1]
-            if (cut[2] - cut[1]) % block:
+            if (cut[2] - cut[1]) % block:  # NVFP4: K in whole 16-groups (also whole bytes of two codes)
                 return (f"{name}: {hf} {tuple(shape)} gives each rank {cut[2] - cut[1]} "
                         f"{'rows' if dim == 0 else 'K columns'}, not whole {block}-wide scale blocks")
             if entry.shard == "row" and (shape[-1] // segments) % fmt.block[1]:
                 return (f"{name}: {hf} K = {shape[-1]} in S = {segments} row-parallel segments of {shape[-1] // segments}, "
-                        f"not whole {fmt.block[1]}-wide activation groups / weight blocks")
+                        f"not whole {fmt.block[1]}-wide quantization groups")
     return ""
 
 

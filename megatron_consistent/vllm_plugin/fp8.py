@@ -80,6 +80,7 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
     layer.format_specs = (layer.w_fmt.spec, layer.a_fmt.spec if layer.a_fmt is not None else "")  # the ops' arguments
     br, bc = layer.w_fmt.block
     nv = layer.nvfp4 = layer.w_fmt.name == "e2m1"  # NVFP4: codes packed two per byte, E4M3 block scales + float32 global
+    layer.value_packing = {_FUSED[op][0]: 2 for op in ops} if nv else {}  # fused parameter -> values a stored element
     layer._rows = {}
     layer._scale_stems = {_FUSED[op][0]: _FUSED[op][1] for op in ops}
     _, tp = tp_rank_size()  # TP > 1: the rank's rows of q|k|v and gate|up; o_proj / down: its K columns (old.shape)
@@ -143,20 +144,31 @@ class _BlockScales:
             return {n + f"_scale{k}": getattr(self, f"{s}_scale{k}") for n, s in zip(entry.hf, stems) for k in ("", "_2")}
         return {n + "_scale_inv": getattr(self, f"{s}_scale") for n, s in zip(entry.hf, stems)}
 
-    def block_scale_layout(self, entry, held: str, rank: int, size: int) -> dict[str, tuple]:
-        """HF scale name of ``entry`` -> (the part of the whole scale tensor this tensor-parallel rank holds, the whole
-        tensor's shape): at TP = 1 all of it, as held; at TP > 1 (block-FP8 dense only: ``fp8_tp_refusal``) the part of
-        its weight (the weight table's ``shard`` rule, :func:`..architectures.tp_part`) in whole blocks
-        (:func:`..conversion.fp8.scale_part`) of the ``[ceil(N/br), ceil(K/bc)]`` grid."""
+    def quantized_layout(self, entry, held: str, rank: int, size: int) -> dict[str, tuple]:
+        """HF name of each scale tensor of ``entry`` (NVFP4: and of its packed codes) -> (the part of the whole tensor
+        this tensor-parallel rank holds, the whole tensor's shape).  A scale: the part of its weight (the weight
+        table's ``shard`` rule, :func:`..architectures.tp_part`) in whole blocks (:func:`..conversion.fp8.scale_part`)
+        of the ``[ceil(N/br), ceil(K/bc)]`` grid (dense layouts of whole blocks only at TP > 1: ``fp8_tp_refusal``);
+        NVFP4's ``weight_scale_2`` (one float32 per HF tensor) whole on every rank; NVFP4 codes ``[N, K/2]``: the
+        weight's part with K counted in bytes."""
         out = {}
-        for name, view in self.block_scales(entry, held).items():
-            if size == 1:
-                out[name] = (None, tuple(view.shape))
-                continue
+        if self.value_packing.get(held):
+            for i, (name, (n, k)) in enumerate(zip(entry.hf, entry.hf_shapes)):
+                out[name] = (_packed_part(tp_part(entry, i, rank, size)), (n, k // 2))
+        for name in self.block_scales(entry, held):
             i = entry.hf.index(_SCALE_SUFFIX.sub("", name))
             (n, k), (br, bc) = entry.hf_shapes[i], self.w_fmt.block
-            out[name] = (scale_part(tp_part(entry, i, rank, size), self.w_fmt), (-(-n // br), -(-k // bc)))
+            out[name] = ((None, ()) if name.endswith("_scale_2")
+                         else (scale_part(tp_part(entry, i, rank, size), self.w_fmt), (-(-n // br), -(-k // bc))))
         return out
+
+
+def _packed_part(part: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The part of NVFP4 codes ``[N, K/2]`` (two a byte along K) that goes with the part ``part`` of the ``[N, K]``
+    weight (a rank's K columns: whole 16-groups, so whole bytes)."""
+    if part is None or part[0] == 0:
+        return part
+    return part[0], part[1] // 2, part[2] // 2
 
 
 class FP8DecoderLayer(_BlockScales, ConsistentDecoderLayer):

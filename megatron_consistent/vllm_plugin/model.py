@@ -184,8 +184,9 @@ class ConsistentForCausalLM(nn.Module):
         :mod:`megatron_consistent.architectures`; block-FP8 / NVFP4 scales: the layer's ``block_scales``, vllm_plugin/fp8.py)."""
         out = {}
         for entry in weight_entries(self.arch):
-            out.update(zip(entry.hf, engine_views(entry, self.get_parameter(entry.engine), self.tp_rank, self.tp_size)))
             module, _, held = entry.engine.rpartition(".")
+            packing = getattr(self.get_submodule(module), "value_packing", {}).get(held, 1)  # NVFP4 codes: 2 a byte
+            out.update(zip(entry.hf, engine_views(entry, self.get_parameter(entry.engine), self.tp_rank, self.tp_size, packing)))
             block_scales = getattr(self.get_submodule(module), "block_scales", None)
             if block_scales is not None:
                 out.update(block_scales(entry, held))
@@ -197,20 +198,20 @@ class ConsistentForCausalLM(nn.Module):
         nothing, another rank's expert)."""
         parts = {n: tp_part(entry, i, self.tp_rank, self.tp_size)
                  for entry in weight_entries(self.arch) for i, n in enumerate(entry.hf)}
-        return {**parts, **{n: part for n, (part, _) in self._block_scale_layout().items()}}
+        return {**parts, **{n: part for n, (part, _) in self._quantized_layout().items()}}
 
     def hf_full_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape of the whole HF tensor (what a checkpoint and a weight update carry)."""
         shapes = {n: tuple(s) for entry in weight_entries(self.arch) for n, s in zip(entry.hf, entry.hf_shapes)}
-        return {**shapes, **{n: shape for n, (_, shape) in self._block_scale_layout().items()}}
+        return {**shapes, **{n: shape for n, (_, shape) in self._quantized_layout().items()}}
 
-    def _block_scale_layout(self) -> dict[str, tuple]:
-        """Block-FP8 / NVFP4 scale tensors: HF name -> (this rank's part, the whole shape) (the layers'
-        ``block_scale_layout``, vllm_plugin/fp8.py; empty for a model-dtype checkpoint)."""
+    def _quantized_layout(self) -> dict[str, tuple]:
+        """Block-FP8 / NVFP4 scale tensors and NVFP4's packed codes: HF name -> (this rank's part, the whole shape)
+        (the layers' ``quantized_layout``, vllm_plugin/fp8.py; empty for a model-dtype checkpoint)."""
         out = {}
         for entry in weight_entries(self.arch):
             module, _, held = entry.engine.rpartition(".")
-            layout = getattr(self.get_submodule(module), "block_scale_layout", None)
+            layout = getattr(self.get_submodule(module), "quantized_layout", None)
             if layout is not None:
                 out.update(layout(entry, held, self.tp_rank, self.tp_size))
         return out
