@@ -20,10 +20,10 @@ experts with per-expert block scales through the custom op ``inference_ops.fp8_m
 (:func:`megatron_consistent.kernels.fp8.fp8_moe_experts`; on CUDA grouped FP8 GEMMs); the router and the
 shared-expert gate stay in the model dtype.
 o_proj and down run the FP8 linear's row-parallel K-segment tree (``inference_ops.fp8_row_parallel_linear``); at
-tensor-parallel size t > 1 (block-FP8 dense checkpoints whose rank parts are whole 128-wide blocks:
-:func:`..conversion.fp8.fp8_tp_refusal`) each rank holds its part of every E4M3 weight and of its block scales
-(:meth:`_BlockScales.block_scale_layout`) and o_proj / down give its float32 subtree, all-gathered
-(:func:`.parallel.fp8_row_parallel_for`).
+tensor-parallel size t > 1 (block-FP8 / NVFP4 dense checkpoints whose rank parts are whole scale blocks:
+:func:`..conversion.fp8.fp8_tp_refusal`) each rank holds its part of every quantized weight and of its block scales
+(:meth:`_BlockScales.quantized_layout`; NVFP4's global scale whole) and o_proj / down give its float32 subtree,
+all-gathered (:func:`.parallel.fp8_row_parallel_for`).
 Refits send the same two tensors per linear.  NVFP4 checkpoints (W4A16): the
 fused storage holds the packed E2M1 codes (``uint8 [N, K/2]``), each HF tensor
 its E4M3 ``weight_scale [N, K/16]`` and float32 ``weight_scale_2``; every call
