@@ -403,9 +403,11 @@ def _fp8_linear_segment_tree_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_sc
         return implementation("linear_segment_tree", x2d.device)(xd, wd, segments, bias, out_dtype)
     xq, xs = quantize_activations(x2d, a_fmt)
     g = seg // GROUP
+    # the operands' K slices as strided views (the GEMMs take a row stride; a slice of whole 128-wide groups keeps
+    # TMA's 16-byte alignment): no copy of the weight per call; the small scale slices are made contiguous
     partials = torch.stack([
-        _quantized_gemm(xq[:, s * seg:(s + 1) * seg].contiguous(), xs[:, s * g:(s + 1) * g].contiguous(),
-                        w_q[:, s * seg:(s + 1) * seg].contiguous(), w_row_scales[:, s * g:(s + 1) * g].contiguous(),
+        _quantized_gemm(xq[:, s * seg:(s + 1) * seg], xs[:, s * g:(s + 1) * g].contiguous(),
+                        w_q[:, s * seg:(s + 1) * seg], w_row_scales[:, s * g:(s + 1) * g].contiguous(),
                         None, torch.float32, w_block_rows)
         for s in range(segments)])
     total = adjacent_tree_sum(partials, dim=0)
