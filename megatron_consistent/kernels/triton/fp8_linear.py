@@ -396,6 +396,8 @@ def _fp8_linear_segment_tree_cuda(x2d: torch.Tensor, w_q: torch.Tensor, w_row_sc
     ``fp8_linear`` on that K slice -- the S partials by ``adjacent_tree_sum``, bias, one rounding.  Formats the GEMM
     does not serve, or segments that are not whole groups (tiny models at TP = 1): the dequantized operands through
     the CUDA ``linear_segment_tree`` (the CPU path's arithmetic)."""
+    if segments == 1:  # one segment over K: the FP8 linear itself (its bias and rounding in the epilogue), one launch
+        return _fp8_linear_cuda(x2d, w_q, w_row_scales, bias, out_dtype, w_fmt, a_fmt, w_block_rows)
     k = w_q.shape[1]
     seg = k // segments
     if not fp8_kernel_applies(w_fmt, a_fmt, w_q) or seg % GROUP:
