@@ -9,17 +9,23 @@ SelfAttention before calling us) -> :func:`kernels.apply_rope` (NeoX halves)
 Numerics contract:
 
 * positions are ``arange(s)`` for every sequence of an ``[s, b, ...]`` batch
-  (training sequences start at position 0), or, for THD-packed input,
+  (training sequences start at position 0) -- at context parallelism CP > 1 the
+  rank's tokens are its share of the sequence and their positions absolute
+  (:func:`.context_parallel.cp_positions`) --, or, for THD-packed input,
   ``arange(len_i)`` per segment given by ``packed_seq_params.cu_seqlens_q``;
   each packed segment is attended on its own, so packing never changes a row;
 * ``q' = apply_rope(q, positions)``, ``k' = apply_rope(k, positions)`` (float32
   rotation, one rounding to the model dtype);
 * ``out = attention(q', k', v, positions)`` with k/v unexpanded (the kernel maps
   query head h to kv head ``h // (np/ng)``), causal, scale ``softmax_scale`` or
-  ``head_dim**-0.5``; returns ``[sq, b, np*hn]`` in the model dtype.
+  ``head_dim**-0.5``; returns ``[sq, b, np*hn]`` in the model dtype.  At CP > 1
+  the CP ranks' k' / v are all-gathered in position order first
+  (:func:`.context_parallel.cp_attention`): each row's CP = 1 bits.
+  ``cp_comm_type`` (Transformer Engine's choice of CP algorithm) is ignored: the
+  consistent op is always that all-gather.
 
-Refused by name: non-causal masks, attention dropout, context parallelism,
-KV-cache inference (``sq != sk``), packed formats other than THD.
+Refused by name: non-causal masks, attention dropout, KV-cache inference
+(``sq != sk``), packed formats other than THD, packed input at CP > 1.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from torch import nn
 from .. import kernels
 from ..config import UnsupportedConfigError
 from ..kernels import RopeConfig
+from . import context_parallel
 from .parallel import check_parallel_config
 
 __all__ = ["ConsistentCoreAttention", "consistent_core_attention"]
@@ -96,8 +103,9 @@ class ConsistentCoreAttention(nn.Module):
         return kernels.apply_rope(q, positions, self.rope), kernels.apply_rope(k, positions, self.rope)
 
     def _attend(self, q, k, v):
-        """q [B, T, np, hn], k/v [B, T, ng, hn] of whole sequences starting at position 0."""
-        positions = kernels.causal_positions(q.shape[0], q.shape[1], device=q.device)
+        """q [B, T, np, hn], k/v [B, T, ng, hn] of whole sequences starting at position 0 (at CP > 1: the CP rank's
+        share of them, its tokens at their absolute positions)."""
+        positions = context_parallel.cp_positions(q.shape[0], q.shape[1], device=q.device)
         q, k = self._rotate(q, k, positions)
         if getattr(self, "fp8_kv", False):  # FP8 KV cache (issue #9): the engine's cache round trip, on private copies
             from ..kernels.fp8 import kv_round_trip
@@ -105,7 +113,7 @@ class ConsistentCoreAttention(nn.Module):
             k, v = kv_round_trip(k), kv_round_trip(v)
         if self.capture is not None:
             self.capture(q, k)
-        return kernels.attention(q, k, v, positions, scale=self.softmax_scale)
+        return context_parallel.cp_attention(q, k, v, positions, self.softmax_scale)
 
     @staticmethod
     def _check_mask(attention_mask, b, sq):
@@ -137,6 +145,9 @@ class ConsistentCoreAttention(nn.Module):
         return out.transpose(0, 1).reshape(sq, b, nq * hn)
 
     def _forward_packed(self, query, key, value, psp):
+        if context_parallel.cp_size() > 1:
+            raise UnsupportedConfigError("packed (thd) input at context parallelism > 1 is not supported (the consistent "
+                                         "CP layout splits whole [s, b] sequences)")
         fmt = getattr(psp, "qkv_format", "thd")
         if fmt != "thd":
             raise UnsupportedConfigError(f"unsupported packed_seq_params.qkv_format {fmt!r} (thd only)")

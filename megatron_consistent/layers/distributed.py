@@ -1,7 +1,7 @@
-"""Running the consistent model at a TP x PP x DP (EP) layout — CPU ranks (gloo) or GPU ranks (NCCL) — recomputing
+"""Running the consistent model at a TP x PP x DP (EP, CP) layout — CPU ranks (gloo) or GPU ranks (NCCL) — recomputing
 token log-probs there, and exporting the whole model from it.
 
-* :func:`spawn_ranks` — ``TP * PP * DP`` processes (CPU: forked from one spawned launcher that imported the
+* :func:`spawn_ranks` — ``TP * CP * PP * DP`` processes (CPU: forked from one spawned launcher that imported the
   modules once; CUDA: ``torch.multiprocessing`` spawn), each with
   ``torch.distributed`` (a ``FileStore`` in a work folder: no TCP port) and one thread;
   ``device="cpu"``: gloo; ``device="cuda"``: NCCL, rank r on ``cuda:r`` (NVLink multicast off:
@@ -42,9 +42,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .. import kernels
 from ..config import ArchConfig, UnsupportedConfigError
 from . import tensor_parallel as tpar
+from .context_parallel import cp_positions, cp_rank, cp_share, gather_cp_sequence, sequence_multiple, sequence_token_logprobs
 from .parallel import check_rank_devices, rank_backend
 
 __all__ = ["NVLINK_MULTICAST_OFF", "build_parallel_model", "data_parallel_chunks", "export_hf_parallel", "gather_vocab",
@@ -155,16 +155,17 @@ def rank_device() -> torch.device:
 
 
 def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, dtype: torch.dtype | None = None,
-                         seed: int = 0, sequence_parallel: bool = False, ep: int = 1):
-    """In a rank of a ``TP * PP * DP`` job: the consistent model of this rank (weights: HF checkpoint path or HF
+                         seed: int = 0, sequence_parallel: bool = False, ep: int = 1, cp: int = 1):
+    """In a rank of a ``TP * CP * PP * DP`` job: the consistent model of this rank (weights: HF checkpoint path or HF
     tensors dict; ``None`` keeps the seeded initialization), built and loaded on the CPU, then moved to
     :func:`rank_device` (a no-op in a gloo job).  ``ep``: expert parallelism (MoE; at TP > 1 with
-    ``sequence_parallel``)."""
+    ``sequence_parallel``); ``cp``: context parallelism (dense; :mod:`.context_parallel`)."""
     from .model import build_consistent_model
 
     model = build_consistent_model(hf_config, seed=seed, dtype=dtype, tensor_model_parallel_size=tp,
                                    pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
-                                   **({"expert_model_parallel_size": ep} if ep != 1 else {}))
+                                   **({"expert_model_parallel_size": ep} if ep != 1 else {}),
+                                   **({"context_parallel_size": cp} if cp != 1 else {}))
     if weights is not None:
         hf = weights if isinstance(weights, dict) else read_hf_tensors(weights)
         load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, hf))
@@ -175,17 +176,22 @@ def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, d
 def _stage_run(model, input_ids: torch.Tensor, *, requires_grad: bool = False):
     """``(received, out)``: the activations received from the previous stage (``None`` on the first; a leaf that
     requires grad when ``requires_grad``) and this stage's output -- the float32 logits shard on the last stage, else
-    the activations, sent on to the next stage (detached: the sent tensor is a copy of the bytes)."""
+    the activations, sent on to the next stage (detached: the sent tensor is a copy of the bytes).  At CP > 1 the
+    stage runs the CP rank's share of ``input_ids`` (:func:`.context_parallel.cp_share`)."""
     from megatron.core import parallel_state as ps
 
-    b, s = input_ids.shape
-    positions = kernels.causal_positions(b, s, device=input_ids.device)
+    sp = getattr(model, "sequence_parallel", False)
     t = tpar.tp_size()
-    if getattr(model, "sequence_parallel", False) and s % t:
-        raise ValueError(f"sequence parallelism: sequence length {s} is not divisible by TP={t}")
+    c = getattr(model, "context_parallel_size", 1)
+    if input_ids.shape[1] % sequence_multiple(c, t, sp):
+        raise ValueError(f"sequence length {input_ids.shape[1]} is not divisible by {sequence_multiple(c, t, sp)} "
+                         f"(context parallelism CP={c}: 2 x CP chunks; sequence parallelism: TP={t} at each CP rank)")
+    input_ids = cp_share(input_ids)
+    b, s = input_ids.shape
+    positions = cp_positions(b, s, device=input_ids.device)
     received = None
     if not model.pre_process:
-        chunk = s // t if getattr(model, "sequence_parallel", False) else s
+        chunk = s // t if sp else s
         received = torch.empty(chunk, b, model.config.hidden_size, dtype=model.config.params_dtype,
                                device=input_ids.device)
         dist.recv(received, src=ps.get_pipeline_model_parallel_prev_rank())
@@ -203,16 +209,13 @@ def stage_forward(model, input_ids: torch.Tensor):
     return out if model.post_process else None
 
 
-def _token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    return tpar.vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
-
-
 def stage_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0):
-    """float32 ``[b, s-1]`` token log-probs on the last stage (``None`` elsewhere), vocab-parallel at TP > 1."""
+    """float32 ``[b, s-1]`` token log-probs on the last stage (``None`` elsewhere), vocab-parallel at TP > 1, in token
+    order at CP > 1 (every CP rank: all of them, :func:`.context_parallel.sequence_token_logprobs`)."""
     logits = stage_forward(model, input_ids)
     if logits is None:
         return None
-    return _token_logprobs(logits, input_ids, temperature)
+    return sequence_token_logprobs(logits, input_ids, temperature)
 
 
 def stage_backward(model, input_ids: torch.Tensor, loss_fn, temperature: float = 1.0):
@@ -221,14 +224,15 @@ def stage_backward(model, input_ids: torch.Tensor, loss_fn, temperature: float =
     gradient the next stage sends back; each stage but the first then sends its input's gradient to the previous one
     (``dist.send`` / ``dist.recv``: the bytes unchanged, as the forward's activations).  The parameters' ``.grad``
     accumulate this stage's gradients, to be reduced over the TP / DP / expert-data-parallel ranks as usual (Megatron's
-    ``finalize_model_grads``).  At PP = 1 it is ``loss_fn(stage_logprobs(...)).backward()``.  Returns the loss on the
-    last stage, ``None`` elsewhere."""
+    ``finalize_model_grads``; at CP > 1 every CP rank backpropagates its own tokens' part of the loss, and the CP ranks'
+    gradients are summed too: Megatron's data-parallel-with-context-parallel group).  At PP = 1 it is
+    ``loss_fn(stage_logprobs(...)).backward()``.  Returns the loss on the last stage, ``None`` elsewhere."""
     from megatron.core import parallel_state as ps
 
     received, out = _stage_run(model, input_ids, requires_grad=True)
     loss = None
     if model.post_process:
-        loss = loss_fn(_token_logprobs(out, input_ids, temperature))
+        loss = loss_fn(sequence_token_logprobs(out, input_ids, temperature))
         loss.backward()
     else:
         grad = torch.empty_like(out)
@@ -345,12 +349,12 @@ def data_parallel_chunks(rows: int, dp: int, batch: int | None) -> list[list[tup
     return out
 
 
-def _recompute_worker(rank: int, workdir: str, tp: int, pp: int, ep: int) -> None:
+def _recompute_worker(rank: int, workdir: str, tp: int, pp: int, ep: int, cp: int) -> None:
     from megatron.core import parallel_state as ps
 
     work = Path(workdir)
     job = json.loads((work / "job.json").read_text())
-    model = build_parallel_model(job["config"], job["weights"], tp=tp, pp=pp, ep=ep,
+    model = build_parallel_model(job["config"], job["weights"], tp=tp, pp=pp, ep=ep, cp=cp,
                                  dtype=_DTYPES[job["dtype"]] if job["dtype"] else None,
                                  sequence_parallel=job["sequence_parallel"])
     model.eval()
@@ -373,10 +377,10 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int, ep: int) -> Non
                 for i, r in collect_routes(model).items():
                     routes[f"r{b0}.l{model.decoder.layers[i].layer_number - 1}"] = r.cpu().contiguous()
             if logits is not None:
-                lps.append(_token_logprobs(logits, chunk, job["temperature"]))
+                lps.append(sequence_token_logprobs(logits, chunk, job["temperature"]))
                 if job["return_logits"]:
-                    logits_parts.append(gather_vocab(logits))
-    first_tp = ps.get_tensor_model_parallel_rank() == 0
+                    logits_parts.append(gather_cp_sequence(gather_vocab(logits)))
+    first_tp = ps.get_tensor_model_parallel_rank() == 0 and cp_rank() == 0
     if routes and first_tp:
         save_file(routes, str(work / f"routes.dp{d}.stage{ps.get_pipeline_model_parallel_rank()}.safetensors"))
     if lps and first_tp:
@@ -389,11 +393,13 @@ def _recompute_worker(rank: int, workdir: str, tp: int, pp: int, ep: int) -> Non
 def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, tp: int = 1, pp: int = 1,
                                 dtype: torch.dtype | None = None, temperature: float = 1.0, return_logits: bool = False,
                                 sequence_parallel: bool = False, workdir=None, batch: int | None = None,
-                                return_routes: bool = False, device: str = "cpu", dp: int = 1, ep: int = 1,
+                                return_routes: bool = False, device: str = "cpu", dp: int = 1, ep: int = 1, cp: int = 1,
                                 quantization=None):
     """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp``, DP = ``dp``,
-    EP = ``ep``: ``tp * pp * dp`` gloo ranks on the CPU (``device="cpu"``) or NCCL ranks on as many GPUs
-    (``device="cuda"``, rank r on ``cuda:r``).
+    EP = ``ep``, CP = ``cp``: ``tp * cp * pp * dp`` gloo ranks on the CPU (``device="cpu"``) or NCCL ranks on as many
+    GPUs (``device="cuda"``, rank r on ``cuda:r``).  ``cp`` (dense models; the sequence length divisible by 2 x CP,
+    and with ``sequence_parallel`` by CP x TP too): each sequence's tokens over the CP ranks
+    (:mod:`.context_parallel`) -- same bits.
 
     ``hf_config``: path to an HF config (folder with config.json, or the file) or an HF config dict.
     ``weights``: path to an HF safetensors checkpoint (folder or file) or a dict of HF-named tensors.
@@ -419,25 +425,30 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     from .parallel import HYBRID_FEATURE, check_parallel_sizes
 
     arch = as_arch_config(hf_config)
-    check_parallel_sizes(tp, pp, sequence_parallel=sequence_parallel, expert_model_parallel_size=ep,
+    check_parallel_sizes(tp, pp, cp, sequence_parallel=sequence_parallel, expert_model_parallel_size=ep,
                          feature=HYBRID_FEATURE if arch.is_hybrid else None)
-    check_tp_shapes(arch, tp, pp, ep)
+    check_tp_shapes(arch, tp, pp, ep, cp)
     if quantization is not None:
         from ..conversion.fp8 import fp8_tp_refusal
 
-        reason = fp8_tp_refusal(arch, tp, quantization[0]) or (f"FP8 / NVFP4 forward at PP={pp}, EP={ep}: PP = EP = 1 only"
-                                                               if (pp, ep) != (1, 1) else "")
+        reason = fp8_tp_refusal(arch, tp, quantization[0]) or (
+            f"FP8 / NVFP4 forward at PP={pp}, EP={ep}, CP={cp}: PP = EP = CP = 1 only" if (pp, ep, cp) != (1, 1, 1) else "")
         if reason:
             raise UnsupportedConfigError(reason)
     if dp < 1 or (tp * dp) % ep:
         raise UnsupportedConfigError(f"DP={dp}: the data-parallel size must be positive and EP={ep} must divide "
                                      f"TP x DP = {tp * dp} (the ranks of a pipeline stage)")
-    check_rank_devices(device, tp * pp * dp)
+    check_rank_devices(device, tp * cp * pp * dp)
     ids = torch.as_tensor(input_ids, dtype=torch.int64)
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got {tuple(ids.shape)}")
-    if sequence_parallel and ids.shape[1] % tp:
+    if sequence_parallel and cp == 1 and ids.shape[1] % tp:
         raise ValueError(f"sequence parallelism: sequence length {ids.shape[1]} is not divisible by TP={tp}")
+    if cp > 1 and ids.shape[1] % sequence_multiple(cp, tp, sequence_parallel):
+        raise UnsupportedConfigError(
+            f"context parallelism CP={cp}: sequence length {ids.shape[1]} is not divisible by "
+            f"{sequence_multiple(cp, tp, sequence_parallel)} (2 x CP chunks" + (f", each CP rank's tokens over TP={tp}"
+                                                                                  if sequence_parallel else "") + ")")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     data_parallel_chunks(ids.shape[0], dp, batch)  # b >= dp: refused here, before the ranks start
@@ -462,7 +473,7 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
         (work / "job.json").write_text(json.dumps(job))
         for old in [*work.glob("out.dp*.safetensors"), *work.glob("routes.dp*.safetensors")]:
             old.unlink()
-        spawn_ranks(_recompute_worker, tp * pp * dp, work, tp, pp, ep, device=device)
+        spawn_ranks(_recompute_worker, tp * cp * pp * dp, work, tp, pp, ep, cp, device=device)
         outs = [load_file(str(work / f"out.dp{d}.safetensors")) for d in range(dp)]
         out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
         routes: dict[int, dict[int, torch.Tensor]] = {}

@@ -173,7 +173,12 @@ def _check_config(config) -> None:
         raise UnsupportedConfigError(f"unsupported activation {getattr(act, '__name__', act)!r} (SwiGLU: silu only)")
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
         raise UnsupportedConfigError("virtual pipeline stages (virtual_pipeline_model_parallel_size) are not supported")
-    check_parallel_config(config)  # TP in {1, 2, 4, 8} dividing S, any PP, SP at TP > 1; CP refused by name
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp != 1:  # the layers implement it (layers/context_parallel.py); this path is untested with a framework's CP
+        raise UnsupportedConfigError(f"context parallelism (context_parallel_size={cp}) through the framework entry "
+                                     "points is not supported (build_consistent_model / recompute_logprobs_parallel "
+                                     "run dense models at CP 2 / 4)")
+    check_parallel_config(config)  # TP in {1, 2, 4, 8} dividing S, any PP, SP at TP > 1
 
 
 # --- modules that adapt to the config they are built with ----------------------------------------------------------

@@ -27,10 +27,11 @@ import torch
 from .. import kernels
 from ..config import ArchConfig, UnsupportedConfigError
 from .builder import CONSISTENT, STOCK, as_arch_config, filter_kwargs, make_transformer_config, prepare_build, seeded_build
+from .context_parallel import cp_positions, cp_share, sequence_token_logprobs
 from .hybrid import build_consistent_hybrid_model
 from .output import ConsistentOutputLayer
 from .spec import get_consistent_gpt_block_spec
-from .tensor_parallel import sequence_parallel_embedding, vocab_parallel_logprobs
+from .tensor_parallel import sequence_parallel_embedding
 
 __all__ = [
     "build_consistent_gpt_model",
@@ -99,10 +100,12 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     ``context_parallel_size`` / ``sequence_parallel`` / ``expert_model_parallel_size``: TP ∈ {1, 2, 4, 8} dividing the
     model's ``row_parallel_segments``, any PP
     and sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs,
-    EP for MoE configs (experts sharded over Megatron's EP groups; at TP > 1 with sequence parallelism)
-    (``torch.distributed`` initialized by the caller with a world size TP x PP divides; contract in
-    ``docs/parallel.md``; hybrid configs too: the Mamba mixer's heads and groups over the TP ranks); CP, EP at
-    TP > 1 without sequence parallelism, and EP for hybrid configs are refused
+    EP for MoE configs (experts sharded over Megatron's EP groups; at TP > 1 with sequence parallelism), CP ∈ {2, 4}
+    for dense configs at PP = EP = 1 (the model then takes the CP rank's share of each sequence,
+    :mod:`.context_parallel`)
+    (``torch.distributed`` initialized by the caller with a world size TP x CP x PP divides; contract in
+    ``docs/parallel.md``; hybrid configs too: the Mamba mixer's heads and groups over the TP ranks); EP at
+    TP > 1 without sequence parallelism, EP and CP for hybrid configs and CP for MoE configs are refused
     (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
@@ -129,8 +132,8 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
         moe_impl = "module"
     arch, dtype = prepare_build(arch, dtype, parallel)
     moe_impl, moe_kwargs = megatron_moe_setup(arch, moe_impl, moe_token_dispatcher, moe_aux_loss_coeff)
-    sizes = {k: parallel[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel")
-             if k in parallel}
+    sizes = {k: parallel[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                                      "sequence_parallel") if k in parallel}
     config = make_transformer_config(arch, dtype, consistent=True, **moe_kwargs, **sizes)
     GPTModel = _gpt_model_class()
     if config.sequence_parallel and not torch.cuda.is_available():
@@ -158,6 +161,7 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
 
     model = seeded_build(seed, build)
     model.parallel_sizes = (sizes.get("tensor_model_parallel_size", 1), sizes.get("pipeline_model_parallel_size", 1))
+    model.context_parallel_size = sizes.get("context_parallel_size", 1)
     model.expert_parallel_size = parallel.get("expert_model_parallel_size", 1)
     model.sequence_parallel = bool(sizes.get("sequence_parallel", False))
     model.consistent_kind = CONSISTENT
@@ -229,10 +233,14 @@ def build_stock_gpt_model(hf_config, *, seed: int = 0, dtype: torch.dtype | None
     return model
 
 
-def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+def _check_ids(input_ids: torch.Tensor) -> torch.Tensor:
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
-    return kernels.causal_positions(*input_ids.shape, device=input_ids.device)
+    return input_ids
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    return kernels.causal_positions(*_check_ids(input_ids).shape, device=input_ids.device)
 
 
 def compute_token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -240,14 +248,16 @@ def compute_token_logprobs(model, input_ids: torch.Tensor, temperature: float = 
 
     The model's float32 logits (``kernels.compute_logits``) go through
     ``kernels.gather_logprobs`` — the op sequence the vLLM plugin uses.
-    Differentiable.  Refuses the stock model (use :func:`compute_stock_token_logprobs`).
+    Differentiable.  At context parallelism every CP rank passes the whole ``input_ids`` and gets all the log-probs
+    (its share computed, the others gathered).  Refuses the stock model (use :func:`compute_stock_token_logprobs`).
     """
     if getattr(model, "consistent_kind", None) != CONSISTENT:
         raise ValueError("compute_token_logprobs needs a model from build_consistent_model; use compute_stock_token_logprobs for the stock baseline")
     if getattr(model, "parallel_sizes", (1, 1))[1] != 1:
         raise ValueError("compute_token_logprobs runs a single-stage model; at PP > 1 use layers.distributed.stage_logprobs")
-    logits = model(input_ids, _positions(input_ids), None)  # [b, s, V/TP] float32 (this rank's vocabulary shard)
-    return vocab_parallel_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    share = cp_share(_check_ids(input_ids))  # at CP > 1 the rank's tokens (context_parallel.py); the log-probs in token order
+    logits = model(share, cp_positions(*share.shape, device=share.device), None)  # [b, s/CP, V/TP] float32
+    return sequence_token_logprobs(logits, input_ids, temperature)
 
 
 def compute_stock_token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -5,15 +5,19 @@ Supported: tensor parallelism TP ∈ {1, 2, 4, 8} (the vocabulary log-softmax tr
 too — checked where the layer is built), pipeline parallelism
 (stages pass activations unchanged, so any PP size is neutral; tested at 2),
 data parallelism (replicas run their own batches: every op is batch-invariant),
-and expert parallelism (Megatron's EP groups with expert-tensor-parallel size 1, experts sharded over them:
-``layers/moe.py``; at TP > 1 with sequence parallelism), for the GPT layers (dense, and MoE with ``moe_impl="module"``: at TP > 1 experts sharded over
+expert parallelism (Megatron's EP groups with expert-tensor-parallel size 1, experts sharded over them:
+``layers/moe.py``; at TP > 1 with sequence parallelism), and context parallelism CP ∈ {2, 4} for dense GPT models
+(Megatron's load-balanced sequence layout, the keys / values all-gathered in position order:
+``layers/context_parallel.py``; at TP 1 / 2 / 4 / 8 with or without sequence parallelism, any DP; not with PP or EP),
+for the GPT layers (dense, and MoE with ``moe_impl="module"``: at TP > 1 experts sharded over
 the TP ranks, the router and shared expert replicated).  See ``docs/parallel.md`` for the contract.
 
 Sequence parallelism (TP > 1) is supported by the same layers.
 
-Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1, context parallelism, expert
+Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1, context parallelism other than
+1, 2, 4 or with PP / EP > 1 (and for MoE models: ``builder.check_tp_shapes``), expert
 parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8 or not dividing the model's S, hybrid
-(Mamba) models at EP > 1 (their modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1
+(Mamba) models at EP > 1 or CP > 1 (their modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1
 and with sequence parallelism they run: ``layers/hybrid.py``), FP8 at TP > 1 (``layers/linear.py``), and
 ``build_consistent_model(moe_impl="megatron")`` (Megatron's MoELayer at EP > 1 / TP > 1 + SP: the framework entry
 points, ``layers/moe_megatron.py``).
@@ -22,7 +26,7 @@ Initialization: world size 1 uses gloo over an in-process ``HashStore`` (no
 TCP port, no file), so concurrent pytest processes never collide; a larger
 world must already be initialized by the caller (e.g.
 :func:`megatron_consistent.layers.tensor_parallel.recompute_logprobs_parallel`)
-with a world size that TP * PP divides (the quotient is the data-parallel size DP; EP must divide TP * DP, the
+with a world size that TP * CP * PP divides (the quotient is the data-parallel size DP; EP must divide TP * DP, the
 ranks of a pipeline stage, as Megatron's expert groups at expert-tensor-parallel size 1).
 Megatron's ``parallel_state`` is initialized once with those sizes, and checked against them when already
 initialized.
@@ -38,11 +42,12 @@ import torch.distributed as dist
 
 from ..config import ROW_PARALLEL_SEGMENTS_KEY, ArchConfig, UnsupportedConfigError, row_parallel_refusal
 
-__all__ = ["HYBRID_FEATURE", "RANK_BACKENDS", "SUPPORTED_TP_SIZES", "check_parallel_config", "check_parallel_sizes", "check_rank_devices",
-           "init_cpu_process_group", "rank_backend", "row_parallel_segments"]
+__all__ = ["HYBRID_FEATURE", "RANK_BACKENDS", "SUPPORTED_CP_SIZES", "SUPPORTED_TP_SIZES", "check_parallel_config",
+           "check_parallel_sizes", "check_rank_devices", "init_cpu_process_group", "rank_backend", "row_parallel_segments"]
 
 SUPPORTED_TP_SIZES = (1, 2, 4, 8)
-HYBRID_FEATURE = "hybrid (Mamba) model"  # the ``feature`` of hybrid models: no expert parallelism
+SUPPORTED_CP_SIZES = (1, 2, 4)
+HYBRID_FEATURE = "hybrid (Mamba) model"  # the ``feature`` of hybrid models: no expert or context parallelism
 RANK_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # the torch.distributed backend of a job's ranks, by their device
 
 
@@ -77,7 +82,7 @@ def check_parallel_sizes(
 ) -> None:
     """Refuse every parallelism the consistent layers do not implement, naming it.
 
-    ``feature``: a part without expert parallelism (``"hybrid (Mamba) model"``): then EP must be 1.
+    ``feature``: a part without expert and context parallelism (``"hybrid (Mamba) model"``): then EP and CP must be 1.
     """
     refused = []
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
@@ -85,13 +90,20 @@ def check_parallel_sizes(
         refused.append(f"tensor parallelism of size {tp} (tensor_model_parallel_size must divide 8: 1, 2, 4 or 8)")
     if pp < 1:
         refused.append(f"pipeline_model_parallel_size={pp}")
-    if context_parallel_size != 1:
-        refused.append(f"context parallelism (context_parallel_size={context_parallel_size})")
+    cp = context_parallel_size
+    if cp not in SUPPORTED_CP_SIZES:
+        refused.append(f"context parallelism of size {cp} (context_parallel_size must be 1, 2 or 4)")
+    elif cp != 1 and pp != 1:
+        refused.append(f"context parallelism with pipeline parallelism (context_parallel_size={cp}, "
+                       f"pipeline_model_parallel_size={pp})")
     if sequence_parallel and tp == 1:
         refused.append("sequence parallelism without tensor parallelism (sequence_parallel=True needs TP > 1)")
     ep = expert_model_parallel_size
     if ep < 1:
         refused.append(f"expert_model_parallel_size={ep}")
+    elif ep != 1 and cp != 1:
+        refused.append(f"context parallelism with expert parallelism (context_parallel_size={cp}, "
+                       f"expert_model_parallel_size={ep})")
     elif ep != 1 and tp != 1 and not sequence_parallel:
         refused.append(f"expert parallelism at TP > 1 without sequence parallelism (expert_model_parallel_size={ep}, "
                        f"tensor_model_parallel_size={tp}: the TP ranks would send the EP group the same tokens; "
@@ -102,6 +114,11 @@ def check_parallel_sizes(
         raise UnsupportedConfigError(
             f"{feature} with expert parallelism (expert_model_parallel_size={ep}) is not supported by the consistent "
             "layers — tensor, pipeline and sequence parallelism are (MoE GPT layers support EP)")
+    if feature is not None and cp != 1:
+        raise UnsupportedConfigError(
+            f"{feature} with context parallelism (context_parallel_size={cp}) is not supported by the consistent "
+            "layers (the Mamba scan runs sequentially over the whole sequence) — tensor, pipeline and sequence "
+            "parallelism are (dense GPT layers support CP)")
 
 
 def row_parallel_segments(config) -> int:
@@ -137,29 +154,30 @@ def init_cpu_process_group(
 ) -> None:
     """Initialize ``torch.distributed`` (gloo; world size 1 unless the caller did) and Megatron model parallel, once.
 
-    The data-parallel size is what the world leaves: ``world / (TP * PP)``; EP must divide ``TP * DP`` (the expert
-    groups at expert-tensor-parallel size 1, Megatron's layout for them)."""
-    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
-    check_parallel_sizes(tp, pp, context_parallel_size, sequence_parallel, expert_model_parallel_size=ep)
+    The data-parallel size is what the world leaves: ``world / (TP * CP * PP)``; EP must divide ``TP * DP`` (the
+    expert groups at expert-tensor-parallel size 1, Megatron's layout for them)."""
+    tp, pp, ep, cp = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size, context_parallel_size
+    check_parallel_sizes(tp, pp, cp, sequence_parallel, expert_model_parallel_size=ep)
     from megatron.core import parallel_state
 
-    layout = f"TP={tp} x PP={pp}" + (f" x EP={ep}" if ep != 1 else "")
+    layout = f"TP={tp}" + (f" x CP={cp}" if cp != 1 else "") + f" x PP={pp}" + (f" x EP={ep}" if ep != 1 else "")
     if not dist.is_initialized():
-        if tp * pp * ep != 1:
+        if tp * pp * ep * cp != 1:
             raise UnsupportedConfigError(
-                f"{layout} needs torch.distributed initialized by the caller with a world size that TP x PP divides "
-                "(the quotient is the data-parallel size; see layers.distributed.recompute_logprobs_parallel)")
+                f"{layout} needs torch.distributed initialized by the caller with a world size that TP x CP x PP "
+                "divides (the quotient is the data-parallel size; see layers.distributed.recompute_logprobs_parallel)")
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise UnsupportedConfigError(f"torch.distributed is initialized with world size {world}; TP={tp} x PP={pp} needs "
-                                     "a world size it divides (the quotient is the data-parallel size)")
+    if world % (tp * cp * pp):
+        raise UnsupportedConfigError(f"torch.distributed is initialized with world size {world}; {layout} needs "
+                                     "a world size that TP x CP x PP divides (the quotient is the data-parallel size)")
     if (world // pp) % ep:
         raise UnsupportedConfigError(
             f"torch.distributed is initialized with world size {world}; EP={ep} must divide the ranks of a pipeline "
             f"stage, TP x DP = {world // pp} (expert-parallel groups are carved from them)")
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+        parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=1)
         if torch.cuda.is_available():  # Megatron's stock core attention forks the model-parallel CUDA RNG state on GPU
             from megatron.core import tensor_parallel
 
@@ -169,6 +187,6 @@ def init_cpu_process_group(
                parallel_state.get_context_parallel_world_size())
         got_ep = parallel_state.get_expert_model_parallel_world_size()
         check_parallel_sizes(*got, sequence_parallel, expert_model_parallel_size=got_ep)
-        if (*got[:2], got_ep) != (tp, pp, ep):
-            raise UnsupportedConfigError(f"Megatron parallel_state is initialized with TP={got[0]}, PP={got[1]}, EP={got_ep}; "
-                                         f"this model asks for TP={tp}, PP={pp}, EP={ep}")
+        if (*got, got_ep) != (tp, pp, cp, ep):
+            raise UnsupportedConfigError(f"Megatron parallel_state is initialized with TP={got[0]}, PP={got[1]}, CP={got[2]}, "
+                                         f"EP={got_ep}; this model asks for TP={tp}, PP={pp}, CP={cp}, EP={ep}")
