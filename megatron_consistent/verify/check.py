@@ -75,6 +75,7 @@ class CheckConfig:
     trainer_dp: int = 1  # data-parallel replicas of the recompute, each with its share of the sequences (>1: ranks)
     trainer_ep: int = 1  # expert-parallel size of the recompute (MoE; divides trainer_tp * trainer_dp; TP > 1: with SP)
     trainer_sp: bool = False  # Megatron's sequence parallelism in the recompute (trainer_tp > 1)
+    trainer_cp: int = 1  # context-parallel size of the recompute (dense; each sequence's tokens over the CP ranks)
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
     engine_args: str = ""  # JSON object of extra vLLM engine arguments for every engine, e.g. '{"async_scheduling": false}'
@@ -104,6 +105,7 @@ class CheckConfig:
         integer("--trainer-pp", self.trainer_pp)
         integer("--trainer-dp", self.trainer_dp)
         integer("--trainer-ep", self.trainer_ep)
+        integer("--trainer-cp", self.trainer_cp)
         integer("--shared-prefix-len", self.shared_prefix_len, 0)
         positive_float("--temperature", self.temperature)
         positive_float("--engine-timeout-s", self.engine_timeout_s)
@@ -140,15 +142,20 @@ class CheckConfig:
 
 
 def trainer_parallel(cfg: CheckConfig) -> bool:
-    """Whether the consistent recompute runs in ``trainer_tp * trainer_pp * trainer_dp`` ranks (else in this process):
-    gloo on the CPU, NCCL on CUDA (one device per rank)."""
-    return cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp > 1
+    """Whether the consistent recompute runs in ``trainer_tp * trainer_cp * trainer_pp * trainer_dp`` ranks (else in
+    this process): gloo on the CPU, NCCL on CUDA (one device per rank)."""
+    return trainer_ranks(cfg) > 1
+
+
+def trainer_ranks(cfg: CheckConfig) -> int:
+    """The recompute's processes: TP x CP x PP x DP."""
+    return cfg.trainer_tp * cfg.trainer_cp * cfg.trainer_pp * cfg.trainer_dp
 
 
 def trainer_flags(cfg: CheckConfig) -> str:
     """The trainer layout flags as given, for messages: ``--trainer-tp T`` and the others that are not 1."""
     extra = [(flag, v) for flag, v in (("--trainer-pp", cfg.trainer_pp), ("--trainer-dp", cfg.trainer_dp),
-                                       ("--trainer-ep", cfg.trainer_ep)) if v != 1]
+                                       ("--trainer-ep", cfg.trainer_ep), ("--trainer-cp", cfg.trainer_cp)) if v != 1]
     return " ".join([f"--trainer-tp {cfg.trainer_tp}", *(f"{flag} {v}" for flag, v in extra),
                      *(["--trainer-sp"] if cfg.trainer_sp else [])])
 
@@ -162,18 +169,18 @@ def quantization_formats(quantization: str):
 
 
 def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
-    """Why the trainer layout ``--trainer-tp`` / ``--trainer-pp`` / ``--trainer-dp`` / ``--trainer-ep`` cannot run here
-    ("" when it can)."""
+    """Why the trainer layout ``--trainer-tp`` / ``--trainer-pp`` / ``--trainer-dp`` / ``--trainer-ep`` /
+    ``--trainer-cp`` cannot run here ("" when it can)."""
     from ..config import UnsupportedConfigError
     from ..layers.builder import check_tp_shapes
     from ..layers.parallel import HYBRID_FEATURE, check_parallel_sizes, check_rank_devices
 
-    tp, pp, dp, ep = cfg.trainer_tp, cfg.trainer_pp, cfg.trainer_dp, cfg.trainer_ep
+    tp, pp, dp, ep, cp = cfg.trainer_tp, cfg.trainer_pp, cfg.trainer_dp, cfg.trainer_ep, cfg.trainer_cp
     try:  # the helper's own refusals (layers/distributed.py recompute_logprobs_parallel)
-        check_parallel_sizes(tp, pp, sequence_parallel=cfg.trainer_sp, expert_model_parallel_size=ep,
+        check_parallel_sizes(tp, pp, cp, sequence_parallel=cfg.trainer_sp, expert_model_parallel_size=ep,
                              feature=HYBRID_FEATURE if arch.is_hybrid else None)
-        check_tp_shapes(arch, tp, pp, ep)
-        check_rank_devices(cfg.resolved_device(), tp * pp * dp)
+        check_tp_shapes(arch, tp, pp, ep, cp)
+        check_rank_devices(cfg.resolved_device(), trainer_ranks(cfg))
     except UnsupportedConfigError as e:
         return str(e)
     if (tp * dp) % ep:
@@ -181,7 +188,7 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
                 "carved from them)")
     if dp > cfg.num_prompts:
         return f"DP={dp} replicas need at least as many sequences (--num-prompts {cfg.num_prompts})"
-    if tp * pp * dp == 1:
+    if trainer_ranks(cfg) == 1:
         return ""
     if cfg.quantization and (pp, dp, ep) != (1, 1, 1):
         return (f"--quantization {cfg.quantization} with trainer model parallelism: the FP8 / NVFP4 trainer forward "
@@ -210,6 +217,7 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     """Refuse, before any work, an engine / trainer tensor-parallel layout this build cannot run (one-line
     ``ValueError`` naming the flag); returns the layouts the report states."""
     from ..config import UnsupportedConfigError
+    from ..layers.context_parallel import sequence_multiple
     from ..layers.parallel import check_rank_devices, rank_backend
     from ..vllm_plugin.parallel import tp_refusal
 
@@ -239,12 +247,18 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
     if cfg.trainer_sp:
         trainer["sequence_parallel"] = True
+    if cfg.trainer_cp != 1:
+        trainer.update(context_parallel_size=cfg.trainer_cp, context=(
+            f"each sequence (right-padded to a multiple of {sequence_multiple(cfg.trainer_cp, cfg.trainer_tp, cfg.trainer_sp)}) "
+            f"in {2 * cfg.trainer_cp} chunks, CP rank r holding chunks r and {2 * cfg.trainer_cp - 1}-r (Megatron's "
+            "load-balanced layout); rotary at absolute positions; keys / values all-gathered in position order, each rank "
+            "attending its rows over the whole sequence; log-probs gathered in token order"))
     if cfg.trainer_dp != 1:
         trainer.update(data_parallel_size=cfg.trainer_dp, data="each replica recomputes its contiguous share of the "
                        "sequences (layers.distributed.data_parallel_chunks)")
     if trainer_parallel(cfg):
         device = cfg.resolved_device()
-        trainer.update(ranks=f"{cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp} {rank_backend(device)} processes"
+        trainer.update(ranks=f"{trainer_ranks(cfg)} {rank_backend(device)} processes"
                        + (" (rank r on cuda:r)" if device == "cuda" else "") + " (layers.recompute_logprobs_parallel) on the "
                        + ("bf16 masters of the quantized checkpoint the engines serve, FP8 forward (layers.fp8.enable_fp8)"
                           if cfg.quantization else "HF folder the engines serve"),
@@ -283,28 +297,31 @@ def kernel_switches(device: torch.device) -> dict:
 
 def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, responses, temperature: float, route_sink=None) -> torch.Tensor:
     """The consistent trainer's log-prob of every response token at ``cfg.trainer_tp`` x ``cfg.trainer_pp`` x
-    ``cfg.trainer_dp`` (EP ``cfg.trainer_ep``; 1-D float32,
+    ``cfg.trainer_dp`` (EP ``cfg.trainer_ep``, CP ``cfg.trainer_cp``; 1-D float32,
     response by response, in prompt order — what :func:`recompute` returns).
 
     TP = PP = 1: :func:`recompute` of ``model`` in this process.  Otherwise one call of
-    :func:`~megatron_consistent.layers.recompute_logprobs_parallel` (one spawn of ``tp * pp`` ranks for all the
+    :func:`~megatron_consistent.layers.recompute_logprobs_parallel` (one spawn of ``tp * cp * pp * dp`` ranks for all the
     sequences, forwarded in row chunks of ``cfg.recompute_batch``; gloo on the CPU, NCCL on ``cfg``'s CUDA device,
     one GPU per rank) that builds the consistent Megatron model from the HF
-    folder ``model_dir`` (the weights the engines serve).  Sequences are right-padded to the longest (causal: never
-    seen).  ``route_sink`` (MoE): called as :func:`recompute` calls it, with the ranks' routes."""
+    folder ``model_dir`` (the weights the engines serve).  Sequences are right-padded to the longest, rounded up to
+    what sequence / context parallelism split (causal: never seen).  ``route_sink`` (MoE): called as :func:`recompute` calls it, with the ranks' routes."""
     if not trainer_parallel(cfg):
         return recompute(model, prompts, responses, temperature, cfg.recompute_batch, stock=False, route_sink=route_sink)
     from ..layers import recompute_logprobs_parallel
+    from ..layers.context_parallel import sequence_multiple
 
     seqs = [p + r for p, r in zip(prompts, responses)]
     width = max(len(s) for s in seqs)
-    if cfg.trainer_sp:  # sequence parallelism splits the positions over the TP ranks (padding at the end: never seen)
-        width = -(-width // cfg.trainer_tp) * cfg.trainer_tp
+    # sequence / context parallelism split the positions over the TP / CP ranks (padding at the end: never seen)
+    multiple = sequence_multiple(cfg.trainer_cp, cfg.trainer_tp, cfg.trainer_sp)
+    width = -(-width // multiple) * multiple
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], dtype=torch.int64)
     if cfg.quantization:  # the ranks quantize the bf16 masters in their forward (layers.fp8.enable_fp8), as this process
         model_dir = Path(cfg.out_dir) / "model_bf16"
     lp, routes = recompute_logprobs_parallel(str(model_dir), str(model_dir), ids, tp=cfg.trainer_tp, pp=cfg.trainer_pp,
-                                             dp=cfg.trainer_dp, ep=cfg.trainer_ep, sequence_parallel=cfg.trainer_sp,
+                                             dp=cfg.trainer_dp, ep=cfg.trainer_ep, cp=cfg.trainer_cp,
+                                             sequence_parallel=cfg.trainer_sp,
                                              temperature=temperature, workdir=Path(cfg.out_dir) / "trainer_ranks",
                                              batch=cfg.recompute_batch, return_routes=True, device=cfg.resolved_device(),
                                              quantization=quantization_formats(cfg.quantization) if cfg.quantization else None)
@@ -560,7 +577,8 @@ def render(report: dict) -> str:
     title = (f"megatron-consistent check  model={s['arch']['architecture']} ({Path(s['hf_config']).name})  prompts={s['num_prompts']} "
              f"max_tokens={s['max_tokens']} temperature={s['temperature']} logprobs={s['logprobs_mode']} "
              f"max_num_batched_tokens={s['max_num_batched_tokens']}  engine TP={s.get('engine_tp', 1)} trainer TP={s.get('trainer_tp', 1)}"
-             + "".join(f" {k}={s[key]}" for k, key in (("PP", "trainer_pp"), ("DP", "trainer_dp"), ("EP", "trainer_ep"))
+             + "".join(f" {k}={s[key]}" for k, key in (("PP", "trainer_pp"), ("DP", "trainer_dp"), ("EP", "trainer_ep"),
+                                                        ("CP", "trainer_cp"))
                        if s.get(key, 1) != 1) + (" SP" if s.get("trainer_sp") else ""))
     text = "\n".join([format_table(rows, METRIC_COLUMNS, title), *unavailable])
     if s.get("kernel_switches"):

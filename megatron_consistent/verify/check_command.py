@@ -10,7 +10,7 @@ from .processes import ENGINE_TIMEOUT_S
 _KEYS = ["hf_config", "num_prompts", "max_tokens", "temperature", "seed", "max_num_batched_tokens", "mode",
          "logprobs_mode", "out_dir", "json", "quantization", "kv_cache_dtype", "device", "block_size", "gpu_memory_utilization",
          "checkpoint", "prompts", "engine_args", "engine_tp", "trainer_tp", "trainer_pp", "trainer_dp", "trainer_ep", "trainer_sp",
-         "engine_timeout_s"]
+         "trainer_cp", "engine_timeout_s"]
 
 
 def add_arguments(p) -> None:
@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     p.add_argument("--trainer-ep", dest="trainer_ep", type=int,
                    help="expert-parallel size of the consistent Megatron recompute (MoE; divides trainer TP x DP; at "
                    "trainer TP > 1 with --trainer-sp; default 1)")
+    p.add_argument("--trainer-cp", dest="trainer_cp", type=int,
+                   help="context-parallel size of the consistent Megatron recompute (dense models; 1, 2 or 4: each "
+                   "sequence's tokens over the CP ranks in Megatron's load-balanced layout; default 1; >1: ranks)")
     p.add_argument("--trainer-sp", dest="trainer_sp", action="store_true", default=None,
                    help="Megatron's sequence parallelism in the consistent recompute (trainer TP > 1)")
     p.add_argument("--checkpoint", help="your model: HF folder with config.json + safetensors (sharded or not) [+ tokenizer]; "
@@ -63,7 +66,8 @@ def validate(args):
     from .inputs import hf_arch, output_dir, output_file
 
     cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
-    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp * cfg.trainer_ep > 1 \
+    if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp * cfg.trainer_ep \
+            * cfg.trainer_cp > 1 \
             or cfg.trainer_sp:
         from ..config import builtin_model_dir
         from .check import check_layouts

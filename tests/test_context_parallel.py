@@ -1,0 +1,221 @@
+"""Trainer context parallelism (CP = c ∈ {2, 4}; ``layers/context_parallel.py``, docs/parallel.md "Context
+parallelism"): bits equal to CP = 1, gradients within the float64 bound.
+
+* kernel level (no processes): a CP rank's query rows (Megatron's load-balanced layout: chunks r and 2c - 1 - r of
+  2c) attended over the whole sequence's keys at their absolute positions are the rows of the one-call attention,
+  ``torch.equal``; attending the rank's own keys only is not;
+* refusals by name (CP 3, CP x PP, CP x EP, MoE, hybrids, the framework entry points, a length 2c does not divide);
+* model level (gloo ranks, slow): logits and token log-probs at CP 2, CP 4, TP 2 x CP 2, TP 2 + SP x CP 2,
+  DP 2 x CP 2 ``torch.equal`` to one process; CP 2 float32 gradients (summed over the CP ranks, as Megatron's DDP
+  does over its data-parallel-with-context-parallel group) vs float64 within ``GRAD_REL_TOL``, at TP 1 and at
+  TP 2 + SP; broken variants caught: rotary / mask at the rank's local positions, a rank attending its own chunks'
+  keys only (logits differ), dk / dv without the other ranks' contributions (gradients off).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from _parallel_layouts import reference
+from safetensors.torch import load_file, save_file
+
+from megatron_consistent import kernels
+from megatron_consistent.config import ArchConfig, UnsupportedConfigError, load_hf_config
+
+MODELS_DIR = Path(__file__).resolve().parents[1] / "megatron_consistent" / "configs" / "models"
+LLAMA = MODELS_DIR / "tiny-llama"
+SEQ = 16  # 2 x CP = 8 divides it at CP 4; at TP 2 + SP, CP 2: each rank's 8 tokens split over TP 2
+
+
+# ---------------------------------------------------------------------------------------------- kernel level
+def _share_rows(s: int, c: int, r: int) -> torch.Tensor:
+    """The positions CP rank r holds (chunks r and 2c - 1 - r of 2c), as the layers lay them out."""
+    m = s // (2 * c)
+    return torch.cat([torch.arange(r * m, (r + 1) * m), torch.arange((2 * c - 1 - r) * m, (2 * c - r) * m)])
+
+
+@pytest.mark.parametrize("c, s, dtype", [(2, 64, torch.bfloat16), (4, 96, torch.float32), (2, 200, torch.float32)])
+def test_cp_rows_over_the_whole_keys_equal_the_one_call_rows(c, s, dtype):
+    """The contract CP rests on: a query row attended at its absolute position over all the keys is its one-call row,
+    whichever other rows are in the call (several 32-key blocks, GQA); attending the rank's own keys only differs."""
+    g = torch.Generator().manual_seed(c * s)
+    q = torch.randn(2, s, 4, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, s, 2, 16, generator=g).to(dtype) for _ in range(2))
+    whole = kernels.attention(q, k, v, kernels.causal_positions(2, s))
+    for r in range(c):
+        rows = _share_rows(s, c, r)
+        pos = rows.expand(2, -1)
+        got = kernels.attention(q[:, rows], k, v, pos)
+        assert torch.equal(got, whole[:, rows]), f"CP={c} rank {r}"
+        own = kernels.attention(q[:, rows], k[:, rows], v[:, rows], kernels.causal_positions(2, rows.numel()))
+        assert not torch.equal(own, whole[:, rows]), f"CP={c} rank {r}: own keys only not caught"
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def test_context_parallel_refusals_are_named(tmp_path):
+    from megatron_consistent.layers import build_consistent_model, check_parallel_sizes
+    from megatron_consistent.layers.builder import make_transformer_config
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+    from megatron_consistent.layers.entry_points import consistent_layer_spec_provider
+
+    ids = torch.zeros(1, SEQ, dtype=torch.int64)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("context parallelism of size 3 (context_parallel_size must "
+                                                               "be 1, 2 or 4)")):
+        recompute_logprobs_parallel(LLAMA, {}, ids, cp=3)
+    with pytest.raises(UnsupportedConfigError, match="context parallelism of size 8"):
+        build_consistent_model(LLAMA, context_parallel_size=8)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("context parallelism with pipeline parallelism "
+                                                               "(context_parallel_size=2, pipeline_model_parallel_size=2)")):
+        recompute_logprobs_parallel(LLAMA, {}, ids, cp=2, pp=2)
+    with pytest.raises(UnsupportedConfigError, match="context parallelism with expert parallelism"):
+        check_parallel_sizes(1, 1, 2, expert_model_parallel_size=2)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("CP=2 cannot split Qwen3MoeForCausalLM: context parallelism "
+                                                               "on a MoE model (implemented for dense models)")):
+        recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3moe-top1", {}, ids, cp=2)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("hybrid (Mamba) model with context parallelism "
+                                                               "(context_parallel_size=2)")):
+        recompute_logprobs_parallel(MODELS_DIR / "tiny-nemotronh", {}, ids, cp=2)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("hybrid (Mamba) model with context parallelism")):
+        build_consistent_model(MODELS_DIR / "tiny-nemotronh", context_parallel_size=2)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("CP=4: sequence length 12 is not divisible by 8 (2 x CP "
+                                                               "chunks)")):
+        recompute_logprobs_parallel(LLAMA, {}, torch.zeros(1, 12, dtype=torch.int64), cp=4)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("CP=2: sequence length 12 is not divisible by 8 (2 x CP "
+                                                               "chunks, each CP rank's tokens over TP=2)")):
+        recompute_logprobs_parallel(LLAMA, {}, torch.zeros(1, 12, dtype=torch.int64), cp=2, tp=2, sequence_parallel=True)
+    framework_config = make_transformer_config(ArchConfig.from_hf(load_hf_config(LLAMA)), torch.float32, consistent=False)
+    framework_config.context_parallel_size = 2
+    with pytest.raises(UnsupportedConfigError, match=re.escape("context parallelism (context_parallel_size=2) through the "
+                                                               "framework entry points is not supported")):
+        consistent_layer_spec_provider(framework_config)
+    # one process: CP 2 needs ranks (before torch.distributed is up, or at world size 1 after an earlier test)
+    with pytest.raises(UnsupportedConfigError, match=r"TP=1 x CP=2 x PP=1 (needs torch.distributed initialized by the "
+                       r"caller|needs a world size that TP x CP x PP divides)"):
+        build_consistent_model(LLAMA, context_parallel_size=2)
+
+
+# ---------------------------------------------------------------------------------------------- model level
+@pytest.mark.slow
+def test_logits_and_logprobs_equal_across_cp_layouts(tmp_path):
+    """CP 2, CP 4, TP 2 x CP 2, TP 2 + SP x CP 2, DP 2 x CP 2 (bf16 tiny-llama, 2 sequences of 16 tokens): the
+    one-process logits and log-probs, ``torch.equal``."""
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+
+    weights, ids, logits, lp = reference(LLAMA, tmp_path, seq=SEQ)
+    for tp, cp, sp, dp in [(1, 2, False, 1), (1, 4, False, 1), (2, 2, False, 1), (2, 2, True, 1), (1, 2, False, 2)]:
+        got_lp, got_logits = recompute_logprobs_parallel(LLAMA, weights, ids, tp=tp, cp=cp, dp=dp, sequence_parallel=sp,
+                                                         return_logits=True, workdir=tmp_path / f"tp{tp}cp{cp}sp{sp}dp{dp}")
+        assert torch.equal(got_logits, logits), f"logits differ at TP={tp} CP={cp} SP={sp} DP={dp}"
+        assert torch.equal(got_lp, lp), f"log-probs differ at TP={tp} CP={cp} SP={sp} DP={dp}"
+
+
+def _local_positions(batch, length, device=None):  # broken: rotary and mask at the rank's local positions
+    return kernels.causal_positions(batch, length, device=device)
+
+
+def _own_keys_only(q, k, v, positions, scale):  # broken: the rank attends its own chunks' keys only
+    return kernels.attention(q, k, v, kernels.causal_positions(*q.shape[:2], device=q.device), scale=scale)
+
+
+def _own_contribution_only(ctx, g):  # broken backward: dk / dv without the other CP ranks' queries' contributions
+    from megatron_consistent.layers import context_parallel as cpar
+
+    return cpar.cp_share(g, ctx.dim), None, None
+
+
+def _cp_worker(rank: int, workdir: str, tp: int, sp: bool) -> None:
+    """CP 2 (x TP ``tp``): the logits (gathered over the vocabulary and the CP ranks), the same with the two broken
+    forwards, and the float32 gradients (CP ranks summed) with the right and the broken backward."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_consistent.layers import context_parallel as cpar
+    from megatron_consistent.layers import tensor_parallel as tpar
+    from megatron_consistent.layers.distributed import build_parallel_model, gather_vocab, stage_backward, stage_forward
+
+    work = Path(workdir)
+    ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
+    cfg = work / "weights" / "config.json"
+    model = build_parallel_model(cfg, work / "weights", tp=tp, cp=2, dtype=torch.bfloat16, sequence_parallel=sp)
+    out = {}
+    with torch.no_grad():
+        out["logits"] = cpar.gather_cp_sequence(gather_vocab(stage_forward(model, ids))).contiguous()
+        for name, attr, broken in (("local_positions", "cp_positions", _local_positions),
+                                   ("own_keys", "cp_attention", _own_keys_only)):
+            right = getattr(cpar, attr)
+            setattr(cpar, attr, broken)
+            try:
+                out[name] = cpar.gather_cp_sequence(gather_vocab(stage_forward(model, ids))).contiguous()
+            finally:
+                setattr(cpar, attr, right)
+    model32 = build_parallel_model(cfg, work / "weights", tp=tp, cp=2, dtype=torch.float32, sequence_parallel=sp)
+
+    def gradients():
+        model32.zero_grad(set_to_none=True)
+        stage_backward(model32, ids, lambda lp: -lp.mean())
+        for p in model32.parameters():  # Megatron: finalize_model_grads (SP weights over TP), DDP over DP x CP
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=tpar.tp_group())
+            dist.all_reduce(p.grad, group=ps.get_data_parallel_group(with_context_parallel=True))
+        return {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
+
+    grads = gradients()
+    right = cpar._GatherKeysValues.backward
+    cpar._GatherKeysValues.backward = staticmethod(_own_contribution_only)
+    try:
+        broken = gradients()
+    finally:
+        cpar._GatherKeysValues.backward = right
+    if rank == 0:
+        save_file(out, str(work / "out.safetensors"))
+        save_file(grads, str(work / "grads.safetensors"))
+        save_file(broken, str(work / "broken_grads.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
+def test_cp2_bits_gradients_and_broken_variants(tmp_path, tp, sp):
+    """CP 2 (and TP 2 + SP x CP 2) in one gloo job: logits ``torch.equal`` to one process; float32 gradients, summed
+    over the CP ranks, within ``GRAD_REL_TOL`` of float64; rotary at local positions and own-keys-only attention change
+    the logits; a backward without the other ranks' dk / dv contributions is far off."""
+    from test_parallel_trainer import _gradient_errors
+
+    from megatron_consistent.layers.distributed import spawn_ranks
+    from megatron_consistent.verify.reference import GRAD_REL_TOL
+
+    weights, ids, logits, _ = reference(LLAMA, tmp_path, seq=SEQ)
+    save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
+    spawn_ranks(_cp_worker, 2 * tp, tmp_path, tp, sp)
+    out = load_file(str(tmp_path / "out.safetensors"))
+    assert torch.equal(out["logits"], logits)
+    assert not torch.equal(out["local_positions"], logits), "rotary / mask at local positions not caught"
+    assert not torch.equal(out["own_keys"], logits), "attention over the rank's own keys only not caught"
+    errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
+    print(f"TP={tp} SP={sp} CP=2 gradients: max relative error vs float64 {max(errs.values()):.3g} "
+          f"({max(errs, key=errs.get)})")
+    assert max(errs.values()) < GRAD_REL_TOL, errs
+    broken = _gradient_errors(tmp_path / "broken_grads.safetensors", weights, ids)
+    print(f"broken dk / dv sum: max relative error {max(broken.values()):.3g} ({max(broken, key=broken.get)})")
+    assert max(broken.values()) > 1e3 * GRAD_REL_TOL, "dk / dv without the other CP ranks' contributions not caught"
+
+
+def test_layouts_state_the_context_parallel_trainer(tmp_path):
+    from megatron_consistent.verify.check import check_layouts, load_check_config
+
+    arch = ArchConfig.from_hf(load_hf_config(LLAMA))
+    lay = check_layouts(load_check_config(trainer_tp=2, trainer_cp=2, trainer_sp=True, device="cpu",
+                                          out_dir=str(tmp_path)), arch)["trainer"]
+    assert lay["context_parallel_size"] == 2 and lay["ranks"].startswith("4 gloo processes")
+    assert "right-padded to a multiple of 4" in lay["context"] and "chunks r and 3-r" in lay["context"]
+    for overrides, words in [({"trainer_cp": 3}, "--trainer-tp 1 --trainer-cp 3: the consistent Megatron layers do not "
+                              "support: context parallelism of size 3"),
+                             ({"trainer_cp": 2, "trainer_pp": 2}, "--trainer-tp 1 --trainer-pp 2 --trainer-cp 2: the "
+                              "consistent Megatron layers do not support: context parallelism with pipeline parallelism")]:
+        with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
+            check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), **overrides), arch)
+    moe = ArchConfig.from_hf(load_hf_config(MODELS_DIR / "tiny-qwen3moe-top1"))
+    with pytest.raises(UnsupportedConfigError, match="context parallelism on a MoE model"):
+        check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), trainer_cp=2), moe)
