@@ -83,9 +83,9 @@ def test_context_parallel_refusals_are_named(tmp_path):
     with pytest.raises(UnsupportedConfigError, match=re.escape("CP=4: sequence length 12 is not divisible by 8 (2 x CP "
                                                                "chunks)")):
         recompute_logprobs_parallel(LLAMA, {}, torch.zeros(1, 12, dtype=torch.int64), cp=4)
-    with pytest.raises(UnsupportedConfigError, match=re.escape("CP=2: sequence length 12 is not divisible by 8 (2 x CP "
+    with pytest.raises(UnsupportedConfigError, match=re.escape("CP=2: sequence length 10 is not divisible by 4 (2 x CP "
                                                                "chunks, each CP rank's tokens over TP=2)")):
-        recompute_logprobs_parallel(LLAMA, {}, torch.zeros(1, 12, dtype=torch.int64), cp=2, tp=2, sequence_parallel=True)
+        recompute_logprobs_parallel(LLAMA, {}, torch.zeros(1, 10, dtype=torch.int64), cp=2, tp=2, sequence_parallel=True)
     framework_config = make_transformer_config(ArchConfig.from_hf(load_hf_config(LLAMA)), torch.float32, consistent=False)
     framework_config.context_parallel_size = 2
     with pytest.raises(UnsupportedConfigError, match=re.escape("context parallelism (context_parallel_size=2) through the "

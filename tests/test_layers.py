@@ -234,7 +234,9 @@ def test_refusals_are_named():
         build_consistent_gpt_model(path, tensor_model_parallel_size=2)
     with pytest.raises(UnsupportedConfigError, match="sequence parallelism"):
         build_consistent_gpt_model(path, sequence_parallel=True)
-    with pytest.raises(UnsupportedConfigError, match="context parallelism"):
+    with pytest.raises(UnsupportedConfigError, match="context parallelism of size 3"):
+        build_consistent_gpt_model(path, context_parallel_size=3)
+    with pytest.raises(UnsupportedConfigError, match="TP=1 x CP=2 x PP=1 needs"):  # CP 2 runs in ranks
         build_consistent_gpt_model(path, context_parallel_size=2)
     with pytest.raises(UnsupportedConfigError, match="TP=1 x PP=2 needs"):
         build_consistent_gpt_model(path, pipeline_model_parallel_size=2)

@@ -142,8 +142,8 @@ def test_parallel_refusals_are_named(tmp_path):
             recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3-qknorm-tied", {}, ids, pp=2)
     with pytest.raises(UnsupportedConfigError, match="sequence parallelism without tensor parallelism"):
         build_consistent_model(LLAMA, sequence_parallel=True)
-    with pytest.raises(UnsupportedConfigError, match="context parallelism"):
-        build_consistent_model(LLAMA, context_parallel_size=2)
+    with pytest.raises(UnsupportedConfigError, match="context parallelism of size 3"):  # CP: tests/test_context_parallel.py
+        build_consistent_model(LLAMA, context_parallel_size=3)
     with pytest.raises(UnsupportedConfigError, match="EP=2 cannot split LlamaForCausalLM: expert parallelism on a model "
                        "without experts"):
         build_consistent_model(LLAMA, expert_model_parallel_size=2)

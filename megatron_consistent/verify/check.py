@@ -305,7 +305,8 @@ def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, response
     sequences, forwarded in row chunks of ``cfg.recompute_batch``; gloo on the CPU, NCCL on ``cfg``'s CUDA device,
     one GPU per rank) that builds the consistent Megatron model from the HF
     folder ``model_dir`` (the weights the engines serve).  Sequences are right-padded to the longest, rounded up to
-    what sequence / context parallelism split (causal: never seen).  ``route_sink`` (MoE): called as :func:`recompute` calls it, with the ranks' routes."""
+    what sequence / context parallelism split (causal: never seen).  ``route_sink`` (MoE): called as
+    :func:`recompute` calls it, with the ranks' routes."""
     if not trainer_parallel(cfg):
         return recompute(model, prompts, responses, temperature, cfg.recompute_batch, stock=False, route_sink=route_sink)
     from ..layers import recompute_logprobs_parallel
