@@ -4,7 +4,7 @@ Zero means zero: ``torch.equal`` / ``exact_fraction`` 1.0.
 
 * fast: the report's layouts; the trainer layouts refused by name (the CLI cases are in
   ``tests/test_parallel_engine.py::test_check_refuses_tp_flags_before_any_work``).
-* slow: :func:`verify.check.trainer_logprobs` at TP = 2 (one spawn, row chunks of ``recompute_batch``) gives the
+* slow: :func:`verify.check.trainer_logprobs` at TP = 2, CP = 2 (one spawn, row chunks of ``recompute_batch``) gives the
   in-process TP = 1 log-probs and, for MoE, the same routes.
 * engine: ``run_check`` at (T, E) = (2, 1) and (2, 2) on tiny-llama, zero mismatch; the hybrids at engine TP = 2
   (tiny-nemotronh at (2, 2), tiny-nemotronh-moe at (1, 2)), zero mismatch, routes agreeing.
@@ -105,6 +105,8 @@ def test_check_device_cuda_refuses_too_few_gpus_before_any_work(tmp_path, capsys
      "K tree has 2 segments, so TP must divide 2 (one of (1, 2)), got TP=4"),
     (["--trainer-tp", "4"], "--trainer-tp 4: TP=4, PP=1 cannot split LlamaForCausalLM: consistent_row_parallel_segments=2: "
      "the row-parallel K tree has 2 segments, so TP must divide 2 (one of (1, 2)), got TP=4"),
+    (["--trainer-cp", "3"], "--trainer-tp 1 --trainer-cp 3: the consistent Megatron layers do not support: context "
+     "parallelism of size 3 (context_parallel_size must be 1, 2 or 4)"),
 ])
 def test_check_refuses_tp_not_dividing_the_models_s_before_any_work(tmp_path, capsys, flags, words):
     """A model whose config sets ``consistent_row_parallel_segments`` = 2 (4 KV heads: nothing else stops TP = 4): an
@@ -136,11 +138,14 @@ def test_layouts_name_nccl_ranks_on_cuda(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name, layout", [("tiny-llama", {"trainer_tp": 2}), ("tiny-qwen3moe-top1", {"trainer_tp": 2}),
                                           ("tiny-llama", {"trainer_dp": 2}),
                                           ("tiny-qwen3moe-top1", {"trainer_dp": 2, "trainer_ep": 2}),
-                                          ("tiny-qwen3moe-top1", {"trainer_tp": 2, "trainer_sp": True, "trainer_ep": 2})])
+                                          ("tiny-qwen3moe-top1", {"trainer_tp": 2, "trainer_sp": True, "trainer_ep": 2}),
+                                          ("tiny-llama", {"trainer_cp": 2}),
+                                          ("tiny-llama", {"trainer_tp": 2, "trainer_sp": True, "trainer_cp": 2})])
 def test_trainer_logprobs_parallel_equals_one_process(tmp_path, name, layout):
     """The recompute at TP = 2, at DP = 2 (shares of 3 and 2 sequences, chunks of up to 2), with the experts over EP = 2
-    replicas and over TP = 2 ranks with sequence parallelism (width padded to a multiple of TP) gives the in-process
-    log-probs and, for MoE, the same routes per request."""
+    replicas and over TP = 2 ranks with sequence parallelism (width padded to a multiple of TP), at CP = 2 and
+    TP = 2 + SP x CP = 2 (width padded to a multiple of 4) gives the in-process log-probs and, for MoE, the same routes
+    per request."""
     from megatron_consistent.conversion import export_hf
     from megatron_consistent.layers import build_consistent_gpt_model
     from megatron_consistent.verify.check import trainer_logprobs
