@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels
+from ..config import UnsupportedConfigError
 from .tensor_parallel import _all_gather, vocab_parallel_logprobs
 
 __all__ = ["cp_attention", "cp_group", "cp_positions", "cp_rank", "cp_share", "cp_size", "gather_cp_sequence",
-           "sequence_multiple", "sequence_token_logprobs"]
+           "sequence_length_refusal", "sequence_multiple", "sequence_token_logprobs"]
 
 
 def cp_group():
@@ -60,8 +61,26 @@ def sequence_multiple(cp: int, tp: int = 1, sequence_parallel: bool = False) -> 
     return t if cp == 1 else cp * math.lcm(2, t)
 
 
+def sequence_length_refusal(length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> str:
+    """Why sequences of ``length`` tokens cannot be split at CP = ``cp`` (TP = ``tp``, sequence parallelism); ""
+    when they can."""
+    m = sequence_multiple(cp, tp, sequence_parallel)
+    if length % m == 0:
+        return ""
+    if cp == 1:
+        return f"sequence parallelism: sequence length {length} is not divisible by TP={tp}"
+    return (f"context parallelism CP={cp}: sequence length {length} is not divisible by {m} (2 x CP chunks"
+            + (f", each CP rank's tokens over TP={tp}" if sequence_parallel and tp > 1 else "") + ")")
+
+
 def _chunk_ids(rank: int, c: int) -> tuple[int, int]:
     return rank, 2 * c - 1 - rank
+
+
+def _share(x: torch.Tensor, dim: int, rank: int, c: int) -> torch.Tensor:
+    """Rank ``rank``'s chunks of 2c along ``dim`` (slicing)."""
+    parts = x.chunk(2 * c, dim=dim)
+    return torch.cat([parts[i] for i in _chunk_ids(rank, c)], dim=dim)
 
 
 def cp_share(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -70,12 +89,10 @@ def cp_share(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     c = cp_size()
     if c == 1:
         return x
-    s = x.shape[dim]
-    if s % (2 * c):
-        raise ValueError(f"context parallelism: sequence length {s} is not divisible by 2 x CP = {2 * c} (each CP rank "
-                         "holds two of 2 x CP chunks)")
-    parts = x.chunk(2 * c, dim=dim)
-    return torch.cat([parts[i] for i in _chunk_ids(cp_rank(), c)], dim=dim)
+    reason = sequence_length_refusal(x.shape[dim], c)
+    if reason:
+        raise UnsupportedConfigError(reason)
+    return _share(x, dim, cp_rank(), c)
 
 
 def cp_positions(batch: int, local_length: int, device=None) -> torch.Tensor:
@@ -115,9 +132,8 @@ class _GatherKeysValues(torch.autograd.Function):
         total = None
         for part in _all_gather(g.to(torch.float32), ctx.group):  # rank order
             total = part if total is None else total + part
-        c, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        parts = total.chunk(2 * c, dim=ctx.dim)
-        return torch.cat([parts[i] for i in _chunk_ids(r, c)], dim=ctx.dim).to(g.dtype), None, None
+        share = _share(total, ctx.dim, dist.get_rank(ctx.group), dist.get_world_size(ctx.group))
+        return share.to(g.dtype), None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -133,9 +149,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        c, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        parts = g.chunk(2 * c, dim=ctx.dim)
-        return torch.cat([parts[i] for i in _chunk_ids(r, c)], dim=ctx.dim), None, None
+        return _share(g, ctx.dim, dist.get_rank(ctx.group), dist.get_world_size(ctx.group)), None, None
 
 
 def gather_cp_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:

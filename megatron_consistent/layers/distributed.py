@@ -44,7 +44,8 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ArchConfig, UnsupportedConfigError
 from . import tensor_parallel as tpar
-from .context_parallel import cp_positions, cp_rank, cp_share, gather_cp_sequence, sequence_multiple, sequence_token_logprobs
+from .context_parallel import (cp_positions, cp_rank, cp_share, gather_cp_sequence, sequence_length_refusal,
+                               sequence_token_logprobs)
 from .parallel import check_rank_devices, rank_backend
 
 __all__ = ["NVLINK_MULTICAST_OFF", "build_parallel_model", "data_parallel_chunks", "export_hf_parallel", "gather_vocab",
@@ -182,10 +183,9 @@ def _stage_run(model, input_ids: torch.Tensor, *, requires_grad: bool = False):
 
     sp = getattr(model, "sequence_parallel", False)
     t = tpar.tp_size()
-    c = getattr(model, "context_parallel_size", 1)
-    if input_ids.shape[1] % sequence_multiple(c, t, sp):
-        raise ValueError(f"sequence length {input_ids.shape[1]} is not divisible by {sequence_multiple(c, t, sp)} "
-                         f"(context parallelism CP={c}: 2 x CP chunks; sequence parallelism: TP={t} at each CP rank)")
+    reason = sequence_length_refusal(input_ids.shape[1], getattr(model, "context_parallel_size", 1), t, sp)
+    if reason:
+        raise UnsupportedConfigError(reason)
     input_ids = cp_share(input_ids)
     b, s = input_ids.shape
     positions = cp_positions(b, s, device=input_ids.device)
@@ -442,13 +442,9 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     ids = torch.as_tensor(input_ids, dtype=torch.int64)
     if ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got {tuple(ids.shape)}")
-    if sequence_parallel and cp == 1 and ids.shape[1] % tp:
-        raise ValueError(f"sequence parallelism: sequence length {ids.shape[1]} is not divisible by TP={tp}")
-    if cp > 1 and ids.shape[1] % sequence_multiple(cp, tp, sequence_parallel):
-        raise UnsupportedConfigError(
-            f"context parallelism CP={cp}: sequence length {ids.shape[1]} is not divisible by "
-            f"{sequence_multiple(cp, tp, sequence_parallel)} (2 x CP chunks" + (f", each CP rank's tokens over TP={tp}"
-                                                                                  if sequence_parallel else "") + ")")
+    reason = sequence_length_refusal(ids.shape[1], cp, tp, sequence_parallel)
+    if reason:
+        raise UnsupportedConfigError(reason)
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch must be a positive int, got {batch!r}")
     data_parallel_chunks(ids.shape[0], dp, batch)  # b >= dp: refused here, before the ranks start
