@@ -4,12 +4,15 @@ parallelism"): bits equal to CP = 1, gradients within the float64 bound.
 * kernel level (no processes): a CP rank's query rows (Megatron's load-balanced layout: chunks r and 2c - 1 - r of
   2c) attended over the whole sequence's keys at their absolute positions are the rows of the one-call attention,
   ``torch.equal``; attending the rank's own keys only is not;
-* refusals by name (CP 3, CP x PP, CP x EP, MoE, hybrids, the framework entry points, a length 2c does not divide);
+* refusals by name (CP 3, CP x PP, CP x EP, Megatron's MoELayer, hybrids, the framework entry points, a length 2c
+  does not divide);
 * model level (gloo ranks, slow): logits and token log-probs at CP 2, CP 4, TP 2 x CP 2, TP 2 + SP x CP 2,
-  DP 2 x CP 2 ``torch.equal`` to one process; CP 2 float32 gradients (summed over the CP ranks, as Megatron's DDP
-  does over its data-parallel-with-context-parallel group) vs float64 within ``GRAD_REL_TOL``, at TP 1 and at
-  TP 2 + SP; broken variants caught: rotary / mask at the rank's local positions, a rank attending its own chunks'
-  keys only (logits differ), dk / dv without the other ranks' contributions (gradients off).
+  DP 2 x CP 2 (dense), CP 2 and TP 2 (+ SP) x CP 2 (MoE, with the routes) ``torch.equal`` to one process; CP 2 float32
+  gradients (summed over the CP ranks, as Megatron's DDP does over its data-parallel-with-context-parallel group) vs
+  float64 within ``GRAD_REL_TOL``, at TP 1 and at TP 2 + SP, dense and MoE (whose load-balancing loss is the
+  one-process value, bit for bit); broken variants caught: rotary / mask at the rank's local positions, a rank
+  attending its own chunks' keys only (logits differ), dk / dv without the other ranks' contributions (gradients
+  off).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from megatron_consistent.config import ArchConfig, UnsupportedConfigError, load_
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "megatron_consistent" / "configs" / "models"
 LLAMA = MODELS_DIR / "tiny-llama"
+QWEN3MOE = MODELS_DIR / "tiny-qwen3moe-top1"  # 8 experts, top-1
+QWEN2MOE = MODELS_DIR / "tiny-qwen2moe-top8-shared"  # 64 experts, top-8, a gated shared expert
 SEQ = 16  # 2 x CP = 8 divides it at CP 4; at TP 2 + SP, CP 2: each rank's 8 tokens split over TP 2
 
 
@@ -72,9 +77,8 @@ def test_context_parallel_refusals_are_named(tmp_path):
         recompute_logprobs_parallel(LLAMA, {}, ids, cp=2, pp=2)
     with pytest.raises(UnsupportedConfigError, match="context parallelism with expert parallelism"):
         check_parallel_sizes(1, 1, 2, expert_model_parallel_size=2)
-    with pytest.raises(UnsupportedConfigError, match=re.escape("CP=2 cannot split Qwen3MoeForCausalLM: context parallelism "
-                                                               "on a MoE model (implemented for dense models)")):
-        recompute_logprobs_parallel(MODELS_DIR / "tiny-qwen3moe-top1", {}, ids, cp=2)
+    with pytest.raises(UnsupportedConfigError, match=re.escape("moe_impl='megatron' with TP/PP/EP/CP > 1 is not supported")):
+        build_consistent_model(QWEN3MOE, context_parallel_size=2, moe_impl="megatron")
     with pytest.raises(UnsupportedConfigError, match=re.escape("hybrid (Mamba) model with context parallelism "
                                                                "(context_parallel_size=2)")):
         recompute_logprobs_parallel(MODELS_DIR / "tiny-nemotronh", {}, ids, cp=2)
@@ -99,17 +103,34 @@ def test_context_parallel_refusals_are_named(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- model level
 @pytest.mark.slow
-def test_logits_and_logprobs_equal_across_cp_layouts(tmp_path):
-    """CP 2, CP 4, TP 2 x CP 2, TP 2 + SP x CP 2, DP 2 x CP 2 (bf16 tiny-llama, 2 sequences of 16 tokens): the
-    one-process logits and log-probs, ``torch.equal``."""
+@pytest.mark.parametrize("config, layouts", [
+    (LLAMA, [(1, 2, False, 1), (1, 4, False, 1), (2, 2, False, 1), (2, 2, True, 1), (1, 2, False, 2)]),
+    (QWEN3MOE, [(1, 2, False, 1)]),
+    (QWEN2MOE, [(2, 2, False, 1), (2, 2, True, 1)]),
+], ids=["tiny-llama", "tiny-qwen3moe-top1", "tiny-qwen2moe-top8-shared"])
+def test_logits_and_logprobs_equal_across_cp_layouts(tmp_path, config, layouts):
+    """(TP, CP, SP, DP) layouts (bf16, 2 sequences of 16 tokens): the one-process logits and log-probs, and for MoE
+    every layer's routes, ``torch.equal``."""
+    from megatron_consistent.layers import build_consistent_model
     from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+    from megatron_consistent.layers.moe import collect_routes
 
-    weights, ids, logits, lp = reference(LLAMA, tmp_path, seq=SEQ)
-    for tp, cp, sp, dp in [(1, 2, False, 1), (1, 4, False, 1), (2, 2, False, 1), (2, 2, True, 1), (1, 2, False, 2)]:
-        got_lp, got_logits = recompute_logprobs_parallel(LLAMA, weights, ids, tp=tp, cp=cp, dp=dp, sequence_parallel=sp,
-                                                         return_logits=True, workdir=tmp_path / f"tp{tp}cp{cp}sp{sp}dp{dp}")
+    weights, ids, logits, lp = reference(config, tmp_path, seq=SEQ)
+    one = build_consistent_model(config, seed=5, dtype=torch.bfloat16)  # reference()'s model: its routes
+    with torch.no_grad():
+        one(ids, kernels.causal_positions(*ids.shape), None)
+    routes = collect_routes(one)
+    for tp, cp, sp, dp in layouts:
+        got_lp, got_logits, got_routes = recompute_logprobs_parallel(
+            config, weights, ids, tp=tp, cp=cp, dp=dp, sequence_parallel=sp, return_logits=True, return_routes=True,
+            workdir=tmp_path / f"tp{tp}cp{cp}sp{sp}dp{dp}")
         assert torch.equal(got_logits, logits), f"logits differ at TP={tp} CP={cp} SP={sp} DP={dp}"
         assert torch.equal(got_lp, lp), f"log-probs differ at TP={tp} CP={cp} SP={sp} DP={dp}"
+        if dp == 1:
+            assert got_routes.keys() == ({0} if routes else set())
+            assert got_routes.get(0, {}).keys() == routes.keys()
+            for layer, r in routes.items():
+                assert torch.equal(got_routes[0][layer], r), f"layer {layer} routes differ at TP={tp} CP={cp} SP={sp}"
 
 
 def _local_positions(batch, length, device=None):  # broken: rotary and mask at the rank's local positions
@@ -128,13 +149,15 @@ def _own_contribution_only(ctx, g):  # broken backward: dk / dv without the othe
 
 def _cp_worker(rank: int, workdir: str, tp: int, sp: bool) -> None:
     """CP 2 (x TP ``tp``): the logits (gathered over the vocabulary and the CP ranks), the same with the two broken
-    forwards, and the float32 gradients (CP ranks summed) with the right and the broken backward."""
+    forwards, and the float32 gradients (CP ranks summed) with the right and the broken backward; MoE: the
+    load-balancing loss of the training forward."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_consistent.layers import context_parallel as cpar
     from megatron_consistent.layers import tensor_parallel as tpar
     from megatron_consistent.layers.distributed import build_parallel_model, gather_vocab, stage_backward, stage_forward
+    from megatron_consistent.layers.moe import moe_aux_loss
 
     work = Path(workdir)
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
@@ -163,6 +186,9 @@ def _cp_worker(rank: int, workdir: str, tp: int, sp: bool) -> None:
         return {name: tpar.unshard_like(p.grad, p).contiguous() for name, p in model32.named_parameters()}
 
     grads = gradients()
+    aux = moe_aux_loss(model32)
+    if aux is not None:
+        out["aux_loss"] = aux.detach().reshape(1)
     right = cpar._GatherKeysValues.backward
     cpar._GatherKeysValues.backward = staticmethod(_own_contribution_only)
     try:
@@ -176,25 +202,37 @@ def _cp_worker(rank: int, workdir: str, tp: int, sp: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, sp", [(1, False), (2, True)])
-def test_cp2_bits_gradients_and_broken_variants(tmp_path, tp, sp):
+@pytest.mark.parametrize("config, tp, sp", [(LLAMA, 1, False), (LLAMA, 2, True), (QWEN2MOE, 1, False)],
+                         ids=["tiny-llama-cp2", "tiny-llama-tp2-sp-cp2", "tiny-qwen2moe-top8-shared-cp2"])
+def test_cp2_bits_gradients_and_broken_variants(tmp_path, config, tp, sp):
     """CP 2 (and TP 2 + SP x CP 2) in one gloo job: logits ``torch.equal`` to one process; float32 gradients, summed
-    over the CP ranks, within ``GRAD_REL_TOL`` of float64; rotary at local positions and own-keys-only attention change
-    the logits; a backward without the other ranks' dk / dv contributions is far off."""
+    over the CP ranks, within ``GRAD_REL_TOL`` of float64; MoE: the load-balancing loss is the one-process value;
+    rotary at local positions and own-keys-only attention change the logits; a backward without the other ranks'
+    dk / dv contributions is far off."""
     from test_parallel_trainer import _gradient_errors
 
-    from megatron_consistent.layers.distributed import spawn_ranks
+    from megatron_consistent.layers import build_consistent_model, compute_token_logprobs
+    from megatron_consistent.layers.distributed import (load_full_megatron_state, megatron_state_from_hf, read_hf_tensors,
+                                                        spawn_ranks)
+    from megatron_consistent.layers.moe import moe_aux_loss
     from megatron_consistent.verify.reference import GRAD_REL_TOL
 
-    weights, ids, logits, _ = reference(LLAMA, tmp_path, seq=SEQ)
+    weights, ids, logits, _ = reference(config, tmp_path, seq=SEQ)
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
     spawn_ranks(_cp_worker, 2 * tp, tmp_path, tp, sp)
     out = load_file(str(tmp_path / "out.safetensors"))
     assert torch.equal(out["logits"], logits)
+    one = build_consistent_model(config, dtype=torch.float32, moe_impl="module")  # the ranks' MoE layer; training mode
+    load_full_megatron_state(one, megatron_state_from_hf(one.arch_config, read_hf_tensors(weights)))
+    compute_token_logprobs(one, ids)
+    aux = moe_aux_loss(one)
+    assert (aux is None) == ("aux_loss" not in out)
+    if aux is not None:
+        assert aux.item() > 0 and torch.equal(out["aux_loss"], aux.detach().reshape(1)), (out["aux_loss"], aux)
     assert not torch.equal(out["local_positions"], logits), "rotary / mask at local positions not caught"
     assert not torch.equal(out["own_keys"], logits), "attention over the rank's own keys only not caught"
     errs = _gradient_errors(tmp_path / "grads.safetensors", weights, ids)
-    print(f"TP={tp} SP={sp} CP=2 gradients: max relative error vs float64 {max(errs.values()):.3g} "
+    print(f"{config.name} TP={tp} SP={sp} CP=2 gradients: max relative error vs float64 {max(errs.values()):.3g} "
           f"({max(errs, key=errs.get)})")
     assert max(errs.values()) < GRAD_REL_TOL, errs
     broken = _gradient_errors(tmp_path / "broken_grads.safetensors", weights, ids)
@@ -216,6 +254,3 @@ def test_layouts_state_the_context_parallel_trainer(tmp_path):
                               "consistent Megatron layers do not support: context parallelism with pipeline parallelism")]:
         with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
             check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), **overrides), arch)
-    moe = ArchConfig.from_hf(load_hf_config(MODELS_DIR / "tiny-qwen3moe-top1"))
-    with pytest.raises(UnsupportedConfigError, match="context parallelism on a MoE model"):
-        check_layouts(load_check_config(device="cpu", out_dir=str(tmp_path), trainer_cp=2), moe)

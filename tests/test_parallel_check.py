@@ -140,12 +140,13 @@ def test_layouts_name_nccl_ranks_on_cuda(tmp_path, monkeypatch):
                                           ("tiny-qwen3moe-top1", {"trainer_dp": 2, "trainer_ep": 2}),
                                           ("tiny-qwen3moe-top1", {"trainer_tp": 2, "trainer_sp": True, "trainer_ep": 2}),
                                           ("tiny-llama", {"trainer_cp": 2}),
-                                          ("tiny-llama", {"trainer_tp": 2, "trainer_sp": True, "trainer_cp": 2})])
+                                          ("tiny-llama", {"trainer_tp": 2, "trainer_sp": True, "trainer_cp": 2}),
+                                          ("tiny-qwen3moe-top1", {"trainer_cp": 2})])
 def test_trainer_logprobs_parallel_equals_one_process(tmp_path, name, layout):
     """The recompute at TP = 2, at DP = 2 (shares of 3 and 2 sequences, chunks of up to 2), with the experts over EP = 2
-    replicas and over TP = 2 ranks with sequence parallelism (width padded to a multiple of TP), at CP = 2 and
-    TP = 2 + SP x CP = 2 (width padded to a multiple of 4) gives the in-process log-probs and, for MoE, the same routes
-    per request."""
+    replicas and over TP = 2 ranks with sequence parallelism (width padded to a multiple of TP), at CP = 2 (dense and
+    MoE) and TP = 2 + SP x CP = 2 (width padded to a multiple of 4) gives the in-process log-probs and, for MoE, the
+    same routes per request."""
     from megatron_consistent.conversion import export_hf
     from megatron_consistent.layers import build_consistent_gpt_model
     from megatron_consistent.verify.check import trainer_logprobs

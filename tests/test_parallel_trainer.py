@@ -135,7 +135,7 @@ def test_parallel_refusals_are_named(tmp_path):
         recompute_logprobs_parallel(LLAMA, {}, ids, tp=4)
     with pytest.raises(UnsupportedConfigError, match="tensor parallelism of size 3"):
         recompute_logprobs_parallel(LLAMA, {}, ids, tp=3)
-    with pytest.raises(UnsupportedConfigError, match="moe_impl='megatron' with TP/PP/EP > 1 is not supported"):
+    with pytest.raises(UnsupportedConfigError, match="moe_impl='megatron' with TP/PP/EP/CP > 1 is not supported"):
         build_consistent_model(MODELS_DIR / "tiny-qwen3moe-top1", tensor_model_parallel_size=2, moe_impl="megatron")
     if not torch.cuda.is_available():
         with pytest.raises(UnsupportedConfigError, match="tied word embeddings at PP > 1 without CUDA"):

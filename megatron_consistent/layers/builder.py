@@ -111,20 +111,17 @@ def prepare_build(hf_config, dtype, parallel: dict, *, feature: str | None = Non
     ep = parallel.get("expert_model_parallel_size", 1)
     cp = parallel.get("context_parallel_size", 1)
     check_parallel_sizes(tp, pp, cp, parallel.get("sequence_parallel", False), ep, feature=feature)
-    check_tp_shapes(arch, tp, pp, ep, cp)
+    check_tp_shapes(arch, tp, pp, ep)
     init_cpu_process_group(tp, pp, cp, expert_model_parallel_size=ep, sequence_parallel=parallel.get("sequence_parallel", False))
     return arch, dtype or arch.torch_dtype
 
 
-def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1, cp: int = 1) -> None:
+def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1) -> None:
     """Refuse, by name, shapes a TP / PP / EP layout cannot split (heads, KV groups, FFN, vocabulary, layers,
-    experts, the Mamba mixer's heads and groups, the row-parallel tree's S segments), and the models context
-    parallelism is not implemented for (MoE; hybrids: :func:`.parallel.check_parallel_sizes`)."""
-    if tp == 1 and pp == 1 and ep == 1 and cp == 1:
+    experts, the Mamba mixer's heads and groups, the row-parallel tree's S segments)."""
+    if tp == 1 and pp == 1 and ep == 1:
         return
     problems = []
-    if cp > 1 and arch.is_moe:
-        problems.append("context parallelism on a MoE model (implemented for dense models)")
     if ep > 1 and not arch.is_moe:
         problems.append("expert parallelism on a model without experts")
     elif ep > 1 and arch.num_experts % ep:
@@ -153,7 +150,7 @@ def check_tp_shapes(arch: ArchConfig, tp: int, pp: int, ep: int = 1, cp: int = 1
         problems.append("tied word embeddings at PP > 1 without CUDA (Megatron's setup_embeddings_and_output_layer "
                         "synchronizes the first and last stage's copies on CUDA)")
     if problems:
-        layout = f"TP={tp}, PP={pp}" + (f", EP={ep}" if ep > 1 else "") + (f", CP={cp}" if cp > 1 else "")
+        layout = f"TP={tp}, PP={pp}" + (f", EP={ep}" if ep > 1 else "")
         raise UnsupportedConfigError(f"{layout} cannot split {arch.architecture}: " + "; ".join(problems))
 
 

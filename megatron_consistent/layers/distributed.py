@@ -427,7 +427,7 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     arch = as_arch_config(hf_config)
     check_parallel_sizes(tp, pp, cp, sequence_parallel=sequence_parallel, expert_model_parallel_size=ep,
                          feature=HYBRID_FEATURE if arch.is_hybrid else None)
-    check_tp_shapes(arch, tp, pp, ep, cp)
+    check_tp_shapes(arch, tp, pp, ep)
     if quantization is not None:
         from ..conversion.fp8 import fp8_tp_refusal
 

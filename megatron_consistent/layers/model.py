@@ -101,11 +101,11 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     model's ``row_parallel_segments``, any PP
     and sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs,
     EP for MoE configs (experts sharded over Megatron's EP groups; at TP > 1 with sequence parallelism), CP ∈ {2, 4}
-    for dense configs at PP = EP = 1 (the model then takes the CP rank's share of each sequence,
+    for dense and MoE (``moe_impl="module"``) configs at PP = EP = 1 (the model then takes the CP rank's share of each sequence,
     :mod:`.context_parallel`)
     (``torch.distributed`` initialized by the caller with a world size TP x CP x PP divides; contract in
     ``docs/parallel.md``; hybrid configs too: the Mamba mixer's heads and groups over the TP ranks); EP at
-    TP > 1 without sequence parallelism, EP and CP for hybrid configs and CP for MoE configs are refused
+    TP > 1 without sequence parallelism, EP and CP for hybrid configs are refused
     (:class:`UnsupportedConfigError`).  MoE: ``moe_impl="megatron"`` = Megatron-Core's
     ``MoELayer`` with its ``moe_token_dispatcher`` (``"allgather"`` | ``"alltoall"``, GPU) and the
     consistent router / experts (layers/moe_megatron.py); ``"module"`` = :class:`.moe.ConsistentMoELayer`;
@@ -121,11 +121,11 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
             raise UnsupportedConfigError(f"moe_impl={moe_impl!r} is not supported for the hybrid {arch.architecture} (module only)")
         return build_consistent_hybrid_model(arch, seed=seed, dtype=dtype, **parallel)
     model_parallel = any(parallel.get(k, 1) != 1 for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                                          "expert_model_parallel_size"))
+                                                          "expert_model_parallel_size", "context_parallel_size"))
     if arch.is_moe and model_parallel:
         if moe_impl == "megatron":
             raise UnsupportedConfigError(
-                "moe_impl='megatron' with TP/PP/EP > 1 is not supported by build_consistent_model (its ranks may be gloo CPU "
+                "moe_impl='megatron' with TP/PP/EP/CP > 1 is not supported by build_consistent_model (its ranks may be gloo CPU "
                 "ranks, where Megatron's token dispatchers allocate their collectives on CUDA); Megatron's MoELayer at EP > 1 (and at TP > 1 "
                 "with sequence parallelism) is built by the framework entry points (consistent_layer_spec_provider / "
                 "consistent_slime_spec); here use moe_impl='module' (experts sharded over the TP or EP ranks, the same bits)")

@@ -179,7 +179,7 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     try:  # the helper's own refusals (layers/distributed.py recompute_logprobs_parallel)
         check_parallel_sizes(tp, pp, cp, sequence_parallel=cfg.trainer_sp, expert_model_parallel_size=ep,
                              feature=HYBRID_FEATURE if arch.is_hybrid else None)
-        check_tp_shapes(arch, tp, pp, ep, cp)
+        check_tp_shapes(arch, tp, pp, ep)
         check_rank_devices(cfg.resolved_device(), trainer_ranks(cfg))
     except UnsupportedConfigError as e:
         return str(e)
