@@ -6,8 +6,8 @@ into 2c chunks of s / 2c; CP rank r holds chunks r and 2c - 1 - r, in that order
 has the same causal work.  Its tokens' absolute positions (:func:`cp_positions`) are what the rotary embedding and
 the causal mask use.
 
-Every op but attention is per token (embedding, norms, the linears and their row-parallel tree, the MLP, the LM head,
-the log-softmax), so a rank computes its tokens' CP = 1 bits from its tokens alone.  Attention
+Every op but attention is per token (embedding, norms, the linears and their row-parallel tree, the MLP, the MoE
+router and experts, the LM head, the log-softmax), so a rank computes its tokens' CP = 1 bits from its tokens alone.  Attention
 (:func:`cp_attention`): a query row's output under ``kernels.attention``'s contract depends only on that row's q,
 its absolute position p and the keys / values at positions 0 .. p (key blocks aligned at position 0, visited in
 increasing order, blocks with no visible key leaving the state bitwise unchanged) -- never on the other query rows of

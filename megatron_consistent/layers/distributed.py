@@ -160,7 +160,7 @@ def build_parallel_model(hf_config, weights=None, *, tp: int = 1, pp: int = 1, d
     """In a rank of a ``TP * CP * PP * DP`` job: the consistent model of this rank (weights: HF checkpoint path or HF
     tensors dict; ``None`` keeps the seeded initialization), built and loaded on the CPU, then moved to
     :func:`rank_device` (a no-op in a gloo job).  ``ep``: expert parallelism (MoE; at TP > 1 with
-    ``sequence_parallel``); ``cp``: context parallelism (dense; :mod:`.context_parallel`)."""
+    ``sequence_parallel``); ``cp``: context parallelism (GPT models; :mod:`.context_parallel`)."""
     from .model import build_consistent_model
 
     model = build_consistent_model(hf_config, seed=seed, dtype=dtype, tensor_model_parallel_size=tp,
@@ -397,7 +397,7 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
                                 quantization=None):
     """Token log-probs of ``input_ids`` by the consistent Megatron model at TP = ``tp``, PP = ``pp``, DP = ``dp``,
     EP = ``ep``, CP = ``cp``: ``tp * cp * pp * dp`` gloo ranks on the CPU (``device="cpu"``) or NCCL ranks on as many
-    GPUs (``device="cuda"``, rank r on ``cuda:r``).  ``cp`` (dense models; the sequence length divisible by 2 x CP,
+    GPUs (``device="cuda"``, rank r on ``cuda:r``).  ``cp`` (GPT models; the sequence length divisible by 2 x CP,
     and with ``sequence_parallel`` by CP x TP too): each sequence's tokens over the CP ranks
     (:mod:`.context_parallel`) -- same bits.
 

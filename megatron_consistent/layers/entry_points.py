@@ -177,7 +177,7 @@ def _check_config(config) -> None:
     if cp != 1:  # the layers implement it (layers/context_parallel.py); this path is untested with a framework's CP
         raise UnsupportedConfigError(f"context parallelism (context_parallel_size={cp}) through the framework entry "
                                      "points is not supported (build_consistent_model / recompute_logprobs_parallel "
-                                     "run dense models at CP 2 / 4)")
+                                     "run GPT models at CP 2 / 4)")
     check_parallel_config(config)  # TP in {1, 2, 4, 8} dividing S, any PP, SP at TP > 1
 
 

@@ -6,7 +6,7 @@ too — checked where the layer is built), pipeline parallelism
 (stages pass activations unchanged, so any PP size is neutral; tested at 2),
 data parallelism (replicas run their own batches: every op is batch-invariant),
 expert parallelism (Megatron's EP groups with expert-tensor-parallel size 1, experts sharded over them:
-``layers/moe.py``; at TP > 1 with sequence parallelism), and context parallelism CP ∈ {2, 4} for dense GPT models
+``layers/moe.py``; at TP > 1 with sequence parallelism), and context parallelism CP ∈ {2, 4} for GPT models (dense and MoE)
 (Megatron's load-balanced sequence layout, the keys / values all-gathered in position order:
 ``layers/context_parallel.py``; at TP 1 / 2 / 4 / 8 with or without sequence parallelism, any DP; not with PP or EP),
 for the GPT layers (dense, and MoE with ``moe_impl="module"``: at TP > 1 experts sharded over
@@ -118,7 +118,7 @@ def check_parallel_sizes(
         raise UnsupportedConfigError(
             f"{feature} with context parallelism (context_parallel_size={cp}) is not supported by the consistent "
             "layers (the Mamba scan runs sequentially over the whole sequence) — tensor, pipeline and sequence "
-            "parallelism are (dense GPT layers support CP)")
+            "parallelism are (GPT layers support CP)")
 
 
 def row_parallel_segments(config) -> int:

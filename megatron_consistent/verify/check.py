@@ -75,7 +75,7 @@ class CheckConfig:
     trainer_dp: int = 1  # data-parallel replicas of the recompute, each with its share of the sequences (>1: ranks)
     trainer_ep: int = 1  # expert-parallel size of the recompute (MoE; divides trainer_tp * trainer_dp; TP > 1: with SP)
     trainer_sp: bool = False  # Megatron's sequence parallelism in the recompute (trainer_tp > 1)
-    trainer_cp: int = 1  # context-parallel size of the recompute (dense; each sequence's tokens over the CP ranks)
+    trainer_cp: int = 1  # context-parallel size of the recompute (GPT models; each sequence's tokens over the CP ranks)
     checkpoint: str = ""  # a user's HF folder (config.json + safetensors [+ tokenizer]): trainer and engines on its weights
     prompts: str = ""  # with checkpoint: JSONL of {"text": ...} / {"token_ids": [...]} (verify/user_prompts.py)
     engine_args: str = ""  # JSON object of extra vLLM engine arguments for every engine, e.g. '{"async_scheduling": false}'

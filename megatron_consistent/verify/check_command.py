@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
                    help="expert-parallel size of the consistent Megatron recompute (MoE; divides trainer TP x DP; at "
                    "trainer TP > 1 with --trainer-sp; default 1)")
     p.add_argument("--trainer-cp", dest="trainer_cp", type=int,
-                   help="context-parallel size of the consistent Megatron recompute (dense models; 1, 2 or 4: each "
+                   help="context-parallel size of the consistent Megatron recompute (GPT models, dense or MoE; 1, 2 or 4: each "
                    "sequence's tokens over the CP ranks in Megatron's load-balanced layout; default 1; >1: ranks)")
     p.add_argument("--trainer-sp", dest="trainer_sp", action="store_true", default=None,
                    help="Megatron's sequence parallelism in the consistent recompute (trainer TP > 1)")
