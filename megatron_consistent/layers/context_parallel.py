@@ -31,7 +31,7 @@ from .. import kernels
 from ..config import UnsupportedConfigError
 from .tensor_parallel import _all_gather, vocab_parallel_logprobs
 
-__all__ = ["cp_attention", "cp_group", "cp_positions", "cp_rank", "cp_share", "cp_size", "gather_cp_sequence",
+__all__ = ["cp_attention", "cp_group", "cp_positions", "cp_rank", "cp_share", "cp_size", "gather_cp_rows", "gather_cp_sequence",
            "sequence_length_refusal", "sequence_multiple", "sequence_token_logprobs"]
 
 
@@ -156,6 +156,12 @@ def gather_cp_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """Whole sequences along ``dim`` in token order from the CP ranks' shares (``x`` itself at CP = 1)."""
     group = cp_group()
     return x if group is None else _GatherSequence.apply(x, dim, group)
+
+
+def gather_cp_rows(x: torch.Tensor, local_length: int) -> torch.Tensor:
+    """``[s*b, ...]`` rows of the whole sequences in Megatron's ``[s, b]`` token order from the rank's
+    ``[local_length*b, ...]`` rows (its share, same order): :func:`gather_cp_sequence` along the sequence axis."""
+    return gather_cp_sequence(x.view(local_length, -1, *x.shape[1:]), 0).flatten(0, 1)
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float | None):

@@ -51,14 +51,14 @@ The auxiliary load-balancing loss (``router_aux_loss_coef`` > 0, training
 mode with autograd on) is kept on the side in :attr:`ConsistentMoELayer.last_aux_loss`;
 :func:`moe_aux_loss` sums it over the model for the trainer to add to its
 loss.  It never changes a forward value and is not added implicitly.
+:attr:`ConsistentMoELayer.last_routes` holds the last forward's experts
+``[s*b, k]`` (tokens in ``[s, b]`` order) for routing comparisons; :attr:`ConsistentMoELayer.capture`
+(diagnostics, ``None`` = off) is called with each forward's router logits and experts.
 
 Context parallelism (CP > 1, ``layers/context_parallel.py``): a rank routes and combines its share of the sequence
 (every step is per token: the CP = 1 bits). :attr:`ConsistentMoELayer.last_routes` and the load-balancing loss are
 the whole sequence's (the routes / router logits of the CP ranks all-gathered in position order): the loss is the
 CP = 1 value on every CP rank, and its gradient reaches each rank's router logits for that rank's tokens.
-:attr:`ConsistentMoELayer.last_routes` holds the last forward's experts
-``[s*b, k]`` (tokens in ``[s, b]`` order) for routing comparisons; :attr:`ConsistentMoELayer.capture`
-(diagnostics, ``None`` = off) is called with each forward's router logits and experts.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from torch import nn
 from ..config import UnsupportedConfigError
 from ..kernels import moe as kmoe
 from . import tensor_parallel as tpar
-from .context_parallel import cp_group, gather_cp_sequence
+from .context_parallel import cp_group, gather_cp_rows
 
 __all__ = ["ConsistentMoELayer", "StockMoELayer", "collect_routes", "moe_aux_loss", "moe_layer_spec", "replay_routes"]
 
@@ -190,10 +190,8 @@ class ConsistentMoELayer(nn.Module):
         self.last_routes = experts.detach()
         if ep_group is not None and self.tp > 1:  # sequence parallelism: the whole sequence's routes, as at EP = 1
             self.last_routes = tpar.gather_sequence(self.last_routes, tpar.tp_group())
-        whole_z = z
-        if cp_group() is not None:  # context parallelism: the whole sequence's routes (and router logits), as at CP = 1
-            self.last_routes, whole_z = (gather_cp_sequence(t.view(shape[0], -1, t.shape[-1]), 0).flatten(0, 1)
-                                         for t in (self.last_routes, z))
+        if cp_group() is not None:  # context parallelism: the whole sequence's routes, as at CP = 1
+            self.last_routes = gather_cp_rows(self.last_routes, shape[0])
         if self.capture is not None:
             self.capture(z, experts)
         shared = None
@@ -218,8 +216,10 @@ class ConsistentMoELayer(nn.Module):
                                    self.activation)
         self.last_aux_loss = None
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            self.last_aux_loss = self.aux_loss_coef * kmoe.load_balancing_loss(
-                whole_z, experts if whole_z is z else self.last_routes, self.arch.num_experts)
+            z_all, experts_all = z, experts
+            if cp_group() is not None:  # the whole sequence's loss, as at CP = 1 (backward: this rank's tokens' part)
+                z_all, experts_all = gather_cp_rows(z, shape[0]), self.last_routes
+            self.last_aux_loss = self.aux_loss_coef * kmoe.load_balancing_loss(z_all, experts_all, self.arch.num_experts)
         out = out.reshape(shape)
         if group is not None and self.sequence_parallel:  # this rank's chunk (the gradient reaches it alone)
             out = out.chunk(self.tp, dim=0)[tpar.tp_rank(group)]
