@@ -6,7 +6,8 @@ Zero means zero: ``torch.equal`` / ``exact_fraction`` 1.0.
   ``tests/test_parallel_engine.py::test_check_refuses_tp_flags_before_any_work``).
 * slow: :func:`verify.check.trainer_logprobs` at TP = 2, CP = 2 (one spawn, row chunks of ``recompute_batch``) gives the
   in-process TP = 1 log-probs and, for MoE, the same routes.
-* engine: ``run_check`` at (T, E) = (2, 1) and (2, 2) on tiny-llama, zero mismatch; the hybrids at engine TP = 2
+* engine: ``run_check`` at (T, E) = (2, 1) and (2, 2) on tiny-llama, zero mismatch; at trainer CP 2 (tiny-llama)
+  and TP 2 + SP x CP 2 (tiny-qwen3moe-top1), zero mismatch, routes agreeing; the hybrids at engine TP = 2
   (tiny-nemotronh at (2, 2), tiny-nemotronh-moe at (1, 2)), zero mismatch, routes agreeing.
 """
 
@@ -183,6 +184,23 @@ def test_check_trainer_tp_zero_mismatch(tmp_path: Path, trainer_tp, engine_tp):
     assert layouts["trainer"]["tensor_parallel_size"] == trainer_tp and layouts["engine"]["tensor_parallel_size"] == engine_tp
     assert report["consistent"]["tokens"] == 8 * 12 and report["consistent"]["exact_fraction"] == 1.0
     assert report["zero_mismatch"]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name, layout", [("tiny-llama", {"trainer_cp": 2}),
+                                          ("tiny-qwen3moe-top1", {"trainer_tp": 2, "trainer_sp": True, "trainer_cp": 2})])
+def test_check_trainer_cp_zero_mismatch(tmp_path: Path, name, layout):
+    """The recompute at context parallelism (each sequence over the CP ranks) vs the engine at TP = 1: every token's
+    log-prob bitwise equal, the MoE routes agreeing; the report states the CP layout."""
+    from megatron_consistent.verify.check import run_check
+
+    report = run_check(load_check_config(hf_config=str(builtin_model_dir(name)), num_prompts=8, max_tokens=12,
+                                         max_num_batched_tokens=32, out_dir=str(tmp_path), max_prompt_len=40,
+                                         mode="consistent", device="cpu", **layout))
+    assert report["settings"]["layouts"]["trainer"]["context_parallel_size"] == 2
+    assert report["consistent"]["tokens"] == 8 * 12 and report["consistent"]["exact_fraction"] == 1.0
+    assert report["zero_mismatch"]
+    assert report["consistent"].get("routing_agreement", 1.0) == 1.0
 
 
 @pytest.mark.engine
