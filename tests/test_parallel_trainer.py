@@ -629,7 +629,7 @@ def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_expert
     """Float32 gradients of ``-sum(log-probs of this replica's rows mine) / tokens`` (the DP replicas' losses sum to the
     batch mean; the TP ranks of a replica compute the same loss; at PP > 1 backpropagated stage by stage,
     ``stage_backward``), summed as Megatron's ``finalize_model_grads`` does:
-    sequence-parallel weights over the TP ranks, the replicated weights over the DP ranks, the experts
+    sequence-parallel weights over the TP ranks, the replicated weights over the DP (x CP) ranks, the experts
     (``allreduce=False``) over the expert-data-parallel ranks (an expert's already covers its EP group's tokens);
     gathered to the full tensors of this pipeline stage by global name (``only_experts``: the experts' alone)."""
     import torch.distributed as dist
@@ -646,7 +646,7 @@ def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_expert
             continue
         if getattr(p, "sequence_parallel", False):  # finalize_model_grads: over the TP ranks
             dist.all_reduce(p.grad, group=tpar.tp_group())
-        dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+        dist.all_reduce(p.grad, group=ps.get_data_parallel_group(with_context_parallel=True))
     return {_global_name(model, name): tpar.unshard_like(p.grad, p).contiguous() for name, p in model.named_parameters()
             if not only_experts or not getattr(p, "allreduce", True)}
 

@@ -44,10 +44,10 @@ def _stage_files(work: Path, stem: str) -> dict[str, torch.Tensor]:
 
 
 def _save_stage(tensors: dict, work: Path, stem: str) -> None:
-    """This stage's tensors, written by its first rank (TP rank 0 of DP replica 0)."""
+    """This stage's tensors, written by its first rank (TP rank 0 and CP rank 0 of DP replica 0)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
+    if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
         save_file(tensors, str(work / f"{stem}.stage{ps.get_pipeline_model_parallel_rank()}.safetensors"))
 
 

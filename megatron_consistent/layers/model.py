@@ -101,7 +101,7 @@ def build_consistent_model(hf_config, *, seed: int = 0, dtype: torch.dtype | Non
     model's ``row_parallel_segments``, any PP
     and sequence parallelism (TP > 1) are supported for dense and MoE (experts sharded over the TP ranks) configs,
     EP for MoE configs (experts sharded over Megatron's EP groups; at TP > 1 with sequence parallelism), CP ∈ {2, 4}
-    for dense and MoE (``moe_impl="module"``) configs at PP = EP = 1 (the model then takes the CP rank's share of each
+    for dense and MoE (``moe_impl="module"``) configs at EP = 1 (the model then takes the CP rank's share of each
     sequence, :mod:`.context_parallel`)
     (``torch.distributed`` initialized by the caller with a world size TP x CP x PP divides; contract in
     ``docs/parallel.md``; hybrid configs too: the Mamba mixer's heads and groups over the TP ranks); EP at

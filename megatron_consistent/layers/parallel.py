@@ -8,14 +8,14 @@ data parallelism (replicas run their own batches: every op is batch-invariant),
 expert parallelism (Megatron's EP groups with expert-tensor-parallel size 1, experts sharded over them:
 ``layers/moe.py``; at TP > 1 with sequence parallelism), and context parallelism CP ∈ {2, 4} for GPT models (dense and MoE)
 (Megatron's load-balanced sequence layout, the keys / values all-gathered in position order:
-``layers/context_parallel.py``; at TP 1 / 2 / 4 / 8 with or without sequence parallelism, any DP; not with PP or EP),
+``layers/context_parallel.py``; at TP 1 / 2 / 4 / 8 with or without sequence parallelism, any PP and DP; not with EP),
 for the GPT layers (dense, and MoE with ``moe_impl="module"``: at TP > 1 experts sharded over
 the TP ranks, the router and shared expert replicated).  See ``docs/parallel.md`` for the contract.
 
 Sequence parallelism (TP > 1) is supported by the same layers.
 
 Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 1, context parallelism other than
-1, 2, 4 or with PP / EP > 1 (and for MoE models: ``builder.check_tp_shapes``), expert
+1, 2, 4 or with EP > 1, expert
 parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8 or not dividing the model's S, hybrid
 (Mamba) models at EP > 1 or CP > 1 (their modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1
 and with sequence parallelism they run: ``layers/hybrid.py``), FP8 at TP > 1 (``layers/linear.py``), and
@@ -93,9 +93,6 @@ def check_parallel_sizes(
     cp = context_parallel_size
     if cp not in SUPPORTED_CP_SIZES:
         refused.append(f"context parallelism of size {cp} (context_parallel_size must be 1, 2 or 4)")
-    elif cp != 1 and pp != 1:
-        refused.append(f"context parallelism with pipeline parallelism (context_parallel_size={cp}, "
-                       f"pipeline_model_parallel_size={pp})")
     if sequence_parallel and tp == 1:
         refused.append("sequence parallelism without tensor parallelism (sequence_parallel=True needs TP > 1)")
     ep = expert_model_parallel_size
