@@ -7,12 +7,12 @@ parallelism"): bits equal to CP = 1, gradients within the float64 bound.
 * refusals by name (CP 3, CP x EP, Megatron's MoELayer, hybrids, the framework entry points, a length 2c does not
   divide);
 * model level (gloo ranks, slow): logits and token log-probs at CP 2, CP 4, TP 2 x CP 2, TP 2 + SP x CP 2,
-  DP 2 x CP 2, PP 2 x CP 2 (dense), CP 2 and TP 2 (+ SP) x CP 2 (MoE, with the routes) ``torch.equal`` to one process; CP 2 float32
-  gradients (summed over the CP ranks, as Megatron's DDP does over its data-parallel-with-context-parallel group) vs
-  float64 within ``GRAD_REL_TOL``, at TP 1, TP 2 + SP and PP 2 (dense) and at TP 1 (MoE) (whose load-balancing loss is the
-  one-process value, bit for bit); broken variants caught: rotary / mask at the rank's local positions, a rank
-  attending its own chunks' keys only (logits differ), dk / dv without the other ranks' contributions (gradients
-  off).
+  DP 2 x CP 2, PP 2 x CP 2 (dense), CP 2 and TP 2 (+ SP) x CP 2 (MoE, with the routes) ``torch.equal`` to one
+  process; CP 2 float32 gradients (summed over the CP ranks, as Megatron's DDP does over its
+  data-parallel-with-context-parallel group) vs float64 within ``GRAD_REL_TOL``, at TP 1, TP 2 + SP and PP 2 (dense)
+  and at TP 1 (MoE, whose load-balancing loss is the one-process value, bit for bit); broken variants caught: rotary /
+  mask at the rank's local positions, a rank attending its own chunks' keys only (logits differ), dk / dv without the
+  other ranks' contributions (gradients off).
 """
 
 from __future__ import annotations
