@@ -190,9 +190,9 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
         return f"DP={dp} replicas need at least as many sequences (--num-prompts {cfg.num_prompts})"
     if trainer_ranks(cfg) == 1:
         return ""
-    if cfg.quantization and (pp, dp, ep) != (1, 1, 1):
+    if cfg.quantization and (pp, dp, ep, cp) != (1, 1, 1, 1):
         return (f"--quantization {cfg.quantization} with trainer model parallelism: the FP8 / NVFP4 trainer forward "
-                "(layers.fp8.enable_fp8) runs at PP = DP = EP = 1 only (TP > 1: block-FP8 dense models)")
+                "(layers.fp8.enable_fp8) runs at PP = DP = EP = CP = 1 only (TP > 1: block-FP8 dense models)")
     if cfg.quantization:
         from ..conversion.fp8 import fp8_tp_refusal
 
