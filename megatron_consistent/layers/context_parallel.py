@@ -117,25 +117,6 @@ def _in_position_order(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-class _GatherKeysValues(torch.autograd.Function):
-    """Forward: the ranks' shares of k (or v) all-gathered in position order (exact: bytes).  Backward: every rank's
-    queries contribute to every position's dk / dv; the ranks' float32 contributions to the whole sequence are
-    all-gathered and summed in rank order (a fixed order, unlike a reduce-scatter's), and the rank keeps its share."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _in_position_order(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        total = None
-        for part in _all_gather(g.to(torch.float32), ctx.group):  # rank order
-            total = part if total is None else total + part
-        share = _share(total, ctx.dim, dist.get_rank(ctx.group), dist.get_world_size(ctx.group))
-        return share.to(g.dtype), None, None
-
-
 class _GatherSequence(torch.autograd.Function):
     """Forward: the ranks' shares of per-token values all-gathered in position order (exact: bytes).  Backward: the
     rank's share of the gradient (every CP rank computes the same function of the gathered values, e.g. the loss over
@@ -150,6 +131,20 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _share(g, ctx.dim, dist.get_rank(ctx.group), dist.get_world_size(ctx.group)), None, None
+
+
+class _GatherKeysValues(_GatherSequence):
+    """Forward: :class:`_GatherSequence`'s, for k (or v).  Backward: every rank's
+    queries contribute to every position's dk / dv; the ranks' float32 contributions to the whole sequence are
+    all-gathered and summed in rank order (a fixed order, unlike a reduce-scatter's), and the rank keeps its share."""
+
+    @staticmethod
+    def backward(ctx, g):
+        total = None
+        for part in _all_gather(g.to(torch.float32), ctx.group):  # rank order
+            total = part if total is None else total + part
+        share = _share(total, ctx.dim, dist.get_rank(ctx.group), dist.get_world_size(ctx.group))
+        return share.to(g.dtype), None, None
 
 
 def gather_cp_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -42,26 +42,12 @@ GEMM_M_CLASS_TABLE: dict = {
     # session 36, not swept: the row-parallel segments of the 8B o_proj / down at S = 4 and 2 (a model's
     # consistent_row_parallel_segments), one chain a segment -- default_config split them 2-4 ways (S = 2 / 4 ran 8-16
     # chains and no Gluon tree: 0.43-0.66 of the pre-tree GEMM on an H100, session 35); (4096, 1792)'s tiles
-    (4096, 1024, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
-                    (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
-                    (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
-                    (256, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
-                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
-    (4096, 2048, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
-                    (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
-                    (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
-                    (256, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
-                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
-    (4096, 3584, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
-                    (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
-                    (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
-                    (256, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
-                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
-    (4096, 7168, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
-                    (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
-                    (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
-                    (256, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
-                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
+    **{(4096, k_seg, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
+                        (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
+                        (64, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
+                        (256, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'parallel', 'TREE_REG': 4}),
+                        (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]}
+       for k_seg in (1024, 2048, 3584, 7168)},
     # bk64 nosplit: ratio vs cuBLAS by M 1: 0.90, 16: 0.79, 64: 0.64, 256: 0.55, 1024: 0.57, 4096: 0.55 (targets met 0/6)
     (2048, 256, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
