@@ -29,12 +29,12 @@ Placement comes from the weight table's ``shard`` rule (:func:`..architectures.t
 Every collective is vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op:
 ``torch.compile`` and CUDA-graph capture see one node).  Refused by name at TP > 1, before any
 weight is read: TP not dividing the model's S, head / KV-head / MLP sizes, numbers of
-experts and Mamba groups that TP does not divide (a hybrid's Mamba mixers: :mod:`.mamba`), FP8 layouts whose rank parts
-or row-parallel segments are not whole 128-wide scale blocks, NVFP4 and FP8 MoE checkpoints
+experts and Mamba groups that TP does not divide (a hybrid's Mamba mixers: :mod:`.mamba`), block-FP8 / NVFP4 layouts
+whose rank parts or row-parallel segments are not whole scale blocks, and FP8 MoE checkpoints
 (:func:`..conversion.fp8.fp8_tp_refusal`); at every TP, a row-parallel weight whose K the model's S does not divide.
 
-Block-FP8 dense checkpoints at TP > 1 (:mod:`.fp8`): each rank holds its part of every E4M3 weight and of its
-block-scale tensor (the same ``shard`` rule, scale rows / columns = weight rows / columns / 128); o_proj and down run
+Block-FP8 / NVFP4 dense checkpoints at TP > 1 (:mod:`.fp8`): each rank holds its part of every quantized weight and of
+its block-scale tensor (the same ``shard`` rule, scale rows / columns = weight rows / columns / the block); o_proj and down run
 :func:`fp8_row_parallel_for` (the FP8 linear's float32 subtree of the rank's segments, all-gathered, the top of the
 tree).
 
