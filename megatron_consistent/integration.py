@@ -14,7 +14,9 @@ spec entry points are in :mod:`megatron_consistent.layers.entry_points`.
   not keep tensors); then ``llm.collective_rpc("mc_update_weights_from_shm",
   args=(update,))`` streams the tensors bucket by bucket into the model's
   ``load_weights`` (the call NeMo-RL's and verl's refits make) and reports
-  whether every target kept its storage.  Same wire format as the whole-model
+  whether every target kept its storage; an update packed with ``arch=`` (the
+  trainer's ``ArchConfig``) is refused whole when the engine runs another
+  architecture (another row-parallel tree width S, eps, rope, ...).  Same wire format as the whole-model
   sync of :mod:`megatron_consistent.sync`.
 * :func:`nemo_rl_metrics` — ``token_mult_prob_error``, ``gen_kl_error`` and
   ``policy_kl_error`` as NeMo-RL's ClippedPGLossFn defines them (k3 estimator).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .sync.protocol import iter_buckets, validate_update
+from .sync.worker import engine_arch
 
 __all__ = ["RefitWorkerExtension", "nemo_rl_metrics"]
 
@@ -39,8 +42,9 @@ class RefitWorkerExtension:
         targets = model.hf_targets() if hasattr(model, "hf_targets") else {}
         before = {n: t.data_ptr() for n, t in targets.items()}
         report = {"loaded": 0, "buckets": 0}
-        # framing only (dtypes, byte counts, spans, buckets, file): names and shapes are load_weights' to refuse
-        problems = validate_update(update)
+        # framing (dtypes, byte counts, spans, buckets, file) and the sender's architecture where the update carries
+        # one (pack_update(arch=)); names and shapes are load_weights' to refuse
+        problems = validate_update(update, expected_arch=engine_arch(self.vllm_config).as_dict() if "arch" in update else None)
         if problems:
             report["error"] = "ValueError: not a valid refit update: " + "; ".join(problems)
         else:

@@ -408,19 +408,21 @@ def test_refit_stream_updates_live_engine_in_place(tmp_path):
     random.Random(0).shuffle(stream)  # any order
     half = len(stream) // 2
     # NeMo-RL: buckets of ~refit_buffer_size bytes, each into model.load_weights; verl: one tensor at a time
-    nemo_rl_like = pack_update(stream[:half], bucket_bytes=8192)
+    nemo_rl_like = pack_update(stream[:half], bucket_bytes=8192, arch=arch)  # with the sender's architecture: checked, accepted
     verl_like = pack_update(stream[half:], bucket_bytes=0)
     name0, t0 = stream[0]
     unknown = pack_update([("model.layers.99.mlp.up_proj.weight", t0)])
     wrong_shape = pack_update([(name0, t0.reshape(-1)[: t0.numel() // 2])])
-    shm_files = [u["path"] for u in (nemo_rl_like, verl_like, unknown, wrong_shape)]
+    # the same tensors from a trainer whose model has another row-parallel tree width: refused whole, nothing loaded
+    other_arch = pack_update(stream[:2], arch=dataclasses.replace(arch, row_parallel_segments=arch.row_parallel_segments // 2))
+    shm_files = [u["path"] for u in (nemo_rl_like, verl_like, unknown, wrong_shape, other_arch)]
     assert len(nemo_rl_like["buckets"]) > 1 and len(verl_like["buckets"]) == len(stream) - half
     prompts = [[5 + i, 17, 9 + 3 * i, 40, 22 + i, 7, 11][: 3 + i] for i in range(5)]
     rollout = dict(model_dir=str(tmp_path / "old"), prompts=prompts, consistent=True, dtype=arch.dtype, temperature=1.0,
                    max_tokens=8, max_num_batched_tokens=32, max_model_len=128,
                    engine_kwargs={"worker_extension_cls": "megatron_consistent.integration.RefitWorkerExtension"})
     req = tmp_path / "req.json"
-    req.write_text(json.dumps({"rollout": rollout, "manifests": [nemo_rl_like, verl_like], "bad_manifests": [unknown, wrong_shape]}))
+    req.write_text(json.dumps({"rollout": rollout, "manifests": [nemo_rl_like, verl_like], "bad_manifests": [unknown, wrong_shape, other_arch]}))
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_CONSISTENT_VLLM"}
     env.update(MEGATRON_CONSISTENT_VLLM="1", HF_HUB_OFFLINE="1")  # the variable alone: config.json keeps LlamaForCausalLM
     try:
@@ -443,6 +445,8 @@ def test_refit_stream_updates_live_engine_in_place(tmp_path):
     assert (alone["tokens"][0], alone["logprobs"][0]) == (batch["tokens"][3], batch["logprobs"][3])
     assert "unexpected checkpoint tensor 'model.layers.99.mlp.up_proj.weight'" in res["bad"][0]["error"]
     assert f"{name0}: checkpoint shape" in res["bad"][1]["error"]
+    assert "another architecture" in res["bad"][2]["error"] and res["bad"][2]["loaded"] == 0, res["bad"][2]
+    assert "row_parallel_segments" in res["bad"][2]["error"]
 
     def lps(r):
         return torch.tensor([x for row in r["logprobs"] for x in row], dtype=torch.float32)

@@ -14,7 +14,6 @@ weights and version.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -188,10 +187,8 @@ class WeightSyncChannel:
                                       "allow_nonfinite=True sends them)")
         t0 = time.perf_counter()
         version = self.version + 1 if version is None else version
-        update = pack_update(tensors, version, require_inplace=self.require_inplace)
+        update = pack_update(tensors, version, require_inplace=self.require_inplace, arch=arch)
         update["allow_nonfinite"] = bool(allow_nonfinite)
-        if arch is not None:
-            update["arch"] = json.loads(json.dumps(arch.as_dict()))
         t1 = time.perf_counter()
         try:
             replies = self._rpc("mc_sync_apply", update, timeout=self.push_timeout)

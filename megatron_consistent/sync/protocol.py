@@ -10,12 +10,13 @@ vLLM's ``collective_rpc`` msgpack channel unchanged)::
      "buckets": [[0, 5], [5, 9], ...],
      "arch": {"architecture": "LlamaForCausalLM", ..., "row_parallel_segments": 8}}
 
-``arch`` (optional; the trainer's ``push_model`` sends it) is the sender's ``ArchConfig.as_dict()``: a whole update
-also needs the engine to run the *same* model, and what makes two models' bits differ is not all in the tensors'
-shapes -- the row-parallel tree width S (``consistent_row_parallel_segments``), norm eps, rope theta and scaling,
-the router's scoring, the activation.  :func:`arch_problems` names every field that differs (the storage dtype and
-``max_position_embeddings`` aside: the tensors' dtypes are checked one by one, and the position limit changes no
-value), so an engine started from another ``config.json`` refuses the push whole instead of serving other bits.
+``arch`` (optional; the trainer's ``push_model`` sends it, ``pack_update(arch=)`` attaches it for a refit; both
+receivers check it) is the sender's ``ArchConfig.as_dict()``: a whole update also needs the engine to run the *same*
+model, and what makes two models' bits differ is not all in the tensors' shapes -- the row-parallel tree width S
+(``consistent_row_parallel_segments``), norm eps, rope theta and scaling, the router's scoring, the activation.
+:func:`arch_problems` names every field that differs (the storage dtype and ``max_position_embeddings`` aside: the
+tensors' dtypes are checked one by one, and the position limit changes no value), so an engine started from another
+``config.json`` refuses the push whole instead of serving other bits.
 
 ``path`` is a file in ``/dev/shm`` (tmpfs, i.e. POSIX shared memory) holding
 the tensors' raw little-endian bytes back to back, each at a 64-byte aligned
@@ -31,13 +32,14 @@ Two receivers read this format:
   returns no problems.
 * ``RefitWorkerExtension`` — any subset, in any order: :func:`validate_update`
   without ``expected`` / ``current_version`` checks the framing only (dtypes,
-  byte counts, spans, buckets, the file), and the model's ``load_weights``
-  refuses unknown names and wrong shapes.
+  byte counts, spans, buckets, the file) and ``arch`` where the update carries
+  one; the model's ``load_weights`` refuses unknown names and wrong shapes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import uuid
@@ -72,7 +74,8 @@ def _shm_dir() -> str:
 
 
 def pack_update(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int = 0, *,
-                require_inplace: bool = True, path: str | None = None, bucket_bytes: int | None = None) -> dict:
+                require_inplace: bool = True, path: str | None = None, bucket_bytes: int | None = None,
+                arch=None) -> dict:
     """Write ``tensors`` (CPU; bf16/fp16/fp32), in order, into a new shared-memory file; returns the update dict.
 
     ``tensors``: a ``{name: tensor}`` mapping or ``(name, tensor)`` pairs.
@@ -80,7 +83,8 @@ def pack_update(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.
     requires it to increase; refits ignore it).  ``bucket_bytes``: split the
     tensors into buckets of at most that many bytes (a tensor larger than it
     gets a bucket of its own); ``None``: one bucket; ``0``: one tensor per bucket.
-    The caller owns the file (``update["path"]``) and removes it after the push.
+    ``arch``: the sender's ``ArchConfig`` (sent as ``as_dict()``; the engine refuses the update whole when it runs
+    another architecture, :func:`arch_problems`).  The caller owns the file (``update["path"]``) and removes it after the push.
     """
     items = list(tensors.items()) if isinstance(tensors, Mapping) else [(n, t) for n, t in tensors]
     entries, offset = [], 0
@@ -100,8 +104,11 @@ def pack_update(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.
             src = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             buf[e["offset"] : e["offset"] + e["nbytes"]].copy_(src)
     del buf
-    return {"protocol": PROTOCOL, "version": int(version), "path": path, "total_nbytes": total,
-            "require_inplace": bool(require_inplace), "tensors": entries, "buckets": _split(entries, bucket_bytes)}
+    update = {"protocol": PROTOCOL, "version": int(version), "path": path, "total_nbytes": total,
+              "require_inplace": bool(require_inplace), "tensors": entries, "buckets": _split(entries, bucket_bytes)}
+    if arch is not None:
+        update["arch"] = json.loads(json.dumps(arch.as_dict()))  # plain JSON types (tuples -> lists), as received
+    return update
 
 
 def _split(entries: list[dict], bucket_bytes: int | None) -> list[list[int]]:

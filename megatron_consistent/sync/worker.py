@@ -42,7 +42,14 @@ import torch
 
 from .protocol import hf_tensor_specs, tensor_views, validate_update
 
-__all__ = ["WeightSyncExtension"]
+__all__ = ["WeightSyncExtension", "engine_arch"]
+
+
+def engine_arch(vllm_config):
+    """The ``ArchConfig`` an engine runs, from its own ``config.json`` (what an update's ``arch`` is checked against)."""
+    from ..config import ArchConfig
+
+    return ArchConfig.from_hf(vllm_config.model_config.hf_config.to_dict())
 
 
 class WeightSyncExtension:
@@ -53,9 +60,7 @@ class WeightSyncExtension:
         return runner.get_model() if hasattr(runner, "get_model") else runner.model
 
     def _mc_arch(self):
-        from ..config import ArchConfig
-
-        return ArchConfig.from_hf(self.vllm_config.model_config.hf_config.to_dict())
+        return engine_arch(self.vllm_config)
 
     def _mc_expected(self, model) -> tuple[dict, dict | None]:
         """(expected specs, in-place targets or None for the stock model)."""
