@@ -41,8 +41,8 @@ from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, quantize
 from ..kernels.nvfp4 import nvfp4_quantize, pack_e2m1
 from .hf import _DTYPE_STR, _model_params, _plan, _split
 
-__all__ = ["QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "export_hf_fp8", "fp8_hf_state_dict", "fp8_tp_refusal", "quantization_entry",
-           "quantized_parts", "scale_part"]
+__all__ = ["QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "export_hf_fp8", "fp8_arch_refusal", "fp8_hf_state_dict", "fp8_tp_refusal",
+           "quantization_entry", "quantized_parts", "scale_part"]
 
 QUANT_KEY = "megatron_consistent_quantization"
 QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
@@ -50,31 +50,46 @@ QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attenti
                                "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight")
 
 
-def check_fp8_arch(arch: ArchConfig) -> None:
-    """Dense and SwiGLU-MoE decoders are supported; hybrid (Mamba) models and non-gated experts are refused by name."""
+def _method(fmt: QuantFormat) -> str:
+    return "nvfp4" if fmt.name == "e2m1" else "fp8"
+
+
+def fp8_arch_refusal(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
+    """Why ``arch`` cannot be quantized in ``fmt`` at all ('' when it can): dense and SwiGLU-MoE decoders in block-FP8,
+    dense decoders in NVFP4; hybrid (Mamba) models, non-gated experts and NVFP4 experts are refused by name."""
     if arch.is_hybrid:
-        raise UnsupportedConfigError(f"fp8 quantization: hybrid Mamba architectures ({arch.architecture}) are not supported")
+        return f"hybrid Mamba architectures ({arch.architecture}) are not supported"
     if arch.is_moe and not arch.mlp_gated:
-        raise UnsupportedConfigError(f"fp8 quantization: non-gated (relu2) MoE experts ({arch.architecture}) are not supported")
+        return f"non-gated (relu2) MoE experts ({arch.architecture}) are not supported"
+    if arch.is_moe and fmt.name == "e2m1":
+        return f"MoE architectures ({arch.architecture}) are not supported (dense only)"
+    return ""
+
+
+def check_fp8_arch(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> None:
+    """Raise :class:`UnsupportedConfigError` with :func:`fp8_arch_refusal`'s reason, if any."""
+    reason = fp8_arch_refusal(arch, fmt)
+    if reason:
+        raise UnsupportedConfigError(f"{_method(fmt)} quantization: {reason}")
 
 
 def fp8_tp_refusal(arch: ArchConfig, tp: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
     """Why ``arch``'s decoder linears cannot run in ``fmt`` at tensor-parallel size ``tp`` > 1 ('' when they can; both
-    engines ask it, before any work).  Dense models only (MoE experts: TP = 1).  Every rank's part of every quantized
-    HF tensor (the weight table's ``shard`` rule) must hold whole scale blocks -- column-parallel rows in runs of
-    ``block[0]`` (block-FP8 128, NVFP4 1), row-parallel K in runs of ``block[1]`` (128, 16) -- and every segment of
-    the row-parallel K tree (K / S, S the model's) whole activation groups / weight block columns: no quantization
-    group straddles a rank or a segment boundary (docs/fp8.md, "Tensor parallelism")."""
+    engines ask it, before any work).  Every rank's part of every quantized HF tensor (the weight table's ``shard``
+    rule) must hold whole scale blocks -- column-parallel rows in runs of ``block[0]`` (block-FP8 128, NVFP4 1),
+    row-parallel K in runs of ``block[1]`` (128, 16) -- and every segment of the row-parallel K tree (K / S, S the
+    model's) whole activation groups / weight block columns: no quantization group straddles a rank or a segment
+    boundary (docs/fp8.md, "Tensor parallelism").  MoE experts (``experts`` rule) are whole on their rank, so every
+    expert's blocks are whole at any TP; the shared expert and the router are replicated."""
     if tp == 1:
         return ""
-    name = f"{'nvfp4' if fmt.name == 'e2m1' else 'fp8'} quantization at TP={tp}"
-    if arch.is_hybrid:
-        return f"{name}: hybrid Mamba architectures ({arch.architecture}) are not supported"
-    if arch.is_moe:
-        return f"{name}: FP8 MoE experts ({arch.architecture}) run at TP=1 only"
+    name = f"{_method(fmt)} quantization at TP={tp}"
+    reason = fp8_arch_refusal(arch, fmt)
+    if reason:
+        return f"{name}: {reason}"
     segments = arch.row_parallel_segments
     for entry in weight_entries(arch):
-        if not is_quantized(entry.megatron):
+        if not is_quantized(entry.megatron) or entry.shard == "experts":  # experts: whole on their rank
             continue
         for i, (hf, shape) in enumerate(zip(entry.hf, entry.hf_shapes)):
             cut = tp_part(entry, i, 0, tp)
@@ -132,9 +147,7 @@ def formats_from_entry(entry: dict) -> tuple[QuantFormat, QuantFormat | None]:
 def fp8_hf_state_dict(model, arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> dict[str, torch.Tensor]:
     """HF-named tensors: FP8 ``.weight`` + ``.weight_scale_inv`` for the decoder linears (NVFP4: packed ``.weight`` uint8
     ``[N, K/2]``, ``.weight_scale`` E4M3 ``[N, K/16]``, ``.weight_scale_2`` float32 scalar), the model dtype elsewhere."""
-    check_fp8_arch(arch)
-    if fmt.name == "e2m1" and arch.is_moe:
-        raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
+    check_fp8_arch(arch, fmt)
     params = _model_params(model, arch)
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():

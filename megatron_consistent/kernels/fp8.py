@@ -92,9 +92,9 @@ from .silu_and_mul import silu_and_mul
 
 __all__ = [
     "E4M3_ACT_1x128", "E4M3_MAX", "E4M3_WEIGHT_128", "NVFP4_WEIGHT", "FP8LinearSTE", "FP8Weights", "QuantFormat", "VALUE_CODECS", "block_amax",
-    "compute_scales", "constant_row_block", "dequantize", "dequantize_rows", "fp8_expert_mlp", "fp8_linear", "fp8_linear_ste",
-    "fp8_moe_experts", "gate_up_block_rows", "part_block_ids", "quantize", "row_block_of_parts",
-    "weight_row_scales",
+    "compute_scales", "constant_row_block", "dequantize", "dequantize_rows", "fp8_combine_experts", "fp8_expert_mlp",
+    "fp8_expert_outputs", "fp8_linear", "fp8_linear_ste", "fp8_moe_experts", "fp8_owned_expert_outputs", "gate_up_block_rows",
+    "part_block_ids", "quantize", "row_block_of_parts", "weight_row_scales",
 ]
 
 E4M3_MAX = 448.0
@@ -424,18 +424,44 @@ def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
     ``moe_experts`` — (token, slot) pairs grouped by ascending expert, one call per expert (the FP8 linear is
     row-invariant: per-token activation groups), the shared expert's sigmoid gate from the unquantized gate weight,
     float32 slot-order combine, one rounding — with every expert linear being :func:`fp8_linear` (forward bitwise
-    equal with or without masters).  Without masters (inference) the routed experts are the device's
-    ``fp8_moe_expert_outputs``: on CPU the per-expert calls, on CUDA one grouped FP8 GEMM per projection with each
-    row's arithmetic that of :func:`fp8_linear` (:mod:`.triton.moe`; no host read, so CUDA graphs capture it)."""
+    equal with or without masters): :func:`fp8_combine_experts` of :func:`fp8_expert_outputs`."""
     if hidden.dim() != 2:
         raise ValueError(f"fp8_moe_experts: hidden must be [T, H], got {tuple(hidden.shape)}")
+    return fp8_combine_experts(hidden, fp8_expert_outputs(hidden, experts, fc1, fc2, w_fmt, a_fmt), weights, shared,
+                               w_fmt=w_fmt, a_fmt=a_fmt)
+
+
+def fp8_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, fc1: FP8Weights, fc2: FP8Weights,
+                       w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
+    """``[T, k, H]``: every (token, slot) pair through its block-FP8 expert (:func:`kernels.moe.expert_outputs`'s
+    contract: a pair of expert ``-1`` is not computed).  Without masters (inference) the device's
+    ``fp8_moe_expert_outputs``: on CPU the per-expert calls, on CUDA one grouped FP8 GEMM per projection with each
+    row's arithmetic that of :func:`fp8_linear` (:mod:`.triton.moe`; no host read, so CUDA graphs capture it); with
+    masters the per-expert STE linears (the same forward bits)."""
+    if fc1.master is None and fc2.master is None:
+        return implementation("fp8_moe_expert_outputs", hidden.device)(hidden, experts, fc1.q, fc1.rows, fc2.q, fc2.rows,
+                                                                        w_fmt, a_fmt)
+    return _per_expert_mlps(hidden, experts, fc1, fc2, w_fmt, a_fmt)
+
+
+def fp8_owned_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, first: int, fc1: FP8Weights, fc2: FP8Weights,
+                             w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128,
+                             fixed_shapes: bool = False) -> torch.Tensor:
+    """``[T, k, H]``: a tensor-parallel rank's block-FP8 experts ``[first, first + E_local)`` (``fc1`` / ``fc2`` stacked
+    over them, each expert quantized whole on its own grid: the values and scales of TP = 1) through
+    :func:`fp8_expert_outputs`, ``+0.0`` for the other pairs -- :func:`kernels.moe.owned_pair_outputs`, so the ranks'
+    results summed are the TP = 1 :func:`fp8_expert_outputs`."""
+    return kmoe.owned_pair_outputs(hidden, experts, first, fc1.q.shape[0], fc2.q.shape[-2],
+                                   lambda h, local: fp8_expert_outputs(h, local, fc1, fc2, w_fmt, a_fmt), fixed_shapes)
+
+
+def fp8_combine_experts(hidden: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shared: tuple | None = None, *,
+                        w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> torch.Tensor:
+    """:func:`fp8_moe_experts`' combine of the routed experts' outputs ``y [T, k, H]`` (:func:`fp8_expert_outputs`'s, or
+    the same values summed over the ranks that hold the experts) with weights ``[T, k]`` float32, plus the optional
+    block-FP8 shared expert of ``hidden`` (whole on every rank): ``[T, H]`` in ``hidden.dtype``."""
     if weights.dtype != torch.float32:
         raise ValueError(f"fp8_moe_experts: weights must be float32, got {weights.dtype}")
-    if fc1.master is None and fc2.master is None:  # inference: the device's op (CUDA: grouped, no host read)
-        y = implementation("fp8_moe_expert_outputs", hidden.device)(hidden, experts, fc1.q, fc1.rows, fc2.q, fc2.rows,
-                                                                     w_fmt, a_fmt)
-    else:
-        y = _per_expert_mlps(hidden, experts, fc1, fc2, w_fmt, a_fmt)
     ys = gate = None
     if shared is not None:
         s_fc1, s_fc2, s_gate = shared

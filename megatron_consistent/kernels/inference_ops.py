@@ -43,6 +43,12 @@ Ops (``torch.ops.megatron_consistent.<name>``):
 * ``fp8_moe_experts(hidden, experts, weights, fc1_q, fc1_rows, fc2_q, fc2_rows, shared_fc1_q, shared_fc1_rows,
   shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt, a_fmt)``: :func:`..fp8.fp8_moe_experts` without masters
   (E4M3 experts with per-row scales; CUDA: grouped FP8 GEMMs, no host read), ``[T, H]``;
+* ``fp8_moe_owned_expert_outputs(hidden, experts, first, fc1_q, fc1_rows, fc2_q, fc2_rows, w_fmt, a_fmt)``:
+  ``[T, k, H]``, :func:`..fp8.fp8_owned_expert_outputs` with ``fixed_shapes=True`` (a tensor-parallel rank's FP8
+  experts, as ``moe_owned_expert_outputs``);
+* ``fp8_moe_combine(hidden, y, weights, shared_fc1_q, shared_fc1_rows, shared_fc2_q, shared_fc2_rows, shared_gate,
+  w_fmt, a_fmt)``: ``[T, H]``, :func:`..fp8.fp8_combine_experts` (the FP8 shared expert and the slot-order combine) --
+  with ``fp8_moe_owned_expert_outputs`` the bits of ``fp8_moe_experts``;
 * ``router_logits(x, weight)``: float32 ``[T, E]`` by the linear's float32 accumulator;
 * ``moe_route(z, top_k, scoring, bias, norm_topk_prob, n_group, topk_group, scaling)``: (weights float32, experts
   int64) ``[T, k]`` by the device's ``moe_select_experts`` (:func:`..moe.select_experts`; CUDA: one Triton kernel
@@ -213,26 +219,58 @@ def _fp8_linear_segment_tree_fake(x, w_q, w_row_scales, w_fmt, a_fmt, w_block_ro
     return x.new_empty(*x.shape[:-1], w_q.shape[0], dtype=torch.float32)
 
 
+def _fp8_shared_expert(shared_fc1_q, shared_fc1_rows, shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt: str):
+    """The FP8 ops' shared-expert arguments as :func:`..fp8.fp8_combine_experts` takes them (None: no shared expert)."""
+    if shared_fc1_q is None:
+        return None
+    br = kfp8.QuantFormat.from_spec(w_fmt).block[0]
+    return (kfp8.FP8Weights(shared_fc1_q, shared_fc1_rows, block_rows=kfp8.gate_up_block_rows(shared_fc1_q.shape[0], br)),
+            kfp8.FP8Weights(shared_fc2_q, shared_fc2_rows, block_rows=kfp8.row_block_of_parts((shared_fc2_q.shape[0],), br)),
+            shared_gate)
+
+
 @torch.library.custom_op("megatron_consistent::fp8_moe_experts", mutates_args=())
 def fp8_moe_experts(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, fc1_q: torch.Tensor,
                     fc1_rows: torch.Tensor, fc2_q: torch.Tensor, fc2_rows: torch.Tensor, shared_fc1_q: torch.Tensor | None,
                     shared_fc1_rows: torch.Tensor | None, shared_fc2_q: torch.Tensor | None,
                     shared_fc2_rows: torch.Tensor | None, shared_gate: torch.Tensor | None, w_fmt: str,
                     a_fmt: str) -> torch.Tensor:
-    shared = None
-    if shared_fc1_q is not None:
-        br = kfp8.QuantFormat.from_spec(w_fmt).block[0]
-        shared = (kfp8.FP8Weights(shared_fc1_q, shared_fc1_rows, block_rows=kfp8.gate_up_block_rows(shared_fc1_q.shape[0], br)),
-                  kfp8.FP8Weights(shared_fc2_q, shared_fc2_rows, block_rows=kfp8.row_block_of_parts((shared_fc2_q.shape[0],), br)),
-                  shared_gate)
+    shared = _fp8_shared_expert(shared_fc1_q, shared_fc1_rows, shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt)
     return kfp8.fp8_moe_experts(hidden, experts, weights, kfp8.FP8Weights(fc1_q, fc1_rows),
-                                kfp8.FP8Weights(fc2_q, fc2_rows), shared, w_fmt=kfp8.QuantFormat.from_spec(w_fmt),
-                                a_fmt=kfp8.QuantFormat.from_spec(a_fmt) if a_fmt else None)
+                                kfp8.FP8Weights(fc2_q, fc2_rows), shared, **_fp8_formats(w_fmt, a_fmt))
 
 
 @fp8_moe_experts.register_fake
 def _fp8_moe_experts_fake(hidden, experts, weights, fc1_q, fc1_rows, fc2_q, fc2_rows, shared_fc1_q, shared_fc1_rows,
                           shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt, a_fmt):
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("megatron_consistent::fp8_moe_owned_expert_outputs", mutates_args=())
+def fp8_moe_owned_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, first: int, fc1_q: torch.Tensor,
+                                 fc1_rows: torch.Tensor, fc2_q: torch.Tensor, fc2_rows: torch.Tensor, w_fmt: str,
+                                 a_fmt: str) -> torch.Tensor:
+    return kfp8.fp8_owned_expert_outputs(hidden, experts, first, kfp8.FP8Weights(fc1_q, fc1_rows),
+                                         kfp8.FP8Weights(fc2_q, fc2_rows), fixed_shapes=True, **_fp8_formats(w_fmt, a_fmt))
+
+
+@fp8_moe_owned_expert_outputs.register_fake
+def _fp8_moe_owned_expert_outputs_fake(hidden, experts, first, fc1_q, fc1_rows, fc2_q, fc2_rows, w_fmt, a_fmt):
+    return hidden.new_empty(*experts.shape, fc2_q.shape[1])
+
+
+@torch.library.custom_op("megatron_consistent::fp8_moe_combine", mutates_args=())
+def fp8_moe_combine(hidden: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, shared_fc1_q: torch.Tensor | None,
+                    shared_fc1_rows: torch.Tensor | None, shared_fc2_q: torch.Tensor | None,
+                    shared_fc2_rows: torch.Tensor | None, shared_gate: torch.Tensor | None, w_fmt: str,
+                    a_fmt: str) -> torch.Tensor:
+    shared = _fp8_shared_expert(shared_fc1_q, shared_fc1_rows, shared_fc2_q, shared_fc2_rows, shared_gate, w_fmt)
+    return kfp8.fp8_combine_experts(hidden, y, weights, shared, **_fp8_formats(w_fmt, a_fmt))
+
+
+@fp8_moe_combine.register_fake
+def _fp8_moe_combine_fake(hidden, y, weights, shared_fc1_q, shared_fc1_rows, shared_fc2_q, shared_fc2_rows, shared_gate,
+                          w_fmt, a_fmt):
     return torch.empty_like(hidden)
 
 

@@ -256,29 +256,39 @@ def owned_expert_outputs(hidden: torch.Tensor, experts: torch.Tensor, first: int
                          w_down: torch.Tensor, activation: str = "swiglu", fixed_shapes: bool = False) -> torch.Tensor:
     """``[T, k, H]``: the (token, slot) pairs routed to the experts ``[first, first + E_local)`` held in ``w_gate_up
     [E_local, ...]`` / ``w_down [E_local, H, I]`` (a TP rank's run of the experts), each through its expert by
-    :func:`expert_outputs`; ``+0.0`` for every other pair.
+    :func:`expert_outputs`; ``+0.0`` for every other pair (:func:`owned_pair_outputs`)."""
+    return owned_pair_outputs(hidden, experts, first, w_gate_up.shape[0], w_down.shape[1],
+                              lambda h, local: expert_outputs(h, local, w_gate_up, w_down, activation), fixed_shapes)
 
-    Numerics: the expert linear is row-invariant, so an owned pair's values are the bits :func:`expert_outputs` gives
-    it with every expert held, whatever else the call computes.  Over the ranks holding the runs of all experts,
-    each pair is non-zero on one rank at most, so the ranks' results summed in any order are the TP = 1
-    :func:`expert_outputs` (a ``-0.0`` may come back ``+0.0``, which :func:`combine_experts` cannot tell apart:
-    ``w * y`` is added to an accumulator started at ``+0.0``).
+
+def owned_pair_outputs(hidden: torch.Tensor, experts: torch.Tensor, first: int, n_local: int, out_features: int,
+                       outputs, fixed_shapes: bool = False) -> torch.Tensor:
+    """``[T, k, out_features]``: the (token, slot) pairs routed to the experts ``[first, first + n_local)`` through
+    ``outputs(hidden_rows [n, H], local_experts [n, k]) -> [n, k, out_features]`` (an expert computation of the
+    :func:`expert_outputs` contract over the rank's experts -- model-dtype or block-FP8 -- that leaves the pairs of
+    expert ``-1`` uncomputed); ``+0.0`` for every other pair.
+
+    Numerics: the expert linear is row-invariant, so an owned pair's values are the bits ``outputs`` gives it with
+    every expert held, whatever else the call computes.  Over the ranks holding the runs of all experts, each pair is
+    non-zero on one rank at most, so the ranks' results summed in any order are the TP = 1 outputs (a ``-0.0`` may
+    come back ``+0.0``, which :func:`combine_experts` cannot tell apart: ``w * y`` is added to an accumulator started
+    at ``+0.0``).
 
     ``fixed_shapes=False``: only the owned pairs are computed (found by ``nonzero``: a host read, a shape that
-    depends on the routes).  ``True`` (a rollout engine's CUDA graphs): another rank's pairs go to
-    :func:`expert_outputs` as expert ``-1`` (not computed: no sorted row, no GEMM tile -- the expert work of the owned
-    pairs only, in launches of fixed shapes), and a select keeps the owned pairs' values (``+0.0`` elsewhere, whatever
-    the unspecified rows hold) — no host read; the same bits."""
+    depends on the routes).  ``True`` (a rollout engine's CUDA graphs): another rank's pairs go to ``outputs`` as
+    expert ``-1`` (not computed: no sorted row, no GEMM tile -- the expert work of the owned pairs only, in launches
+    of fixed shapes), and a select keeps the owned pairs' values (``+0.0`` elsewhere, whatever the unspecified rows
+    hold) — no host read; the same bits."""
     local = experts - first
-    mine = (local >= 0) & (local < w_gate_up.shape[0])
+    mine = (local >= 0) & (local < n_local)
     if fixed_shapes:
-        y = expert_outputs(hidden, torch.where(mine, local, torch.full_like(local, -1)), w_gate_up, w_down, activation)
+        y = outputs(hidden, torch.where(mine, local, torch.full_like(local, -1)))
         return torch.where(mine[..., None], y, torch.zeros((), dtype=y.dtype, device=y.device))
     token, slot = mine.nonzero(as_tuple=True)
-    y = hidden.new_zeros(*experts.shape, w_down.shape[1])
+    y = hidden.new_zeros(*experts.shape, out_features)
     if token.numel() == 0:
         return y
-    pairs = expert_outputs(hidden[token], local[token, slot][:, None], w_gate_up, w_down, activation)
+    pairs = outputs(hidden[token], local[token, slot][:, None])
     return y.index_put((token, slot), pairs[:, 0])
 
 

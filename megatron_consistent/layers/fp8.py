@@ -29,8 +29,8 @@ from ..conversion.fp8 import check_fp8_arch, fp8_tp_refusal, is_quantized, quant
 from ..conversion.hf import _join, _plan
 from ..conversion.moe import MOE_KINDS
 from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, constant_row_block,
-                           fp8_linear_ste, fp8_moe_experts, gate_up_block_rows, kv_round_trip, part_block_ids, row_block_of_parts,
-                           weight_row_scales)
+                           fp8_combine_experts, fp8_linear_ste, fp8_moe_experts, fp8_owned_expert_outputs, gate_up_block_rows,
+                           kv_round_trip, part_block_ids, row_block_of_parts, weight_row_scales)
 from . import tensor_parallel as tpar
 
 __all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
@@ -91,7 +91,11 @@ class FP8MoEBinding:
 
     Each forward quantizes every expert's gate / up / down (and the shared expert's) per HF tensor with
     :func:`quantized_parts` (the export's routine), restacks values and per-row scales in the Megatron layout, and
-    runs :func:`megatron_consistent.kernels.fp8.fp8_moe_experts` with the bf16 masters attached (STE backward)."""
+    runs the FP8 experts (:mod:`megatron_consistent.kernels.fp8`) with the bf16 masters attached (STE backward).  At
+    TP > 1 the block holds whole experts ``[r E/t, (r+1) E/t)``: each is quantized whole on its own grid (no
+    gather: an expert's values and scales do not depend on the others'), so the rank's values and scales are those
+    of TP = 1 (and of the engine's rank); the layer sums the owned outputs over the ranks and combines
+    (:meth:`owned_expert_outputs`, :meth:`combine`)."""
 
     def __init__(self, arch: ArchConfig, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128):
         self.arch, self.w_fmt, self.a_fmt = arch, w_fmt, a_fmt
@@ -104,14 +108,27 @@ class FP8MoEBinding:
         block_rows = gate_up_block_rows(q.shape[-2], br) if kind in ("experts_fc1", "fc1") else row_block_of_parts((q.shape[-2],), br)
         return FP8Weights(q, rows, weight, block_rows)
 
+    def _experts(self, block) -> tuple[FP8Weights, FP8Weights]:
+        return (self.quantize_weight("experts_fc1", block.experts.linear_fc1.weight),
+                self.quantize_weight("experts_fc2", block.experts.linear_fc2.weight))
+
+    def _shared(self, block) -> tuple | None:
+        se = block.shared_experts
+        if se is None:
+            return None
+        return self.quantize_weight("fc1", se.linear_fc1.weight), self.quantize_weight("copy", se.linear_fc2.weight), se.gate_weight
+
     def __call__(self, block, h: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        fc1 = self.quantize_weight("experts_fc1", block.experts.linear_fc1.weight)
-        fc2 = self.quantize_weight("experts_fc2", block.experts.linear_fc2.weight)
-        shared = None
-        if block.shared_experts is not None:
-            se = block.shared_experts
-            shared = (self.quantize_weight("fc1", se.linear_fc1.weight), self.quantize_weight("copy", se.linear_fc2.weight), se.gate_weight)
-        return fp8_moe_experts(h, experts, w, fc1, fc2, shared, w_fmt=self.w_fmt, a_fmt=self.a_fmt)
+        """The whole MoE output (every expert held: TP = 1)."""
+        return fp8_moe_experts(h, experts, w, *self._experts(block), self._shared(block), w_fmt=self.w_fmt, a_fmt=self.a_fmt)
+
+    def owned_expert_outputs(self, block, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``[T, k, H]``: the pairs routed to the block's experts (``block.expert_offset`` on), ``+0.0`` for the others."""
+        return fp8_owned_expert_outputs(h, experts, block.expert_offset, *self._experts(block), self.w_fmt, self.a_fmt)
+
+    def combine(self, block, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The slot-order combine of the experts' outputs ``y`` (summed over the ranks) with the FP8 shared expert."""
+        return fp8_combine_experts(h, y, w, self._shared(block), w_fmt=self.w_fmt, a_fmt=self.a_fmt)
 
 
 def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> list[str]:
@@ -121,16 +138,14 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     from .moe_megatron import ConsistentExperts
 
     arch: ArchConfig = model.arch_config
-    check_fp8_arch(arch)
+    check_fp8_arch(arch, w_fmt)
     tp, pp = getattr(model, "parallel_sizes", (1, 1))
     ep = max([getattr(model, "expert_parallel_size", 1)] +  # a framework-built model: its Megatron MoELayers' experts
              [layer.mlp.experts.ep for layer in model.decoder.layers
               if isinstance(getattr(layer.mlp, "experts", None), ConsistentExperts)])
     if (pp, ep) != (1, 1):
         raise UnsupportedConfigError(f"FP8 with model parallelism (TP={tp}, PP={pp}, EP={ep}) is not supported by the "
-                                     "consistent layers (PP = EP = 1; TP > 1: dense layouts of whole scale blocks)")
-    if w_fmt.name == "e2m1" and arch.is_moe:
-        raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
+                                     "consistent layers (PP = EP = 1; TP > 1: layouts of whole scale blocks)")
     reason = fp8_tp_refusal(arch, tp, w_fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
     if reason:
         raise UnsupportedConfigError(reason)

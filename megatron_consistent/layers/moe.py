@@ -16,7 +16,10 @@ concatenation, exact), forms the (token, slot) outputs of the pairs routed to it
 row-invariant expert MLP, zeros for the others' pairs (:func:`kernels.moe.owned_expert_outputs`), and the ranks'
 ``[T, k, H]`` tensors are summed (:func:`.tensor_parallel.sum_owned_slots`: each element one value and t-1 zeros,
 exact in any order); then every rank combines in slot order exactly as at TP = 1 (under sequence parallelism it keeps
-its own chunk).  So the bits are the TP = 1 bits, whatever t.  Megatron's token dispatchers (all-gather /
+its own chunk).  So the bits are the TP = 1 bits, whatever t.  Block-FP8 experts (``layers/fp8.py``
+:class:`~.fp8.FP8MoEBinding`) take the same path: each rank quantizes its whole experts on their own grids (the TP = 1
+values and scales), forms its pairs' outputs with the FP8 expert kernels, and the FP8 shared expert joins the
+combine.  Megatron's token dispatchers (all-gather /
 all-to-all) are not used; every token's expert result is independent of which other tokens share the expert
 (row-invariant linear), which is what a dispatcher would have to preserve.
 
@@ -199,14 +202,15 @@ class ConsistentMoELayer(nn.Module):
             se = self.shared_experts
             shared = (se.linear_fc1.weight, se.linear_fc2.weight, se.gate_weight)
         fp8 = getattr(self, "fp8", None)  # layers/fp8.py enable_fp8: block-FP8 experts on the bf16 masters, STE backward
-        if fp8 is not None:
-            out = fp8(self, h, experts, w)
-        elif group is not None:
-            mine = kmoe.owned_expert_outputs(h if self.sequence_parallel else tpar.copy_to_tp(h, group), experts,
-                                             self.expert_offset, self.experts.linear_fc1.weight,
-                                             self.experts.linear_fc2.weight, self.activation)
+        if group is not None:
+            h_experts = h if self.sequence_parallel else tpar.copy_to_tp(h, group)
+            mine = (fp8.owned_expert_outputs(self, h_experts, experts) if fp8 is not None else
+                    kmoe.owned_expert_outputs(h_experts, experts, self.expert_offset, self.experts.linear_fc1.weight,
+                                              self.experts.linear_fc2.weight, self.activation))
             y = tpar.sum_owned_slots(mine, group, self.sequence_parallel)
-            out = kmoe.combine_experts(h, y, w, shared, self.activation)
+            out = fp8.combine(self, h, y, w) if fp8 is not None else kmoe.combine_experts(h, y, w, shared, self.activation)
+        elif fp8 is not None:
+            out = fp8(self, h, experts, w)
         elif ep_group is not None:  # each pair's row to its expert's rank, its output back
             y = pairs_through_expert_ranks(h, experts, ep_group, self.experts.linear_fc1.weight,
                                            self.experts.linear_fc2.weight, self.activation)

@@ -18,9 +18,11 @@ opaque node, so vLLM compiles the model and replays CUDA graphs).
 MoE layers (:class:`FP8MoEDecoderLayer`): q/k/v/o the same way; stacked E4M3
 experts with per-expert block scales through the custom op ``inference_ops.fp8_moe_experts``
 (:func:`megatron_consistent.kernels.fp8.fp8_moe_experts`; on CUDA grouped FP8 GEMMs); the router and the
-shared-expert gate stay in the model dtype.
+shared-expert gate stay in the model dtype.  At TP > 1 a rank holds its whole experts ``[r E/t, (r+1) E/t)`` with
+their whole block scales (the shared expert whole on every rank) and sums its experts' outputs with the other ranks'
+before the combine, as the model-dtype MoE layer does (:mod:`.moe`).
 o_proj and down run the FP8 linear's row-parallel K-segment tree (``inference_ops.fp8_row_parallel_linear``); at
-tensor-parallel size t > 1 (block-FP8 / NVFP4 dense checkpoints whose rank parts are whole scale blocks:
+tensor-parallel size t > 1 (block-FP8 / NVFP4 checkpoints whose rank parts are whole scale blocks:
 :func:`..conversion.fp8.fp8_tp_refusal`) each rank holds its part of every quantized weight and of its block scales
 (:meth:`_BlockScales.quantized_layout`; NVFP4's global scale whole) and o_proj / down give its float32 subtree,
 all-gathered (:func:`.parallel.fp8_row_parallel_for`).
@@ -135,9 +137,13 @@ class _BlockScales:
         scale parameters: ``<HF weight>_scale_inv`` (block-FP8), ``<HF weight>_scale`` / ``_scale_2`` (NVFP4, ModelOpt
         names); empty for a parameter that is not quantized."""
         if held in ("experts_fc1", "experts_fc2"):  # per-expert views of the stacked scales, in the entry's HF order
-            E = self.arch.num_experts
-            scales = ([t for e in range(E) for t in (self.experts_gate_scale[e], self.experts_up_scale[e])] if held == "experts_fc1"
-                      else [self.experts_down_scale[e] for e in range(E)])
+            first, run = self.expert_first, self.experts_down_scale.shape[0]  # TP > 1: this rank's experts only
+
+            def view(stack, e):  # another rank's expert: an empty view (its empty part, as the weight table's values)
+                return stack[e - first] if first <= e < first + run else stack[0][:0]
+
+            stacks = (self.experts_gate_scale, self.experts_up_scale) if held == "experts_fc1" else (self.experts_down_scale,)
+            scales = [view(t, e) for e in range(self.arch.num_experts) for t in stacks]
             return {n + "_scale_inv": t for n, t in zip(entry.hf, scales)}
         stems = self._scale_stems.get(held, ())
         if self.nvfp4:
@@ -148,7 +154,8 @@ class _BlockScales:
         """HF name of each scale tensor of ``entry`` (NVFP4: and of its packed codes) -> (the part of the whole tensor
         this tensor-parallel rank holds, the whole tensor's shape).  A scale: the part of its weight (the weight
         table's ``shard`` rule, :func:`..architectures.tp_part`) in whole blocks (:func:`..conversion.fp8.scale_part`)
-        of the ``[ceil(N/br), ceil(K/bc)]`` grid (dense layouts of whole blocks only at TP > 1: ``fp8_tp_refusal``);
+        of the ``[ceil(N/br), ceil(K/bc)]`` grid (layouts of whole blocks only at TP > 1: ``fp8_tp_refusal``; an expert's
+        scales whole on its rank, nothing of them elsewhere);
         NVFP4's ``weight_scale_2`` (one float32 per HF tensor) whole on every rank; NVFP4 codes ``[N, K/2]``: the
         weight's part with K counted in bytes."""
         out = {}
@@ -185,9 +192,13 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
     """MoE decoder layer in block-FP8: q/k/v/o as :class:`FP8DecoderLayer`; every expert's gate / up / down (and the
     shared expert's) E4M3 with its own block scales; the router and ``shared_expert_gate`` in the model dtype.
 
-    Storage: ``experts_fc1`` ``[E, 2I, H]`` / ``experts_fc2`` ``[E, H, I]`` (and ``shared_fc1`` / ``shared_fc2``) in
-    ``float8_e4m3fn``; scales ``experts_{gate,up,down}_scale`` ``[E, ceil(N/128), ceil(K/128)]`` (and
-    ``shared_{gate,up,down}_scale``).  The MLP runs the custom op ``inference_ops.fp8_moe_experts``."""
+    Storage: ``experts_fc1`` ``[E_r, 2I, H]`` / ``experts_fc2`` ``[E_r, H, I]`` (and ``shared_fc1`` / ``shared_fc2``) in
+    ``float8_e4m3fn``; scales ``experts_{gate,up,down}_scale`` ``[E_r, ceil(N/128), ceil(K/128)]`` (and
+    ``shared_{gate,up,down}_scale``); ``E_r`` = E / t, the rank's whole experts ``[r E/t, (r+1) E/t)`` with their
+    whole scales (the weight table's ``experts`` rule; the shared expert whole on every rank).  The MLP runs the
+    custom op ``inference_ops.fp8_moe_experts`` at TP = 1; at TP > 1 ``fp8_moe_owned_expert_outputs`` (the rank's
+    experts' pairs, ``+0.0`` for the others'), the ranks' sum (:func:`.parallel.sum_owned_slots`) and
+    ``fp8_moe_combine`` (the FP8 shared expert, the slot-order combine) -- the bits of TP = 1."""
 
     OPS = ("qkv", "o_proj")
 
@@ -196,15 +207,15 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
         _quantize_fused(self, self.OPS, arch, formats)
         fp8 = self.w_fmt.storage_dtype
         br, bc = self.w_fmt.block
-        E, H, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        run, H, inter = arch.num_experts // self.tp_size, arch.hidden_size, arch.moe_intermediate_size  # the rank's experts
 
         def scale(*lead, n, k):
             return nn.Parameter(torch.ones(*lead, -(-n // br), -(-k // bc), dtype=torch.float32), requires_grad=False)
 
-        self.experts_fc1 = nn.Parameter(torch.zeros(E, 2 * inter, H, dtype=fp8), requires_grad=False)
-        self.experts_fc2 = nn.Parameter(torch.zeros(E, H, inter, dtype=fp8), requires_grad=False)
-        self.experts_gate_scale, self.experts_up_scale = scale(E, n=inter, k=H), scale(E, n=inter, k=H)
-        self.experts_down_scale = scale(E, n=H, k=inter)
+        self.experts_fc1 = nn.Parameter(torch.zeros(run, 2 * inter, H, dtype=fp8), requires_grad=False)
+        self.experts_fc2 = nn.Parameter(torch.zeros(run, H, inter, dtype=fp8), requires_grad=False)
+        self.experts_gate_scale, self.experts_up_scale = scale(run, n=inter, k=H), scale(run, n=inter, k=H)
+        self.experts_down_scale = scale(run, n=H, k=inter)
         if self.shared is not None:
             s = arch.shared_expert_intermediate_size
             self.shared_fc1 = nn.Parameter(torch.zeros(2 * s, H, dtype=fp8), requires_grad=False)
@@ -236,15 +247,17 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
             s = self.arch.shared_expert_intermediate_size
             shared = (self.shared_fc1, self._fc1_rows(self.shared_gate_scale, self.shared_up_scale, s), self.shared_fc2,
                       weight_row_scales(self.shared_down_scale, H, self.w_fmt), self.shared_gate)
-        return z, experts, inference_ops.fp8_moe_experts(x, experts, w, self.experts_fc1, fc1_rows, self.experts_fc2,
-                                                         fc2_rows, *shared, *self.format_specs)
+        if self.tp_size == 1:
+            return z, experts, inference_ops.fp8_moe_experts(x, experts, w, self.experts_fc1, fc1_rows, self.experts_fc2,
+                                                             fc2_rows, *shared, *self.format_specs)
+        mine = inference_ops.fp8_moe_owned_expert_outputs(x, experts, self.expert_first, self.experts_fc1, fc1_rows,
+                                                          self.experts_fc2, fc2_rows, *self.format_specs)
+        return z, experts, inference_ops.fp8_moe_combine(x, pmoe.sum_owned_slots(mine), w, *shared, *self.format_specs)
 
 
 def layer_factory(arch: ArchConfig, formats):
     """Layer constructor for a block-FP8 checkpoint: :class:`FP8MoEDecoderLayer` where the config puts MoE, else dense."""
-    check_fp8_arch(arch)
-    if formats[0].name == "e2m1" and arch.is_moe:
-        raise UnsupportedConfigError(f"nvfp4 quantization: MoE architectures ({arch.architecture}) are not supported (dense only)")
+    check_fp8_arch(arch, formats[0])
 
     def make(a, cache_config, prefix):
         cls = FP8MoEDecoderLayer if a.layer_is_moe(int(prefix.rsplit(".", 1)[-1])) else FP8DecoderLayer
