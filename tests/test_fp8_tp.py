@@ -1,4 +1,4 @@
-"""Block-FP8 dense models at tensor parallelism > 1, trainer and engine (docs/fp8.md, "Tensor parallelism").
+"""Block-FP8 dense and MoE models at tensor parallelism > 1, trainer and engine (docs/fp8.md, "Tensor parallelism").
 
 * kernel level (no processes): the FP8 row-parallel linear (``kernels.fp8.fp8_linear(..., segments=S)``) split over
   t ranks (each its K shard's subtree of S/t segments, then the top of the tree) gives the one-rank bits; summing a
@@ -9,7 +9,13 @@
 * gloo ranks (slow): the trainer (``recompute_logprobs_parallel`` with the FP8 forward) at TP 2 and 4 gives the TP 1
   logits and log-probs; the plugin's FP8 decoder layers at TP 2 (``tests/_tp_ranks.py``) give every layer output and
   the logits of TP 1 and of the trainer; an in-place reload at TP 2 equals TP 1 on those weights; a rank that sums
-  its K shard without the tree is caught.
+  its K shard without the tree is caught;
+* FP8 MoE (``tiny-qwen2moe-fp8tp``: 8 experts, top-2, a shared expert): each rank quantizes / loads its whole experts
+  (the TP = 1 values and scales; an expert cut in two on its own grid is not), its owned pairs' outputs summed over the
+  ranks and combined = TP = 1 (kernel level; without the sum, or with the wrong run of experts: caught); gloo ranks
+  (slow): the trainer at TP 2, 4 and 2 + SP gives the TP 1 logits and every layer's routes, the plugin's FP8 MoE
+  layers at TP 2 = TP 1 = the trainer, an in-place reload at TP 2 = TP 1, and an engine without the ranks' sum or with
+  the wrong expert run is caught.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from megatron_consistent.kernels.numerics import adjacent_tree_sum
 
 HERE = Path(__file__).parent
 FP8TP = builtin_model_dir("tiny-llama-fp8tp")  # hidden 256, 4 x 128 heads, 4 KV heads, MLP 512, S = 4
+MOETP = builtin_model_dir("tiny-qwen2moe-fp8tp")  # the same attention; 8 experts (top-2, 64 wide), shared expert 128
 
 
 def _arch(name: str, **fields) -> ArchConfig:
@@ -97,8 +104,12 @@ def test_a_rank_quantizing_its_own_slice_differs_at_a_misaligned_layout():
     ("tiny-llama", {"intermediate_size": 200}, 2, NVFP4_WEIGHT,
      "nvfp4 quantization at TP=2: model.layers.0.mlp.down_proj.weight (128, 200) gives each rank 100 K columns, not whole "
      "16-wide scale blocks"),
-    ("tiny-qwen3moe-top1", {}, 2, NVFP4_WEIGHT, "nvfp4 quantization at TP=2: FP8 MoE experts"),
-    ("tiny-qwen3moe-top1", {}, 2, E4M3_WEIGHT_128, "fp8 quantization at TP=2: FP8 MoE experts (Qwen3MoeForCausalLM) run at TP=1"),
+    ("tiny-qwen2moe-fp8tp", {}, 2, NVFP4_WEIGHT,
+     "nvfp4 quantization at TP=2: MoE architectures (Qwen2MoeForCausalLM) are not supported (dense only)"),
+    ("tiny-qwen3moe-top1", {}, 2, E4M3_WEIGHT_128,
+     "fp8 quantization at TP=2: model.layers.0.self_attn.q_proj.weight (128, 128) gives each rank 64 rows"),
+    ("tiny-qwen2moe-fp8tp", {"consistent_row_parallel_segments": 8}, 2, E4M3_WEIGHT_128,
+     "o_proj.weight K = 512 in S = 8 row-parallel segments of 64"),
 ])
 def test_misaligned_fp8_layouts_refused_by_name(name, fields, tp, fmt, words):
     from megatron_consistent.vllm_plugin.parallel import tp_refusal
@@ -155,23 +166,23 @@ def test_enable_fp8_refuses_a_misaligned_tp_model_by_name():
 
 
 # ------------------------------------------------------------------------------------------------ gloo ranks
-def _weights(seed: int) -> dict[str, torch.Tensor]:
+def _weights(seed: int, model_dir: Path = FP8TP) -> dict[str, torch.Tensor]:
     from megatron_consistent.architectures import hf_tensor_specs
 
-    arch = ArchConfig.from_hf(load_hf_config(FP8TP))
+    arch = ArchConfig.from_hf(load_hf_config(model_dir))
     g = torch.Generator().manual_seed(seed)
     return {n: (torch.randn(s, generator=g) * (1.0 if "norm" in n else 0.05)).to(getattr(torch, dt))
             for n, (s, dt) in hf_tensor_specs(arch).items()}
 
 
-def _trainer_tp1(weights: dict, ids: torch.Tensor, formats=()) -> tuple[torch.Tensor, object]:
+def _trainer_tp1(weights: dict, ids: torch.Tensor, formats=(), model_dir: Path = FP8TP) -> tuple[torch.Tensor, object]:
     """The one-process FP8 (``formats``: e.g. NVFP4) trainer's float32 logits and the model (for the export)."""
     from megatron_consistent.kernels import causal_positions
     from megatron_consistent.layers import build_consistent_model
     from megatron_consistent.layers.distributed import load_full_megatron_state, megatron_state_from_hf
     from megatron_consistent.layers.fp8 import enable_fp8
 
-    model = build_consistent_model(FP8TP)
+    model = build_consistent_model(model_dir)
     load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, weights))
     enable_fp8(model, *formats)
     with torch.no_grad():
@@ -293,3 +304,189 @@ def test_nvfp4_trainer_and_engine_tp2_equal_tp1(fp8_runs):
     assert parts["model.layers.0.self_attn.o_proj.weight"] == [1, 128, 256]  # codes [256, 256]: K 512 / 2 a byte
     assert parts["model.layers.0.self_attn.o_proj.weight_scale"] == [1, 16, 32]  # K / 16
     assert parts["model.layers.0.self_attn.o_proj.weight_scale_2"] is None
+
+
+# ------------------------------------------------------------------------------------------------ FP8 MoE experts
+def test_fp8_moe_tp_config_accepted_and_experts_whole_on_their_rank():
+    from megatron_consistent.architectures import tp_part, weight_entries
+    from megatron_consistent.vllm_plugin.parallel import tp_refusal
+
+    arch = _arch("tiny-qwen2moe-fp8tp")
+    for t in (1, 2, 4):
+        assert fp8_tp_refusal(arch, t) == "" and tp_refusal(arch, t, E4M3_WEIGHT_128) == ""
+    entries = {e.megatron.split(".", 3)[-1]: e for e in weight_entries(arch) if e.megatron.startswith("decoder.layers.0.")}
+    fc1 = entries["mlp.experts.linear_fc1.weight"]
+    assert fc1.hf[10].endswith("experts.5.gate_proj.weight")  # expert 5: rank 1's of 2, nothing of it on rank 0
+    assert [scale_part(tp_part(fc1, 10, r, 2)) for r in range(2)] == [(0, 0, 0), None]
+    shared = entries["mlp.shared_experts.linear_fc1.weight"]
+    assert [tp_part(shared, 0, r, 2) for r in range(2)] == [None, None]  # replicated, as in the model dtype
+
+
+def _moe_operands(seed: int = 0):
+    """tiny-qwen2moe-fp8tp's MoE block in FP8 (the trainer's quantization, masters attached) and routed tokens."""
+    from megatron_consistent.kernels import moe as kmoe
+    from megatron_consistent.layers.fp8 import FP8MoEBinding
+
+    arch = _arch("tiny-qwen2moe-fp8tp")
+    g = torch.Generator().manual_seed(seed)
+    E, H, inter, s = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size, arch.shared_expert_intermediate_size
+
+    def rand(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    binding = FP8MoEBinding(arch)
+    fc1, fc2 = binding.quantize_weight("experts_fc1", rand(E, 2 * inter, H)), binding.quantize_weight("experts_fc2", rand(E, H, inter))
+    shared = (binding.quantize_weight("fc1", rand(2 * s, H)), binding.quantize_weight("copy", rand(H, s)), rand(1, H))
+    x = rand(40, H, scale=1.0)
+    w, experts = kmoe.route(x, rand(E, H, scale=0.3), arch.num_experts_per_tok)
+    return binding, x, experts, w, fc1, fc2, shared
+
+
+def test_fp8_expert_shards_quantize_as_the_whole_stack_and_a_sliced_expert_does_not():
+    """A rank's whole experts quantized on their own are the TP = 1 stack's values and scales (no gather needed); a
+    rank holding half of every expert's gate rows (32 of the 64-row part, a column-parallel cut) would quantize
+    them on a grid of its own and get other scales -- why the experts are sharded whole."""
+    arch = _arch("tiny-qwen2moe-fp8tp")
+    binding, *_ = _moe_operands()
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(arch.num_experts, 2 * arch.moe_intermediate_size, arch.hidden_size, generator=g).to(torch.bfloat16)
+    w[:, 32:64] *= 8  # the second half of each gate part holds its block's amax
+    full = binding.quantize_weight("experts_fc1", w)
+    for t in (2, 4):
+        run = arch.num_experts // t
+        for r in range(t):
+            part = binding.quantize_weight("experts_fc1", w[r * run:(r + 1) * run])
+            assert torch.equal(part.q.view(torch.uint8), full.q[r * run:(r + 1) * run].view(torch.uint8))
+            assert torch.equal(part.rows, full.rows[r * run:(r + 1) * run])
+    _, s_half = quantize(w[0, :32].contiguous(), E4M3_WEIGHT_128)
+    assert not torch.equal(s_half[0], full.rows[0, 0])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fp8_owned_experts_summed_over_ranks_equal_tp1_and_broken_sums_are_caught(tp):
+    """Engine ops (fixed shapes) and the trainer's (masters, owned pairs only): each rank's whole experts' pairs, the
+    ranks' sum and the FP8 combine = ``fp8_moe_experts`` with every expert; one rank's outputs alone (no sum), or a
+    rank computing its pairs with the next rank's experts, differ."""
+    from megatron_consistent.kernels import inference_ops
+    from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, FP8Weights, fp8_owned_expert_outputs
+
+    _, x, experts, w, fc1, fc2, shared = _moe_operands()
+    specs = (E4M3_WEIGHT_128.spec, E4M3_ACT_1x128.spec)
+    sh = (shared[0].q, shared[0].rows, shared[1].q, shared[1].rows, shared[2])
+    one = inference_ops.fp8_moe_experts(x, experts, w, fc1.q, fc1.rows, fc2.q, fc2.rows, *sh, *specs)
+    run = fc1.q.shape[0] // tp
+    ranks = []
+    for r in range(tp):
+        cut = slice(r * run, (r + 1) * run)
+        mine = inference_ops.fp8_moe_owned_expert_outputs(x, experts, r * run, fc1.q[cut], fc1.rows[cut], fc2.q[cut],
+                                                         fc2.rows[cut], *specs)
+        trainer = fp8_owned_expert_outputs(x, experts, r * run, *(FP8Weights(f.q[cut], f.rows[cut], f.master[cut], f.block_rows)
+                                                                  for f in (fc1, fc2)))
+        assert torch.equal(mine, trainer.detach())
+        ranks.append(mine)
+    assert torch.equal(inference_ops.fp8_moe_combine(x, adjacent_tree_sum(torch.stack(ranks), dim=0), w, *sh, *specs), one)
+    assert not torch.equal(inference_ops.fp8_moe_combine(x, ranks[0], w, *sh, *specs), one)  # no sum
+    nxt = slice(run, 2 * run)
+    wrong = inference_ops.fp8_moe_owned_expert_outputs(x, experts, 0, fc1.q[nxt], fc1.rows[nxt], fc2.q[nxt], fc2.rows[nxt], *specs)
+    assert not torch.equal(inference_ops.fp8_moe_combine(x, adjacent_tree_sum(torch.stack([wrong, *ranks[1:]]), dim=0), w,
+                                                         *sh, *specs), one)
+
+
+@pytest.fixture(scope="module")
+def fp8_moe_runs(tmp_path_factory):
+    """tiny-qwen2moe-fp8tp in FP8.  Trainer: TP 1 here (logits and routes), TP 2, 4 and 2 + SP in gloo ranks.  Engine:
+    the export at TP 1 and 2 (plain, reloaded in place with a second export, without the ranks' sum, with the next
+    rank's run of experts), and TP 1 on the second export."""
+    import time
+
+    from megatron_consistent.conversion.fp8 import export_hf_fp8
+    from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+    from megatron_consistent.layers.moe import collect_routes
+    from safetensors.torch import load_file
+
+    from _tp_ranks import PROMPT
+
+    tmp = tmp_path_factory.mktemp("fp8moetp")
+    weights = _weights(0, MOETP)
+    ids = (torch.tensor([PROMPT[:36], PROMPT[::-1][:36]]) % 512)
+    logits1, model = _trainer_tp1(weights, ids, model_dir=MOETP)
+    routes1 = collect_routes(model)
+    engine_dir, reload_dir = tmp / "fp8", tmp / "fp8_reload"
+    export_hf_fp8(model, model.arch_config, engine_dir)
+    _, model_b = _trainer_tp1(_weights(1, MOETP), ids[:1], model_dir=MOETP)
+    export_hf_fp8(model_b, model_b.arch_config, reload_dir)
+    secs, trainer = {}, {}
+    for tp, sp in ((2, False), (4, False), (2, True)):
+        t0 = time.perf_counter()
+        trainer[tp, sp] = recompute_logprobs_parallel(MOETP, weights, ids, tp=tp, return_logits=True, return_routes=True,
+                                                      sequence_parallel=sp, quantization=(E4M3_WEIGHT_128, E4M3_ACT_1x128),
+                                                      workdir=tmp / f"trainer{tp}{sp}")
+        secs[f"trainer_tp{tp}{'_sp' if sp else ''}"] = time.perf_counter() - t0
+    engine = {}
+    for tp, jobs in ((1, {"tp1": {}, "tp1_reload": {"model_dir": reload_dir}}),
+                     (2, {"tp2": {}, "reloaded": {"reload": str(reload_dir)}, "nosum": {"fault": "moe_nosum"},
+                          "slice": {"fault": "moe_slice"}})):
+        jobs = {n: {"model_dir": str(j.pop("model_dir", engine_dir)), **j, "out_dir": str(tmp / f"engine-{n}")}
+                for n, j in jobs.items()}
+        (tmp / f"jobs{tp}.json").write_text(json.dumps(list(jobs.values())))
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, str(HERE / "_tp_ranks.py"), "--jobs", str(tmp / f"jobs{tp}.json"), str(tp)], check=True)
+        secs[f"engine_tp{tp}"] = time.perf_counter() - t0
+        for n, j in jobs.items():
+            out = Path(j["out_dir"])
+            engine[n] = {"out": load_file(str(out / f"tp{tp}.safetensors")),
+                         "ranks": [json.loads((out / f"tp{tp}.rank{r}.json").read_text()) for r in range(tp)]}
+    print("fp8 moe tp seconds:", secs)
+    return {"ids": ids, "logits1": logits1, "routes1": routes1, "trainer": trainer, "engine": engine}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, sp", [(2, False), (4, False), (2, True)])
+def test_fp8_moe_trainer_tp_logits_and_routes_equal_tp1(fp8_moe_runs, tp, sp):
+    """The experts over the TP ranks in FP8 (2 or 4 ranks: 4 / 2 whole experts each), with and without sequence
+    parallelism: the TP 1 logits and log-probs, and every MoE layer's routes."""
+    from megatron_consistent.kernels import log_softmax
+
+    lp, logits, routes = fp8_moe_runs["trainer"][tp, sp]
+    ids, one = fp8_moe_runs["ids"], fp8_moe_runs["logits1"]
+    one = one.transpose(0, 1) if one.shape[0] != ids.shape[0] else one
+    assert torch.equal(logits, one.float())
+    assert torch.equal(lp, log_softmax(one.float())[:, :-1].gather(-1, ids[:, 1:, None])[..., 0])
+    (chunk,) = routes.values()  # one chunk of rows: {layer: experts [s*b, k]}
+    assert set(chunk) == set(fp8_moe_runs["routes1"]) == {0, 1}
+    for layer, experts in fp8_moe_runs["routes1"].items():
+        assert torch.equal(chunk[layer], experts), layer
+
+
+@pytest.mark.slow
+def test_fp8_moe_engine_tp2_equals_tp1_and_the_trainer(fp8_moe_runs):
+    one, two = fp8_moe_runs["engine"]["tp1"]["out"], fp8_moe_runs["engine"]["tp2"]["out"]
+    assert set(one) == set(two) and "logits" in one
+    for k in one:
+        assert torch.equal(one[k], two[k]), k
+    trainer = fp8_moe_runs["logits1"]
+    trainer = trainer.transpose(0, 1) if trainer.shape[0] != 2 else trainer
+    assert torch.equal(one["logits"][:36], trainer[0].float())
+    r0, r1 = (fp8_moe_runs["engine"]["tp2"]["ranks"][r] for r in range(2))
+    assert r0["held"]["layers.0.experts_fc1"] == [4, 128, 256] and r0["held"]["layers.0.experts_gate_scale"] == [4, 1, 2]
+    assert r0["held"]["layers.0.shared_fc1"] == [256, 256] and r0["held"]["layers.0.o_proj_scale"] == [2, 2]
+    gate7 = "model.layers.0.mlp.experts.7.gate_proj.weight"
+    assert r0["parts"][gate7 + "_scale_inv"] == [0, 0, 0] and r1["parts"][gate7 + "_scale_inv"] is None
+    assert r0["parts"][gate7] == [0, 0, 0] and r1["parts"][gate7] is None
+
+
+@pytest.mark.slow
+def test_fp8_moe_engine_tp2_reload_in_place_equals_tp1(fp8_moe_runs):
+    reloaded, direct = fp8_moe_runs["engine"]["reloaded"], fp8_moe_runs["engine"]["tp1_reload"]["out"]
+    assert all(r["reload_pointers_same"] for r in reloaded["ranks"])
+    assert not torch.equal(direct["logits"], fp8_moe_runs["engine"]["tp1"]["out"]["logits"])  # other weights
+    for k in direct:
+        assert torch.equal(reloaded["out"][k], direct[k]), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["nosum", "slice"])
+def test_fp8_moe_engine_without_the_sum_or_with_the_wrong_experts_is_caught(fp8_moe_runs, fault):
+    """Each rank combining only its own experts' outputs, or computing its pairs with the next rank's experts."""
+    assert not torch.equal(fp8_moe_runs["engine"][fault]["out"]["logits"], fp8_moe_runs["engine"]["tp1"]["out"]["logits"])

@@ -140,7 +140,8 @@ def test_row_parallel_tree_split_is_exact_and_naive_split_is_not():
     ("tiny-mamba2", 2, False, "Mamba2ForCausalLM at tensor_parallel_size=2: Mamba groups (n_groups=1) not divisible by 2"),
     ("tiny-nemotronh", 2, True, "fp8 quantization at TP=2: hybrid Mamba architectures"),
     ("tiny-llama", 2, True, "q_proj.weight (128, 128) gives each rank 64 rows, not whole 128-wide scale blocks"),
-    ("tiny-qwen3moe-top1", 2, True, "fp8 quantization at TP=2: FP8 MoE experts"),
+    ("tiny-qwen3moe-top1", 2, True, "fp8 quantization at TP=2: model.layers.0.self_attn.q_proj.weight (128, 128) gives each "
+     "rank 64 rows"),  # its attention, not its experts (whole on their rank)
     ("tiny-qwen2-mqa", 2, False, "KV heads (1) not divisible by 2"),
 ])
 def test_unsupported_tp_refused_by_name(name, tp, quantized, words):
