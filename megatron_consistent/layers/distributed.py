@@ -418,8 +418,8 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     return value.  Returned tensors are on the CPU.  Unsupported layouts, and ``device="cuda"`` with fewer than
     ``tp * pp * dp`` visible CUDA devices, raise ``UnsupportedConfigError`` in the caller before any process starts.
     ``quantization``: ``(weight format, activation format or None)`` -- every rank runs the FP8 / NVFP4 forward on
-    the loaded masters (:func:`.fp8.enable_fp8`; PP = EP = 1, and at TP > 1 block-FP8 dense layouts of whole scale
-    blocks, refused here by name).
+    the loaded masters (:func:`.fp8.enable_fp8`; PP = EP = 1, and at TP > 1 layouts of whole scale blocks, dense or
+    MoE -- others refused here by name).
     """
     from .builder import as_arch_config, check_tp_shapes
     from .parallel import HYBRID_FEATURE, check_parallel_sizes

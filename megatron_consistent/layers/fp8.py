@@ -13,9 +13,9 @@ straight-through estimator into the master weight.  MoE layers: the attention
 linears as above, and :class:`FP8MoEBinding` on the MoE block quantizes every
 expert (and shared expert) per HF tensor the same way; the router and the
 shared-expert gate stay in the model dtype.  Row-parallel linears (``linear_proj``, ``linear_fc2``) run the FP8
-linear's K-segment tree (:meth:`FP8Binding.subtree`); at TP > 1 (block-FP8 dense models whose rank parts are whole
-scale blocks, :func:`megatron_consistent.conversion.fp8.fp8_tp_refusal`) each rank quantizes the full HF tensors and
-keeps its part (docs/fp8.md, "Tensor parallelism").  The weights are
+linear's K-segment tree (:meth:`FP8Binding.subtree`); at TP > 1 (layouts whose rank parts are whole scale blocks,
+:func:`megatron_consistent.conversion.fp8.fp8_tp_refusal`) each rank quantizes the full HF tensors and keeps its part,
+and an MoE block's rank quantizes its whole experts (docs/fp8.md, "Tensor parallelism").  The weights are
 re-quantized on every call (no cache: an in-place update through ``.data``
 would not be seen by a version-keyed cache).
 """

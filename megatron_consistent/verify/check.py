@@ -192,7 +192,7 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
         return ""
     if cfg.quantization and (pp, dp, ep, cp) != (1, 1, 1, 1):
         return (f"--quantization {cfg.quantization} with trainer model parallelism: the FP8 / NVFP4 trainer forward "
-                "(layers.fp8.enable_fp8) runs at PP = DP = EP = CP = 1 only (TP > 1: block-FP8 dense models)")
+                "(layers.fp8.enable_fp8) runs at PP = DP = EP = CP = 1 only (TP > 1: layouts of whole scale blocks)")
     if cfg.quantization:
         from ..conversion.fp8 import fp8_tp_refusal
 
@@ -209,8 +209,9 @@ MAMBA_SPLIT = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|
                "head, gated-norm weight per group; out_proj row-parallel tree")  # a hybrid's Mamba mixers at TP > 1
 
 
-FP8_SPLIT = ("block-FP8 at TP > 1: scale blocks whole per rank; o_proj / down (linear_proj / linear_fc2): the FP8 "
-             "linear's float32 subtrees of the row-parallel tree")  # docs/fp8.md, "Tensor parallelism"
+FP8_SPLIT = ("block-FP8 at TP > 1: scale blocks whole per rank (MoE: the rank's experts whole, with their scales); "
+             "o_proj / down (linear_proj / linear_fc2): the FP8 linear's float32 subtrees of the row-parallel "
+             "tree")  # docs/fp8.md, "Tensor parallelism"
 
 
 def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
