@@ -330,6 +330,38 @@ def test_engine_fp8_ops_replay_as_a_cuda_graph():
         assert _bits_equal(static_out, block(static_x.clone()))
 
 
+def test_fp8_owned_experts_over_two_ranks_equal_the_whole_block_and_replay():
+    """The engine's FP8 MoE at TP 2 on one GPU: each "rank"'s whole experts through
+    ``fp8_moe_owned_expert_outputs`` (the other rank's pairs as expert -1: no row in the grouped FP8 GEMMs, masked to
+    ``+0.0``), summed, ``fp8_moe_combine`` with the shared expert = ``fp8_moe_experts`` with every expert, bitwise;
+    the owned op captured in a CUDA graph replays with the eager bits."""
+    from megatron_consistent.kernels import inference_ops
+    from megatron_consistent.kernels.numerics import adjacent_tree_sum
+
+    E, H, inter, T, k = 16, 1024, 512, 40, 4
+    fc1_q, fc1_rows = _fp8_experts(E, 2 * inter, H, seed=4)
+    fc2_q, fc2_rows = _fp8_experts(E, H, inter, seed=5)
+    sh = (*_weight(2 * inter, H, seed=6)[1:], *_weight(H, inter, seed=7)[1:], (torch.randn(1, H, device=DEV) * 0.05).to(torch.bfloat16))
+    router = (torch.randn(E, H, device=DEV) * 0.05).to(torch.bfloat16)
+    specs = (fp8.E4M3_WEIGHT_128.spec, fp8.E4M3_ACT_1x128.spec)
+    x = _acts(T, H, seed=8)
+    w, e = inference_ops.moe_route(inference_ops.router_logits(x, router), k, "softmax", None, True, 1, 1, 1.0)
+    one = inference_ops.fp8_moe_experts(x, e, w, fc1_q, fc1_rows, fc2_q, fc2_rows, *sh, *specs)
+    run = E // 2
+
+    def owned(x, e, r):
+        cut = slice(r * run, (r + 1) * run)
+        return inference_ops.fp8_moe_owned_expert_outputs(x, e, r * run, fc1_q[cut], fc1_rows[cut], fc2_q[cut],
+                                                          fc2_rows[cut], *specs)
+
+    ranks = [owned(x, e, r) for r in range(2)]
+    assert _bits_equal(inference_ops.fp8_moe_combine(x, adjacent_tree_sum(torch.stack(ranks), dim=0), w, *sh, *specs), one)
+    graph, static_out = capture(lambda xx: owned(xx, e, 1), x.clone())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _bits_equal(static_out, ranks[1])
+
+
 def test_nvfp4_linear_replays_as_a_cuda_graph():
     """NVFP4 (W4A16): codes unpacked and decoded on the device (no host table), so the linear captures too."""
     from megatron_consistent.kernels import inference_ops
