@@ -129,7 +129,7 @@ def quantized_parts(arch: ArchConfig, kind: str, weight: torch.Tensor, fmt: Quan
 def quantization_entry(fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat | None = E4M3_ACT_1x128) -> dict:
     """The ``megatron_consistent_quantization`` config entry (read back by :func:`formats_from_entry`); ``a_fmt`` None:
     weight-only (NVFP4 W4A16)."""
-    return {"method": "nvfp4" if fmt.name == "e2m1" else "fp8", "weight": fmt.as_dict(),
+    return {"method": _method(fmt), "weight": fmt.as_dict(),
             "activation": None if a_fmt is None else {**a_fmt.as_dict(), "dynamic": True},
             "modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.*.{gate,up,down}_proj|w1|w3|w2",
                         "shared_expert.{gate,up,down}_proj"],
