@@ -1,9 +1,7 @@
-# Call 4: carry .whl. The MoE trainer on CUDA: Megatron's MoELayer with both dispatchers == ConsistentMoELayer (session
-# 34's rewritten experts passed on an H100, 4 in 47 s) and the trainer's gradients / row-alone tests
-# (tests/test_gpu_megatron.py); then session 34's MoE eager-vs-graphs failure (request 12's first sampled token): the probe -- the same
-# engines sampled from the global generator, with a generator per request (the test since), and greedy; numerics
-# (log-probs differ) or the sampler's draw (tokens differ, log-probs equal).  Session 35: the global generator only
-# (two engines; call 5's test samples with a generator per request).
+# Call 4 (after call 3; carry .whl): the engine-mode tests again -- the hybrid's eager-vs-graphs test failed in session
+# 37 only on a stale log assertion (its bits were equal; it now asserts full decode graphs), the MoE case with a
+# generator per request passed -- then the block-FP8 MoE model at Qwen3-30B-A3B widths (d8, 4 layers) through
+# `check` on CUDA: session 37 split the FP8 expert path into outputs + combine (TP = 1 too).
 source benchmarks/device_calls/engine_tests.sh
-engine_call trainer_tests 200 python -m pytest -q -p no:cacheprovider tests/test_gpu_moe_dispatch.py tests/test_gpu_megatron.py
-engine_call probe_moe_graphs 300 python benchmarks/device_calls/probe_moe_graphs.py "global generator"
+engine_call engine_modes_tests 330 python -m pytest -q -p no:cacheprovider tests/test_gpu_vllm.py -k "moe_and_hybrid"
+engine_call check_d8 220 python benchmarks/check_shapes_gpu.py --shapes d8 --layers 4 --out "$OUT/${TAG}_check_d8.json"

@@ -1,4 +1,6 @@
-# Call 8: carry .whl. The hybrid's rollout at 13 layers, consistent and stock (after call 7: its SSD kernels compiled).
+# Call 8: carry .whl. The GRPO lifecycle on CUDA (Megatron's distributed optimizer, dist_checkpointing restore), then the
+# two other dense models' `check`.
 source benchmarks/device_calls/engine_tests.sh
-engine_call rollout_h13 560 python benchmarks/bench_rollout_gpu.py --shapes h --layers 13 --engines consistent stock \
-  --prompts 64 --min-seconds 10 --engine-timeout 300 --out "$OUT/${TAG}_rollout_h13.json"
+engine_call lifecycle_tests 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_lifecycle.py
+engine_call check_dense_tests 260 python -m pytest -q -p no:cacheprovider tests/test_gpu_vllm.py \
+  -k "check_zero_mismatch and (mqa or qknorm)"

@@ -1,6 +1,4 @@
-# Call 9: carry .whl. The GRPO lifecycle on CUDA (Megatron's distributed optimizer, dist_checkpointing restore), then the
-# two other dense models' `check`.
+# Call 9 (if device time is left): carry .whl. The SSD timings: every schedule of the chunk terms (the runtime loop's
+# leaves a step beside the unrolled tree) and the outputs, bits against the first row, vLLM's prefill scan beside.
 source benchmarks/device_calls/engine_tests.sh
-engine_call lifecycle_tests 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_lifecycle.py
-engine_call check_dense_tests 260 python -m pytest -q -p no:cacheprovider tests/test_gpu_vllm.py \
-  -k "check_zero_mismatch and (mqa or qknorm)"
+engine_call ssd_bench 400 python benchmarks/bench_gpu_ssd.py --out "$OUT/${TAG}_ssd_bench.json"
