@@ -32,8 +32,9 @@ from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights
                            fp8_combine_experts, fp8_linear_ste, fp8_moe_experts, fp8_owned_expert_outputs, gate_up_block_rows,
                            kv_round_trip, part_block_ids, row_block_of_parts, weight_row_scales)
 from . import tensor_parallel as tpar
+from .distributed import _global_name
 
-__all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
+__all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8", "fp8_layout_refusal"]
 
 
 def _joined_block_ids(arch: ArchConfig, kind: str, part_rows: list[int], fmt: QuantFormat) -> torch.Tensor:
@@ -131,22 +132,30 @@ class FP8MoEBinding:
         return fp8_combine_experts(h, y, w, self._shared(block), w_fmt=self.w_fmt, a_fmt=self.a_fmt)
 
 
+def fp8_layout_refusal(arch: ArchConfig, tp: int, ep: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
+    """Why the FP8 / NVFP4 trainer forward cannot run at TP = ``tp``, EP = ``ep`` ('' when it can; PP, DP and CP always
+    can: they move or split whole tokens' rows, and every rank quantizes the weights of the layers it holds as the
+    one-process model does).  Asked by :func:`enable_fp8`, ``layers.recompute_logprobs_parallel`` and ``check``."""
+    if ep != 1:
+        return f"FP8 / NVFP4 forward at EP={ep}: the FP8 MoE experts are not sharded over expert-parallel ranks (EP = 1 only)"
+    return fp8_tp_refusal(arch, tp, fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
+
+
 def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> list[str]:
     """Switch the decoder linears of a consistent GPTModel to the FP8 forward (MoE layers: the experts, via
-    :class:`FP8MoEBinding` on the block); returns the bound module names."""
+    :class:`FP8MoEBinding` on the block); returns the bound module names.  A pipeline stage binds the layers it holds
+    (its local ``decoder.layers.<i>`` looked up in the weight table at their global numbers); every stage, context- and
+    data-parallel rank quantizes those layers' full HF tensors, as the one-process model does."""
     from .moe import ConsistentMoELayer
     from .moe_megatron import ConsistentExperts
 
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch, w_fmt)
-    tp, pp = getattr(model, "parallel_sizes", (1, 1))
+    tp = getattr(model, "parallel_sizes", (1, 1))[0]
     ep = max([getattr(model, "expert_parallel_size", 1)] +  # a framework-built model: its Megatron MoELayers' experts
              [layer.mlp.experts.ep for layer in model.decoder.layers
               if isinstance(getattr(layer.mlp, "experts", None), ConsistentExperts)])
-    if (pp, ep) != (1, 1):
-        raise UnsupportedConfigError(f"FP8 with model parallelism (TP={tp}, PP={pp}, EP={ep}) is not supported by the "
-                                     "consistent layers (PP = EP = 1; TP > 1: layouts of whole scale blocks)")
-    reason = fp8_tp_refusal(arch, tp, w_fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
+    reason = fp8_layout_refusal(arch, tp, ep, w_fmt)
     if reason:
         raise UnsupportedConfigError(reason)
     bound = []
@@ -159,11 +168,12 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
             if layer.mlp.shared_experts is not None:
                 layer.mlp.shared_experts.fp8 = layer.mlp.experts.fp8
             bound.append(f"decoder.layers.{i}.mlp")
+    held = {_global_name(model, name): name for name, _ in model.named_modules()}  # a stage: its layers, global names
     for mname, _, kind in _plan(arch):
-        if is_quantized(mname) and kind not in MOE_KINDS and ".shared_experts." not in mname:
-            module_name = mname.rsplit(".", 1)[0]
-            model.get_submodule(module_name).fp8 = FP8Binding(arch, kind, w_fmt, a_fmt)
-            bound.append(module_name)
+        module_name = mname.rsplit(".", 1)[0]
+        if is_quantized(mname) and kind not in MOE_KINDS and ".shared_experts." not in mname and module_name in held:
+            model.get_submodule(held[module_name]).fp8 = FP8Binding(arch, kind, w_fmt, a_fmt)
+            bound.append(held[module_name])
     model.fp8_formats = (w_fmt, a_fmt)
     return bound
 

@@ -190,13 +190,10 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
         return f"DP={dp} replicas need at least as many sequences (--num-prompts {cfg.num_prompts})"
     if trainer_ranks(cfg) == 1:
         return ""
-    if cfg.quantization and (pp, dp, ep, cp) != (1, 1, 1, 1):
-        return (f"--quantization {cfg.quantization} with trainer model parallelism: the FP8 / NVFP4 trainer forward "
-                "(layers.fp8.enable_fp8) runs at PP = DP = EP = CP = 1 only (TP > 1: layouts of whole scale blocks)")
     if cfg.quantization:
-        from ..conversion.fp8 import fp8_tp_refusal
+        from ..layers.fp8 import fp8_layout_refusal
 
-        reason = fp8_tp_refusal(arch, tp, quantization_formats(cfg.quantization)[0])
+        reason = fp8_layout_refusal(arch, tp, ep, quantization_formats(cfg.quantization)[0])
         if reason:
             return f"--quantization {cfg.quantization} with trainer model parallelism: {reason}"
     if cfg.kv_cache_dtype != "auto":
