@@ -637,7 +637,8 @@ def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_expert
     from megatron.core import parallel_state as ps
 
     from megatron_consistent.layers import tensor_parallel as tpar
-    from megatron_consistent.layers.distributed import _global_name, stage_backward
+    from megatron_consistent.layers.distributed import stage_backward
+    from megatron_consistent.layers.parallel import global_layer_name
 
     stage_backward(model, mine, lambda logprobs: -logprobs.sum() / tokens)
     for p in model.parameters():
@@ -647,7 +648,7 @@ def _data_parallel_gradients(model, mine: torch.Tensor, tokens: int, only_expert
         if getattr(p, "sequence_parallel", False):  # finalize_model_grads: over the TP ranks
             dist.all_reduce(p.grad, group=tpar.tp_group())
         dist.all_reduce(p.grad, group=ps.get_data_parallel_group(with_context_parallel=True))
-    return {_global_name(model, name): tpar.unshard_like(p.grad, p).contiguous() for name, p in model.named_parameters()
+    return {global_layer_name(model, name): tpar.unshard_like(p.grad, p).contiguous() for name, p in model.named_parameters()
             if not only_experts or not getattr(p, "allreduce", True)}
 
 
@@ -995,7 +996,7 @@ def _megatron_moe_ep_job(rank: int, work: Path, arch, tp: int, ep: int, dispatch
             meta["layout_error"] = str(err)
         tpar.gather_rows = real_gather
         model.arch_config = arch  # what enable_fp8 reads: FP8 is refused at EP > 1 (read from the experts)
-        with pytest.raises(UnsupportedConfigError, match=re.escape(f"FP8 with model parallelism (TP=1, PP=1, EP={ep})")):
+        with pytest.raises(UnsupportedConfigError, match=re.escape(f"FP8 / NVFP4 forward at EP={ep}")):
             enable_fp8(model)
     if ps.get_tensor_model_parallel_rank() == 0:
         save_file(out, str(work / f"out{replica}.safetensors"))

@@ -46,7 +46,7 @@ from ..config import ArchConfig, UnsupportedConfigError
 from . import tensor_parallel as tpar
 from .context_parallel import (cp_positions, cp_rank, cp_share, gather_cp_sequence, sequence_length_refusal,
                                sequence_token_logprobs)
-from .parallel import check_rank_devices, rank_backend
+from .parallel import check_rank_devices, global_layer_name, rank_backend
 
 __all__ = ["NVLINK_MULTICAST_OFF", "build_parallel_model", "data_parallel_chunks", "export_hf_parallel", "gather_vocab",
            "load_full_megatron_state", "megatron_state_from_hf",
@@ -81,21 +81,13 @@ def megatron_state_from_hf(arch: ArchConfig, hf: dict[str, torch.Tensor]) -> dic
     return {m: _join(arch, kind, [hf[n] for n in names]) for m, names, kind in _plan(arch)}
 
 
-def _global_name(model, name: str) -> str:
-    """``decoder.layers.<local>.`` -> ``decoder.layers.<global>.`` (pipeline stages number their layers from 0)."""
-    parts = name.split(".")
-    if len(parts) > 3 and parts[0] == "decoder" and parts[1] == "layers":
-        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
-    return ".".join(parts)
-
-
 @torch.no_grad()
 def load_full_megatron_state(model, full: dict[str, torch.Tensor]) -> None:
     """Copy this rank's piece (TP shard, PP stage, EP shard of the experts) of the full Megatron tensors into
     ``model``, in place."""
     missing = []
     for name, p in model.named_parameters():
-        g = _global_name(model, name)
+        g = global_layer_name(model, name)
         if g == "output_layer.weight" and g not in full:  # tied embeddings: the last stage's copy (PP > 1)
             g = "embedding.word_embeddings.weight"
         if g not in full:
@@ -128,7 +120,7 @@ def export_hf_parallel(model, out_dir) -> Path:
     if old:  # every rank sees the folder, so every rank refuses, before any collective
         raise ValueError(f"export to {out}: the folder already holds {old[:3]}; export into a new or empty folder")
     dist.barrier()  # every rank has looked before any writes
-    full = {_global_name(model, n): tpar.unshard_like(p.detach(), p) for n, p in model.named_parameters()}
+    full = {global_layer_name(model, n): tpar.unshard_like(p.detach(), p) for n, p in model.named_parameters()}
     stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     name = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
     if ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:

@@ -32,7 +32,7 @@ from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights
                            fp8_combine_experts, fp8_linear_ste, fp8_moe_experts, fp8_owned_expert_outputs, gate_up_block_rows,
                            kv_round_trip, part_block_ids, row_block_of_parts, weight_row_scales)
 from . import tensor_parallel as tpar
-from .distributed import _global_name
+from .parallel import global_layer_name
 
 __all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8", "fp8_layout_refusal"]
 
@@ -168,7 +168,7 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
             if layer.mlp.shared_experts is not None:
                 layer.mlp.shared_experts.fp8 = layer.mlp.experts.fp8
             bound.append(f"decoder.layers.{i}.mlp")
-    held = {_global_name(model, name): name for name, _ in model.named_modules()}  # a stage: its layers, global names
+    held = {global_layer_name(model, name): name for name, _ in model.named_modules()}  # a stage: its layers, global names
     for mname, _, kind in _plan(arch):
         module_name = mname.rsplit(".", 1)[0]
         if is_quantized(mname) and kind not in MOE_KINDS and ".shared_experts." not in mname and module_name in held:

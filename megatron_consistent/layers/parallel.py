@@ -18,7 +18,8 @@ Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 
 1, 2, 4 or with EP > 1, expert
 parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8 or not dividing the model's S, hybrid
 (Mamba) models at EP > 1 or CP > 1 (their modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1
-and with sequence parallelism they run: ``layers/hybrid.py``), FP8 at TP > 1 (``layers/linear.py``), and
+and with sequence parallelism they run: ``layers/hybrid.py``), FP8 / NVFP4 at EP > 1 and at TP > 1 where a rank's parts
+are not whole scale blocks (``layers/fp8.py``), and
 ``build_consistent_model(moe_impl="megatron")`` (Megatron's MoELayer at EP > 1 / TP > 1 + SP: the framework entry
 points, ``layers/moe_megatron.py``).
 
@@ -43,7 +44,8 @@ import torch.distributed as dist
 from ..config import ROW_PARALLEL_SEGMENTS_KEY, ArchConfig, UnsupportedConfigError, row_parallel_refusal
 
 __all__ = ["HYBRID_FEATURE", "RANK_BACKENDS", "SUPPORTED_CP_SIZES", "SUPPORTED_TP_SIZES", "check_parallel_config",
-           "check_parallel_sizes", "check_rank_devices", "init_cpu_process_group", "rank_backend", "row_parallel_segments"]
+           "check_parallel_sizes", "check_rank_devices", "global_layer_name", "init_cpu_process_group", "rank_backend",
+           "row_parallel_segments"]
 
 SUPPORTED_TP_SIZES = (1, 2, 4, 8)
 SUPPORTED_CP_SIZES = (1, 2, 4)
@@ -56,6 +58,14 @@ def rank_backend(device: str) -> str:
     if device not in RANK_BACKENDS:
         raise ValueError(f"rank device must be 'cpu' (gloo ranks) or 'cuda' (NCCL ranks, one CUDA device each), got {device!r}")
     return RANK_BACKENDS[device]
+
+
+def global_layer_name(model, name: str) -> str:
+    """``decoder.layers.<local>.`` -> ``decoder.layers.<global>.`` (pipeline stages number their layers from 0)."""
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "decoder" and parts[1] == "layers":
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
 
 
 def check_rank_devices(device: str, world: int, *, visible: int | None = None) -> None:

@@ -1,0 +1,182 @@
+"""The FP8 / NVFP4 trainer forward (``layers.fp8.enable_fp8`` on the loaded masters) at pipeline, data and context
+parallelism (docs/fp8.md, "Pipeline, data and context parallelism").
+
+* refusals by name, before any work: FP8 at EP > 1 (``enable_fp8``, ``recompute_logprobs_parallel``, ``check``); PP 2,
+  DP 2 and CP 2 accepted by ``check``;
+* gloo ranks (slow): block-FP8 logits and log-probs at PP 2, DP 2, CP 2 (tiny-llama) and TP 2 x PP 2
+  (tiny-llama-fp8tp), NVFP4 at PP 2 (tiny-llama), ``torch.equal`` to the one-process FP8 / NVFP4 forward; broken
+  variants caught: the last pipeline stage looking its layers up at the wrong global numbers (it quantizes none of
+  them), and activations quantized in groups over all of a call's tokens (a CP / DP rank's group grid then depends on
+  the rows it holds: it differs from the one-process forward, which has the same bug, too).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from _parallel_layouts import reference
+from safetensors.torch import load_file
+from test_context_parallel import LLAMA, QWEN3MOE, SEQ
+from test_fp8_tp import FP8TP
+
+from megatron_consistent import kernels
+from megatron_consistent.config import UnsupportedConfigError
+from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
+
+FP8 = (E4M3_WEIGHT_128, E4M3_ACT_1x128)
+NVFP4 = (NVFP4_WEIGHT, None)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def test_fp8_at_expert_parallelism_refused_by_name(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from megatron_consistent.cli import main as cli_main
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    words = "FP8 / NVFP4 forward at EP=2: the FP8 MoE experts are not sharded over expert-parallel ranks (EP = 1 only)"
+    model = SimpleNamespace(arch_config=_arch(QWEN3MOE), parallel_sizes=(1, 2), expert_parallel_size=2,
+                            decoder=SimpleNamespace(layers=[]))
+    with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
+        enable_fp8(model)
+    with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
+        recompute_logprobs_parallel(QWEN3MOE, {}, torch.zeros(2, SEQ, dtype=torch.int64), dp=2, ep=2, quantization=FP8)
+    out = tmp_path / "o"
+    assert cli_main(["check", "--out-dir", str(out), "--quantization", "fp8", "--hf-config", str(QWEN3MOE),
+                     "--trainer-dp", "2", "--trainer-ep", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"--trainer-tp 1 --trainer-dp 2 --trainer-ep 2: --quantization fp8 with trainer model parallelism: {words}" in err
+    assert len(err.strip().splitlines()) == 1 and not (out / "model").exists()
+
+
+@pytest.mark.parametrize("config, quantization, layout", [
+    (LLAMA, "fp8", {"trainer_pp": 2}), (LLAMA, "fp8", {"trainer_dp": 2}), (LLAMA, "fp8", {"trainer_cp": 2}),
+    (LLAMA, "nvfp4", {"trainer_pp": 2}), (FP8TP, "fp8", {"trainer_tp": 2, "trainer_pp": 2}),
+    (QWEN3MOE, "fp8", {"trainer_pp": 2, "trainer_dp": 2})])
+def test_check_accepts_fp8_at_pipeline_data_and_context_parallelism(tmp_path, config, quantization, layout):
+    from megatron_consistent.verify.check import check_layouts, load_check_config
+
+    cfg = load_check_config(device="cpu", out_dir=str(tmp_path), quantization=quantization, **layout)
+    assert "FP8 forward (layers.fp8.enable_fp8)" in check_layouts(cfg, _arch(config))["trainer"]["ranks"]
+
+
+def _arch(config):
+    from megatron_consistent.config import ArchConfig, load_hf_config
+
+    return ArchConfig.from_hf(load_hf_config(config))
+
+
+# ---------------------------------------------------------------------------------------------- gloo ranks
+def _wrong_stage_layers(model, name: str) -> str:
+    """Broken ``global_layer_name``: a stage's layers offset by the model's layer count per stage (not by the stage's):
+    the last stage looks its layers up at numbers the model lacks, so it quantizes none of them."""
+    from megatron.core import parallel_state as ps
+
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + ps.get_pipeline_model_parallel_rank() * model.arch_config.num_layers)
+    return ".".join(parts)
+
+
+def _call_wide_groups(x2d, w_q, w_row_scales, w_fmt, a_fmt):
+    """Broken activation quantizer: one scale per 128 columns over all of the call's tokens (not per token), so the
+    group grid depends on which rows a rank holds."""
+    from megatron_consistent.kernels import fp8
+
+    wide = fp8.QuantFormat(a_fmt.name, (x2d.shape[0], a_fmt.block[1]), a_fmt.scale_format)
+    xq, xs = fp8.quantize(x2d, wide)
+    return fp8.dequantize(xq, xs, wide), fp8.dequantize_rows(w_q, w_row_scales, w_fmt)
+
+
+def _broken_worker(rank: int, workdir: str, tp: int, pp: int, cp: int, breakage: str) -> None:
+    """``layers.distributed``'s recompute worker (on the job files a run left in ``workdir``) with one piece broken."""
+    from megatron_consistent.kernels import fp8 as kfp8
+    from megatron_consistent.layers import distributed
+    from megatron_consistent.layers import fp8 as lfp8
+
+    if breakage == "stage_layers":
+        lfp8.global_layer_name = _wrong_stage_layers
+    else:
+        kfp8._dequantized_operands = _call_wide_groups
+    distributed._recompute_worker(rank, workdir, tp, pp, 1, cp)
+
+
+CASES = {  # name: (config, formats, layout)
+    "fp8-pp2": (LLAMA, FP8, {"pp": 2}), "fp8-dp2": (LLAMA, FP8, {"dp": 2}), "fp8-cp2": (LLAMA, FP8, {"cp": 2}),
+    "nvfp4-pp2": (LLAMA, NVFP4, {"pp": 2}), "fp8tp-tp2-pp2": (FP8TP, FP8, {"tp": 2, "pp": 2}),
+}
+BROKEN = {"fp8-pp2": "stage_layers", "fp8-cp2": "wide_groups", "fp8-dp2": "wide_groups"}
+
+
+@pytest.fixture(scope="module")
+def fp8_parallel_runs(tmp_path_factory):
+    """Every case's one-process reference (``_parallel_layouts.reference`` with the FP8 / NVFP4 forward bound: 2
+    sequences of 16 tokens, bf16 masters), its gloo-rank run, and the broken variants re-run on the same job files."""
+    from megatron_consistent.layers.distributed import recompute_logprobs_parallel, spawn_ranks
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    tmp = tmp_path_factory.mktemp("fp8par")
+    refs, runs, broken, secs = {}, {}, {}, {}
+    for name, (config, formats, layout) in CASES.items():
+        key = (config, formats)
+        if key not in refs:
+            refs[key] = reference(config, tmp / f"ref-{len(refs)}", seq=SEQ, prepare=lambda m, f=formats: enable_fp8(m, *f))
+        weights, ids, _, _ = refs[key]
+        work = tmp / name
+        t0 = time.perf_counter()
+        runs[name] = recompute_logprobs_parallel(config, weights, ids, return_logits=True, quantization=formats,
+                                                 workdir=work, **layout)
+        secs[name] = time.perf_counter() - t0
+        if name in BROKEN:
+            sizes = {"tp": 1, "pp": 1, "dp": 1, "cp": 1, **layout}
+            spawn_ranks(_broken_worker, sizes["tp"] * sizes["pp"] * sizes["dp"] * sizes["cp"], work, sizes["tp"],
+                        sizes["pp"], sizes["cp"], BROKEN[name])
+            broken[name] = torch.cat([load_file(str(work / f"out.dp{d}.safetensors"))["logits"] for d in range(sizes["dp"])])
+    print("fp8 parallel seconds:", {k: round(v, 1) for k, v in secs.items()})
+    return {"refs": refs, "runs": runs, "broken": broken}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp8_parallel_logits_and_logprobs_equal_one_process(fp8_parallel_runs, name):
+    config, formats, _ = CASES[name]
+    _, ids, logits, lp = fp8_parallel_runs["refs"][config, formats]
+    got_lp, got_logits = fp8_parallel_runs["runs"][name]
+    assert torch.equal(got_logits, logits), f"logits differ at {name}"
+    assert torch.equal(got_lp, lp), f"log-probs differ at {name}"
+
+
+@pytest.mark.slow
+def test_fp8_is_not_the_model_dtype_nor_nvfp4(fp8_parallel_runs, tmp_path):
+    """The references are quantized forwards: FP8, NVFP4 and bf16 give three different sets of logits."""
+    refs = fp8_parallel_runs["refs"]
+    bf16 = reference(LLAMA, tmp_path, seq=SEQ)[2]
+    assert not torch.equal(refs[LLAMA, FP8][2], bf16) and not torch.equal(refs[LLAMA, NVFP4][2], bf16)
+    assert not torch.equal(refs[LLAMA, FP8][2], refs[LLAMA, NVFP4][2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BROKEN))
+def test_fp8_parallel_broken_variants_caught(fp8_parallel_runs, name, monkeypatch):
+    """The broken run differs from the one-process forward; for the call-wide activation groups also from the
+    one-process forward with the same bug (the grid moved with the rows the rank holds)."""
+    from megatron_consistent.kernels import fp8 as kfp8
+    from megatron_consistent.layers import build_consistent_model
+    from megatron_consistent.layers.distributed import load_full_megatron_state, megatron_state_from_hf, read_hf_tensors
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    weights, ids, logits, _ = fp8_parallel_runs["refs"][LLAMA, FP8]
+    got = fp8_parallel_runs["broken"][name]
+    assert not torch.equal(got, logits), f"{name}: {BROKEN[name]} not caught"
+    if BROKEN[name] == "wide_groups":
+        model = build_consistent_model(LLAMA, dtype=torch.bfloat16)
+        load_full_megatron_state(model, megatron_state_from_hf(model.arch_config, read_hf_tensors(weights)))
+        enable_fp8(model)
+        monkeypatch.setattr(kfp8, "_dequantized_operands", _call_wide_groups)
+        with torch.no_grad():
+            same_bug = model(ids, kernels.causal_positions(*ids.shape), None).float()
+        assert not torch.equal(same_bug, logits) and not torch.equal(got, same_bug)
