@@ -3,8 +3,9 @@ parallelism (docs/fp8.md, "Pipeline, data and context parallelism").
 
 * refusals by name, before any work: FP8 at EP > 1 (``enable_fp8``, ``recompute_logprobs_parallel``, ``check``); PP 2,
   DP 2 and CP 2 accepted by ``check``;
-* gloo ranks (slow): block-FP8 logits and log-probs at PP 2, DP 2, CP 2 (tiny-llama) and TP 2 x PP 2
-  (tiny-llama-fp8tp), NVFP4 at PP 2 (tiny-llama), ``torch.equal`` to the one-process FP8 / NVFP4 forward; broken
+* gloo ranks (slow): block-FP8 logits and log-probs at PP 2, DP 2, CP 2 (tiny-llama), TP 2 x PP 2
+  (tiny-llama-fp8tp) and PP 2 x DP 2 (tiny-qwen3moe-top1: FP8 experts), NVFP4 at PP 2 (tiny-llama), ``torch.equal`` to
+  the one-process FP8 / NVFP4 forward; broken
   variants caught: the last pipeline stage looking its layers up at the wrong global numbers (it quantizes none of
   them), and activations quantized in groups over all of a call's tokens (a CP / DP rank's group grid then depends on
   the rows it holds: it differs from the one-process forward, which has the same bug, too).
@@ -108,6 +109,7 @@ def _broken_worker(rank: int, workdir: str, tp: int, pp: int, cp: int, breakage:
 CASES = {  # name: (config, formats, layout)
     "fp8-pp2": (LLAMA, FP8, {"pp": 2}), "fp8-dp2": (LLAMA, FP8, {"dp": 2}), "fp8-cp2": (LLAMA, FP8, {"cp": 2}),
     "nvfp4-pp2": (LLAMA, NVFP4, {"pp": 2}), "fp8tp-tp2-pp2": (FP8TP, FP8, {"tp": 2, "pp": 2}),
+    "fp8-moe-pp2-dp2": (QWEN3MOE, FP8, {"pp": 2, "dp": 2}),  # FP8 experts (TP = EP = 1), one MoE layer a stage
 }
 BROKEN = {"fp8-pp2": "stage_layers", "fp8-cp2": "wide_groups", "fp8-dp2": "wide_groups"}
 
