@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from megatron_consistent.config import UnsupportedConfigError
 from megatron_consistent.conversion.fp8 import QUANT_KEY, export_hf_fp8, quantized_parts
 from megatron_consistent.conversion.hf import _join, _plan
 from megatron_consistent.kernels.fp8 import (
@@ -275,3 +276,14 @@ def test_stock_fp8_trainer_hooks_change_the_stock_forward():
     both = compute_stock_token_logprobs(model, ids).detach()
     assert not torch.equal(plain, kv) and not torch.equal(kv, both)
     assert (both - plain).abs().max() < 0.5  # a fake quant, not garbage
+
+
+def test_enable_fp8_refuses_a_held_layer_without_the_tables_module():
+    """A layer the model holds whose linear is not where the weight table says (renamed, replaced) is refused by name,
+    not left in the model dtype while the engine runs it in FP8."""
+    model = build_consistent_gpt_model(builtin_model_dir("tiny-llama"), seed=0)
+    attn = model.decoder.layers[1].self_attention
+    attn.renamed_qkv = attn.linear_qkv
+    del attn.linear_qkv
+    with pytest.raises(UnsupportedConfigError, match=r"decoder\.layers\.1\.self_attention\.linear_qkv is not a module"):
+        enable_fp8(model)

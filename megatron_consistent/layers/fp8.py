@@ -169,11 +169,16 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
                 layer.mlp.shared_experts.fp8 = layer.mlp.experts.fp8
             bound.append(f"decoder.layers.{i}.mlp")
     held = {global_layer_name(model, name): name for name, _ in model.named_modules()}  # a stage: its layers, global names
+    held_layers = {f"decoder.layers.{layer.layer_number - 1}" for layer in model.decoder.layers}
     for mname, _, kind in _plan(arch):
         module_name = mname.rsplit(".", 1)[0]
-        if is_quantized(mname) and kind not in MOE_KINDS and ".shared_experts." not in mname and module_name in held:
+        if not is_quantized(mname) or kind in MOE_KINDS or ".shared_experts." in mname:
+            continue
+        if module_name in held:
             model.get_submodule(held[module_name]).fp8 = FP8Binding(arch, kind, w_fmt, a_fmt)
             bound.append(held[module_name])
+        elif ".".join(module_name.split(".")[:3]) in held_layers:  # a layer held without the table's module: no silent bf16
+            raise UnsupportedConfigError(f"FP8: the weight table's {module_name} is not a module of the model (its layer is held)")
     model.fp8_formats = (w_fmt, a_fmt)
     return bound
 
