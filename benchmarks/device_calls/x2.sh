@@ -11,10 +11,13 @@
 #   6  carry .whl             rollout at engine TP 2, consistent vs stock (1B and 8B Llama widths), then the 8B and
 #                             Qwen3-30B-A3B widths' check at (2, 2)
 #   7  carry .whl             check: the trainer's experts over EP 2 (DP 2; TP 2 + SP) against engine TP 2
+#   8  carry .whl             check in block-FP8 at trainer / engine TP (2, 2): dense (tiny-llama-fp8tp) and MoE
+#                             (tiny-qwen2moe-fp8tp, whole experts a rank); then the trainer's context parallelism
+#                             (CP 2 over NCCL, dense and MoE) against the one-GPU engine
 # NVLink multicast stays off (gpu_setup.sh exports NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # NVSHMEM_DISABLE_NVLS=1; the NCCL ranks of the trainer set them too).
 TAG=${TAG:-next}
-STEP=${1:?step 1-7}
+STEP=${1:?step 1-8}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /tmp/stash
 case "$STEP" in
@@ -63,5 +66,16 @@ case "$STEP" in
       --out-dir "/tmp/x2/$1" "${@:3}" > "$OUT/${TAG}_x2_$1.log" 2>&1
     echo "$1 rc $?"; tail -3 "$OUT/${TAG}_x2_$1.log"
   done ;;
-*) echo "step $STEP: expected 1-6"; exit 2 ;;
+8)
+  source benchmarks/gpu_setup.sh > /dev/null 2>&1 || echo "gpu_setup failed"
+  for run in "fp8-t2-e2 tiny-llama-fp8tp --quantization fp8 --trainer-tp 2 --engine-tp 2" \
+             "fp8moe-t2-e2 tiny-qwen2moe-fp8tp --quantization fp8 --trainer-tp 2 --engine-tp 2" \
+             "cp2 tiny-llama --trainer-cp 2" "moe-cp2 tiny-qwen3moe-top1 --trainer-cp 2"; do
+    set -- $run
+    timeout 130 megatron-consistent check --device cuda --mode consistent --block-size 16 --num-prompts 64 \
+      --max-tokens 64 --hf-config "megatron_consistent/configs/models/$2" --out-dir "/tmp/x2/$1" "${@:3}" \
+      > "$OUT/${TAG}_x2_$1.log" 2>&1
+    echo "$1 rc $?"; tail -3 "$OUT/${TAG}_x2_$1.log"
+  done ;;
+*) echo "step $STEP: expected 1-8"; exit 2 ;;
 esac
