@@ -24,41 +24,18 @@ from test_context_parallel import LLAMA, QWEN3MOE, SEQ
 from test_fp8_tp import FP8TP
 
 from megatron_consistent import kernels
-from megatron_consistent.config import UnsupportedConfigError
 from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
 
 FP8 = (E4M3_WEIGHT_128, E4M3_ACT_1x128)
 NVFP4 = (NVFP4_WEIGHT, None)
 
 
-# ---------------------------------------------------------------------------------------------- refusals
-def test_fp8_at_expert_parallelism_refused_by_name(tmp_path, capsys):
-    from types import SimpleNamespace
-
-    from megatron_consistent.cli import main as cli_main
-    from megatron_consistent.layers.distributed import recompute_logprobs_parallel
-    from megatron_consistent.layers.fp8 import enable_fp8
-
-    words = "FP8 / NVFP4 forward at EP=2: the FP8 MoE experts are not sharded over expert-parallel ranks (EP = 1 only)"
-    model = SimpleNamespace(arch_config=_arch(QWEN3MOE), parallel_sizes=(1, 2), expert_parallel_size=2,
-                            decoder=SimpleNamespace(layers=[]))
-    with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
-        enable_fp8(model)
-    with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
-        recompute_logprobs_parallel(QWEN3MOE, {}, torch.zeros(2, SEQ, dtype=torch.int64), dp=2, ep=2, quantization=FP8)
-    out = tmp_path / "o"
-    assert cli_main(["check", "--out-dir", str(out), "--quantization", "fp8", "--hf-config", str(QWEN3MOE),
-                     "--trainer-dp", "2", "--trainer-ep", "2"]) == 2
-    err = capsys.readouterr().err
-    assert f"--trainer-tp 1 --trainer-dp 2 --trainer-ep 2: --quantization fp8 with trainer model parallelism: {words}" in err
-    assert len(err.strip().splitlines()) == 1 and not (out / "model").exists()
-
-
+# ---------------------------------------------------------------------------------------------- check layouts
 @pytest.mark.parametrize("config, quantization, layout", [
     (LLAMA, "fp8", {"trainer_pp": 2}), (LLAMA, "fp8", {"trainer_dp": 2}), (LLAMA, "fp8", {"trainer_cp": 2}),
     (LLAMA, "nvfp4", {"trainer_pp": 2}), (FP8TP, "fp8", {"trainer_tp": 2, "trainer_pp": 2}),
-    (QWEN3MOE, "fp8", {"trainer_pp": 2, "trainer_dp": 2})])
-def test_check_accepts_fp8_at_pipeline_data_and_context_parallelism(tmp_path, config, quantization, layout):
+    (QWEN3MOE, "fp8", {"trainer_pp": 2, "trainer_dp": 2}), (QWEN3MOE, "fp8", {"trainer_dp": 2, "trainer_ep": 2})])
+def test_check_accepts_fp8_at_pipeline_data_context_and_expert_parallelism(tmp_path, config, quantization, layout):
     from megatron_consistent.verify.check import check_layouts, load_check_config
 
     cfg = load_check_config(device="cpu", out_dir=str(tmp_path), quantization=quantization, **layout)

@@ -927,7 +927,7 @@ def _megatron_moe_ep_worker(rank: int, workdir: str, config: str, tp: int, ep: i
     checkpoint and the experts' sharded offsets, float32 gradients summed as Megatron does; then, at EP > 1, three
     broken variants -- the experts' gradients without the other ranks' tokens, the slot-0 row left without the other
     ranks' products (the owners' sum skipped), the layout derived from this rank's routes alone (the verification must
-    raise) -- and FP8, refused."""
+    raise) (FP8 at EP > 1: tests/test_fp8_ep.py)."""
     from _cuda_on_cpu import alltoall_dispatcher_stubs
 
     from megatron_consistent.layers import apply_cpu_shims, as_arch_config, init_cpu_process_group
@@ -949,7 +949,6 @@ def _megatron_moe_ep_job(rank: int, work: Path, arch, tp: int, ep: int, dispatch
     from megatron_consistent.layers import tensor_parallel as tpar
     from megatron_consistent.layers.cpu_shims import cuda_stubs_for_checkpoint
     from megatron_consistent.layers.distributed import gather_vocab, stage_forward
-    from megatron_consistent.layers.fp8 import enable_fp8
 
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
     _gloo_moe_dispatch_collectives()
@@ -995,9 +994,6 @@ def _megatron_moe_ep_job(rank: int, work: Path, arch, tp: int, ep: int, dispatch
         except RuntimeError as err:
             meta["layout_error"] = str(err)
         tpar.gather_rows = real_gather
-        model.arch_config = arch  # what enable_fp8 reads: FP8 is refused at EP > 1 (read from the experts)
-        with pytest.raises(UnsupportedConfigError, match=re.escape(f"FP8 / NVFP4 forward at EP={ep}")):
-            enable_fp8(model)
     if ps.get_tensor_model_parallel_rank() == 0:
         save_file(out, str(work / f"out{replica}.safetensors"))
     (work / f"experts{rank}.json").write_text(json.dumps(meta))
@@ -1020,8 +1016,8 @@ def test_entry_point_megatron_moelayer_at_ep_bits_gradients_checkpoint_and_broke
     GRAD_REL_TOL of float64; each rank holds its E/ep experts (``allreduce=False``, offset ``ep_rank E/ep`` in the
     sharded_state_dict) and the dist checkpoint loads at EP = TP = 1 bit for bit.  At EP > 1: the slot-0 row left
     without the other ranks' products changes the logits and experts' gradients without the other ranks' tokens are
-    caught (top-k > 1; at top-1 no product moves, and neither changes anything), a layout not the EP group's and FP8
-    are refused."""
+    caught (top-k > 1; at top-1 no product moves, and neither changes anything), a layout not the EP group's is
+    refused."""
     from megatron_consistent.checkpoint import _load_dist_staged
     from megatron_consistent.config import ArchConfig
     from megatron_consistent.layers.distributed import megatron_state_from_hf, read_hf_tensors, spawn_ranks

@@ -410,8 +410,8 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
     return value.  Returned tensors are on the CPU.  Unsupported layouts, and ``device="cuda"`` with fewer than
     ``tp * pp * dp`` visible CUDA devices, raise ``UnsupportedConfigError`` in the caller before any process starts.
     ``quantization``: ``(weight format, activation format or None)`` -- every rank runs the FP8 / NVFP4 forward on
-    the loaded masters (:func:`.fp8.enable_fp8`; at any PP, DP and CP; EP = 1, and at TP > 1 layouts of whole scale
-    blocks, dense or MoE: :func:`.fp8.fp8_layout_refusal`, refused here by name).
+    the loaded masters (:func:`.fp8.enable_fp8`; at any PP, DP, CP and EP, and at TP > 1 layouts of whole scale
+    blocks, dense or MoE: :func:`..conversion.fp8.fp8_tp_refusal`, refused here by name).
     """
     from .builder import as_arch_config, check_tp_shapes
     from .parallel import HYBRID_FEATURE, check_parallel_sizes
@@ -421,9 +421,9 @@ def recompute_logprobs_parallel(hf_config, weights, input_ids: torch.Tensor, *, 
                          feature=HYBRID_FEATURE if arch.is_hybrid else None)
     check_tp_shapes(arch, tp, pp, ep)
     if quantization is not None:
-        from .fp8 import fp8_layout_refusal
+        from ..conversion.fp8 import fp8_tp_refusal
 
-        reason = fp8_layout_refusal(arch, tp, ep, quantization[0])
+        reason = fp8_tp_refusal(arch, tp, quantization[0])
         if reason:
             raise UnsupportedConfigError(reason)
     if dp < 1 or (tp * dp) % ep:

@@ -15,7 +15,8 @@ expert (and shared expert) per HF tensor the same way; the router and the
 shared-expert gate stay in the model dtype.  Row-parallel linears (``linear_proj``, ``linear_fc2``) run the FP8
 linear's K-segment tree (:meth:`FP8Binding.subtree`); at TP > 1 (layouts whose rank parts are whole scale blocks,
 :func:`megatron_consistent.conversion.fp8.fp8_tp_refusal`) each rank quantizes the full HF tensors and keeps its part,
-and an MoE block's rank quantizes its whole experts (docs/fp8.md, "Tensor parallelism").  The weights are
+and an MoE block's TP or EP rank quantizes its whole experts (docs/fp8.md, "Tensor parallelism", "Expert
+parallelism").  The weights are
 re-quantized on every call (no cache: an in-place update through ``.data``
 would not be seen by a version-keyed cache).
 """
@@ -29,12 +30,12 @@ from ..conversion.fp8 import check_fp8_arch, fp8_tp_refusal, is_quantized, quant
 from ..conversion.hf import _join, _plan
 from ..conversion.moe import MOE_KINDS
 from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, constant_row_block,
-                           fp8_combine_experts, fp8_linear_ste, fp8_moe_experts, fp8_owned_expert_outputs, gate_up_block_rows,
+                           fp8_combine_experts, fp8_expert_outputs, fp8_linear_ste, fp8_moe_experts, gate_up_block_rows,
                            kv_round_trip, part_block_ids, row_block_of_parts, weight_row_scales)
 from . import tensor_parallel as tpar
 from .parallel import global_layer_name
 
-__all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8", "fp8_layout_refusal"]
+__all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
 
 
 def _joined_block_ids(arch: ArchConfig, kind: str, part_rows: list[int], fmt: QuantFormat) -> torch.Tensor:
@@ -93,10 +94,11 @@ class FP8MoEBinding:
     Each forward quantizes every expert's gate / up / down (and the shared expert's) per HF tensor with
     :func:`quantized_parts` (the export's routine), restacks values and per-row scales in the Megatron layout, and
     runs the FP8 experts (:mod:`megatron_consistent.kernels.fp8`) with the bf16 masters attached (STE backward).  At
-    TP > 1 the block holds whole experts ``[r E/t, (r+1) E/t)``: each is quantized whole on its own grid (no
-    gather: an expert's values and scales do not depend on the others'), so the rank's values and scales are those
-    of TP = 1 (and of the engine's rank); the layer sums the owned outputs over the ranks and combines
-    (:meth:`owned_expert_outputs`, :meth:`combine`)."""
+    TP > 1 (or EP > 1) the block holds whole experts ``[r E/t, (r+1) E/t)`` of its TP (EP) rank: each is quantized
+    whole on its own grid (no gather: an expert's values and scales do not depend on the others'), so the rank's
+    values and scales are those of TP = 1 (and of the engine's rank); the layer runs its pairs through them
+    (:meth:`expert_outputs`: the owned pairs summed over the TP ranks, or the pairs sent to the EP rank and their
+    outputs sent back) and combines with the shared expert, whole on every rank (:meth:`combine`)."""
 
     def __init__(self, arch: ArchConfig, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128):
         self.arch, self.w_fmt, self.a_fmt = arch, w_fmt, a_fmt
@@ -123,22 +125,17 @@ class FP8MoEBinding:
         """The whole MoE output (every expert held: TP = 1)."""
         return fp8_moe_experts(h, experts, w, *self._experts(block), self._shared(block), w_fmt=self.w_fmt, a_fmt=self.a_fmt)
 
-    def owned_expert_outputs(self, block, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """``[T, k, H]``: the pairs routed to the block's experts (``block.expert_offset`` on), ``+0.0`` for the others."""
-        return fp8_owned_expert_outputs(h, experts, block.expert_offset, *self._experts(block), self.w_fmt, self.a_fmt)
+    def expert_outputs(self, block):
+        """``outputs(rows [n, H], local_experts [n, k]) -> [n, k, H]``: the rows through the block's experts in FP8
+        (:func:`~megatron_consistent.kernels.fp8.fp8_expert_outputs`, local indices), the block's whole experts
+        quantized once for the call -- what ``kernels.moe.owned_pair_outputs`` (experts over the TP ranks) and
+        ``layers.moe.pairs_through_expert_ranks`` (over the EP ranks) run."""
+        fc1, fc2 = self._experts(block)
+        return lambda rows, local: fp8_expert_outputs(rows, local, fc1, fc2, self.w_fmt, self.a_fmt)
 
     def combine(self, block, h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The slot-order combine of the experts' outputs ``y`` (summed over the ranks) with the FP8 shared expert."""
         return fp8_combine_experts(h, y, w, self._shared(block), w_fmt=self.w_fmt, a_fmt=self.a_fmt)
-
-
-def fp8_layout_refusal(arch: ArchConfig, tp: int, ep: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
-    """Why the FP8 / NVFP4 trainer forward cannot run at TP = ``tp``, EP = ``ep`` ('' when it can; PP, DP and CP always
-    can: they move or split whole tokens' rows, and every rank quantizes the weights of the layers it holds as the
-    one-process model does).  Asked by :func:`enable_fp8`, ``layers.recompute_logprobs_parallel`` and ``check``."""
-    if ep != 1:
-        return f"FP8 / NVFP4 forward at EP={ep}: the FP8 MoE experts are not sharded over expert-parallel ranks (EP = 1 only)"
-    return fp8_tp_refusal(arch, tp, fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
 
 
 def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat = E4M3_ACT_1x128) -> list[str]:
@@ -152,10 +149,7 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch, w_fmt)
     tp = getattr(model, "parallel_sizes", (1, 1))[0]
-    ep = max([getattr(model, "expert_parallel_size", 1)] +  # a framework-built model: its Megatron MoELayers' experts
-             [layer.mlp.experts.ep for layer in model.decoder.layers
-              if isinstance(getattr(layer.mlp, "experts", None), ConsistentExperts)])
-    reason = fp8_layout_refusal(arch, tp, ep, w_fmt)
+    reason = fp8_tp_refusal(arch, tp, w_fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
     if reason:
         raise UnsupportedConfigError(reason)
     bound = []

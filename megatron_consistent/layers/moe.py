@@ -202,19 +202,17 @@ class ConsistentMoELayer(nn.Module):
             se = self.shared_experts
             shared = (se.linear_fc1.weight, se.linear_fc2.weight, se.gate_weight)
         fp8 = getattr(self, "fp8", None)  # layers/fp8.py enable_fp8: block-FP8 experts on the bf16 masters, STE backward
-        if group is not None:
-            h_experts = h if self.sequence_parallel else tpar.copy_to_tp(h, group)
-            mine = (fp8.owned_expert_outputs(self, h_experts, experts) if fp8 is not None else
-                    kmoe.owned_expert_outputs(h_experts, experts, self.expert_offset, self.experts.linear_fc1.weight,
-                                              self.experts.linear_fc2.weight, self.activation))
-            y = tpar.sum_owned_slots(mine, group, self.sequence_parallel)
+        if group is not None or ep_group is not None:
+            n_local, outputs = self.experts.linear_fc1.weight.shape[0], self._expert_outputs(fp8)
+            if group is not None:  # experts over the TP ranks: the owned pairs' outputs, summed over the ranks
+                h_experts = h if self.sequence_parallel else tpar.copy_to_tp(h, group)
+                mine = kmoe.owned_pair_outputs(h_experts, experts, self.expert_offset, n_local, shape[-1], outputs)
+                y = tpar.sum_owned_slots(mine, group, self.sequence_parallel)
+            else:  # experts over the EP ranks: each pair's row to its expert's rank, its output back
+                y = pairs_through_expert_ranks(h, experts, ep_group, n_local, outputs)
             out = fp8.combine(self, h, y, w) if fp8 is not None else kmoe.combine_experts(h, y, w, shared, self.activation)
         elif fp8 is not None:
             out = fp8(self, h, experts, w)
-        elif ep_group is not None:  # each pair's row to its expert's rank, its output back
-            y = pairs_through_expert_ranks(h, experts, ep_group, self.experts.linear_fc1.weight,
-                                           self.experts.linear_fc2.weight, self.activation)
-            out = kmoe.combine_experts(h, y, w, shared, self.activation)
         else:
             out = kmoe.moe_experts(h, experts, w, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, shared,
                                    self.activation)
@@ -229,6 +227,15 @@ class ConsistentMoELayer(nn.Module):
             out = out.chunk(self.tp, dim=0)[tpar.tp_rank(group)]
         return out, None
 
+    def _expert_outputs(self, fp8):
+        """``outputs(rows [n, H], local_experts [n, k]) -> [n, k, H]``: the rows through this rank's experts (local
+        indices; ``kernels.moe.expert_outputs``' contract), model-dtype or block-FP8 (``fp8``: the layer's
+        :class:`~.fp8.FP8MoEBinding`, which quantizes the rank's whole experts on their own grids)."""
+        if fp8 is not None:
+            return fp8.expert_outputs(self)
+        w1, w2, act = self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, self.activation
+        return lambda rows, local: kmoe.expert_outputs(rows, local, w1, w2, act)
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         from .linear import sharded_state_dict_tp1
 
@@ -241,16 +248,17 @@ class ConsistentMoELayer(nn.Module):
         return state
 
 
-def pairs_through_expert_ranks(hidden: torch.Tensor, experts: torch.Tensor, group, w_gate_up: torch.Tensor,
-                               w_down: torch.Tensor, activation: str) -> torch.Tensor:
+def pairs_through_expert_ranks(hidden: torch.Tensor, experts: torch.Tensor, group, n_local: int, outputs) -> torch.Tensor:
     """``[T, k, H]``: this rank's (token, slot) pairs (``experts [T, k]``, global expert indices) through their experts,
-    held over the EP ``group`` in runs of ``w_gate_up.shape[0]`` (rank r: experts ``[r E/e, (r+1) E/e)``).  Each pair's
-    row goes to its expert's rank (pairs grouped by rank, pair order within: :func:`.tensor_parallel.exchange_rows`),
-    which puts the rows it receives through :func:`kernels.moe.expert_outputs` -- row-invariant, so each output is the
-    bits it has with every expert on one rank -- and sends each output back the way its row came.  Differentiable
-    (the exchanges' adjoints carry the gradients back)."""
+    held over the EP ``group`` in runs of ``n_local`` (rank r: experts ``[r E/e, (r+1) E/e)``).  Each pair's row goes
+    to its expert's rank (pairs grouped by rank, pair order within: :func:`.tensor_parallel.exchange_rows`), which puts
+    the rows it receives through ``outputs(rows [n, H], local_experts [n, 1]) -> [n, 1, H]`` (its experts by local
+    index, :func:`kernels.moe.expert_outputs`' contract: model-dtype or block-FP8, as
+    :func:`kernels.moe.owned_pair_outputs` takes it) -- row-invariant, so each output is the bits it has with every
+    expert on one rank -- and sends each output back the way its row came.  Differentiable (the exchanges' adjoints
+    carry the gradients back)."""
     t, k = experts.shape
-    n_local, e, rank = w_gate_up.shape[0], dist.get_world_size(group), dist.get_rank(group)
+    e, rank = dist.get_world_size(group), dist.get_rank(group)
     flat = experts.reshape(-1)
     dest = torch.div(flat, n_local, rounding_mode="floor")
     order = torch.sort(dest, stable=True).indices
@@ -258,7 +266,7 @@ def pairs_through_expert_ranks(hidden: torch.Tensor, experts: torch.Tensor, grou
     send, recv = counts.tolist(), tpar.incoming_counts(counts, group)
     rows = tpar.exchange_rows(hidden[torch.div(order, k, rounding_mode="floor")], send, recv, group)
     local = tpar.exchange_rows(flat[order], send, recv, group) - rank * n_local
-    y = kmoe.expert_outputs(rows, local[:, None], w_gate_up, w_down, activation)[:, 0]
+    y = outputs(rows, local[:, None])[:, 0]
     back = tpar.exchange_rows(y, recv, send, group)
     return back.new_zeros(t * k, back.shape[-1]).index_copy(0, order, back).view(t, k, -1)
 

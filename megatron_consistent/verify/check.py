@@ -191,9 +191,9 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     if trainer_ranks(cfg) == 1:
         return ""
     if cfg.quantization:
-        from ..layers.fp8 import fp8_layout_refusal
+        from ..conversion.fp8 import fp8_tp_refusal
 
-        reason = fp8_layout_refusal(arch, tp, ep, quantization_formats(cfg.quantization)[0])
+        reason = fp8_tp_refusal(arch, tp, quantization_formats(cfg.quantization)[0])
         if reason:
             return f"--quantization {cfg.quantization} with trainer model parallelism: {reason}"
     if cfg.kv_cache_dtype != "auto":
