@@ -276,8 +276,10 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
         if cfg.trainer_ep > 1:
             trainer.update(expert_model_parallel_size=cfg.trainer_ep, moe=(
                 f"ConsistentMoELayer: experts sharded over EP groups of {cfg.trainer_ep} ranks; each rank routes its "
-                "own tokens, the group's tokens gathered in rank order, each (token, slot) output formed by the rank "
-                "holding its expert and summed back to the token's rank (one value and zeros: exact)"))
+                "own tokens, sends each (token, slot) pair's row to the rank holding its expert and gets its output back "
+                "(layers.moe.pairs_through_expert_ranks: bytes only), then combines in slot order"
+                + ("; block-FP8: each EP rank quantizes its whole experts on their own grids (the TP = 1 values and "
+                   "scales), the FP8 shared expert whole on every rank" if cfg.quantization else "")))
     return {"engine": engine, "trainer": trainer}
 
 
