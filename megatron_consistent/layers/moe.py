@@ -34,6 +34,9 @@ expert MLP and sends each output back; each rank then combines its own tokens' o
 ``sequence_parallel``, as at TP > 1 without EP). So a rank's logits are the bits of its batch alone on one rank,
 whatever the other ranks' batches (their sizes may differ). What moves: a rank's ``T x k`` pair rows out and their
 outputs back (model dtype, ``H`` each) -- a token dispatcher's all-to-all -- and a ``[e, e]`` table of pair counts.
+Block-FP8 experts take the same path: each EP rank quantizes its whole experts on their own grids (the TP = 1 values
+and scales) and runs the rows it receives through the FP8 expert kernels; the FP8 shared expert (whole on every rank)
+joins the TP = 1 combine.
 
 Parameters (the "Megatron layout" the converters use; stacked per expert)::
 
