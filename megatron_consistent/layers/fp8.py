@@ -142,7 +142,8 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     """Switch the decoder linears of a consistent GPTModel to the FP8 forward (MoE layers: the experts, via
     :class:`FP8MoEBinding` on the block); returns the bound module names.  A pipeline stage binds the layers it holds
     (its local ``decoder.layers.<i>`` looked up in the weight table at their global numbers); every stage, context- and
-    data-parallel rank quantizes those layers' full HF tensors, as the one-process model does."""
+    data-parallel rank quantizes those layers' full HF tensors, as the one-process model does (a tensor- or
+    expert-parallel rank its part: whole experts, or whole scale blocks, ``conversion.fp8.fp8_tp_refusal``)."""
     from .moe import ConsistentMoELayer
     from .moe_megatron import ConsistentExperts
 
