@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -184,12 +185,31 @@ def _trainer_tp1(weights: dict, ids: torch.Tensor, formats=(), model_dir: Path =
         return model(ids, causal_positions(*ids.shape), None), model
 
 
+def _engine_jobs(tmp, engine_dir, secs: dict, jobs_by_tp: dict) -> dict:
+    """The plugin's model classes under gloo ranks (``tests/_tp_ranks.py``), one launch per TP size: ``{tp: {name: job
+    overrides}}`` (``model_dir`` defaults to ``engine_dir``) -> ``{name: {"out": tensors, "ranks": [rank reports]}}``."""
+    from safetensors.torch import load_file
+
+    engine = {}
+    for tp, jobs in jobs_by_tp.items():
+        jobs = {n: {**j, "model_dir": str(j.get("model_dir", engine_dir)), "out_dir": str(tmp / f"engine-{n}")}
+                for n, j in jobs.items()}
+        (tmp / f"jobs{tp}.json").write_text(json.dumps(list(jobs.values())))
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, str(HERE / "_tp_ranks.py"), "--jobs", str(tmp / f"jobs{tp}.json"), str(tp)], check=True)
+        secs[f"engine_tp{tp}"] = time.perf_counter() - t0
+        for n, j in jobs.items():
+            out = Path(j["out_dir"])
+            engine[n] = {"out": load_file(str(out / f"tp{tp}.safetensors")),
+                         "ranks": [json.loads((out / f"tp{tp}.rank{r}.json").read_text()) for r in range(tp)]}
+    return engine
+
+
 @pytest.fixture(scope="module")
 def fp8_runs(tmp_path_factory):
     """Trainer: TP 1 in this process, TP 2 and 4 (and 2 with sequence parallelism) in gloo ranks (the FP8 forward on
     the bf16 masters).  Engine: the FP8 export of the same masters at TP 1 and 2 (plain, without the tree, reloaded in
     place with a second export).  NVFP4 (W4A16): trainer TP 1 and 2, the engine on its export at TP 1 and 2."""
-    import time
 
     from megatron_consistent.conversion.fp8 import export_hf_fp8
     from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128
@@ -219,22 +239,9 @@ def fp8_runs(tmp_path_factory):
         secs[f"trainer_tp{tp}{'_sp' if sp else ''}"] = time.perf_counter() - t0
     trainer["nvfp4"] = recompute_logprobs_parallel(FP8TP, weights, ids, tp=2, return_logits=True, quantization=nvfp4,
                                                    workdir=tmp / "trainer_nvfp4")
-    engine = {}
-    for tp, jobs in ((1, {"tp1": {}, "tp1_reload": {"model_dir": reload_dir}, "nv_tp1": {"model_dir": nv_dir}}),
-                     (2, {"tp2": {}, "notree": {"fault": "fp8_notree"}, "reloaded": {"reload": str(reload_dir)},
-                          "nv_tp2": {"model_dir": nv_dir}})):
-        jobs = {n: {"model_dir": str(engine_dir), **j, "out_dir": str(tmp / f"engine-{n}")} for n, j in jobs.items()}
-        jobs = {n: {**j, "model_dir": str(j["model_dir"])} for n, j in jobs.items()}
-        (tmp / f"jobs{tp}.json").write_text(json.dumps(list(jobs.values())))
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, str(HERE / "_tp_ranks.py"), "--jobs", str(tmp / f"jobs{tp}.json"), str(tp)], check=True)
-        secs[f"engine_tp{tp}"] = time.perf_counter() - t0
-        for n, j in jobs.items():
-            out = Path(j["out_dir"])
-            from safetensors.torch import load_file
-
-            engine[n] = {"out": load_file(str(out / f"tp{tp}.safetensors")),
-                         "ranks": [json.loads((out / f"tp{tp}.rank{r}.json").read_text()) for r in range(tp)]}
+    engine = _engine_jobs(tmp, engine_dir, secs, {
+        1: {"tp1": {}, "tp1_reload": {"model_dir": reload_dir}, "nv_tp1": {"model_dir": nv_dir}},
+        2: {"tp2": {}, "notree": {"fault": "fp8_notree"}, "reloaded": {"reload": str(reload_dir)}, "nv_tp2": {"model_dir": nv_dir}}})
     print("fp8 tp seconds:", secs)
     return {"ids": ids, "logits1": logits1, "logits1_nv": logits1_nv, "trainer": trainer, "engine": engine}
 
@@ -392,13 +399,11 @@ def fp8_moe_runs(tmp_path_factory):
     """tiny-qwen2moe-fp8tp in FP8.  Trainer: TP 1 here (logits and routes), TP 2, 4 and 2 + SP in gloo ranks.  Engine:
     the export at TP 1 and 2 (plain, reloaded in place with a second export, without the ranks' sum, with the next
     rank's run of experts), and TP 1 on the second export."""
-    import time
 
     from megatron_consistent.conversion.fp8 import export_hf_fp8
     from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128
     from megatron_consistent.layers.distributed import recompute_logprobs_parallel
     from megatron_consistent.layers.moe import collect_routes
-    from safetensors.torch import load_file
 
     from _tp_ranks import PROMPT
 
@@ -418,20 +423,9 @@ def fp8_moe_runs(tmp_path_factory):
                                                       sequence_parallel=sp, quantization=(E4M3_WEIGHT_128, E4M3_ACT_1x128),
                                                       workdir=tmp / f"trainer{tp}{sp}")
         secs[f"trainer_tp{tp}{'_sp' if sp else ''}"] = time.perf_counter() - t0
-    engine = {}
-    for tp, jobs in ((1, {"tp1": {}, "tp1_reload": {"model_dir": reload_dir}}),
-                     (2, {"tp2": {}, "reloaded": {"reload": str(reload_dir)}, "nosum": {"fault": "moe_nosum"},
-                          "slice": {"fault": "moe_slice"}})):
-        jobs = {n: {"model_dir": str(j.pop("model_dir", engine_dir)), **j, "out_dir": str(tmp / f"engine-{n}")}
-                for n, j in jobs.items()}
-        (tmp / f"jobs{tp}.json").write_text(json.dumps(list(jobs.values())))
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, str(HERE / "_tp_ranks.py"), "--jobs", str(tmp / f"jobs{tp}.json"), str(tp)], check=True)
-        secs[f"engine_tp{tp}"] = time.perf_counter() - t0
-        for n, j in jobs.items():
-            out = Path(j["out_dir"])
-            engine[n] = {"out": load_file(str(out / f"tp{tp}.safetensors")),
-                         "ranks": [json.loads((out / f"tp{tp}.rank{r}.json").read_text()) for r in range(tp)]}
+    engine = _engine_jobs(tmp, engine_dir, secs, {
+        1: {"tp1": {}, "tp1_reload": {"model_dir": reload_dir}},
+        2: {"tp2": {}, "reloaded": {"reload": str(reload_dir)}, "nosum": {"fault": "moe_nosum"}, "slice": {"fault": "moe_slice"}}})
     print("fp8 moe tp seconds:", secs)
     return {"ids": ids, "logits1": logits1, "routes1": routes1, "trainer": trainer, "engine": engine}
 

@@ -61,8 +61,6 @@ def test_trainer_layout_refused_by_name(tmp_path, overrides, words):
     ({"trainer_sp": True}, "--trainer-tp 1 --trainer-sp: the consistent Megatron layers do not support: sequence "
      "parallelism without tensor parallelism"),
     ({"trainer_dp": 16, "trainer_ep": 16}, "EP=16 cannot split Qwen3MoeForCausalLM: num_experts=8 is not divisible by EP=16"),
-    ({"trainer_dp": 2, "trainer_ep": 2, "quantization": "fp8"}, "--trainer-tp 1 --trainer-dp 2 --trainer-ep 2: --quantization "
-     "fp8 with trainer model parallelism: FP8 / NVFP4 forward at EP=2"),
 ])
 def test_trainer_expert_parallel_layout_refused_by_name(tmp_path, overrides, words):
     with pytest.raises(UnsupportedConfigError, match=re.escape(words)):
