@@ -261,15 +261,19 @@ def test_fp8_trainer_tp_logits_equal_tp1(fp8_runs, tp, sp):
     assert torch.equal(lp, want)
 
 
-@pytest.mark.slow
-def test_fp8_engine_tp2_equals_tp1_and_the_trainer(fp8_runs):
-    one, two = fp8_runs["engine"]["tp1"]["out"], fp8_runs["engine"]["tp2"]["out"]
+def _assert_engine_tp2_equals_tp1_and_the_trainer(runs: dict) -> None:
+    one, two = runs["engine"]["tp1"]["out"], runs["engine"]["tp2"]["out"]
     assert set(one) == set(two) and "logits" in one
     for k in one:
         assert torch.equal(one[k], two[k]), k
-    trainer = fp8_runs["logits1"]
+    trainer = runs["logits1"]
     trainer = trainer.transpose(0, 1) if trainer.shape[0] != 2 else trainer
     assert torch.equal(one["logits"][:36], trainer[0].float())  # the engine's prompt starts with the trainer's first row
+
+
+@pytest.mark.slow
+def test_fp8_engine_tp2_equals_tp1_and_the_trainer(fp8_runs):
+    _assert_engine_tp2_equals_tp1_and_the_trainer(fp8_runs)
     r0, r1 = (fp8_runs["engine"]["tp2"]["ranks"][r] for r in range(2))
     assert r0["held"]["layers.0.o_proj"] == [256, 256] and r0["held"]["layers.0.o_proj_scale"] == [2, 2]
     assert r1["parts"]["model.layers.0.self_attn.o_proj.weight_scale_inv"] == [1, 2, 4]
@@ -277,10 +281,13 @@ def test_fp8_engine_tp2_equals_tp1_and_the_trainer(fp8_runs):
 
 
 @pytest.mark.slow
-def test_fp8_engine_tp2_reload_in_place_equals_tp1(fp8_runs):
-    reloaded, direct = fp8_runs["engine"]["reloaded"], fp8_runs["engine"]["tp1_reload"]["out"]
+@pytest.mark.parametrize("runs", ["fp8_runs", "fp8_moe_runs"])
+def test_fp8_engine_tp2_reload_in_place_equals_tp1(runs, request):
+    """Dense and MoE: an in-place reload at TP 2 serves what a TP 1 engine started on the new weights serves."""
+    engine = request.getfixturevalue(runs)["engine"]
+    reloaded, direct = engine["reloaded"], engine["tp1_reload"]["out"]
     assert all(r["reload_pointers_same"] for r in reloaded["ranks"])
-    assert not torch.equal(direct["logits"], fp8_runs["engine"]["tp1"]["out"]["logits"])  # other weights
+    assert not torch.equal(direct["logits"], engine["tp1"]["out"]["logits"])  # other weights
     for k in direct:
         assert torch.equal(reloaded["out"][k], direct[k]), k
 
@@ -450,28 +457,13 @@ def test_fp8_moe_trainer_tp_logits_and_routes_equal_tp1(fp8_moe_runs, tp, sp):
 
 @pytest.mark.slow
 def test_fp8_moe_engine_tp2_equals_tp1_and_the_trainer(fp8_moe_runs):
-    one, two = fp8_moe_runs["engine"]["tp1"]["out"], fp8_moe_runs["engine"]["tp2"]["out"]
-    assert set(one) == set(two) and "logits" in one
-    for k in one:
-        assert torch.equal(one[k], two[k]), k
-    trainer = fp8_moe_runs["logits1"]
-    trainer = trainer.transpose(0, 1) if trainer.shape[0] != 2 else trainer
-    assert torch.equal(one["logits"][:36], trainer[0].float())
+    _assert_engine_tp2_equals_tp1_and_the_trainer(fp8_moe_runs)
     r0, r1 = (fp8_moe_runs["engine"]["tp2"]["ranks"][r] for r in range(2))
     assert r0["held"]["layers.0.experts_fc1"] == [4, 128, 256] and r0["held"]["layers.0.experts_gate_scale"] == [4, 1, 2]
     assert r0["held"]["layers.0.shared_fc1"] == [256, 256] and r0["held"]["layers.0.o_proj_scale"] == [2, 2]
     gate7 = "model.layers.0.mlp.experts.7.gate_proj.weight"
     assert r0["parts"][gate7 + "_scale_inv"] == [0, 0, 0] and r1["parts"][gate7 + "_scale_inv"] is None
     assert r0["parts"][gate7] == [0, 0, 0] and r1["parts"][gate7] is None
-
-
-@pytest.mark.slow
-def test_fp8_moe_engine_tp2_reload_in_place_equals_tp1(fp8_moe_runs):
-    reloaded, direct = fp8_moe_runs["engine"]["reloaded"], fp8_moe_runs["engine"]["tp1_reload"]["out"]
-    assert all(r["reload_pointers_same"] for r in reloaded["ranks"])
-    assert not torch.equal(direct["logits"], fp8_moe_runs["engine"]["tp1"]["out"]["logits"])  # other weights
-    for k in direct:
-        assert torch.equal(reloaded["out"][k], direct[k]), k
 
 
 @pytest.mark.slow
