@@ -5,7 +5,8 @@ Each engine runs in its own process on the same seeded prompts and random
 torch.compile + CUDA-graph mode, and samples ``max_tokens`` new tokens per
 prompt with log-probs (``logprobs=0``, processed mode, as an RL rollout asks).
 Generation is repeated until at least ``--min-seconds`` of it were timed; the
-first (warm-up) pass is not timed.  Ratios consistent / stock come from one run.
+first (warm-up) pass is not timed, nor a pass that compiled kernels (reported; counted after three
+such passes).  Ratios consistent / stock come from one run.
 Each engine gets compile caches of its own, and every timed pass reports its seconds, the GPU binaries compiled
 during it (``pass_new_binaries``: a pass that met a launch shape the warm-up had not) and a digest of its tokens
 (``pass_tokens_digest``: the same requests with the same seeds, so a batch-invariant engine repeats them).
@@ -194,23 +195,35 @@ def engine_caches(name: str, work: Path) -> dict:
     return {"VLLM_CACHE_ROOT": str(root), "TRITON_CACHE_DIR": str(root / "triton")}
 
 
+MAX_COMPILING_PASSES = 3  # passes that compiled kernels, at most, before the timing counts them anyway
+
+
 def _timed_passes(llm, prompts, params, min_seconds: float) -> dict:
-    """Generations of every prompt, repeated until ``min_seconds`` were timed -> generated ``tokens``, ``seconds``,
-    and per pass its seconds, the binaries compiled during it and a digest of its tokens (the passes generate the same
-    requests with the same seeds: a batch-invariant engine repeats its tokens exactly)."""
-    out = {"tokens": 0, "seconds": 0.0, "pass_seconds": [], "pass_new_binaries": [], "pass_tokens_digest": []}
-    while out["seconds"] < min_seconds or not out["pass_seconds"]:
+    """Generations of every prompt, repeated until ``min_seconds`` of steady-state passes were timed -> generated
+    ``tokens``, ``seconds``, and per pass its seconds, the binaries compiled during it and a digest of its tokens (the
+    passes generate the same requests with the same seeds: a batch-invariant engine repeats its tokens exactly).  A
+    pass that compiled kernels (a launch shape the warm-up had not met: seconds of compiles inside it) is reported but
+    not counted, unless :data:`MAX_COMPILING_PASSES` of them went by already (the compiles then never end; counted)."""
+    out = {"tokens": 0, "seconds": 0.0, "pass_seconds": [], "pass_new_binaries": [], "pass_tokens_digest": [],
+           "passes_not_counted": 0}
+    while out["seconds"] < min_seconds or out["tokens"] == 0:
         before = compiled_binaries()
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
         ids = [list(o.outputs[0].token_ids) for o in outs]
-        out["tokens"] += sum(len(x) for x in ids)
-        out["seconds"] += dt
+        compiled = compiled_binaries() - before
         out["pass_seconds"].append(dt)
-        out["pass_new_binaries"].append(compiled_binaries() - before)
+        out["pass_new_binaries"].append(compiled)
         out["pass_tokens_digest"].append(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16])
-        progress(f"timed pass {len(out['pass_seconds'])}: {sum(len(x) for x in ids)} tokens in {dt:.1f} s")
+        counted = not compiled or out["passes_not_counted"] >= MAX_COMPILING_PASSES
+        if counted:
+            out["tokens"] += sum(len(x) for x in ids)
+            out["seconds"] += dt
+        else:
+            out["passes_not_counted"] += 1
+        progress(f"timed pass {len(out['pass_seconds'])}: {sum(len(x) for x in ids)} tokens in {dt:.1f} s"
+                 + ("" if counted else f" ({compiled} kernels compiled: not counted)"))
     return out
 
 
@@ -225,7 +238,7 @@ def worker(request: dict) -> dict:
     timed = _timed_passes(llm, prompts, params, request["min_seconds"])
     out = {"gen_tokens": timed["tokens"], "seconds": timed["seconds"], "passes": len(timed["pass_seconds"]),
            "gen_tokens_per_s": timed["tokens"] / timed["seconds"], **setup, "package_dir": _package_dir(),
-           **{k: v for k, v in timed.items() if k.startswith("pass_")}}
+           "passes_not_counted": timed["passes_not_counted"], **{k: v for k, v in timed.items() if k.startswith("pass_")}}
     if request.get("profile_dir"):
         from vllm import SamplingParams
 

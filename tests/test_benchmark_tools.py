@@ -179,6 +179,38 @@ def test_a_pass_that_compiles_or_generates_other_tokens_is_reported(tmp_path, mo
     assert out["pass_tokens_digest"][0] == out["pass_tokens_digest"][1] != out["pass_tokens_digest"][2]
 
 
+def test_passes_that_compile_are_not_counted_until_they_never_end(tmp_path, monkeypatch):
+    """Steady-state timing: a pass that compiled kernels is reported but its tokens and seconds are not counted, so
+    compiles inside a pass cannot lower the rate; after ``MAX_COMPILING_PASSES`` such passes they are counted."""
+    from types import SimpleNamespace
+
+    bench = _load("bench_rollout_gpu")
+    for k, v in bench.engine_caches("consistent", tmp_path).items():
+        monkeypatch.setenv(k, v)
+    cache = tmp_path / "consistent.cache" / "triton"
+
+    def llm(compiling_passes: int):
+        calls = []
+
+        class LLM:
+            def generate(self, prompts, params, use_tqdm=False):
+                calls.append(1)
+                if len(calls) <= compiling_passes:
+                    (cache / f"c{len(calls)}-{compiling_passes}").mkdir(parents=True)
+                    (cache / f"c{len(calls)}-{compiling_passes}" / "k.cubin").write_text("x")
+                    time.sleep(0.05)  # the compile
+                return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * 5)]) for _ in prompts]
+        return LLM()
+
+    out = bench._timed_passes(llm(2), ["p"], None, min_seconds=0.0)
+    assert out["pass_new_binaries"] == [1, 1, 0] and out["passes_not_counted"] == 2
+    assert out["tokens"] == 5 and out["seconds"] == out["pass_seconds"][2] < 0.05
+    forever = bench.MAX_COMPILING_PASSES + 2
+    out = bench._timed_passes(llm(forever), ["p"], None, min_seconds=0.0)
+    assert out["pass_new_binaries"] == [1] * (bench.MAX_COMPILING_PASSES + 1)
+    assert out["passes_not_counted"] == bench.MAX_COMPILING_PASSES and out["tokens"] == 5
+
+
 def test_a_failed_engine_reports_its_root_cause_above_the_last_lines(tmp_path):
     """vLLM's engine core prints the root cause far above its last lines: the report keeps the error lines too."""
     log = tmp_path / "stock.log"
