@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_context_parallel import QWEN3MOE
 from test_fp8_tp import MOETP, _trainer_tp1, _weights
 from test_parallel_trainer import (_data_parallel_gradients, _entry_point_model, _experts_without_other_ranks_gradients,
                                    _gloo_moe_dispatch_collectives)
@@ -163,15 +164,21 @@ def fp8_ep_runs(tmp_path_factory):
     return {"ids": ids, "logits1": logits1, "routes1": routes1, "grads1": grads1, "runs": runs}
 
 
+def _one_process_logprobs(runs: dict) -> torch.Tensor:
+    """The one-process FP8 log-probs ``[b, s-1]`` of the fixture's rows (the kernels' log-softmax of its logits)."""
+    from megatron_consistent.kernels import log_softmax
+
+    ids = runs["ids"]
+    return log_softmax(runs["logits1"].float())[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fp8_experts_over_ep_ranks_logits_logprobs_and_routes_equal_one_process(fp8_ep_runs, layout):
-    from megatron_consistent.kernels import log_softmax
-
     lp, logits, routes, *_ = fp8_ep_runs["runs"][layout]
-    ids, one = fp8_ep_runs["ids"], fp8_ep_runs["logits1"]
-    assert torch.equal(logits, one.float())
-    assert torch.equal(lp, log_softmax(one.float())[:, :-1].gather(-1, ids[:, 1:, None])[..., 0])
+    ids = fp8_ep_runs["ids"]
+    assert torch.equal(logits, fp8_ep_runs["logits1"].float())
+    assert torch.equal(lp, _one_process_logprobs(fp8_ep_runs))
     s, b = ids.shape[1], ids.shape[0]
     starts = sorted(routes)  # one chunk a replica: {first row: {layer: experts [s * rows, k]}}
     for first, stop in zip(starts, [*starts[1:], b]):
@@ -204,37 +211,142 @@ def test_fp8_ep_outputs_in_another_order_or_sliced_experts_are_caught(fp8_ep_run
     assert not torch.equal(broken[fault], fp8_ep_runs["logits1"].float())
 
 
-def _megatron_fp8_ep_worker(rank: int, workdir: str) -> None:
-    """Megatron's MoELayer through the entry point at DP 2 x EP 2 (allgather dispatcher), the FP8 forward: each
-    replica's logits."""
+TP_LAYOUTS = {"tp2": False, "tp2sp": True}  # EP 1: the experts over the TP ranks (kernels.moe.owned_pair_outputs)
+
+
+@contextlib.contextmanager
+def _tp_input_gradients_unsummed(sequence_parallel: bool):
+    """BROKEN on purpose, inside the ``with``: the TP ranks' input gradients left unsummed -- under sequence
+    parallelism the backward of ``tensor_parallel.sum_owned_slots`` (each rank's experts then miss the gradients of the
+    other rank's tokens), without it the backward of ``tensor_parallel.copy_to_tp`` (a column-parallel input's gradient,
+    the experts' rows included, then misses the other rank's heads / experts)."""
+    from megatron_consistent.layers import tensor_parallel as tpar
+
+    cls = tpar._SumOwnedSlots if sequence_parallel else tpar._CopyToTP
+    real = cls.backward
+    cls.backward = staticmethod(lambda ctx, g: (g, *[None] * (2 if sequence_parallel else 1)))
+    try:
+        yield
+    finally:
+        cls.backward = real
+
+
+def _fp8_tp_gradients_worker(rank: int, workdir: str) -> None:
+    """TP 2 without and with sequence parallelism (EP 1: each rank its 4 whole experts), the FP8 forward: float32
+    gradients summed as Megatron does, then the same with the TP ranks' input gradients unsummed (broken)."""
+    from megatron_consistent.layers.distributed import build_parallel_model
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    work = Path(workdir)
+    ids, weights = load_file(str(work / "inputs.safetensors"))["input_ids"], str(work / "weights.safetensors")
+    out = {}
+    for name, sp in TP_LAYOUTS.items():
+        model32 = build_parallel_model(MOETP, weights, tp=2, dtype=torch.float32, sequence_parallel=sp)
+        enable_fp8(model32)
+        out[name] = _data_parallel_gradients(model32, ids, ids[:, 1:].numel())
+        model32.zero_grad()
+        with _tp_input_gradients_unsummed(sp):
+            out[f"{name}-broken"] = _data_parallel_gradients(model32, ids, ids[:, 1:].numel())
+    if rank == 0:
+        for name, grads in out.items():
+            save_file(grads, str(work / f"{name}.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def fp8_tp_gradients(fp8_ep_runs, tmp_path_factory):
+    """The float32 FP8 gradients at TP 2 (and TP 2 + SP) of the fixture's rows, and their broken variants."""
+    from megatron_consistent.layers.distributed import spawn_ranks
+
+    tmp = tmp_path_factory.mktemp("fp8tpgrads")
+    save_file({k: v.contiguous() for k, v in _weights(0, MOETP).items()}, str(tmp / "weights.safetensors"))
+    save_file({"input_ids": fp8_ep_runs["ids"]}, str(tmp / "inputs.safetensors"))
+    t0 = time.perf_counter()
+    spawn_ranks(_fp8_tp_gradients_worker, 2, tmp)
+    print(f"fp8 tp gradients seconds: {time.perf_counter() - t0:.1f}")
+    return {name: load_file(str(tmp / f"{name}.safetensors")) for name in (*TP_LAYOUTS, *(f"{n}-broken" for n in TP_LAYOUTS))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(TP_LAYOUTS))
+def test_fp8_moe_tp2_gradients_within_bound_and_unsummed_input_gradients_caught(fp8_ep_runs, fp8_tp_gradients, layout):
+    """FP8 MoE at TP 2 (+ SP): the forward is the one-process bits (test_fp8_tp), so the float32 STE gradients differ
+    from the one-process float32 FP8 gradients only by the order of float32 sums (the input gradients' all-reduce over
+    the TP ranks, the sequence-parallel weights' sum): within ``GRAD_REL_TOL``, as at EP; unsummed input gradients
+    (:func:`_tp_input_gradients_unsummed`) are caught."""
+    from megatron_consistent.verify.reference import GRAD_REL_TOL
+
+    errs = _relative_errors(fp8_tp_gradients[layout], fp8_ep_runs["grads1"])
+    assert len(errs) == len(fp8_ep_runs["grads1"])
+    print(f"FP8 MoE {layout}: max relative gradient error vs one process {max(errs.values()):.3g} ({max(errs, key=errs.get)})")
+    assert max(errs.values()) < GRAD_REL_TOL, errs
+    broken = max(_relative_errors(fp8_tp_gradients[f"{layout}-broken"], fp8_ep_runs["grads1"]).values())
+    print(f"FP8 MoE {layout}: the TP ranks' input gradients unsummed: max relative error {broken:.3g}")
+    assert broken > 1e3 * GRAD_REL_TOL
+
+
+MEGATRON_LAYOUTS = {"dp2-ep2": 1, "tp2sp-ep2": 2}  # TP (with SP at 2); EP 2 over the replicas / over the TP group
+
+
+def _megatron_fp8_ep_worker(rank: int, workdir: str, tp: int) -> None:
+    """Megatron's MoELayer through the entry point at DP 2 x EP 2 or TP 2 + SP x EP 2 (allgather dispatcher), the FP8
+    forward: each replica's logits and (vocab-parallel) log-probs.  At TP 2 first a framework-built model of a layout
+    the FP8 alignment refuses (tiny-qwen3moe-top1: 64 q rows a rank, half a scale block) goes to ``enable_fp8``: the
+    refusal's text (empty if none) is written out."""
     from megatron.core import parallel_state as ps
 
+    from megatron_consistent.config import UnsupportedConfigError
     from megatron_consistent.layers import as_arch_config
+    from megatron_consistent.layers.context_parallel import sequence_token_logprobs
     from megatron_consistent.layers.distributed import gather_vocab, stage_forward
     from megatron_consistent.layers.fp8 import enable_fp8
 
     work, arch = Path(workdir), as_arch_config(MOETP)
     ids = load_file(str(work / "inputs.safetensors"))["input_ids"]
     _gloo_moe_dispatch_collectives()
-    model = _entry_point_model(arch, work / "weights.safetensors", ep=2)
+    if tp > 1:
+        misaligned = _entry_point_model(as_arch_config(QWEN3MOE), work / "misaligned.safetensors", tp=tp, sp=True, ep=2)
+        misaligned.arch_config = as_arch_config(QWEN3MOE)
+        try:
+            enable_fp8(misaligned)
+            refusal = ""
+        except UnsupportedConfigError as err:
+            refusal = str(err)
+        (work / f"refusal{rank}.txt").write_text(refusal)
+    model = _entry_point_model(arch, work / "weights.safetensors", tp=tp, sp=tp > 1, ep=2)
     model.arch_config = arch  # what enable_fp8 reads (a framework model has none of its own)
     enable_fp8(model)
-    replica, n = ps.get_data_parallel_rank(), ids.shape[0] // 2
+    replica, n = ps.get_data_parallel_rank(), ids.shape[0] // ps.get_data_parallel_world_size()
+    mine = ids[replica * n:(replica + 1) * n]
     with torch.no_grad():
-        logits = gather_vocab(stage_forward(model, ids[replica * n:(replica + 1) * n])).contiguous()
-    save_file({"logits": logits}, str(work / f"out{replica}.safetensors"))
+        logits = stage_forward(model, mine)
+        out = {"logits": gather_vocab(logits).contiguous(), "logprobs": sequence_token_logprobs(logits, mine).contiguous()}
+    if ps.get_tensor_model_parallel_rank() == 0:
+        save_file(out, str(work / f"out{replica}.safetensors"))
 
 
 @pytest.mark.slow
-def test_fp8_megatron_moelayer_at_dp2_ep2_equals_one_process(fp8_ep_runs, tmp_path):
+@pytest.mark.parametrize("layout", list(MEGATRON_LAYOUTS))
+def test_fp8_megatron_moelayer_at_ep2_equals_one_process_and_misaligned_tp_refused(fp8_ep_runs, tmp_path, layout):
     """The framework's Megatron MoELayer with the FP8 experts (each EP rank's 4 whole experts quantized on their own
-    grids, the FP8 shared expert whole): the one-process FP8 logits, bit for bit."""
+    grids, the FP8 shared expert whole) at DP 2 x EP 2 and TP 2 + SP x EP 2: the one-process FP8 logits and log-probs,
+    bit for bit.  At TP 2 a framework-built model (no ``parallel_sizes`` of ours: ``enable_fp8`` reads the TP size off
+    the model's own config) of a misaligned layout is refused by name on every rank."""
     from megatron_consistent.layers.distributed import spawn_ranks
 
-    ids = fp8_ep_runs["ids"][:4]
+    tp, rows = MEGATRON_LAYOUTS[layout], 4
+    ids = fp8_ep_runs["ids"][:rows]
     save_file({"input_ids": ids}, str(tmp_path / "inputs.safetensors"))
     save_file({k: v.contiguous() for k, v in _weights(0, MOETP).items()}, str(tmp_path / "weights.safetensors"))
-    spawn_ranks(_megatron_fp8_ep_worker, 2, tmp_path)
-    logits = [load_file(str(tmp_path / f"out{d}.safetensors"))["logits"] for d in range(2)]
-    logits = torch.cat([lg.transpose(0, 1) if lg.shape[0] != 2 else lg for lg in logits])  # [b, s, V]
-    assert torch.equal(logits, fp8_ep_runs["logits1"][:4].float())
+    if tp > 1:
+        save_file({k: v.contiguous() for k, v in _weights(0, QWEN3MOE).items()}, str(tmp_path / "misaligned.safetensors"))
+    spawn_ranks(_megatron_fp8_ep_worker, 2, tmp_path, tp)
+    dp = 2 // tp
+    outs = [load_file(str(tmp_path / f"out{d}.safetensors")) for d in range(dp)]
+    logits = torch.cat([o["logits"].transpose(0, 1) if o["logits"].shape[0] != rows // dp else o["logits"] for o in outs])
+    assert torch.equal(logits, fp8_ep_runs["logits1"][:rows].float())  # [b, s, V]
+    assert torch.equal(torch.cat([o["logprobs"] for o in outs]), _one_process_logprobs(fp8_ep_runs)[:rows])
+    if tp > 1:
+        for rank in range(2):
+            refusal = (tmp_path / f"refusal{rank}.txt").read_text()
+            assert refusal.startswith("fp8 quantization at TP=2: model.layers.0.self_attn.q_proj.weight (128, 128) gives "
+                                      "each rank 64 rows, not whole 128-wide scale blocks"), refusal

@@ -143,13 +143,14 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     :class:`FP8MoEBinding` on the block); returns the bound module names.  A pipeline stage binds the layers it holds
     (its local ``decoder.layers.<i>`` looked up in the weight table at their global numbers); every stage, context- and
     data-parallel rank quantizes those layers' full HF tensors, as the one-process model does (a tensor- or
-    expert-parallel rank its part: whole experts, or whole scale blocks, ``conversion.fp8.fp8_tp_refusal``)."""
+    expert-parallel rank its part: whole experts, or whole scale blocks, ``conversion.fp8.fp8_tp_refusal``, asked at the
+    TP size of the model's own ``config`` -- ``build_consistent_model``'s or the framework's)."""
     from .moe import ConsistentMoELayer
     from .moe_megatron import ConsistentExperts
 
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch, w_fmt)
-    tp = getattr(model, "parallel_sizes", (1, 1))[0]
+    tp = model.config.tensor_model_parallel_size  # the model's TransformerConfig: set on a framework-built model too
     reason = fp8_tp_refusal(arch, tp, w_fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
     if reason:
         raise UnsupportedConfigError(reason)
