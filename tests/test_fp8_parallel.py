@@ -21,7 +21,7 @@ import torch
 from _parallel_layouts import reference
 from safetensors.torch import load_file
 from test_context_parallel import LLAMA, QWEN3MOE, SEQ
-from test_fp8_tp import FP8TP
+from test_fp8_tp import FP8TP, MOETP
 
 from megatron_consistent import kernels
 from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
@@ -34,7 +34,9 @@ NVFP4 = (NVFP4_WEIGHT, None)
 @pytest.mark.parametrize("config, quantization, layout", [
     (LLAMA, "fp8", {"trainer_pp": 2}), (LLAMA, "fp8", {"trainer_dp": 2}), (LLAMA, "fp8", {"trainer_cp": 2}),
     (LLAMA, "nvfp4", {"trainer_pp": 2}), (FP8TP, "fp8", {"trainer_tp": 2, "trainer_pp": 2}),
-    (QWEN3MOE, "fp8", {"trainer_pp": 2, "trainer_dp": 2}), (QWEN3MOE, "fp8", {"trainer_dp": 2, "trainer_ep": 2})])
+    (QWEN3MOE, "fp8", {"trainer_pp": 2, "trainer_dp": 2}), (QWEN3MOE, "fp8", {"trainer_dp": 2, "trainer_ep": 2}),
+    (FP8TP, "fp8", {"trainer_tp": 2, "trainer_cp": 2}), (MOETP, "fp8", {"trainer_cp": 2}), (LLAMA, "nvfp4", {"trainer_cp": 2}),
+    (LLAMA, "nvfp4", {"trainer_dp": 2})])
 def test_check_accepts_fp8_at_pipeline_data_context_and_expert_parallelism(tmp_path, config, quantization, layout):
     from megatron_consistent.verify.check import check_layouts, load_check_config
 
@@ -88,6 +90,8 @@ CASES = {  # name: (config, formats, layout)
     "fp8-pp2": (LLAMA, FP8, {"pp": 2}), "fp8-dp2": (LLAMA, FP8, {"dp": 2}), "fp8-cp2": (LLAMA, FP8, {"cp": 2}),
     "nvfp4-pp2": (LLAMA, NVFP4, {"pp": 2}), "fp8tp-tp2-pp2": (FP8TP, FP8, {"tp": 2, "pp": 2}),
     "fp8-moe-pp2-dp2": (QWEN3MOE, FP8, {"pp": 2, "dp": 2}),  # FP8 experts (TP = EP = 1), one MoE layer a stage
+    "fp8tp-tp2-cp2": (FP8TP, FP8, {"tp": 2, "cp": 2}), "fp8-moe-cp2": (MOETP, FP8, {"cp": 2}),  # FP8 experts + shared
+    "nvfp4-cp2": (LLAMA, NVFP4, {"cp": 2}), "nvfp4-dp2": (LLAMA, NVFP4, {"dp": 2}),
 }
 BROKEN = {"fp8-pp2": "stage_layers", "fp8-cp2": "wide_groups", "fp8-dp2": "wide_groups"}
 
