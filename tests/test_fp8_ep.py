@@ -13,8 +13,12 @@ the FP8 forward (``layers.fp8.enable_fp8``) on the bf16 masters, gloo ranks (all
   sums differs); the experts' gradients without the other ranks' tokens are caught;
 * broken forwards caught: a rank quantizing its experts' down projections in 64-row slices, each on a grid of its own
   (as a rank holding part of an expert would), and each rank's outputs sent back in another order;
-* Megatron's own ``MoELayer`` (the framework entry point, allgather dispatcher) at DP 2 x EP 2 with the FP8 experts:
-  the one-process FP8 logits.
+* Megatron's own ``MoELayer`` (the framework entry point, allgather dispatcher) at DP 2 x EP 2 and TP 2 + SP x EP 2
+  with the FP8 experts: the one-process FP8 logits and log-probs; a framework-built model (no ``parallel_sizes`` of
+  ours) at a misaligned TP 2 (tiny-qwen3moe-top1) refused by ``enable_fp8`` by name (the TP size from the model's own
+  config);
+* FP8 MoE at TP 2 and TP 2 + SP (EP 1: the experts over the TP ranks): float32 FP8 gradients within ``GRAD_REL_TOL``
+  of the one-process ones; the TP ranks' input gradients left unsummed caught.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ parallelism (docs/fp8.md, "Pipeline, data and context parallelism").
 
 * refusals by name, before any work: FP8 at EP > 1 (``enable_fp8``, ``recompute_logprobs_parallel``, ``check``); PP 2,
   DP 2 and CP 2 accepted by ``check``;
-* gloo ranks (slow): block-FP8 logits and log-probs at PP 2, DP 2, CP 2 (tiny-llama), TP 2 x PP 2
-  (tiny-llama-fp8tp) and PP 2 x DP 2 (tiny-qwen3moe-top1: FP8 experts), NVFP4 at PP 2 (tiny-llama), ``torch.equal`` to
-  the one-process FP8 / NVFP4 forward; broken
+* gloo ranks (slow): block-FP8 logits and log-probs at PP 2, DP 2, CP 2 (tiny-llama), TP 2 x PP 2 and TP 2 x CP 2
+  (tiny-llama-fp8tp), PP 2 x DP 2 (tiny-qwen3moe-top1: FP8 experts) and CP 2 (tiny-qwen2moe-fp8tp: FP8 experts and
+  shared expert), NVFP4 at PP 2, CP 2 and DP 2 (tiny-llama), ``torch.equal`` to the one-process FP8 / NVFP4 forward;
+  broken
   variants caught: the last pipeline stage looking its layers up at the wrong global numbers (it quantizes none of
   them), and activations quantized in groups over all of a call's tokens (a CP / DP rank's group grid then depends on
   the rows it holds: it differs from the one-process forward, which has the same bug, too).
