@@ -342,6 +342,31 @@ def test_entry_point_layers_take_s_from_the_framework_config(tmp_path):
     assert torch.equal(got, logits) and not torch.equal(eight, logits)
 
 
+def test_a_model_built_with_another_s_than_its_architecture_refused_by_name(tmp_path):
+    """A framework config without ``consistent_row_parallel_segments`` builds S = 8 layers; with a checkpoint whose
+    ``config.json`` says S = 4 the trainer would run another tree than the engine (other bits, silently): export, push
+    (``hf_state_dict``), import and ``enable_fp8`` refuse it by name before any work, and the import leaves every
+    weight as it was; the same model with its own architecture passes."""
+    from megatron_consistent.conversion import hf_state_dict, import_hf
+    from megatron_consistent.layers import as_arch_config
+    from megatron_consistent.layers.fp8 import enable_fp8
+
+    eight, s4 = _config_dir(tmp_path, LLAMA, **FLOAT32), _config_dir(tmp_path, LLAMA, **FLOAT32, **{S_KEY: 4})
+    weights, _, _, _ = reference(s4, tmp_path, dtype=torch.float32)
+    arch8, arch4 = as_arch_config(eight), as_arch_config(s4)
+    model = _entry_point_model(arch8, weights)  # the framework's config lacks the key: S = 8 layers
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    message = re.escape(f"{S_KEY}: the model's row-parallel layers were built with S = 8, its architecture says S = 4")
+    for attempt in (lambda: hf_state_dict(model, arch4), lambda: import_hf(model, arch4, weights)):
+        with pytest.raises(UnsupportedConfigError, match=message):
+            attempt()
+    model.arch_config = arch4
+    with pytest.raises(UnsupportedConfigError, match=message):
+        enable_fp8(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert hf_state_dict(model, arch8).keys() == hf_state_dict(_entry_point_model(arch4, weights), arch4).keys()
+
+
 def test_tp_not_dividing_the_models_s_refused_by_name(tmp_path):
     """S = 2 at TP = 4 (4 KV heads: nothing else stops it) and S = 1 at TP = 2, before any work: the parallel recompute,
     the build, and a framework's config through the entry point."""

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..architectures import weight_entries
-from ..config import ArchConfig, UnsupportedConfigError
+from ..config import ROW_PARALLEL_SEGMENTS_KEY, ArchConfig, UnsupportedConfigError
 from .moe import MOE_KINDS, moe_hf_shapes, moe_join, moe_split
 
 __all__ = ["CheckpointMismatchError", "export_hf", "hf_state_dict", "import_hf", "megatron_to_hf_names"]
@@ -94,8 +94,26 @@ def _join(arch: ArchConfig, kind: str, parts: list[torch.Tensor]) -> torch.Tenso
     return grouped.reshape(ng * (g + 2) * hd, *rest)
 
 
+def segments_refusal(model, arch: ArchConfig) -> str:
+    """Why the ``model``'s row-parallel layers do not run ``arch``'s K tree ("" when they do): each consistent
+    row-parallel linear keeps the S it was built with (``row_parallel_segments``, from the Megatron config's
+    ``consistent_row_parallel_segments``, 8 when the config lacks it); a framework config that lacks the key while the
+    checkpoint's ``config.json`` sets it would train and roll out on two different trees -- different bits, silently."""
+    running = sorted({m.row_parallel_segments for m in model.modules()
+                      if isinstance(getattr(m, "row_parallel_segments", None), int)} - {arch.row_parallel_segments})
+    if not running:
+        return ""
+    return (f"{ROW_PARALLEL_SEGMENTS_KEY}: the model's row-parallel layers were built with S = {running[0]}, its "
+            f"architecture says S = {arch.row_parallel_segments}; set config.{ROW_PARALLEL_SEGMENTS_KEY} = "
+            f"{arch.row_parallel_segments} on the Megatron config before building the model")
+
+
 def _model_params(model, arch: ArchConfig) -> dict[str, torch.nn.Parameter]:
-    """The model's parameters, checked against the plan for ``arch`` (names and fused shapes)."""
+    """The model's parameters, checked against the plan for ``arch`` (names and fused shapes) and its layers' K tree
+    against ``arch``'s (:func:`segments_refusal`)."""
+    reason = segments_refusal(model, arch)
+    if reason:
+        raise UnsupportedConfigError(reason)
     params = dict(model.named_parameters())
     plan = _plan(arch)
     expected = {m for m, _, _ in plan}

@@ -112,9 +112,12 @@ def export_hf_parallel(model, out_dir) -> Path:
     rank refuses before any collective)."""
     from megatron.core import parallel_state as ps
 
-    from ..conversion.hf import hf_tensors_from_megatron, write_hf_config
+    from ..conversion.hf import hf_tensors_from_megatron, segments_refusal, write_hf_config
 
     arch = model.arch_config
+    reason = segments_refusal(model, arch)  # every rank holds row-parallel layers: every rank refuses, no collective
+    if reason:
+        raise UnsupportedConfigError(reason)
     out = Path(out_dir)
     old = sorted(f.name for f in out.glob("model*.safetensors*"))
     if old:  # every rank sees the folder, so every rank refuses, before any collective

@@ -27,7 +27,7 @@ import torch
 
 from ..config import ArchConfig, UnsupportedConfigError
 from ..conversion.fp8 import check_fp8_arch, fp8_tp_refusal, is_quantized, quantized_parts
-from ..conversion.hf import _join, _plan
+from ..conversion.hf import _join, _plan, segments_refusal
 from ..conversion.moe import MOE_KINDS
 from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights, QuantFormat, _encode_e4m3, constant_row_block,
                            fp8_combine_experts, fp8_expert_outputs, fp8_linear_ste, fp8_moe_experts, gate_up_block_rows,
@@ -151,7 +151,9 @@ def enable_fp8(model, w_fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat =
     arch: ArchConfig = model.arch_config
     check_fp8_arch(arch, w_fmt)
     tp = model.config.tensor_model_parallel_size  # the model's TransformerConfig: set on a framework-built model too
-    reason = fp8_tp_refusal(arch, tp, w_fmt)  # the engine's refusal too (vllm_plugin/parallel.py tp_refusal)
+    # the layers' K tree must be the architecture's (the scale blocks are checked at its S), then the engine's
+    # refusal too (vllm_plugin/parallel.py tp_refusal)
+    reason = segments_refusal(model, arch) or fp8_tp_refusal(arch, tp, w_fmt)
     if reason:
         raise UnsupportedConfigError(reason)
     bound = []
