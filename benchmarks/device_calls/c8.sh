@@ -1,6 +1,7 @@
-# Call 8: carry .whl. The GRPO lifecycle on CUDA (Megatron's distributed optimizer, dist_checkpointing restore), then the
-# two other dense models' `check`.
+# Call 8 (after call 3; carry .whl): the same rollout (shape b, 8 layers) at S = 2 and S = 1, consistent engines only
+# (call 4 has S = 8 and stock): what each per-model tree width costs a whole rollout (docs/parallel.md, "Choosing S").
 source benchmarks/device_calls/engine_tests.sh
-engine_call lifecycle_tests 300 python -m pytest -q -p no:cacheprovider tests/test_gpu_lifecycle.py
-engine_call check_dense_tests 260 python -m pytest -q -p no:cacheprovider tests/test_gpu_vllm.py \
-  -k "check_zero_mismatch and (mqa or qknorm)"
+engine_call rollout_s2 270 python benchmarks/bench_rollout_gpu.py --shapes b --layers 8 --engines consistent \
+  --row-parallel-segments 2 --out "$OUT/${TAG}_rollout_s2.json"
+engine_call rollout_s1 270 python benchmarks/bench_rollout_gpu.py --shapes b --layers 8 --engines consistent \
+  --row-parallel-segments 1 --out "$OUT/${TAG}_rollout_s1.json"
