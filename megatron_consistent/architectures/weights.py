@@ -99,9 +99,11 @@ def _runs(part: tuple[int, ...]) -> list[tuple[int, int]]:
 
 def take_part(tensor: torch.Tensor, part: tuple[int, ...] | None) -> torch.Tensor:
     """The part ``part`` of ``tensor`` (``None``: all of it): its runs along the part's dim, concatenated (one run:
-    a view)."""
+    a view; a 0-d tensor as its one-element vector)."""
     if part is None:
         return tensor
+    if tensor.dim() == 0:  # a scalar (NVFP4's global scale of another rank's expert): its part of its one element
+        tensor = tensor.reshape(1)
     pieces = [tensor.narrow(part[0], a, b - a) for a, b in _runs(part)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part[0])
 

@@ -55,14 +55,12 @@ def _method(fmt: QuantFormat) -> str:
 
 
 def fp8_arch_refusal(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
-    """Why ``arch`` cannot be quantized in ``fmt`` at all ('' when it can): dense and SwiGLU-MoE decoders in block-FP8,
-    dense decoders in NVFP4; hybrid (Mamba) models, non-gated experts and NVFP4 experts are refused by name."""
+    """Why ``arch`` cannot be quantized in ``fmt`` at all ('' when it can): dense and SwiGLU-MoE decoders in block-FP8
+    and in NVFP4; hybrid (Mamba) models and non-gated experts are refused by name."""
     if arch.is_hybrid:
         return f"hybrid Mamba architectures ({arch.architecture}) are not supported"
     if arch.is_moe and not arch.mlp_gated:
         return f"non-gated (relu2) MoE experts ({arch.architecture}) are not supported"
-    if arch.is_moe and fmt.name == "e2m1":
-        return f"MoE architectures ({arch.architecture}) are not supported (dense only)"
     return ""
 
 

@@ -140,11 +140,13 @@ class _BlockScales:
             first, run = self.expert_first, self.experts_down_scale.shape[0]  # TP > 1: this rank's experts only
 
             def view(stack, e):  # another rank's expert: an empty view (its empty part, as the weight table's values)
-                return stack[e - first] if first <= e < first + run else stack[0][:0]
+                return stack[e - first] if first <= e < first + run else (stack[0] if stack.dim() > 1 else stack)[:0]
 
-            stacks = (self.experts_gate_scale, self.experts_up_scale) if held == "experts_fc1" else (self.experts_down_scale,)
-            scales = [view(t, e) for e in range(self.arch.num_experts) for t in stacks]
-            return {n + "_scale_inv": t for n, t in zip(entry.hf, scales)}
+            stems = ("experts_gate", "experts_up") if held == "experts_fc1" else ("experts_down",)
+            suffixes = (("", "_2") if self.nvfp4 else ("",))  # NVFP4: E4M3 block scales + float32 global, per expert
+            names = [n + ("_scale" if self.nvfp4 else "_scale_inv") for n in entry.hf]
+            return {name + k: view(getattr(self, f"{stem}_scale{k}"), e) for k in suffixes
+                    for name, (e, stem) in zip(names, [(e, t) for e in range(self.arch.num_experts) for t in stems])}
         stems = self._scale_stems.get(held, ())
         if self.nvfp4:
             return {n + f"_scale{k}": getattr(self, f"{s}_scale{k}") for n, s in zip(entry.hf, stems) for k in ("", "_2")}
@@ -165,8 +167,11 @@ class _BlockScales:
         for name in self.block_scales(entry, held):
             i = entry.hf.index(_SCALE_SUFFIX.sub("", name))
             (n, k), (br, bc) = entry.hf_shapes[i], self.w_fmt.block
-            out[name] = ((None, ()) if name.endswith("_scale_2")
-                         else (scale_part(tp_part(entry, i, rank, size), self.w_fmt), (-(-n // br), -(-k // bc))))
+            part = tp_part(entry, i, rank, size)
+            if name.endswith("_scale_2"):  # whole; an expert's on its rank only (another rank's: nothing of it)
+                out[name] = (part if entry.shard == "experts" else None, ())
+                continue
+            out[name] = (scale_part(part, self.w_fmt), (-(-n // br), -(-k // bc)))
         return out
 
 
@@ -205,29 +210,53 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
     def __init__(self, arch: ArchConfig, cache_config, prefix: str, *, formats):
         super().__init__(arch, cache_config, prefix)
         _quantize_fused(self, self.OPS, arch, formats)
-        fp8 = self.w_fmt.storage_dtype
+        store, nv = self.w_fmt.storage_dtype, self.nvfp4
+        pack = 2 if nv else 1  # NVFP4: two E2M1 codes a byte along K
         br, bc = self.w_fmt.block
         run, H, inter = arch.num_experts // self.tp_size, arch.hidden_size, arch.moe_intermediate_size  # the rank's experts
+        s = arch.shared_expert_intermediate_size
+        if nv and (H % 2 or inter % 2 or (s or 0) % 2):
+            raise UnsupportedConfigError(f"nvfp4: expert input sizes H={H}, I={inter}, shared {s} must be even (two E2M1 "
+                                         "codes per byte)")
 
-        def scale(*lead, n, k):
-            return nn.Parameter(torch.ones(*lead, -(-n // br), -(-k // bc), dtype=torch.float32), requires_grad=False)
+        def values(*shape):
+            return nn.Parameter(torch.zeros(*shape[:-1], shape[-1] // pack, dtype=store), requires_grad=False)
 
-        self.experts_fc1 = nn.Parameter(torch.zeros(run, 2 * inter, H, dtype=fp8), requires_grad=False)
-        self.experts_fc2 = nn.Parameter(torch.zeros(run, H, inter, dtype=fp8), requires_grad=False)
-        self.experts_gate_scale, self.experts_up_scale = scale(run, n=inter, k=H), scale(run, n=inter, k=H)
-        self.experts_down_scale = scale(run, n=H, k=inter)
+        def scales(stem, *lead, n, k):  # block-FP8: float32 blocks; NVFP4: E4M3 per 16 + a float32 global per HF tensor
+            dt = torch.float8_e4m3fn if nv else torch.float32
+            setattr(self, f"{stem}_scale", nn.Parameter(torch.ones(*lead, -(-n // br), -(-k // bc), dtype=dt), requires_grad=False))
+            if nv:
+                setattr(self, f"{stem}_scale_2", nn.Parameter(torch.ones(lead, dtype=torch.float32), requires_grad=False))
+
+        self.experts_fc1, self.experts_fc2 = values(run, 2 * inter, H), values(run, H, inter)
+        scales("experts_gate", run, n=inter, k=H)
+        scales("experts_up", run, n=inter, k=H)
+        scales("experts_down", run, n=H, k=inter)
         if self.shared is not None:
-            s = arch.shared_expert_intermediate_size
-            self.shared_fc1 = nn.Parameter(torch.zeros(2 * s, H, dtype=fp8), requires_grad=False)
-            self.shared_fc2 = nn.Parameter(torch.zeros(H, s, dtype=fp8), requires_grad=False)
-            self.shared_gate_scale, self.shared_up_scale = scale(n=s, k=H), scale(n=s, k=H)
-            self.shared_down_scale = scale(n=H, k=s)
+            self.shared_fc1, self.shared_fc2 = values(2 * s, H), values(H, s)
+            scales("shared_gate", n=s, k=H)
+            scales("shared_up", n=s, k=H)
+            scales("shared_down", n=H, k=s)
             self.shared = (self.shared_fc1, self.shared_fc2, self.shared_gate)
             self._scale_stems.update(shared_fc1=("shared_gate", "shared_up"), shared_fc2=("shared_down",))
+        if nv:
+            self.value_packing.update(dict.fromkeys(("experts_fc1", "experts_fc2", "shared_fc1", "shared_fc2"), 2))
 
-    def _fc1_rows(self, gate_scale, up_scale, n):
-        """Per-row scales of gate|up rows (stacked experts or the shared expert): ``[..., 2n, ceil(H/128)]``."""
-        return torch.cat([weight_row_scales(gate_scale, n, self.w_fmt), weight_row_scales(up_scale, n, self.w_fmt)], dim=-2)
+    def _row_scales(self, stem: str, n: int) -> torch.Tensor:
+        """Per-row scales of the HF tensor(s) ``stem`` of ``n`` rows (stacked experts or the shared expert): block-FP8
+        blocks repeated per row; NVFP4 ``float32(weight_scale) * weight_scale_2``, each expert's global its own."""
+        if self.nvfp4:
+            g = getattr(self, f"{stem}_scale_2")
+            return nvfp4_effective_scales(getattr(self, f"{stem}_scale"), g.reshape(*g.shape, 1, 1))
+        return weight_row_scales(getattr(self, f"{stem}_scale"), n, self.w_fmt)
+
+    def _values(self, held: torch.Tensor) -> torch.Tensor:
+        """The values the FP8 ops take: block-FP8 as stored; NVFP4 codes unpacked one per byte."""
+        return unpack_e2m1(held) if self.nvfp4 else held
+
+    def _fc1_rows(self, stem: str, n: int) -> torch.Tensor:
+        """Per-row scales of gate|up rows (``stem`` ``experts`` or ``shared``): ``[..., 2n, ceil(H/bc)]``."""
+        return torch.cat([self._row_scales(f"{stem}_gate", n), self._row_scales(f"{stem}_up", n)], dim=-2)
 
     def mlp_forward(self, x: torch.Tensor, positions: torch.Tensor):
         """(router logits, routed experts, MLP output): the bf16 MoE layer's router and route ops, then the FP8 experts as
@@ -240,18 +269,18 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
         if pmoe.RECORDER is not None:
             pmoe.RECORDER.record(self.idx, positions, experts)
         inter, H = self.arch.moe_intermediate_size, self.arch.hidden_size
-        fc1_rows = self._fc1_rows(self.experts_gate_scale, self.experts_up_scale, inter)
-        fc2_rows = weight_row_scales(self.experts_down_scale, H, self.w_fmt)
+        fc1, fc1_rows = self._values(self.experts_fc1), self._fc1_rows("experts", inter)
+        fc2, fc2_rows = self._values(self.experts_fc2), self._row_scales("experts_down", H)
         shared = (None,) * 5
         if self.shared is not None:
             s = self.arch.shared_expert_intermediate_size
-            shared = (self.shared_fc1, self._fc1_rows(self.shared_gate_scale, self.shared_up_scale, s), self.shared_fc2,
-                      weight_row_scales(self.shared_down_scale, H, self.w_fmt), self.shared_gate)
+            shared = (self._values(self.shared_fc1), self._fc1_rows("shared", s), self._values(self.shared_fc2),
+                      self._row_scales("shared_down", H), self.shared_gate)
         if self.tp_size == 1:
-            return z, experts, inference_ops.fp8_moe_experts(x, experts, w, self.experts_fc1, fc1_rows, self.experts_fc2,
-                                                             fc2_rows, *shared, *self.format_specs)
-        mine = inference_ops.fp8_moe_owned_expert_outputs(x, experts, self.expert_first, self.experts_fc1, fc1_rows,
-                                                          self.experts_fc2, fc2_rows, *self.format_specs)
+            return z, experts, inference_ops.fp8_moe_experts(x, experts, w, fc1, fc1_rows, fc2, fc2_rows, *shared,
+                                                             *self.format_specs)
+        mine = inference_ops.fp8_moe_owned_expert_outputs(x, experts, self.expert_first, fc1, fc1_rows, fc2, fc2_rows,
+                                                          *self.format_specs)
         return z, experts, inference_ops.fp8_moe_combine(x, pmoe.sum_owned_slots(mine), w, *shared, *self.format_specs)
 
 
