@@ -105,8 +105,8 @@ def test_a_rank_quantizing_its_own_slice_differs_at_a_misaligned_layout():
     ("tiny-llama", {"intermediate_size": 200}, 2, NVFP4_WEIGHT,
      "nvfp4 quantization at TP=2: model.layers.0.mlp.down_proj.weight (128, 200) gives each rank 100 K columns, not whole "
      "16-wide scale blocks"),
-    ("tiny-qwen2moe-fp8tp", {}, 2, NVFP4_WEIGHT,
-     "nvfp4 quantization at TP=2: MoE architectures (Qwen2MoeForCausalLM) are not supported (dense only)"),
+    ("tiny-qwen2moe-fp8tp", {"head_dim": 100}, 2, NVFP4_WEIGHT,  # NVFP4 MoE: the attention's layout still decides
+     "nvfp4 quantization at TP=2: model.layers.0.self_attn.o_proj.weight (256, 400) gives each rank 200 K columns"),
     ("tiny-qwen3moe-top1", {}, 2, E4M3_WEIGHT_128,
      "fp8 quantization at TP=2: model.layers.0.self_attn.q_proj.weight (128, 128) gives each rank 64 rows"),
     ("tiny-qwen2moe-fp8tp", {"consistent_row_parallel_segments": 8}, 2, E4M3_WEIGHT_128,
@@ -324,6 +324,7 @@ def test_fp8_moe_tp_config_accepted_and_experts_whole_on_their_rank():
     arch = _arch("tiny-qwen2moe-fp8tp")
     for t in (1, 2, 4):
         assert fp8_tp_refusal(arch, t) == "" and tp_refusal(arch, t, E4M3_WEIGHT_128) == ""
+        assert fp8_tp_refusal(arch, t, NVFP4_WEIGHT) == "" and tp_refusal(arch, t, NVFP4_WEIGHT) == ""  # NVFP4 experts too
     entries = {e.megatron.split(".", 3)[-1]: e for e in weight_entries(arch) if e.megatron.startswith("decoder.layers.0.")}
     fc1 = entries["mlp.experts.linear_fc1.weight"]
     assert fc1.hf[10].endswith("experts.5.gate_proj.weight")  # expert 5: rank 1's of 2, nothing of it on rank 0
