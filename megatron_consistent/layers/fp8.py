@@ -89,11 +89,12 @@ class FP8Binding:
 
 
 class FP8MoEBinding:
-    """Block-FP8 experts of a :class:`~megatron_consistent.layers.moe.ConsistentMoELayer` (router unquantized).
+    """Block-FP8 or NVFP4 experts of a :class:`~megatron_consistent.layers.moe.ConsistentMoELayer` (router unquantized).
 
     Each forward quantizes every expert's gate / up / down (and the shared expert's) per HF tensor with
     :func:`quantized_parts` (the export's routine), restacks values and per-row scales in the Megatron layout, and
-    runs the FP8 experts (:mod:`megatron_consistent.kernels.fp8`) with the bf16 masters attached (STE backward).  At
+    runs the FP8 experts (:mod:`megatron_consistent.kernels.fp8`; NVFP4: each expert tensor its own global scale, the
+    activations unquantized) with the bf16 masters attached (STE backward).  At
     TP > 1 (or EP > 1) the block holds whole experts ``[r E/t, (r+1) E/t)`` of its TP (EP) rank: each is quantized
     whole on its own grid (no gather: an expert's values and scales do not depend on the others'), so the rank's
     values and scales are those of TP = 1 (and of the engine's rank); the layer runs its pairs through them

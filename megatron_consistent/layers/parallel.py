@@ -18,8 +18,8 @@ Refused by name (:class:`UnsupportedConfigError`): sequence parallelism at TP = 
 1, 2, 4 or with EP > 1, expert
 parallelism at TP > 1 without sequence parallelism, TP other than 1/2/4/8 or not dividing the model's S, hybrid
 (Mamba) models at EP > 1 or CP > 1 (their modules call :func:`check_parallel_config` with a ``feature`` name; at TP / PP > 1
-and with sequence parallelism they run: ``layers/hybrid.py``), FP8 / NVFP4 at EP > 1 and at TP > 1 where a rank's parts
-are not whole scale blocks (``layers/fp8.py``), and
+and with sequence parallelism they run: ``layers/hybrid.py``), FP8 / NVFP4 at TP > 1 where a rank's parts are not
+whole scale blocks (``layers/fp8.py``), and
 ``build_consistent_model(moe_impl="megatron")`` (Megatron's MoELayer at EP > 1 / TP > 1 + SP: the framework entry
 points, ``layers/moe_megatron.py``).
 

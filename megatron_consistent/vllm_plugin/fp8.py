@@ -29,7 +29,9 @@ all-gathered (:func:`.parallel.fp8_row_parallel_for`).
 Refits send the same two tensors per linear.  NVFP4 checkpoints (W4A16): the
 fused storage holds the packed E2M1 codes (``uint8 [N, K/2]``), each HF tensor
 its E4M3 ``weight_scale [N, K/16]`` and float32 ``weight_scale_2``; every call
-unpacks and runs the same ``fp8_linear`` with ``a_fmt=None``.
+unpacks and runs the same ``fp8_linear`` with ``a_fmt=None``.  NVFP4 MoE layers: the
+same FP8 expert ops on the unpacked codes with per-row scales ``float32(weight_scale) *
+weight_scale_2`` (each expert tensor its own global scale).
 """
 
 from __future__ import annotations
@@ -194,13 +196,15 @@ class FP8DecoderLayer(_BlockScales, ConsistentDecoderLayer):
 
 
 class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
-    """MoE decoder layer in block-FP8: q/k/v/o as :class:`FP8DecoderLayer`; every expert's gate / up / down (and the
-    shared expert's) E4M3 with its own block scales; the router and ``shared_expert_gate`` in the model dtype.
+    """MoE decoder layer in block-FP8 or NVFP4: q/k/v/o as :class:`FP8DecoderLayer`; every expert's gate / up / down
+    (and the shared expert's) quantized with its own scales; the router and ``shared_expert_gate`` in the model dtype.
 
     Storage: ``experts_fc1`` ``[E_r, 2I, H]`` / ``experts_fc2`` ``[E_r, H, I]`` (and ``shared_fc1`` / ``shared_fc2``) in
     ``float8_e4m3fn``; scales ``experts_{gate,up,down}_scale`` ``[E_r, ceil(N/128), ceil(K/128)]`` (and
     ``shared_{gate,up,down}_scale``); ``E_r`` = E / t, the rank's whole experts ``[r E/t, (r+1) E/t)`` with their
-    whole scales (the weight table's ``experts`` rule; the shared expert whole on every rank).  The MLP runs the
+    whole scales (the weight table's ``experts`` rule; the shared expert whole on every rank).  NVFP4: the values
+    ``uint8`` codes two a byte along K, scales E4M3 ``[E_r, N, ceil(K/16)]`` plus ``experts_{gate,up,down}_scale_2``
+    float32 ``[E_r]`` (one global per expert tensor; shared: 0-d), unpacked for the ops.  The MLP runs the
     custom op ``inference_ops.fp8_moe_experts`` at TP = 1; at TP > 1 ``fp8_moe_owned_expert_outputs`` (the rank's
     experts' pairs, ``+0.0`` for the others'), the ranks' sum (:func:`.parallel.sum_owned_slots`) and
     ``fp8_moe_combine`` (the FP8 shared expert, the slot-order combine) -- the bits of TP = 1."""

@@ -63,7 +63,7 @@ def compile_enabled(vllm_config: VllmConfig) -> bool:
 def check_engine_config(arch: ArchConfig, vllm_config: VllmConfig) -> None:
     """Refuse by name an engine whose dtype differs from the checkpoint's, PP > 1, a TP the plugin cannot run
     (:func:`.parallel.tp_refusal`: TP dividing the model's S and the shapes it cuts, a hybrid's Mamba groups included;
-    FP8 layouts that are not whole scale blocks per rank, NVFP4 MoE at any TP;
+    FP8 / NVFP4 layouts that are not whole scale blocks per rank;
     a row-parallel K that S does not divide at any TP), on CUDA a head dim the attention
     kernel does not serve, and a compiled engine recording MoE routes with vLLM's compile cache on (its key does not
     see :data:`.moe.ROUTES_ENV`: a cached graph without the recorder could be loaded)."""

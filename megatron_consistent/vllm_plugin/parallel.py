@@ -29,16 +29,17 @@ Placement comes from the weight table's ``shard`` rule (:func:`..architectures.t
 Every collective is vLLM's ``tensor_model_parallel_all_gather`` (a registered custom op:
 ``torch.compile`` and CUDA-graph capture see one node).  Refused by name at TP > 1, before any
 weight is read: TP not dividing the model's S, head / KV-head / MLP sizes, numbers of
-experts and Mamba groups that TP does not divide (a hybrid's Mamba mixers: :mod:`.mamba`), block-FP8 / NVFP4 layouts
-whose rank parts or row-parallel segments are not whole scale blocks, and NVFP4 MoE checkpoints
-(:func:`..conversion.fp8.fp8_tp_refusal`); at every TP, a row-parallel weight whose K the model's S does not divide.
+experts and Mamba groups that TP does not divide (a hybrid's Mamba mixers: :mod:`.mamba`), and block-FP8 / NVFP4
+layouts whose rank parts or row-parallel segments are not whole scale blocks (:func:`..conversion.fp8.fp8_tp_refusal`);
+at every TP, a row-parallel weight whose K the model's S does not divide.
 
 Block-FP8 / NVFP4 dense checkpoints at TP > 1 (:mod:`.fp8`): each rank holds its part of every quantized weight and of
 its block-scale tensor (the same ``shard`` rule, scale rows / columns = weight rows / columns / the block); o_proj and down run
 :func:`fp8_row_parallel_for` (the FP8 linear's float32 subtree of the rank's segments, all-gathered, the top of the
-tree).  Block-FP8 MoE checkpoints: the attention as above; a rank holds its whole experts with their whole block
-scales (the ``experts`` rule on both) and the shared expert whole, and runs the ``experts`` steps above with the FP8
-expert ops (``inference_ops.fp8_moe_owned_expert_outputs``, :func:`sum_owned_slots`, ``fp8_moe_combine``).
+tree).  Block-FP8 / NVFP4 MoE checkpoints: the attention as above; a rank holds its whole experts with their whole
+scales (the ``experts`` rule on both; NVFP4: each expert tensor's ``weight_scale_2`` too) and the shared expert
+whole, and runs the ``experts`` steps above with the FP8 expert ops (``inference_ops.fp8_moe_owned_expert_outputs``,
+:func:`sum_owned_slots`, ``fp8_moe_combine``).
 
 This module imports vLLM only inside functions (``verify`` calls :func:`tp_refusal` before any engine starts).
 """
