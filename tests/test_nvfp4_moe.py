@@ -12,7 +12,8 @@ model dtype.
 * tensor parallelism (tiny-qwen2moe-fp8tp, 8 experts): a rank's whole experts quantize as the stack's; the ranks'
   owned pairs summed and combined = TP 1; gloo ranks: the trainer at TP 2 = TP 1, the plugin's NVFP4 MoE layers
   (``tests/_tp_ranks.py``) at TP 1 and 2 = the trainer, an in-place reload at TP 2 = TP 1 on the new weights, and an
-  engine with the wrong run of experts is caught.
+  engine with the wrong run of experts is caught;
+* end to end: ``check --quantization nvfp4`` on tiny-qwen3moe-top1 (a real vLLM CPU engine), zero mismatch.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from megatron_consistent.kernels.numerics import adjacent_tree_sum
 from megatron_consistent.kernels.nvfp4 import nvfp4_effective_scales, nvfp4_quantize, unpack_e2m1
 from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
 from megatron_consistent.layers.fp8 import FP8MoEBinding, enable_fp8
-from megatron_consistent.verify.check import builtin_model_dir
+from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
 from test_fp8_tp import MOETP, _arch, _engine_jobs, _trainer_tp1, _weights
 
 NV = (NVFP4_WEIGHT, None)
@@ -291,3 +292,17 @@ def test_nvfp4_moe_engine_tp2_reloaded_in_place_equals_tp1(nv_moe_runs):
         assert torch.equal(reloaded["out"][k], direct[k]), k
     g = torch.tensor(0.5)  # another rank's expert's global scale: nothing of it; its own: all of it
     assert take_part(g, (0, 0, 0)).shape == (0,) and take_part(g, None) is g
+
+
+# ------------------------------------------------------------------------------------------------ end to end (real vLLM engine)
+@pytest.mark.engine
+def test_check_nvfp4_moe_zero_mismatch(tmp_path):
+    """One engine: Qwen3-MoE (a dense layer 0 and a MoE layer 1, both NVFP4), chunked prefill, prefix caching."""
+    cfg = load_check_config(hf_config=str(builtin_model_dir("tiny-qwen3moe-top1")), quantization="nvfp4", mode="consistent",
+                            num_prompts=6, max_tokens=12, max_num_batched_tokens=32, out_dir=str(tmp_path), max_prompt_len=60,
+                            shared_prefix_len=40, prefix_groups=2)
+    report = run_check(cfg)
+    c = report["consistent"]
+    assert c["tokens"] == 72 and c["exact_fraction"] == 1.0 and c["max_abs"] == 0.0 and report["zero_mismatch"]
+    assert c["routing_agreement"] == 1.0
+    assert "megatron-consistent plugin active" in open(tmp_path / "engines" / "consistent.log").read()
