@@ -183,6 +183,20 @@ def test_nvfp4_moe_ste_gradients_match_float64_reference():
     assert not torch.all((reference(False)[0] - ref[0]).abs() <= 2.0**-13 * ref[0].abs().max())
 
 
+def test_nvfp4_odd_input_sizes_refused_by_name():
+    """Two E2M1 codes a byte: a quantized tensor with an odd K (here every expert's down_proj) is refused in one line,
+    by the trainer's ``enable_fp8``, the export and the plugin's layer factory (``check_fp8_arch``)."""
+    from megatron_consistent.config import UnsupportedConfigError
+    from megatron_consistent.conversion.fp8 import check_fp8_arch, fp8_arch_refusal
+
+    arch = _arch("tiny-qwen2moe-fp8tp", moe_intermediate_size=63)
+    reason = fp8_arch_refusal(arch, NVFP4_WEIGHT)
+    assert reason == "model.layers.0.mlp.experts.0.down_proj.weight (256, 63) has an odd input size (two E2M1 codes per byte)"
+    assert fp8_arch_refusal(arch) == "" and fp8_arch_refusal(_arch("tiny-qwen2moe-fp8tp"), NVFP4_WEIGHT) == ""
+    with pytest.raises(UnsupportedConfigError, match="^nvfp4 quantization: model.layers.0.mlp.experts.0.down_proj"):
+        check_fp8_arch(arch, NVFP4_WEIGHT)
+
+
 # ------------------------------------------------------------------------------------------------ tensor parallelism
 def _moe_operands(seed: int = 0):
     """tiny-qwen2moe-fp8tp's MoE block in NVFP4 (the trainer's quantization, masters attached) and routed tokens."""

@@ -56,11 +56,17 @@ def _method(fmt: QuantFormat) -> str:
 
 def fp8_arch_refusal(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
     """Why ``arch`` cannot be quantized in ``fmt`` at all ('' when it can): dense and SwiGLU-MoE decoders in block-FP8
-    and in NVFP4; hybrid (Mamba) models and non-gated experts are refused by name."""
+    and in NVFP4 (every quantized tensor's K even: two E2M1 codes a byte); hybrid (Mamba) models and non-gated experts
+    are refused by name."""
     if arch.is_hybrid:
         return f"hybrid Mamba architectures ({arch.architecture}) are not supported"
     if arch.is_moe and not arch.mlp_gated:
         return f"non-gated (relu2) MoE experts ({arch.architecture}) are not supported"
+    if fmt.name == "e2m1":
+        for entry in weight_entries(arch):
+            odd = [(hf, shape) for hf, shape in zip(entry.hf, entry.hf_shapes) if is_quantized(entry.megatron) and shape[-1] % 2]
+            if odd:
+                return f"{odd[0][0]} {tuple(odd[0][1])} has an odd input size (two E2M1 codes per byte)"
     return ""
 
 

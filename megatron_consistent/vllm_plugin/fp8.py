@@ -94,8 +94,6 @@ def _quantize_fused(layer, ops, arch: ArchConfig, formats) -> None:
         pname, parts = _FUSED[op]
         old = getattr(layer, pname)
         n_all, k = old.shape
-        if nv and k % 2:
-            raise UnsupportedConfigError(f"nvfp4: {pname} has an odd input size {k} (two E2M1 codes per byte)")
         shape = (n_all, k // 2) if nv else old.shape
         setattr(layer, pname, nn.Parameter(torch.zeros(shape, dtype=layer.w_fmt.storage_dtype), requires_grad=False))
         for short in parts:
@@ -145,10 +143,13 @@ class _BlockScales:
                 return stack[e - first] if first <= e < first + run else (stack[0] if stack.dim() > 1 else stack)[:0]
 
             stems = ("experts_gate", "experts_up") if held == "experts_fc1" else ("experts_down",)
-            suffixes = (("", "_2") if self.nvfp4 else ("",))  # NVFP4: E4M3 block scales + float32 global, per expert
-            names = [n + ("_scale" if self.nvfp4 else "_scale_inv") for n in entry.hf]
-            return {name + k: view(getattr(self, f"{stem}_scale{k}"), e) for k in suffixes
-                    for name, (e, stem) in zip(names, [(e, t) for e in range(self.arch.num_experts) for t in stems])}
+            suffix, extra = ("_scale", ("", "_2")) if self.nvfp4 else ("_scale_inv", ("",))  # NVFP4: + a float32 global
+            hf, out = iter(entry.hf), {}
+            for e in range(self.arch.num_experts):
+                for stem in stems:
+                    name = next(hf) + suffix
+                    out.update({name + k: view(getattr(self, f"{stem}_scale{k}"), e) for k in extra})
+            return out
         stems = self._scale_stems.get(held, ())
         if self.nvfp4:
             return {n + f"_scale{k}": getattr(self, f"{s}_scale{k}") for n, s in zip(entry.hf, stems) for k in ("", "_2")}
@@ -218,10 +219,6 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
         pack = 2 if nv else 1  # NVFP4: two E2M1 codes a byte along K
         br, bc = self.w_fmt.block
         run, H, inter = arch.num_experts // self.tp_size, arch.hidden_size, arch.moe_intermediate_size  # the rank's experts
-        s = arch.shared_expert_intermediate_size
-        if nv and (H % 2 or inter % 2 or (s or 0) % 2):
-            raise UnsupportedConfigError(f"nvfp4: expert input sizes H={H}, I={inter}, shared {s} must be even (two E2M1 "
-                                         "codes per byte)")
 
         def values(*shape):
             return nn.Parameter(torch.zeros(*shape[:-1], shape[-1] // pack, dtype=store), requires_grad=False)
@@ -237,6 +234,7 @@ class FP8MoEDecoderLayer(_BlockScales, ConsistentMoEDecoderLayer):
         scales("experts_up", run, n=inter, k=H)
         scales("experts_down", run, n=H, k=inter)
         if self.shared is not None:
+            s = arch.shared_expert_intermediate_size
             self.shared_fc1, self.shared_fc2 = values(2 * s, H), values(H, s)
             scales("shared_gate", n=s, k=H)
             scales("shared_up", n=s, k=H)
