@@ -45,6 +45,18 @@ def test_check_accepts_fp8_at_pipeline_data_context_and_expert_parallelism(tmp_p
     assert "FP8 forward (layers.fp8.enable_fp8)" in check_layouts(cfg, _arch(config))["trainer"]["ranks"]
 
 
+@pytest.mark.parametrize("quantization, name, scales", [("fp8", "block-FP8", "weight_scale_inv"),
+                                                        ("nvfp4", "NVFP4", "weight_scale_2")])
+def test_check_report_names_the_quantization_of_its_tp_split(tmp_path, quantization, name, scales):
+    """The layout report at TP 2 says which format each rank splits (an NVFP4 run said block-FP8 / weight_scale_inv)."""
+    from megatron_consistent.verify.check import check_layouts, load_check_config
+
+    cfg = load_check_config(device="cpu", out_dir=str(tmp_path), quantization=quantization, trainer_tp=2, engine_tp=2)
+    report = check_layouts(cfg, _arch(FP8TP))
+    assert report["engine"]["fp8"].startswith(f"{name} at TP > 1") and scales in report["engine"]["fp8"]
+    assert report["trainer"]["fp8"].startswith(f"{name} at TP > 1")
+
+
 def _arch(config):
     from megatron_consistent.config import ArchConfig, load_hf_config
 

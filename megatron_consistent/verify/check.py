@@ -206,9 +206,16 @@ MAMBA_SPLIT = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|
                "head, gated-norm weight per group; out_proj row-parallel tree")  # a hybrid's Mamba mixers at TP > 1
 
 
-FP8_SPLIT = ("block-FP8 at TP > 1: scale blocks whole per rank (MoE: the rank's experts whole, with their scales); "
-             "o_proj / down (linear_proj / linear_fc2): the FP8 linear's float32 subtrees of the row-parallel "
-             "tree")  # docs/fp8.md, "Tensor parallelism"
+def quantized_split(method: str) -> str:
+    """The report's line on a quantized model at TP > 1 (``method`` ``fp8`` or ``nvfp4``; docs/fp8.md, "Tensor
+    parallelism")."""
+    name = "NVFP4" if method == "nvfp4" else "block-FP8"
+    return (f"{name} at TP > 1: scale blocks whole per rank (MoE: the rank's experts whole, with their scales); "
+            "o_proj / down (linear_proj / linear_fc2): the FP8 linear's float32 subtrees of the row-parallel tree")
+
+
+_ENGINE_SCALES = {"fp8": "every E4M3 weight and of its weight_scale_inv",
+                  "nvfp4": "every packed E2M1 weight, of its E4M3 weight_scale and its weight_scale_2"}
 
 
 def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
@@ -241,7 +248,8 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
         if arch.is_hybrid:
             engine["mamba"] = MAMBA_SPLIT + "; the state cache holds the rank's heads and groups"
         if cfg.quantization:
-            engine["fp8"] = FP8_SPLIT + "; each rank loads its part of every E4M3 weight and of its weight_scale_inv"
+            engine["fp8"] = (quantized_split(cfg.quantization) + "; each rank loads its part of "
+                             + _ENGINE_SCALES[cfg.quantization])
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
     if cfg.trainer_sp:
         trainer["sequence_parallel"] = True
@@ -268,7 +276,8 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             if arch.is_hybrid:
                 trainer["mamba"] = MAMBA_SPLIT
             if cfg.quantization:
-                trainer["fp8"] = FP8_SPLIT + "; each rank quantizes the full HF tensors (bf16 masters all-gathered) and keeps its part"
+                trainer["fp8"] = (quantized_split(cfg.quantization) + "; each rank quantizes the full HF tensors (bf16 "
+                                  "masters all-gathered) and keeps its part")
         if arch.is_moe:
             trainer["moe"] = ("ConsistentMoELayer: experts sharded over the TP ranks, each rank's (token, slot) outputs "
                               "summed (one value and zeros: exact), router and shared expert replicated"
