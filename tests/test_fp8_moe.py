@@ -116,8 +116,9 @@ def test_exported_experts_are_the_trainer_forward_weights(moe_fp8):
         assert not torch.equal(y.reshape(h2.shape), fp8_moe_experts(h2, experts, w, bad, fc2, shared))
 
 
-def test_fp8_moe_trainer_logprobs_batch_invariant_and_trainable(moe_fp8):
-    model, _ = moe_fp8
+def assert_moe_logprobs_batch_invariant_and_trainable(model, shared: bool = False) -> None:
+    """Three sequences' log-probs alone == in one batch; their sum's backward reaches the first MoE layer's experts
+    (bf16 masters, finite, not all zero), its router and, ``shared``, its shared expert."""
     ids = torch.randint(3, model.arch_config.vocab_size, (3, 18), generator=torch.Generator().manual_seed(0))
     model.train()
     full = compute_token_logprobs(model, ids)
@@ -125,10 +126,15 @@ def test_fp8_moe_trainer_logprobs_batch_invariant_and_trainable(moe_fp8):
         assert torch.equal(compute_token_logprobs(model, ids[i:i + 1]).detach(), full[i:i + 1].detach())
     full.sum().backward()
     block = model.decoder.layers[model.arch_config.moe_layers[0]].mlp
-    g = block.experts.linear_fc1.weight.grad
-    assert g is not None and g.dtype == torch.bfloat16 and torch.isfinite(g.float()).all() and g.abs().sum() > 0
-    assert block.router.weight.grad is not None and block.router.weight.grad.abs().sum() > 0
+    params = [block.experts.linear_fc1.weight, block.experts.linear_fc2.weight, block.router.weight]
+    for p in params + ([block.shared_experts.linear_fc1.weight] if shared else []):
+        assert p.grad is not None and torch.isfinite(p.grad.float()).all() and p.grad.abs().sum() > 0
+    assert block.experts.linear_fc1.weight.grad.dtype == torch.bfloat16
     model.zero_grad(set_to_none=True)
+
+
+def test_fp8_moe_trainer_logprobs_batch_invariant_and_trainable(moe_fp8):
+    assert_moe_logprobs_batch_invariant_and_trainable(moe_fp8[0])
 
 
 @given(t=st.integers(1, 24), k=st.integers(1, 3), seed=st.integers(0, 2**16), shared=st.booleans())

@@ -379,12 +379,22 @@ def test_fp8_owned_experts_summed_over_ranks_equal_tp1_and_broken_sums_are_caugh
     ranks' sum and the FP8 combine = ``fp8_moe_experts`` with every expert; one rank's outputs alone (no sum), or a
     rank computing its pairs with the next rank's experts, differ."""
     from megatron_consistent.kernels import inference_ops
-    from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, FP8Weights, fp8_owned_expert_outputs
+    from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128
 
     _, x, experts, w, fc1, fc2, shared = _moe_operands()
     specs = (E4M3_WEIGHT_128.spec, E4M3_ACT_1x128.spec)
     sh = (shared[0].q, shared[0].rows, shared[1].q, shared[1].rows, shared[2])
     one = inference_ops.fp8_moe_experts(x, experts, w, fc1.q, fc1.rows, fc2.q, fc2.rows, *sh, *specs)
+    assert_owned_experts_sum_to_all(x, experts, w, fc1, fc2, sh, one, tp, specs)
+
+
+def assert_owned_experts_sum_to_all(x, experts, w, fc1, fc2, sh, one, tp, specs, trainer_fmts=()):
+    """Each of ``tp`` ranks' whole experts: the engine op's owned pairs (fixed shapes) == the trainer's (masters
+    attached, ``trainer_fmts`` its weight / activation formats); the ranks' sum through the combine == ``one`` (every
+    expert at once); one rank's outputs alone (no sum), or rank 0 computing with rank 1's experts, differ."""
+    from megatron_consistent.kernels import inference_ops
+    from megatron_consistent.kernels.fp8 import FP8Weights, fp8_owned_expert_outputs
+
     run = fc1.q.shape[0] // tp
     ranks = []
     for r in range(tp):
@@ -392,7 +402,7 @@ def test_fp8_owned_experts_summed_over_ranks_equal_tp1_and_broken_sums_are_caugh
         mine = inference_ops.fp8_moe_owned_expert_outputs(x, experts, r * run, fc1.q[cut], fc1.rows[cut], fc2.q[cut],
                                                          fc2.rows[cut], *specs)
         trainer = fp8_owned_expert_outputs(x, experts, r * run, *(FP8Weights(f.q[cut], f.rows[cut], f.master[cut], f.block_rows)
-                                                                  for f in (fc1, fc2)))
+                                                                  for f in (fc1, fc2)), *trainer_fmts)
         assert torch.equal(mine, trainer.detach())
         ranks.append(mine)
     assert torch.equal(inference_ops.fp8_moe_combine(x, adjacent_tree_sum(torch.stack(ranks), dim=0), w, *sh, *specs), one)

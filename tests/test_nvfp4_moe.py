@@ -29,13 +29,13 @@ from megatron_consistent.conversion.fp8 import export_hf_fp8, quantized_parts
 from megatron_consistent.conversion.hf import _join, _plan
 from megatron_consistent.kernels import inference_ops
 from megatron_consistent.kernels import moe as kmoe
-from megatron_consistent.kernels.fp8 import NVFP4_WEIGHT, FP8Weights, dequantize_rows, fp8_moe_experts, fp8_owned_expert_outputs
-from megatron_consistent.kernels.numerics import adjacent_tree_sum
+from megatron_consistent.kernels.fp8 import NVFP4_WEIGHT, FP8Weights, dequantize_rows, fp8_moe_experts
 from megatron_consistent.kernels.nvfp4 import nvfp4_effective_scales, nvfp4_quantize, unpack_e2m1
-from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
+from megatron_consistent.layers import build_consistent_gpt_model
 from megatron_consistent.layers.fp8 import FP8MoEBinding, enable_fp8
 from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
-from test_fp8_tp import MOETP, _arch, _engine_jobs, _trainer_tp1, _weights
+from test_fp8_moe import assert_moe_logprobs_batch_invariant_and_trainable
+from test_fp8_tp import MOETP, _arch, _engine_jobs, _trainer_tp1, _weights, assert_owned_experts_sum_to_all
 
 NV = (NVFP4_WEIGHT, None)
 SPECS = (NVFP4_WEIGHT.spec, "")  # the ops' format arguments: W4A16
@@ -121,18 +121,7 @@ def test_nvfp4_moe_export_is_the_trainer_forward_and_broken_scales_are_caught(mo
 
 
 def test_nvfp4_moe_trainer_logprobs_batch_invariant_and_trainable(moe_nv):
-    model, _ = moe_nv
-    ids = torch.randint(3, model.arch_config.vocab_size, (3, 18), generator=torch.Generator().manual_seed(0))
-    model.train()
-    full = compute_token_logprobs(model, ids)
-    for i in range(3):
-        assert torch.equal(compute_token_logprobs(model, ids[i:i + 1]).detach(), full[i:i + 1].detach())
-    full.sum().backward()
-    block = model.decoder.layers[model.arch_config.moe_layers[0]].mlp
-    for p in (block.experts.linear_fc1.weight, block.experts.linear_fc2.weight, block.shared_experts.linear_fc1.weight,
-              block.router.weight):
-        assert p.grad is not None and torch.isfinite(p.grad.float()).all() and p.grad.abs().sum() > 0
-    model.zero_grad(set_to_none=True)
+    assert_moe_logprobs_batch_invariant_and_trainable(moe_nv[0], shared=True)
 
 
 def _stacked(kind: str, w: torch.Tensor, master=None) -> FP8Weights:
@@ -221,23 +210,11 @@ def test_nvfp4_owned_experts_summed_over_ranks_equal_tp1_and_broken_variants_are
     sh = (shared[0].q, shared[0].rows, shared[1].q, shared[1].rows, shared[2])
     one = inference_ops.fp8_moe_experts(x, experts, w, fc1.q, fc1.rows, fc2.q, fc2.rows, *sh, *SPECS)
     tp, run = 2, fc1.q.shape[0] // 2
-    ranks = []
     for r in range(tp):
         cut = slice(r * run, (r + 1) * run)
         part = binding.quantize_weight("experts_fc1", fc1.master[cut])
         assert torch.equal(part.q, fc1.q[cut]) and torch.equal(part.rows, fc1.rows[cut])
-        mine = inference_ops.fp8_moe_owned_expert_outputs(x, experts, r * run, fc1.q[cut], fc1.rows[cut], fc2.q[cut],
-                                                         fc2.rows[cut], *SPECS)
-        trainer = fp8_owned_expert_outputs(x, experts, r * run, *(FP8Weights(f.q[cut], f.rows[cut], f.master[cut], f.block_rows)
-                                                                  for f in (fc1, fc2)), *NV)
-        assert torch.equal(mine, trainer.detach())
-        ranks.append(mine)
-    assert torch.equal(inference_ops.fp8_moe_combine(x, adjacent_tree_sum(torch.stack(ranks), dim=0), w, *sh, *SPECS), one)
-    assert not torch.equal(inference_ops.fp8_moe_combine(x, ranks[0], w, *sh, *SPECS), one)  # no sum
-    nxt = slice(run, 2 * run)
-    wrong = inference_ops.fp8_moe_owned_expert_outputs(x, experts, 0, fc1.q[nxt], fc1.rows[nxt], fc2.q[nxt], fc2.rows[nxt], *SPECS)
-    assert not torch.equal(inference_ops.fp8_moe_combine(x, adjacent_tree_sum(torch.stack([wrong, ranks[1]]), dim=0), w,
-                                                         *sh, *SPECS), one)
+    assert_owned_experts_sum_to_all(x, experts, w, fc1, fc2, sh, one, tp, SPECS, NV)
 
 
 @pytest.fixture(scope="module")
