@@ -1,6 +1,6 @@
 # Call 1 (no vLLM): carry .gw/part1 (with .whl the carry passes 64 MiB). Stashes the bundle's part 1; then the
-# row-parallel tree at S = 1, 2 and 8 on every shape and M (issue #18: session 38 measured S = 8 costing a bf16 rollout
-# about a fifth; the decode sizes M = 16 / 256 were not in session 37's quick set), then the NVFP4 GPU tests (the
+# row-parallel tree at S = 1, 2 and 8 on every shape and M (issue #18: session 38's one clean S = 8 rollout pass ran at
+# about 0.78 of stock, S = 1 at 0.963; the decode sizes M = 16 / 256 were not in session 37's quick set), then the NVFP4 GPU tests (the
 # NVFP4 MoE experts of session 38 run the per-expert FP8 path on CUDA, eager).
 # TAG=s39 bash benchmarks/device_calls/c1.sh   (repo root, on the GPU; $OUT from the device tool; TAG names the outputs)
 TAG=${TAG:-next}
