@@ -33,7 +33,7 @@ from megatron_consistent.kernels.fp8 import NVFP4_WEIGHT, FP8Weights, dequantize
 from megatron_consistent.kernels.nvfp4 import nvfp4_effective_scales, nvfp4_quantize, unpack_e2m1
 from megatron_consistent.layers import build_consistent_gpt_model
 from megatron_consistent.layers.fp8 import FP8MoEBinding, enable_fp8
-from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
+from megatron_consistent.verify.check import builtin_model_dir, check_layouts, load_check_config, run_check
 from test_fp8_moe import assert_moe_logprobs_batch_invariant_and_trainable
 from test_fp8_tp import MOETP, _arch, _engine_jobs, _trainer_tp1, _weights, assert_owned_experts_sum_to_all
 
@@ -184,6 +184,9 @@ def test_nvfp4_odd_input_sizes_refused_by_name():
     assert fp8_arch_refusal(arch) == "" and fp8_arch_refusal(_arch("tiny-qwen2moe-fp8tp"), NVFP4_WEIGHT) == ""
     with pytest.raises(UnsupportedConfigError, match="^nvfp4 quantization: model.layers.0.mlp.experts.0.down_proj"):
         check_fp8_arch(arch, NVFP4_WEIGHT)
+    # check refuses it at TP 1 too, before any work (its layout check)
+    with pytest.raises(ValueError, match="^--quantization nvfp4: model.layers.0.mlp.experts.0.down_proj"):
+        check_layouts(load_check_config(device="cpu", quantization="nvfp4"), arch)
 
 
 # ------------------------------------------------------------------------------------------------ tensor parallelism

@@ -226,6 +226,12 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     from ..layers.parallel import check_rank_devices, rank_backend
     from ..vllm_plugin.parallel import tp_refusal
 
+    if cfg.quantization:  # at any TP: a model the format cannot quantize (e.g. NVFP4 with an odd K)
+        from ..conversion.fp8 import fp8_arch_refusal
+
+        reason = fp8_arch_refusal(arch, quantization_formats(cfg.quantization)[0])
+        if reason:
+            raise ValueError(f"--quantization {cfg.quantization}: {reason}")
     reason = tp_refusal(arch, cfg.engine_tp, quantization_formats(cfg.quantization)[0] if cfg.quantization else None)
     if reason:
         raise ValueError(f"--engine-tp {cfg.engine_tp}: {reason}")
