@@ -105,6 +105,34 @@ def test_validation_refuses_another_architecture(packed):
     assert validate_update(u, hf_tensor_specs(ARCH), 0, expected_arch=engine) == []
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantized_tensors_cross_the_wire_and_a_mixed_push_is_refused_in_one_line(fmt, packed):
+    """Block-FP8 (E4M3 values, float32 ``weight_scale_inv``) and NVFP4 (packed uint8 codes, E4M3 ``weight_scale``, 0-dim
+    float32 ``weight_scale_2``) round-trip bitwise; against an engine of the other quantization an update is refused
+    with one line naming both (not a wrong dtype / missing scale per tensor)."""
+    from megatron_consistent.conversion.fp8 import fp8_hf_state_dict
+    from megatron_consistent.kernels.fp8 import E4M3_WEIGHT_128, NVFP4_WEIGHT
+    from megatron_consistent.layers import build_consistent_gpt_model
+    from megatron_consistent.sync.protocol import raw_digest
+
+    model = build_consistent_gpt_model(ARCH, seed=0)
+    quantized = fp8_hf_state_dict(model, ARCH, {"fp8": E4M3_WEIGHT_128, "nvfp4": NVFP4_WEIGHT}[fmt])
+    specs = {n: (tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in quantized.items()}
+    u = packed(quantized, 1)
+    assert validate_update(u, specs, 0) == []
+    views = tensor_views(u)
+    for n, t in quantized.items():
+        assert views[n].dtype == t.dtype and raw_digest(views[n]) == raw_digest(t), n  # float8 has no CPU torch.equal
+    assert {"float8_e4m3fn", "uint8" if fmt == "nvfp4" else "float32"} <= {e["dtype"] for e in u["tensors"]}
+    name = {"fp8": "block-FP8", "nvfp4": "NVFP4"}[fmt]
+    for update, engine, sent, held in ((u, hf_tensor_specs(ARCH), name, "unquantized"),
+                                       (packed(_tensors(), 1), specs, "unquantized", name)):
+        problems = validate_update(update, engine, 0)
+        assert problems == [f"quantization mismatch: the update carries {sent} weights, the engine serves {held} weights "
+                            "(refused whole; send " + held + " tensors, e.g. push_model of a model with that forward on, "
+                            "or quantization=)"], problems
+
+
 def test_pack_refuses_unsupported_dtype():
     with pytest.raises(WeightSyncError, match="dtype"):
         pack_update({"x": torch.zeros(2, dtype=torch.int64)}, 1)
@@ -143,3 +171,37 @@ def test_live_engine_inplace_updates_and_rejections(tmp_path):
     assert "stale version" in cases["stale version"]["error"]
     assert "missing tensors" in cases["missing tensor"]["error"]
     assert "row_parallel_segments 4 (update) vs 8 (engine)" in cases["another architecture"]["error"]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_live_quantized_engine_inplace_push(fmt, tmp_path):
+    """A live block-FP8 / NVFP4 tiny-llama engine (tests/_fp8_sync_trainer.py): after an in-place perturbation of the
+    trainer's weights, ``push_model`` sends the quantized tensors its forward runs and the engine's log-probs are
+    ``torch.equal`` to the trainer's on the new weights, storage unchanged; a bf16 push is refused whole in one line
+    (old weights still served); new values with the old scales are served but differ from the trainer."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).parent / "_fp8_sync_trainer.py")
+    run = subprocess.run([sys.executable, script, str(tmp_path), fmt], env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                         capture_output=True, text=True, timeout=600)
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, run.stdout[-2000:] + run.stderr[-4000:]
+    r = json.loads(line[0][7:])
+    name = {"fp8": "block-FP8", "nvfp4": "NVFP4"}[fmt]
+    assert "float8_e4m3fn" in r["dtypes"] and ("uint8" in r["dtypes"]) == (fmt == "nvfp4"), r["dtypes"]
+    assert r["start_equal_new"] and r["start_equal_old"] and r["start_engine_holds"] and r["start_version"] == 0, r
+    assert not r["stale_equal_new"] and r["stale_equal_old"], r  # the perturbation changes the trainer's log-probs
+    assert r["push_bf16"].splitlines()[1:] == [f"  quantization mismatch: the update carries unquantized weights, the engine "
+                                               f"serves {name} weights (refused whole; send {name} tensors, e.g. push_model "
+                                               "of a model with that forward on, or quantization=)"], r["push_bf16"]
+    assert r["after_bf16_version"] == 0 and r["after_bf16_engine_holds"] and r["after_bf16_equal_old"], r  # nothing applied
+    assert r["push_old_scales"] == "ok" and r["old_scales_version"] == 1, r  # a well-formed but wrong push ...
+    assert not r["old_scales_equal_new"] and not r["old_scales_engine_holds"], r  # ... is caught by the comparison
+    rep = r["report"]
+    assert rep["version"] == rep["engine_version"] == 2 == r["pushed_version"], rep
+    assert rep["pointers_unchanged"] and rep["engine_pointers_unchanged"] and rep["trainer_pointers_unchanged"], rep
+    assert r["pushed_equal_new"] and not r["pushed_equal_old"] and r["pushed_engine_holds"], r

@@ -3,7 +3,8 @@
 :class:`WeightSyncChannel` wraps an ``LLM`` started with
 ``worker_extension_cls=WORKER_EXTENSION``.  :meth:`WeightSyncChannel.push`
 exports the Megatron weights in HF naming
-(:func:`megatron_consistent.conversion.hf_state_dict`), writes their raw bytes
+(:func:`megatron_consistent.conversion.hf_state_dict`; a model running block-FP8 / NVFP4: the quantized tensors of
+:func:`megatron_consistent.conversion.fp8.fp8_hf_state_dict`), writes their raw bytes
 into a ``/dev/shm`` file, sends the JSON schema through
 ``llm.collective_rpc`` (no tensor, no pickle crosses the RPC), removes the
 file, resets the prefix cache (KV computed with the old weights must not be
@@ -218,10 +219,19 @@ class WeightSyncChannel:
             raise WeightSyncError(f"reset_prefix_cache: no answer within {self.rpc_timeout:g} s ({self.engine_failure() or 'hung'})")
 
     def push_model(self, model, arch=None, version: int | None = None, *, drained: bool = False,
-                   allow_nonfinite: bool = False) -> SyncReport:
-        """Export the Megatron ``model`` (consistent or stock) in HF naming and push it with its architecture."""
+                   allow_nonfinite: bool = False, quantization=None) -> SyncReport:
+        """Export the Megatron ``model`` (consistent or stock) in HF naming and push it with its architecture.
+
+        ``quantization``: ``None`` -- what the model's forward runs: its block-FP8 / NVFP4 weight format when enabled
+        (``layers.fp8.enable_fp8`` records it as ``model.fp8_formats``), the model dtype otherwise; a weight
+        ``QuantFormat`` -- quantized in it; ``False`` -- the model dtype.  Quantized tensors are
+        :func:`~megatron_consistent.conversion.fp8.fp8_hf_state_dict`'s (the export's, bitwise the trainer's FP8
+        weights); an engine serving another quantization refuses the push whole (:func:`.protocol.quantization_of`)."""
         from ..conversion import hf_state_dict
+        from ..conversion.fp8 import fp8_hf_state_dict
 
         arch = arch or model.arch_config
-        return self.push_tensors(hf_state_dict(model, arch, copy=False), version, drained=drained,
-                                 allow_nonfinite=allow_nonfinite, arch=arch)
+        if quantization is None:
+            quantization = (getattr(model, "fp8_formats", None) or (False,))[0]
+        tensors = fp8_hf_state_dict(model, arch, quantization) if quantization else hf_state_dict(model, arch, copy=False)
+        return self.push_tensors(tensors, version, drained=drained, allow_nonfinite=allow_nonfinite, arch=arch)

@@ -50,12 +50,14 @@ import torch
 
 from ..architectures import hf_tensor_specs
 
-__all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "arch_problems", "hf_tensor_specs", "pack_update", "validate_update",
-           "tensor_views", "iter_buckets"]
+__all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "arch_problems", "hf_tensor_specs", "pack_update", "quantization_of",
+           "validate_update", "tensor_views", "iter_buckets"]
 
 PROTOCOL = 1
 ALIGN = 64
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# explicit wire names (no pickle): the model dtypes, block-FP8 / NVFP4 E4M3 values and scales, NVFP4's packed E2M1 codes
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ARCH_FIELDS_IGNORED = ("dtype", "max_position_embeddings")  # checked per tensor / changes no value (module docstring)
 
@@ -66,7 +68,7 @@ class WeightSyncError(RuntimeError):
 
 def raw_digest(t: torch.Tensor) -> str:
     """SHA-256 hex of a tensor's raw bytes (row-major; any device): what the weight checks compare."""
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()  # 0-dim: NVFP4 scale_2
 
 
 def _shm_dir() -> str:
@@ -76,7 +78,7 @@ def _shm_dir() -> str:
 def pack_update(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int = 0, *,
                 require_inplace: bool = True, path: str | None = None, bucket_bytes: int | None = None,
                 arch=None) -> dict:
-    """Write ``tensors`` (CPU; bf16/fp16/fp32), in order, into a new shared-memory file; returns the update dict.
+    """Write ``tensors`` (CPU; a :data:`DTYPES` dtype), in order, into a new shared-memory file; returns the update dict.
 
     ``tensors``: a ``{name: tensor}`` mapping or ``(name, tensor)`` pairs.
     ``version``: the weight version (:class:`~.worker.WeightSyncExtension`
@@ -90,7 +92,7 @@ def pack_update(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.
     entries, offset = [], 0
     for name, t in items:
         if t.dtype not in _DTYPE_NAMES:
-            raise WeightSyncError(f"{name}: dtype {t.dtype} cannot be sent (bfloat16/float16/float32 only)")
+            raise WeightSyncError(f"{name}: dtype {t.dtype} cannot be sent ({'/'.join(DTYPES)} only)")
         nbytes = t.numel() * t.element_size()
         entries.append({"name": str(name), "dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
         offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
@@ -147,12 +149,22 @@ def _json_form(value):
     return value
 
 
+def quantization_of(names: Iterable[str]) -> str:
+    """How a set of HF tensor names is quantized: ``NVFP4`` (``weight_scale_2``), ``block-FP8`` (``weight_scale_inv``) or
+    ``unquantized`` (the names of :func:`megatron_consistent.conversion.fp8.fp8_hf_state_dict` / ``hf_state_dict``)."""
+    names = list(names)
+    if any(n.endswith(".weight_scale_2") for n in names):
+        return "NVFP4"
+    return "block-FP8" if any(n.endswith(".weight_scale_inv") for n in names) else "unquantized"
+
+
 def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]] | None = None,
                     current_version: int | None = None, expected_arch: dict | None = None) -> list[str]:
     """Every problem of ``update`` against ``expected`` ``{name: (shape, dtype)}``; empty list = it fits entirely.
 
     Checks: protocol and field types; version strictly greater than
-    ``current_version``; no missing, extra or duplicate names; shapes; dtypes;
+    ``current_version``; the update quantized as the engine is (:func:`quantization_of`: one problem when not, the
+    tensors then unchecked); no missing, extra or duplicate names; shapes; dtypes;
     ``nbytes == numel * itemsize``; offsets aligned, inside the buffer and not
     overlapping; ``buckets`` (if present) split the tensors into consecutive
     runs; the shared-memory file exists with ``total_nbytes`` bytes.
@@ -185,6 +197,11 @@ def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]] | N
     entries = update.get("tensors")
     if not isinstance(entries, list):
         return problems + [f"tensors must be a list, got {type(entries).__name__}"]
+    if expected is not None:
+        sent, held = quantization_of(e["name"] for e in entries if isinstance(e, dict) and isinstance(e.get("name"), str)), quantization_of(expected)
+        if sent != held:  # every quantized tensor would differ: one line instead of a wrong dtype / missing scale each
+            return problems + [f"quantization mismatch: the update carries {sent} weights, the engine serves {held} weights "
+                               f"(refused whole; send {held} tensors, e.g. push_model of a model with that forward on, or quantization=)"]
     seen, spans = set(), []
     for e in entries:
         if (not isinstance(e, dict) or not {"name", "dtype", "shape", "offset", "nbytes"} <= e.keys()

@@ -94,7 +94,9 @@ class WeightSyncExtension:
         from .protocol import DTYPES, raw_digest
 
         def wire(n, t):  # a widened target hashes as its checkpoint dtype when that is exact, else as held (differs)
-            w = DTYPES[wire_dtypes[n]] if n in wire_dtypes else t.dtype
+            if n not in wire_dtypes:  # held as sent (float8 has no CPU equal kernel: nothing to compare)
+                return t
+            w = DTYPES[wire_dtypes[n]]
             return t.to(w) if torch.equal(t.to(w).to(t.dtype), t) else t
 
         wire_dtypes = self._mc_wire_dtypes(model)
