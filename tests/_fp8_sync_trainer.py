@@ -1,6 +1,6 @@
-"""Trainer process for tests/test_sync.py's quantized pushes: ``python tests/_fp8_sync_trainer.py OUT_DIR FORMAT``.
+"""Trainer process for tests/test_sync.py's quantized pushes: ``python tests/_fp8_sync_trainer.py OUT_DIR FORMAT MODEL``.
 
-FORMAT ``fp8`` (block-FP8 E4M3 128x128) or ``nvfp4``.  Builds tiny-llama with that forward (``enable_fp8``), exports it
+FORMAT ``fp8`` (block-FP8 E4M3 128x128) or ``nvfp4``; MODEL a built-in config.  Builds MODEL with that forward (``enable_fp8``), exports it
 (``export_hf_fp8``), starts a live consistent vLLM engine on the export (:class:`~megatron_consistent.rl.RLSession`),
 perturbs the trainer's weights in place, tries the pushes the test judges and prints one JSON line (``RESULT {...}``).
 """
@@ -11,7 +11,7 @@ import sys
 import time
 
 if __name__ == "__main__":
-    out_dir, fmt_name = sys.argv[1], sys.argv[2]
+    out_dir, fmt_name, model_name = sys.argv[1:4]
     import torch
 
     from megatron_consistent.config import ArchConfig
@@ -25,7 +25,7 @@ if __name__ == "__main__":
     from megatron_consistent.verify.check import builtin_model_dir
 
     w_fmt, a_fmt = {"fp8": (E4M3_WEIGHT_128, E4M3_ACT_1x128), "nvfp4": (NVFP4_WEIGHT, None)}[fmt_name]
-    arch = ArchConfig.from_hf(json.loads((builtin_model_dir("tiny-llama") / "config.json").read_text()))
+    arch = ArchConfig.from_hf(json.loads((builtin_model_dir(model_name) / "config.json").read_text()))
     exported = build_consistent_model(arch, seed=0)
     enable_fp8(exported, w_fmt, a_fmt)
     engine_dir = export_hf_fp8(exported, arch, os.path.join(out_dir, "engine"), w_fmt, a_fmt)

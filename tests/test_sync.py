@@ -186,7 +186,7 @@ def test_live_quantized_engine_inplace_push(fmt, tmp_path):
     from pathlib import Path
 
     script = str(Path(__file__).parent / "_fp8_sync_trainer.py")
-    run = subprocess.run([sys.executable, script, str(tmp_path), fmt], env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    run = subprocess.run([sys.executable, script, str(tmp_path), fmt, "tiny-llama"], env=dict(os.environ, HF_HUB_OFFLINE="1"),
                          capture_output=True, text=True, timeout=600)
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, run.stdout[-2000:] + run.stderr[-4000:]
