@@ -15,7 +15,6 @@ if __name__ == "__main__":
     import torch
 
     from megatron_consistent.config import ArchConfig
-    from megatron_consistent.conversion import hf_state_dict
     from megatron_consistent.conversion.fp8 import export_hf_fp8, fp8_hf_state_dict
     from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
     from megatron_consistent.layers import build_consistent_model
@@ -58,7 +57,7 @@ if __name__ == "__main__":
             p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.05 * p.float().abs().mean().to(p.dtype))
     new = fp8_hf_state_dict(model, arch, w_fmt)
     out.update(state("stale", old))  # the engine still on the old weights: the trainer's new forward differs
-    out["push_bf16"] = attempt(lambda: ch.push_tensors(hf_state_dict(model, arch), arch=arch))
+    out["push_bf16"] = attempt(lambda: ch.push_model(model, quantization=False))  # the model dtype, asked explicitly
     out.update(state("after_bf16", old))
     scale = {n for n in new if n.endswith(("_scale", "_scale_inv", "_scale_2"))}
     out["push_old_scales"] = attempt(lambda: ch.push_tensors({n: old[n] if n in scale else t for n, t in new.items()}, arch=arch))
