@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from _sync_trainer import attempt
+
 if __name__ == "__main__":
     out_dir, fmt_name, model_name = sys.argv[1:4]
     import torch
@@ -20,7 +22,6 @@ if __name__ == "__main__":
     from megatron_consistent.layers import build_consistent_model
     from megatron_consistent.layers.fp8 import enable_fp8
     from megatron_consistent.rl.session import RLSession
-    from megatron_consistent.sync import WeightSyncError
     from megatron_consistent.verify.check import builtin_model_dir
 
     w_fmt, a_fmt = {"fp8": (E4M3_WEIGHT_128, E4M3_ACT_1x128), "nvfp4": (NVFP4_WEIGHT, None)}[fmt_name]
@@ -32,13 +33,6 @@ if __name__ == "__main__":
     enable_fp8(session.model, w_fmt, a_fmt)
     model, ch = session.model, session.channel
     prompts, max_tokens = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]], 4
-
-    def attempt(fn):
-        try:
-            fn()
-            return "ok"
-        except WeightSyncError as e:
-            return f"WeightSyncError: {e}"
 
     def state(tag: str, tensors) -> dict:
         """Engine rollouts against the trainer's forward on the new and on the old (exported) weights; what it holds."""

@@ -11,6 +11,18 @@ import signal
 import sys
 import time
 
+
+def attempt(fn) -> str:
+    """``"ok"``, or the ``WeightSyncError`` a push raised (what the test judges), one string."""
+    from megatron_consistent.sync import WeightSyncError
+
+    try:
+        fn()
+        return "ok"
+    except WeightSyncError as e:
+        return f"WeightSyncError: {e}"
+
+
 if __name__ == "__main__":
     model_dir, mode = sys.argv[1], sys.argv[2]
     from vllm import LLM, SamplingParams
@@ -18,7 +30,7 @@ if __name__ == "__main__":
 
     from megatron_consistent.conversion import hf_state_dict
     from megatron_consistent.layers import build_consistent_gpt_model
-    from megatron_consistent.sync import WORKER_EXTENSION, WeightSyncChannel, WeightSyncError, pack_update
+    from megatron_consistent.sync import WORKER_EXTENSION, WeightSyncChannel, pack_update
     from megatron_consistent.rl import TINY_RL_HF_CONFIG
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0, gpu_memory_utilization=0.3,
@@ -28,13 +40,6 @@ if __name__ == "__main__":
     model = build_consistent_gpt_model(TINY_RL_HF_CONFIG, seed=1)
     out = {"worker_pids": ch._rpc("mc_sync_watch_parent", os.getpid()),
            "engine_pids": [p.pid for p in llm.llm_engine.engine_core.resources.engine_manager.processes]}
-
-    def attempt(fn):
-        try:
-            fn()
-            return "ok"
-        except WeightSyncError as e:
-            return f"WeightSyncError: {e}"
 
     llm.llm_engine.add_request("inflight-0", TokensPrompt(prompt_token_ids=[5, 6, 7]), SamplingParams(max_tokens=8))
     out["push_inflight"] = attempt(lambda: ch.push_model(model))
