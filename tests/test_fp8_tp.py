@@ -157,7 +157,7 @@ def test_enable_fp8_refuses_a_misaligned_tp_model_by_name():
     from megatron_consistent.layers.fp8 import enable_fp8
 
     model = SimpleNamespace(arch_config=_arch("tiny-llama"), config=SimpleNamespace(tensor_model_parallel_size=2),
-                            decoder=SimpleNamespace(layers=[]))
+                            decoder=SimpleNamespace(layers=[]), modules=lambda: [])  # a stand-in: no layers built
     with pytest.raises(UnsupportedConfigError, match="q_proj.weight .* gives each rank 64 rows"):
         enable_fp8(model)
 
