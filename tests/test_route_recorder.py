@@ -106,6 +106,22 @@ def test_forwards_the_runner_did_not_prepare_write_nothing(recorder, tmp_path):
     assert torch.equal(got["experts"], experts) and torch.equal(got["positions"], positions)
 
 
+def test_vllms_warmup_batch_prepared_by_the_runner_writes_nothing(recorder, tmp_path):
+    """vLLM 0.26's GPU runner warms its kernels with a real runner step of requests ``_warmup_<i>_...`` (no request
+    index): that step is not recorded (it raised ``ValueError: invalid literal for int()`` on an H100, session 39),
+    and the next generate step is."""
+    from megatron_consistent.vllm_plugin import moe as pmoe
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 32, EXPERTS)
+    _step(_forward, [("_warmup_0_", 4), ("_warmup_1_", 3)], torch.randn(7, 32), w)
+    assert not list(tmp_path.iterdir())
+    positions, experts = _step(_forward, [("5-y", 2), ("6-z", 1)], torch.randn(3, 32), w)
+    got = load_file(str(tmp_path / "routes000000.safetensors"))
+    assert torch.equal(got["request"], torch.tensor([5, 5, 6]))
+    assert torch.equal(got["experts"], experts) and torch.equal(got["positions"], positions)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph replay needs a CUDA device")
 def test_cuda_graph_replay_records_each_steps_routes(tmp_path):
     """The recorder inside a captured CUDA graph: every replay with new inputs writes that step's routes (the

@@ -51,7 +51,11 @@ _BATCH: dict = {"rows": None}  # set after the runner prepared a step: [(request
 
 
 def _note_batch(rows: list[tuple[str, int]]) -> None:
-    _BATCH["rows"] = [(int(str(r).split("-")[0]), int(c)) for r, c in rows]
+    """Requests ``"<index>-..."`` of a generate call; a step with any other request (vLLM's ``_warmup_*`` kernel
+    warm-up batch) is not recorded."""
+    heads = [str(r).split("-")[0] for r, _ in rows]
+    recordable = all(h.isdigit() for h in heads)
+    _BATCH["rows"] = [(int(h), int(c)) for h, (_, c) in zip(heads, rows)] if recordable else None
 
 
 def _flush_recorder() -> None:
