@@ -8,7 +8,8 @@ Generation is repeated until at least ``--min-seconds`` of it were timed; the
 first (warm-up) pass is not timed, nor a pass that compiled kernels (reported; counted after three
 such passes).  Ratios consistent / stock come from one run.
 Each engine gets compile caches of its own, and every timed pass reports its seconds, the GPU binaries compiled
-during it (``pass_new_binaries``: a pass that met a launch shape the warm-up had not) and a digest of its tokens
+during it (``pass_new_binaries``, their kernels' names in ``pass_new_kernels``: a pass that met a launch shape the
+warm-up had not) and a digest of its tokens
 (``pass_tokens_digest``: the same requests with the same seeds, so a batch-invariant engine repeats them).
 With ``--profile``, each engine then runs one more, untimed generation (the first
 ``--profile-prompts`` prompts x ``--profile-tokens`` tokens) under vLLM's torch
@@ -173,7 +174,7 @@ def _engine(request: dict):
     llm.generate(prompts, params, use_tqdm=False)
     progress(f"warm-up pass done in {time.perf_counter() - t:.1f} s")
     return llm, prompts, params, {"startup_s": startup, "warmup_s": time.perf_counter() - t,
-                                  "binaries_after_warmup": compiled_binaries()}
+                                  "binaries_after_warmup": len(compiled_binaries())}
 
 
 def progress(message: str) -> None:
@@ -181,12 +182,13 @@ def progress(message: str) -> None:
     print(f"[bench] {message}", flush=True)
 
 
-def compiled_binaries() -> int:
+def compiled_binaries() -> set[Path]:
     """GPU binaries (``.cubin``) in this engine's compile caches: the parent gives each engine its own
-    ``VLLM_CACHE_ROOT`` (vLLM points Triton's cache inside it) and ``TRITON_CACHE_DIR`` below it, so a count that
-    grows during a timed pass means kernels were compiled inside it (seconds each)."""
+    ``VLLM_CACHE_ROOT`` (vLLM points Triton's cache inside it) and ``TRITON_CACHE_DIR`` below it, so a set that
+    grows during a timed pass means kernels were compiled inside it (seconds each); Triton names each binary after its
+    kernel (``<hash>/<kernel>.cubin``)."""
     root = os.environ.get("VLLM_CACHE_ROOT")
-    return sum(1 for _ in Path(root).rglob("*.cubin")) if root else 0
+    return set(Path(root).rglob("*.cubin")) if root else set()
 
 
 def engine_caches(name: str, work: Path) -> dict:
@@ -204,17 +206,19 @@ def _timed_passes(llm, prompts, params, min_seconds: float) -> dict:
     passes generate the same requests with the same seeds: a batch-invariant engine repeats its tokens exactly).  A
     pass that compiled kernels (a launch shape the warm-up had not met: seconds of compiles inside it) is reported but
     not counted, unless :data:`MAX_COMPILING_PASSES` of them went by already (the compiles then never end; counted)."""
-    out = {"tokens": 0, "seconds": 0.0, "pass_seconds": [], "pass_new_binaries": [], "pass_tokens_digest": [],
-           "passes_not_counted": 0}
+    out = {"tokens": 0, "seconds": 0.0, "pass_seconds": [], "pass_new_binaries": [], "pass_new_kernels": [],
+           "pass_tokens_digest": [], "passes_not_counted": 0}
     while out["seconds"] < min_seconds or out["tokens"] == 0:
         before = compiled_binaries()
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t
         ids = [list(o.outputs[0].token_ids) for o in outs]
-        compiled = compiled_binaries() - before
+        new = compiled_binaries() - before
+        compiled = len(new)
         out["pass_seconds"].append(dt)
         out["pass_new_binaries"].append(compiled)
+        out["pass_new_kernels"].append(sorted(p.stem for p in new))  # which launch shapes the warm-up missed
         out["pass_tokens_digest"].append(hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16])
         counted = not compiled or out["passes_not_counted"] >= MAX_COMPILING_PASSES
         if counted:
@@ -578,6 +582,9 @@ def main() -> int:
                     each += f"  binaries compiled in rounds: {r['round_new_binaries']}"
                 if len(set(r.get("pass_tokens_digest", []))) > 1:
                     each += "  (passes generated different tokens)"
+                kernels = sorted({k for ks in r.get("pass_new_kernels", []) for k in ks})
+                if kernels:
+                    each += f"  compiled in passes: {', '.join(kernels)}"
                 print(f"{key:6} {name:22} {r['gen_tokens_per_s']:11.0f} {r['seconds']:8.1f} {r['startup_s']:9.1f} {warm}  {each}")
             else:
                 print(f"{key:6} {name:22} {'failed: ' + r['error']}")

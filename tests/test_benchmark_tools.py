@@ -149,8 +149,8 @@ def test_a_round_repeats_generation_until_min_seconds():
 
 
 def test_a_pass_that_compiles_or_generates_other_tokens_is_reported(tmp_path, monkeypatch):
-    """Binaries written into the engine's own cache during a pass are counted for that pass, and a pass whose tokens
-    differ from the others gets another digest."""
+    """Binaries written into the engine's own cache during a pass are counted and named (the kernel) for that pass,
+    and a pass whose tokens differ from the others gets another digest."""
     from types import SimpleNamespace
 
     bench = _load("bench_rollout_gpu")
@@ -165,7 +165,7 @@ def test_a_pass_that_compiles_or_generates_other_tokens_is_reported(tmp_path, mo
             CompilingLLM.calls += 1
             if CompilingLLM.calls == 2:  # the second pass meets a new launch shape
                 (cache / "abc").mkdir(parents=True)
-                for name in ("k.cubin", "k.json"):
+                for name in ("tree_gemm.cubin", "tree_gemm.json"):
                     (cache / "abc" / name).write_text("x")
             token = 7 if CompilingLLM.calls == 3 else 1
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[token] * 4)]) for _ in prompts]
@@ -175,7 +175,7 @@ def test_a_pass_that_compiles_or_generates_other_tokens_is_reported(tmp_path, mo
     while CompilingLLM.calls < 3:
         more = bench._timed_passes(CompilingLLM(), ["p"] * 2, None, min_seconds=0.0)
         out = {k: out[k] + more[k] for k in out}
-    assert out["pass_new_binaries"] == [0, 1, 0]
+    assert out["pass_new_binaries"] == [0, 1, 0] and out["pass_new_kernels"] == [[], ["tree_gemm"], []]
     assert out["pass_tokens_digest"][0] == out["pass_tokens_digest"][1] != out["pass_tokens_digest"][2]
 
 
