@@ -1,7 +1,4 @@
-# Call 8 (after call 3; carry .whl): the same rollout (shape b, 8 layers) at S = 2 and S = 1, consistent engines only
-# (call 4 has S = 8 and stock): what each per-model tree width costs a whole rollout (docs/parallel.md, "Choosing S").
+# Call 8 (if device time is left): carry .whl. The SSD timings: every schedule of the chunk terms (the runtime loop's
+# leaves a step beside the unrolled tree) and the outputs, bits against the first row, vLLM's prefill scan beside.
 source benchmarks/device_calls/engine_tests.sh
-engine_call rollout_s2 270 python benchmarks/bench_rollout_gpu.py --shapes b --layers 8 --engines consistent \
-  --row-parallel-segments 2 --out "$OUT/${TAG}_rollout_s2.json"
-engine_call rollout_s1 270 python benchmarks/bench_rollout_gpu.py --shapes b --layers 8 --engines consistent \
-  --row-parallel-segments 1 --out "$OUT/${TAG}_rollout_s1.json"
+engine_call ssd_bench 400 python benchmarks/bench_gpu_ssd.py --out "$OUT/${TAG}_ssd_bench.json"

@@ -1,4 +1,4 @@
-# Sourced by c4.sh-c10.sh (repo root, on the GPU; $OUT, TAG set; vLLM from call 3 in /tmp/vsite): `engine_call NAME
+# Sourced by c4.sh-c8.sh (repo root, on the GPU; $OUT, TAG set; vLLM from call 3 in /tmp/vsite): `engine_call NAME
 # SECONDS COMMAND...` runs one command of the call with its log under $OUT and prints its tail.  Each engine starts with
 # its compiles (~65 s warm, more on a fresh machine: session 34's two engine test files did 2 tests in 500 s), so a
 # call runs a few engines only.
