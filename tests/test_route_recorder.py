@@ -110,8 +110,6 @@ def test_vllms_warmup_batch_prepared_by_the_runner_writes_nothing(recorder, tmp_
     """vLLM 0.26's GPU runner warms its kernels with a real runner step of requests ``_warmup_<i>_...`` (no request
     index): that step is not recorded (it raised ``ValueError: invalid literal for int()`` on an H100, session 39),
     and the next generate step is."""
-    from megatron_consistent.vllm_plugin import moe as pmoe
-
     torch.manual_seed(0)
     w = torch.randn(4, 32, EXPERTS)
     _step(_forward, [("_warmup_0_", 4), ("_warmup_1_", 3)], torch.randn(7, 32), w)
