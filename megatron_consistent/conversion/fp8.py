@@ -30,6 +30,7 @@ scales are bitwise the ones the trainer computed with.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,8 +42,8 @@ from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, quantize
 from ..kernels.nvfp4 import nvfp4_quantize, pack_e2m1
 from .hf import _DTYPE_STR, _model_params, _plan, _split
 
-__all__ = ["QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "export_hf_fp8", "fp8_arch_refusal", "fp8_hf_state_dict", "fp8_tp_refusal",
-           "quantization_entry", "quantized_parts", "scale_part"]
+__all__ = ["HF_QUANT_LAYOUTS", "QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "HFQuantLayout", "export_hf_fp8", "fp8_arch_refusal",
+           "fp8_hf_state_dict", "fp8_tp_refusal", "hf_layout", "quantization_entry", "quantized_parts", "scale_part"]
 
 QUANT_KEY = "megatron_consistent_quantization"
 QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
@@ -50,8 +51,43 @@ QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attenti
                                "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight")
 
 
-def _method(fmt: QuantFormat) -> str:
-    return "nvfp4" if fmt.name == "e2m1" else "fp8"
+@dataclass(frozen=True)
+class HFQuantLayout:
+    """A weight format's HF checkpoint facts -- the one place they live: the export writes these names
+    (:func:`fp8_hf_state_dict`), ``sync.protocol.quantization_of`` tells a format by them, the consistent vLLM plugin
+    loads its scale parameters under them and the check report names them."""
+
+    method: str  # the format's name in megatron_consistent_quantization ("method") and on the command line (--quantization)
+    name: str  # what messages and reports call it
+    values: str  # what ``<module>.weight`` holds
+    scales: tuple[tuple[str, str], ...]  # (HF name suffix, what it holds) of each scale tensor beside the weight, in order
+    per_tensor_scale: str = ""  # the suffix of the scale that is one float32 per HF tensor (whole on every rank), if any
+
+    @property
+    def scale_suffixes(self) -> tuple[str, ...]:
+        return tuple(suffix for suffix, _ in self.scales)
+
+    def scale_names(self, weight: str) -> tuple[str, ...]:
+        """HF names of the scale tensors of the HF weight ``weight`` (``<module>.weight``), in :attr:`scales` order."""
+        return tuple(weight.removesuffix("weight") + suffix for suffix in self.scale_suffixes)
+
+    def weight_of(self, scale: str) -> str:
+        """The HF weight name of the scale tensor ``scale`` (inverse of :meth:`scale_names`)."""
+        suffix = next(s for s in sorted(self.scale_suffixes, key=len, reverse=True) if scale.endswith("." + s))
+        return scale.removesuffix(suffix) + "weight"
+
+
+# value codec (QuantFormat.name) -> its HF layout (block-FP8: DeepSeek-V3 / HF naming; NVFP4: ModelOpt naming)
+HF_QUANT_LAYOUTS = {
+    "e4m3": HFQuantLayout("fp8", "block-FP8", "E4M3", (("weight_scale_inv", ""),)),
+    "e2m1": HFQuantLayout("nvfp4", "NVFP4", "packed E2M1", (("weight_scale", "E4M3"), ("weight_scale_2", "")),
+                          per_tensor_scale="weight_scale_2"),
+}
+
+
+def hf_layout(fmt: QuantFormat) -> HFQuantLayout:
+    """The HF layout of the weight format ``fmt``."""
+    return HF_QUANT_LAYOUTS[fmt.name]
 
 
 def fp8_arch_refusal(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
@@ -74,7 +110,7 @@ def check_fp8_arch(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> None
     """Raise :class:`UnsupportedConfigError` with :func:`fp8_arch_refusal`'s reason, if any."""
     reason = fp8_arch_refusal(arch, fmt)
     if reason:
-        raise UnsupportedConfigError(f"{_method(fmt)} quantization: {reason}")
+        raise UnsupportedConfigError(f"{hf_layout(fmt).method} quantization: {reason}")
 
 
 def fp8_tp_refusal(arch: ArchConfig, tp: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:
@@ -87,7 +123,7 @@ def fp8_tp_refusal(arch: ArchConfig, tp: int, fmt: QuantFormat = E4M3_WEIGHT_128
     expert's blocks are whole at any TP; the shared expert and the router are replicated."""
     if tp == 1:
         return ""
-    name = f"{_method(fmt)} quantization at TP={tp}"
+    name = f"{hf_layout(fmt).method} quantization at TP={tp}"
     reason = fp8_arch_refusal(arch, fmt)
     if reason:
         return f"{name}: {reason}"
@@ -133,7 +169,7 @@ def quantized_parts(arch: ArchConfig, kind: str, weight: torch.Tensor, fmt: Quan
 def quantization_entry(fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat | None = E4M3_ACT_1x128) -> dict:
     """The ``megatron_consistent_quantization`` config entry (read back by :func:`formats_from_entry`); ``a_fmt`` None:
     weight-only (NVFP4 W4A16)."""
-    return {"method": _method(fmt), "weight": fmt.as_dict(),
+    return {"method": hf_layout(fmt).method, "weight": fmt.as_dict(),
             "activation": None if a_fmt is None else {**a_fmt.as_dict(), "dynamic": True},
             "modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.*.{gate,up,down}_proj|w1|w3|w2",
                         "shared_expert.{gate,up,down}_proj"],
@@ -141,8 +177,9 @@ def quantization_entry(fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat | 
 
 
 def formats_from_entry(entry: dict) -> tuple[QuantFormat, QuantFormat | None]:
-    if entry.get("method") not in ("fp8", "nvfp4"):
-        raise UnsupportedConfigError(f"{QUANT_KEY}: unsupported method {entry.get('method')!r} (fp8 or nvfp4)")
+    methods = [layout.method for layout in HF_QUANT_LAYOUTS.values()]
+    if entry.get("method") not in methods:
+        raise UnsupportedConfigError(f"{QUANT_KEY}: unsupported method {entry.get('method')!r} ({' or '.join(methods)})")
     w, a = entry["weight"], entry["activation"]
     return (QuantFormat(w["name"], tuple(w["block"]), w["scale_format"]),
             None if a is None else QuantFormat(a["name"], tuple(a["block"]), a["scale_format"]))
@@ -152,6 +189,7 @@ def fp8_hf_state_dict(model, arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_12
     """HF-named tensors: FP8 ``.weight`` + ``.weight_scale_inv`` for the decoder linears (NVFP4: packed ``.weight`` uint8
     ``[N, K/2]``, ``.weight_scale`` E4M3 ``[N, K/16]``, ``.weight_scale_2`` float32 scalar), the model dtype elsewhere."""
     check_fp8_arch(arch, fmt)
+    scale_names = hf_layout(fmt).scale_names
     params = _model_params(model, arch)
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -161,12 +199,11 @@ def fp8_hf_state_dict(model, arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_12
                 for hf_name, part in zip(hf_names, _split(arch, kind, p)):
                     codes, sb, g = nvfp4_quantize(part.contiguous(), fmt.block[1])
                     tensors[hf_name] = pack_e2m1(codes).contiguous()
-                    tensors[hf_name + "_scale"] = sb.contiguous()
-                    tensors[hf_name + "_scale_2"] = g.contiguous()
+                    tensors.update(zip(scale_names(hf_name), (sb.contiguous(), g.contiguous()), strict=True))
             elif is_quantized(mname):
                 for hf_name, (q, s) in zip(hf_names, quantized_parts(arch, kind, p, fmt)):
                     tensors[hf_name] = q.contiguous()
-                    tensors[hf_name + "_scale_inv"] = s.contiguous()
+                    tensors.update(zip(scale_names(hf_name), (s.contiguous(),), strict=True))
             else:
                 for hf_name, part in zip(hf_names, _split(arch, kind, p)):
                     tensors[hf_name] = part.contiguous().clone()

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from ..architectures import hf_tensor_specs
+from ..conversion.fp8 import HF_QUANT_LAYOUTS
 
 __all__ = ["PROTOCOL", "DTYPES", "WeightSyncError", "arch_problems", "hf_tensor_specs", "pack_update", "quantization_of",
            "validate_update", "tensor_views", "iter_buckets"]
@@ -150,12 +151,16 @@ def _json_form(value):
 
 
 def quantization_of(names: Iterable[str]) -> str:
-    """How a set of HF tensor names is quantized: ``NVFP4`` (``weight_scale_2``), ``block-FP8`` (``weight_scale_inv``) or
-    ``unquantized`` (the names of :func:`megatron_consistent.conversion.fp8.fp8_hf_state_dict` / ``hf_state_dict``)."""
+    """How a set of HF tensor names is quantized: the name of the weight format whose scale tensors it holds
+    (:data:`megatron_consistent.conversion.fp8.HF_QUANT_LAYOUTS`: ``block-FP8`` ``weight_scale_inv``, ``NVFP4``
+    ``weight_scale`` / ``weight_scale_2``) or ``unquantized`` (the names of
+    :func:`megatron_consistent.conversion.fp8.fp8_hf_state_dict` / ``hf_state_dict``)."""
     names = list(names)
-    if any(n.endswith(".weight_scale_2") for n in names):
-        return "NVFP4"
-    return "block-FP8" if any(n.endswith(".weight_scale_inv") for n in names) else "unquantized"
+    for layout in HF_QUANT_LAYOUTS.values():
+        suffixes = tuple("." + s for s in layout.scale_suffixes)
+        if any(n.endswith(suffixes) for n in names):
+            return layout.name
+    return "unquantized"
 
 
 def validate_update(update, expected: dict[str, tuple[tuple[int, ...], str]] | None = None,

@@ -209,13 +209,19 @@ MAMBA_SPLIT = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|
 def quantized_split(method: str) -> str:
     """The report's line on a quantized model at TP > 1 (``method`` ``fp8`` or ``nvfp4``; docs/fp8.md, "Tensor
     parallelism")."""
-    name = "NVFP4" if method == "nvfp4" else "block-FP8"
-    return (f"{name} at TP > 1: scale blocks whole per rank (MoE: the rank's experts whole, with their scales); "
-            "o_proj / down (linear_proj / linear_fc2): the FP8 linear's float32 subtrees of the row-parallel tree")
+    from ..conversion.fp8 import hf_layout
+
+    return (f"{hf_layout(quantization_formats(method)[0]).name} at TP > 1: scale blocks whole per rank (MoE: the rank's "
+            "experts whole, with their scales); o_proj / down (linear_proj / linear_fc2): the FP8 linear's float32 "
+            "subtrees of the row-parallel tree")
 
 
-_ENGINE_SCALES = {"fp8": "every E4M3 weight and of its weight_scale_inv",
-                  "nvfp4": "every packed E2M1 weight, of its E4M3 weight_scale and its weight_scale_2"}
+def engine_scales(method: str) -> str:
+    """What an engine rank at TP > 1 loads its part of, in the HF names of ``method``'s format (the report's words)."""
+    from ..conversion.fp8 import hf_layout
+
+    layout = hf_layout(quantization_formats(method)[0])
+    return f"every {layout.values} weight and of its " + " and its ".join(f"{held} {suffix}".strip() for suffix, held in layout.scales)
 
 
 def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
@@ -255,7 +261,7 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             engine["mamba"] = MAMBA_SPLIT + "; the state cache holds the rank's heads and groups"
         if cfg.quantization:
             engine["fp8"] = (quantized_split(cfg.quantization) + "; each rank loads its part of "
-                             + _ENGINE_SCALES[cfg.quantization])
+                             + engine_scales(cfg.quantization))
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
     if cfg.trainer_sp:
         trainer["sequence_parallel"] = True

@@ -36,14 +36,12 @@ weight_scale_2`` (each expert tensor its own global scale).
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from ..architectures import tp_part
 from ..config import ArchConfig, UnsupportedConfigError
-from ..conversion.fp8 import QUANT_KEY, check_fp8_arch, formats_from_entry, scale_part
+from ..conversion.fp8 import QUANT_KEY, check_fp8_arch, formats_from_entry, hf_layout, scale_part
 from ..kernels import inference_ops
 from ..kernels.fp8 import row_block_of_parts, weight_row_scales
 from ..kernels.nvfp4 import nvfp4_effective_scales, unpack_e2m1
@@ -51,7 +49,9 @@ from .decoder_layer import ConsistentDecoderLayer
 from .moe import ConsistentMoEDecoderLayer
 from .parallel import fp8_row_parallel_for, tp_rank_size
 
-_SCALE_SUFFIX = re.compile(r"_scale(_inv|_2)?$")  # a scale tensor's HF name = its weight's + this
+# a layer's scale parameters of a stem (e.g. ``q_proj``, ``experts_gate``): ``<stem>_scale`` and (NVFP4) ``<stem>_scale_2``,
+# for the format's HF scale tensors in their order (conversion.fp8.HF_QUANT_LAYOUTS)
+_SCALE_PARAMS = ("_scale", "_scale_2")
 
 __all__ = ["FP8DecoderLayer", "quantization_of"]
 
@@ -135,25 +135,26 @@ class _BlockScales:
     def block_scales(self, entry, held: str) -> dict[str, torch.Tensor]:
         """HF scale names of ``entry`` (a weight-table entry held in this layer's parameter ``held``) -> views of the
         scale parameters: ``<HF weight>_scale_inv`` (block-FP8), ``<HF weight>_scale`` / ``_scale_2`` (NVFP4, ModelOpt
-        names); empty for a parameter that is not quantized."""
+        names: :func:`..conversion.fp8.hf_layout`); empty for a parameter that is not quantized."""
+        scale_names = hf_layout(self.w_fmt).scale_names
+
+        def scales(name, stem, take=lambda p: p):  # the HF scale names of weight ``name`` -> the stem's parameters
+            names = scale_names(name)
+            return {n: take(getattr(self, stem + p)) for n, p in zip(names, _SCALE_PARAMS[: len(names)])}
+
         if held in ("experts_fc1", "experts_fc2"):  # per-expert views of the stacked scales, in the entry's HF order
             first, run = self.expert_first, self.experts_down_scale.shape[0]  # TP > 1: this rank's experts only
 
-            def view(stack, e):  # another rank's expert: an empty view (its empty part, as the weight table's values)
-                return stack[e - first] if first <= e < first + run else (stack[0] if stack.dim() > 1 else stack)[:0]
+            def view(e):  # another rank's expert: an empty view (its empty part, as the weight table's values)
+                return lambda stack: stack[e - first] if first <= e < first + run else (stack[0] if stack.dim() > 1 else stack)[:0]
 
             stems = ("experts_gate", "experts_up") if held == "experts_fc1" else ("experts_down",)
-            suffix, extra = ("_scale", ("", "_2")) if self.nvfp4 else ("_scale_inv", ("",))  # NVFP4: + a float32 global
             hf, out = iter(entry.hf), {}
             for e in range(self.arch.num_experts):
                 for stem in stems:
-                    name = next(hf) + suffix
-                    out.update({name + k: view(getattr(self, f"{stem}_scale{k}"), e) for k in extra})
+                    out.update(scales(next(hf), stem, view(e)))
             return out
-        stems = self._scale_stems.get(held, ())
-        if self.nvfp4:
-            return {n + f"_scale{k}": getattr(self, f"{s}_scale{k}") for n, s in zip(entry.hf, stems) for k in ("", "_2")}
-        return {n + "_scale_inv": getattr(self, f"{s}_scale") for n, s in zip(entry.hf, stems)}
+        return {n: p for name, stem in zip(entry.hf, self._scale_stems.get(held, ())) for n, p in scales(name, stem).items()}
 
     def quantized_layout(self, entry, held: str, rank: int, size: int) -> dict[str, tuple]:
         """HF name of each scale tensor of ``entry`` (NVFP4: and of its packed codes) -> (the part of the whole tensor
@@ -167,11 +168,13 @@ class _BlockScales:
         if self.value_packing.get(held):
             for i, (name, (n, k)) in enumerate(zip(entry.hf, entry.hf_shapes)):
                 out[name] = (_packed_part(tp_part(entry, i, rank, size)), (n, k // 2))
+        layout = hf_layout(self.w_fmt)
         for name in self.block_scales(entry, held):
-            i = entry.hf.index(_SCALE_SUFFIX.sub("", name))
+            i = entry.hf.index(layout.weight_of(name))
             (n, k), (br, bc) = entry.hf_shapes[i], self.w_fmt.block
             part = tp_part(entry, i, rank, size)
-            if name.endswith("_scale_2"):  # whole; an expert's on its rank only (another rank's: nothing of it)
+            if layout.per_tensor_scale and name.endswith("." + layout.per_tensor_scale):
+                # whole; an expert's on its rank only (another rank's: nothing of it)
                 out[name] = (part if entry.shard == "experts" else None, ())
                 continue
             out[name] = (scale_part(part, self.w_fmt), (-(-n // br), -(-k // bc)))
