@@ -133,6 +133,68 @@ def test_quantized_tensors_cross_the_wire_and_a_mixed_push_is_refused_in_one_lin
                             "or quantization=)"], problems
 
 
+class _StandInEngine:
+    """An ``LLM`` stand-in for :class:`WeightSyncChannel`: ``collective_rpc`` calls the real
+    :class:`~megatron_consistent.sync.worker.WeightSyncExtension` on one worker whose consistent model holds ``tensors``
+    (HF-named, e.g. a block-FP8 engine's) and whose ``config.json`` is ``arch``'s -- the channel and the worker's checks
+    and copies without vLLM."""
+
+    def __init__(self, arch, tensors: dict[str, torch.Tensor]):
+        from types import SimpleNamespace
+
+        from megatron_consistent.sync.worker import WeightSyncExtension
+
+        self.tensors = tensors
+        self.worker = WeightSyncExtension()
+        self.worker.model_runner = SimpleNamespace(model=SimpleNamespace(hf_targets=lambda: tensors,
+                                                                         named_parameters=lambda: tensors.items()))
+        self.worker.vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(to_dict=arch.to_hf)))
+
+    def collective_rpc(self, method, args=()):
+        return [getattr(self.worker, method)(*args)]
+
+    def reset_prefix_cache(self):
+        return True
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_push_model_quantized_from_a_model_without_the_fp8_forward(fmt):
+    """A trainer whose FP8 forward is off (no ``model.fp8_formats``) pushing into a block-FP8 / NVFP4 engine:
+    ``push_model(quantization=fmt)`` sends ``fp8_hf_state_dict``'s quantized tensors (not the bf16 masters) and the
+    engine takes them, in place, bit for bit; the default (``quantization=None``: the model's forward, bf16) is refused
+    whole in one line, the engine's version and weights unchanged."""
+    from megatron_consistent.conversion.fp8 import fp8_hf_state_dict
+    from megatron_consistent.kernels.fp8 import E4M3_WEIGHT_128, NVFP4_WEIGHT
+    from megatron_consistent.layers import build_consistent_gpt_model
+    from megatron_consistent.sync import WeightSyncChannel
+    from megatron_consistent.sync.protocol import raw_digest
+
+    w_fmt = {"fp8": E4M3_WEIGHT_128, "nvfp4": NVFP4_WEIGHT}[fmt]
+    model = build_consistent_gpt_model(ARCH, seed=0)
+    assert getattr(model, "fp8_formats", None) is None  # the FP8 forward is off
+    engine = _StandInEngine(ARCH, fp8_hf_state_dict(build_consistent_gpt_model(ARCH, seed=1), ARCH, w_fmt))
+    channel = WeightSyncChannel(engine, watch_parent=False)
+    want = fp8_hf_state_dict(model, ARCH, w_fmt)
+    assert not channel.engine_matches(want)["equal"]
+    pointers = channel.engine_pointers()
+
+    report = channel.push_model(model, quantization=w_fmt)
+    assert report.version == channel.engine_version() == 1 and report.tensors == len(want) and report.pointers_unchanged
+    assert channel.engine_pointers() == pointers
+    assert {n: raw_digest(t) for n, t in engine.tensors.items()} == {n: raw_digest(t) for n, t in want.items()}
+    assert "float8_e4m3fn" in {str(t.dtype).replace("torch.", "") for t in engine.tensors.values()}
+
+    held = {n: raw_digest(t) for n, t in engine.tensors.items()}
+    name = {"fp8": "block-FP8", "nvfp4": "NVFP4"}[fmt]
+    with pytest.raises(WeightSyncError) as refused:
+        channel.push_model(model)  # quantization=None: what the model's forward runs -- bf16
+    assert str(refused.value).splitlines() == [
+        "engine refused weight update v2 (nothing applied; engine stays at v1):",
+        f"  quantization mismatch: the update carries unquantized weights, the engine serves {name} weights (refused "
+        f"whole; send {name} tensors, e.g. push_model of a model with that forward on, or quantization=)"]
+    assert channel.engine_version() == 1 and {n: raw_digest(t) for n, t in engine.tensors.items()} == held
+
+
 def test_pack_refuses_unsupported_dtype():
     with pytest.raises(WeightSyncError, match="dtype"):
         pack_update({"x": torch.zeros(2, dtype=torch.int64)}, 1)
