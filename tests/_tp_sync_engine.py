@@ -6,12 +6,33 @@ of ``PUSHED_DIR/model.safetensors`` through :class:`WeightSyncChannel` (every ra
 (``engine_matches``: every rank's part against the pushed tensors, and against them with the last element of
 ``MISFIT`` -- a rank-1 part -- changed), a push that does not fit (HF tensor ``MISFIT``, default layer 0's
 ``down_proj``, cut to half its columns: refused whole), and a rollout.  Writes tokens, log-probs and the sync outcomes
-as JSON.
+as JSON.  :func:`synced_engine` runs it (the tests import it).
 """
 
 import json
+import os
+import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
+
+PROMPTS = [[5 + i, 6, 7, 8] + list(range(10 + i, 40 + 3 * i)) for i in range(6)]  # the rollout's prompts
+
+
+def synced_engine(a: Path, b: Path, work: Path, misfit: str = "") -> dict:
+    """A TP=2 engine started on weights A, pushed weights B in place, then a push with ``misfit`` cut in half: this
+    script's result (12 tokens for each of :data:`PROMPTS`)."""
+    from megatron_consistent.verify.rollout import RolloutRequest, cpu_tp_binding
+
+    req = RolloutRequest(model_dir=str(a), prompts=PROMPTS, consistent=True, dtype="bfloat16", max_tokens=12,
+                         max_num_batched_tokens=32, max_model_len=256, tensor_parallel_size=2)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "req.json").write_text(json.dumps(asdict(req)))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1", **cpu_tp_binding(2))
+    subprocess.run([sys.executable, __file__, str(work / "req.json"), str(b), str(work / "res.json"),
+                    *([misfit] if misfit else [])], env=env, check=True)
+    return json.loads((work / "res.json").read_text())
+
 
 if __name__ == "__main__":
     from safetensors.torch import load_file

@@ -316,6 +316,40 @@ def test_nvfp4_trainer_and_engine_tp2_equal_tp1(fp8_runs):
     assert parts["model.layers.0.self_attn.o_proj.weight_scale_2"] is None
 
 
+@pytest.mark.engine
+def test_fp8_engine_tp2_quantized_push_in_place_equals_the_trainer(tmp_path):
+    """A live block-FP8 vLLM engine at TP 2 (multiprocess, gloo) started on the export of masters A, pushed the export
+    of masters B in place through the weight-sync channel (every rank keeps its part of every E4M3 value and
+    ``weight_scale_inv`` tensor), refused whole a push whose one misfit is rank 1's half of a scale tensor, then samples
+    log-probs ``torch.equal`` to the trainer's FP8 forward on B (not on A)."""
+    from _tp_sync_engine import PROMPTS, synced_engine
+
+    from megatron_consistent.conversion.fp8 import export_hf_fp8
+    from megatron_consistent.layers import compute_token_logprobs
+
+    misfit = "model.layers.0.mlp.down_proj.weight_scale_inv"  # [2, 4]: rank 1 holds K blocks 2..3 (row-parallel)
+    ids = torch.tensor([PROMPTS[0]])
+    (_, model_a), (_, model_b) = _trainer_tp1(_weights(0), ids), _trainer_tp1(_weights(1), ids)
+    a, b = export_hf_fp8(model_a, model_a.arch_config, tmp_path / "a"), export_hf_fp8(model_b, model_b.arch_config, tmp_path / "b")
+    synced = synced_engine(a, b, tmp_path / "tp2", misfit)
+    assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1, synced
+    same, other = synced["matches"]  # every rank's part of the pushed tensors; one element of rank 1's part changed
+    assert same["equal"] and same["ranks"] == 2 and same["differ"] == [], same
+    assert not other["equal"] and other["differ"] == [misfit], other
+    assert synced["refused"].splitlines()[0] == "engine refused weight update v2 (nothing applied; engine stays at v1):"
+    assert f"wrong shape for {misfit}: update (2, 2), engine expects (2, 4)" in synced["refused"], synced["refused"]
+    tokens, engine = synced["tokens"], synced["logprobs"]
+    assert all(len(t) == 12 for t in tokens)
+    seqs = [p + t for p, t in zip(PROMPTS, tokens)]
+    width = max(len(q) for q in seqs)
+    padded = torch.tensor([q + [0] * (width - len(q)) for q in seqs])  # right padding: never seen (causal)
+    for model, equal in ((model_b, True), (model_a, False)):
+        with torch.no_grad():
+            lp = compute_token_logprobs(model, padded)
+        trainer = torch.cat([lp[i, len(p) - 1 : len(p) - 1 + 12] for i, p in enumerate(PROMPTS)])
+        assert torch.equal(trainer, torch.tensor([x for r in engine for x in r])) == equal
+
+
 # ------------------------------------------------------------------------------------------------ FP8 MoE experts
 def test_fp8_moe_tp_config_accepted_and_experts_whole_on_their_rank():
     from megatron_consistent.architectures import tp_part, weight_entries

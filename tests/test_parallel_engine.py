@@ -675,24 +675,6 @@ def test_check_engine_tp2_zero_mismatch(tmp_path):
     assert report["consistent"]["tokens"] == 8 * 12 and report["zero_mismatch"]
 
 
-def _synced_engine(a: Path, b: Path, work: Path, misfit: str = "") -> dict:
-    """A TP=2 engine started on weights A, pushed weights B in place, then a push with ``misfit`` cut in half."""
-    import os
-    from dataclasses import asdict
-
-    from megatron_consistent.verify.rollout import RolloutRequest, cpu_tp_binding
-
-    prompts = [[5 + i, 6, 7, 8] + list(range(10 + i, 40 + 3 * i)) for i in range(6)]
-    req = RolloutRequest(model_dir=str(a), prompts=prompts, consistent=True, dtype="bfloat16", max_tokens=12,
-                         max_num_batched_tokens=32, max_model_len=256, tensor_parallel_size=2)
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "req.json").write_text(json.dumps(asdict(req)))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", MEGATRON_CONSISTENT_VLLM="1", **cpu_tp_binding(2))
-    subprocess.run([sys.executable, str(HERE / "_tp_sync_engine.py"), str(work / "req.json"), str(b),
-                    str(work / "res.json"), *([misfit] if misfit else [])], env=env, check=True)
-    return json.loads((work / "res.json").read_text())
-
-
 def _assert_weight_check(synced: dict, changed: str) -> None:
     """``engine_matches`` after the push: every rank's part equals the pushed tensors; with one element of a part only
     rank 1 holds changed, the check fails on that tensor alone (rank 0 alone, as before, would not see it)."""
@@ -705,7 +687,9 @@ def _assert_weight_check(synced: dict, changed: str) -> None:
 def test_vllm_engine_tp2_sync_in_place_equals_tp1_on_pushed_weights(engine_weights, tp1_engine_on_b, tmp_path):
     """A TP=2 engine started on weights A, pushed weights B in place (each rank its part), refused a push that does not
     fit, then samples the tokens and log-probs a TP=1 engine started on B samples."""
-    synced = _synced_engine(*engine_weights, tmp_path)
+    from _tp_sync_engine import synced_engine
+
+    synced = synced_engine(*engine_weights, tmp_path)
     assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
     _assert_weight_check(synced, "model.layers.0.mlp.down_proj.weight")
     assert "wrong shape for model.layers.0.mlp.down_proj.weight" in synced["refused"]
@@ -719,9 +703,11 @@ def test_vllm_engine_moe_tp2_sync_in_place_equals_tp1_on_pushed_weights(tmp_path
     """tiny-qwen3moe-top1: a TP=2 engine (each rank half of the experts) started on weights A, pushed weights B in
     place (each rank copies its own experts), refused a push whose one misfit is an expert of rank 1, then samples the
     tokens and log-probs of a TP=1 engine started on B."""
+    from _tp_sync_engine import synced_engine
+
     a, b = _model_dir(tmp_path, "tiny-qwen3moe-top1", 0), _model_dir(tmp_path, "tiny-qwen3moe-top1", 1)
     one = _engine_logprobs(b, 1, tmp_path / "tp1")
-    synced = _synced_engine(a, b, tmp_path / "tp2", MOE_MISFIT)
+    synced = synced_engine(a, b, tmp_path / "tp2", MOE_MISFIT)
     assert synced["pushed_version"] == 1 and synced["pointers_unchanged"] and synced["version_after"] == 1
     _assert_weight_check(synced, MOE_MISFIT)
     assert f"wrong shape for {MOE_MISFIT}" in synced["refused"]
