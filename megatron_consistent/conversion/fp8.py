@@ -60,7 +60,7 @@ class HFQuantLayout:
     method: str  # the format's name in megatron_consistent_quantization ("method") and on the command line (--quantization)
     name: str  # what messages and reports call it
     values: str  # what ``<module>.weight`` holds
-    scales: tuple[tuple[str, str], ...]  # (HF name suffix, what it holds) of each scale tensor beside the weight, in order
+    scales: tuple[tuple[str, str], ...]  # (HF name suffix, stored as) of each scale tensor beside the weight, in order
     per_tensor_scale: str = ""  # the suffix of the scale that is one float32 per HF tensor (whole on every rank), if any
 
     @property
@@ -79,8 +79,8 @@ class HFQuantLayout:
 
 # value codec (QuantFormat.name) -> its HF layout (block-FP8: DeepSeek-V3 / HF naming; NVFP4: ModelOpt naming)
 HF_QUANT_LAYOUTS = {
-    "e4m3": HFQuantLayout("fp8", "block-FP8", "E4M3", (("weight_scale_inv", ""),)),
-    "e2m1": HFQuantLayout("nvfp4", "NVFP4", "packed E2M1", (("weight_scale", "E4M3"), ("weight_scale_2", "")),
+    "e4m3": HFQuantLayout("fp8", "block-FP8", "E4M3", (("weight_scale_inv", "float32"),)),
+    "e2m1": HFQuantLayout("nvfp4", "NVFP4", "packed E2M1", (("weight_scale", "E4M3"), ("weight_scale_2", "float32")),
                           per_tensor_scale="weight_scale_2"),
 }
 

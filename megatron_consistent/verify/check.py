@@ -216,12 +216,12 @@ def quantized_split(method: str) -> str:
             "subtrees of the row-parallel tree")
 
 
-def engine_scales(method: str) -> str:
+def _engine_scales(method: str) -> str:
     """What an engine rank at TP > 1 loads its part of, in the HF names of ``method``'s format (the report's words)."""
     from ..conversion.fp8 import hf_layout
 
     layout = hf_layout(quantization_formats(method)[0])
-    return f"every {layout.values} weight and of its " + " and its ".join(f"{held} {suffix}".strip() for suffix, held in layout.scales)
+    return f"every {layout.values} weight and of its " + " and its ".join(f"{dtype} {suffix}" for suffix, dtype in layout.scales)
 
 
 def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
@@ -261,7 +261,7 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
             engine["mamba"] = MAMBA_SPLIT + "; the state cache holds the rank's heads and groups"
         if cfg.quantization:
             engine["fp8"] = (quantized_split(cfg.quantization) + "; each rank loads its part of "
-                             + engine_scales(cfg.quantization))
+                             + _engine_scales(cfg.quantization))
     trainer = {"tensor_parallel_size": cfg.trainer_tp, "pipeline_model_parallel_size": cfg.trainer_pp}
     if cfg.trainer_sp:
         trainer["sequence_parallel"] = True
