@@ -35,6 +35,7 @@ def synced_engine(a: Path, b: Path, work: Path, misfit: str = "") -> dict:
 
 
 if __name__ == "__main__":
+    import torch
     from safetensors.torch import load_file
 
     from megatron_consistent.sync import WORKER_EXTENSION, WeightSyncChannel, WeightSyncError
@@ -49,7 +50,7 @@ if __name__ == "__main__":
     report = channel.push_tensors(pushed)
     name = sys.argv[4] if len(sys.argv) > 4 else "model.layers.0.mlp.down_proj.weight"
     changed = pushed[name].clone()
-    changed.view(-1)[-1] += 1.0  # the last column / expert: rank 1's part
+    changed.view(torch.uint8).view(-1)[-1] ^= 1  # a bit of the last element (column / expert): rank 1's part; any dtype
     matches = channel.engine_matches(pushed), channel.engine_matches({**pushed, name: changed})
     bad = dict(pushed)
     bad[name] = bad[name][:, : bad[name].shape[1] // 2].contiguous()
