@@ -206,21 +206,24 @@ MAMBA_SPLIT = ("mixer heads and groups split: in_proj z|x|B|C|dt and conv1d x|B|
                "head, gated-norm weight per group; out_proj row-parallel tree")  # a hybrid's Mamba mixers at TP > 1
 
 
+def _hf_layout(method: str):
+    """The HF layout (``conversion.fp8.HF_QUANT_LAYOUTS``) of ``--quantization`` ``method``'s weight format."""
+    from ..conversion.fp8 import hf_layout
+
+    return hf_layout(quantization_formats(method)[0])
+
+
 def quantized_split(method: str) -> str:
     """The report's line on a quantized model at TP > 1 (``method`` ``fp8`` or ``nvfp4``; docs/fp8.md, "Tensor
     parallelism")."""
-    from ..conversion.fp8 import hf_layout
-
-    return (f"{hf_layout(quantization_formats(method)[0]).name} at TP > 1: scale blocks whole per rank (MoE: the rank's "
-            "experts whole, with their scales); o_proj / down (linear_proj / linear_fc2): the FP8 linear's float32 "
-            "subtrees of the row-parallel tree")
+    return (f"{_hf_layout(method).name} at TP > 1: scale blocks whole per rank (MoE: the rank's experts whole, with "
+            "their scales); o_proj / down (linear_proj / linear_fc2): the FP8 linear's float32 subtrees of the "
+            "row-parallel tree")
 
 
 def _engine_scales(method: str) -> str:
     """What an engine rank at TP > 1 loads its part of, in the HF names of ``method``'s format (the report's words)."""
-    from ..conversion.fp8 import hf_layout
-
-    layout = hf_layout(quantization_formats(method)[0])
+    layout = _hf_layout(method)
     return f"every {layout.values} weight and of its " + " and its ".join(f"{dtype} {suffix}" for suffix, dtype in layout.scales)
 
 
