@@ -4,6 +4,7 @@
     python examples/grpo_tiny.py --mode consistent --steps 15 --out runs/grpo
     python examples/grpo_tiny.py --restore runs/grpo   # continue from the checkpoints a previous run saved
     python examples/grpo_tiny.py --device cuda --mode consistent --out runs/grpo_cuda   # engine + trainer on one GPU
+    python examples/grpo_tiny.py --mode consistent --quantization fp8 --out runs/grpo_fp8   # block-FP8 rollouts
 
 Modes: ``consistent`` (vLLM with the megatron-consistent plugin + Megatron with
 the consistent spec) and ``baseline`` (stock vLLM + Megatron's stock local
@@ -22,6 +23,10 @@ one-rank NCCL group) and its checkpoint holds the model and the optimizer in ``d
 (``--restore`` loads both from there).  ``--device cpu`` (default) uses the CPU stand-in optimizer
 (:mod:`megatron_consistent.training` says why Megatron's cannot run on CPU).
 
+``--quantization fp8|nvfp4`` (``--mode consistent`` only): the engine serves block-FP8 (W8A8) / NVFP4 (W4A16)
+weights, the trainer runs its quantized forward on its bf16 masters and every push sends the quantized values and
+scales of the updated masters (:class:`megatron_consistent.rl.session.RLSession`); checkpoints hold the masters.
+
 Writes ``OUT/metrics.json`` (one record per step and mode), ``OUT/metrics.csv``,
 ``OUT/curves.png`` and per mode ``OUT/<mode>/checkpoint`` (model, optimizer,
 HF export; ``--restore`` reads it).
@@ -39,7 +44,7 @@ import time
 from pathlib import Path
 
 MODES = ("consistent", "baseline")
-CSV_COLUMNS = ["mode", "device", "step", "version", "reward", "max_abs", "mean_abs", "std", "k3", "exact_fraction", "bitwise_equal",
+CSV_COLUMNS = ["mode", "quantization", "device", "step", "version", "reward", "max_abs", "mean_abs", "std", "k3", "exact_fraction", "bitwise_equal",
                "sync_bytes", "sync_seconds", "sync_gbytes_per_s", "pointers_unchanged", "trainer_pointers_unchanged",
                "sample_seconds", "train_seconds", "step_seconds"]
 
@@ -57,6 +62,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the trainer runs (cuda: with Megatron's distributed optimizer, beside the engine on one GPU)")
+    ap.add_argument("--quantization", choices=("fp8", "nvfp4"), default=None,
+                    help="quantized rollouts (--mode consistent): block-FP8 / NVFP4 engine weights pushed from the bf16 masters")
     return ap.parse_args(argv)
 
 
@@ -85,7 +92,8 @@ def run_mode(args, mode: str) -> list[dict]:
     arch = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
     restore = _restore_dir(args.restore, mode)
     t0 = time.perf_counter()
-    session = RLSession(arch, mode, out / "work", seed=args.seed, lr=args.lr, restore_dir=restore, device=args.device)
+    session = RLSession(arch, mode, out / "work", seed=args.seed, lr=args.lr, restore_dir=restore, device=args.device,
+                        quantization=args.quantization)
     start = session.start_step
     restore_check = None
     task = ModTask(arch.vocab_size, seed=args.seed)
@@ -112,7 +120,7 @@ def run_mode(args, mode: str) -> list[dict]:
         tmp.rename(ckpt)
     finally:
         session.close()
-    summary = {"mode": mode, "device": args.device, "optimizer": type(session.optimizer).__name__,
+    summary = {"mode": mode, "device": args.device, "quantization": args.quantization, "optimizer": type(session.optimizer).__name__,
                "engine_start_seconds": session.engine_start_seconds, "seconds": time.perf_counter() - t0,
                "checkpoint": str(ckpt), "restored_from": str(restore) if restore else None, "restore_check": restore_check}
     (out / "metrics.json").write_text(json.dumps(records, indent=1))
@@ -167,6 +175,11 @@ def main(argv=None) -> int:
 
             print(f"grpo_tiny: --device cuda: {MEGATRON_OPTIMIZER_NEEDS_CUDA}", file=sys.stderr)
             return 2
+    if args.quantization and args.mode != "consistent":
+        from megatron_consistent.rl.session import BASELINE_QUANTIZATION_REFUSAL
+
+        print(f"grpo_tiny: --quantization {args.quantization} --mode {args.mode}: {BASELINE_QUANTIZATION_REFUSAL}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     t0 = time.perf_counter()
     if args.mode != "both":
@@ -187,10 +200,10 @@ def main(argv=None) -> int:
             records += json.loads((out / mode / "metrics.json").read_text())
         write_outputs(out, records)
     seconds = time.perf_counter() - t0
-    print(f"\n{'mode':<11}{'dev':>5}{'step':>5}{'reward':>8}{'max_abs':>11}{'k3':>11}{'exact':>7}{'sync_B':>9}{'sync_ms':>9}"
+    print(f"\n{'mode':<11}{'quant':>6}{'dev':>5}{'step':>5}{'reward':>8}{'max_abs':>11}{'k3':>11}{'exact':>7}{'sync_B':>9}{'sync_ms':>9}"
           f"{'inplace':>8}{'tr_ptr':>7}{'restored':>9}")
     for r in records:
-        print(f"{r['mode']:<11}{r['device']:>5}{r['step']:>5}{r['reward']:>8.3f}{r['max_abs']:>11.3e}{r['k3']:>11.3e}"
+        print(f"{r['mode']:<11}{r['quantization'] or '-':>6}{r['device']:>5}{r['step']:>5}{r['reward']:>8.3f}{r['max_abs']:>11.3e}{r['k3']:>11.3e}"
               f"{r['exact_fraction']:>7.3f}{r['sync_bytes']:>9}{1e3 * r['sync_seconds']:>9.1f}{str(r['pointers_unchanged']):>8}"
               f"{str(r['trainer_pointers_unchanged']):>7}{'first' if r['first_after_restore'] else '':>9}")
     print(f"wrote {out}/metrics.json, metrics.csv, curves.png in {seconds:.1f} s")

@@ -21,6 +21,17 @@ reward -> trainer log-probs of the sampled tokens (same weight version as the
 engine) -> mismatch metrics -> clipped-ratio loss -> optimizer step -> push.
 One process runs one mode: the plugin switch is process-wide (environment
 variable read when vLLM starts), so a ``both`` run uses one process per mode.
+
+Quantized rollouts (``quantization="fp8"`` block-FP8 W8A8 or ``"nvfp4"`` NVFP4 W4A16, consistent mode): the trainer
+keeps its bf16 masters (the optimizer steps them; checkpoints hold them) and runs its quantized forward on them
+(``layers.fp8.enable_fp8`` with ``verify.check.quantization_formats``), the engine starts from the quantized HF export
+of the initial (or restored) masters (``verify.check.quantize_trainer_and_export``, as ``check --quantization``), and
+every push sends the quantized values and scales of the current masters
+(``conversion.fp8.fp8_hf_state_dict``, bitwise the trainer forward's), copied in place into the engine's value and
+scale storage; :meth:`RLSession.weights_match_engine` compares those tensors with the engine's.  Refused by name
+before any work: an unknown format, ``baseline`` mode (:data:`BASELINE_QUANTIZATION_REFUSAL`: the stock engine's sync
+reloads model-dtype weights only, and stock vLLM CPU cannot serve these exports) and the architectures the formats
+cannot quantize (``conversion.fp8.fp8_arch_refusal``: hybrid Mamba, non-gated experts, NVFP4 with an odd K).
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from pathlib import Path
 import torch
 
 from ..config import ArchConfig
-from ..sync.channel import WORKER_EXTENSION, WeightSyncChannel
+from ..sync.channel import WORKER_EXTENSION, WeightSyncChannel, model_update_tensors
 from ..verify.metrics import is_zero_mismatch, mismatch_metrics
 from ..verify.rollout import RolloutRequest, engine
 from ..verify.rollout import sample as sample_tokens
@@ -43,6 +54,10 @@ __all__ = ["DEVICES", "MODES", "RLSession", "start_engine", "sample"]
 
 MODES = ("consistent", "baseline")
 DEVICES = ("cpu", "cuda")
+BASELINE_QUANTIZATION_REFUSAL = ("quantization needs mode 'consistent': the baseline's stock vLLM engine is kept in sync "
+                                 "through vLLM's reload of model-dtype weights (no quantized push), and stock vLLM CPU "
+                                 "cannot serve the block-FP8 / NVFP4 export (block-FP8 needs AMX, NVFP4 is CUDA-only: "
+                                 "docs/fp8.md, Baseline)")
 
 
 def start_engine(model_dir, arch: ArchConfig, *, consistent: bool, seed: int = 0, max_num_batched_tokens: int = 256,
@@ -77,13 +92,18 @@ class RLSession:
 
     def __init__(self, arch: ArchConfig, mode: str, work_dir, *, seed: int = 0, lr: float = 1e-2, init_hf_dir=None,
                  restore_dir=None, restore_source: str = "hf", engine_dir=None, temperature: float = 1.0,
-                 engine_kwargs: dict | None = None, device: str = "cpu"):
+                 engine_kwargs: dict | None = None, device: str = "cpu", quantization: str | None = None):
         """Build the trainer on ``device`` (seeded; or from ``init_hf_dir``; or restored from the checkpoint
         ``restore_dir`` with its optimizer state — on ``"cuda"`` always from its dist checkpoint), export it (or use the
-        HF folder ``engine_dir``), start the engine from it, open the channel."""
+        HF folder ``engine_dir``), start the engine from it, open the channel.  ``quantization`` (``"fp8"`` /
+        ``"nvfp4"``): the trainer's quantized forward and a quantized engine (module docstring); an ``engine_dir`` must
+        then hold that format's export (``conversion.fp8.export_hf_fp8``)."""
         from ..conversion import export_hf, import_hf
+        from ..conversion.fp8 import check_fp8_arch
         from ..layers import build_consistent_model, build_stock_gpt_model
+        from ..layers.fp8 import enable_fp8
         from ..training import MEGATRON_OPTIMIZER_NEEDS_CUDA, MegatronOptimizer, init_single_rank, make_optimizer
+        from ..verify.check import quantization_formats, quantize_trainer_and_export
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -91,7 +111,13 @@ class RLSession:
             raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device 'cuda': {MEGATRON_OPTIMIZER_NEEDS_CUDA}")
+        if quantization is not None:
+            formats = quantization_formats(quantization)  # ValueError naming the formats
+            if mode != "consistent":
+                raise ValueError(BASELINE_QUANTIZATION_REFUSAL)
+            check_fp8_arch(arch, formats[0])  # UnsupportedConfigError: hybrid, non-gated experts, NVFP4 with an odd K
         self.arch, self.mode, self.temperature, self.device = arch, mode, temperature, torch.device(device)
+        self.quantization = quantization
         self.work_dir = Path(work_dir)
         if device == "cuda":
             init_single_rank()  # before the build, which would otherwise start a gloo group
@@ -112,7 +138,15 @@ class RLSession:
         self.start_step = self.manifest["step"] if self.manifest else 0
         self.version_base = self.manifest["weight_version"] if self.manifest else 0
         self.trainer_pointers = self._trainer_pointers()
-        self.engine_dir = Path(engine_dir) if engine_dir else export_hf(self.model, arch, self.work_dir / f"engine_start_{mode}")
+        if engine_dir:
+            self.engine_dir = Path(engine_dir)
+            if quantization is not None:
+                enable_fp8(self.model, *formats)
+        elif quantization is not None:
+            self.engine_dir = quantize_trainer_and_export(self.model, arch, self.work_dir / f"engine_start_{mode}_{quantization}",
+                                                          quantization)
+        else:
+            self.engine_dir = export_hf(self.model, arch, self.work_dir / f"engine_start_{mode}")
         t0 = time.perf_counter()
         self.llm = start_engine(self.engine_dir, arch, consistent=mode == "consistent", seed=seed, **(engine_kwargs or {}))
         self.engine_start_seconds = time.perf_counter() - t0
@@ -160,11 +194,10 @@ class RLSession:
                 "tokens_sampled": tokens, "rollout_logprobs": lps, "version": self.channel.version}
 
     def weights_match_engine(self) -> dict:
-        """Compare SHA-256 digests of the trainer's HF tensors with every engine rank's part of them (consistent engine
-        only; :meth:`WeightSyncChannel.engine_matches`)."""
-        from ..conversion import hf_state_dict
-
-        return self.channel.engine_matches(hf_state_dict(self.model, self.arch))
+        """Compare SHA-256 digests of what :meth:`push` sends (the trainer's HF tensors; quantized: the values and
+        scales of its FP8 / NVFP4 forward) with every engine rank's part of them (consistent engine only;
+        :meth:`WeightSyncChannel.engine_matches`)."""
+        return self.channel.engine_matches(model_update_tensors(self.model, self.arch))
 
     def weights_match_hf(self, hf_dir) -> dict:
         """Compare the trainer's HF tensors bitwise with an HF folder's ``model.safetensors`` (e.g. a checkpoint's ``hf/``,
@@ -178,7 +211,8 @@ class RLSession:
         return {"equal": not differ, "differ": differ[:16], "tensors": len(mine)}
 
     def push(self) -> dict:
-        """Push the trainer's weights as the next version; checks pointers on both sides."""
+        """Push the trainer's weights (quantized: the values and scales its forward runs) as the next version; checks
+        pointers on both sides."""
         report = self.channel.push_model(self.model, self.arch).as_dict()
         after = self.channel.engine_pointers()
         report["engine_pointers_unchanged"] = after == self.start_pointers
@@ -213,7 +247,8 @@ class RLSession:
         t_train = time.perf_counter() - t1
         sync = self.push()
         return {
-            "mode": self.mode, "version": self.version_base + version, "reward": rewards.mean().item(),
+            "mode": self.mode, "quantization": self.quantization, "version": self.version_base + version,
+            "reward": rewards.mean().item(),
             "max_abs": m["max_abs"], "mean_abs": m["mean_abs"], "std": m["std"], "k3": m["k3"],
             "exact_fraction": m["exact_fraction"], "bitwise_equal": bitwise, "tokens": m["tokens"],
             "ratio_max_dev": stats["ratio_max_dev"], "loss": stats["loss"], "optimizer_stepped": stepped,

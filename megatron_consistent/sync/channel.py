@@ -25,7 +25,7 @@ import torch
 from ..architectures import take_part
 from .protocol import WeightSyncError, pack_update, raw_digest
 
-__all__ = ["WORKER_EXTENSION", "SyncReport", "WeightSyncChannel"]
+__all__ = ["WORKER_EXTENSION", "SyncReport", "WeightSyncChannel", "model_update_tensors"]
 
 WORKER_EXTENSION = "megatron_consistent.sync.worker.WeightSyncExtension"
 
@@ -227,11 +227,19 @@ class WeightSyncChannel:
         ``QuantFormat`` -- quantized in it; ``False`` -- the model dtype.  Quantized tensors are
         :func:`~megatron_consistent.conversion.fp8.fp8_hf_state_dict`'s (the export's, bitwise the trainer's FP8
         weights); an engine serving another quantization refuses the push whole (:func:`.protocol.quantization_of`)."""
-        from ..conversion import hf_state_dict
-        from ..conversion.fp8 import fp8_hf_state_dict
-
         arch = arch or model.arch_config
-        if quantization is None:
-            quantization = (getattr(model, "fp8_formats", None) or (False,))[0]
-        tensors = fp8_hf_state_dict(model, arch, quantization) if quantization else hf_state_dict(model, arch, copy=False)
-        return self.push_tensors(tensors, version, drained=drained, allow_nonfinite=allow_nonfinite, arch=arch)
+        return self.push_tensors(model_update_tensors(model, arch, quantization), version, drained=drained,
+                                 allow_nonfinite=allow_nonfinite, arch=arch)
+
+
+def model_update_tensors(model, arch, quantization=None) -> dict[str, torch.Tensor]:
+    """The HF-named tensors :meth:`WeightSyncChannel.push_model` sends for ``model`` (``quantization`` as there): the
+    quantized tensors of :func:`~megatron_consistent.conversion.fp8.fp8_hf_state_dict` in the format of the model's
+    FP8 / NVFP4 forward (``model.fp8_formats``) or the given one, else ``hf_state_dict``'s views of the parameters (read
+    them before the next optimizer step)."""
+    from ..conversion import hf_state_dict
+    from ..conversion.fp8 import fp8_hf_state_dict
+
+    if quantization is None:
+        quantization = (getattr(model, "fp8_formats", None) or (False,))[0]
+    return fp8_hf_state_dict(model, arch, quantization) if quantization else hf_state_dict(model, arch, copy=False)

@@ -31,6 +31,7 @@ from .processes import ENGINE_TIMEOUT_S
 from .rollout import RolloutRequest, eager, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
+QUANTIZATIONS = ("fp8", "nvfp4")  # --quantization: block-FP8 W8A8, NVFP4 W4A16 (quantization_formats)
 DEVICES = ("auto", "cpu", "cuda")
 GPU_BLOCK_SIZES = (16, 32, 64, 128)  # what the consistent CUDA attention serves (vllm_plugin/cuda_attention.py)
 BATCH_INVARIANT_ROW = "stock_batch_invariant"  # CUDA: stock vLLM with VLLM_BATCH_INVARIANT=1 vs the stock trainer
@@ -123,7 +124,7 @@ class CheckConfig:
             raise ValueError(f"max_prompt_len + max_tokens ({self.max_prompt_len + self.max_tokens}) exceeds max_model_len {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.quantization not in ("", "fp8", "nvfp4"):
+        if self.quantization not in ("", *QUANTIZATIONS):
             raise ValueError(f"--quantization must be fp8 or nvfp4 (or empty), got {self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
@@ -162,10 +163,24 @@ def trainer_flags(cfg: CheckConfig) -> str:
 
 def quantization_formats(quantization: str):
     """``(weight format, activation format)`` of ``--quantization`` (``fp8``: 128x128 E4M3 weights, dynamic 1x128 E4M3
-    activations; ``nvfp4``: NVFP4 weights, unquantized activations, W4A16)."""
+    activations; ``nvfp4``: NVFP4 weights, unquantized activations, W4A16); another name: one-line ``ValueError``."""
     from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
 
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     return (NVFP4_WEIGHT, None) if quantization == "nvfp4" else (E4M3_WEIGHT_128, E4M3_ACT_1x128)
+
+
+def quantize_trainer_and_export(model, arch: ArchConfig, out_dir, quantization: str) -> Path:
+    """Switch the consistent ``model`` to its ``quantization`` forward (``layers.fp8.enable_fp8``: every forward
+    quantizes the bf16 masters) and write the quantized HF export of those masters (``conversion.fp8.export_hf_fp8``,
+    the same quantization routine): the folder a quantized consistent engine starts from.  Returns the folder."""
+    from ..conversion.fp8 import export_hf_fp8
+    from ..layers.fp8 import enable_fp8
+
+    formats = quantization_formats(quantization)
+    enable_fp8(model, *formats)
+    return export_hf_fp8(model, arch, out_dir, *formats)
 
 
 def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
@@ -459,12 +474,7 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
         prompts, prompt_source = checkpoint_prompts(model_dir, cfg.prompts, arch.vocab_size, cfg.num_prompts, cfg.max_tokens,
                                                     cfg.max_model_len, lambda: make_prompts(cfg, arch.vocab_size))
     elif cfg.quantization:  # trainer: FP8 / NVFP4 forward on the bf16 masters; engines: the quantized export of them
-        from ..conversion.fp8 import export_hf_fp8
-        from ..layers.fp8 import enable_fp8
-
-        formats = quantization_formats(cfg.quantization)
-        enable_fp8(model, *formats)
-        export_hf_fp8(model, arch, model_dir, *formats)
+        quantize_trainer_and_export(model, arch, model_dir, cfg.quantization)
         export_hf(model, arch, out / "model_bf16")  # the stock trainer's weights (bf16 masters); the stock FP8 engine's too
     else:
         export_hf(model, arch, model_dir)
