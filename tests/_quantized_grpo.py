@@ -2,8 +2,8 @@
 
 QUANTIZATION ``fp8`` or ``nvfp4``.  An :class:`~megatron_consistent.rl.session.RLSession` on the tiny RL model with a
 live quantized consistent engine runs STEPS GRPO steps; after each it records whether the optimizer moved the bf16
-masters, whether the engine holds exactly what the trainer pushes and how many of its scale tensors changed; then one rollout after the last push and a
-checkpoint (the bf16 masters).  Prints one JSON line (``RESULT {...}``).
+masters, whether the engine holds exactly what the trainer pushes and how many of its scale tensors changed; then
+one rollout after the last push and a checkpoint (the bf16 masters).  Prints one JSON line (``RESULT {...}``).
 """
 
 import json
