@@ -1,8 +1,9 @@
 """Trainer process for tests/test_sync.py's quantized pushes: ``python tests/_fp8_sync_trainer.py OUT_DIR FORMAT MODEL``.
 
 FORMAT ``fp8`` (block-FP8 E4M3 128x128) or ``nvfp4``; MODEL a built-in config.  Builds MODEL with that forward (``enable_fp8``), exports it
-(``export_hf_fp8``), starts a live consistent vLLM engine on the export (:class:`~megatron_consistent.rl.RLSession`),
-perturbs the trainer's weights in place, tries the pushes the test judges and prints one JSON line (``RESULT {...}``).
+(``export_hf_fp8``), starts a live consistent vLLM engine on the export (:class:`~megatron_consistent.rl.RLSession` with
+``quantization=FORMAT`` and the export as ``engine_dir``: the same seeded trainer with that forward), perturbs the
+trainer's weights in place, tries the pushes the test judges and prints one JSON line (``RESULT {...}``).
 """
 
 import json
@@ -18,19 +19,17 @@ if __name__ == "__main__":
 
     from megatron_consistent.config import ArchConfig
     from megatron_consistent.conversion.fp8 import export_hf_fp8, fp8_hf_state_dict
-    from megatron_consistent.kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
     from megatron_consistent.layers import build_consistent_model
     from megatron_consistent.layers.fp8 import enable_fp8
     from megatron_consistent.rl.session import RLSession
-    from megatron_consistent.verify.check import builtin_model_dir
+    from megatron_consistent.verify.check import builtin_model_dir, quantization_formats
 
-    w_fmt, a_fmt = {"fp8": (E4M3_WEIGHT_128, E4M3_ACT_1x128), "nvfp4": (NVFP4_WEIGHT, None)}[fmt_name]
+    w_fmt, a_fmt = quantization_formats(fmt_name)
     arch = ArchConfig.from_hf(json.loads((builtin_model_dir(model_name) / "config.json").read_text()))
     exported = build_consistent_model(arch, seed=0)
     enable_fp8(exported, w_fmt, a_fmt)
     engine_dir = export_hf_fp8(exported, arch, os.path.join(out_dir, "engine"), w_fmt, a_fmt)
-    session = RLSession(arch, "consistent", out_dir, seed=0, engine_dir=engine_dir)  # the same seeded trainer
-    enable_fp8(session.model, w_fmt, a_fmt)
+    session = RLSession(arch, "consistent", out_dir, seed=0, engine_dir=engine_dir, quantization=fmt_name)  # the same seeded trainer
     model, ch = session.model, session.channel
     prompts, max_tokens = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]], 4
 

@@ -6,7 +6,9 @@
   the wrong optimizer kind and the safetensors source are refused.
 * ``test_grpo_tiny_cuda_save_restore``: ``examples/grpo_tiny.py --device cuda`` (engine compiled + CUDA graphs
   and trainer on the same GPU): 3 GRPO steps, save; ``--restore``, 1 step; zero mismatch at every step (the first
-  after the restore included), pointers unchanged on both sides, restored weights bitwise the saved ones.
+  after the restore included), pointers unchanged on both sides, restored weights bitwise the saved ones; and the
+  same with ``--quantization fp8`` (block-FP8 engine; the trainer's FP8 forward on its bf16 masters, the quantized
+  values and scales pushed after every step; the restored engine holds the quantized export of the restored masters).
 
 Each runs in its own process (the NCCL group and the vLLM plugin switch are process-wide).  The first also runs on
 any machine without CUDA, with CUDA emulated on the CPU (``tests/_cuda_on_cpu.py``).
@@ -66,9 +68,10 @@ def test_megatron_optimizer_dist_checkpoint_cuda_emulated_on_cpu(tmp_path):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_grpo_tiny_cuda_save_restore(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_grpo_tiny_cuda_save_restore(tmp_path, quantization):
     base = [sys.executable, "examples/grpo_tiny.py", "--device", "cuda", "--mode", "consistent", "--prompts", "8",
-            "--group", "4", "--max-tokens", "4"]
+            "--group", "4", "--max-tokens", "4", *(["--quantization", quantization] if quantization else [])]
     _run(base + ["--steps", "3", "--out", str(tmp_path / "a")], timeout=900)
     _run(base + ["--steps", "1", "--out", str(tmp_path / "b"), "--restore", str(tmp_path / "a")], timeout=900)
     first = json.loads((tmp_path / "a" / "metrics.json").read_text())
@@ -76,6 +79,7 @@ def test_grpo_tiny_cuda_save_restore(tmp_path):
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert [r["step"] for r in first] == [0, 1, 2] and [r["step"] for r in second] == [3]
     assert summary["optimizer"] == "MegatronOptimizer" and summary["device"] == "cuda"
+    assert summary["quantization"] == quantization and all(r["quantization"] == quantization for r in first + second)
     assert summary["restore_check"]["trainer_equals_saved"] and summary["restore_check"]["engine_equals_trainer"]
     for r in first + second:
         assert r["bitwise_equal"] and r["max_abs"] == 0.0 and r["exact_fraction"] == 1.0, r
