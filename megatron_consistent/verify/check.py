@@ -174,7 +174,8 @@ def quantization_formats(quantization: str):
 def quantize_trainer_and_export(model, arch: ArchConfig, out_dir, quantization: str) -> Path:
     """Switch the consistent ``model`` to its ``quantization`` forward (``layers.fp8.enable_fp8``: every forward
     quantizes the bf16 masters) and write the quantized HF export of those masters (``conversion.fp8.export_hf_fp8``,
-    the same quantization routine): the folder a quantized consistent engine starts from.  Returns the folder."""
+    the same quantization routine): the folder a quantized consistent engine starts from (``check --quantization``;
+    ``rl.session.RLSession(quantization=)``).  Returns the folder."""
     from ..conversion.fp8 import export_hf_fp8
     from ..layers.fp8 import enable_fp8
 
