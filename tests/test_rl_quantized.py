@@ -4,8 +4,8 @@
   rollout is ``torch.equal`` to the trainer's quantized forward on its bf16 masters, the optimizer moves the masters,
   the push changes the engine's quantized tensors in place (pointers unchanged on both sides) and the engine then
   holds exactly what the trainer pushes (values and scales); the checkpoint holds the masters;
-* refusals, before any work (no engine): an unknown format, baseline mode, a hybrid model; ``grpo_tiny.py``'s
-  ``--quantization`` outside ``--mode consistent``.
+* refusals, before any work (no engine): an unknown format, baseline mode, a hybrid model, an engine TP that cuts
+  scale blocks; ``grpo_tiny.py``'s ``--quantization`` outside ``--mode consistent``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ def test_quantized_session_refusals_before_any_work(tmp_path):
     assert str(e.value) == BASELINE_QUANTIZATION_REFUSAL
     with pytest.raises(UnsupportedConfigError, match="nvfp4 quantization: hybrid Mamba architectures"):
         RLSession(hybrid, "consistent", tmp_path, quantization="nvfp4")
+    with pytest.raises(UnsupportedConfigError, match="fp8 quantization at TP=2: .* not whole 128-wide scale blocks"):
+        RLSession(ARCH, "consistent", tmp_path, quantization="fp8", engine_kwargs={"tensor_parallel_size": 2})
     assert not any(tmp_path.iterdir())  # nothing exported, no engine
     r = subprocess.run([sys.executable, str(REPO / "examples" / "grpo_tiny.py"), "--quantization", "nvfp4", "--out",
                         str(tmp_path / "out")], capture_output=True, text=True, timeout=120,

@@ -106,11 +106,16 @@ def fp8_arch_refusal(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> st
     return ""
 
 
-def check_fp8_arch(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128) -> None:
-    """Raise :class:`UnsupportedConfigError` with :func:`fp8_arch_refusal`'s reason, if any."""
-    reason = fp8_arch_refusal(arch, fmt)
+def check_fp8_arch(arch: ArchConfig, fmt: QuantFormat = E4M3_WEIGHT_128, tp: int = 1) -> None:
+    """Raise :class:`UnsupportedConfigError` with :func:`fp8_arch_refusal`'s reason (at ``tp`` > 1
+    :func:`fp8_tp_refusal`'s), if any."""
+    if tp > 1:
+        reason = fp8_tp_refusal(arch, tp, fmt)  # names the format and the TP itself
+    else:
+        reason = fp8_arch_refusal(arch, fmt)
+        reason = reason and f"{hf_layout(fmt).method} quantization: {reason}"
     if reason:
-        raise UnsupportedConfigError(f"{hf_layout(fmt).method} quantization: {reason}")
+        raise UnsupportedConfigError(reason)
 
 
 def fp8_tp_refusal(arch: ArchConfig, tp: int, fmt: QuantFormat = E4M3_WEIGHT_128) -> str:

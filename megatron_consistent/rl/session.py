@@ -115,7 +115,8 @@ class RLSession:
             formats = quantization_formats(quantization)  # ValueError naming the formats
             if mode != "consistent":
                 raise ValueError(BASELINE_QUANTIZATION_REFUSAL)
-            check_fp8_arch(arch, formats[0])  # UnsupportedConfigError: hybrid, non-gated experts, NVFP4 with an odd K
+            # UnsupportedConfigError: hybrid, non-gated experts, NVFP4 with an odd K, scale blocks cut by the engine's TP
+            check_fp8_arch(arch, formats[0], (engine_kwargs or {}).get("tensor_parallel_size", 1))
         self.arch, self.mode, self.temperature, self.device = arch, mode, temperature, torch.device(device)
         self.quantization = quantization
         self.work_dir = Path(work_dir)
