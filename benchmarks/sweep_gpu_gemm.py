@@ -62,13 +62,14 @@ SHAPES = {"4096x4096": (4096, 4096), "qkv 4096->6144": (6144, 4096), "gate/up 40
           "8B o_proj tree": (4096, 4096, 8), "8B down tree": (4096, 14336, 8),
           "1B o_proj tree": (2048, 2048, 8), "1B down tree": (2048, 8192, 8),
           # Qwen3-30B-A3B's dense GEMMs (rollout shape d): qkv, the o_proj tree, the router (float32 logits; at M = 1
-          # its one 128-wide tile streams the whole weight through one SM); not yet swept (`--shapes` picks them)
+          # its one 128-wide tile streams the whole weight through one SM); swept in session 21 (H200)
           "A3B qkv 2048->5120": (5120, 2048), "A3B o_proj tree": (2048, 4096, 8), "A3B router 2048->128": (128, 2048),
           # a model's smaller tree widths (consistent_row_parallel_segments 2 / 4): swept in session 40 (H100; S = 2
           # at M = 256 0.72 -> 1.04 of the pre-tree GEMM); the 1B down at S = 2 (segment 2048 x 4096) not yet: 0.46-0.64
           # of cuBLAS in session 40
           "8B o_proj tree S2": (4096, 4096, 2), "8B o_proj tree S4": (4096, 4096, 4),
           "8B down tree S2": (4096, 14336, 2), "8B down tree S4": (4096, 14336, 4), "1B down tree S2": (2048, 8192, 2),
+          "1B o_proj tree S2": (2048, 2048, 2),
           # the 1B Llama's own GEMMs (rollout shape a; o_proj / down at S = 1 run the plain GEMM): swept in session 40
           # (H100; o_proj 2048 x 2048 0.74-1.06 of cuBLAS, down 0.69-1.04, qkv 0.81-1.05, gate/up 0.94-1.03)
           "1B qkv 2048->3072": (3072, 2048), "1B gate/up 2048->16384": (16384, 2048),
