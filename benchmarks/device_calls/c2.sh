@@ -22,4 +22,4 @@ timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k
 echo "table tests rc $?"; tail -2 "$OUT/${TAG}_table_tests.log"; grep -E "^FAILED" "$OUT/${TAG}_table_tests.log" | head; date +%T
 timeout 200 python benchmarks/bench_gpu_row_parallel.py --no-variants --segments 1,2,8 --out "$OUT/${TAG}_row_parallel.json" \
   > "$OUT/${TAG}_row_parallel.log" 2>&1
-echo "row-parallel tree rc $?"; grep -E "^\| 1B .* | (1|2|8) |" "$OUT/${TAG}_row_parallel.log" | cut -c1-160 | head -40; date +%T
+echo "row-parallel tree rc $?"; grep -E "^\| 1B .* \| (1|2|8) \|" "$OUT/${TAG}_row_parallel.log" | cut -c1-160 | head -40; date +%T
