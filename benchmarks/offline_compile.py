@@ -72,6 +72,9 @@ def launch_key(kernel, args, kw) -> tuple[dict, dict, dict, int, int]:
             const[k] = v
         elif k not in ("num_warps", "num_stages"):
             sig[k], const[k] = "constexpr", v
+    for param in kernel.params:  # constexprs the launch leaves to their defaults (Triton 3.9's ASTSource needs them)
+        if param.is_constexpr and param.has_default and param.name not in sig:
+            sig[param.name], const[param.name] = "constexpr", param.default
     return sig, attrs, const, kw["num_warps"], kw.get("num_stages", 1)
 
 
