@@ -120,6 +120,8 @@ SPLIT_VARIANTS = ([(f"merge stages {n}", "attention", {"MERGE_STAGES": n, "MERGE
                      for k in (2, 4, 8)]
                   + [("merge as a dependent launch (PDL)", "attention", {"SPLIT_PDL": True}),
                      ("the last partition merges (one launch)", "attention", {"SPLIT_LAST_MERGES": True}),
+                     ("the last partition merges, merge stages 1", "attention", {"SPLIT_LAST_MERGES": True,
+                                                                                 "MERGE_STAGES": 1}),
                      ("without the padding rows' zeroing", "paged_attention", {"ZERO_PADDING_ROWS": False})])
 
 
