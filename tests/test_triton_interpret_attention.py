@@ -157,7 +157,8 @@ def test_last_partition_merging_equals_the_merge_launch(page, monkeypatch):
     it) = the committed split path (its merge launch) = the in-program path, bit for bit: rows either side of a
     partition boundary, a tile across one, ``max_seq_len`` hints of the batch, past the rows (empty partitions) and
     shorter than them (partitions past the workspace); padding rows 0; each row alone = in the batch; the counters
-    left 0."""
+    left 0.  (The interpreter runs a tile's partition programs in order: a merge before the last partition is stored
+    shows on the GPU only, tests/test_gpu_paged_attention.py.)"""
     q, kc, vc, tab, qsl, seq, _ = _batch(page, BOUNDARY_SEQS, seed=4)
     for hint in (int(seq.max()), 4096, 513):
         last, two, one = _three_ways(monkeypatch, lambda split: _paged(q, kc, vc, tab, qsl, seq, hint, split))
