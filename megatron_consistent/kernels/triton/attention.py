@@ -378,8 +378,7 @@ def _zero_padding_rows(O, QSL, NSEQ, Tq, z, kvh, sot, soh, G: tl.constexpr, D: t
 
 @triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS", "ZFROM"])
 def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, TILE_COUNTERS, qk_scale,
-                 kv_scale,
-                 NSEQ, Tq, Tk, HQ, HKV, NPARTS, ZFROM,
+                 kv_scale, NSEQ, Tq, Tk, HQ, HKV, NPARTS, ZFROM,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sknt, sknh, svnt, svnh, sob, sot, soh, spb, spt,
                  stab, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
