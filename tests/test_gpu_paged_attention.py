@@ -498,14 +498,15 @@ def test_batch_dependent_partition_is_caught(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("split,knob", [(False, None), (True, None), (True, "pdl"), (True, "last merges"),
-                                        (True, "last merges, the graph's own counters")])
+@pytest.mark.parametrize("split,knob", [(False, None), (True, None), (True, "pdl"), (True, "last_merges"),
+                                        (True, "last_merges_graph_counters")])
 def test_paged_cuda_graph_capture_and_replay(split, knob, monkeypatch):
     """write_kv_cache + paged_attention captured in a CUDA graph (no host sync) and replayed with new
     query_start_loc / seq_lens / slot contents equal the eager calls bit for bit; ``knob`` on in the graph, checked
     against eager calls without it: ``pdl``, the split path's merge a programmatic dependent launch (``MC_ATTN_PDL``,
-    Hopper); ``last merges``, the split path in one launch (``MC_ATTN_LAST_MERGES``: each replay leaves its tile
-    counters 0 for the next), with the counters kept from the eager call or, none kept, zeroed by the graph."""
+    Hopper); ``last_merges``, the split path in one launch (``MC_ATTN_LAST_MERGES``: each replay leaves its tile
+    counters 0 for the next), with the counters kept from the eager call or (``_graph_counters``), none kept, zeroed
+    by the graph."""
     if knob == "pdl" and not HOPPER:
         pytest.skip("programmatic dependent launch: Hopper (sm_90)")
     setting = {None: None, "pdl": "SPLIT_PDL"}.get(knob, "SPLIT_LAST_MERGES")
@@ -524,7 +525,7 @@ def test_paged_cuda_graph_capture_and_replay(split, knob, monkeypatch):
     if setting:
         monkeypatch.setattr(ta, setting, True)
     step()  # compile
-    if knob == "last merges, the graph's own counters":
+    if knob == "last_merges_graph_counters":
         monkeypatch.setattr(ta, "_TILE_COUNTERS", {})
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

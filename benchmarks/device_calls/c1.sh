@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/${T
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 date +%T
 timeout 200 python -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py tests/test_gpu_paged_attention.py \
-  -k "last_partition or last merges" > "$OUT/${TAG}_last_merges_tests.log" 2>&1
+  -k "last_partition or last_merges" > "$OUT/${TAG}_last_merges_tests.log" 2>&1
 echo "last-merges tests rc $?"; tail -2 "$OUT/${TAG}_last_merges_tests.log"; grep -E "^FAILED" "$OUT/${TAG}_last_merges_tests.log" | head
 date +%T
 timeout 300 python benchmarks/bench_gpu_attention.py --quick --decode-only --out "$OUT/${TAG}_attention_decode.json" \
