@@ -8,7 +8,8 @@
   and trainer on the same GPU): 3 GRPO steps, save; ``--restore``, 1 step; zero mismatch at every step (the first
   after the restore included), pointers unchanged on both sides, restored weights bitwise the saved ones; and the
   same with ``--quantization fp8`` (block-FP8 engine; the trainer's FP8 forward on its bf16 masters, the quantized
-  values and scales pushed after every step; the restored engine holds the quantized export of the restored masters).
+  values and scales pushed after every step; the restored engine holds the quantized export of the restored masters;
+  passed on an H100 in session 40) and ``nvfp4`` (NVFP4 W4A16, not yet run on a GPU).
 
 Each runs in its own process (the NCCL group and the vLLM plugin switch are process-wide).  The first also runs on
 any machine without CUDA, with CUDA emulated on the CPU (``tests/_cuda_on_cpu.py``).
@@ -68,7 +69,7 @@ def test_megatron_optimizer_dist_checkpoint_cuda_emulated_on_cpu(tmp_path):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("quantization", [None, "fp8"])
+@pytest.mark.parametrize("quantization", [None, "fp8", "nvfp4"])
 def test_grpo_tiny_cuda_save_restore(tmp_path, quantization):
     base = [sys.executable, "examples/grpo_tiny.py", "--device", "cuda", "--mode", "consistent", "--prompts", "8",
             "--group", "4", "--max-tokens", "4", *(["--quantization", quantization] if quantization else [])]
