@@ -18,13 +18,13 @@ if __name__ == "__main__":
     import torch
 
     from megatron_consistent.config import ArchConfig
-    from megatron_consistent.conversion.fp8 import export_hf_fp8, fp8_hf_state_dict
+    from megatron_consistent.conversion.fp8 import export_hf_fp8, fp8_hf_state_dict, method_formats
     from megatron_consistent.layers import build_consistent_model
     from megatron_consistent.layers.fp8 import enable_fp8
     from megatron_consistent.rl.session import RLSession
-    from megatron_consistent.verify.check import builtin_model_dir, quantization_formats
+    from megatron_consistent.verify.check import builtin_model_dir
 
-    w_fmt, a_fmt = quantization_formats(fmt_name)
+    w_fmt, a_fmt = method_formats(fmt_name)
     arch = ArchConfig.from_hf(json.loads((builtin_model_dir(model_name) / "config.json").read_text()))
     exported = build_consistent_model(arch, seed=0)
     enable_fp8(exported, w_fmt, a_fmt)

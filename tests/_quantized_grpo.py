@@ -16,16 +16,15 @@ if __name__ == "__main__":
     import torch
 
     from megatron_consistent.config import ArchConfig
-    from megatron_consistent.conversion.fp8 import hf_layout
+    from megatron_consistent.conversion.fp8 import hf_layout, method_formats
     from megatron_consistent.rl import TINY_RL_HF_CONFIG, ModTask
     from megatron_consistent.rl.session import RLSession
-    from megatron_consistent.verify.check import quantization_formats
 
     arch = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
     session = RLSession(arch, "consistent", Path(out_dir) / "work", seed=0, lr=1e-2, quantization=quantization)
     task = ModTask(arch.vocab_size, seed=0)
     digests = session.llm.collective_rpc("mc_sync_digests")[0]
-    scale_suffixes = tuple("." + s for s in hf_layout(quantization_formats(quantization)[0]).scale_suffixes)
+    scale_suffixes = tuple("." + s for s in hf_layout(method_formats(quantization)[0]).scale_suffixes)
     out = {"start_engine_holds": session.weights_match_engine()["equal"],
            "engine_scale_tensors": sum(n.endswith(scale_suffixes) for n in digests), "steps": []}
     for _ in range(steps):

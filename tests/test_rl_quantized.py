@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 
 from megatron_consistent.config import ArchConfig, UnsupportedConfigError, builtin_model_dir, load_hf_config
-from megatron_consistent.conversion.fp8 import hf_layout
+from megatron_consistent.conversion.fp8 import hf_layout, method_formats
 from megatron_consistent.rl import TINY_RL_HF_CONFIG
 from megatron_consistent.rl.session import BASELINE_QUANTIZATION_REFUSAL, RLSession
-from megatron_consistent.verify.check import quantization_formats
 
 REPO = Path(__file__).resolve().parents[1]
 ARCH = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
@@ -38,7 +37,7 @@ def test_grpo_quantized_engine_bitwise_every_step(quantization, tmp_path):
     line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, run.stdout[-2000:] + run.stderr[-4000:]
     r = json.loads(line[0][len("RESULT "):])
-    scales_per_linear = len(hf_layout(quantization_formats(quantization)[0]).scales)
+    scales_per_linear = len(hf_layout(method_formats(quantization)[0]).scales)
     assert r["engine_scale_tensors"] == 7 * ARCH.num_layers * scales_per_linear, r  # a quantized engine: q k v o gate up down
     assert r["start_engine_holds"], r
     assert [s["sync_version"] for s in r["steps"]] == list(range(1, STEPS[quantization] + 1))

@@ -38,12 +38,13 @@ from safetensors.torch import save_file
 
 from ..architectures import router_hf_modules, tp_part, weight_entries
 from ..config import ArchConfig, UnsupportedConfigError
-from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, QuantFormat, quantize
+from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT, QuantFormat, quantize
 from ..kernels.nvfp4 import nvfp4_quantize, pack_e2m1
 from .hf import _DTYPE_STR, _model_params, _plan, _split
 
-__all__ = ["HF_QUANT_LAYOUTS", "QUANT_KEY", "QUANTIZED_MEGATRON_SUFFIXES", "HFQuantLayout", "export_hf_fp8", "fp8_arch_refusal",
-           "fp8_hf_state_dict", "fp8_tp_refusal", "hf_layout", "quantization_entry", "quantized_parts", "scale_part"]
+__all__ = ["HF_QUANT_LAYOUTS", "QUANT_KEY", "QUANTIZATION_METHODS", "QUANTIZED_MEGATRON_SUFFIXES", "HFQuantLayout",
+           "export_hf_fp8", "fp8_arch_refusal", "fp8_hf_state_dict", "fp8_tp_refusal", "hf_layout", "method_formats",
+           "quantization_entry", "quantized_parts", "scale_part"]
 
 QUANT_KEY = "megatron_consistent_quantization"
 QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
@@ -53,12 +54,15 @@ QUANTIZED_MEGATRON_SUFFIXES = ("self_attention.linear_qkv.weight", "self_attenti
 
 @dataclass(frozen=True)
 class HFQuantLayout:
-    """A weight format's HF checkpoint facts -- the one place they live: the export writes these names
-    (:func:`fp8_hf_state_dict`), ``sync.protocol.quantization_of`` tells a format by them, the consistent vLLM plugin
-    loads its scale parameters under them and the check report names them."""
+    """A quantization method's facts -- the one place they live: the formats ``--quantization <method>`` (``check``,
+    ``RLSession``) runs (:func:`method_formats`) and the HF checkpoint names of its weight format: the export writes
+    them (:func:`fp8_hf_state_dict`), ``sync.protocol.quantization_of`` tells a format by them, the consistent vLLM
+    plugin loads its scale parameters under them and the check report names them."""
 
     method: str  # the format's name in megatron_consistent_quantization ("method") and on the command line (--quantization)
     name: str  # what messages and reports call it
+    weight: QuantFormat  # the weight format
+    activations: QuantFormat | None  # the activation format the method runs (None: weight-only, the activations unquantized)
     values: str  # what ``<module>.weight`` holds
     scales: tuple[tuple[str, str], ...]  # (HF name suffix, stored as) of each scale tensor beside the weight, in order
     per_tensor_scale: str = ""  # the suffix of the scale that is one float32 per HF tensor (whole on every rank), if any
@@ -77,12 +81,23 @@ class HFQuantLayout:
         return scale.removesuffix(suffix) + "weight"
 
 
-# value codec (QuantFormat.name) -> its HF layout (block-FP8: DeepSeek-V3 / HF naming; NVFP4: ModelOpt naming)
+# value codec (QuantFormat.name) -> its method and HF layout (block-FP8 W8A8: 128x128 E4M3 weights, dynamic 1x128
+# E4M3 activations, DeepSeek-V3 / HF naming; NVFP4 W4A16: NVFP4 weights, unquantized activations, ModelOpt naming)
 HF_QUANT_LAYOUTS = {
-    "e4m3": HFQuantLayout("fp8", "block-FP8", "E4M3", (("weight_scale_inv", "float32"),)),
-    "e2m1": HFQuantLayout("nvfp4", "NVFP4", "packed E2M1", (("weight_scale", "E4M3"), ("weight_scale_2", "float32")),
-                          per_tensor_scale="weight_scale_2"),
+    "e4m3": HFQuantLayout("fp8", "block-FP8", E4M3_WEIGHT_128, E4M3_ACT_1x128, "E4M3", (("weight_scale_inv", "float32"),)),
+    "e2m1": HFQuantLayout("nvfp4", "NVFP4", NVFP4_WEIGHT, None, "packed E2M1",
+                          (("weight_scale", "E4M3"), ("weight_scale_2", "float32")), per_tensor_scale="weight_scale_2"),
 }
+QUANTIZATION_METHODS = tuple(layout.method for layout in HF_QUANT_LAYOUTS.values())  # --quantization's choices
+
+
+def method_formats(method: str) -> tuple[QuantFormat, QuantFormat | None]:
+    """``(weight format, activation format)`` of the quantization method ``method`` (``--quantization``); another
+    name: one-line ``ValueError``."""
+    for layout in HF_QUANT_LAYOUTS.values():
+        if layout.method == method:
+            return layout.weight, layout.activations
+    raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
 
 
 def hf_layout(fmt: QuantFormat) -> HFQuantLayout:
@@ -182,9 +197,9 @@ def quantization_entry(fmt: QuantFormat = E4M3_WEIGHT_128, a_fmt: QuantFormat | 
 
 
 def formats_from_entry(entry: dict) -> tuple[QuantFormat, QuantFormat | None]:
-    methods = [layout.method for layout in HF_QUANT_LAYOUTS.values()]
-    if entry.get("method") not in methods:
-        raise UnsupportedConfigError(f"{QUANT_KEY}: unsupported method {entry.get('method')!r} ({' or '.join(methods)})")
+    if entry.get("method") not in QUANTIZATION_METHODS:
+        raise UnsupportedConfigError(f"{QUANT_KEY}: unsupported method {entry.get('method')!r} "
+                                     f"({' or '.join(QUANTIZATION_METHODS)})")
     w, a = entry["weight"], entry["activation"]
     return (QuantFormat(w["name"], tuple(w["block"]), w["scale_format"]),
             None if a is None else QuantFormat(a["name"], tuple(a["block"]), a["scale_format"]))

@@ -24,7 +24,7 @@ variable read when vLLM starts), so a ``both`` run uses one process per mode.
 
 Quantized rollouts (``quantization="fp8"`` block-FP8 W8A8 or ``"nvfp4"`` NVFP4 W4A16, consistent mode): the trainer
 keeps its bf16 masters (the optimizer steps them; checkpoints hold them) and runs its quantized forward on them
-(``layers.fp8.enable_fp8`` with ``verify.check.quantization_formats``), the engine starts from the quantized HF export
+(``layers.fp8.enable_fp8`` with ``conversion.fp8.method_formats``), the engine starts from the quantized HF export
 of the initial (or restored) masters (``verify.check.quantize_trainer_and_export``, as ``check --quantization``), and
 every push sends the quantized values and scales of the current masters
 (``conversion.fp8.fp8_hf_state_dict``, bitwise the trainer forward's), copied in place into the engine's value and
@@ -99,11 +99,11 @@ class RLSession:
         ``"nvfp4"``): the trainer's quantized forward and a quantized engine (module docstring); an ``engine_dir`` must
         then hold that format's export (``conversion.fp8.export_hf_fp8``)."""
         from ..conversion import export_hf, import_hf
-        from ..conversion.fp8 import check_fp8_arch
+        from ..conversion.fp8 import check_fp8_arch, method_formats
         from ..layers import build_consistent_model, build_stock_gpt_model
         from ..layers.fp8 import enable_fp8
         from ..training import MEGATRON_OPTIMIZER_NEEDS_CUDA, MegatronOptimizer, init_single_rank, make_optimizer
-        from ..verify.check import quantization_formats, quantize_trainer_and_export
+        from ..verify.check import quantize_trainer_and_export
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -112,7 +112,7 @@ class RLSession:
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device 'cuda': {MEGATRON_OPTIMIZER_NEEDS_CUDA}")
         if quantization is not None:
-            formats = quantization_formats(quantization)  # ValueError naming the formats
+            formats = method_formats(quantization)  # ValueError naming the formats
             if mode != "consistent":
                 raise ValueError(BASELINE_QUANTIZATION_REFUSAL)
             # UnsupportedConfigError: hybrid, non-gated experts, NVFP4 with an odd K, scale blocks cut by the engine's TP

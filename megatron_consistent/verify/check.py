@@ -26,12 +26,12 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ..config import ArchConfig, builtin_model_dir, load_hf_config
+from ..conversion.fp8 import QUANTIZATION_METHODS, method_formats
 from .metrics import first_divergence, format_table, is_zero_mismatch, mismatch_metrics
 from .processes import ENGINE_TIMEOUT_S
 from .rollout import RolloutRequest, eager, run_in_subprocess
 
 MODES = ("consistent", "baseline", "both")
-QUANTIZATIONS = ("fp8", "nvfp4")  # --quantization: block-FP8 W8A8, NVFP4 W4A16 (quantization_formats)
 DEVICES = ("auto", "cpu", "cuda")
 GPU_BLOCK_SIZES = (16, 32, 64, 128)  # what the consistent CUDA attention serves (vllm_plugin/cuda_attention.py)
 BATCH_INVARIANT_ROW = "stock_batch_invariant"  # CUDA: stock vLLM with VLLM_BATCH_INVARIANT=1 vs the stock trainer
@@ -124,8 +124,8 @@ class CheckConfig:
             raise ValueError(f"max_prompt_len + max_tokens ({self.max_prompt_len + self.max_tokens}) exceeds max_model_len {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.quantization not in ("", *QUANTIZATIONS):
-            raise ValueError(f"--quantization must be fp8 or nvfp4 (or empty), got {self.quantization!r}")
+        if self.quantization not in ("", *QUANTIZATION_METHODS):
+            raise ValueError(f"--quantization must be {' or '.join(QUANTIZATION_METHODS)} (or empty), got {self.quantization!r}")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {DEVICES}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available() and not trainer_parallel(self):
@@ -161,16 +161,6 @@ def trainer_flags(cfg: CheckConfig) -> str:
                      *(["--trainer-sp"] if cfg.trainer_sp else [])])
 
 
-def quantization_formats(quantization: str):
-    """``(weight format, activation format)`` of ``--quantization`` (``fp8``: 128x128 E4M3 weights, dynamic 1x128 E4M3
-    activations; ``nvfp4``: NVFP4 weights, unquantized activations, W4A16); another name: one-line ``ValueError``."""
-    from ..kernels.fp8 import E4M3_ACT_1x128, E4M3_WEIGHT_128, NVFP4_WEIGHT
-
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    return (NVFP4_WEIGHT, None) if quantization == "nvfp4" else (E4M3_WEIGHT_128, E4M3_ACT_1x128)
-
-
 def quantize_trainer_and_export(model, arch: ArchConfig, out_dir, quantization: str) -> Path:
     """Switch the consistent ``model`` to its ``quantization`` forward (``layers.fp8.enable_fp8``: every forward
     quantizes the bf16 masters) and write the quantized HF export of those masters (``conversion.fp8.export_hf_fp8``,
@@ -179,7 +169,7 @@ def quantize_trainer_and_export(model, arch: ArchConfig, out_dir, quantization: 
     from ..conversion.fp8 import export_hf_fp8
     from ..layers.fp8 import enable_fp8
 
-    formats = quantization_formats(quantization)
+    formats = method_formats(quantization)
     enable_fp8(model, *formats)
     return export_hf_fp8(model, arch, out_dir, *formats)
 
@@ -209,7 +199,7 @@ def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     if cfg.quantization:
         from ..conversion.fp8 import fp8_tp_refusal
 
-        reason = fp8_tp_refusal(arch, tp, quantization_formats(cfg.quantization)[0])
+        reason = fp8_tp_refusal(arch, tp, method_formats(cfg.quantization)[0])
         if reason:
             return f"--quantization {cfg.quantization} with trainer model parallelism: {reason}"
     if cfg.kv_cache_dtype != "auto":
@@ -226,7 +216,7 @@ def _hf_layout(method: str):
     """The HF layout (``conversion.fp8.HF_QUANT_LAYOUTS``) of ``--quantization`` ``method``'s weight format."""
     from ..conversion.fp8 import hf_layout
 
-    return hf_layout(quantization_formats(method)[0])
+    return hf_layout(method_formats(method)[0])
 
 
 def quantized_split(method: str) -> str:
@@ -254,10 +244,10 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     if cfg.quantization:  # at any TP: a model the format cannot quantize (e.g. NVFP4 with an odd K)
         from ..conversion.fp8 import fp8_arch_refusal
 
-        reason = fp8_arch_refusal(arch, quantization_formats(cfg.quantization)[0])
+        reason = fp8_arch_refusal(arch, method_formats(cfg.quantization)[0])
         if reason:
             raise ValueError(f"--quantization {cfg.quantization}: {reason}")
-    reason = tp_refusal(arch, cfg.engine_tp, quantization_formats(cfg.quantization)[0] if cfg.quantization else None)
+    reason = tp_refusal(arch, cfg.engine_tp, method_formats(cfg.quantization)[0] if cfg.quantization else None)
     if reason:
         raise ValueError(f"--engine-tp {cfg.engine_tp}: {reason}")
     if cfg.engine_tp > 1:  # vLLM's tensor-parallel workers: one GPU each, like the trainer's ranks
@@ -365,7 +355,7 @@ def trainer_logprobs(cfg: CheckConfig, model, model_dir: Path, prompts, response
                                              sequence_parallel=cfg.trainer_sp,
                                              temperature=temperature, workdir=Path(cfg.out_dir) / "trainer_ranks",
                                              batch=cfg.recompute_batch, return_routes=True, device=cfg.resolved_device(),
-                                             quantization=quantization_formats(cfg.quantization) if cfg.quantization else None)
+                                             quantization=method_formats(cfg.quantization) if cfg.quantization else None)
     if route_sink is not None:
         for b0, layers in sorted(routes.items()):
             rows = next(iter(layers.values())).shape[0] // width  # routes [s * b_chunk, k]
