@@ -1,9 +1,12 @@
-"""Trainer process for tests/test_rl_quantized.py: ``python tests/_quantized_grpo.py OUT_DIR QUANTIZATION STEPS``.
+"""Trainer process for tests/test_rl_quantized.py: ``python tests/_quantized_grpo.py OUT_DIR QUANTIZATION STEPS
+[RESTORE_DIR]``.
 
 QUANTIZATION ``fp8`` or ``nvfp4``.  An :class:`~megatron_consistent.rl.session.RLSession` on the tiny RL model with a
 live quantized consistent engine runs STEPS GRPO steps; after each it records whether the optimizer moved the bf16
 masters, whether the engine holds exactly what the trainer pushes and how many of its scale tensors changed; then
-one rollout after the last push and a checkpoint (the bf16 masters).  Prints one JSON line (``RESULT {...}``).
+one rollout after the last push and a checkpoint (the bf16 masters).  RESTORE_DIR (a checkpoint of an earlier run):
+the session restores it first (masters and optimizer; its engine starts from the quantized export of the restored
+masters) and records whether the restored masters equal the checkpoint's.  Prints one JSON line (``RESULT {...}``).
 """
 
 import json
@@ -13,6 +16,7 @@ from pathlib import Path
 
 if __name__ == "__main__":
     out_dir, quantization, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    restore_dir = sys.argv[4] if len(sys.argv) > 4 else None  # a checkpoint of an earlier run of this script
     import torch
 
     from megatron_consistent.config import ArchConfig
@@ -21,11 +25,13 @@ if __name__ == "__main__":
     from megatron_consistent.rl.session import RLSession
 
     arch = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
-    session = RLSession(arch, "consistent", Path(out_dir) / "work", seed=0, lr=1e-2, quantization=quantization)
+    session = RLSession(arch, "consistent", Path(out_dir) / "work", seed=0, lr=1e-2, quantization=quantization,
+                        restore_dir=restore_dir)
     task = ModTask(arch.vocab_size, seed=0)
     digests = session.llm.collective_rpc("mc_sync_digests")[0]
     scale_suffixes = tuple("." + s for s in hf_layout(method_formats(quantization)[0]).scale_suffixes)
     out = {"start_engine_holds": session.weights_match_engine()["equal"],
+           "restored_masters": restore_dir and session.weights_match_hf(Path(restore_dir) / "hf")["equal"],
            "engine_scale_tensors": sum(n.endswith(scale_suffixes) for n in digests), "steps": []}
     for _ in range(steps):
         masters = {n: p.detach().clone() for n, p in session.model.named_parameters()}
@@ -37,7 +43,7 @@ if __name__ == "__main__":
         out["steps"].append(rec)
     after = session.check_rollout(task.prompts(4), 2)
     out["after"] = {k: after[k] for k in ("bitwise_equal", "max_abs", "version")}
-    ckpt = session.save(Path(out_dir) / "checkpoint", step=steps, dist=False)
+    ckpt = session.save(Path(out_dir) / "checkpoint", step=session.start_step + steps, dist=False)
     out["checkpoint_holds_masters"] = session.weights_match_hf(Path(ckpt) / "hf")["equal"]
     session.close()
     print("RESULT " + json.dumps(out), flush=True)

