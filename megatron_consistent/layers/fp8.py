@@ -35,7 +35,7 @@ from ..kernels.fp8 import (E4M3_ACT_1x128, E4M3_MAX, E4M3_WEIGHT_128, FP8Weights
 from . import tensor_parallel as tpar
 from .parallel import global_layer_name
 
-__all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8"]
+__all__ = ["FP8Binding", "FP8MoEBinding", "enable_fp8", "disable_fp8", "quantize_and_export"]
 
 
 def _joined_block_ids(arch: ArchConfig, kind: str, part_rows: list[int], fmt: QuantFormat) -> torch.Tensor:
@@ -187,6 +187,19 @@ def disable_fp8(model) -> None:
         if getattr(m, "fp8", None) is not None:
             m.fp8 = None
     model.fp8_formats = None
+
+
+def quantize_and_export(model, arch: ArchConfig, out_dir, method: str):
+    """Switch the consistent ``model`` to the forward of the quantization ``method`` (``"fp8"`` / ``"nvfp4"``,
+    :func:`~megatron_consistent.conversion.fp8.method_formats`: every forward quantizes the bf16 masters) and write
+    the quantized HF export of those masters (``conversion.fp8.export_hf_fp8``, the same quantization routine): the
+    folder a quantized consistent engine starts from (``check --quantization``, ``RLSession(quantization=)``).
+    Returns the folder."""
+    from ..conversion.fp8 import export_hf_fp8, method_formats
+
+    formats = method_formats(method)
+    enable_fp8(model, *formats)
+    return export_hf_fp8(model, arch, out_dir, *formats)
 
 
 def enable_fp8_kv(model, on: bool = True) -> int:

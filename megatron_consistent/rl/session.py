@@ -25,7 +25,7 @@ variable read when vLLM starts), so a ``both`` run uses one process per mode.
 Quantized rollouts (``quantization="fp8"`` block-FP8 W8A8 or ``"nvfp4"`` NVFP4 W4A16, consistent mode): the trainer
 keeps its bf16 masters (the optimizer steps them; checkpoints hold them) and runs its quantized forward on them
 (``layers.fp8.enable_fp8`` with ``conversion.fp8.method_formats``), the engine starts from the quantized HF export
-of the initial (or restored) masters (``verify.check.quantize_trainer_and_export``, as ``check --quantization``), and
+of the initial (or restored) masters (``layers.fp8.quantize_and_export``, as ``check --quantization``), and
 every push sends the quantized values and scales of the current masters
 (``conversion.fp8.fp8_hf_state_dict``, bitwise the trainer forward's), copied in place into the engine's value and
 scale storage; :meth:`RLSession.weights_match_engine` compares those tensors with the engine's.  Refused by name
@@ -101,9 +101,8 @@ class RLSession:
         from ..conversion import export_hf, import_hf
         from ..conversion.fp8 import check_fp8_arch, method_formats
         from ..layers import build_consistent_model, build_stock_gpt_model
-        from ..layers.fp8 import enable_fp8
+        from ..layers.fp8 import enable_fp8, quantize_and_export
         from ..training import MEGATRON_OPTIMIZER_NEEDS_CUDA, MegatronOptimizer, init_single_rank, make_optimizer
-        from ..verify.check import quantize_trainer_and_export
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -144,8 +143,8 @@ class RLSession:
             if quantization is not None:
                 enable_fp8(self.model, *formats)
         elif quantization is not None:
-            self.engine_dir = quantize_trainer_and_export(self.model, arch, self.work_dir / f"engine_start_{mode}_{quantization}",
-                                                          quantization)
+            self.engine_dir = quantize_and_export(self.model, arch, self.work_dir / f"engine_start_{mode}_{quantization}",
+                                                  quantization)
         else:
             self.engine_dir = export_hf(self.model, arch, self.work_dir / f"engine_start_{mode}")
         t0 = time.perf_counter()

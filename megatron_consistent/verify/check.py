@@ -161,19 +161,6 @@ def trainer_flags(cfg: CheckConfig) -> str:
                      *(["--trainer-sp"] if cfg.trainer_sp else [])])
 
 
-def quantize_trainer_and_export(model, arch: ArchConfig, out_dir, quantization: str) -> Path:
-    """Switch the consistent ``model`` to its ``quantization`` forward (``layers.fp8.enable_fp8``: every forward
-    quantizes the bf16 masters) and write the quantized HF export of those masters (``conversion.fp8.export_hf_fp8``,
-    the same quantization routine): the folder a quantized consistent engine starts from (``check --quantization``;
-    ``rl.session.RLSession(quantization=)``).  Returns the folder."""
-    from ..conversion.fp8 import export_hf_fp8
-    from ..layers.fp8 import enable_fp8
-
-    formats = method_formats(quantization)
-    enable_fp8(model, *formats)
-    return export_hf_fp8(model, arch, out_dir, *formats)
-
-
 def trainer_refusal(cfg: CheckConfig, arch: ArchConfig) -> str:
     """Why the trainer layout ``--trainer-tp`` / ``--trainer-pp`` / ``--trainer-dp`` / ``--trainer-ep`` /
     ``--trainer-cp`` cannot run here ("" when it can)."""
@@ -465,7 +452,9 @@ def run_check(cfg: CheckConfig, report: dict | None = None, before_engine=None) 
         prompts, prompt_source = checkpoint_prompts(model_dir, cfg.prompts, arch.vocab_size, cfg.num_prompts, cfg.max_tokens,
                                                     cfg.max_model_len, lambda: make_prompts(cfg, arch.vocab_size))
     elif cfg.quantization:  # trainer: FP8 / NVFP4 forward on the bf16 masters; engines: the quantized export of them
-        quantize_trainer_and_export(model, arch, model_dir, cfg.quantization)
+        from ..layers.fp8 import quantize_and_export
+
+        quantize_and_export(model, arch, model_dir, cfg.quantization)
         export_hf(model, arch, out / "model_bf16")  # the stock trainer's weights (bf16 masters); the stock FP8 engine's too
     else:
         export_hf(model, arch, model_dir)
