@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from _split_workspace import nan_workspace, tile_counters_all_zero
 
 pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
@@ -132,23 +133,14 @@ def test_a_wrong_page_walk_is_caught(page):
 BOUNDARY_SEQS = [(511, 1), (512, 1), (513, 1), (70, 5), (1025, 3), (1100, 1)]
 
 
-def _nan_workspace(rows, block_d, dev):
-    """The split path's workspace filled with NaN: a merge that reads a slot no partition program wrote shows."""
-    return tuple(torch.full(shape, float("nan"), device=dev) for shape in ((rows,), (rows,), (rows, block_d)))
-
-
 def _three_ways(monkeypatch, call):
     """``call(split)`` on the split path merged by the last partition program (one launch), on the committed split
     path (a merge launch) and in-program -> the three results; the workspace starts as NaN."""
-    monkeypatch.setattr(tattn, "_workspace", _nan_workspace)
+    monkeypatch.setattr(tattn, "_workspace", nan_workspace)
     monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", True)
     last = call(True)
     monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", False)
     return last, call(True), call(False)
-
-
-def _counters_all_zero() -> bool:
-    return all(bool((c == 0).all()) for held in tattn._TILE_COUNTERS.values() for c in held)
 
 
 @pytest.mark.parametrize("page", [16, 64])
@@ -164,7 +156,7 @@ def test_last_partition_merging_equals_the_merge_launch(page, monkeypatch):
         last, two, one = _three_ways(monkeypatch, lambda split: _paged(q, kc, vc, tab, qsl, seq, hint, split))
         assert torch.equal(last, two) and torch.equal(last, one), (page, hint)
         assert torch.equal(last[-PAD:], torch.zeros_like(last[-PAD:])), (page, hint)
-        assert _counters_all_zero()
+        assert tile_counters_all_zero()
     monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", True)
     for s in (0, 2, 5):
         alone = _paged(q[qsl[s]:qsl[s + 1]], kc, vc, tab[s:s + 1], torch.tensor([0, int(qsl[s + 1] - qsl[s])],
@@ -175,7 +167,7 @@ def test_last_partition_merging_equals_the_merge_launch(page, monkeypatch):
 def test_last_partition_merging_twice_in_a_row(monkeypatch):
     """Two calls in a row on the one-launch split path, other inputs each time: both = the merge launch's (a counter
     the first call left non-zero would give the second call no merging program)."""
-    monkeypatch.setattr(tattn, "_workspace", _nan_workspace)
+    monkeypatch.setattr(tattn, "_workspace", nan_workspace)
     monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", True)
     batches = [_batch(16, BOUNDARY_SEQS, seed=s) for s in (6, 7)]
     got = [_paged(q, kc, vc, tab, qsl, seq, 1100, True) for q, kc, vc, tab, qsl, seq, _ in batches]
@@ -207,4 +199,4 @@ def test_last_partition_merging_dense(monkeypatch):
     for b in (0, 1):
         alone, alone_lse = call(slice(b, b + 1), True)
         assert torch.equal(alone[0], lo[b]) and torch.equal(alone_lse[0], ll[b]), b
-    assert _counters_all_zero()
+    assert tile_counters_all_zero()
