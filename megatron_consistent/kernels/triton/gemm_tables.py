@@ -4,12 +4,20 @@ Only configs that were bit-identical row for row (M = 1 .. 2048, float32 and bf1
 of the same numerics (BK, SPLIT_STEPS) in that run.  See linear.m_class_config / fp8_linear.FP8_TILE_TABLE.
 Entries marked 'kept' were not swept in this run and come from the table it replaced (NVIDIA H200, sweeps of sessions
 7-21, 2026-12-01 .. 12-04; "session 21 (A3B)": Qwen3-30B-A3B's shapes).  Session 40 (H100) swept the 8B row-parallel
-segments at S = 2 / 4 / 8 and the 1B model's plain GEMMs (docs/benchmarks.md, "Session 40").
+segments at S = 2 / 4 / 8 and the 1B model's plain GEMMs (docs/benchmarks.md, "Session 40"); session 41 (H100) the 1B
+down's segment at S = 2 (2048 x 4096; its sweep of 2048 x 1024, the 1B o_proj at S = 2, was slower on the 1B down at
+S = 8, the default, which shares that entry: not taken).
 """
 
 import torch
 
 GEMM_M_CLASS_TABLE: dict = {
+    # session 41 (1B down tree, S = 2): bk64 nosplit: ratio vs cuBLAS by M 1: 0.89, 16: 0.95, 64: 0.95, 256: 0.82, 1024: 0.88, 4096: 0.80 (targets met 2/6)
+    (2048, 4096, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
+                    (16, {'BM': 16, 'BN': 64, 'W': 4, 'S': 8, 'SWAP': True}),
+                    (64, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
+                    (256, {'BM': 64, 'BN': 128, 'W': 4, 'S': 6}),
+                    (None, {'BM': 128, 'BN': 128, 'W': 8, 'S': 4, 'TREE_PATH': 'serial', 'TREE_REG': 4, 'TREE_LANES': 2})]},
     # bk64 nosplit: ratio vs cuBLAS by M 1: 0.93, 16: 0.95, 64: 0.73, 256: 0.65, 1024: 0.62, 4096: 0.66 (targets met 1/6)
     (4096, 512, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 128, 'W': 4, 'S': 6}),
