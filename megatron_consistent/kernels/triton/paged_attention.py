@@ -46,10 +46,12 @@ ZERO_PADDING_ROWS = True
 __all__ = ["PAGE_SIZES", "paged_attention", "paged_plan", "write_kv_cache"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSEQ", "T"])
 def _zero_rows_kernel(O, QSL, NSEQ, T, sot, soh, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """``out[t] = 0`` for the padding tokens ``t >= query_start_loc[-1]``: the attention kernel's own zeroing
-    (:func:`.attention._zero_padding_rows`) as a launch of its own, grid (row blocks, KV heads)."""
+    (:func:`.attention._zero_padding_rows`) as a launch of its own, grid (row blocks, KV heads).  The counts are not
+    specialised (Triton would compile a binary per ``== 1`` / ``% 16`` class of each: session 41's rollouts compiled
+    one mid-rollout, after the warm-up pass)."""
     _zero_padding_rows(O, QSL, NSEQ, T, tl.program_id(0), tl.program_id(1), sot, soh, G, D, BLOCK_D)
 
 
