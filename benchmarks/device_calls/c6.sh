@@ -1,5 +1,4 @@
-# Call 6: carry .whl. The hybrid's check (shape h, 4 layers) at session 28's SSD defaults (its engine's first start
-# compiles the SSD kernels' unrolled trees: 480 s; they stay in Triton's cache for call 7's rollout).
+# Call 6: carry .whl. The hybrid's rollout at 13 layers, consistent and stock (after call 5: its SSD kernels compiled).
 source benchmarks/device_calls/engine_tests.sh
-engine_call check_h 560 python benchmarks/check_shapes_gpu.py --shapes h --layers 4 --num-prompts 16 --max-prompt-len 256 \
-  --max-tokens 32 --work /tmp/w_h --out "$OUT/${TAG}_check_h.json"
+engine_call rollout_h13 560 python benchmarks/bench_rollout_gpu.py --shapes h --layers 13 --engines consistent stock \
+  --prompts 64 --min-seconds 10 --engine-timeout 300 --out "$OUT/${TAG}_rollout_h13.json"

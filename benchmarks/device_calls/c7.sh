@@ -1,4 +1,4 @@
-# Call 7: carry .whl. The hybrid's rollout at 13 layers, consistent and stock (after call 6: its SSD kernels compiled).
+# Call 7 (if device time is left): carry .whl. The SSD timings: every schedule of the chunk terms (the runtime loop's
+# leaves a step beside the unrolled tree) and the outputs, bits against the first row, vLLM's prefill scan beside.
 source benchmarks/device_calls/engine_tests.sh
-engine_call rollout_h13 560 python benchmarks/bench_rollout_gpu.py --shapes h --layers 13 --engines consistent stock \
-  --prompts 64 --min-seconds 10 --engine-timeout 300 --out "$OUT/${TAG}_rollout_h13.json"
+engine_call ssd_bench 400 python benchmarks/bench_gpu_ssd.py --out "$OUT/${TAG}_ssd_bench.json"
