@@ -12,7 +12,7 @@ S = 8, the default, which shares that entry: not taken).
 import torch
 
 GEMM_M_CLASS_TABLE: dict = {
-    # session 41 (1B down tree, S = 2): bk64 nosplit: ratio vs cuBLAS by M 1: 0.89, 16: 0.95, 64: 0.95, 256: 0.82, 1024: 0.88, 4096: 0.80 (targets met 2/6)
+    # bk64 nosplit: ratio vs cuBLAS by M 1: 0.89, 16: 0.95, 64: 0.95, 256: 0.82, 1024: 0.88, 4096: 0.80 (targets met 2/6)
     (2048, 4096, torch.bfloat16): {"BK": 64, "SPLIT_STEPS": 1048576, "classes": [
                     (16, {'BM': 16, 'BN': 64, 'W': 4, 'S': 8, 'SWAP': True}),
                     (64, {'BM': 64, 'BN': 64, 'W': 4, 'S': 8}),
