@@ -13,8 +13,7 @@
   the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
   time (launch gaps) shows; and the split path's scheduling variants (``SPLIT_VARIANTS``: the merge loop pipelined
   over 1-4 stages, ``attention.MERGE_STAGES``; the merge launch cut into 2-8 head-dimension slices, one program
-  each, ``attention.MERGE_DSPLIT``; the merge as a programmatic dependent launch, ``attention.SPLIT_PDL``; no merge
-  launch, the last partition program of a tile merging it, ``attention.SPLIT_LAST_MERGES``; the call
+  each, ``attention.MERGE_DSPLIT``; the merge as a programmatic dependent launch, ``attention.SPLIT_PDL``; the call
   without its padding rows' zeroing -- programs of the last launch since session 34, a launch of its own before --,
   ``paged_attention.ZERO_PADDING_ROWS``), each checked bitwise against the
   committed setting;
@@ -119,9 +118,6 @@ SPLIT_VARIANTS = ([(f"merge stages {n}", "attention", {"MERGE_STAGES": n, "MERGE
                   + [(f"merge stages 4, {k} head-dim slices", "attention", {"MERGE_STAGES": 4, "MERGE_DSPLIT": k})
                      for k in (2, 4, 8)]
                   + [("merge as a dependent launch (PDL)", "attention", {"SPLIT_PDL": True}),
-                     ("the last partition merges (one launch)", "attention", {"SPLIT_LAST_MERGES": True}),
-                     ("the last partition merges, merge stages 1", "attention", {"SPLIT_LAST_MERGES": True,
-                                                                                 "MERGE_STAGES": 1}),
                      ("without the padding rows' zeroing", "paged_attention", {"ZERO_PADDING_ROWS": False})])
 
 

@@ -8,7 +8,6 @@ tensors with the kernels replaced by recorders; each distinct launch is compiled
 ``async`` column counts the key and value loads the software pipeliner made asynchronous (the dense path's prefill:
 12): a paged launch with fewer waits on its loads.
 ``--pdl``: the split path's launches as on Hopper with ``MC_ATTN_PDL=1`` (the merge a programmatic dependent launch).
-``--last-merges``: the split path as with ``MC_ATTN_LAST_MERGES=1`` (one launch: the last partition program merges).
 Says nothing about bits or speed.  Exit 1 on a compile error or a launch over the shared memory of a block.
 """
 
@@ -33,7 +32,7 @@ HQ, HKV, D, KEYS = 32, 8, 128, 4096
 SHAPES = [(1, KEYS, False), (64, 1, False), (1, 1, True), (8, 32, False), (4, 16, True)]
 
 
-def record_launches(quick: bool, pdl: bool = False, last_merges: bool = False):
+def record_launches(quick: bool, pdl: bool = False):
     """The distinct ``(name, signature, attrs, constexprs, warps, stages)`` launches of the attention host code."""
     def run():
         for page in (16, 64) if quick else tpa.PAGE_SIZES:
@@ -61,14 +60,13 @@ def record_launches(quick: bool, pdl: bool = False, last_merges: bool = False):
                                         d ** -0.5, split=split)
 
     launches: list = []  # the padding-row zeroing kernel is recorded too, and dropped
-    saved = tattn.SPLIT_PDL, tattn.on_hopper, tattn.SPLIT_LAST_MERGES
+    saved = tattn.SPLIT_PDL, tattn.on_hopper
     if pdl:
         tattn.SPLIT_PDL, tattn.on_hopper = True, lambda t: True
-    tattn.SPLIT_LAST_MERGES = last_merges
     try:
         capture(tpa, ["_zero_rows_kernel"], lambda: launches.extend(capture(tattn, ["_attn_kernel"], run)))
     finally:
-        tattn.SPLIT_PDL, tattn.on_hopper, tattn.SPLIT_LAST_MERGES = saved
+        tattn.SPLIT_PDL, tattn.on_hopper = saved
     return distinct_launches(launches, {"_attn_kernel": tattn._attn_kernel})
 
 
@@ -77,14 +75,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="pages 16 and 64, bf16 cache only")
     ap.add_argument("--ttgir-dir", help="write each launch's normalized TTGIR here (diff -r against another tree's)")
     ap.add_argument("--pdl", action="store_true", help="the split path's merge as a programmatic dependent launch")
-    ap.add_argument("--last-merges", action="store_true", help="the split path in one launch (the last partition merges)")
     args = ap.parse_args()
-    launches = record_launches(args.quick, args.pdl, args.last_merges)
+    launches = record_launches(args.quick, args.pdl)
     print(f"{len(launches)} distinct launches", flush=True)
     jobs = [(f"D {const['D']} PAGE {const['PAGE']} FP8 {const['FP8']} BLOCK_M {const['BLOCK_M']} MODE {const['MODE']} "
              f"W{warps} S{stages}" + (" NEW_KV" if const["NEW_KV"] else "")
              + (f" MERGE_STAGES {const['MERGE_STAGES']} SLICES {const['MERGE_DSPLIT']}" if const["MODE"] == 2 else "")
-             + (" PDL" if const.get("PDL") else "") + (" LAST_MERGES" if const.get("LAST_MERGES") else ""),
+             + (" PDL" if const.get("PDL") else ""),
              tattn._attn_kernel, sig, attrs, const, warps, stages)
             for _, sig, attrs, const, warps, stages in launches]
     sys.exit(compile_report(jobs, args.ttgir_dir))

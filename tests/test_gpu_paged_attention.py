@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 from _bits import bits_equal
-from _split_workspace import nan_workspace, tile_counters_all_zero
+from _split_workspace import nan_workspace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -310,21 +310,6 @@ def test_dependent_merge_launch_is_numerics_neutral(monkeypatch):
         assert all(bits_equal(a, b) for a, b in zip(ref, run()))
 
 
-def test_last_partition_merging_is_numerics_neutral(monkeypatch):
-    """The split path in one launch (``attention.SPLIT_LAST_MERGES``: the last partition program of a tile to store
-    its partials, by a ticket of the tile's counter, merges it) gives the merge launch's bits: rows over 1-3
-    partitions, a ``max_seq_len`` hint shorter than the rows, pages of 16 and 64, the dense path with its ``lse`` and
-    a row with no key; three times in a row (each call leaves the counters 0), the workspace NaN (a merge that
-    reads a partition not yet stored shows)."""
-    _, run = _split_path_cases(7)
-    ref = run()
-    monkeypatch.setattr(ta, "_workspace", nan_workspace)
-    monkeypatch.setattr(ta, "SPLIT_LAST_MERGES", True)
-    for _ in range(3):
-        assert all(bits_equal(a, b) for a, b in zip(ref, run()))
-    assert tile_counters_all_zero()
-
-
 def test_split_path_reads_only_written_workspace_slots(monkeypatch):
     """The split path's workspace starts as NaN: every slot the merge launch reads must have been written by the split
     launch, so split == in-program on rows over 1-3 partitions, chunked rows, a ``max_seq_len`` hint shorter than the
@@ -495,18 +480,13 @@ def test_batch_dependent_partition_is_caught(monkeypatch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("split,knob", [(False, None), (True, None), (True, "pdl"), (True, "last_merges"),
-                                        (True, "last_merges_graph_counters")])
-def test_paged_cuda_graph_capture_and_replay(split, knob, monkeypatch):
+@pytest.mark.parametrize("split,pdl", [(False, False), (True, False), (True, True)])
+def test_paged_cuda_graph_capture_and_replay(split, pdl, monkeypatch):
     """write_kv_cache + paged_attention captured in a CUDA graph (no host sync) and replayed with new
-    query_start_loc / seq_lens / slot contents equal the eager calls bit for bit; ``knob`` on in the graph, checked
-    against eager calls without it: ``pdl``, the split path's merge a programmatic dependent launch (``MC_ATTN_PDL``,
-    Hopper); ``last_merges``, the split path in one launch (``MC_ATTN_LAST_MERGES``: each replay leaves its tile
-    counters 0 for the next), with the counters kept from the eager call or (``_graph_counters``), none kept, zeroed
-    by the graph."""
-    if knob == "pdl" and not HOPPER:
+    query_start_loc / seq_lens / slot contents equal the eager calls bit for bit; ``pdl``: the split path's merge a
+    programmatic dependent launch (``MC_ATTN_PDL``, Hopper) in the graph, checked against eager calls without it."""
+    if pdl and not HOPPER:
         pytest.skip("programmatic dependent launch: Hopper (sm_90)")
-    setting = {None: None, "pdl": "SPLIT_PDL"}.get(knob, "SPLIT_LAST_MERGES")
     batch = Batch([(100, 1), (0, 8), (600, 3)], 16, DTYPES[0], seed=21, pad_tokens=4)
     t = batch.q_all.shape[0]
     gen = torch.Generator().manual_seed(22)
@@ -519,17 +499,13 @@ def test_paged_cuda_graph_capture_and_replay(split, knob, monkeypatch):
         tpa.paged_attention(batch.q_all, batch.k_cache, batch.v_cache, batch.table, batch.qsl, batch.seq_lens,
                            D ** -0.5, out, max_query_len=t, max_seq_len=2048, split=split)
 
-    if setting:
-        monkeypatch.setattr(ta, setting, True)
+    monkeypatch.setattr(ta, "SPLIT_PDL", pdl)
     step()  # compile
-    if knob == "last_merges_graph_counters":
-        monkeypatch.setattr(ta, "_TILE_COUNTERS", {})
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    if setting:
-        monkeypatch.setattr(ta, setting, False)
+    monkeypatch.setattr(ta, "SPLIT_PDL", False)
     for qsl, lens in [([0, 1, 9, 12], [101, 8, 603]), ([0, 4, 5, 12], [60, 5, 603]), ([0, 0, 2, 3], [1, 8, 1])]:
         batch.qsl.copy_(torch.tensor(qsl, dtype=torch.int32))
         batch.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))

@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-from _split_workspace import nan_workspace, tile_counters_all_zero
 
 pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
@@ -127,76 +126,3 @@ def test_a_wrong_page_walk_is_caught(page):
                                  torch.arange(keys - ql, keys)[None], torch.tensor([keys]), D ** -0.5)
     assert not torch.equal(out[qsl[last]:qsl[last + 1]], ref[0])
 
-
-# decode rows either side of the partition boundaries (keys 511 / 512 / 513: the last key in partition 0 or 1), a chunk,
-# rows of one tile across a boundary (keys 1023-1025), a row of three partitions
-BOUNDARY_SEQS = [(511, 1), (512, 1), (513, 1), (70, 5), (1025, 3), (1100, 1)]
-
-
-def _three_ways(monkeypatch, call):
-    """``call(split)`` on the split path merged by the last partition program (one launch), on the committed split
-    path (a merge launch) and in-program -> the three results; the workspace starts as NaN."""
-    monkeypatch.setattr(tattn, "_workspace", nan_workspace)
-    monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", True)
-    last = call(True)
-    monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", False)
-    return last, call(True), call(False)
-
-
-@pytest.mark.parametrize("page", [16, 64])
-def test_last_partition_merging_equals_the_merge_launch(page, monkeypatch):
-    """The split path in one launch (``attention.SPLIT_LAST_MERGES``: the last partition program of a tile merges
-    it) = the committed split path (its merge launch) = the in-program path, bit for bit: rows either side of a
-    partition boundary, a tile across one, ``max_seq_len`` hints of the batch, past the rows (empty partitions) and
-    shorter than them (partitions past the workspace); padding rows 0; each row alone = in the batch; the counters
-    left 0.  (The interpreter runs a tile's partition programs in order: a merge before the last partition is stored
-    shows on the GPU only, tests/test_gpu_paged_attention.py.)"""
-    q, kc, vc, tab, qsl, seq, _ = _batch(page, BOUNDARY_SEQS, seed=4)
-    for hint in (int(seq.max()), 4096, 513):
-        last, two, one = _three_ways(monkeypatch, lambda split: _paged(q, kc, vc, tab, qsl, seq, hint, split))
-        assert torch.equal(last, two) and torch.equal(last, one), (page, hint)
-        assert torch.equal(last[-PAD:], torch.zeros_like(last[-PAD:])), (page, hint)
-        assert tile_counters_all_zero()
-    monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", True)
-    for s in (0, 2, 5):
-        alone = _paged(q[qsl[s]:qsl[s + 1]], kc, vc, tab[s:s + 1], torch.tensor([0, int(qsl[s + 1] - qsl[s])],
-                       dtype=torch.int32), seq[s:s + 1], int(seq[s]), True)
-        assert torch.equal(alone, last[qsl[s]:qsl[s + 1]]), (page, s)
-
-
-def test_last_partition_merging_twice_in_a_row(monkeypatch):
-    """Two calls in a row on the one-launch split path, other inputs each time: both = the merge launch's (a counter
-    the first call left non-zero would give the second call no merging program)."""
-    monkeypatch.setattr(tattn, "_workspace", nan_workspace)
-    monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", True)
-    batches = [_batch(16, BOUNDARY_SEQS, seed=s) for s in (6, 7)]
-    got = [_paged(q, kc, vc, tab, qsl, seq, 1100, True) for q, kc, vc, tab, qsl, seq, _ in batches]
-    monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", False)
-    for (q, kc, vc, tab, qsl, seq, _), out in zip(batches, got):
-        assert torch.equal(out, _paged(q, kc, vc, tab, qsl, seq, 1100, True))
-
-
-def test_last_partition_merging_dense(monkeypatch):
-    """The dense path (its ``lse`` too) in one launch = its merge launch = in-program: rows of 513 and 1100 keys
-    (GQA 4 / 2) in one batch with a padded neighbour (no key: out 0, lse -inf), and alone; called twice."""
-    g = torch.Generator().manual_seed(8)
-    rows, longer = 3, 1100
-    q = torch.randn(3, rows, HQ, D, generator=g).to(torch.float16)
-    k = torch.randn(3, longer, HKV, D, generator=g).to(torch.float16)
-    v = torch.randn(3, longer, HKV, D, generator=g).to(torch.float16)
-    pos = torch.stack([torch.arange(513 - rows, 513), torch.arange(longer - rows, longer), torch.full((rows,), -1)])
-    lens = torch.tensor([513, longer, 0])
-
-    def call(b, split):
-        return tattn.attention_fwd(q[b], k[b], v[b], pos[b], lens[b], D ** -0.5, split=split)
-
-    batch = slice(0, 3)
-    for _ in range(2):
-        (lo, ll), (to, tl_), (oo, _) = _three_ways(monkeypatch, lambda split: call(batch, split))
-        assert torch.equal(lo, to) and torch.equal(ll, tl_) and torch.equal(lo, oo)
-        assert torch.equal(lo[2], torch.zeros_like(lo[2])) and bool((ll[2] == float("-inf")).all())
-    monkeypatch.setattr(tattn, "SPLIT_LAST_MERGES", True)
-    for b in (0, 1):
-        alone, alone_lse = call(slice(b, b + 1), True)
-        assert torch.equal(alone[0], lo[b]) and torch.equal(alone_lse[0], ll[b]), b
-    assert tile_counters_all_zero()

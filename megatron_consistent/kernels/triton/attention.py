@@ -39,11 +39,8 @@ and merges as it goes (prefill, training, large batches); **split** — one prog
 tile, kv head, partition) writes the partition's float32 ``(m, l, acc)`` to a workspace and a
 second launch merges them in partition order (decode at small batch / long context, to fill the
 SMs); partitions past the workspace (a row longer than the launch's ``max_seq_len`` hint) are
-computed by the merging program itself.  Opt-in (``MC_ATTN_LAST_MERGES=1``, :data:`SPLIT_LAST_MERGES`),
-the split path is one launch: the last partition program of a tile to store its partials (a ticket from a per-tile
-counter, the split-K semaphore pattern) merges the tile as the merge launch would, in the same order: the same
-bits.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2, or 1 alone) calling the same ``_walk`` / ``_merge`` /
-``_finalize`` helpers.  In-program launches of the paged path with pages
+computed by the merging program itself.  Both paths are one ``_attn_kernel`` (``MODE`` 0 / 1+2) calling the same
+``_walk`` / ``_merge`` / ``_finalize`` helpers.  In-program launches of the paged path with pages
 shorter than a key block walk all partitions of a row in one pipelined loop (``_walk`` with ``FOLD``: the loads
 of the next partition do not wait for the previous one's merge); the others walk one partition per loop.
 
@@ -377,14 +374,14 @@ def _zero_padding_rows(O, QSL, NSEQ, Tq, z, kvh, sot, soh, G: tl.constexpr, D: t
 
 
 @triton.jit(do_not_specialize=["NSEQ", "Tq", "Tk", "HQ", "HKV", "NPARTS", "ZFROM"])
-def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, TILE_COUNTERS, qk_scale,
-                 kv_scale, NSEQ, Tq, Tk, HQ, HKV, NPARTS, ZFROM,
+def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L, WS_ACC, qk_scale, kv_scale,
+                 NSEQ, Tq, Tk, HQ, HKV, NPARTS, ZFROM,
                  sqb, sqt, sqh, skb, skp, skt, skh, svb, svp, svt, svh, sknt, sknh, svnt, svnh, sob, sot, soh, spb, spt,
                  stab, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
                  FP8: tl.constexpr, NEW_KV: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr,
                  NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_DSPLIT: tl.constexpr,
-                 PDL: tl.constexpr = False, ZERO_ROWS: tl.constexpr = False, LAST_MERGES: tl.constexpr = False):
+                 PDL: tl.constexpr = False, ZERO_ROWS: tl.constexpr = False):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
@@ -397,14 +394,9 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     MODE 2 waits for MODE 1's grid (``griddepcontrol.wait``: its writes visible) before anything it reads from the
     workspace; scheduling only, the same loads and arithmetic.  ``ZERO_ROWS`` (a paged call's last launch): the
     programs from ``ZFROM`` on along axis 0 write the padding tokens' rows 0 (:func:`_zero_padding_rows`; slice 0
-    of a sliced merge) in place of a launch of their own.  ``LAST_MERGES`` (MODE 1, no merge launch): each program
-    takes a ticket from its (tile, kv head)'s int32 counter in ``TILE_COUNTERS`` once its partials are stored; the
-    program that takes the last one (of the partitions holding keys of the tile; partition 0 alone when none does)
-    resets the counter to 0 and does MODE 2's work for the tile (one slice), the same loads and arithmetic."""
+    of a sliced merge) in place of a launch of their own."""
     tl.static_assert(not (NEW_KV and FP8), "an FP8 cache is read from the cache only")
-    tl.static_assert(not (ZERO_ROWS and MODE == 1 and not LAST_MERGES), "the padding rows are written by the last launch")
-    tl.static_assert(not (LAST_MERGES and (MODE != 1 or PDL or MERGE_DSPLIT > 1)),
-                     "the last partition program merges: split launches only, all columns, no launch to overlap")
+    tl.static_assert(not (ZERO_ROWS and MODE == 1), "the padding rows are written by the last launch")
     if PDL and MODE == 1:
         gdc_launch_dependents()
     pid0 = tl.program_id(0)
@@ -425,18 +417,10 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     b64 = b.to(tl.int64)
     active = pos >= 0
     hi = tl.minimum(tl.max(pos, 0) + 1, kl)
-    tile_head = tile.to(tl.int64) * tl.num_programs(1) + pid1  # the (tile, kv head): its workspace and counter
-    wb = tile_head * NPARTS
-    n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)  # workspace partitions holding keys of the tile
+    wb = (tile.to(tl.int64) * tl.num_programs(1) + pid1) * NPARTS
     if MODE == 1:
         p = tl.program_id(2)
-        if LAST_MERGES:
-            # the programs that store partials and take a ticket: those of p * PART < hi (n_ws of them, p < NPARTS),
-            # or partition 0 alone (an empty one) for a tile with no key, whose rows someone must still write
-            writers = tl.maximum(n_ws, 1)
-            if p >= writers:
-                return
-        elif p * PART >= hi:
+        if p * PART >= hi:
             return
     q = tl.load(Q + b64 * sqb + t.to(tl.int64)[:, None] * sqt + hq[:, None] * sqh + d[None, :],
                 mask=rv[:, None] & dm[None, :], other=0.0)
@@ -449,6 +433,7 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     full = tl.minimum(tl.min(tl.where(active, pos + 1, 1 << 30), 0), kl)
     full = tl.maximum((full // BLOCK_N) * BLOCK_N, 0)
     full = tl.minimum(full, tl.maximum(hi, 0))
+    n_ws = tl.minimum((hi + PART - 1) // PART, NPARTS)  # workspace partitions holding keys of the tile
     if PDL and MODE == 2:
         gdc_wait()
     if MODE == 1:
@@ -464,16 +449,6 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
         tl.store(WS_M + w + r, m_p)
         tl.store(WS_L + w + r, l_p)
         tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
-        if LAST_MERGES:
-            tl.debug_barrier()  # every thread's stores precede the release below
-            counter = TILE_COUNTERS + tile_head
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == writers - 1:  # the last: every partition of the tile is in the workspace
-                tl.store(counter, 0)  # for the next launch (and the next CUDA-graph replay)
-                _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_ACC, wb, r, d, dm,
-                          O, LSE, b64, b, t, hq, rv, sob, sot, soh, HQ, Tq, skp, skt, svp, svt, kv_scale, qk_scale,
-                          kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE, PART_PAGES, FP8,
-                          False, NEW_KV, STORE_LSE, NUM_STAGES, MERGE_STAGES)
     elif MODE == 2 and MERGE_DSPLIT > 1:
         c = tl.program_id(2)
         if n_ws * PART < hi:  # keys past the workspace: slice 0 walks them with the whole head dimension
@@ -594,16 +569,6 @@ if SPLIT_PER_SM < 0:
 # (``_attn_kernel``'s ``PDL``), hiding the second launch's latency -- at decode, where the split path runs, a few
 # microseconds of a 20-50 us call.  Scheduling only, never bits.
 SPLIT_PDL = env_switch("MC_ATTN_PDL", False)
-# The split path in one launch (``MC_ATTN_LAST_MERGES=1``; off until a run on the GPU times it): no merge launch, the
-# last partition program of each (query tile, kv head) to store its partials merges the tile (``_attn_kernel``'s
-# ``LAST_MERGES``: a ticket from a per-tile counter, the split-K semaphore pattern) -- the same loads and arithmetic in
-# the same order, so the same bits.  It merges every column in one program and leaves no launch to overlap: with it
-# on, ``MERGE_DSPLIT`` and ``SPLIT_PDL`` do not apply (the environment may not ask for them together).  The counters
-# are per device and shared by the calls on it: calls on concurrent streams of one device would share them.
-SPLIT_LAST_MERGES = env_switch("MC_ATTN_LAST_MERGES", False)
-if SPLIT_LAST_MERGES and (SPLIT_PDL or MERGE_DSPLIT > 1):
-    raise ValueError(f"MC_ATTN_LAST_MERGES=1 has no merge launch to overlap or slice: not with MC_ATTN_PDL=1 or "
-                     f"MC_ATTN_MERGE_DSPLIT={MERGE_DSPLIT}")
 
 
 def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device) -> bool:
@@ -635,24 +600,6 @@ def _workspace(rows: int, block_d: int, dev: torch.device) -> tuple[torch.Tensor
             torch.empty((rows, block_d), dtype=torch.float32, device=dev))
 
 
-# device -> the LAST_MERGES counters, zeroed, the largest last; a smaller one is kept: a captured graph may replay with it
-_TILE_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _tile_counters(tiles: int, dev: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters for ``tiles`` (query tile, kv head) pairs of a LAST_MERGES launch, which leaves them 0.
-    Kept per device and grown as needed, outside CUDA-graph capture (whose allocations do not run at capture time);
-    a call captured before any call of its size has run gets zeroed counters of its own, allocated like
-    :func:`_workspace` (the zeroing captured, replayed before each replay's launch)."""
-    held = _TILE_COUNTERS.setdefault(dev, [])
-    if held and held[-1].numel() >= tiles:
-        return held[-1]
-    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(tiles, dtype=torch.int32, device=dev)
-    held.append(torch.zeros(max(tiles, 2 * held[-1].numel() if held else 0), dtype=torch.int32, device=dev))
-    return held[-1]
-
-
 def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, nseq, tq, tk, hq, hkv,
             qs, ks, vs, os_, ps, stab, grid0, n1, max_kv, page, fp8, split, bm, d, k_new=None, v_new=None,
             programs: int = 0, zero_padding: bool = False):
@@ -667,14 +614,12 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     qk_scale = float(scale) * LOG2E
     use_split = _use_split(split, grid0 * n1, nparts, q.device)
     warps, stages = ATTN_TILES[(bm, use_split)]
-    last_merges = use_split and SPLIT_LAST_MERGES
     if use_split:
         ws_m, ws_l, ws_acc = _workspace(grid0 * n1 * nparts * bm, block_d, q.device)
         grid = (grid0, n1, nparts)
     else:
         ws_m = ws_l = ws_acc = out
         grid = (grid0, n1)
-    tile_counters = _tile_counters(grid0 * n1, q.device) if last_merges else ws_m  # read with LAST_MERGES only
     # page ids a partition's keys can touch, for pages of KV_BLOCK_GPU keys or more (one more when the test-only
     # partition does not start on a page)
     part_keys = part_blocks * KV_BLOCK_GPU
@@ -686,13 +631,10 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     lse_arg = lse if lse is not None else out
     kn, vn = (k_new, v_new) if k_new is not None else (k, v)
     new_strides = (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1)) if k_new is not None else (0, 0, 0, 0)
-    args = (q, k, v, kn, vn, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, tile_counters, qk_scale,
+    args = (q, k, v, kn, vn, tab, qsl, seq, qpos, klen, out, lse_arg, ws_m, ws_l, ws_acc, qk_scale,
             float(kv_scale), nseq, tq, tk, hq, hkv, nparts, grid0, *qs, *ks, *vs, *new_strides, *os_, *ps, stab)
     last0 = grid0 + (triton.cdiv(tq, ZERO_BLOCK_T.value) if zero_padding else 0)  # the last launch's axis 0
-    if last_merges:  # one launch: the last partition program of a tile merges it (no slices, nothing to overlap)
-        _attn_kernel[(last0,) + grid[1:]](*args, MODE=1, **dict(common, MERGE_STAGES=_merge_stages(bm, block_d),
-                                                                  ZERO_ROWS=zero_padding, LAST_MERGES=True))
-    elif use_split:
+    if use_split:
         pdl = SPLIT_PDL and on_hopper(q)
         _attn_kernel[grid](*args, MODE=1, **dict(common, PDL=pdl))
         dsplit = _merge_slices(programs or grid0 * n1, block_d, q.device)

@@ -107,8 +107,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     No host synchronisation: grids come from tensor shapes and the two ints, so the call can be
     captured in a CUDA graph (the split path allocates its float32 workspace with ``torch.empty``
-    inside the call, which capture supports; with ``MC_ATTN_LAST_MERGES`` its tile counters persist and are grown
-    outside capture: :func:`.attention._tile_counters`).  ``split`` forces the path (``None``: by shapes)."""
+    inside the call, which capture supports).  ``split`` forces the path (``None``: by shapes)."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_attention: expected q [T,Hq,D], caches [blocks,page,Hkv,D]; got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
