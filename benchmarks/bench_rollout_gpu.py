@@ -58,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_trace import kernel_events  # noqa: E402
 
+from megatron_consistent.kernels.triton.compile_log import PREFIX as SPECIALIZED  # noqa: E402
 from megatron_consistent.verify.processes import run_group, stop_group  # noqa: E402
 
 SHAPES = {
@@ -97,7 +98,9 @@ KERNEL_CATEGORIES = (  # first match wins; names of our Triton kernels and of vL
     ("sampling_logprobs", r"softmax|logprob|sampl|topk|top_k|argmax|gumbel|exponential|log_"),
     ("elementwise_copy", r"elementwise|copy|fill|cat|index|gather|scatter|reduce|add"),
 )
-ENGINES = {"consistent": {"MEGATRON_CONSISTENT_VLLM": "1"},
+# the consistent engines log each Triton binary specialisation of the package's kernels as they meet it
+# (kernels/triton/compile_log.py): what a pass that compiled met (``pass_new_specializations``)
+ENGINES = {"consistent": {"MEGATRON_CONSISTENT_VLLM": "1", "MC_LOG_SPECIALIZATIONS": "1"},
            "stock": {"MEGATRON_CONSISTENT_VLLM": "0"},
            "stock_batch_invariant": {"MEGATRON_CONSISTENT_VLLM": "0", "VLLM_BATCH_INVARIANT": "1"}}
 
@@ -301,6 +304,23 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return f"consistent_{name}", {**ENGINES["consistent"], **{k: v for k, _, v in pairs}}
 
 
+def specializations_by_pass(log: Path) -> list[list[str]]:
+    """The kernel specialisations an engine met in each timed pass (after its warm-up pass; the lines
+    ``MC_LOG_SPECIALIZATIONS`` prints, each pass's before its ``timed pass`` progress line), trimmed to the kernel's
+    launch and constexprs."""
+    passes: list[list[str]] | None = None
+    current: list[str] = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("[bench] warm-up pass done"):
+            passes, current = [], []
+        elif passes is not None and line.startswith("[bench] timed pass"):
+            passes.append(current)
+            current = []
+        elif passes is not None and SPECIALIZED in line:
+            current.append(line[line.index(SPECIALIZED) + len(SPECIALIZED):].strip()[:600])
+    return passes or []
+
+
 def failure_lines(log: Path) -> list[str]:
     """A failed engine's last words: the log's error lines (vLLM's engine core prints the root cause well above its
     last lines, session 18) and the bench's own progress lines (how far it got), then its last 15 lines."""
@@ -331,6 +351,7 @@ def run_engine(name: str, request: dict, work: Path, engine_env: dict, timeout_s
         return failed(name, f"exit {rc}", log)
     out = json.loads(res.read_text())
     out["plugin_active"] = "megatron-consistent plugin active" in log.read_text(errors="replace")
+    out["pass_new_specializations"] = specializations_by_pass(log)
     return out
 
 
@@ -596,6 +617,10 @@ def main() -> int:
                     rounds = row.get(f"{mine}_over_{other}_by_round")
                     spread = f"  (rounds {min(rounds):.3f}-{max(rounds):.3f})" if rounds else ""
                     print(f"{key:6} {mine} / {other}: {row[f'{mine}_over_{other}']:.3f}{spread}")
+        for name, r in row.items():  # what the warm-up pass missed, by timed pass
+            for i, met in enumerate(r.get("pass_new_specializations", []) if isinstance(r, dict) else []):
+                for line in met:
+                    print(f"{key:6} {name} pass {i + 1} specialised {line[:300]}")
     if args.profile:
         print_profiles(report, list(engine_envs))
         png = plot_profiles(report, Path(args.out).with_suffix(".png"))

@@ -232,6 +232,31 @@ def test_a_killed_engine_reports_how_far_it_got(tmp_path):
     assert lines[0] == "[bench] engine started in 60.1 s; warm-up pass (64 prompts)" and len(lines) == 16
 
 
+def test_the_specialisations_a_pass_met_are_kept_by_pass(tmp_path):
+    """The lines ``MC_LOG_SPECIALIZATIONS`` prints, grouped by the timed pass they came in (each pass's before its
+    progress line); the engine start's and the warm-up's are not a pass's."""
+    from megatron_consistent.kernels.triton.compile_log import PREFIX
+
+    bench = _load("bench_rollout_gpu")
+    log = tmp_path / "consistent.log"
+    log.write_text("\n".join([
+        f"(EngineCore pid=9) {PREFIX} mod._attn_kernel[num_warps=4](Q: *bf16) constexprs {{'MODE': 0}}",
+        "[bench] engine started in 60.1 s; warm-up pass (8 prompts)",
+        f"{PREFIX} mod._attn_kernel[num_warps=4](Q: *bf16) constexprs {{'MODE': 1}}",
+        "[bench] warm-up pass done in 9.0 s",
+        "[bench] timed pass 1: 100 tokens in 5.0 s",
+        f"(EngineCore pid=9) {PREFIX} mod._attn_kernel[num_warps=2](Q: *bf16) constexprs {{'MODE': 2}}",
+        "INFO something else",
+        f"{PREFIX} mod._zero_rows_kernel[num_warps=4](O: *bf16) constexprs {{'G': 4}}",
+        "[bench] timed pass 2: 100 tokens in 6.0 s (2 kernels compiled: not counted)",
+        "[bench] timed pass 3: 100 tokens in 5.0 s"]) + "\n")
+    assert bench.specializations_by_pass(log) == [
+        [], ["mod._attn_kernel[num_warps=2](Q: *bf16) constexprs {'MODE': 2}",
+             "mod._zero_rows_kernel[num_warps=4](O: *bf16) constexprs {'G': 4}"], []]
+    log.write_text("[bench] engine started in 60.1 s; warm-up pass (8 prompts)\n")  # killed in its warm-up
+    assert bench.specializations_by_pass(log) == []
+
+
 def _fake_check(tmp_path: Path, monkeypatch, report: dict | None, rc: int = 0, hang: bool = False) -> tuple:
     """``check_shapes_gpu`` with ``run_group`` replaced: the stand-in writes ``report`` where ``--json`` says (or
     times out: None); returns the module and the commands it was given."""

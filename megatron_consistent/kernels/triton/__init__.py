@@ -6,7 +6,8 @@ GPU results are deterministic and batch-invariant on the GPU; they are not
 bit-equal to the CPU contract (see each module's docstring and docs/benchmarks.md).
 """
 
-from . import (  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration; compile_log first: MC_LOG_SPECIALIZATIONS)
+    compile_log,
     attention,
     attention_bwd,
     exp,
