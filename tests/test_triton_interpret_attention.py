@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-from _split_workspace import nan_workspace
 
 pytestmark = [pytest.mark.slow,  # Triton's interpreter on the CPU
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")]
@@ -126,50 +125,3 @@ def test_a_wrong_page_walk_is_caught(page):
     ref, _ = tattn.attention_fwd(q[qsl[last]:qsl[last + 1]][None], k[None].contiguous(), v[None].contiguous(),
                                  torch.arange(keys - ql, keys)[None], torch.tensor([keys]), D ** -0.5)
     assert not torch.equal(out[qsl[last]:qsl[last + 1]], ref[0])
-
-
-
-# decode rows either side of the partition boundaries (keys 511 / 512 / 513: the last key in partition 0 or 1), a chunk,
-# rows of one tile across a boundary (keys 1023-1025), a row of three partitions
-BOUNDARY_SEQS = [(511, 1), (512, 1), (513, 1), (70, 5), (1025, 3), (1100, 1)]
-
-
-@pytest.mark.parametrize("page", [16, 64])
-def test_split_path_equals_in_program_at_partition_boundaries(page, monkeypatch):
-    """The split path (partials to a NaN workspace, the merge launch) = the in-program path, bit for bit: rows either
-    side of a partition boundary, a tile across one, ``max_seq_len`` hints of the batch, past the rows (empty
-    partitions) and shorter than them (partitions past the workspace, completed in-program); padding rows 0; each row
-    alone = in the batch."""
-    monkeypatch.setattr(tattn, "_workspace", nan_workspace)
-    q, kc, vc, tab, qsl, seq, _ = _batch(page, BOUNDARY_SEQS, seed=4)
-    for hint in (int(seq.max()), 4096, 513):
-        split = _paged(q, kc, vc, tab, qsl, seq, hint, True)
-        assert torch.equal(split, _paged(q, kc, vc, tab, qsl, seq, hint, False)), (page, hint)
-        assert torch.equal(split[-PAD:], torch.zeros_like(split[-PAD:])), (page, hint)
-    for s in (0, 2, 5):
-        alone = _paged(q[qsl[s]:qsl[s + 1]], kc, vc, tab[s:s + 1], torch.tensor([0, int(qsl[s + 1] - qsl[s])],
-                       dtype=torch.int32), seq[s:s + 1], int(seq[s]), True)
-        assert torch.equal(alone, split[qsl[s]:qsl[s + 1]]), (page, s)
-
-
-def test_split_path_equals_in_program_dense(monkeypatch):
-    """The dense path (its ``lse`` too) split = in-program: rows of 513 and 1100 keys (GQA 4 / 2) in one batch with a
-    padded neighbour (no key: out 0, lse -inf), and alone."""
-    monkeypatch.setattr(tattn, "_workspace", nan_workspace)
-    g = torch.Generator().manual_seed(8)
-    rows, longer = 3, 1100
-    q = torch.randn(3, rows, HQ, D, generator=g).to(torch.float16)
-    k = torch.randn(3, longer, HKV, D, generator=g).to(torch.float16)
-    v = torch.randn(3, longer, HKV, D, generator=g).to(torch.float16)
-    pos = torch.stack([torch.arange(513 - rows, 513), torch.arange(longer - rows, longer), torch.full((rows,), -1)])
-    lens = torch.tensor([513, longer, 0])
-
-    def call(b, split):
-        return tattn.attention_fwd(q[b], k[b], v[b], pos[b], lens[b], D ** -0.5, split=split)
-
-    (so, sl), (oo, ol) = call(slice(0, 3), True), call(slice(0, 3), False)
-    assert torch.equal(so, oo) and torch.equal(sl, ol)
-    assert torch.equal(so[2], torch.zeros_like(so[2])) and bool((sl[2] == float("-inf")).all())
-    for b in (0, 1):
-        alone, alone_lse = call(slice(b, b + 1), True)
-        assert torch.equal(alone[0], so[b]) and torch.equal(alone_lse[0], sl[b]), b
