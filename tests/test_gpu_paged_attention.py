@@ -20,7 +20,6 @@ import os
 import pytest
 import torch
 from _bits import bits_equal
-from _split_workspace import nan_workspace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -310,11 +309,17 @@ def test_dependent_merge_launch_is_numerics_neutral(monkeypatch):
         assert all(bits_equal(a, b) for a, b in zip(ref, run()))
 
 
+def _nan_workspace(rows, block_d, dev):
+    """A stand-in for ``attention._workspace`` filled with NaN: a merge that reads a slot no partition program wrote
+    shows in its output."""
+    return tuple(torch.full(shape, float("nan"), device=dev) for shape in ((rows,), (rows,), (rows, block_d)))
+
+
 def test_split_path_reads_only_written_workspace_slots(monkeypatch):
     """The split path's workspace starts as NaN: every slot the merge launch reads must have been written by the split
     launch, so split == in-program on rows over 1-3 partitions, chunked rows, a ``max_seq_len`` hint shorter than the
     rows (the tail walked by the merging program), pages of 16 and 64 keys, and a dense row with no key."""
-    monkeypatch.setattr(ta, "_workspace", nan_workspace)
+    monkeypatch.setattr(ta, "_workspace", _nan_workspace)
     monkeypatch.setattr(ta, "MERGE_DSPLIT", 2)  # slices: a program reading a slot of another's columns shows too
     for page in (16, 64):
         batch = Batch([(600, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=17, pad_tokens=2)
