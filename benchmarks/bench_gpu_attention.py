@@ -13,7 +13,8 @@
   the split path's two launches are also timed alone (eager, torch profiler): split and merge, so the rest of its
   time (launch gaps) shows; and the split path's scheduling variants (``SPLIT_VARIANTS``: the merge loop pipelined
   over 1-4 stages, ``attention.MERGE_STAGES``; the merge launch cut into 2-8 head-dimension slices, one program
-  each, ``attention.MERGE_DSPLIT``; the merge as a programmatic dependent launch, ``attention.SPLIT_PDL``; the call
+  each, ``attention.MERGE_DSPLIT``; the split path's tile (warps / stages of both launches, ``attention.ATTN_TILES``
+  at (16, split)); the merge as a programmatic dependent launch, ``attention.SPLIT_PDL``; the call
   without its padding rows' zeroing -- programs of the last launch since session 34, a launch of its own before --,
   ``paged_attention.ZERO_PADDING_ROWS``), each checked bitwise against the
   committed setting;
@@ -117,6 +118,8 @@ def _try(fn):
 SPLIT_VARIANTS = ([(f"merge stages {n}", "attention", {"MERGE_STAGES": n, "MERGE_DSPLIT": 1}) for n in (1, 2, 3, 4)]
                   + [(f"merge stages 4, {k} head-dim slices", "attention", {"MERGE_STAGES": 4, "MERGE_DSPLIT": k})
                      for k in (2, 4, 8)]
+                  + [(f"split tile {w} warps / {st} stages", "attention",
+                      {"ATTN_TILES": {**tattn.ATTN_TILES, (16, True): (w, st)}}) for w, st in ((1, 2), (2, 3), (4, 2), (4, 3))]
                   + [("merge as a dependent launch (PDL)", "attention", {"SPLIT_PDL": True}),
                      ("without the padding rows' zeroing", "paged_attention", {"ZERO_PADDING_ROWS": False})])
 
