@@ -304,19 +304,22 @@ def _map_tile(pid0, pid1, QPOS, KLEN, QSL, SEQ, TAB, NSEQ, Tq, Tk, HKV, spb, spt
 
 
 @triton.jit
-def _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, cols, qk_scale, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     WIDTH: tl.constexpr, MERGE_STAGES: tl.constexpr):
+def _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, rv, cols, qk_scale, BLOCK_M: tl.constexpr,
+                     BLOCK_D: tl.constexpr, WIDTH: tl.constexpr, MERGE_STAGES: tl.constexpr):
     """The workspace's first ``n_ws`` partitions of a tile merged in order from a fresh running state, over the
     accumulator columns ``cols`` (``WIDTH`` of them; read through L2: other programs wrote them).  The arithmetic is
-    per row (``m``, ``l``) and per (row, column), so a column's bits do not depend on which columns a program merges."""
+    per row (``m``, ``l``) and per (row, column), so a column's bits do not depend on which columns a program merges.
+    Only the tile's valid rows ``rv`` are read (the split launch writes only those; a decode tile of 16 rows holds
+    the G query heads of one KV head, e.g. 4): the other rows' results are never stored."""
     m_r = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_r = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc_r = tl.zeros((BLOCK_M, WIDTH), dtype=tl.float32)
     for p in tl.range(0, n_ws, num_stages=MERGE_STAGES):  # MERGE_STAGES > 1: workspace loads run ahead
         w = (wb + p) * BLOCK_M
-        m_p = tl.load(WS_M + w + r, cache_modifier=".cg")
-        l_p = tl.load(WS_L + w + r, cache_modifier=".cg")
-        acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + cols[None, :], cache_modifier=".cg")
+        m_p = tl.load(WS_M + w + r, mask=rv, other=float("-inf"), cache_modifier=".cg")
+        l_p = tl.load(WS_L + w + r, mask=rv, other=0.0, cache_modifier=".cg")
+        acc_p = tl.load(WS_ACC + (w + r)[:, None] * BLOCK_D + cols[None, :], mask=rv[:, None], other=0.0,
+                        cache_modifier=".cg")
         m_r, l_r, acc_r = _merge(m_r, l_r, acc_r, m_p, l_p, acc_p, qk_scale)
     return m_r, l_r, acc_r
 
@@ -341,7 +344,7 @@ def _complete(q, kb, vb, tab, n_ws, hi, full, pos, kl, kbound, WS_M, WS_L, WS_AC
     """A tile's rows from a fresh running state: merge the workspace's first ``n_ws`` partitions in order (read
     through L2: other programs wrote them), walk and merge the partitions after them (``ONE_WALK``: in one loop,
     see :func:`_walk`), finalize, store ``out`` (and ``lse``)."""
-    m_r, l_r, acc_r = _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, d, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D,
+    m_r, l_r, acc_r = _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, rv, d, qk_scale, BLOCK_M, BLOCK_D, BLOCK_D,
                                        MERGE_STAGES)
     if ONE_WALK:
         m_r, l_r, acc_r, m_p, l_p, acc_p = _walk(q, kb, vb, tab, n_ws * PART, hi, full, pos, kl, kbound,
@@ -446,9 +449,9 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
                                          kn, vn, kn0, newc, sknt, svnt, BLOCK_M, BLOCK_N, BLOCK_D, D, PART, PAGE,
                                          PART_PAGES, FP8, False, NEW_KV, NUM_STAGES)
         w = (wb + p) * BLOCK_M
-        tl.store(WS_M + w + r, m_p)
-        tl.store(WS_L + w + r, l_p)
-        tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p)
+        tl.store(WS_M + w + r, m_p, mask=rv)  # valid rows only: the merge reads no other
+        tl.store(WS_L + w + r, l_p, mask=rv)
+        tl.store(WS_ACC + (w + r)[:, None] * BLOCK_D + d[None, :], acc_p, mask=rv[:, None])
     elif MODE == 2 and MERGE_DSPLIT > 1:
         c = tl.program_id(2)
         if n_ws * PART < hi:  # keys past the workspace: slice 0 walks them with the whole head dimension
@@ -460,7 +463,7 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
         else:
             WIDTH: tl.constexpr = BLOCK_D // MERGE_DSPLIT
             cols = c * WIDTH + tl.arange(0, WIDTH)
-            m_r, l_r, acc_r = _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, cols, qk_scale, BLOCK_M, BLOCK_D,
+            m_r, l_r, acc_r = _merge_workspace(WS_M, WS_L, WS_ACC, wb, n_ws, r, rv, cols, qk_scale, BLOCK_M, BLOCK_D,
                                                WIDTH, MERGE_STAGES)
             out, lse = _finalize(m_r, l_r, acc_r, pos, qk_scale)
             # slice 0 stores the rows' lse; the mask a row tensor (Triton 3.9's interpreter refuses tensor & scalar)
