@@ -698,14 +698,16 @@ def test_tree_lanes_fit_shared_memory():
 
 
 def test_split_path_rule_follows_programs_per_sm(monkeypatch):
-    """The attention path rule (shapes only): B = 64 decode over a 32k bound stays in-program with the default 2
-    programs per SM and splits with 8 (``MC_ATTN_SPLIT_PER_SM``, a rollout variant's knob); B = 1 splits either way."""
+    """The attention path rule (shapes only): a decode step splits while its in-program grid has fewer programs than
+    the SMs (default 1 per SM: B = 16 of GQA 32/8 makes 128 programs and splits, B = 32 makes 256 and does not), and
+    with 8 (``MC_ATTN_SPLIT_PER_SM``, a rollout variant's knob) B = 64 splits too; one partition never splits."""
     pytest.importorskip("triton")
     from megatron_consistent.kernels.triton import attention as tattn
     from megatron_consistent.kernels.triton import paged_attention as tpa
 
     cpu = torch.device("cpu")  # 132 SMs assumed off the GPU
-    assert not tpa.paged_plan(64, 32, 8, 64, 1, 32768, cpu)[2] and tpa.paged_plan(1, 32, 8, 1, 1, 32768, cpu)[2]
+    assert [tpa.paged_plan(b, 32, 8, b, 1, 32768, cpu)[2] for b in (1, 8, 16, 24, 32, 64)] == [True] * 3 + [False] * 3
+    assert not tpa.paged_plan(1, 32, 8, 1, 1, 512, cpu)[2]
     monkeypatch.setattr(tattn, "SPLIT_PER_SM", 8)
     assert tpa.paged_plan(64, 32, 8, 64, 1, 32768, cpu)[2] and not tpa.paged_plan(64, 32, 8, 64, 1, 512, cpu)[2]
 

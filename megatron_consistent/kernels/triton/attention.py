@@ -561,10 +561,14 @@ def _sms(dev: torch.device) -> int:
 
 
 # The path rule: split when the in-program grid has fewer than this many programs per SM.  Shapes only, never bits.
-# 2 is the measured default; at B = 64 the split path measured 1.05-1.24x faster than the in-program one at 4k-32k
-# context (sessions 12-13, kernel benchmark): ``MC_ATTN_SPLIT_PER_SM`` (e.g. 8) lets a rollout variant try a rule
-# that splits there too.
-SPLIT_PER_SM = int(os.environ.get("MC_ATTN_SPLIT_PER_SM", "2") or "2")
+# 1, measured on an H100 (session 42, ``bench_gpu_attention.py`` decode cases, GQA 32/8, D 128, both paths timed
+# in one run; a decode row is one 16-row tile per KV head, so B sequences make 8 B programs): up to B = 16 (128
+# programs, under one per SM) the split path is faster at every context measured, 1k-32k (B = 16: 1k 0.0361 vs
+# 0.0393 ms, 32k 0.768 vs 1.006); from B = 32 (256 programs) the in-program one is (B = 32: 1k 0.0545 vs 0.0789 ms,
+# 4k 0.192 vs 0.211, 32k 1.483 vs 1.507; B = 24: 4k 0.151 vs 0.160, 16k within 2 %), where the old default 2 split.
+# Left in-program by both rules: B = 64 at 4k-32k, where splitting measured 4-13 % faster (1k-2k: 8-24 % slower);
+# ``MC_ATTN_SPLIT_PER_SM`` (e.g. 8) lets a rollout variant try it.
+SPLIT_PER_SM = int(os.environ.get("MC_ATTN_SPLIT_PER_SM", "1") or "1")
 if SPLIT_PER_SM < 0:
     raise ValueError(f"MC_ATTN_SPLIT_PER_SM={SPLIT_PER_SM}: programs per SM below which the split path runs, >= 0")
 # The split path's merge as a programmatic dependent launch on Hopper (``MC_ATTN_PDL=1``; off by default until a run
