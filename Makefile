@@ -72,7 +72,7 @@ TEST_FILES := $(SLOW_TEST_FILES) $(filter-out $(SLOW_TEST_FILES),$(sort $(wildca
 
 test: setup
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(TEST_FILES) --durations=30
-	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q $(INTERPRET_FAST)
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -n $(TEST_WORKERS) $(INTERPRET_FAST)
 
 test-interpret: setup
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q tests/test_triton_interpret_*.py
