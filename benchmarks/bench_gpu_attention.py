@@ -548,12 +548,27 @@ def write_table(path: str, chosen: dict) -> None:
     print(f"wrote ATTN_TILES into {path}:\n{body}")
 
 
+def decode_cases_arg(text: str) -> list[tuple[int, int]]:
+    """``"B:CTX,..."`` -> ``[(B, CTX), ...]`` (positive integers; a context at most the cases' 32k ``max_model_len``)."""
+    cases = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        parts = item.split(":")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) > 32768:
+            raise argparse.ArgumentTypeError(f"{item!r} is not B:CTX with positive integers and CTX <= 32768")
+        cases.append((int(parts[0]), int(parts[1])))
+    if not cases:
+        raise argparse.ArgumentTypeError("no decode case given")
+    return cases
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="a subset (smoke run)")
     ap.add_argument("--tiles", action="store_true", help="only the launch-shape sweep (ATTN_TILES candidates)")
     ap.add_argument("--decode-only", action="store_true", help="the decode cases only (also with --tiles)")
+    ap.add_argument("--decode-cases", type=decode_cases_arg, metavar="B:CTX,...",
+                    help="these decode cases in place of the default list (e.g. 48:4096,64:8192; both paths timed)")
     ap.add_argument("--contract-probe", action="store_true", help="only the key block / partition probe (dense)")
     ap.add_argument("--gluon", action="store_true", help="only prefill, dense and paged: the Gluon kernels against "
                     "the committed ones (bits, time), SDPA and FA3")
@@ -598,8 +613,9 @@ def main():
         if args.write_table and chosen:
             write_table(args.write_table, chosen)
         return
-    decode_cases = [(b, ctx) for b in ((1, 64) if args.quick else (1, 4, 16, 64))
-                    for ctx in ((4096, 32768) if args.quick else (4096, 8192, 32768))] + [(8, 16384)]
+    decode_cases = args.decode_cases or ([(b, ctx) for b in ((1, 64) if args.quick else (1, 4, 16, 64))
+                                          for ctx in ((4096, 32768) if args.quick else (4096, 8192, 32768))]
+                                         + [(8, 16384)])
     for b, ctx in decode_cases:
         decode_case(b, ctx, bw, rows)
         torch.cuda.empty_cache()

@@ -336,3 +336,17 @@ def test_check_shapes_reports_a_mismatch_and_a_hung_check(tmp_path, monkeypatch)
     mod, _ = _fake_check(tmp_path, monkeypatch, None, hang=True)
     row = mod.run_shape("d", _shape_args(mod), tmp_path)
     assert row["rc"] is None and not row["zero_mismatch"] and "timed out" in mod.render([row])
+
+
+def test_attention_bench_decode_cases_parse_and_refuse_by_name(monkeypatch):
+    """``bench_gpu_attention.py --decode-cases``: ``B:CTX`` pairs in order; a malformed pair, a zero, a context past the
+    cases' 32k ``max_model_len`` or an empty list is refused naming the item."""
+    import argparse
+
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    parse = _load("bench_gpu_attention").decode_cases_arg
+    assert parse("48:4096, 64:8192,") == [(48, 4096), (64, 8192)]
+    for bad, named in (("48", "'48'"), ("48:0", "'48:0'"), ("1:40000", "'1:40000'"), ("a:1", "'a:1'"), (",", "no decode")):
+        with pytest.raises(argparse.ArgumentTypeError, match=named):
+            parse(bad)
