@@ -63,6 +63,7 @@ from megatron_consistent.kernels.triton import paged_attention as tpa
 DEV = torch.device("cuda")
 HQ, HKV, D = 32, 8, 128
 PAGE = 16
+MAX_MODEL_LEN = 32768  # the max_seq_len bound every paged call of this benchmark passes (its longest context)
 L2_FLUSH_BYTES = 256 << 20  # working set per timed graph (H200 L2 is 50 MB)
 
 try:  # vLLM's FA3 build (paged decode goes through flash_attn_varlen_func + block_table, as vLLM's backend does)
@@ -146,16 +147,15 @@ def decode_case(b, ctx, bw, rows):
     qsl = torch.arange(b + 1, device=DEV, dtype=torch.int32)
     seq = torch.full((b,), ctx, device=DEV, dtype=torch.int32)
     scale = D ** -0.5
-    max_model_len = 32768
 
     def ours(split=None):
-        return [lambda i=i: tpa.paged_attention(qs[i], kc, vc, perm[i], qsl, seq, scale, outs[i], 1, max_model_len,
+        return [lambda i=i: tpa.paged_attention(qs[i], kc, vc, perm[i], qsl, seq, scale, outs[i], 1, MAX_MODEL_LEN,
                                                   split=split) for i in range(copies)]
 
     r = {"kind": "decode", "B": b, "ctx": ctx, "kv_bytes": kv_bytes}
     r["hbm_floor_ms"] = kv_bytes / bw * 1e3
     r["ours_ms"] = bench(ours())
-    est_split = tpa.paged_plan(b, HQ, HKV, b, 1, max_model_len, DEV)[2]
+    est_split = tpa.paged_plan(b, HQ, HKV, b, 1, MAX_MODEL_LEN, DEV)[2]
     r["ours_path"] = "split" if est_split else "in-program"
     r["ours_other_path_ms"] = bench(ours(split=not est_split))
     # where the split path's time goes: its two launches alone (eager, profiled) and the rest of the graph replay
@@ -279,13 +279,13 @@ def paged_gluon_prefill(t, hkv, qs, ks, vs, copies, flops, fa3_ms, rows):
         kv, tab = paged_copy(ks, vs, page)
         step = [(ks[i][0], vs[i][0]) if page < 64 else (None, None) for i in range(copies)]
         committed_ms = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(
-            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768, k_new=step[i][0], v_new=step[i][1])
+            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, MAX_MODEL_LEN, k_new=step[i][0], v_new=step[i][1])
             for i in range(copies)])
         ref = outs[0].clone()
         for schedule in SCHEDULES:
             outs[0].fill_(float("nan"))
             gluon_ms = _try(lambda kv=kv, tab=tab: bench([lambda i=i: tpa.paged_attention(
-                pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768, k_new=step[i][0], v_new=step[i][1],
+                pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, MAX_MODEL_LEN, k_new=step[i][0], v_new=step[i][1],
                 gluon=schedule) for i in range(copies)]))
             r = {"kind": "gluon paged prefill", "schedule": schedule, "T": t, "Hq": HQ, "Hkv": hkv, "D": D,
                  "page": page, "bits_equal": bool(torch.equal(ref, outs[0])), "committed_ms": committed_ms,
@@ -315,12 +315,12 @@ def prefill_case(t, hkv, rows):
     for page, key in ((PAGE, "ours_paged"), (64, "ours_paged64")):
         kv, tab = paged_copy(ks, vs, page)
         r[f"{key}_ms"] = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(
-            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768, k_new=ks[i][0], v_new=vs[i][0])
+            pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, MAX_MODEL_LEN, k_new=ks[i][0], v_new=vs[i][0])
             for i in range(copies)])
         if page == PAGE:
             ref = outs[0].clone()
             r["ours_paged_cache_only_ms"] = bench([lambda i=i, kv=kv, tab=tab: tpa.paged_attention(
-                pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, 32768) for i in range(copies)])
+                pq[i], kv[0], kv[1], tab[i], qsl, seq, scale, outs[i], t, MAX_MODEL_LEN) for i in range(copies)])
             r["ours_paged_cache_only_bits_equal"] = bool(torch.equal(ref, outs[0]))
         del kv
     sq = [x.transpose(1, 2) for x in qs]
@@ -409,7 +409,7 @@ def tile_sweep(bw, rows, decode_only: bool = False):
             out = torch.empty_like(q[0])
 
             def run(bm):
-                return [tpa.paged_attention(q[0], kv[0], kv[1], tab[0], cu, seq, scale, out, t, 32768, block_m=bm)]
+                return [tpa.paged_attention(q[0], kv[0], kv[1], tab[0], cu, seq, scale, out, t, MAX_MODEL_LEN, block_m=bm)]
         else:
             def run(bm):
                 return list(tattn.attention_fwd(q, k, v, pos, kl, scale, block_m=bm))
@@ -432,8 +432,8 @@ def tile_sweep(bw, rows, decode_only: bool = False):
                 softmax_scale=scale, causal=True, block_table=tab, fa_version=3)]))
 
         def run(bm):
-            return [tpa.paged_attention(q, kv[0], kv[1], tab, qsl, seq, scale, out, 1, 32768, block_m=bm)]
-        split = tpa.paged_plan(b, HQ, HKV, b, 1, 32768, DEV)[2]
+            return [tpa.paged_attention(q, kv[0], kv[1], tab, qsl, seq, scale, out, 1, MAX_MODEL_LEN, block_m=bm)]
+        split = tpa.paged_plan(b, HQ, HKV, b, 1, MAX_MODEL_LEN, DEV)[2]
         case = {"kind": "decode", "case": f"decode B={b} ctx={ctx}", "B": b, "ctx": ctx, "split": split,
                 "block_m": tattn._block_m_for(HQ // HKV), "hbm_floor_ms": 2 * b * ctx * HKV * D * 2 / bw * 1e3}
         _tile_rows(case, run, fa3, None, DECODE_TILES, rows)
@@ -549,12 +549,12 @@ def write_table(path: str, chosen: dict) -> None:
 
 
 def decode_cases_arg(text: str) -> list[tuple[int, int]]:
-    """``"B:CTX,..."`` -> ``[(B, CTX), ...]`` (positive integers; a context at most the cases' 32k ``max_model_len``)."""
+    """``"B:CTX,..."`` -> ``[(B, CTX), ...]`` (positive integers; a context at most :data:`MAX_MODEL_LEN`)."""
     cases = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         parts = item.split(":")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) > 32768:
-            raise argparse.ArgumentTypeError(f"{item!r} is not B:CTX with positive integers and CTX <= 32768")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) > MAX_MODEL_LEN:
+            raise argparse.ArgumentTypeError(f"{item!r} is not B:CTX with positive integers and CTX <= {MAX_MODEL_LEN}")
         cases.append((int(parts[0]), int(parts[1])))
     if not cases:
         raise argparse.ArgumentTypeError("no decode case given")
