@@ -62,7 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the trainer runs (cuda: with Megatron's distributed optimizer, beside the engine on one GPU)")
-    ap.add_argument("--quantization", choices=("fp8", "nvfp4"), default=None,
+    from megatron_consistent.conversion.fp8 import QUANTIZATION_METHODS
+
+    ap.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                     help="quantized rollouts (--mode consistent): block-FP8 / NVFP4 engine weights pushed from the bf16 masters")
     return ap.parse_args(argv)
 
