@@ -22,7 +22,8 @@ from megatron_consistent.kernels.fp8 import (
     dequantize_rows, fp8_linear, fp8_linear_ste, quantize, row_block_of_parts, weight_row_scales)
 from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
 from megatron_consistent.layers.fp8 import enable_fp8
-from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
+from megatron_consistent.verify import check as check_module
+from megatron_consistent.verify.check import builtin_model_dir, cpu_fp8_kv_cache_supported, load_check_config, run_check
 
 POW2_W = QuantFormat("e4m3", (128, 128), "pow2")
 POW2_A = QuantFormat("e4m3", (1, 128), "pow2")
@@ -230,6 +231,30 @@ def test_kv_round_trip_is_exact_in_bf16():
     assert torch.equal(kv_quantize(kv_round_trip(x)).view(torch.uint8), q.view(torch.uint8))  # e4m3 values are exact in bf16
 
 
+# vLLM's CPU engine holds an E4M3 KV cache only on x86 with AVX-512 or AMX (e.g. not on an AMD EPYC without AVX-512)
+NEEDS_CPU_FP8_KV_CACHE = pytest.mark.skipif(
+    not cpu_fp8_kv_cache_supported(), reason="this CPU has neither AVX-512 nor AMX: vLLM's CPU engine cannot hold an FP8 "
+    "KV cache here (check refuses it: test_check_refuses_an_fp8_kv_cache_the_cpu_engine_cannot_hold)")
+
+
+def test_check_refuses_an_fp8_kv_cache_the_cpu_engine_cannot_hold(tmp_path, monkeypatch, capsys):
+    """Without AVX-512 / AMX, ``check --kv-cache-dtype fp8`` on the CPU exits 2 with one line, before any work; with
+    them the same arguments pass the layout checks."""
+    from megatron_consistent.cli import main as cli_main
+
+    out = tmp_path / "out"
+    cfg = load_check_config(kv_cache_dtype="fp8", device="cpu", out_dir=str(out))
+    arch = check_module.ArchConfig.from_hf(check_module.load_hf_config(str(builtin_model_dir())))
+    monkeypatch.setattr(check_module, "cpu_fp8_kv_cache_supported", lambda: True)
+    check_module.check_layouts(cfg, arch)
+    monkeypatch.setattr(check_module, "cpu_fp8_kv_cache_supported", lambda: False)
+    assert cli_main(["check", "--device", "cpu", "--kv-cache-dtype", "fp8", "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype fp8 on the CPU" in err and "AVX-512 or AMX" in err and len(err.strip().splitlines()) == 1, err
+    assert not (out / "model").exists()  # nothing was built
+
+
+@NEEDS_CPU_FP8_KV_CACHE
 @pytest.mark.engine
 def test_check_fp8_kv_cache_zero_mismatch(tmp_path):
     """bf16 weights, E4M3 KV cache in the engine; the trainer round-trips its K/V the same way."""

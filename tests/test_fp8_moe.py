@@ -23,7 +23,7 @@ from megatron_consistent.kernels.fp8 import (
 from megatron_consistent.layers import build_consistent_gpt_model, compute_token_logprobs
 from megatron_consistent.layers.fp8 import enable_fp8
 from megatron_consistent.layers.moe import ConsistentMoELayer
-from test_fp8 import _longest_constant_run
+from test_fp8 import NEEDS_CPU_FP8_KV_CACHE, _longest_constant_run
 from megatron_consistent.verify.check import builtin_model_dir, load_check_config, run_check
 
 
@@ -206,6 +206,7 @@ def test_fp8_moe_ste_gradients_match_float64_reference():
 
 
 # ------------------------------------------------------------------------------------------- end to end (real vLLM engine)
+@NEEDS_CPU_FP8_KV_CACHE
 @pytest.mark.engine
 def test_check_fp8_moe_weights_and_kv_zero_mismatch(tmp_path):
     """One engine: Qwen3-MoE with block-FP8 attention + experts and the E4M3 KV cache, chunked prefill, prefix caching."""

@@ -220,9 +220,15 @@ def _engine_scales(method: str) -> str:
     return f"every {layout.values} weight and of its " + " and its ".join(f"{dtype} {suffix}" for suffix, dtype in layout.scales)
 
 
+def cpu_fp8_kv_cache_supported() -> bool:
+    """Whether vLLM's CPU engine can hold an FP8 KV cache here: x86 with AVX-512 or AMX (vLLM 0.32's CPU attention
+    refuses the cache elsewhere, whichever attention backend computes)."""
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
-    """Refuse, before any work, an engine / trainer tensor-parallel layout this build cannot run (one-line
-    ``ValueError`` naming the flag); returns the layouts the report states."""
+    """Refuse, before any work, an engine / trainer tensor-parallel layout this build cannot run, or an FP8 KV cache
+    the CPU engine cannot hold (one-line ``ValueError`` naming the flag); returns the layouts the report states."""
     from ..config import UnsupportedConfigError
     from ..layers.context_parallel import sequence_multiple
     from ..layers.parallel import check_rank_devices, rank_backend
@@ -245,6 +251,9 @@ def check_layouts(cfg: CheckConfig, arch: ArchConfig) -> dict:
     reason = trainer_refusal(cfg, arch)
     if reason:
         raise UnsupportedConfigError(f"{trainer_flags(cfg)}: {reason}")
+    if cfg.kv_cache_dtype == "fp8" and cfg.resolved_device() == "cpu" and not cpu_fp8_kv_cache_supported():
+        raise ValueError("--kv-cache-dtype fp8 on the CPU: vLLM's CPU engine keeps an FP8 KV cache only on x86 with "
+                         "AVX-512 or AMX, and this CPU has neither")
     engine = {"tensor_parallel_size": cfg.engine_tp}
     if cfg.engine_tp > 1:
         engine.update(column="q|k|v, gate|up: heads / MLP columns split", row="o_proj, down: K subtrees all-gathered in rank "

@@ -69,12 +69,11 @@ def validate(args):
 
     cfg = load_check_config(args.config, **{k: getattr(args, k) for k in _KEYS})
     if cfg.hf_config or cfg.engine_tp > 1 or cfg.trainer_tp * cfg.trainer_pp * cfg.trainer_dp * cfg.trainer_ep \
-            * cfg.trainer_cp > 1 \
-            or cfg.trainer_sp:
+            * cfg.trainer_cp > 1 or cfg.trainer_sp or cfg.kv_cache_dtype == "fp8":
         from ..config import builtin_model_dir
         from .check import check_layouts
 
-        check_layouts(cfg, hf_arch(cfg.checkpoint or cfg.hf_config or builtin_model_dir()))  # TP refusals, by name
+        check_layouts(cfg, hf_arch(cfg.checkpoint or cfg.hf_config or builtin_model_dir()))  # TP, FP8 KV refusals
     if cfg.checkpoint:  # the folder, its config and its index here; every tensor and the prompts before any engine starts
         from pathlib import Path
 
