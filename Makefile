@@ -58,13 +58,18 @@ INTERPRET_FAST := tests/test_triton_interpret_moe.py tests/test_triton_interpret
 # built once); most of an engine test is single-threaded start-up, so two workers on two cores take about 20 % off
 # (session 17: 19.7 against 24.7 min).  TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-# The longest files first (per-file seconds of test time in `make test` on the 2-core CPU machine, session 20: parallel
-# engine 258, robustness 226, parallel trainer 142, hybrid lifecycle 106, parallel check 104, lifecycle 64, integration
-# 64, sync 60, vllm check 56, vllm hybrid 39, fp8 38; 11.7 min in all): the workers take files in this order, so the
-# last ones to start are short and both workers finish close together.  The files that start several gloo rank
-# processes (test_parallel_*, test_pipeline_trainer: 76 s alone) alternate with single-engine ones, so two of them
-# rarely share the two cores.
-SLOW_TEST_FILES := tests/test_parallel_engine.py tests/test_robustness.py tests/test_parallel_trainer.py \
+# The longest files first (per-file seconds of test time in `make test` on the 2-core CPU machine, session 43, after
+# spawn_ranks' warm rank launcher: parallel check 890, parallel engine 665, parallel trainer 611, fp8 tp ~330, robustness
+# 434, rl quantized 409, sync 277, vllm check 257, hybrid lifecycle 201, ...): the workers take files in this order, so
+# the last ones to start are short and both workers finish close together.  The files that start several gloo rank
+# processes (test_parallel_*, test_pipeline_trainer, test_fp8_tp, test_hybrid_tp) alternate with single-engine ones,
+# so two of them rarely share the two cores.
+SLOW_TEST_FILES := tests/test_parallel_check.py tests/test_robustness.py tests/test_parallel_engine.py \
+	tests/test_rl_quantized.py tests/test_parallel_trainer.py tests/test_sync.py tests/test_fp8_tp.py \
+	tests/test_vllm_check.py tests/test_hybrid_tp.py tests/test_hybrid_lifecycle.py tests/test_pipeline_trainer.py \
+	tests/test_integration.py tests/test_fp8_ep.py tests/test_lifecycle.py tests/test_nvfp4_moe.py tests/test_vllm_hybrid.py \
+	tests/test_context_parallel.py tests/test_fp8.py tests/test_fp8_parallel.py
+TEST_FILES := tests/test_parallel_engine.py tests/test_robustness.py tests/test_parallel_trainer.py \
 	tests/test_vllm_check.py tests/test_parallel_check.py tests/test_hybrid_lifecycle.py tests/test_pipeline_trainer.py \
 	tests/test_lifecycle.py tests/test_vllm_hybrid.py tests/test_integration.py tests/test_sync.py tests/test_fp8_tp.py \
 	tests/test_fp8.py

@@ -236,6 +236,46 @@ def test_rank_main_selects_backend_device_and_multicast_off(tmp_path, monkeypatc
         assert seen["env"] == dict.fromkeys(ld.NVLINK_MULTICAST_OFF)
 
 
+def _caller_state_worker(rank: int, workdir: str) -> None:
+    import os
+
+    print(f"rank {rank} of the job in {os.getcwd()} tagged {os.environ['MC_TEST_JOB_TAG']}", flush=True)
+
+
+@contextlib.contextmanager
+def _stdout_to(path: Path):
+    """File descriptor 1 of this process on ``path`` inside the ``with`` (restored afterwards)."""
+    import os
+
+    saved = os.dup(1)
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+@pytest.mark.slow
+def test_cpu_jobs_share_the_warm_launcher_and_take_the_callers_state(tmp_path, monkeypatch):
+    """Two CPU jobs of one caller go through the same warm rank launcher, each with the caller's environment, working
+    directory and stdout as they are at that job."""
+    from megatron_consistent.layers import distributed as ld
+
+    launchers = []
+    for tag in ("first", "second"):
+        (tmp_path / tag).mkdir()
+        monkeypatch.chdir(tmp_path / tag)
+        monkeypatch.setenv("MC_TEST_JOB_TAG", tag)
+        with _stdout_to(tmp_path / f"{tag}.out"):
+            ld.spawn_ranks(_caller_state_worker, 2, tmp_path / tag)
+        launchers.append(ld._RANK_LAUNCHER[1])
+        assert sorted((tmp_path / f"{tag}.out").read_text().splitlines()) == [
+            f"rank {r} of the job in {tmp_path / tag} tagged {tag}" for r in range(2)]
+    assert launchers[0] is launchers[1] and launchers[0].is_alive()
+
+
 # ---------------------------------------------------------------------------------------------- model level
 def _config_dir(tmp_path: Path, base: Path = LLAMA, **fields) -> Path:
     """``base``'s config with ``fields`` set, in a folder of its own under ``tmp_path``."""

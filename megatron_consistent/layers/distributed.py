@@ -1,8 +1,8 @@
 """Running the consistent model at a TP x PP x DP (EP, CP) layout — CPU ranks (gloo) or GPU ranks (NCCL) — recomputing
 token log-probs there, and exporting the whole model from it.
 
-* :func:`spawn_ranks` — ``TP * CP * PP * DP`` processes (CPU: forked from one spawned launcher that imported the
-  modules once; CUDA: ``torch.multiprocessing`` spawn), each with
+* :func:`spawn_ranks` — ``TP * CP * PP * DP`` processes (CPU: forked from a job process forked from the caller's warm
+  rank launcher, which imported the modules once; CUDA: ``torch.multiprocessing`` spawn), each with
   ``torch.distributed`` (a ``FileStore`` in a work folder: no TCP port) and one thread;
   ``device="cpu"``: gloo; ``device="cuda"``: NCCL, rank r on ``cuda:r`` (NVLink multicast off:
   :data:`NVLINK_MULTICAST_OFF`).  Nothing is pickled but the worker function's name and plain
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -271,11 +272,14 @@ def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None
     (``device="cpu"``), or NCCL with rank r on ``cuda:r`` (``device="cuda"``: ``world`` CUDA devices must be visible;
     NVLink multicast off in every rank).
 
-    CPU: one spawned process imports this module and the worker's (Megatron-Core: seconds each) once, then forks the
-    ``world`` ranks from that clean state (no thread pool started, no tensor computed there), so a job pays the imports
-    once instead of once per rank; the ranks run the same code, so the bits are the same.  CUDA: each rank spawned
-    (a fork must not inherit a CUDA context).  A failing rank raises ``torch.multiprocessing``'s
-    ``ProcessRaisedException`` / ``ProcessExitedException`` (its message carries the rank's traceback) either way.
+    CPU: the warm rank launcher (:func:`_serve_rank_jobs`: a process spawned at this process's first CPU job, which
+    imported this module -- Megatron-Core: seconds -- and computed nothing) forks a job process, which takes this
+    process's environment, working directory, ``sys.path``, stdout and stderr, imports the worker's module and forks
+    the ``world`` ranks from that clean state (no thread pool started, no tensor computed there), so the imports are
+    paid once per calling process instead of once per job and rank; the ranks run the same code, so the bits are the
+    same.  CUDA: each rank spawned (a fork must not inherit a CUDA context).  A failing rank raises
+    ``torch.multiprocessing``'s ``ProcessRaisedException`` / ``ProcessExitedException`` (its message carries the
+    rank's traceback) either way.
 
     ``worker`` must be importable by name (module level); ``args``: plain values (str / int / float / bool).
     """
@@ -294,21 +298,82 @@ def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None
         return
     failure = Path(workdir) / "ranks.failure.json"
     failure.unlink(missing_ok=True)
-    launcher = mp.get_context("spawn").Process(target=_fork_ranks, args=(worker, str(workdir), world, args, str(failure)))
-    launcher.start()
-    launcher.join()
+    pid, exitcode = _run_rank_job((worker.__module__, worker.__qualname__, str(workdir), world, args, str(failure),
+                              dict(os.environ), os.getcwd(), list(sys.path)))
     if failure.exists():
         f = json.loads(failure.read_text())
         if f["kind"] == "exited":
             raise mp.ProcessExitedException(f["msg"], f["index"], f["pid"], f["exit_code"], f["signal_name"])
         raise mp.ProcessRaisedException(f["msg"], f["index"], f["pid"])
-    if launcher.exitcode != 0:
-        raise mp.ProcessExitedException(f"the rank launcher exited with code {launcher.exitcode}", 0, launcher.pid,
-                                        launcher.exitcode, None)
+    if exitcode != 0:
+        raise mp.ProcessExitedException(f"the rank job process exited with code {exitcode}", 0, pid, exitcode, None)
+
+
+_RANK_LAUNCHER = None  # (pid, process, connection): process pid's warm rank launcher, started at its first CPU job
+
+
+def _run_rank_job(job: tuple) -> tuple[int, int]:
+    """Hand ``job`` (:func:`_rank_job`'s arguments) and this process's stdout / stderr to the warm rank launcher
+    (started here at this process's first job: a forked copy of a caller starts its own); the job process's pid and
+    exit code."""
+    import multiprocessing as mp
+    from multiprocessing import reduction, util
+
+    global _RANK_LAUNCHER
+    if _RANK_LAUNCHER is None or _RANK_LAUNCHER[0] != os.getpid():
+        ours, theirs = mp.Pipe()
+        launcher = mp.get_context("spawn").Process(target=_serve_rank_jobs, args=(theirs,))
+        launcher.start()
+        theirs.close()
+        # at exit, before multiprocessing joins its children: the launcher reads the end of the pipe and leaves
+        util.Finalize(None, ours.close, exitpriority=10)
+        _RANK_LAUNCHER = (os.getpid(), launcher, ours)
+    _, launcher, conn = _RANK_LAUNCHER
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(job)
+    for fd in (1, 2):
+        reduction.send_handle(conn, fd, launcher.pid)
+    return conn.recv()
+
+
+def _serve_rank_jobs(conn) -> None:
+    """The warm rank launcher: for each job received, a forked job process runs :func:`_rank_job` with the caller's
+    stdout / stderr; answers with its pid and exit code.  Leaves when the caller closes the pipe."""
+    import multiprocessing as mp
+    from multiprocessing import reduction
+
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        fds = [reduction.recv_handle(conn) for _ in (1, 2)]
+        proc = mp.get_context("fork").Process(target=_rank_job, args=(*job, fds))
+        proc.start()
+        for fd in fds:
+            os.close(fd)
+        proc.join()
+        conn.send((proc.pid, proc.exitcode))
+
+
+def _rank_job(module: str, name: str, workdir: str, world: int, args: tuple, failure: str, env: dict, cwd: str,
+              path: list, fds: list) -> None:
+    """In a job process forked from the warm rank launcher: the caller's environment, working directory, ``sys.path``,
+    stdout and stderr, then the ranks of the worker ``module.name`` (:func:`_fork_ranks`)."""
+    import importlib
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+    for target, fd in zip((1, 2), fds):
+        os.dup2(fd, target)
+    _fork_ranks(getattr(importlib.import_module(module), name), workdir, world, args, failure)
 
 
 def _fork_ranks(worker, workdir: str, world: int, args: tuple, failure: str) -> None:
-    """In the launcher process of :func:`spawn_ranks` (CPU): fork the ranks, join them; a failure is written to
+    """In the job process of :func:`spawn_ranks` (CPU): fork the ranks, join them; a failure is written to
     ``failure`` (JSON) for the caller to raise."""
     import torch.multiprocessing as mp
 
