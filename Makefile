@@ -69,10 +69,6 @@ SLOW_TEST_FILES := tests/test_parallel_check.py tests/test_robustness.py tests/t
 	tests/test_vllm_check.py tests/test_hybrid_tp.py tests/test_hybrid_lifecycle.py tests/test_pipeline_trainer.py \
 	tests/test_integration.py tests/test_fp8_ep.py tests/test_lifecycle.py tests/test_nvfp4_moe.py tests/test_vllm_hybrid.py \
 	tests/test_context_parallel.py tests/test_fp8.py tests/test_fp8_parallel.py
-TEST_FILES := tests/test_parallel_engine.py tests/test_robustness.py tests/test_parallel_trainer.py \
-	tests/test_vllm_check.py tests/test_parallel_check.py tests/test_hybrid_lifecycle.py tests/test_pipeline_trainer.py \
-	tests/test_lifecycle.py tests/test_vllm_hybrid.py tests/test_integration.py tests/test_sync.py tests/test_fp8_tp.py \
-	tests/test_fp8.py
 TEST_FILES := $(SLOW_TEST_FILES) $(filter-out $(SLOW_TEST_FILES),$(sort $(wildcard tests/test_*.py)))
 
 test: setup

@@ -331,10 +331,11 @@ def _run_rank_job(job: tuple) -> tuple[int, int]:
     _, launcher, conn = _RANK_LAUNCHER
     sys.stdout.flush()
     sys.stderr.flush()
-    conn.send(job)
+    conn.send_bytes(json.dumps(job).encode())  # plain values as JSON: nothing pickled
     for fd in (1, 2):
         reduction.send_handle(conn, fd, launcher.pid)
-    return conn.recv()
+    pid, exitcode = json.loads(conn.recv_bytes())
+    return pid, exitcode
 
 
 def _serve_rank_jobs(conn) -> None:
@@ -345,7 +346,7 @@ def _serve_rank_jobs(conn) -> None:
 
     while True:
         try:
-            job = conn.recv()
+            job = json.loads(conn.recv_bytes())
         except EOFError:
             return
         fds = [reduction.recv_handle(conn) for _ in (1, 2)]
@@ -354,13 +355,14 @@ def _serve_rank_jobs(conn) -> None:
         for fd in fds:
             os.close(fd)
         proc.join()
-        conn.send((proc.pid, proc.exitcode))
+        conn.send_bytes(json.dumps([proc.pid, proc.exitcode]).encode())
 
 
 def _rank_job(module: str, name: str, workdir: str, world: int, args: tuple, failure: str, env: dict, cwd: str,
               path: list, fds: list) -> None:
     """In a job process forked from the warm rank launcher: the caller's environment, working directory, ``sys.path``,
-    stdout and stderr, then the ranks of the worker ``module.name`` (:func:`_fork_ranks`)."""
+    stdout and stderr, then the ranks of the worker ``module.name`` (:func:`_fork_ranks`; ``args``, a JSON list, as the
+    tuple the worker takes)."""
     import importlib
 
     os.environ.clear()
@@ -369,7 +371,7 @@ def _rank_job(module: str, name: str, workdir: str, world: int, args: tuple, fai
     sys.path[:] = path
     for target, fd in zip((1, 2), fds):
         os.dup2(fd, target)
-    _fork_ranks(getattr(importlib.import_module(module), name), workdir, world, args, failure)
+    _fork_ranks(getattr(importlib.import_module(module), name), workdir, world, tuple(args), failure)
 
 
 def _fork_ranks(worker, workdir: str, world: int, args: tuple, failure: str) -> None:
