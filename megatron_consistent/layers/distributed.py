@@ -277,7 +277,8 @@ def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None
     process's environment, working directory, ``sys.path``, stdout and stderr, imports the worker's module and forks
     the ``world`` ranks from that clean state (no thread pool started, no tensor computed there), so the imports are
     paid once per calling process instead of once per job and rank; the ranks run the same code, so the bits are the
-    same.  CUDA: each rank spawned (a fork must not inherit a CUDA context).  A failing rank raises
+    same (a variable a module reads at import keeps the value it had when the launcher started: none of the modules
+    it imports reads one).  CUDA: each rank spawned (a fork must not inherit a CUDA context).  A failing rank raises
     ``torch.multiprocessing``'s ``ProcessRaisedException`` / ``ProcessExitedException`` (its message carries the
     rank's traceback) either way.
 
