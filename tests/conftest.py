@@ -36,6 +36,31 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def _row_invariant_interpreter_dot() -> None:
+    """Under ``TRITON_INTERPRET=1``, ``tl.dot`` as a stack of one-row products.  The interpreter computes a dot with
+    ``np.matmul``, whose BLAS kernel may round a row differently with the number of rows (OpenBLAS 0.3.30's Haswell /
+    Zen sgemm does: rows 0-15 of a 32 x 16 @ 16 x 16 product differ from the 16 x 16 product), so a test of a kernel's
+    row tiles would test the BLAS; each row as its own ``1 x K`` product gives it the same arithmetic whatever the tile.
+    The GPU tests check the tensor cores themselves."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = interpreter.TensorHandle(a.data[..., :, None, :], a.dtype.scalar)
+        cols = interpreter.TensorHandle(b.data[..., None, :, :], b.dtype.scalar)
+        acc = interpreter.TensorHandle(d.data[..., :, None, :], d.dtype.scalar)
+        out = dot(self, rows, cols, acc, input_precision, max_num_imprecise_acc)
+        return interpreter.TensorHandle(np.ascontiguousarray(out.data[..., 0, :]), out.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_invariant_interpreter_dot()
+
+
 @contextlib.contextmanager
 def _torch_threads(n: int):
     """Run the body with ``torch.set_num_threads(n)``; the previous count is restored afterwards."""
