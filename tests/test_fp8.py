@@ -244,7 +244,9 @@ def test_check_refuses_an_fp8_kv_cache_the_cpu_engine_cannot_hold(tmp_path, monk
 
     out = tmp_path / "out"
     cfg = load_check_config(kv_cache_dtype="fp8", device="cpu", out_dir=str(out))
-    arch = check_module.ArchConfig.from_hf(check_module.load_hf_config(str(builtin_model_dir())))
+    from megatron_consistent.verify.inputs import hf_arch
+
+    arch = hf_arch(builtin_model_dir())  # the arch the CLI's validation builds
     monkeypatch.setattr(check_module, "cpu_fp8_kv_cache_supported", lambda: True)
     check_module.check_layouts(cfg, arch)
     monkeypatch.setattr(check_module, "cpu_fp8_kv_cache_supported", lambda: False)
