@@ -239,7 +239,8 @@ def test_rank_main_selects_backend_device_and_multicast_off(tmp_path, monkeypatc
 def _caller_state_worker(rank: int, workdir: str) -> None:
     import os
 
-    print(f"rank {rank} of the job in {os.getcwd()} tagged {os.environ['MC_TEST_JOB_TAG']}", flush=True)
+    # one write call: the ranks share the file, and a print may write its line and its newline in two
+    os.write(1, f"rank {rank} of the job in {os.getcwd()} tagged {os.environ['MC_TEST_JOB_TAG']}\n".encode())
 
 
 @contextlib.contextmanager
@@ -274,6 +275,35 @@ def test_cpu_jobs_share_the_warm_launcher_and_take_the_callers_state(tmp_path, m
         assert sorted((tmp_path / f"{tag}.out").read_text().splitlines()) == [
             f"rank {r} of the job in {tmp_path / tag} tagged {tag}" for r in range(2)]
     assert launchers[0] is launchers[1] and launchers[0].is_alive()
+
+
+def _refusing_rank_worker(rank: int, workdir: str) -> None:
+    """Rank 1 refuses; rank 0 waits for its tensor and fails when rank 1 leaves the group -- while rank 1 is still
+    exiting (a 3 s finalizer), so ``torch.multiprocessing`` sees rank 0's failure first."""
+    import time
+    from multiprocessing import util
+
+    if rank == 1:
+        util.Finalize(None, time.sleep, args=(3,), exitpriority=0)
+        raise ValueError("rank 1 refuses the job")
+    torch.distributed.recv(torch.empty(4), src=1)
+
+
+@pytest.mark.slow
+def test_the_rank_that_raised_first_is_reported(tmp_path, monkeypatch):
+    """A peer that lost its connection to a refusing rank is not what :func:`spawn_ranks` reports: the refusal is
+    (without the first-raised rule, the peer's connection error is)."""
+    from torch.multiprocessing import ProcessRaisedException
+
+    from megatron_consistent.layers import distributed as ld
+
+    with pytest.raises(ProcessRaisedException, match="rank 1 refuses the job") as e:
+        ld.spawn_ranks(_refusing_rank_worker, 2, tmp_path)
+    assert e.value.error_index == 1
+    monkeypatch.setattr(ld, "_first_raised", lambda workdir, reported: reported)
+    with pytest.raises(ProcessRaisedException) as e:
+        ld.spawn_ranks(_refusing_rank_worker, 2, tmp_path)
+    assert e.value.error_index == 0 and "rank 1 refuses the job" not in str(e.value), str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------- model level

@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -263,8 +264,37 @@ def _rank_main(rank: int, worker, workdir: str, world: int, device: str, args: t
     try:
         worker(rank, workdir, *args)
         dist.barrier()
+    except BaseException:
+        _record_raised(workdir, rank)
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _record_raised(workdir: str, rank: int) -> None:
+    """In a rank whose worker raised, before it leaves the process group: its traceback and the (machine-wide)
+    monotonic clock, for :func:`_first_raised` -- a peer's error caused by this rank leaving comes later."""
+    import traceback
+
+    (Path(workdir) / f"rank{rank}.raised.json").write_text(json.dumps(
+        {"rank": rank, "pid": os.getpid(), "at_ns": time.monotonic_ns(), "traceback": traceback.format_exc()}))
+
+
+def _first_raised(workdir, reported):
+    """``torch.multiprocessing`` reports the lowest-numbered failed rank it sees, which may be a peer that only lost
+    its connection to the rank that raised first (``Connection closed by peer``): the first rank's error instead
+    (a ``ProcessRaisedException`` in ``torch.multiprocessing``'s wording), or ``reported`` where no other rank raised
+    earlier (an exited rank -- a signal, ``os._exit`` -- records nothing, so it is reported as it was)."""
+    import torch.multiprocessing as mp
+
+    records = [json.loads(f.read_text()) for f in Path(workdir).glob("rank*.raised.json")]
+    if not isinstance(reported, mp.ProcessRaisedException) or not records:
+        return reported
+    first = min(records, key=lambda r: r["at_ns"])
+    if first["rank"] == reported.error_index:
+        return reported
+    return mp.ProcessRaisedException(f"\n\n-- Process {first['rank']} terminated with the following error:\n"
+                                     f"{first['traceback']}", first["rank"], first["pid"])
 
 
 def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None:
@@ -280,7 +310,8 @@ def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None
     same (a variable a module reads at import keeps the value it had when the launcher started: none of the modules
     it imports reads one).  CUDA: each rank spawned (a fork must not inherit a CUDA context).  A failing rank raises
     ``torch.multiprocessing``'s ``ProcessRaisedException`` / ``ProcessExitedException`` (its message carries the
-    rank's traceback) either way.
+    rank's traceback) either way; of ranks that raised, the first to raise is reported (:func:`_first_raised`), not a
+    peer that lost its connection to it.
 
     ``worker`` must be importable by name (module level); ``args``: plain values (str / int / float / bool).
     """
@@ -290,11 +321,23 @@ def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None
     for a in args:
         if not isinstance(a, (str, int, float, bool, type(None))):
             raise TypeError(f"spawn_ranks passes plain values only (tensors go through files), got {type(a).__name__}")
-    store = Path(workdir) / "store"
-    if store.exists():
-        store.unlink()
+    for stale in (Path(workdir) / "store", *Path(workdir).glob("rank*.raised.json")):
+        stale.unlink(missing_ok=True)
+    try:
+        _start_ranks(worker, world, str(workdir), args, device)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        first = _first_raised(workdir, e)
+        if first is e:
+            raise
+        raise first from None
+
+
+def _start_ranks(worker, world: int, workdir: str, args: tuple, device: str) -> None:
+    """:func:`spawn_ranks`' processes: spawned on CUDA, through the warm rank launcher on the CPU."""
+    import torch.multiprocessing as mp
+
     if device == "cuda":
-        mp.start_processes(_rank_main, args=(worker, str(workdir), world, device, args), nprocs=world, join=True,
+        mp.start_processes(_rank_main, args=(worker, workdir, world, device, args), nprocs=world, join=True,
                            start_method="spawn")
         return
     failure = Path(workdir) / "ranks.failure.json"
