@@ -261,7 +261,7 @@ def _stdout_to(path: Path):
 @pytest.mark.slow
 def test_cpu_jobs_share_the_warm_launcher_and_take_the_callers_state(tmp_path, monkeypatch):
     """Two CPU jobs of one caller go through the same warm rank launcher, each with the caller's environment, working
-    directory and stdout as they are at that job."""
+    directory and stdout as they are at that job; a launcher that died is replaced."""
     from megatron_consistent.layers import distributed as ld
 
     launchers = []
@@ -275,6 +275,11 @@ def test_cpu_jobs_share_the_warm_launcher_and_take_the_callers_state(tmp_path, m
         assert sorted((tmp_path / f"{tag}.out").read_text().splitlines()) == [
             f"rank {r} of the job in {tmp_path / tag} tagged {tag}" for r in range(2)]
     assert launchers[0] is launchers[1] and launchers[0].is_alive()
+    launchers[0].kill()  # a dead launcher is replaced at the next job
+    launchers[0].join()
+    with _stdout_to(tmp_path / "after.out"):
+        ld.spawn_ranks(_caller_state_worker, 2, tmp_path / tag)
+    assert ld._RANK_LAUNCHER[1] is not launchers[0] and len((tmp_path / "after.out").read_text().splitlines()) == 2
 
 
 def _refusing_rank_worker(rank: int, workdir: str) -> None:

@@ -358,13 +358,15 @@ _RANK_LAUNCHER = None  # (pid, process, connection): process pid's warm rank lau
 
 def _run_rank_job(job: tuple) -> tuple[int, int]:
     """Hand ``job`` (:func:`_rank_job`'s arguments) and this process's stdout / stderr to the warm rank launcher
-    (started here at this process's first job: a forked copy of a caller starts its own); the job process's pid and
-    exit code."""
+    (started here at this process's first job, and again where it has died: a forked copy of a caller starts its
+    own); the job process's pid and exit code."""
     import multiprocessing as mp
     from multiprocessing import reduction, util
 
     global _RANK_LAUNCHER
-    if _RANK_LAUNCHER is None or _RANK_LAUNCHER[0] != os.getpid():
+    if _RANK_LAUNCHER is None or _RANK_LAUNCHER[0] != os.getpid() or not _RANK_LAUNCHER[1].is_alive():
+        if _RANK_LAUNCHER is not None and _RANK_LAUNCHER[0] == os.getpid():
+            _RANK_LAUNCHER[2].close()  # the dead launcher's end
         ours, theirs = mp.Pipe()
         launcher = mp.get_context("spawn").Process(target=_serve_rank_jobs, args=(theirs,))
         launcher.start()
