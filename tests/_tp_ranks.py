@@ -137,6 +137,7 @@ def rank_main(rank: int, port: int, jobs_file: str, tp: int) -> None:
     from vllm.config import (CacheConfig, CompilationConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
     from megatron_consistent import vllm_plugin
     from megatron_consistent.config import ArchConfig, load_hf_config
@@ -159,6 +160,11 @@ def rank_main(rank: int, port: int, jobs_file: str, tp: int) -> None:
     for job in jobs:
         _run_job(rank, tp, config(job["model_dir"]), job["model_dir"], job["out_dir"], job["fault"], job["update"],
                  job.get("reload", ""))
+    # leave the group together and in order: a rank that exited with its communicators up aborted once in CI after
+    # every job had written its outputs ("terminate called without an active exception")
+    torch.distributed.barrier()
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def _run_job(rank: int, tp: int, vc, model_dir: str, out_dir: str, fault: str, update: str, reload: str = "") -> None:
