@@ -284,12 +284,13 @@ def test_cpu_jobs_share_the_warm_launcher_and_take_the_callers_state(tmp_path, m
 
 def _refusing_rank_worker(rank: int, workdir: str) -> None:
     """Rank 1 refuses; rank 0 waits for its tensor and fails when rank 1 leaves the group -- while rank 1 is still
-    exiting (a 3 s finalizer), so ``torch.multiprocessing`` sees rank 0's failure first."""
+    exiting (a 30 s finalizer, cut short: ``torch.multiprocessing`` ends the other ranks at the first failure it
+    sees), so rank 0's failure is the one seen first."""
     import time
     from multiprocessing import util
 
     if rank == 1:
-        util.Finalize(None, time.sleep, args=(3,), exitpriority=0)
+        util.Finalize(None, time.sleep, args=(30,), exitpriority=0)
         raise ValueError("rank 1 refuses the job")
     torch.distributed.recv(torch.empty(4), src=1)
 

@@ -281,14 +281,14 @@ def _record_raised(workdir: str, rank: int) -> None:
 
 
 def _first_raised(workdir, reported):
-    """``torch.multiprocessing`` reports the lowest-numbered failed rank it sees, which may be a peer that only lost
-    its connection to the rank that raised first (``Connection closed by peer``): the first rank's error instead
-    (a ``ProcessRaisedException`` in ``torch.multiprocessing``'s wording), or ``reported`` where no other rank raised
-    earlier (an exited rank -- a signal, ``os._exit`` -- records nothing, so it is reported as it was)."""
+    """``torch.multiprocessing`` reports the lowest-numbered failed rank it sees (``reported``, a raised one), which
+    may be a peer that only lost its connection to the rank that raised first (``Connection closed by peer``): the
+    first rank's error instead (in ``torch.multiprocessing``'s wording), or ``reported`` where no other rank raised
+    earlier."""
     import torch.multiprocessing as mp
 
     records = [json.loads(f.read_text()) for f in Path(workdir).glob("rank*.raised.json")]
-    if not isinstance(reported, mp.ProcessRaisedException) or not records:
+    if not records:
         return reported
     first = min(records, key=lambda r: r["at_ns"])
     if first["rank"] == reported.error_index:
@@ -325,7 +325,7 @@ def spawn_ranks(worker, world: int, workdir, *args, device: str = "cpu") -> None
         stale.unlink(missing_ok=True)
     try:
         _start_ranks(worker, world, str(workdir), args, device)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+    except mp.ProcessRaisedException as e:  # an exited rank (a signal, os._exit) records nothing: reported as it is
         first = _first_raised(workdir, e)
         if first is e:
             raise
