@@ -46,7 +46,7 @@ check-hybrid: setup
 # at import). `make test` runs the fast files (the MoE route / sort / grouped GEMM, the norm, the SSD outputs, the
 # contract's exp, the Mamba-2 mixer's conv / gated norm / dt and its decode step's in-place outputs and end states,
 # the paged attention and KV writes at block ids past 32-bit element offsets, the split decode = in-program on a NaN
-# workspace, also with the early exit of its empty partition programs; about four and a half minutes on TEST_WORKERS workers in CI);
+# workspace, also with its empty partition programs' early exit; about five minutes on TEST_WORKERS workers in CI);
 # `make test-interpret` runs every one (about seven minutes: the GEMM and attention paths too).
 INTERPRET_FAST := tests/test_triton_interpret_moe.py tests/test_triton_interpret_rms_norm.py tests/test_triton_interpret_ssd.py \
 	tests/test_triton_interpret_exp.py tests/test_triton_interpret_conv1d.py tests/test_triton_interpret_gated_norm.py \
