@@ -241,11 +241,10 @@ def test_check_refuses_an_fp8_kv_cache_the_cpu_engine_cannot_hold(tmp_path, monk
     """Without AVX-512 / AMX, ``check --kv-cache-dtype fp8`` on the CPU exits 2 with one line, before any work; with
     them the same arguments pass the layout checks."""
     from megatron_consistent.cli import main as cli_main
+    from megatron_consistent.verify.inputs import hf_arch
 
     out = tmp_path / "out"
     cfg = load_check_config(kv_cache_dtype="fp8", device="cpu", out_dir=str(out))
-    from megatron_consistent.verify.inputs import hf_arch
-
     arch = hf_arch(builtin_model_dir())  # the arch the CLI's validation builds
     monkeypatch.setattr(check_module, "cpu_fp8_kv_cache_supported", lambda: True)
     check_module.check_layouts(cfg, arch)
