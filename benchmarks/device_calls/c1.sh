@@ -1,6 +1,7 @@
 # Call 1 (no vLLM): carry .gw/part1 (with .whl the carry passes 64 MiB). Stashes the bundle's part 1; then the split
 # path's early-exit tests (session 45: partition programs past the batch's longest row return after one load,
-# `MC_ATTN_EMPTY_EXIT`; bits against the in-program path on a NaN workspace, and the broken variant caught); then
+# `MC_ATTN_EMPTY_EXIT`, on for the whole run; bits against the in-program path on a NaN workspace, the broken variant
+# caught, CUDA-graph replay, merge schedules, random batches); then
 # every decode case of bench_gpu_attention.py (B = 1-64 at 4k-32k, B = 8 at 16k; both paths timed, every split
 # variant's time and bits -- the early exit among them) on an H200 only (session 42's table, the same kernels, is an
 # H100's; issue #15: every decode case >= SDPA).
@@ -10,8 +11,8 @@ mkdir -p /tmp/stash && cp -r .gw/part1 /tmp/stash/ && echo part1 stashed
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/${TAG}_gpu.txt" 2>&1; cat "$OUT/${TAG}_gpu.txt"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 date +%T
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu_paged_attention.py \
-  -k "past_the_longest or one_rows_length or only_written or cuda_graph" > "$OUT/${TAG}_early_exit_tests.log" 2>&1
+MC_ATTN_EMPTY_EXIT=1 timeout 180 python -m pytest -q -p no:cacheprovider tests/test_gpu_paged_attention.py \
+  -k "past_the_longest or one_rows_length or only_written or cuda_graph or merge_schedules or random_batches" > "$OUT/${TAG}_early_exit_tests.log" 2>&1
 echo "early-exit tests rc $?"; tail -2 "$OUT/${TAG}_early_exit_tests.log"
 date +%T
 if grep -q H200 "$OUT/${TAG}_gpu.txt"; then  # session 42's full table is an H100's (the same kernels): an H200's only
