@@ -1,6 +1,6 @@
 # Call 1 (no vLLM): carry .gw/part1 (with .whl the carry passes 64 MiB). Stashes the bundle's part 1; then the split
 # path's early-exit tests (session 45: partition programs past the batch's longest row return after one load,
-# `MC_ATTN_EMPTY_EXIT`, on for the whole run; bits against the in-program path on a NaN workspace, the broken variant
+# `MC_ATTN_EMPTY_EXIT`, on for these tests; bits against the in-program path on a NaN workspace, the broken variant
 # caught, CUDA-graph replay, merge schedules, random batches); then
 # every decode case of bench_gpu_attention.py (B = 1-64 at 4k-32k, B = 8 at 16k; both paths timed, every split
 # variant's time and bits -- the early exit among them) on an H200 only (session 42's table, the same kernels, is an
