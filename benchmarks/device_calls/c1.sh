@@ -1,7 +1,7 @@
 # Call 1 (no vLLM): carry .gw/part1 (with .whl the carry passes 64 MiB). Stashes the bundle's part 1; then the split
 # path's early-exit tests (session 45: partition programs past the batch's longest row return after one load,
 # `MC_ATTN_EMPTY_EXIT`, on for these tests; bits against the in-program path on a NaN workspace, the broken variant
-# caught, CUDA-graph replay, merge schedules, random batches); then
+# caught, CUDA-graph replay); then
 # eleven decode cases of bench_gpu_attention.py (B = 1-64 at 2k-32k; both paths timed, every split variant's time and
 # bits -- the early exit among them; issue #15: every decode case >= SDPA).
 # TAG=s45 bash benchmarks/device_calls/c1.sh   (repo root, on the GPU; $OUT from the device tool; TAG names the outputs)
