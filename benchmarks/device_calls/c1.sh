@@ -15,8 +15,8 @@ MC_ATTN_EMPTY_EXIT=1 timeout 150 python -m pytest -q -p no:cacheprovider tests/t
 echo "early-exit tests rc $?"; tail -2 "$OUT/${TAG}_early_exit_tests.log"
 date +%T
 # ten of the thirteen default decode cases and B = 16 at 2k (where the early exit can matter: contexts well under the
-# 32k bound); FULL_TABLE=1: every default case
-CASES=1:4096,1:32768,4:4096,4:8192,4:32768,16:2048,16:4096,16:8192,16:32768,8:16384,64:4096
+# 32k bound); FULL_TABLE=1: every default case; CASES=B:CTX,...: those
+CASES=${CASES:-1:4096,1:32768,4:4096,4:8192,4:32768,16:2048,16:4096,16:8192,16:32768,8:16384,64:4096}
 timeout 300 python benchmarks/bench_gpu_attention.py --decode-only --out "$OUT/${TAG}_attention_decode.json" \
   $([ "${FULL_TABLE:-0}" = 1 ] || echo --decode-cases $CASES) > "$OUT/${TAG}_attention_decode.log" 2>&1
 echo "decode bench rc $?"; grep -E "^decode|exit early" "$OUT/${TAG}_attention_decode.log" | cut -c1-200 | head -40
