@@ -46,14 +46,13 @@ check-hybrid: setup
 # at import). `make test` runs the fast files (the MoE route / sort / grouped GEMM, the norm, the SSD outputs, the
 # contract's exp, the Mamba-2 mixer's conv / gated norm / dt and its decode step's in-place outputs and end states,
 # the paged attention and KV writes at block ids past 32-bit element offsets, the split decode = in-program on a NaN
-# workspace, also with its empty partition programs' early exit; about five minutes on TEST_WORKERS workers in CI);
+# workspace; about four and a half minutes on TEST_WORKERS workers in CI);
 # `make test-interpret` runs every one (about seven minutes: the GEMM and attention paths too).
 INTERPRET_FAST := tests/test_triton_interpret_moe.py tests/test_triton_interpret_rms_norm.py tests/test_triton_interpret_ssd.py \
 	tests/test_triton_interpret_exp.py tests/test_triton_interpret_conv1d.py tests/test_triton_interpret_gated_norm.py \
 	tests/test_triton_interpret_mamba_dt.py tests/test_triton_interpret_ssd_step.py tests/test_triton_interpret_ssd_end_state.py \
 	tests/test_triton_interpret_tree.py tests/test_gpu_paged_attention.py::test_pages_past_32_bit_element_offsets \
-	tests/test_gpu_paged_attention.py::test_split_path_reads_only_written_workspace_slots \
-	tests/test_gpu_paged_attention.py::test_split_programs_past_the_longest_row_exit_without_a_bit
+	tests/test_gpu_paged_attention.py::test_split_path_reads_only_written_workspace_slots
 
 # The suite in TEST_WORKERS processes (pytest-xdist), a test file per process at a time (a file's engine fixtures are
 # built once); most of an engine test is single-threaded start-up, so two workers on two cores take about 20 % off

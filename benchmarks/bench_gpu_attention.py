@@ -122,7 +122,6 @@ SPLIT_VARIANTS = ([(f"merge stages {n}", "attention", {"MERGE_STAGES": n, "MERGE
                   + [(f"split tile {w} warps / {st} stages", "attention",
                       {"ATTN_TILES": {**tattn.ATTN_TILES, (16, True): (w, st)}}) for w, st in ((1, 2), (2, 3), (4, 2), (4, 3))]
                   + [("merge as a dependent launch (PDL)", "attention", {"SPLIT_PDL": True}),
-                     ("programs past the longest row exit early", "attention", {"SPLIT_EMPTY_EXIT": True}),
                      ("without the padding rows' zeroing", "paged_attention", {"ZERO_PADDING_ROWS": False})])
 
 

@@ -337,39 +337,6 @@ def test_split_path_reads_only_written_workspace_slots(monkeypatch):
     assert bool((out[1] == 0).all()) and bool((lse[1] == float("-inf")).all())
 
 
-def test_split_programs_past_the_longest_row_exit_without_a_bit(monkeypatch):
-    """The split launch's early exit (``attention.SPLIT_EMPTY_EXIT``: partition programs past the batch's longest row
-    return after one load of the rows' key lengths) on a NaN workspace: split == in-program on rows over 1-3
-    partitions, a chunked row and a ``max_seq_len`` bound far past the rows (most programs exit early; a bound at or
-    under the longest row leaves none to exit), pages of 16 and 64, a dense row with no key."""
-    monkeypatch.setattr(ta, "_workspace", _nan_workspace)
-    monkeypatch.setattr(ta, "SPLIT_EMPTY_EXIT", True)
-    for page in (16, 64):
-        batch = Batch([(40, 1), (30, 9), (1500, 1), (513, 1)], page, DTYPES[0], seed=19, pad_tokens=2)
-        assert bits_equal(batch.paged(split=True, max_seq_len=4096), batch.paged(split=False, max_seq_len=4096))
-    gen = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(2, n, h, D, generator=gen).to(device=DEV, dtype=DTYPES[0])
-               for n, h in ((3, HQ), (1100, HKV), (1100, HKV)))
-    pos = torch.tensor([[0, 1, 2], [597, 598, 599]], device=DEV)
-    lens = torch.tensor([0, 600], device=DEV)  # the first row has no key; the third of 1 100 keys' partitions none
-    out, lse = ta.attention_fwd(q, k, v, pos, lens, D ** -0.5, split=True)
-    ref, lref = ta.attention_fwd(q, k, v, pos, lens, D ** -0.5, split=False)
-    assert bits_equal(out, ref) and bits_equal(lse, lref)
-
-
-def test_early_exit_on_one_rows_length_is_caught(monkeypatch):
-    """A deliberately broken early exit (only the first row's key length read: longer rows lose partitions) must
-    fail the check above."""
-    monkeypatch.setattr(ta, "_workspace", _nan_workspace)
-    batch = Batch([(40, 1), (1500, 1)], 16, DTYPES[0], seed=19)
-    ref = batch.paged(split=False, max_seq_len=4096)
-    monkeypatch.setattr(ta, "_TEST_EMPTY_EXIT_ROWS", 1)
-    assert not bits_equal(batch.paged(split=True, max_seq_len=4096), ref), "an early exit on one row went unnoticed"
-    monkeypatch.setattr(ta, "_TEST_EMPTY_EXIT_ROWS", 0)
-    monkeypatch.setattr(ta, "SPLIT_EMPTY_EXIT", True)
-    assert bits_equal(batch.paged(split=True, max_seq_len=4096), ref)
-
-
 _NEW_KV_CASES = ([(p, s) for p in (16, 32, 64, 128) for s in (None, False, True)] if ON_GPU
                  else [(16, None), (32, True), (64, True)])
 

@@ -1,23 +1,20 @@
-# Call 1 (no vLLM): carry .gw/part1 (with .whl the carry passes 64 MiB). Stashes the bundle's part 1; then the split
-# path's early-exit tests (session 45: partition programs past the batch's longest row return after one load,
-# `MC_ATTN_EMPTY_EXIT`, on for these tests; bits against the in-program path on a NaN workspace, the broken variant
-# caught, CUDA-graph replay); then
-# eleven decode cases of bench_gpu_attention.py (B = 1-64 at 2k-32k; both paths timed, every split variant's time and
-# bits -- the early exit among them; issue #15: every decode case >= SDPA).
-# TAG=s45 bash benchmarks/device_calls/c1.sh   (repo root, on the GPU; $OUT from the device tool; TAG names the outputs)
+# Call 1 (no vLLM): carry .gw/part1 (with .whl the carry passes 64 MiB). Stashes the bundle's part 1; then the decode
+# cases of bench_gpu_attention.py twice: with the committed tiles and with the in-program decode tile at 4 warps /
+# 4 stages (`MC_ATTN_TILES=16:0:4:4`; session 45, H100: B = 64 0.98 -> 1.19-1.21x SDPA at 4k / 16k, B = 128 +7 %,
+# B = 32 +4 %, B = 56 / 80 -1-2 %; launch shape only, bits checked by the paged suite with it: 27 passed). Default
+# cases: B = 32-128 at 4k and 16k (the in-program path); FULL_TABLE=1: the thirteen default cases of the benchmark
+# (an H200's table: session 42's is an H100's), CASES=B:CTX,...: those.
+# TAG=s46 bash benchmarks/device_calls/c1.sh   (repo root, on the GPU; $OUT from the device tool; TAG names the outputs)
 TAG=${TAG:-next}
 mkdir -p /tmp/stash && cp -r .gw/part1 /tmp/stash/ && echo part1 stashed
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/${TAG}_gpu.txt" 2>&1; cat "$OUT/${TAG}_gpu.txt"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-date +%T
-MC_ATTN_EMPTY_EXIT=1 timeout 150 python -m pytest -q -p no:cacheprovider tests/test_gpu_paged_attention.py \
-  -k "past_the_longest or one_rows_length or only_written or cuda_graph" > "$OUT/${TAG}_early_exit_tests.log" 2>&1
-echo "early-exit tests rc $?"; tail -2 "$OUT/${TAG}_early_exit_tests.log"
-date +%T
-# ten of the thirteen default decode cases and B = 16 at 2k (where the early exit can matter: contexts well under the
-# 32k bound); FULL_TABLE=1: every default case; CASES=B:CTX,...: those
-CASES=${CASES:-1:4096,1:32768,4:4096,4:8192,4:32768,16:2048,16:4096,16:8192,16:32768,8:16384,64:4096}
-timeout 300 python benchmarks/bench_gpu_attention.py --decode-only --out "$OUT/${TAG}_attention_decode.json" \
-  $([ "${FULL_TABLE:-0}" = 1 ] || echo --decode-cases $CASES) > "$OUT/${TAG}_attention_decode.log" 2>&1
-echo "decode bench rc $?"; grep -E "^decode|exit early" "$OUT/${TAG}_attention_decode.log" | cut -c1-200 | head -40
+CASES=${CASES:-32:4096,48:4096,56:4096,64:4096,80:4096,128:4096,32:16384,64:16384,128:16384}
+for tiles in "" "16:0:4:4"; do
+  date +%T
+  name=${TAG}_attention_decode${tiles:+_tiles44}
+  MC_ATTN_TILES=$tiles timeout 270 python benchmarks/bench_gpu_attention.py --decode-only --out "$OUT/$name.json" \
+    $([ "${FULL_TABLE:-0}" = 1 ] || echo --decode-cases $CASES) > "$OUT/$name.log" 2>&1
+  echo "decode bench, tiles [${tiles:-committed}] rc $?"; grep -E "^decode" "$OUT/$name.log" | cut -c1-170
+done
 date +%T

@@ -79,9 +79,6 @@ ZERO_BLOCK_T = tl.constexpr(16)  # padding-token rows a zeroing program of a pag
 # Test-only: when True the partition size is derived from the call's longest key range (a batch
 # property), which breaks the contract on purpose; tests/test_gpu_paged_attention.py must catch it.
 _TEST_BATCH_DEPENDENT_PARTITION = False
-# Test-only: when set, the split launch's early exit (``SPLIT_EMPTY_EXIT``) reads only this many rows' key lengths
-# (e.g. 1: the first row's), so rows longer than those lose partitions on purpose; the tests must catch it.
-_TEST_EMPTY_EXIT_ROWS = 0
 
 
 def _part_blocks(max_kv: int) -> int:
@@ -387,7 +384,7 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
                  BLOCK_N: tl.constexpr, PART_BLOCKS: tl.constexpr, PAGE: tl.constexpr, PART_PAGES: tl.constexpr,
                  FP8: tl.constexpr, NEW_KV: tl.constexpr, MODE: tl.constexpr, STORE_LSE: tl.constexpr,
                  NUM_STAGES: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_DSPLIT: tl.constexpr,
-                 PDL: tl.constexpr = False, ZERO_ROWS: tl.constexpr = False, EMPTY_EXIT: tl.constexpr = 0):
+                 PDL: tl.constexpr = False, ZERO_ROWS: tl.constexpr = False):
     """MODE 0: in-program (walk and merge every partition).  MODE 1: split, one partition per program
     (grid axis 2), float32 partials to the workspace.  MODE 2: merge the first ``NPARTS`` partitions
     from the workspace in order, then compute and merge any further ones in-program (so a row longer
@@ -400,21 +397,13 @@ def _attn_kernel(Q, K, V, KN, VN, TAB, QSL, SEQ, QPOS, KLEN, O, LSE, WS_M, WS_L,
     MODE 2 waits for MODE 1's grid (``griddepcontrol.wait``: its writes visible) before anything it reads from the
     workspace; scheduling only, the same loads and arithmetic.  ``ZERO_ROWS`` (a paged call's last launch): the
     programs from ``ZFROM`` on along axis 0 write the padding tokens' rows 0 (:func:`_zero_padding_rows`; slice 0
-    of a sliced merge) in place of a launch of their own.  ``EMPTY_EXIT`` (MODE 1, > 0: a vector width covering
-    ``NSEQ``): a partition program first reads every row's key length in one load and returns when its partition
-    starts past the longest -- before the tile mapping's dependent loads (a grid sized by a ``max_seq_len`` bound is
-    mostly such programs at short contexts); a subset of the programs that return anyway, never a bit."""
+    of a sliced merge) in place of a launch of their own."""
     tl.static_assert(not (NEW_KV and FP8), "an FP8 cache is read from the cache only")
     tl.static_assert(not (ZERO_ROWS and MODE == 1), "the padding rows are written by the last launch")
     if PDL and MODE == 1:
         gdc_launch_dependents()
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
-    if MODE == 1 and EMPTY_EXIT > 0:
-        s = tl.arange(0, EMPTY_EXIT)
-        longest = tl.max(tl.load(SEQ + s, mask=s < NSEQ, other=0).to(tl.int32), 0)
-        if tl.program_id(2) * (PART_BLOCKS * BLOCK_N) >= longest:
-            return
     if ZERO_ROWS:
         if pid0 >= ZFROM:
             if tl.program_id(2) == 0:
@@ -587,13 +576,6 @@ if SPLIT_PER_SM < 0:
 # (``_attn_kernel``'s ``PDL``), hiding the second launch's latency -- at decode, where the split path runs, a few
 # microseconds of a 20-50 us call.  Scheduling only, never bits.
 SPLIT_PDL = env_switch("MC_ATTN_PDL", False)
-# The split launch's partition programs past the batch's longest row return after one load of every row's key length
-# (``_attn_kernel``'s ``EMPTY_EXIT``), for calls of up to EMPTY_EXIT_ROWS rows; ``MC_ATTN_EMPTY_EXIT=1`` (off by
-# default until a run on the GPU times it).  The engine sizes the split grid by ``max_model_len`` (fixed under CUDA
-# graphs), so at 2k-8k contexts 75-94 % of its programs hold no key and used to find that out through the tile
-# mapping's binary search.  Scheduling only, never bits.
-SPLIT_EMPTY_EXIT = env_switch("MC_ATTN_EMPTY_EXIT", False)
-EMPTY_EXIT_ROWS = 128
 
 
 def _use_split(split: bool | None, programs: int, nparts: int, dev: torch.device) -> bool:
@@ -661,8 +643,7 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
     last0 = grid0 + (triton.cdiv(tq, ZERO_BLOCK_T.value) if zero_padding else 0)  # the last launch's axis 0
     if use_split:
         pdl = SPLIT_PDL and on_hopper(q)
-        exit_rows = _TEST_EMPTY_EXIT_ROWS or (EMPTY_EXIT_ROWS if SPLIT_EMPTY_EXIT and nseq <= EMPTY_EXIT_ROWS else 0)
-        _attn_kernel[grid](*args, MODE=1, **dict(common, PDL=pdl, EMPTY_EXIT=exit_rows))
+        _attn_kernel[grid](*args, MODE=1, **dict(common, PDL=pdl))
         dsplit = _merge_slices(programs or grid0 * n1, block_d, q.device)
         merge = dict(common, MERGE_DSPLIT=dsplit, PDL=pdl, MERGE_STAGES=_merge_stages(bm, block_d),
                      ZERO_ROWS=zero_padding)
