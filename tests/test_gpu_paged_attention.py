@@ -309,6 +309,43 @@ def test_dependent_merge_launch_is_numerics_neutral(monkeypatch):
         assert all(bits_equal(a, b) for a, b in zip(ref, run()))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="Triton compiles binaries on the GPU only (the interpreter compiles none)")
+@pytest.mark.parametrize("prebuilt", [True, False])
+def test_decode_step_with_another_merge_slice_count_compiles_nothing(monkeypatch, prebuilt):
+    """A decode step whose batch picks another merge slice count than the step before compiles no new binary: the first
+    split launch of a configuration compiles the merge for every slice count (``attention._build_merge_binaries``),
+    as a rollout's warm-up pass then does.  With that switched off (the deliberately broken variant) the second step
+    compiles one -- so the test can fail.  Each case takes merge constexprs no other test launches (fp16 with 3 / 2
+    merge stages), so its binaries are new to the process."""
+    import triton
+
+    from megatron_consistent.kernels.triton import compile_log
+
+    monkeypatch.setattr(ta, "MERGE_STAGES", 3 if prebuilt else 2)
+    monkeypatch.setattr(ta, "MERGE_DSPLIT", 0)
+    monkeypatch.setattr(ta, "_merge_binaries_built", set())
+    if not prebuilt:
+        monkeypatch.setattr(ta, "_build_merge_binaries", lambda *args, **kwargs: None)
+    built = []
+
+    def hook(**kwargs):
+        named = compile_log.specialization_constexprs(**kwargs)
+        if named is not None and kwargs["fn"].name == "_attn_kernel" and named.get("MODE") == 2:
+            built.append(named["MERGE_DSPLIT"])
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
+    one = Batch([(1499, 1)], 32, torch.float16, seed=3)  # 2 merge programs: 4 slices of the 64-wide head
+    many = Batch([(600 + 13 * i, 1) for i in range(40)], 32, torch.float16, seed=4)  # 80 programs: 1 slice
+    one.paged(split=True)
+    first = sorted(built)
+    built.clear()
+    assert _check_against_dense(many, many.paged(split=True)) == []
+    if prebuilt:
+        assert first == [1, 2, 4] and built == [], (first, built)
+    else:
+        assert first == [4] and built == [1], (first, built)
+
+
 def _nan_workspace(rows, block_d, dev):
     """A stand-in for ``attention._workspace`` filled with NaN: a merge that reads a slot no partition program wrote
     shows in its output."""

@@ -730,6 +730,36 @@ def test_merge_slices_follow_the_merge_grid(monkeypatch):
     assert tattn._merge_slices(8, 128, cpu) == 2 and tattn._merge_slices(1024, 128, cpu) == 2
 
 
+def test_merge_binaries_cover_every_slice_count_once(monkeypatch):
+    """The split path compiles its merge for every slice count :func:`_merge_slices` can pick (for any number of merge
+    programs and head width), once per configuration, and on CUDA only: the first split launch compiles the others
+    beside the one it launches, a later launch of the same constexprs none, the interpreter's CPU tensors none."""
+    pytest.importorskip("triton")
+    from megatron_consistent.kernels.triton import attention as tattn
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(tattn, "MERGE_DSPLIT", 0)
+    for block_d in (16, 32, 64, 128, 256):
+        picked = {tattn._merge_slices(p, block_d, cpu) for p in range(1, 300)}
+        assert picked == set(tattn._merge_slice_counts(block_d)), block_d
+    warmed = []
+    monkeypatch.setattr(tattn, "_attn_kernel", type("K", (), {"warmup": lambda self, *a, grid, **kw: warmed.append(
+        (grid, kw["MERGE_DSPLIT"]))})())
+    monkeypatch.setattr(tattn, "_merge_binaries_built", set())
+    merge = {"MODE": 2, "MERGE_DSPLIT": 2, "MERGE_STAGES": 4, "PAGE": 16}
+    tattn._build_merge_binaries((), (9, 8, 2), merge, 128, cpu)
+    assert warmed == []
+    tattn._build_merge_binaries((), (9, 8, 2), merge, 128, cuda)
+    assert warmed == [((9, 8, 1), 1), ((9, 8, 4), 4), ((9, 8, 8), 8)]
+    tattn._build_merge_binaries((), (9, 8, 8), dict(merge, MERGE_DSPLIT=8), 128, cuda)
+    tattn._build_merge_binaries((), (9, 8, 1), dict(merge, MERGE_DSPLIT=1), 64, cuda)
+    assert len(warmed) == 3  # the same constexprs: built already
+    tattn._build_merge_binaries((), (9, 8, 1), dict(merge, MERGE_DSPLIT=1, PAGE=32), 64, cuda)
+    assert warmed[3:] == [((9, 8, 2), 2), ((9, 8, 4), 4)]  # another page size; 64 columns: at most 4 slices
+    monkeypatch.setattr(tattn, "MERGE_DSPLIT", 2)  # a forced count is the only one launched
+    assert tattn._merge_slice_counts(128) == (2,) and tattn._merge_slice_counts(16) == (1,)
+
+
 def test_attention_launches_fit_shared_memory_by_head_dim():
     """The tile and merge rules that keep every launch inside the H200's 227 KB of shared memory (offline compile,
     ``benchmarks/offline_compile_attention.py``): 128-row tiles only up to head dim 128; the merge loop's stages

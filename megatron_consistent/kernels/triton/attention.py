@@ -600,6 +600,31 @@ def _merge_slices(programs: int, block_d: int, dev: torch.device) -> int:
     return max(1, min(slices, block_d // 16))
 
 
+def _merge_slice_counts(block_d: int) -> tuple[int, ...]:
+    """Every slice count :func:`_merge_slices` can pick for a ``block_d``-wide head (the forced one alone)."""
+    counts = (MERGE_DSPLIT,) if MERGE_DSPLIT else (1, 2, 4, 8)
+    return tuple(sorted({max(1, min(c, block_d // 16)) for c in counts}))
+
+
+# the merge launches whose every slice count is compiled in this process, by their other constexprs and options
+_merge_binaries_built: set[tuple] = set()
+
+
+def _build_merge_binaries(args: tuple, grid: tuple, merge: dict, block_d: int, dev: torch.device) -> None:
+    """Compile, without launching, the merge launch's binary for every slice count the step could pick, the first time a
+    split launch of these constexprs runs in the process.  The count follows the step's programs (its batch), so a
+    rollout met a new one mid-pass and compiled it there (session 46, H100, shape b: the first timed pass 8.3 s
+    against 5.6, one ``MERGE_DSPLIT`` binary; the 4 / 4 tile's engine three).  Compiles only (Triton's ``warmup``):
+    no launch, never a bit; CUDA only (the interpreter compiles nothing)."""
+    key = (dev.index, tuple(sorted((k, v) for k, v in merge.items() if k != "MERGE_DSPLIT")))
+    if dev.type != "cuda" or key in _merge_binaries_built:
+        return
+    _merge_binaries_built.add(key)
+    for slices in _merge_slice_counts(block_d):
+        if slices != merge["MERGE_DSPLIT"]:
+            _attn_kernel.warmup(*args, grid=grid[:2] + (slices,), **dict(merge, MERGE_DSPLIT=slices))
+
+
 def _workspace(rows: int, block_d: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split path's float32 partials ``(m, l, acc)``, one slot per (query row, partition), uninitialised: a
     partition's slot is written before any program reads it (tests fill it with NaN to check that)."""
@@ -645,11 +670,12 @@ def _launch(*, q, k, v, tab, qsl, seq, qpos, klen, out, lse, scale, kv_scale, ns
         pdl = SPLIT_PDL and on_hopper(q)
         _attn_kernel[grid](*args, MODE=1, **dict(common, PDL=pdl))
         dsplit = _merge_slices(programs or grid0 * n1, block_d, q.device)
-        merge = dict(common, MERGE_DSPLIT=dsplit, PDL=pdl, MERGE_STAGES=_merge_stages(bm, block_d),
+        merge = dict(common, MODE=2, MERGE_DSPLIT=dsplit, PDL=pdl, MERGE_STAGES=_merge_stages(bm, block_d),
                      ZERO_ROWS=zero_padding)
         if pdl:  # the launch option only where it is on: every other launch exactly as before
             merge["launch_pdl"] = True
-        _attn_kernel[(last0, n1, dsplit)](*args, MODE=2, **merge)
+        _attn_kernel[(last0, n1, dsplit)](*args, **merge)
+        _build_merge_binaries(args, (last0, n1, dsplit), merge, block_d, q.device)
     else:
         _attn_kernel[(last0,) + grid[1:]](*args, MODE=0, **dict(common, ZERO_ROWS=zero_padding))
     return use_split

@@ -24,12 +24,17 @@ _PACKAGE = __name__.split(".")[0]
 
 def specialization_line(*, repr: str, fn, compile: dict, **_) -> str | None:  # noqa: A002  (Triton's keyword)
     """The log line of one new binary (``None`` for a kernel outside this package)."""
+    named = specialization_constexprs(fn=fn, compile=compile)
+    return None if named is None else f"{PREFIX} {fn.module}.{repr} constexprs {named}"
+
+
+def specialization_constexprs(*, fn, compile: dict, **_) -> dict | None:
+    """The constexpr values of one new binary by parameter name (``None`` for a kernel outside this package)."""
     module = getattr(fn, "module", "") or ""
     if not module.startswith(_PACKAGE + "."):
         return None
     params = getattr(getattr(fn, "jit_function", None), "params", None) or []
-    named = {_param_name(k, params): v for k, v in (compile.get("constants") or {}).items()}
-    return f"{PREFIX} {module}.{repr} constexprs {named}"
+    return {_param_name(k, params): v for k, v in (compile.get("constants") or {}).items()}
 
 
 def _param_name(key, params) -> str:
