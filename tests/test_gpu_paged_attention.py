@@ -334,16 +334,21 @@ def test_decode_step_with_another_merge_slice_count_compiles_nothing(monkeypatch
             built.append(named["MERGE_DSPLIT"])
 
     monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", hook)
-    one = Batch([(1499, 1)], 32, torch.float16, seed=3)  # 2 merge programs: 4 slices of the 64-wide head
+    # both block tables 36 pages wide: the same argument specialisation (Triton compiles a binary per divisibility
+    # class of an integer argument such as the table's stride -- not foreseen, and an engine's table width is fixed)
+    one = Batch([(1100, 1)], 32, torch.float16, seed=3)  # 2 merge programs: 4 slices of the 64-wide head
     many = Batch([(600 + 13 * i, 1) for i in range(40)], 32, torch.float16, seed=4)  # 80 programs: 1 slice
+    assert one.table.shape[1] == many.table.shape[1] == 36
     one.paged(split=True)
     first = sorted(built)
     built.clear()
-    assert _check_against_dense(many, many.paged(split=True)) == []
+    got = many.paged(split=True)
+    second = list(built)
+    assert bits_equal(got, many.paged(split=False))  # the in-program path (MODE 0): no merge binary
     if prebuilt:
-        assert first == [1, 2, 4] and built == [], (first, built)
+        assert first == [1, 2, 4] and second == [], (first, second)
     else:
-        assert first == [4] and built == [1], (first, built)
+        assert first == [4] and second == [1], (first, second)
 
 
 def _nan_workspace(rows, block_d, dev):

@@ -615,7 +615,9 @@ def _build_merge_binaries(args: tuple, grid: tuple, merge: dict, block_d: int, d
     split launch of these constexprs runs in the process.  The count follows the step's programs (its batch), so a
     rollout met a new one mid-pass and compiled it there (session 46, H100, shape b: the first timed pass 8.3 s
     against 5.6, one ``MERGE_DSPLIT`` binary; the 4 / 4 tile's engine three).  Compiles only (Triton's ``warmup``):
-    no launch, never a bit; CUDA only (the interpreter compiles nothing)."""
+    no launch, never a bit; CUDA only (the interpreter compiles nothing).  Keyed by constexprs and options, not by
+    Triton's argument specialisation (an integer argument's divisibility, a pointer's alignment): a launch with a new
+    one compiles its binary there, as before -- an engine's strides and block-table width do not change."""
     key = (dev.index, *(item for item in merge.items() if item[0] != "MERGE_DSPLIT"))  # ~1.5 us a launch
     if dev.type != "cuda" or key in _merge_binaries_built:
         return
