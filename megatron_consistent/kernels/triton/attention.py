@@ -503,8 +503,8 @@ _DEFAULT_SMS = 132
 # bits do not depend on it: tests/test_gpu_kernels.py and tests/test_gpu_paged_attention.py check tiles and paths
 # bitwise).  Measured by ``benchmarks/bench_gpu_attention.py --tiles`` on the H200 (docs/benchmarks.md): the
 # split decode path runs 2 warps / 2 stages (B = 1 at 32k: 0.074 -> 0.066 ms).  The in-program decode tile is also
-# 2 / 2: the configuration of the best rollout measured at shape (b) (session 8, 0.897 of stock), although the
-# kernel benchmark alone at B = 64 favours 4 / 4 (4k: 0.30 vs 0.40 ms); docs/gpu.md, session 9, says how to bisect.
+# 2 / 2, although the kernel benchmark alone at B = 64 favours 4 / 4 (H100, session 46: 4k 0.353 vs 0.434 ms): in the
+# rollout of shape (b) in one run, 4 / 4 gave 0.784 of stock against 2 / 2's 0.879 (session 46, docs/gpu.md).
 ATTN_TILES: dict[tuple[int, bool], tuple[int, int]] = {
     (16, False): (2, 2),
     (16, True): (2, 2),

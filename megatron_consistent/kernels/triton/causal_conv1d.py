@@ -43,7 +43,10 @@ def _tap(X, S, W, row, t, c, out, sx_row, sx_t, sx_c, C, j: tl.constexpr, K: tl.
     return w[None, :] * tl.where(in_x, xv, sv).to(tl.float32)
 
 
-@triton.jit
+# The token counts are not specialised: Triton compiles a binary per ``== 1`` / ``% 16`` class of an integer argument,
+# and a hybrid rollout compiled ``n_t_blocks == 1`` (a prefill piece of at most ``BT`` tokens) inside a timed pass
+# (session 46, H100).  Index arithmetic only (program ids, masks; the stores stay aligned through ``C``): never a bit.
+@triton.jit(do_not_specialize=["T", "n_t_blocks"])
 def _causal_conv1d_kernel(X, S, W, B, Y, T, C, n_t_blocks, sx_row, sx_t, sx_c, K: tl.constexpr,
                           HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     row = (tl.program_id(0) // n_t_blocks).to(tl.int64)
