@@ -43,9 +43,10 @@ def _tap(X, S, W, row, t, c, out, sx_row, sx_t, sx_c, C, j: tl.constexpr, K: tl.
     return w[None, :] * tl.where(in_x, xv, sv).to(tl.float32)
 
 
-# The token counts are not specialised: Triton compiles a binary per ``== 1`` / ``% 16`` class of an integer argument,
-# and a hybrid rollout compiled ``n_t_blocks == 1`` (a prefill piece of at most ``BT`` tokens) inside a timed pass
-# (session 46, H100).  Index arithmetic only (program ids, masks; the stores stay aligned through ``C``): never a bit.
+# The token counts are not specialised and the position block is 1 (decode) or 16 (any prefill): Triton compiles a
+# binary per ``== 1`` / ``% 16`` class of an integer argument and per constexpr value, and a hybrid rollout compiled
+# ``n_t_blocks == 1`` (a prefill piece of at most 16 tokens) inside a timed pass (session 46, H100).  Index arithmetic
+# and masks only (an output's taps, in order, are its own lane's): never a bit.
 @triton.jit(do_not_specialize=["T", "n_t_blocks"])
 def _causal_conv1d_kernel(X, S, W, B, Y, T, C, n_t_blocks, sx_row, sx_t, sx_c, K: tl.constexpr,
                           HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
@@ -84,7 +85,7 @@ def causal_conv1d_triton(x, weight, bias, state, activation):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if y.numel():
         x3 = x.reshape(-1, T, C)  # a view for column slices of a wider tensor (the engine's zxbcdt.split)
-        bt, bc = min(16, triton.next_power_of_2(T)), min(256, triton.next_power_of_2(C))
+        bt, bc = (1 if T == 1 else 16), min(256, triton.next_power_of_2(C))  # 2 binaries a model: decode, prefill
         n_t_blocks = triton.cdiv(T, bt)
         wf = weight.to(torch.float32).contiguous()
         _causal_conv1d_kernel[(x3.shape[0] * n_t_blocks, triton.cdiv(C, bc))](
