@@ -1,8 +1,8 @@
 # Call 1 (no vLLM): carry .gw/part1 (with .whl the carry passes 64 MiB). Stashes the bundle's part 1; then the GPU
 # suites of the kernels changed since their last full GPU run: the paged-attention suite in full (session 46 ran 18 of
 # its tests with the merge binaries built ahead, `attention._build_merge_binaries`) and the conv1d suite (session 46
-# gave `_causal_conv1d_kernel` `do_not_specialize` for its token counts after its last device call: a hybrid rollout
-# had compiled the `n_t_blocks == 1` binary mid-pass). FULL_TABLE=1 adds the thirteen default decode cases of bench_gpu_attention.py (an H200's
+# gave `_causal_conv1d_kernel` unspecialised token counts and a position block of 1 or 16 after its last device call:
+# a hybrid rollout had compiled the `n_t_blocks == 1` binary mid-pass). FULL_TABLE=1 adds the thirteen default decode cases of bench_gpu_attention.py (an H200's
 # table: sessions 42 / 46 ran H100s), CASES=B:CTX,... those cases.
 # TAG=s47 bash benchmarks/device_calls/c1.sh   (repo root, on the GPU; $OUT from the device tool; TAG names the outputs)
 TAG=${TAG:-next}
